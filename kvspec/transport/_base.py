@@ -1,0 +1,204 @@
+"""The Transport interface every backend implements, shaped after NIXL's agent API."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+import attrs
+
+from kvspec._errors import ConfigError
+from kvspec._models import FailureReason, TransferMode
+
+__all__ = [
+    "Capabilities",
+    "Descriptor",
+    "MemoryRegion",
+    "Notification",
+    "Transport",
+    "TransferHandle",
+    "TransferState",
+    "TransferStatus",
+]
+
+
+class TransferState(str, enum.Enum):
+    """Where one posted transfer stands, as :meth:`Transport.check` reports it."""
+
+    PENDING = "pending"
+    DONE = "done"
+    FAILED = "failed"
+
+
+@attrs.frozen(kw_only=True)
+class TransferStatus:
+    """The answer of :meth:`Transport.check`.
+
+    ``DONE`` means every byte of every descriptor is readable at its
+    destination (DONE-1). ``FAILED`` carries a typed reason (FAIL-1); the
+    destination bytes are then undefined.
+    """
+
+    state: TransferState
+    reason: FailureReason | None = None
+    detail: str = ""
+
+    def __attrs_post_init__(self) -> None:
+        if (self.state is TransferState.FAILED) != (self.reason is not None):
+            raise ConfigError(f"TransferStatus.reason: expected a reason exactly when FAILED, got {self.reason!r}")
+
+
+PENDING = TransferStatus(state=TransferState.PENDING)
+DONE = TransferStatus(state=TransferState.DONE)
+
+
+@attrs.frozen(kw_only=True)
+class Capabilities:
+    """What a backend declares it can do; the conformance suite skips what is absent.
+
+    - ``modes``: READ (initiator pulls from the peer) and/or WRITE (initiator pushes).
+    - ``notifications``: ``send_notification`` / ``post(..., notification=)`` work.
+    - ``cross_process``: the two agents live in different processes; memory is
+      then registered as shared-memory regions (``MemoryRegion.shm_name``).
+    - ``integrity``: the backend verifies the bytes it moved and reports
+      ``FailureReason.INTEGRITY`` when they differ.
+    - ``observable_in_flight``: a posted transfer can be seen ``PENDING``.
+    """
+
+    modes: frozenset[TransferMode] = frozenset({TransferMode.READ, TransferMode.WRITE})
+    notifications: bool = True
+    cross_process: bool = False
+    integrity: bool = False
+    observable_in_flight: bool = False
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class MemoryRegion:
+    """A buffer the suite or engine owns and registers with a transport.
+
+    One region per :class:`kvspec.KVCacheTensor`, in the config's tensor order.
+    ``shm_name`` names the ``multiprocessing.shared_memory`` block that backs
+    ``buffer`` so an agent in another process can attach the same bytes.
+    """
+
+    buffer: memoryview
+    shm_name: str | None = None
+
+    @property
+    def nbytes(self) -> int:
+        """Size of the region in bytes."""
+        return self.buffer.nbytes
+
+
+@attrs.frozen(kw_only=True)
+class Descriptor:
+    """One contiguous copy between the initiator's region and the peer's region.
+
+    ``local_*`` is on the agent that posts; ``remote_*`` on the peer. For READ
+    bytes go remote -> local, for WRITE local -> remote. Region indexes are
+    registration order on each side.
+    """
+
+    local_region: int
+    local_offset: int
+    remote_region: int
+    remote_offset: int
+    nbytes: int
+
+
+@attrs.frozen(kw_only=True)
+class Notification:
+    """A small message from a peer agent, delivered after the data it follows (DONE-1)."""
+
+    peer: str
+    message: bytes
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class TransferHandle:
+    """Opaque token for one posted transfer; backends subclass or wrap it."""
+
+    transfer_id: int
+    peer: str
+    mode: TransferMode
+
+
+@runtime_checkable
+class Transport(Protocol):
+    """One agent of a backend: registers memory, talks to peers, moves bytes.
+
+    Theory of operation (mirrors ``nixl_agent``):
+
+    1. ``register_memory`` the pool regions, then publish
+       ``get_agent_metadata()`` to the peer out of band (the handshake).
+    2. ``add_remote_agent(peer_metadata)`` returns the peer's name.
+    3. ``post`` a READ or WRITE descriptor list; it validates every descriptor
+       against both sides' registered regions and raises
+       :class:`kvspec.PlanError` before anything moves when one falls outside,
+       or :class:`kvspec.TransportError` when the peer is unknown or gone.
+    4. Poll ``check(handle)`` until ``DONE`` or ``FAILED``; never assume
+       progress without polling. A passive agent polls
+       ``get_notifications()`` so its backend can progress.
+    5. ``release`` the handle; ``close`` the agent.
+
+    A notification attached to ``post`` is delivered to the peer only after
+    every byte of that transfer is readable there (DONE-1).
+    """
+
+    @property
+    def name(self) -> str:
+        """This agent's name, unique among its peers."""
+        ...
+
+    @property
+    def capabilities(self) -> Capabilities:
+        """What this backend can do."""
+        ...
+
+    def register_memory(self, regions: Sequence[MemoryRegion]) -> None:
+        """Register the buffers descriptors refer to, by index."""
+        ...
+
+    def get_agent_metadata(self) -> bytes:
+        """Opaque bytes that let a peer reach this agent and its regions."""
+        ...
+
+    def add_remote_agent(self, metadata: bytes) -> str:
+        """Load a peer's metadata; return its name. Idempotent for the same bytes."""
+        ...
+
+    def remove_remote_agent(self, peer: str) -> None:
+        """Forget a peer (for instance before it is added again after a restart)."""
+        ...
+
+    def post(
+        self,
+        mode: TransferMode,
+        descriptors: Sequence[Descriptor],
+        *,
+        peer: str,
+        notification: bytes | None = None,
+    ) -> TransferHandle:
+        """Start moving bytes; returns at once or after the copy, never partially posted."""
+        ...
+
+    def check(self, handle: TransferHandle) -> TransferStatus:
+        """Report the transfer's state, progressing it if the backend needs polling."""
+        ...
+
+    def release(self, handle: TransferHandle) -> None:
+        """Drop a finished handle. Releasing a PENDING transfer cancels it as far as the backend can."""
+        ...
+
+    def send_notification(self, peer: str, message: bytes) -> None:
+        """Send a message without data (e.g. the consumer's release in READ mode)."""
+        ...
+
+    def get_notifications(self) -> Sequence[Notification]:
+        """Drain the notifications received so far, in arrival order."""
+        ...
+
+    def close(self) -> None:
+        """Release every resource; later calls raise :class:`kvspec.TransportError`."""
+        ...
