@@ -1,6 +1,7 @@
 """Transports: the interface, and the backends that implement it."""
 
 from kvspec.transport._base import (
+    Backend,
     Capabilities,
     Descriptor,
     MemoryRegion,
@@ -10,8 +11,11 @@ from kvspec.transport._base import (
     TransferStatus,
     Transport,
 )
+from kvspec.transport._registry import BUILTIN_BACKENDS, load_backend
 
 __all__ = [
+    "BUILTIN_BACKENDS",
+    "Backend",
     "Capabilities",
     "Descriptor",
     "MemoryRegion",
@@ -20,4 +24,5 @@ __all__ = [
     "TransferState",
     "TransferStatus",
     "Transport",
+    "load_backend",
 ]

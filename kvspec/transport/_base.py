@@ -202,3 +202,32 @@ class Transport(Protocol):
     def close(self) -> None:
         """Release every resource; later calls raise :class:`kvspec.TransportError`."""
         ...
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """A factory of agents of one transport kind; what ``kvspec conform BACKEND`` loads.
+
+    The conformance suite and the exchange driver create one agent per engine
+    role (``create_agent("producer")``, ``create_agent("consumer")``); a
+    cross-process backend starts each agent in its own process and returns a
+    proxy. ``close`` ends every agent it created.
+    """
+
+    @property
+    def name(self) -> str:
+        """Short backend name, e.g. ``"loopback"``."""
+        ...
+
+    @property
+    def capabilities(self) -> Capabilities:
+        """What agents of this backend can do."""
+        ...
+
+    def create_agent(self, name: str) -> Transport:
+        """Start one agent named ``name``."""
+        ...
+
+    def close(self) -> None:
+        """Stop every agent this backend started."""
+        ...

@@ -1,0 +1,58 @@
+"""Find a backend by built-in name, entry point, or ``module:factory`` path."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from importlib.metadata import entry_points
+
+from kvspec._errors import ConfigError
+from kvspec.transport._base import Backend
+
+__all__ = ["BUILTIN_BACKENDS", "ENTRY_POINT_GROUP", "load_backend"]
+
+ENTRY_POINT_GROUP = "kvspec.backends"
+
+# name -> "module:factory"; a factory takes keyword options and returns a Backend.
+BUILTIN_BACKENDS: dict[str, str] = {
+    "loopback": "kvspec.transport.loopback:LoopbackBackend",
+    "torch": "kvspec.transport.torch_dist:TorchDistributedBackend",
+    "nixl": "kvspec.transport.nixl:NixlBackend",
+}
+
+
+def _resolve(path: str) -> Callable[..., Backend]:
+    module_name, _, attr = path.partition(":")
+    if not module_name or not attr:
+        raise ConfigError(f"backend: expected a built-in name or 'module:factory', got {path!r}")
+    module = importlib.import_module(module_name)
+    try:
+        factory: Callable[..., Backend] = getattr(module, attr)
+    except AttributeError:
+        raise ConfigError(f"backend: module {module_name!r} has no attribute {attr!r}") from None
+    return factory
+
+
+def load_backend(spec: str = "loopback", **options: object) -> Backend:
+    """Build a backend from ``"loopback"``, ``"torch"``, ``"nixl"``, an entry-point
+    name in the ``kvspec.backends`` group, or ``"package.module:factory"``.
+
+    Raises :class:`kvspec.BackendUnavailableError` (an ``ImportError``) when the
+    backend's optional dependency is missing, with the install command.
+    """
+    if spec in BUILTIN_BACKENDS:
+        factory = _resolve(BUILTIN_BACKENDS[spec])
+    elif ":" in spec:
+        factory = _resolve(spec)
+    else:
+        found = [ep for ep in entry_points(group=ENTRY_POINT_GROUP) if ep.name == spec]
+        if not found:
+            known = sorted(BUILTIN_BACKENDS) + sorted(ep.name for ep in entry_points(group=ENTRY_POINT_GROUP))
+            raise ConfigError(f"backend: expected one of {known} or 'module:factory', got {spec!r}")
+        factory = found[0].load()
+    backend = factory(**options)
+    if not isinstance(backend, Backend):
+        raise ConfigError(f"backend: factory for {spec!r} returned {type(backend).__name__}, not a Backend")
+    return backend
+
+
