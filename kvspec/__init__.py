@@ -38,6 +38,7 @@ from kvspec._models import (
     SpecKind,
     TransferMode,
 )
+from kvspec._presets import ModelPreset, get_preset, list_presets
 
 __version__ = "0.1.0"
 
@@ -65,6 +66,7 @@ __all__ = [
     "MLAAttentionSpec",
     "MalformedMessageError",
     "MambaSpec",
+    "ModelPreset",
     "PlanError",
     "ProtocolError",
     "RemoteProtocolError",
@@ -77,4 +79,6 @@ __all__ = [
     "UnsupportedVersionError",
     "WindowCoverageError",
     "__version__",
+    "get_preset",
+    "list_presets",
 ]
