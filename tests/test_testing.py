@@ -1,0 +1,169 @@
+"""Tests of kvspec.testing: pools, keyed pages, and that the oracle catches every kind of wrong page."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from multiprocessing import shared_memory
+
+import pytest
+
+from kvspec import BlockIds, FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor, SlidingWindowSpec
+from kvspec.testing import (
+    ExpectedLoad,
+    MismatchKind,
+    PagePool,
+    allocate_pool,
+    check_pools,
+    expected_copies,
+    expected_page,
+    fill_background,
+    fill_producer_pages,
+    logical_positions,
+)
+
+PAGE_FA = 4 * 1 * (2 + 2) * 1  # block 4, 1 head, K and V head 2, int8
+NUM_BLOCKS = 12
+
+
+def make_config(num_blocks: int = NUM_BLOCKS) -> KVCacheConfig:
+    """Full attention (B=4) and sliding window (W=6, B=4); layers of both groups share tensor 0."""
+    fa = FullAttentionSpec(block_size=4, num_kv_heads=1, head_size=2, dtype="int8")
+    sw = SlidingWindowSpec(block_size=4, num_kv_heads=1, head_size=2, dtype="int8", sliding_window=6)
+    stride = 2 * PAGE_FA
+    return KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[
+            KVCacheTensor(size=stride * num_blocks, layers=["fa0", "sw0"], layer_stride=PAGE_FA, block_stride=stride),
+            KVCacheTensor(size=PAGE_FA * num_blocks + 8, layers=["fa1"], layer_stride=0, block_stride=PAGE_FA),
+        ],
+        kv_cache_groups=[
+            KVCacheGroupSpec(layer_names=["fa0", "fa1"], kv_cache_spec=fa),
+            KVCacheGroupSpec(layer_names=["sw0"], kv_cache_spec=sw),
+        ],
+    )
+
+
+@pytest.fixture
+def pools() -> Iterator[tuple[PagePool, PagePool]]:
+    config = make_config()
+    with allocate_pool(config) as producer, allocate_pool(config, shared=False) as consumer:
+        fill_background(producer, seed="p")
+        fill_background(consumer, seed="c")
+        yield producer, consumer
+
+
+# T = 10 tokens: full attention needs blocks 0..2, the window [4, 9] needs blocks 1..2.
+P_IDS = BlockIds([[1, 2, 3], [4, 5]])
+C_IDS = BlockIds([[7, 8], [9, 10]])  # prefix hit of 4 tokens on C
+LOAD = ExpectedLoad(producer_block_ids=P_IDS, consumer_block_ids=C_IDS, num_tokens=10, salt="r1")
+
+
+def copy_pages(producer: PagePool, consumer: PagePool, pairs: list[tuple[int, int, int]]) -> None:
+    for group, p_block, c_block in pairs:
+        for layer in producer.config.kv_cache_groups[group].layer_names:
+            consumer.page(layer, c_block)[:] = producer.page(layer, p_block)
+
+
+GOOD = [(0, 2, 7), (0, 3, 8), (1, 4, 9), (1, 5, 10)]
+
+
+def run(producer: PagePool, consumer: PagePool, pairs: list[tuple[int, int, int]], load: ExpectedLoad = LOAD) -> list:
+    fill_producer_pages(producer, load.producer_block_ids, num_tokens=load.num_tokens, salt=load.salt)
+    p0, c0 = producer.snapshot(), consumer.snapshot()
+    copy_pages(producer, consumer, pairs)
+    return check_pools(producer=producer, consumer=consumer, producer_before=p0, consumer_before=c0, loads=[load])
+
+
+def test_shared_pool_is_attachable_and_unlinked() -> None:
+    pool = allocate_pool(make_config())
+    name = pool.shm_names[0]
+    assert name is not None
+    other = shared_memory.SharedMemory(name=name)
+    assert other.buf is not None
+    pool.regions[0].buffer[:3] = b"abc"
+    assert bytes(other.buf[:3]) == b"abc"
+    other.close()
+    pool.close()
+    pool.close()  # idempotent
+    with pytest.raises(FileNotFoundError):
+        shared_memory.SharedMemory(name=name)
+
+
+def test_positions_are_tail_aligned() -> None:
+    config = make_config()
+    assert logical_positions(config, P_IDS, num_tokens=10) == [[0, 1, 2], [1, 2]]
+    assert logical_positions(config, C_IDS, num_tokens=10) == [[1, 2], [1, 2]]
+    assert logical_positions(config, BlockIds([]), num_tokens=10) == []
+
+
+def test_expected_copies_tail_align_and_drop_nulls() -> None:
+    config = make_config()
+    load = ExpectedLoad(producer_block_ids=[[1, 2, 3], [0, 5]], consumer_block_ids=[[7, 8], [9, 10]], num_tokens=10)
+    pairs = [(c.group, c.position, c.producer_block, c.consumer_block) for c in expected_copies(config, load)]
+    assert pairs == [(0, 1, 2, 7), (0, 2, 3, 8), (1, 2, 5, 10)]
+    full_hit = ExpectedLoad(producer_block_ids=P_IDS, consumer_block_ids=[], num_tokens=10)
+    assert expected_copies(config, full_hit) == []
+
+
+def test_keys_differ_by_every_part() -> None:
+    config = make_config()
+    base = expected_page(config, group=0, layer_index=0, position=1, salt=0)
+    assert len(base) == PAGE_FA
+    for other in [
+        expected_page(config, group=1, layer_index=0, position=1, salt=0),
+        expected_page(config, group=0, layer_index=1, position=1, salt=0),
+        expected_page(config, group=0, layer_index=0, position=2, salt=0),
+        expected_page(config, group=0, layer_index=0, position=1, salt=1),
+    ]:
+        assert other != base
+
+
+def test_correct_transfer_passes(pools: tuple[PagePool, PagePool]) -> None:
+    assert run(*pools, GOOD) == []
+
+
+def test_front_trim_is_caught(pools: tuple[PagePool, PagePool]) -> None:
+    # Front trim pairs C's blocks with P's first blocks (the B5 bug).
+    found = run(*pools, [(0, 1, 7), (0, 2, 8), (1, 4, 9), (1, 5, 10)])
+    assert {m.kind for m in found} == {MismatchKind.WRONG_CONTENT}
+    assert {(m.group, m.block) for m in found} == {(0, 7), (0, 8)}
+    assert "position 0" in found[0].what
+
+
+def test_missing_page_is_caught(pools: tuple[PagePool, PagePool]) -> None:
+    found = run(*pools, GOOD[:-1])
+    assert [(m.kind, m.group, m.layer, m.block) for m in found] == [(MismatchKind.NOT_WRITTEN, 1, "sw0", 10)]
+
+
+def test_wrong_group_and_stray_writes_are_caught(pools: tuple[PagePool, PagePool]) -> None:
+    producer, consumer = pools
+    found = run(producer, consumer, GOOD)
+    assert found == []
+    c0 = consumer.snapshot()
+    p0 = producer.snapshot()
+    consumer.page("sw0", 7)[:] = producer.page("sw0", 5)  # sw page into a block that only group 0 uses
+    consumer.page("fa0", 0)[:1] = b"x"  # the null block
+    consumer.regions[1].buffer[-1:] = b"y"  # padding after the last page
+    found = check_pools(producer=producer, consumer=consumer, producer_before=p0, consumer_before=c0, loads=[])
+    kinds = {(m.kind, m.block) for m in found}
+    assert (MismatchKind.STRAY_WRITE, 7) in kinds
+    assert (MismatchKind.STRAY_WRITE, 0) in kinds
+    assert any(m.kind is MismatchKind.OUTSIDE_PAGES for m in found)
+
+
+def test_failed_request_pages_are_undefined_but_producer_is_checked(pools: tuple[PagePool, PagePool]) -> None:
+    producer, consumer = pools
+    failed = ExpectedLoad(producer_block_ids=P_IDS, consumer_block_ids=C_IDS, num_tokens=10, salt="r1", loaded=False)
+    assert run(producer, consumer, GOOD[:1], failed) == []
+    p0, c0 = producer.snapshot(), consumer.snapshot()
+    producer.page("fa1", 3)[:1] = b"z"
+    found = check_pools(producer=producer, consumer=consumer, producer_before=p0, consumer_before=c0, loads=[failed])
+    assert [(m.side, m.kind, m.block) for m in found] == [("producer", MismatchKind.PRODUCER_MODIFIED, 3)]
+
+
+def test_other_request_salt_is_caught(pools: tuple[PagePool, PagePool]) -> None:
+    producer, consumer = pools
+    fill_producer_pages(producer, BlockIds([[6], [11]]), num_tokens=10, salt="r2")
+    found = run(producer, consumer, [(0, 6, 7), *GOOD[1:]])
+    assert {(m.kind, m.block) for m in found} == {(MismatchKind.WRONG_CONTENT, 7)}
+    assert "salt 'r2'" in found[0].what or "producer's block 6" in found[0].what
