@@ -1,0 +1,152 @@
+"""The numbered rules of the specification, in one place: id, title, level and summary."""
+
+from __future__ import annotations
+
+import enum
+
+import attrs
+
+__all__ = ["RULES", "Level", "Rule", "get_rule"]
+
+
+class Level(str, enum.Enum):
+    """How binding a rule or a conformance case is (RFC 2119 words)."""
+
+    MUST = "MUST"
+    SHOULD = "SHOULD"
+
+
+@attrs.frozen(kw_only=True)
+class Rule:
+    """One rule of DESIGN.md section 3; docs and conformance cases cite it by ``id``."""
+
+    id: str
+    title: str
+    level: Level
+    summary: str
+
+
+RULES: tuple[Rule, ...] = (
+    Rule(
+        id="HMA-1",
+        title="When the hybrid manager is required",
+        level=Level.MUST,
+        summary="HMA is required iff the flag is off and some group is not full attention (MLA counts as full).",
+    ),
+    Rule(
+        id="ADM-1",
+        title="Fail closed on group kinds",
+        level=Level.MUST,
+        summary="Under HMA only full attention (incl. MLA) and sliding window (incl. SW-MLA) groups are admitted; "
+        "anything else raises UnsupportedHybridError naming the group, its layers, kind and remedy.",
+    ),
+    Rule(
+        id="ADM-2",
+        title="READ and WRITE under HMA",
+        level=Level.MUST,
+        summary="Both modes are specified under HMA; a READ-only connector gets the same fail-closed check by keyword.",
+    ),
+    Rule(
+        id="SW-1",
+        title="Blocks a sliding window needs",
+        level=Level.MUST,
+        summary="blocks_per_sw[g] = cdiv(W_g, B_g) + 1 for sliding-window groups, 0 otherwise.",
+    ),
+    Rule(
+        id="CLIP-1",
+        title="Clipping at every exchange point",
+        level=Level.MUST,
+        summary="Each group with budget n > 0 keeps its last n ids; other groups unchanged; zero groups stay zero; "
+        "a group-count mismatch is an error. P clips before advertising, C its uncached suffix.",
+    ),
+    Rule(
+        id="ALIGN-1",
+        title="Tail alignment of block pairs",
+        level=Level.MUST,
+        summary="Per group len(C) <= len(P) or BlockAlignmentError; C's i-th id pairs with P's id at "
+        "len(P) - len(C) + i; never front-trim.",
+    ),
+    Rule(
+        id="NULL-1",
+        title="The null block never moves",
+        level=Level.MUST,
+        summary="Block id 0 never appears in a descriptor; a pair with a null side is dropped unless needed (WIN-1).",
+    ),
+    Rule(
+        id="WIN-1",
+        title="Window coverage",
+        level=Level.MUST,
+        summary="Every block covering a needed position (full attention [H, T-1], sliding window "
+        "[max(H, T-W+1), T-1]) is real on both sides, or WindowCoverageError before any byte moves.",
+    ),
+    Rule(
+        id="TOK-1",
+        title="Token counts travel explicitly",
+        level=Level.MUST,
+        summary="Token counts are carried in the transfer parameters, never inferred from a clipped group.",
+    ),
+    Rule(
+        id="HS-1",
+        title="Handshake compatibility",
+        level=Level.MUST,
+        summary="Peers agree on major version, mode, HMA flag, group count and every per-group field, or "
+        "IncompatiblePeerError lists each difference, at handshake, never mid-transfer.",
+    ),
+    Rule(
+        id="VER-1",
+        title="Protocol versioning",
+        level=Level.MUST,
+        summary="Another major is refused; unknown minor fields ignored; missing or mistyped fields raise "
+        "MalformedMessageError; arbitrary bytes raise only kvspec errors.",
+    ),
+    Rule(
+        id="SM-1",
+        title="Producer request states",
+        level=Level.MUST,
+        summary="HELD -> RELEASED | EXPIRED | ABORTED; blocks freed only in a terminal state, never while a "
+        "transfer touching them is in flight; late or duplicate signals are ignored.",
+    ),
+    Rule(
+        id="SM-2",
+        title="Consumer request states",
+        level=Level.MUST,
+        summary="ALLOCATED -> LOADING -> LOADED | FAILED; an abort while LOADING drains the transfer before its "
+        "blocks may be reused.",
+    ),
+    Rule(
+        id="DONE-1",
+        title="Completion means visible",
+        level=Level.MUST,
+        summary="LOADED means every paired byte is readable on C; a backend never reports completion earlier.",
+    ),
+    Rule(
+        id="FAIL-1",
+        title="Failures are typed and bounded",
+        level=Level.MUST,
+        summary="A failed or partial transfer ends FAILED with the possibly invalid consumer block ids and a typed "
+        "reason, never LOADED; every phase has a deadline.",
+    ),
+    Rule(
+        id="REL-1",
+        title="Exactly one release",
+        level=Level.MUST,
+        summary="Every consumer request sends exactly one release to the producer; repeats are no-ops.",
+    ),
+    Rule(
+        id="PLAN-1",
+        title="Byte layout and the plan",
+        level=Level.MUST,
+        summary="Page of layer l for block b starts at offset + l*layer_stride + b*block_stride; the plan moves "
+        "exactly the bytes of the pairs, merging contiguous runs.",
+    ),
+)
+
+_BY_ID = {rule.id: rule for rule in RULES}
+
+
+def get_rule(rule_id: str) -> Rule:
+    """The rule with this id; raises ``KeyError`` naming the known ids."""
+    try:
+        return _BY_ID[rule_id]
+    except KeyError:
+        raise KeyError(f"unknown rule {rule_id!r}; known: {', '.join(_BY_ID)}") from None
