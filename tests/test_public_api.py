@@ -1,0 +1,82 @@
+"""Keep the public API honest: every exported name exists and every module says its one job."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import importlib.metadata
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+# Source folder -> import name (the suite lives in conformance/ but imports as kvspec_conformance).
+PACKAGES = {"kvspec": "kvspec", "conformance": "kvspec_conformance"}
+
+
+def _module_files() -> list[tuple[str, Path]]:
+    found = []
+    for folder, import_name in PACKAGES.items():
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            parts = list(path.relative_to(ROOT / folder).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            found.append((".".join([import_name, *parts]), path))
+    return found
+
+
+MODULES = _module_files()
+PUBLIC_MODULES = [name for name, _ in MODULES if not any(part.startswith("_") for part in name.split("."))]
+
+
+@pytest.mark.parametrize(("name", "path"), MODULES, ids=[name for name, _ in MODULES])
+def test_module_opens_with_a_one_line_summary(name: str, path: Path) -> None:
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    docstring = ast.get_docstring(tree, clean=False)
+    assert docstring, f"{name} ({path}) has no module docstring"
+    assert docstring == docstring.lstrip(), f"{name}: the summary must start on the docstring's first line"
+    lines = docstring.strip().splitlines()
+    summary = lines[0]
+    assert summary.endswith("."), f"{name}: the summary line should be a sentence ending in '.': {summary!r}"
+    # PEP 257: a longer docstring separates the summary from the rest by a blank line.
+    assert len(lines) == 1 or not lines[1].strip(), f"{name}: the summary must be one line, then a blank line"
+
+
+@pytest.mark.parametrize(("name", "path"), MODULES, ids=[name for name, _ in MODULES])
+def test_module_declares_all(name: str, path: Path) -> None:
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    targets = [
+        target.id
+        for node in tree.body
+        if isinstance(node, (ast.Assign, ast.AnnAssign))
+        for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
+        if isinstance(target, ast.Name)
+    ]
+    assert "__all__" in targets, f"{name} ({path}) does not declare __all__"
+
+
+@pytest.mark.parametrize("name", PUBLIC_MODULES)
+def test_every_exported_name_exists(name: str) -> None:
+    module = importlib.import_module(name)
+    exported = list(module.__all__)
+    assert len(exported) == len(set(exported)), f"{name}.__all__ lists a name twice"
+    missing = [attr for attr in exported if not hasattr(module, attr)]
+    assert not missing, f"{name}.__all__ names what {name} does not define: {missing}"
+
+
+@pytest.mark.parametrize("name", ["kvspec", "kvspec.transport", "kvspec_conformance"])
+def test_package_exports_are_public_and_documented(name: str) -> None:
+    module = importlib.import_module(name)
+    for attr in module.__all__:
+        if attr.startswith("__"):
+            continue
+        assert not attr.startswith("_"), f"{name}.__all__ exports private name {attr!r}"
+        value = getattr(module, attr)
+        if callable(value):
+            assert (value.__doc__ or "").strip(), f"{name}.{attr} has no docstring"
+
+
+def test_version_is_the_package_version() -> None:
+    import kvspec
+
+    assert kvspec.__version__ == importlib.metadata.version("kvspec")
