@@ -1,0 +1,459 @@
+"""The process behind one NIXL agent: owns a ``nixl_agent`` and serves its proxy over a pipe.
+
+Theory of operation (research/backends.md section 3):
+
+* The parent (:mod:`kvspec.transport.nixl`) starts ``python -m
+  kvspec.transport._nixl_worker FD NAME`` with ``UCX_NET_DEVICES=lo`` (and
+  ``UCX_TLS=tcp`` in tcp mode) and talks to it over one end of a socket pair,
+  ``FD``, with pickled ``(op, *args)`` requests and ``("ok", value)`` /
+  ``("err", kind, reason, message)`` replies.
+* The agent runs with its progress thread off (the library default spins a
+  whole core); while no request is waiting, the loop calls
+  ``get_new_notifs()`` every ``poll_interval`` seconds, because an agent that
+  never calls into NIXL stalls its peer's first transfer (the wire-up never
+  completes) and never collects notifications.
+* Memory is the parent's ``multiprocessing.shared_memory`` blocks, attached by
+  name with ``mmap`` (not ``SharedMemory``, whose resource tracker would unlink
+  the parent's blocks when this process is killed) and registered as DRAM.
+* Metadata is NIXL's own blob wrapped with this agent's name and region table,
+  so the initiator can check every descriptor before NIXL sees it; it travels
+  through the parents, never through NIXL's listener (which binds 0.0.0.0).
+* Every request is checked, then adjacent descriptors are merged, then one
+  ``initialize_xfer`` + ``transfer`` is issued; with CMA the copy happens
+  inside ``transfer``.
+
+This module imports nothing from kvspec beyond the package itself; a worker
+starts in about the time NIXL's UCX backend takes to initialise (~0.4 s).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import json
+import mmap
+import os
+import struct
+import sys
+import time
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from typing import Any
+
+__all__ = ["METADATA_MAGIC", "NIXL_MODULES", "Worker", "main", "pack_metadata", "unpack_metadata"]
+
+# Import names of the NIXL Python API, in order of preference (nixl-cu12 wheel first).
+NIXL_MODULES = ("nixl_cu12", "nixl_cu13", "nixl")
+
+METADATA_MAGIC = b"KVSPEC-NIXL\x01"
+
+# Reply kinds the proxy maps onto kvspec errors.
+PLAN = "plan"
+TRANSPORT = "transport"
+CONFIG = "config"
+UNAVAILABLE = "unavailable"
+
+
+class RequestError(Exception):
+    """A request the worker refuses; becomes a ``("err", kind, reason, message)`` reply."""
+
+    def __init__(self, kind: str, message: str, reason: str = "transfer_error") -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.reason = reason
+
+
+def pack_metadata(name: str, regions: list[tuple[int, int]], nixl_metadata: bytes) -> bytes:
+    """Wrap NIXL's metadata with the agent's name and ``(address, nbytes)`` per region."""
+    header = json.dumps({"name": name, "regions": regions, "pid": os.getpid()}).encode()
+    return METADATA_MAGIC + struct.pack("<I", len(header)) + header + nixl_metadata
+
+
+def unpack_metadata(blob: bytes) -> tuple[str, list[tuple[int, int]], bytes]:
+    """Inverse of :func:`pack_metadata`; raises ``RequestError`` on foreign bytes."""
+    start = len(METADATA_MAGIC)
+    if not blob.startswith(METADATA_MAGIC) or len(blob) < start + 4:
+        raise RequestError(TRANSPORT, "peer metadata is not from a kvspec NIXL agent", "protocol")
+    (size,) = struct.unpack_from("<I", blob, start)
+    try:
+        header = json.loads(blob[start + 4 : start + 4 + size])
+        name = str(header["name"])
+        regions = [(int(a), int(n)) for a, n in header["regions"]]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise RequestError(TRANSPORT, f"unreadable peer metadata ({exc!r})", "protocol") from None
+    return name, regions, bytes(blob[start + 4 + size :])
+
+
+def _import_nixl() -> tuple[Any, Any]:
+    """The NIXL API module and its bindings (which hold the exception classes)."""
+    errors = []
+    for module_name in NIXL_MODULES:
+        try:
+            api = importlib.import_module(module_name)
+            bindings = importlib.import_module(f"{module_name}._bindings")
+        except ImportError as exc:
+            errors.append(f"{module_name}: {exc}")
+            continue
+        return api, bindings
+    raise ImportError("; ".join(errors))
+
+
+class _Shm:
+    """One attached shared-memory block, mapped without a resource tracker."""
+
+    def __init__(self, shm_name: str, nbytes: int) -> None:
+        import _posixshmem  # type: ignore[import-not-found]  # the primitive SharedMemory uses, minus its tracker
+
+        fd = _posixshmem.shm_open("/" + shm_name.lstrip("/"), os.O_RDWR, mode=0o600)
+        try:
+            size = os.fstat(fd).st_size
+            if size < nbytes:
+                raise RequestError(CONFIG, f"shared memory {shm_name!r} has {size} bytes, region needs {nbytes}")
+            self.map = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+
+
+class _Xfer:
+    """One posted transfer as the worker tracks it."""
+
+    __slots__ = ("detail", "handle", "peer", "posted_at", "reason", "state")
+
+    def __init__(self, handle: Any, peer: str, state: str, reason: str | None = None, detail: str = "") -> None:
+        self.handle = handle
+        self.peer = peer
+        self.posted_at = time.monotonic()
+        self.state = state  # "pending" | "done" | "failed"
+        self.reason = reason
+        self.detail = detail
+
+    def status(self) -> tuple[str, str | None, str]:
+        return self.state, self.reason, self.detail
+
+
+class Worker:
+    """The NIXL agent and the tables the proxy's requests refer to."""
+
+    def __init__(self, name: str, options: dict[str, Any]) -> None:
+        import numpy as np
+
+        self.np = np
+        self.api, self.bindings = _import_nixl()
+        self.name = name
+        self.transfer_timeout: float | None = options.get("transfer_timeout")
+        self.poll_interval: float = float(options.get("poll_interval", 0.0005))
+        config = self.api.nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False, backends=[])
+        self.agent = self.api.nixl_agent(name, config)
+        self.agent.create_backend("UCX", dict(options.get("ucx_params") or {}))
+        self.shms: list[_Shm] = []
+        self.views: list[Any] = []  # numpy views, kept so addresses stay valid
+        self.region_base = np.zeros(0, dtype=np.int64)
+        self.region_size = np.zeros(0, dtype=np.int64)
+        self.peers: dict[str, tuple[bytes, Any, Any]] = {}  # name -> (metadata, bases, sizes)
+        self.xfers: dict[int, _Xfer] = {}
+        self.unreleased: list[Any] = []
+        self.next_id = 1
+        self.notifs: list[tuple[str, bytes]] = []
+        self.ops: dict[str, Callable[..., Any]] = {
+            "register": self.register,
+            "metadata": self.metadata,
+            "add_peer": self.add_peer,
+            "remove_peer": self.remove_peer,
+            "post": self.post,
+            "check": self.check,
+            "release": self.release,
+            "notify": self.notify,
+            "notifs": self.drain_notifs,
+            "info": self.info,
+        }
+
+    # -- memory and peers
+
+    def register(self, regions: list[tuple[str, int]]) -> None:
+        np = self.np
+        descs = []
+        for shm_name, nbytes in regions:
+            shm = _Shm(shm_name, nbytes)
+            view = np.frombuffer(shm.map, dtype=np.uint8, count=nbytes)
+            descs.append((int(view.ctypes.data), nbytes, 0, ""))
+            self.shms.append(shm)
+            self.views.append(view)
+        if descs:
+            self.agent.register_memory(descs, "DRAM")
+        self.region_base = np.array([int(v.ctypes.data) for v in self.views], dtype=np.int64)
+        self.region_size = np.array([int(v.nbytes) for v in self.views], dtype=np.int64)
+
+    def metadata(self) -> bytes:
+        regions = [(int(a), int(n)) for a, n in zip(self.region_base, self.region_size, strict=True)]
+        return pack_metadata(self.name, regions, self.agent.get_agent_metadata())
+
+    def add_peer(self, blob: bytes) -> str:
+        name, regions, nixl_md = unpack_metadata(blob)
+        known = self.peers.get(name)
+        if known is not None:
+            if known[0] == blob:
+                return name  # idempotent for the same bytes
+            # NIXL refuses new metadata under a loaded name (nixlNotAllowedError) and then
+            # forgets the old one; refuse here instead so the loaded peer stays usable.
+            raise RequestError(
+                TRANSPORT,
+                f"peer {name!r} is already loaded with other metadata (a restarted agent?): "
+                "call remove_remote_agent first",
+                "protocol",
+            )
+        try:
+            loaded = self.agent.add_remote_agent(nixl_md)
+        except Exception as exc:
+            raise RequestError(TRANSPORT, f"NIXL could not load peer {name!r}: {_describe(exc)}", "protocol") from None
+        loaded = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
+        if loaded != name:
+            raise RequestError(TRANSPORT, f"peer metadata names {name!r} but NIXL loaded {loaded!r}", "protocol")
+        np = self.np
+        bases = np.array([a for a, _ in regions], dtype=np.int64)
+        sizes = np.array([n for _, n in regions], dtype=np.int64)
+        self.peers[name] = (blob, bases, sizes)
+        return name
+
+    def remove_peer(self, name: str) -> None:
+        if self.peers.pop(name, None) is None:
+            return
+        try:
+            self.agent.remove_remote_agent(name)
+        except Exception as exc:
+            raise RequestError(TRANSPORT, f"NIXL could not remove peer {name!r}: {_describe(exc)}") from None
+
+    def _peer(self, name: str) -> tuple[bytes, Any, Any]:
+        peer = self.peers.get(name)
+        if peer is None:
+            raise RequestError(
+                TRANSPORT, f"agent {self.name!r}: unknown peer {name!r} (add_remote_agent first)", "peer_disconnected"
+            )
+        return peer
+
+    # -- transfers
+
+    def build_descs(self, packed: bytes, peer: str) -> tuple[Any, Any]:
+        """Check ``(local_region, local_offset, remote_region, remote_offset, nbytes)`` rows
+        against both region tables (PLAN-1), then merge rows adjacent on both sides."""
+        np = self.np
+        _, remote_base, remote_size = self._peer(peer)
+        rows = np.frombuffer(packed, dtype=np.int64).reshape(-1, 5)
+        lr, lo, rr, ro, n = (rows[:, i] for i in range(5))
+        num_local, num_remote = len(self.region_base), len(remote_base)
+        bad_region = (lr < 0) | (lr >= num_local) | (rr < 0) | (rr >= num_remote)
+        if bad_region.any():
+            i = int(np.flatnonzero(bad_region)[0])
+            raise RequestError(
+                PLAN,
+                f"descriptor {i}: region local={int(lr[i])} remote={int(rr[i])} not registered "
+                f"(local has {num_local}, remote has {num_remote})",
+            )
+        lsize, rsize = self.region_size[lr], remote_size[rr]
+        bad_range = (n <= 0) | (lo < 0) | (ro < 0) | (lo + n > lsize) | (ro + n > rsize)
+        if bad_range.any():
+            i = int(np.flatnonzero(bad_range)[0])
+            raise RequestError(
+                PLAN,
+                f"descriptor {i}: local [{int(lo[i])}, {int(lo[i] + n[i])}) of {int(lsize[i])} / remote "
+                f"[{int(ro[i])}, {int(ro[i] + n[i])}) of {int(rsize[i])} bytes out of range",
+            )
+        la = self.region_base[lr] + lo
+        ra = remote_base[rr] + ro
+        # Only prepared lists merge inside NIXL; merging here gives initialize_xfer the same gain.
+        follows = (
+            (lr[1:] == lr[:-1]) & (rr[1:] == rr[:-1]) & (la[1:] == la[:-1] + n[:-1]) & (ra[1:] == ra[:-1] + n[:-1])
+        )
+        starts = np.concatenate((np.zeros(1, dtype=np.int64), np.flatnonzero(~follows) + 1))
+        lengths = np.add.reduceat(n, starts)
+        zeros = np.zeros(len(starts), dtype=np.int64)
+        local = np.column_stack((la[starts], lengths, zeros)).astype(np.uint64)
+        remote = np.column_stack((ra[starts], lengths, zeros)).astype(np.uint64)
+        return local, remote
+
+    def post(self, mode: str, packed: bytes, peer: str, notification: bytes | None) -> tuple[int, str, str | None, str]:
+        self._peer(peer)
+        xfer_id = self.next_id
+        self.next_id += 1
+        if not packed:
+            # Nothing to move; NIXL rejects empty lists, so only the notification travels.
+            if notification is not None:
+                self.notify(peer, notification)
+            self.xfers[xfer_id] = _Xfer(None, peer, "done")
+            return (xfer_id, "done", None, "")
+        local, remote = self.build_descs(packed, peer)
+        agent = self.agent
+        try:
+            handle = agent.initialize_xfer(
+                mode,
+                agent.get_xfer_descs(local, "DRAM"),
+                agent.get_xfer_descs(remote, "DRAM"),
+                peer,
+                notification if notification is not None else b"",
+            )
+        except self.bindings.nixlRemoteDisconnectError as exc:
+            raise RequestError(TRANSPORT, f"peer {peer!r} is gone: {_describe(exc)}", "peer_disconnected") from None
+        except self.bindings.nixlNotFoundError as exc:
+            # Both tables were checked above, so NIXL disagreeing means its registrations changed.
+            raise RequestError(TRANSPORT, f"NIXL refused the request: {_describe(exc)}", "post_failed") from None
+        except Exception as exc:
+            raise RequestError(TRANSPORT, f"NIXL refused the request: {_describe(exc)}", "post_failed") from None
+        xfer = _Xfer(handle, peer, "pending")
+        self.xfers[xfer_id] = xfer
+        try:
+            state = agent.transfer(handle)
+        except Exception as exc:
+            # The request was posted, so bytes may have moved: report FAILED, do not raise.
+            self._fail_from(xfer, exc)
+        else:
+            self._apply(xfer, state)
+        return (xfer_id, *xfer.status())
+
+    def _apply(self, xfer: _Xfer, state: str) -> None:
+        if state == "DONE":
+            xfer.state = "done"
+        elif state != "PROC":
+            xfer.state, xfer.reason, xfer.detail = "failed", "transfer_error", f"NIXL reported {state!r}"
+
+    def _fail_from(self, xfer: _Xfer, exc: Exception) -> None:
+        if isinstance(exc, self.bindings.nixlRemoteDisconnectError):
+            reason, what = "peer_disconnected", f"peer {xfer.peer!r} disconnected"
+        else:
+            reason, what = "transfer_error", "NIXL transfer failed"
+        xfer.state, xfer.reason, xfer.detail = "failed", reason, f"{what}: {_describe(exc)}"
+
+    def _xfer(self, xfer_id: int) -> _Xfer:
+        xfer = self.xfers.get(xfer_id)
+        if xfer is None:
+            raise RequestError(TRANSPORT, f"agent {self.name!r}: unknown or released handle {xfer_id}")
+        return xfer
+
+    def check(self, xfer_id: int) -> tuple[str, str | None, str]:
+        xfer = self._xfer(xfer_id)
+        if xfer.state == "pending":
+            try:
+                self._apply(xfer, self.agent.check_xfer_state(xfer.handle))
+            except Exception as exc:
+                self._fail_from(xfer, exc)
+        if xfer.state == "pending" and self.transfer_timeout is not None:
+            waited = time.monotonic() - xfer.posted_at
+            if waited > self.transfer_timeout:
+                xfer.state, xfer.reason = "failed", "timeout"
+                xfer.detail = f"still in flight after {waited:.1f} s (transfer_timeout={self.transfer_timeout} s)"
+        return xfer.status()
+
+    def release(self, xfer_id: int) -> None:
+        xfer = self.xfers.pop(xfer_id, None)
+        if xfer is None or xfer.handle is None:
+            return
+        try:
+            self.agent.release_xfer_handle(xfer.handle)
+        except Exception:
+            # NIXL cannot cancel it yet; keep it alive and retry at close (never free live memory).
+            self.unreleased.append(xfer.handle)
+
+    # -- notifications
+
+    def notify(self, peer: str, message: bytes) -> None:
+        self._peer(peer)
+        try:
+            self.agent.send_notif(peer, message)
+        except self.bindings.nixlRemoteDisconnectError as exc:
+            raise RequestError(TRANSPORT, f"peer {peer!r} is gone: {_describe(exc)}", "peer_disconnected") from None
+        except Exception as exc:
+            raise RequestError(TRANSPORT, f"NIXL could not notify {peer!r}: {_describe(exc)}") from None
+
+    def poll(self) -> None:
+        """Progress NIXL and collect notifications; called whenever the proxy is quiet."""
+        try:
+            new = self.agent.get_new_notifs()
+        except Exception:
+            return  # a broken peer connection; transfers report it through check
+        for peer, messages in new.items():
+            sender = peer.decode() if isinstance(peer, bytes) else str(peer)
+            self.notifs.extend((sender, bytes(m)) for m in messages)
+
+    def drain_notifs(self) -> list[tuple[str, bytes]]:
+        self.poll()
+        drained, self.notifs = self.notifs, []
+        return drained
+
+    def info(self) -> dict[str, Any]:
+        return {
+            "pid": os.getpid(),
+            "ucx_params": dict(self.agent.get_backend_params("UCX")),
+            "env": {k: v for k, v in os.environ.items() if k.startswith("UCX_")},
+        }
+
+    def close(self) -> None:
+        for xfer in self.xfers.values():
+            if xfer.handle is not None:
+                self.unreleased.append(xfer.handle)
+        self.xfers.clear()
+        for handle in self.unreleased:
+            # The process is about to exit; NIXL frees what it cannot cancel with the agent.
+            with contextlib.suppress(Exception):
+                self.agent.release_xfer_handle(handle)
+        self.unreleased.clear()
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")
+
+
+def serve(conn: Connection, worker: Worker) -> None:
+    """Answer requests until ``close`` or until the parent goes away; poll NIXL in between."""
+    while True:
+        if not conn.poll(worker.poll_interval):
+            worker.poll()
+            continue
+        try:
+            op, *args = conn.recv()
+        except (EOFError, OSError):
+            return  # the parent died: nothing left to serve
+        if op == "close":
+            worker.close()
+            conn.send(("ok", None))
+            return
+        try:
+            handler = worker.ops[op]
+            reply: tuple[Any, ...] = ("ok", handler(*args))
+        except RequestError as exc:
+            reply = ("err", exc.kind, exc.reason, str(exc))
+        except Exception as exc:  # a bug or an unexpected NIXL error: report it, keep serving
+            reply = ("err", TRANSPORT, "transfer_error", f"{op} failed in the NIXL worker: {_describe(exc)}")
+        try:
+            conn.send(reply)
+        except OSError:
+            return
+
+
+def main(argv: list[str] | None = None, extra_ops: dict[str, Callable[..., Any]] | None = None) -> None:
+    """Entry point: ``python -m kvspec.transport._nixl_worker FD NAME``; options arrive first on the pipe.
+
+    ``extra_ops`` lets a benchmark add requests that run next to this agent.
+    """
+    fd_text, name = (sys.argv[1:] if argv is None else argv)[:2]
+    conn = Connection(int(fd_text))
+    options: dict[str, Any] = conn.recv()
+    try:
+        worker = Worker(name, options)
+    except ImportError as exc:
+        conn.send(("err", UNAVAILABLE, "transfer_error", str(exc)))
+        return
+    except Exception as exc:
+        conn.send(("err", TRANSPORT, "transfer_error", f"could not start NIXL agent {name!r}: {_describe(exc)}"))
+        return
+    for op_name, op in (extra_ops or {}).items():
+        worker.ops[op_name] = lambda *args, _op=op: _op(worker, *args)
+    conn.send(("ok", os.getpid()))
+    serve(conn, worker)
+    conn.close()
+    # Skip interpreter teardown: UCX objects finalised out of order only produce warnings.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,461 @@
+"""The NIXL backend: each agent is a NIXL agent (UCX backend) in its own worker process.
+
+Theory of operation:
+
+* :class:`NixlBackend` checks that NIXL is installed (without importing it)
+  and :meth:`NixlBackend.create_agent` starts one worker process per agent
+  (:mod:`kvspec.transport._nixl_worker`) and returns a :class:`NixlAgent`
+  proxy that implements :class:`kvspec.transport.Transport` over a pipe.
+* Regions must be ``multiprocessing.shared_memory`` blocks
+  (``MemoryRegion.shm_name``); the worker attaches them by name and registers
+  them with NIXL as host DRAM. Device memory (VRAM) is not supported.
+* Every worker runs with ``UCX_NET_DEVICES=lo``. By default UCX moves data
+  with CMA (``process_vm_readv``/``writev``), so ``transfer()`` completes
+  inside the post and a transfer is never seen in flight; ``tls="tcp"`` sets
+  ``UCX_TLS=tcp``, which is slower but truly asynchronous
+  (``observable_in_flight``), for the in-flight and disconnect cases.
+* Every pipe call has a deadline (``call_timeout``), so a wedged or dead
+  worker becomes a :class:`kvspec.TransportError`, never a hang; a transfer
+  still in flight after ``transfer_timeout`` reports ``FAILED(TIMEOUT)``.
+
+Failure mapping (research/backends.md section 3.4): a descriptor outside
+either side's registered regions raises :class:`kvspec.PlanError` at post,
+before NIXL sees it (PLAN-1); an unknown peer raises
+:class:`kvspec.TransportError`; ``nixlRemoteDisconnectError`` during or after
+the post reports ``FAILED(PEER_DISCONNECTED)``; any other NIXL error or an
+``"ERR"`` state reports ``FAILED(TRANSFER_ERROR)`` (FAIL-1).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import os
+import socket
+import subprocess
+import sys
+import threading
+from array import array
+from collections.abc import Mapping, Sequence
+from multiprocessing.connection import Connection
+from operator import attrgetter
+from pathlib import Path
+
+from kvspec._errors import BackendUnavailableError, ConfigError, PlanError, TransportError
+from kvspec._models import FailureReason, TransferMode
+from kvspec.transport._base import (
+    Capabilities,
+    Descriptor,
+    MemoryRegion,
+    Notification,
+    TransferHandle,
+    TransferState,
+    TransferStatus,
+)
+
+__all__ = ["INSTALL_HINT", "NixlAgent", "NixlBackend", "find_nixl"]
+
+INSTALL_HINT = (
+    "pip install numpy && pip install --no-deps nixl-cu12 "
+    "(or pip install 'kvspec[nixl]' after installing torch==2.13.0, so that pip does not pull a CUDA torch)"
+)
+
+# The same names the worker tries, in the same order (kept in sync by a test).
+_NIXL_MODULES = ("nixl_cu12", "nixl_cu13", "nixl")
+_WORKER_MODULE = "kvspec.transport._nixl_worker"
+_ROW = attrgetter("local_region", "local_offset", "remote_region", "remote_offset", "nbytes")
+_PENDING = TransferStatus(state=TransferState.PENDING)
+_DONE = TransferStatus(state=TransferState.DONE)
+
+
+def find_nixl() -> str | None:
+    """The import name of the installed NIXL Python API, found without importing it, or ``None``."""
+    for name in _NIXL_MODULES:
+        try:
+            if importlib.util.find_spec(name) is not None:
+                return name
+        except (ImportError, ValueError):
+            continue
+    return None
+
+
+def _require_nixl() -> None:
+    missing = [name for name in ("numpy",) if importlib.util.find_spec(name) is None]
+    if find_nixl() is None:
+        missing.insert(0, "nixl")
+    if missing:
+        raise BackendUnavailableError(f"the nixl backend needs {' and '.join(missing)}: {INSTALL_HINT}")
+
+
+class NixlAgent:
+    """A proxy for one NIXL agent living in a worker process (Transport).
+
+    Calls are forwarded over a pipe and answered within ``call_timeout``
+    seconds. The worker polls NIXL whenever it is idle, so this agent may stay
+    passive (no calls) without stalling its peer.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        process: subprocess.Popen[bytes],
+        conn: Connection,
+        *,
+        capabilities: Capabilities,
+        call_timeout: float,
+    ) -> None:
+        self._name = name
+        self._process = process
+        self._conn = conn
+        self._capabilities = capabilities
+        self._call_timeout = call_timeout
+        self._lock = threading.Lock()
+        self._closed = False
+        self._broken: str | None = None
+        self._final: dict[int, TransferStatus] = {}
+        self._handles: set[int] = set()
+        self._local_regions: list[int] = []
+
+    # -- identity
+
+    @property
+    def name(self) -> str:
+        """This agent's name (also its NIXL agent name)."""
+        return self._name
+
+    @property
+    def capabilities(self) -> Capabilities:
+        """Both modes, notifications, cross-process; in flight only over tcp."""
+        return self._capabilities
+
+    @property
+    def pid(self) -> int:
+        """The worker process id (tests kill it to simulate a dead peer)."""
+        return self._process.pid
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called."""
+        return self._closed
+
+    # -- the pipe
+
+    def _call(self, op: str, *args: object, timeout: float | None = None) -> object:
+        with self._lock:
+            if self._closed:
+                raise TransportError(
+                    f"nixl agent {self._name!r} is closed", reason=FailureReason.PEER_DISCONNECTED.value
+                )
+            if self._broken is not None:
+                raise TransportError(self._broken, reason=FailureReason.TRANSFER_ERROR.value)
+            limit = self._call_timeout if timeout is None else timeout
+            try:
+                self._conn.send((op, *args))
+                if not self._conn.poll(limit):
+                    self._break(f"nixl agent {self._name!r}: no answer to {op!r} within {limit} s; worker stopped")
+                    raise TransportError(self._broken or "", reason=FailureReason.TIMEOUT.value)
+                reply = self._conn.recv()
+            except (EOFError, OSError):
+                self._break(f"nixl agent {self._name!r}: worker process exited (code {self._process.poll()})")
+                raise TransportError(self._broken or "", reason=FailureReason.TRANSFER_ERROR.value) from None
+        if reply[0] == "ok":
+            return reply[1]
+        _, kind, reason, message = reply
+        if kind == "plan":
+            raise PlanError(message)
+        if kind == "config":
+            raise ConfigError(message)
+        raise TransportError(message, reason=reason)
+
+    def _break(self, why: str) -> None:
+        """Give up on the worker: kill it so it cannot act later on a request we abandoned."""
+        self._broken = why
+        _stop(self._process, grace=0.0)
+
+    # -- memory and peers
+
+    def register_memory(self, regions: Sequence[MemoryRegion]) -> None:
+        """Attach each shared-memory region in the worker and register it with NIXL as DRAM."""
+        table: list[tuple[str, int]] = []
+        for index, region in enumerate(regions, start=len(self._local_regions)):
+            if region.shm_name is None:
+                raise ConfigError(
+                    f"NixlAgent.register_memory: region {index} has no shm_name; the nixl backend runs agents "
+                    "in other processes and needs multiprocessing.shared_memory regions (kvspec.testing.allocate_pool)"
+                )
+            table.append((region.shm_name, region.nbytes))
+        self._call("register", table)
+        self._local_regions.extend(nbytes for _, nbytes in table)
+
+    def get_agent_metadata(self) -> bytes:
+        """NIXL's metadata wrapped with this agent's name and region table; pass it to the peer out of band."""
+        blob = self._call("metadata")
+        assert isinstance(blob, bytes)  # the worker's reply type
+        return blob
+
+    def add_remote_agent(self, metadata: bytes) -> str:
+        """Load a peer's metadata; the same bytes again are a no-op.
+
+        A peer restarted under the same name must be removed first
+        (:meth:`remove_remote_agent`), as NIXL requires.
+        """
+        name = self._call("add_peer", bytes(metadata))
+        assert isinstance(name, str)
+        return name
+
+    def remove_remote_agent(self, peer: str) -> None:
+        """Forget a peer and disconnect from it."""
+        self._call("remove_peer", peer)
+
+    # -- transfers
+
+    def post(
+        self,
+        mode: TransferMode,
+        descriptors: Sequence[Descriptor],
+        *,
+        peer: str,
+        notification: bytes | None = None,
+    ) -> TransferHandle:
+        """Check every descriptor, merge adjacent ones, and start the NIXL transfer (PLAN-1).
+
+        With CMA the copy is done when this returns; the handle then reports DONE.
+        """
+        if not isinstance(mode, TransferMode):
+            raise PlanError(f"post: expected a TransferMode, got {mode!r}")
+        packed = array("q", itertools.chain.from_iterable(map(_ROW, descriptors))).tobytes()
+        op = "READ" if mode is TransferMode.READ else "WRITE"
+        message = None if notification is None else bytes(notification)
+        reply = self._call("post", op, packed, peer, message)
+        assert isinstance(reply, tuple)
+        transfer_id, state, reason, detail = reply
+        handle = TransferHandle(transfer_id=transfer_id, peer=peer, mode=mode)
+        self._handles.add(transfer_id)
+        status = _status(state, reason, detail)
+        if status.state is not TransferState.PENDING:
+            self._final[transfer_id] = status
+        return handle
+
+    def check(self, handle: TransferHandle) -> TransferStatus:
+        """Report PENDING, DONE or FAILED with a reason; a dead worker reports FAILED, never hangs."""
+        final = self._final.get(handle.transfer_id)
+        if final is not None:
+            return final
+        if handle.transfer_id not in self._handles:
+            raise TransportError(f"nixl agent {self._name!r}: unknown or released handle {handle.transfer_id}")
+        try:
+            reply = self._call("check", handle.transfer_id)
+        except TransportError as exc:
+            if self._closed:
+                raise
+            status = TransferStatus(state=TransferState.FAILED, reason=_reason(exc.reason), detail=str(exc))
+        else:
+            assert isinstance(reply, tuple)
+            status = _status(*reply)
+        if status.state is not TransferState.PENDING:
+            self._final[handle.transfer_id] = status
+        return status
+
+    def release(self, handle: TransferHandle) -> None:
+        """Drop a handle; NIXL cancels a transfer still in flight as far as it can."""
+        self._final.pop(handle.transfer_id, None)
+        if handle.transfer_id not in self._handles:
+            return
+        self._handles.discard(handle.transfer_id)
+        if self._broken is None and not self._closed:
+            self._call("release", handle.transfer_id)
+
+    def send_notification(self, peer: str, message: bytes) -> None:
+        """Send ``message`` to ``peer`` without data."""
+        self._call("notify", peer, bytes(message))
+
+    def get_notifications(self) -> Sequence[Notification]:
+        """Drain the notifications the worker has collected, in arrival order."""
+        drained = self._call("notifs")
+        assert isinstance(drained, list)
+        return [Notification(peer=peer, message=message) for peer, message in drained]
+
+    def info(self) -> dict[str, object]:
+        """The worker's pid, UCX backend parameters and ``UCX_*`` environment (for reports)."""
+        info = self._call("info")
+        assert isinstance(info, dict)
+        return info
+
+    def close(self) -> None:
+        """Stop the worker (politely, then by signal); idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            if self._broken is None:
+                try:
+                    self._conn.send(("close",))
+                    if self._conn.poll(min(self._call_timeout, 10.0)):
+                        self._conn.recv()
+                except (EOFError, OSError):
+                    pass
+            self._conn.close()
+            _stop(self._process, grace=5.0)
+            self._final.clear()
+            self._handles.clear()
+
+    def __repr__(self) -> str:
+        return f"NixlAgent(name={self._name!r}, pid={self.pid}, closed={self._closed})"
+
+
+def _status(state: str, reason: str | None, detail: str) -> TransferStatus:
+    if state == "pending":
+        return _PENDING
+    if state == "done":
+        return _DONE
+    return TransferStatus(state=TransferState.FAILED, reason=_reason(reason), detail=detail)
+
+
+def _reason(value: str | None) -> FailureReason:
+    try:
+        return FailureReason(value)
+    except ValueError:
+        return FailureReason.TRANSFER_ERROR
+
+
+def _stop(process: subprocess.Popen[bytes], *, grace: float) -> None:
+    """Wait ``grace`` seconds for the worker to exit, then kill it and reap it."""
+    try:
+        process.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait(timeout=10.0)
+
+
+class NixlBackend:
+    """Creates NIXL agents, one worker process each (Backend).
+
+    Options (all keyword-only, all passable through ``load_backend("nixl", ...)``):
+
+    - ``tls``: ``None`` (UCX default: CMA for data, tcp on lo for wire-up and
+      notifications) or ``"tcp"`` (``UCX_TLS=tcp``: asynchronous, observable
+      in flight, about 10x slower).
+    - ``env``: extra environment for the workers, e.g. ``{"UCX_LOG_LEVEL": "info"}``.
+    - ``ucx_params``: UCX backend parameters, e.g. ``{"ucx_error_handling_mode": "none"}``.
+    - ``call_timeout``: seconds any call may wait for its worker (default 60).
+    - ``start_timeout``: seconds a worker may take to start (default 60).
+    - ``transfer_timeout``: seconds a transfer may stay in flight before it
+      reports ``FAILED(TIMEOUT)``; ``None`` waits forever (default 60).
+    - ``poll_interval``: seconds between an idle worker's NIXL polls (default 0.0005).
+    """
+
+    def __init__(
+        self,
+        *,
+        tls: str | None = None,
+        env: Mapping[str, str] | None = None,
+        ucx_params: Mapping[str, str] | None = None,
+        call_timeout: float = 60.0,
+        start_timeout: float = 60.0,
+        transfer_timeout: float | None = 60.0,
+        poll_interval: float = 0.0005,
+        worker_command: Sequence[str] | None = None,
+    ) -> None:
+        _require_nixl()
+        if tls not in (None, "tcp"):
+            raise ConfigError(f"NixlBackend.tls: expected None or 'tcp', got {tls!r}")
+        for field, value in (("call_timeout", call_timeout), ("start_timeout", start_timeout)):
+            if not isinstance(value, (int, float)) or value <= 0:
+                raise ConfigError(f"NixlBackend.{field}: expected a positive number of seconds, got {value!r}")
+        if not isinstance(poll_interval, (int, float)) or not 0 < poll_interval <= 1:
+            raise ConfigError(f"NixlBackend.poll_interval: expected seconds in (0, 1], got {poll_interval!r}")
+        self._tls = tls
+        self._env = dict(env or {})
+        self._options: dict[str, object] = {
+            "ucx_params": dict(ucx_params or {}),
+            "transfer_timeout": transfer_timeout,
+            "poll_interval": float(poll_interval),
+        }
+        self._call_timeout = float(call_timeout)
+        self._start_timeout = float(start_timeout)
+        # A benchmark may run its own worker script that adds requests (benchmarks/bench_nixl.py).
+        self._worker_command = list(worker_command or [sys.executable, "-m", _WORKER_MODULE])
+        self._capabilities = Capabilities(
+            modes=frozenset({TransferMode.READ, TransferMode.WRITE}),
+            notifications=True,
+            cross_process=True,
+            integrity=False,
+            observable_in_flight=tls == "tcp",
+        )
+        self._agents: list[NixlAgent] = []
+
+    @property
+    def name(self) -> str:
+        """``"nixl"``."""
+        return "nixl"
+
+    @property
+    def capabilities(self) -> Capabilities:
+        """READ and WRITE, notifications, cross-process; observable in flight only with ``tls="tcp"``."""
+        return self._capabilities
+
+    def worker_env(self) -> dict[str, str]:
+        """The environment a worker starts with: loopback only, plus ``UCX_TLS`` in tcp mode."""
+        env = dict(os.environ)
+        package_root = str(Path(__file__).resolve().parents[2])
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+        env["UCX_NET_DEVICES"] = "lo"  # this machine has a non-loopback interface (research/backends.md §0)
+        if self._tls is not None:
+            env["UCX_TLS"] = self._tls
+        env.setdefault("NIXL_LOG_LEVEL", "WARN")  # NIXL logs every agent start at INFO
+        env.update(self._env)
+        return env
+
+    def create_agent(self, name: str) -> NixlAgent:
+        """Start a worker process running a NIXL agent called ``name``; names must be unique per peer."""
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"NixlBackend.create_agent: expected a non-empty name, got {name!r}")
+        for agent in self._agents:
+            if agent.name == name and not agent.closed:
+                raise TransportError(f"nixl: an agent named {name!r} already exists", reason="protocol")
+        ours, theirs = socket.socketpair()
+        try:
+            process = subprocess.Popen(
+                [*self._worker_command, str(theirs.fileno()), name],
+                pass_fds=(theirs.fileno(),),
+                env=self.worker_env(),
+                stdin=subprocess.DEVNULL,
+            )
+        finally:
+            theirs.close()
+        conn = Connection(ours.detach())
+        agent = NixlAgent(name, process, conn, capabilities=self._capabilities, call_timeout=self._call_timeout)
+        try:
+            conn.send(self._options)
+            if not conn.poll(self._start_timeout):
+                raise TransportError(f"nixl: agent {name!r} did not start within {self._start_timeout} s")
+            reply = conn.recv()
+        except (EOFError, OSError):
+            conn.close()
+            _stop(process, grace=1.0)
+            raise TransportError(f"nixl: worker for agent {name!r} exited at start (code {process.poll()})") from None
+        except BaseException:
+            conn.close()
+            _stop(process, grace=0.0)
+            raise
+        if reply[0] != "ok":
+            conn.close()
+            _stop(process, grace=5.0)
+            _, kind, _, message = reply
+            if kind == "unavailable":
+                raise BackendUnavailableError(f"the nixl worker could not import NIXL ({message}): {INSTALL_HINT}")
+            raise TransportError(message)
+        self._agents.append(agent)
+        return agent
+
+    def close(self) -> None:
+        """Stop every worker this backend started."""
+        for agent in self._agents:
+            agent.close()
+        self._agents.clear()
+
+    def __enter__(self) -> NixlBackend:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
