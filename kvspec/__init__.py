@@ -39,6 +39,26 @@ from kvspec._models import (
     TransferMode,
 )
 from kvspec._presets import ModelPreset, get_preset, list_presets
+from kvspec._reference import (
+    BlockIdsLike,
+    BlockPairs,
+    TokenBasis,
+    align_block_ids,
+    blocks_per_sw,
+    check_window_coverage,
+    compute_transfer_pairs,
+    get_consumer_block_counts,
+    get_exchange_clipped_blocks,
+    get_logical_block_count,
+    get_needed_block_range,
+    get_needed_token_range,
+    get_num_skipped_tokens,
+    get_pruned_block_ids,
+    get_token_basis_group,
+    is_full_attention_spec,
+    is_hma_required,
+    validate_hybrid_support,
+)
 
 __version__ = "0.1.0"
 
@@ -81,4 +101,22 @@ __all__ = [
     "__version__",
     "get_preset",
     "list_presets",
+    "BlockIdsLike",
+    "BlockPairs",
+    "TokenBasis",
+    "align_block_ids",
+    "blocks_per_sw",
+    "check_window_coverage",
+    "compute_transfer_pairs",
+    "get_consumer_block_counts",
+    "get_exchange_clipped_blocks",
+    "get_logical_block_count",
+    "get_needed_block_range",
+    "get_needed_token_range",
+    "get_num_skipped_tokens",
+    "get_pruned_block_ids",
+    "get_token_basis_group",
+    "is_full_attention_spec",
+    "is_hma_required",
+    "validate_hybrid_support",
 ]

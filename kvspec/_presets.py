@@ -49,8 +49,10 @@ _LAYOUTS: tuple[str, ...] = ("blocks_first", "layers_first", "per_layer", "share
 _MAMBA_BLOCK_ALIGNMENT = 16
 
 
-def _layer_name(index: int) -> str:
-    return f"model.layers.{index}.self_attn.attn"
+def _layer_name(index: int, spec: KVCacheSpec) -> str:
+    # vLLM's attention layer names; linear-attention (Mamba-like) layers have their own module.
+    module = "linear_attn" if isinstance(spec, MambaSpec) else "self_attn.attn"
+    return f"model.layers.{index}.{module}"
 
 
 def _to_specs(value: Sequence[KVCacheSpec]) -> tuple[KVCacheSpec, ...]:
@@ -125,7 +127,7 @@ class ModelPreset:
         specs = _unify_page_sizes(specs, block_size)
         groups = [
             KVCacheGroupSpec(
-                layer_names=[_layer_name(i) for i in indices[:max_layers_per_group]],
+                layer_names=[_layer_name(i, specs[i]) for i in indices[:max_layers_per_group]],
                 kv_cache_spec=specs[indices[0]],
             )
             for indices in _group_layers(specs)

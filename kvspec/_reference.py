@@ -1,0 +1,420 @@
+"""Pure reference functions: HMA detection, admission, window budgets, clipping, alignment, coverage."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any, TypeAlias
+
+import attrs
+
+from kvspec._errors import (
+    BlockAlignmentError,
+    ConfigError,
+    GroupCountError,
+    UnsupportedHybridError,
+    WindowCoverageError,
+    format_values,
+)
+from kvspec._models import (
+    NULL_BLOCK_ID,
+    BlockIds,
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheSpec,
+    MambaSpec,
+    SlidingWindowSpec,
+    TransferMode,
+)
+
+__all__ = [
+    "BlockIdsLike",
+    "BlockPairs",
+    "TokenBasis",
+    "align_block_ids",
+    "blocks_per_sw",
+    "check_window_coverage",
+    "compute_transfer_pairs",
+    "get_consumer_block_counts",
+    "get_exchange_clipped_blocks",
+    "get_logical_block_count",
+    "get_needed_block_range",
+    "get_needed_token_range",
+    "get_num_skipped_tokens",
+    "get_pruned_block_ids",
+    "get_token_basis_group",
+    "is_full_attention_spec",
+    "is_hma_required",
+    "validate_hybrid_support",
+]
+
+BlockIdsLike: TypeAlias = "BlockIds | Sequence[Sequence[int]]"
+"""A :class:`BlockIds` or plain nested sequences such as vLLM's ``tuple[list[int], ...]``."""
+
+_HMA_FLAG = "--disable-hybrid-kv-cache-manager"
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _to_block_ids(value: BlockIdsLike) -> BlockIds:
+    return value if isinstance(value, BlockIds) else BlockIds(value)
+
+
+def _check_count(name: str, value: object) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ConfigError(f"{name}: expected a non-negative int, got {value!r}")
+    return value
+
+
+# --------------------------------------------------------------------------- HMA-1, ADM-1, ADM-2
+
+
+def is_full_attention_spec(spec: KVCacheSpec) -> bool:
+    """True for full attention and MLA, including vLLM's HMA-off form with a window set (HMA-1)."""
+    return isinstance(spec, FullAttentionSpec)
+
+
+def is_hma_required(config: KVCacheConfig, *, disable_hybrid_kv_cache_manager: bool = False) -> bool:
+    """True iff the flag is off and some group is not full attention; SW-only counts as hybrid (HMA-1)."""
+    if disable_hybrid_kv_cache_manager:
+        return False
+    return not all(is_full_attention_spec(g.kv_cache_spec) for g in config.kv_cache_groups)
+
+
+def _describe_group(index: int, group: KVCacheGroupSpec) -> str:
+    layers = format_values(list(group.layer_names))
+    return f"group {index} (kind {group.kv_cache_spec.kind.value}, layers {layers})"
+
+
+def _is_admitted_under_hma(spec: KVCacheSpec) -> bool:
+    # Full attention (incl. MLA) and sliding window (incl. SW-MLA) only; everything else fails closed (ADM-1).
+    return isinstance(spec, (FullAttentionSpec, SlidingWindowSpec))
+
+
+def validate_hybrid_support(
+    config: KVCacheConfig,
+    mode: TransferMode | str,
+    *,
+    read_only_hma: bool = False,
+    disable_hybrid_kv_cache_manager: bool = False,
+) -> None:
+    """Raise :class:`UnsupportedHybridError` unless the exchange admits this config (ADM-1, ADM-2).
+
+    Mamba / linear-attention state is refused with or without the flag. With
+    HMA required, every group must be full attention (incl. MLA) or sliding
+    window (incl. SW-MLA). ``read_only_hma=True`` is a connector that supports
+    HMA only in READ mode (MoRIIO's policy): WRITE with HMA is refused (ADM-1, ADM-2).
+    """
+    transfer_mode = _to_mode(mode)
+    groups = list(enumerate(config.kv_cache_groups))
+    mamba = [_describe_group(i, g) for i, g in groups if isinstance(g.kv_cache_spec, MambaSpec)]
+    if mamba:
+        raise UnsupportedHybridError(
+            f"Mamba / linear-attention state is not exchanged in v1, with or without {_HMA_FLAG} (ADM-1): "
+            f"{'; '.join(mamba)}. Serve this model without disaggregated prefill."
+        )
+    if not is_hma_required(config, disable_hybrid_kv_cache_manager=disable_hybrid_kv_cache_manager):
+        return
+    refused = [_describe_group(i, g) for i, g in groups if not _is_admitted_under_hma(g.kv_cache_spec)]
+    if refused:
+        raise UnsupportedHybridError(
+            "under the hybrid KV-cache manager only full-attention (incl. MLA) and sliding-window (incl. SW-MLA) "
+            f"groups are exchanged (ADM-1); unsupported: {'; '.join(refused)}. "
+            f"Pass {_HMA_FLAG} to run without HMA."
+        )
+    if read_only_hma and transfer_mode is TransferMode.WRITE:
+        raise UnsupportedHybridError(
+            "this connector supports hybrid KV-cache groups in READ mode only (ADM-2); "
+            f"use READ mode, or pass {_HMA_FLAG}."
+        )
+
+
+def _to_mode(mode: TransferMode | str) -> TransferMode:
+    try:
+        return TransferMode(mode)
+    except ValueError:
+        raise ConfigError(f"mode: expected one of {[m.value for m in TransferMode]}, got {mode!r}") from None
+
+
+# --------------------------------------------------------------------------- SW-1, CLIP-1, TOK-1
+
+
+def _budget(spec: KVCacheSpec) -> int:
+    if isinstance(spec, SlidingWindowSpec):
+        # +1: a window that does not start on a block boundary touches one more block (SW-1).
+        return _cdiv(spec.sliding_window, spec.block_size) + 1
+    return 0
+
+
+def blocks_per_sw(config: KVCacheConfig) -> tuple[int, ...]:
+    """Per-group budget: ``cdiv(W_g, B_g) + 1`` for sliding-window groups, 0 otherwise (SW-1)."""
+    return tuple(_budget(g.kv_cache_spec) for g in config.kv_cache_groups)
+
+
+def get_exchange_clipped_blocks(block_ids: BlockIdsLike, budgets: Sequence[int]) -> BlockIds:
+    """Keep each budgeted group's last ``n`` ids; others unchanged; zero groups stay zero (CLIP-1)."""
+    ids = _to_block_ids(block_ids)
+    if len(ids) == 0:
+        return ids  # full prefix hit: nothing to exchange (CLIP-1)
+    if len(ids) != len(budgets):
+        raise GroupCountError(f"block ids have {len(ids)} groups, budgets have {len(budgets)} (CLIP-1)")
+    for g, n in enumerate(budgets):
+        _check_count(f"budgets[{g}]", n)
+    if not any(budgets):
+        return ids
+    # n > 0 guards Python's ids[-0:], which is the whole list (research H3).
+    return BlockIds([group[-n:] if n > 0 else group for group, n in zip(ids, budgets, strict=True)])
+
+
+@attrs.frozen(kw_only=True)
+class TokenBasis:
+    """The group token counts are checked against, and its block size (TOK-1)."""
+
+    group_index: int
+    block_size: int
+
+
+def get_token_basis_group(config: KVCacheConfig) -> TokenBasis | None:
+    """The first full-attention (incl. MLA) group and its block size, or None (TOK-1)."""
+    for index, group in enumerate(config.kv_cache_groups):
+        if is_full_attention_spec(group.kv_cache_spec):
+            return TokenBasis(group_index=index, block_size=group.kv_cache_spec.block_size)
+    return None
+
+
+# --------------------------------------------------------------------------- ALIGN-1, NULL-1
+
+
+def _check_pairs(inst: BlockPairs, attribute: attrs.Attribute[Any], value: BlockIds) -> None:
+    producer = inst.producer_block_ids
+    if len(producer) != len(value):
+        raise GroupCountError(f"BlockPairs: {len(producer)} producer groups, {len(value)} consumer groups (ALIGN-1)")
+    for g, (p, c) in enumerate(zip(producer, value, strict=True)):
+        if len(p) != len(c):
+            raise BlockAlignmentError(f"BlockPairs: group {g} pairs {len(p)} producer with {len(c)} consumer ids")
+        if NULL_BLOCK_ID in p or NULL_BLOCK_ID in c:
+            raise BlockAlignmentError(f"BlockPairs: group {g} holds the null block id 0 (NULL-1)")
+
+
+@attrs.frozen(kw_only=True)
+class BlockPairs:
+    """Per-group producer and consumer ids, equal lengths, pair i is (producer[g][i], consumer[g][i]).
+
+    No id is the null block (NULL-1). Zero groups mean nothing to transfer.
+    """
+
+    producer_block_ids: BlockIds = attrs.field(converter=_to_block_ids)
+    consumer_block_ids: BlockIds = attrs.field(converter=_to_block_ids, validator=_check_pairs)
+
+    @property
+    def num_groups(self) -> int:
+        """Groups, or 0 when nothing is transferred."""
+        return len(self.consumer_block_ids)
+
+    @property
+    def num_pairs(self) -> int:
+        """Pairs over all groups: the blocks that move."""
+        return self.consumer_block_ids.num_blocks
+
+    def iter_pairs(self) -> Iterator[tuple[int, int, int]]:
+        """``(group_index, producer_id, consumer_id)`` for every pair, group by group."""
+        for g, (p, c) in enumerate(zip(self.producer_block_ids, self.consumer_block_ids, strict=True)):
+            for producer_id, consumer_id in zip(p, c, strict=True):
+                yield g, producer_id, consumer_id
+
+
+def align_block_ids(*, producer_block_ids: BlockIdsLike, consumer_block_ids: BlockIdsLike) -> BlockPairs:
+    """Pair C's i-th id with P's id at ``len(P[g]) - len(C[g]) + i``; drop null pairs (ALIGN-1, NULL-1)."""
+    producer, consumer = _to_block_ids(producer_block_ids), _to_block_ids(consumer_block_ids)
+    if len(consumer) == 0:
+        return BlockPairs(producer_block_ids=[], consumer_block_ids=[])  # full prefix hit (ALIGN-1)
+    if len(producer) != len(consumer):
+        raise GroupCountError(f"producer has {len(producer)} groups, consumer {len(consumer)} (ALIGN-1)")
+    pairs_p: list[list[int]] = []
+    pairs_c: list[list[int]] = []
+    for g, (p, c) in enumerate(zip(producer, consumer, strict=True)):
+        if len(c) > len(p):
+            raise BlockAlignmentError(
+                f"group {g}: consumer holds {len(c)} blocks, producer offers {len(p)}; "
+                "the consumer may hold at most as many (ALIGN-1)"
+            )
+        # Tail alignment: C's list is its uncached suffix, so it ends where P's ends (never front-trim).
+        tail = p[len(p) - len(c) :]
+        kept = [(pi, ci) for pi, ci in zip(tail, c, strict=True) if pi != NULL_BLOCK_ID and ci != NULL_BLOCK_ID]
+        pairs_p.append([pi for pi, _ in kept])
+        pairs_c.append([ci for _, ci in kept])
+    return BlockPairs(producer_block_ids=pairs_p, consumer_block_ids=pairs_c)
+
+
+# --------------------------------------------------------------------------- WIN-1 and engine helpers
+
+
+def get_logical_block_count(spec: KVCacheSpec, num_tokens: int) -> int:
+    """Blocks that ``num_tokens`` tokens span in a group: ``cdiv(T, B_g)`` (WIN-1)."""
+    return _cdiv(_check_count("num_tokens", num_tokens), spec.block_size)
+
+
+def get_needed_token_range(spec: KVCacheSpec, *, num_tokens: int, prefix_hit_tokens: int) -> range:
+    """Positions C needs from P: ``[H, T-1]``, or ``[max(H, T-W+1), T-1]`` for sliding window (WIN-1)."""
+    start = prefix_hit_tokens
+    if isinstance(spec, SlidingWindowSpec):
+        # The token at position T attends [T-W+1, T]; T itself is computed by C.
+        start = max(start, num_tokens - spec.sliding_window + 1)
+    return range(start, max(start, num_tokens))
+
+
+def get_needed_block_range(spec: KVCacheSpec, *, num_tokens: int, prefix_hit_tokens: int) -> range:
+    """Logical blocks that cover a needed position (WIN-1)."""
+    tokens = get_needed_token_range(spec, num_tokens=num_tokens, prefix_hit_tokens=prefix_hit_tokens)
+    if not tokens:
+        return range(0)
+    return range(tokens.start // spec.block_size, (tokens.stop - 1) // spec.block_size + 1)
+
+
+def get_num_skipped_tokens(spec: KVCacheSpec, num_computed_tokens: int) -> int:
+    """Leading tokens a group no longer needs (vLLM ``get_num_skipped_tokens``, research §2.2) (WIN-1)."""
+    n = _check_count("num_computed_tokens", num_computed_tokens)
+    if isinstance(spec, SlidingWindowSpec):
+        return max(0, n - spec.sliding_window + 1)
+    if isinstance(spec, ChunkedLocalAttentionSpec):
+        return (n // spec.attention_chunk_size) * spec.attention_chunk_size
+    if isinstance(spec, MambaSpec):
+        return max(0, n - 1)
+    return 0
+
+
+def get_pruned_block_ids(config: KVCacheConfig, block_ids: BlockIdsLike, *, num_computed_tokens: int) -> BlockIds:
+    """Null the whole blocks a group skips, as vLLM's ``remove_skipped_blocks`` does (WIN-1).
+
+    Per group, ``k = min(skipped // B_g, len)`` leading blocks become id 0,
+    walking back from ``k - 1`` and stopping at the first null (research §2.3).
+    Pruning with more tokens than C will use (vLLM's ``request.num_tokens``,
+    research H2) can null a block WIN-1 needs; :func:`check_window_coverage`
+    catches it.
+    """
+    ids = _to_block_ids(block_ids)
+    if len(ids) != config.num_groups:
+        raise GroupCountError(f"block ids have {len(ids)} groups, the config {config.num_groups} (WIN-1)")
+    pruned: list[list[int]] = []
+    for group, spec in zip(ids, (g.kv_cache_spec for g in config.kv_cache_groups), strict=True):
+        blocks = list(group)
+        k = min(get_num_skipped_tokens(spec, num_computed_tokens) // spec.block_size, len(blocks))
+        for i in range(k - 1, -1, -1):
+            if blocks[i] == NULL_BLOCK_ID:
+                break
+            blocks[i] = NULL_BLOCK_ID
+        pruned.append(blocks)
+    return BlockIds(pruned)
+
+
+def get_consumer_block_counts(config: KVCacheConfig, *, num_tokens: int, prefix_hit_tokens: int) -> tuple[int, ...]:
+    """Real blocks C allocates and offers per group for its uncached suffix, after clipping (WIN-1, CLIP-1).
+
+    Full attention: ``cdiv(T, B) - H / B``. Sliding window: from
+    ``max(H, T - W + 1) // B`` to the last block, capped by the budget (vLLM
+    allocates nulls for skipped blocks, research §2.4). Zero when ``H == T``.
+    """
+    _check_prefix(config, num_tokens, prefix_hit_tokens)
+    counts = []
+    for group in config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        needed = get_needed_block_range(spec, num_tokens=num_tokens, prefix_hit_tokens=prefix_hit_tokens)
+        count = get_logical_block_count(spec, num_tokens) - needed.start if needed else 0
+        budget = _budget(spec)
+        counts.append(min(count, budget) if budget else count)
+    return tuple(counts)
+
+
+def _check_prefix(config: KVCacheConfig, num_tokens: int, prefix_hit_tokens: int) -> None:
+    t = _check_count("num_tokens", num_tokens)
+    h = _check_count("prefix_hit_tokens", prefix_hit_tokens)
+    if h > t:
+        raise ConfigError(f"prefix_hit_tokens: expected at most num_tokens={t}, got {h}")
+    for g, group in enumerate(config.kv_cache_groups):
+        # C's list is tail-aligned and starts on a block boundary, so H must be whole blocks (WIN-1).
+        if h % group.kv_cache_spec.block_size:
+            raise BlockAlignmentError(
+                f"prefix_hit_tokens={h} is not a multiple of group {g}'s block size "
+                f"{group.kv_cache_spec.block_size} (WIN-1)"
+            )
+
+
+def _check_side(
+    role: str, ids: BlockIds, g: int, spec: KVCacheSpec, num_tokens: int, needed: range, limit: int
+) -> None:
+    blocks = ids[g]
+    total = get_logical_block_count(spec, num_tokens)
+    if len(blocks) > limit:
+        raise BlockAlignmentError(
+            f"group {g}: {role} lists {len(blocks)} blocks, but {num_tokens} tokens leave at most {limit} (WIN-1)"
+        )
+    first = total - len(blocks)  # the list is tail-aligned to logical block total - 1
+    for k in needed:
+        block_id = blocks[k - first] if k >= first else None
+        if block_id is None or block_id == NULL_BLOCK_ID:
+            found = "no block" if block_id is None else "the null block"
+            span = f"tokens [{k * spec.block_size}, {(k + 1) * spec.block_size - 1}]"
+            raise WindowCoverageError(
+                f"group {g} ({spec.kind.value}): logical block {k} ({span}) is needed by the consumer but the "
+                f"{role} has {found} there; needed blocks {needed.start}..{needed.stop - 1} (WIN-1)"
+            )
+
+
+def check_window_coverage(
+    config: KVCacheConfig,
+    *,
+    num_tokens: int,
+    prefix_hit_tokens: int,
+    producer_block_ids: BlockIdsLike,
+    consumer_block_ids: BlockIdsLike,
+) -> None:
+    """Raise unless every block covering a needed position is real on both sides (WIN-1).
+
+    Each group's list (after clipping) is tail-aligned to logical block
+    ``cdiv(T, B_g) - 1``. ``prefix_hit_tokens`` must be a multiple of every
+    group's block size. A list longer than the blocks its side can hold is a
+    :class:`BlockAlignmentError`. Zero consumer groups (full prefix hit) pass
+    only when nothing is needed.
+    """
+    _check_prefix(config, num_tokens, prefix_hit_tokens)
+    producer, consumer = _to_block_ids(producer_block_ids), _to_block_ids(consumer_block_ids)
+    specs = [g.kv_cache_spec for g in config.kv_cache_groups]
+    needed = [get_needed_block_range(s, num_tokens=num_tokens, prefix_hit_tokens=prefix_hit_tokens) for s in specs]
+    if len(consumer) == 0:
+        # Zero groups is the full-prefix-hit signal: valid only when C needs nothing (WIN-1).
+        missing = [f"group {g} blocks {r.start}..{r.stop - 1}" for g, r in enumerate(needed) if r]
+        if missing:
+            raise WindowCoverageError(f"consumer offers zero groups but needs {'; '.join(missing)} (WIN-1)")
+        return
+    if len(producer) == 0 and not any(needed):
+        producer = BlockIds([()] * len(specs))  # P offered nothing and nothing is needed
+    for role, ids in (("producer", producer), ("consumer", consumer)):
+        if len(ids) != len(specs):
+            raise GroupCountError(f"{role} block ids have {len(ids)} groups, the config {len(specs)} (WIN-1)")
+    for g, spec in enumerate(specs):
+        total = get_logical_block_count(spec, num_tokens)
+        hit_blocks = prefix_hit_tokens // spec.block_size
+        _check_side("producer", producer, g, spec, num_tokens, needed[g], total)
+        _check_side("consumer", consumer, g, spec, num_tokens, needed[g], total - hit_blocks)
+
+
+def compute_transfer_pairs(
+    config: KVCacheConfig,
+    *,
+    num_tokens: int,
+    prefix_hit_tokens: int,
+    producer_block_ids: BlockIdsLike,
+    consumer_block_ids: BlockIdsLike,
+) -> BlockPairs:
+    """Check WIN-1 before any byte moves, then pair the lists (WIN-1, ALIGN-1, NULL-1)."""
+    check_window_coverage(
+        config,
+        num_tokens=num_tokens,
+        prefix_hit_tokens=prefix_hit_tokens,
+        producer_block_ids=producer_block_ids,
+        consumer_block_ids=consumer_block_ids,
+    )
+    return align_block_ids(producer_block_ids=producer_block_ids, consumer_block_ids=consumer_block_ids)
