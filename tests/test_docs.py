@@ -1,0 +1,163 @@
+"""The code examples in docs/ and README.md run, and the docs build's own checks can fail."""
+
+from __future__ import annotations
+
+import doctest
+import importlib.util
+import re
+import textwrap
+from pathlib import Path
+from types import ModuleType
+
+import attrs
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+
+# An opening or closing fence, with its indent (blocks inside admonitions and lists are indented).
+FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})[ \t]*(?P<info>[^`]*)$")
+# Put this HTML comment on the line before a fence to keep a block out of the run; only for
+# blocks that genuinely cannot run here (they need a real engine, a GPU or another machine).
+SKIP = "<!-- skip -->"
+
+
+@attrs.frozen(kw_only=True)
+class Block:
+    """One fenced code block of a Markdown file."""
+
+    path: Path
+    line: int
+    language: str
+    source: str
+    skipped: bool
+
+
+def extract_blocks(path: Path) -> list[Block]:
+    """Every fenced block of ``path``, in order, dedented to its fence's indent."""
+    lines = path.read_text(encoding="utf-8").splitlines()
+    blocks: list[Block] = []
+    i = 0
+    previous = ""
+    while i < len(lines):
+        opening = FENCE.match(lines[i])
+        if not opening or not opening["info"].strip():
+            if lines[i].strip():
+                previous = lines[i].strip()
+            i += 1
+            continue
+        indent, fence = opening["indent"], opening["fence"]
+        language = opening["info"].split()[0].strip("{}.").lower()
+        body: list[str] = []
+        start = i + 1
+        i += 1
+        while i < len(lines):
+            closing = FENCE.match(lines[i])
+            if closing and closing["fence"].startswith(fence) and not closing["info"].strip():
+                break
+            body.append(lines[i][len(indent) :] if lines[i].startswith(indent) else lines[i].lstrip())
+            i += 1
+        source = textwrap.dedent("\n".join(body)) + "\n"
+        blocks.append(Block(path=path, line=start, language=language, source=source, skipped=previous == SKIP))
+        previous = ""
+        i += 1
+    return blocks
+
+
+def _documents() -> list[Path]:
+    pages = [p for p in sorted(DOCS.rglob("*.md")) if not any(part.startswith("_") for part in p.parts)]
+    return [ROOT / "README.md", *pages]
+
+
+def _runnable(path: Path) -> bool:
+    return any(b.language in {"python", "py", "pycon"} and not b.skipped for b in extract_blocks(path))
+
+
+DOCUMENTS = [p for p in _documents() if p.exists() and _runnable(p)]
+
+
+def run_blocks(blocks: list[Block]) -> None:
+    """Run a page's Python blocks in order in one namespace, as a reader would paste them."""
+    namespace: dict[str, object] = {"__name__": "__docs__"}
+    for block in blocks:
+        if block.skipped:
+            continue
+        path = block.path.relative_to(ROOT) if block.path.is_relative_to(ROOT) else block.path
+        where = f"{path}:{block.line}"
+        if block.language in {"python", "py"}:
+            exec(compile(block.source, where, "exec"), namespace)
+        elif block.language == "pycon":
+            test = doctest.DocTestParser().get_doctest(block.source, namespace, where, str(block.path), block.line)
+            runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+            runner.run(test, clear_globs=False)
+            assert not runner.failures, f"{where}: {runner.failures} doctest example(s) failed (output above)"
+
+
+@pytest.mark.parametrize("path", DOCUMENTS, ids=[str(p.relative_to(ROOT)) for p in DOCUMENTS])
+def test_examples_run(path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Examples may write files (reports, plots); keep them out of the checkout.
+    monkeypatch.chdir(tmp_path)
+    run_blocks(extract_blocks(path))
+
+
+def test_readme_has_a_runnable_example() -> None:
+    blocks = [b for b in extract_blocks(ROOT / "README.md") if b.language == "python" and not b.skipped]
+    assert blocks, "README.md should show a Python example that runs"
+
+
+# --------------------------------------------------------------------------- the extractor itself
+
+
+def test_extractor_finds_indented_blocks_and_honours_skip(tmp_path: Path) -> None:
+    page = tmp_path / "page.md"
+    page.write_text(
+        "# T\n\n```python\nx = 1\n```\n\n!!! note\n    ```python\n    y = x + 1\n    ```\n\n"
+        f"{SKIP}\n```python\nraise SystemExit\n```\n\n```bash\nexit 1\n```\n",
+        encoding="utf-8",
+    )
+    blocks = extract_blocks(page)
+    assert [(b.language, b.skipped) for b in blocks] == [
+        ("python", False),
+        ("python", False),
+        ("python", True),
+        ("bash", False),
+    ]
+    assert blocks[1].source == "y = x + 1\n"
+    run_blocks(blocks)  # the skipped block would raise
+
+
+def test_a_failing_example_fails(tmp_path: Path) -> None:
+    page = tmp_path / "page.md"
+    page.write_text("```python\nassert 1 + 1 == 3\n```\n", encoding="utf-8")
+    with pytest.raises(AssertionError):
+        run_blocks(extract_blocks(page))
+    page.write_text("```pycon\n>>> 1 + 1\n3\n```\n", encoding="utf-8")
+    with pytest.raises(AssertionError, match="doctest"):
+        run_blocks(extract_blocks(page))
+
+
+# --------------------------------------------------------------------------- the build hook
+
+
+def _load_hooks() -> ModuleType:
+    pytest.importorskip("mkdocs")
+    spec = importlib.util.spec_from_file_location("kvspec_docs_hooks", DOCS / "hooks.py")
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_nav_gains_unlisted_pages(tmp_path: Path) -> None:
+    hooks = _load_hooks()
+    for rel in ["index.md", "spec/index.md", "spec/new-rule.md", "backends/x.md", "misc/other.md"]:
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text("# t\n", encoding="utf-8")
+    nav = hooks.complete_nav([{"Home": "index.md"}, {"Spec": ["spec/index.md"]}, {"Changelog": "c.md"}], tmp_path)
+    assert nav == [
+        {"Home": "index.md"},
+        {"Spec": ["spec/index.md", "spec/new-rule.md"]},
+        {"Backends": ["backends/x.md"]},
+        {"Changelog": "c.md"},
+    ]
