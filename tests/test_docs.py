@@ -161,3 +161,16 @@ def test_nav_gains_unlisted_pages(tmp_path: Path) -> None:
         {"Backends": ["backends/x.md"]},
         {"Changelog": "c.md"},
     ]
+
+
+def test_docstring_indexing_is_not_read_as_links() -> None:
+    spec = importlib.util.spec_from_file_location("griffe_brackets", DOCS / "_gen" / "griffe_brackets.py")
+    assert spec is not None
+    assert spec.loader is not None
+    pytest.importorskip("griffe")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    text = "pair (producer[g][i], c[g][i]); see [kvspec.X][] or [a][kvspec.Y]; ``a[b]`` stays"
+    assert module.escape_indexing(text) == (
+        r"pair (producer\[g\]\[i\], c\[g\]\[i\]); see [kvspec.X][] or [a][kvspec.Y]; ``a[b]`` stays"
+    )
