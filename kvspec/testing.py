@@ -47,6 +47,7 @@ __all__ = [
     "PagePool",
     "PoolSnapshot",
     "allocate_pool",
+    "check_loaded_pages",
     "check_pools",
     "expected_copies",
     "expected_page",
@@ -394,6 +395,53 @@ def _producer_labels(producer: PagePool, before: PoolSnapshot, loads: Sequence[E
     return labels
 
 
+def _expected_pages(
+    config: KVCacheConfig, loads: Sequence[ExpectedLoad]
+) -> tuple[dict[tuple[int, int], tuple[bytes, str]], dict[tuple[int, int], int]]:
+    """Consumer pages with a defined content ((tensor, offset) -> bytes, description), and undefined ones (-> size)."""
+    expected: dict[tuple[int, int], tuple[bytes, str]] = {}
+    undefined: dict[tuple[int, int], int] = {}
+    for load in loads:
+        for copy in expected_copies(config, load):
+            for layer_index, layer in enumerate(config.kv_cache_groups[copy.group].layer_names):
+                key = config.page_offset(layer, copy.consumer_block)
+                expected.pop(key, None)
+                undefined.pop(key, None)
+                if not load.loaded:
+                    undefined[key] = config.kv_cache_groups[copy.group].kv_cache_spec.page_size_bytes
+                    continue
+                page = expected_page(
+                    config, group=copy.group, layer_index=layer_index, position=copy.position, salt=load.salt
+                )
+                desc = f"the page of group {copy.group}, layer {layer!r}, position {copy.position}, salt {load.salt!r}"
+                expected[key] = (page, desc)
+    return expected, undefined
+
+
+def check_loaded_pages(consumer: PagePool, load: ExpectedLoad) -> list[PageMismatch]:
+    """Check only the paired pages of one request, e.g. the moment it is reported complete (DONE-1)."""
+    config = consumer.config
+    expected, _ = _expected_pages(config, [attrs.evolve(load, loaded=True)])
+    found: list[PageMismatch] = []
+    for copy in expected_copies(config, load):
+        for layer in config.kv_cache_groups[copy.group].layer_names:
+            tensor_index, offset = config.page_offset(layer, copy.consumer_block)
+            page, desc = expected[(tensor_index, offset)]
+            got = bytes(consumer.regions[tensor_index].buffer[offset : offset + len(page)])
+            if got != page:
+                found.append(
+                    PageMismatch(
+                        side="consumer",
+                        kind=MismatchKind.WRONG_CONTENT,
+                        group=copy.group,
+                        layer=layer,
+                        block=copy.consumer_block,
+                        what=f"expected {desc}, but it is not there yet",
+                    )
+                )
+    return found
+
+
 def check_pools(
     *,
     producer: PagePool,
@@ -403,6 +451,9 @@ def check_pools(
     loads: Sequence[ExpectedLoad],
 ) -> list[PageMismatch]:
     """Compare every page of both pools with what ``loads`` should have done.
+
+    ``loads`` apply in order: when a consumer block is reused, the later
+    request's expectation replaces the earlier one's.
 
     - Producer pool: byte-identical to ``producer_before`` (neither mode writes P).
     - Consumer pool: each paired page of a loaded request holds
@@ -416,22 +467,7 @@ def check_pools(
     """
     mismatches: list[PageMismatch] = []
     config = consumer.config
-    # Expected consumer page contents, and pages whose content is undefined.
-    expected: dict[tuple[int, int], tuple[bytes, str]] = {}  # (tensor, offset) -> (bytes, description)
-    undefined: set[tuple[int, int, int]] = set()  # (tensor, offset, size)
-    for load in loads:
-        for copy in expected_copies(config, load):
-            for layer_index, layer in enumerate(config.kv_cache_groups[copy.group].layer_names):
-                key = config.page_offset(layer, copy.consumer_block)
-                if not load.loaded:
-                    undefined.add((*key, config.kv_cache_groups[copy.group].kv_cache_spec.page_size_bytes))
-                    continue
-                page = expected_page(
-                    config, group=copy.group, layer_index=layer_index, position=copy.position, salt=load.salt
-                )
-                desc = f"the page of group {copy.group}, layer {layer!r}, position {copy.position}, salt {load.salt!r}"
-                expected[key] = (page, desc)
-
+    expected, undefined = _expected_pages(config, loads)
     labels: dict[bytes, str] | None = None
 
     def label(data: bytes) -> str:
@@ -452,7 +488,7 @@ def check_pools(
     actual = [
         bytes(region.buffer[: len(old)]) for region, old in zip(consumer.regions, consumer_before.regions, strict=False)
     ]
-    for tensor_index, offset, size in undefined:
+    for (tensor_index, offset), size in undefined.items():
         # A failed request's paired pages may hold anything (FAIL-1).
         images[tensor_index][offset : offset + size] = actual[tensor_index][offset : offset + size]
     for index, (image, now) in enumerate(zip(images, actual, strict=True)):
