@@ -1,0 +1,433 @@
+"""Tests of the NIXL backend at the Transport level: two worker processes, real UCX (DONE-1, PLAN-1, FAIL-1)."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from multiprocessing import shared_memory
+
+import attrs
+import pytest
+from conftest import require_backend_module
+
+from kvspec import ConfigError, PlanError, TransferMode, TransportError
+from kvspec._models import FailureReason
+from kvspec.transport import (
+    Backend,
+    Descriptor,
+    MemoryRegion,
+    TransferHandle,
+    TransferState,
+    TransferStatus,
+    Transport,
+    _nixl_worker,
+    load_backend,
+)
+from kvspec.transport.nixl import NixlAgent, NixlBackend
+
+pytestmark = pytest.mark.nixl
+
+PAGE = 4096
+POOL = 64 * PAGE
+DEADLINE = 20.0  # seconds; every wait below is bounded by this
+
+
+class Pools:
+    """Two shared-memory regions per side, created and unlinked by the test process."""
+
+    def __init__(self, size: int = POOL, count: int = 2) -> None:
+        self.blocks = [shared_memory.SharedMemory(create=True, size=size) for _ in range(2 * count)]
+        rng = random.Random(7)
+        for shm in self.blocks:
+            assert shm.buf is not None
+            shm.buf[:size] = rng.randbytes(size) if size <= POOL else bytes(size)
+        self.producer = self.blocks[:count]
+        self.consumer = self.blocks[count:]
+
+    @staticmethod
+    def regions(blocks: list[shared_memory.SharedMemory]) -> list[MemoryRegion]:
+        return [MemoryRegion(buffer=shm.buf, shm_name=shm.name) for shm in blocks]  # type: ignore[arg-type]
+
+    def close(self) -> None:
+        for shm in self.blocks:
+            shm.close()
+            shm.unlink()
+
+
+def desc(local_region: int, local_offset: int, remote_region: int, remote_offset: int, nbytes: int) -> Descriptor:
+    return Descriptor(
+        local_region=local_region,
+        local_offset=local_offset,
+        remote_region=remote_region,
+        remote_offset=remote_offset,
+        nbytes=nbytes,
+    )
+
+
+def connect(producer: Transport, consumer: Transport, pools: Pools) -> None:
+    producer.register_memory(Pools.regions(pools.producer))
+    consumer.register_memory(Pools.regions(pools.consumer))
+    assert consumer.add_remote_agent(producer.get_agent_metadata()) == producer.name
+    assert producer.add_remote_agent(consumer.get_agent_metadata()) == consumer.name
+
+
+def wait(agent: Transport, handle: TransferHandle, deadline: float = DEADLINE) -> TransferStatus:
+    end = time.monotonic() + deadline
+    while time.monotonic() < end:
+        status = agent.check(handle)
+        if status.state is not TransferState.PENDING:
+            return status
+        time.sleep(0.001)
+    pytest.fail(f"transfer {handle.transfer_id} still PENDING after {deadline} s")
+
+
+def scattered(rng: random.Random, count: int) -> list[tuple[int, int, int]]:
+    """(producer page, consumer page, region) triples: random, with a run of adjacent pages to merge."""
+    triples = []
+    for region in (0, 1):
+        p_pages = rng.sample(range(POOL // PAGE), count)
+        c_pages = rng.sample(range(POOL // PAGE), count)
+        triples += [(p, c, region) for p, c in zip(p_pages, c_pages, strict=True)]
+    run = [(40 + i, 50 + i, 0) for i in range(4)]  # adjacent on both sides: merged into one NIXL descriptor
+    return [t for t in triples if t[0] not in range(40, 44) and t[1] not in range(50, 54)] + run
+
+
+@attrs.frozen(kw_only=True)
+class Pair:
+    """A backend with agents ``producer`` and ``consumer`` (two worker processes), registered and connected."""
+
+    backend: NixlBackend
+    producer: NixlAgent
+    consumer: NixlAgent
+    pools: Pools
+
+
+@pytest.fixture(scope="module")
+def nixl(pytestconfig: pytest.Config) -> Iterator[Pair]:
+    require_backend_module(pytestconfig, "nixl_cu12", "nixl")
+    backend = NixlBackend()
+    pools = Pools()
+    producer, consumer = backend.create_agent("producer"), backend.create_agent("consumer")
+    connect(producer, consumer, pools)
+    yield Pair(backend=backend, producer=producer, consumer=consumer, pools=pools)
+    backend.close()
+    pools.close()
+
+
+@pytest.fixture
+def tcp_backend(pytestconfig: pytest.Config) -> Iterator[NixlBackend]:
+    """UCX_TLS=tcp: transfers are asynchronous, so they can be seen (and broken) in flight."""
+    require_backend_module(pytestconfig, "nixl_cu12", "nixl")
+    backend = NixlBackend(tls="tcp", transfer_timeout=DEADLINE)
+    yield backend
+    backend.close()
+
+
+# --------------------------------------------------------------------------- shape
+
+
+def test_is_a_backend_with_agents_in_two_other_processes(nixl: Pair) -> None:
+    backend, producer, consumer = nixl.backend, nixl.producer, nixl.consumer
+    assert isinstance(backend, Backend)
+    assert isinstance(producer, Transport)
+    assert len({producer.pid, consumer.pid, os.getpid()}) == 3
+    caps = backend.capabilities
+    assert caps.cross_process
+    assert caps.notifications
+    assert not caps.observable_in_flight
+    assert caps.modes == frozenset({TransferMode.READ, TransferMode.WRITE})
+    assert consumer.info()["env"]["UCX_NET_DEVICES"] == "lo"  # type: ignore[index]
+
+
+def test_load_backend_builds_it_with_options(pytestconfig: pytest.Config) -> None:
+    require_backend_module(pytestconfig, "nixl_cu12", "nixl")
+    backend = load_backend("nixl", tls="tcp")
+    assert isinstance(backend, NixlBackend)
+    assert backend.capabilities.observable_in_flight
+    assert backend.worker_env()["UCX_TLS"] == "tcp"
+    assert backend.worker_env()["UCX_NET_DEVICES"] == "lo"
+
+
+def test_bad_options_are_config_errors(pytestconfig: pytest.Config) -> None:
+    require_backend_module(pytestconfig, "nixl_cu12", "nixl")
+    with pytest.raises(ConfigError, match="tls"):
+        NixlBackend(tls="rdma")
+    with pytest.raises(ConfigError, match="call_timeout"):
+        NixlBackend(call_timeout=0)
+
+
+def test_worker_and_proxy_look_for_the_same_modules() -> None:
+    from kvspec.transport import nixl as proxy_module
+
+    assert proxy_module._NIXL_MODULES == _nixl_worker.NIXL_MODULES
+
+
+# --------------------------------------------------------------------------- data
+
+
+@pytest.mark.parametrize("mode", [TransferMode.READ, TransferMode.WRITE])
+def test_scattered_pages_arrive_byte_exact(nixl: Pair, mode: TransferMode) -> None:
+    producer, consumer = nixl.producer, nixl.consumer
+    pools = nixl.pools
+    before = [bytes(shm.buf) for shm in pools.consumer]  # type: ignore[arg-type]
+    triples = scattered(random.Random(str(mode)), 12)
+    if mode is TransferMode.READ:  # consumer pulls: local = consumer
+        descriptors = [desc(r, c * PAGE, r, p * PAGE, PAGE) for p, c, r in triples]
+        initiator, peer = consumer, producer.name
+    else:  # producer pushes: local = producer
+        descriptors = [desc(r, p * PAGE, r, c * PAGE, PAGE) for p, c, r in triples]
+        initiator, peer = producer, consumer.name
+    handle = initiator.post(mode, descriptors, peer=peer)
+    assert wait(initiator, handle).state is TransferState.DONE
+    initiator.release(handle)
+    expected = [bytearray(b) for b in before]
+    for p, c, r in triples:
+        expected[r][c * PAGE : (c + 1) * PAGE] = pools.producer[r].buf[p * PAGE : (p + 1) * PAGE]  # type: ignore[index]
+    for r, shm in enumerate(pools.consumer):
+        assert bytes(shm.buf) == bytes(expected[r]), f"consumer region {r} differs"  # type: ignore[arg-type]
+
+
+def test_write_notification_arrives_after_the_data(nixl: Pair) -> None:
+    producer, consumer = nixl.producer, nixl.consumer
+    pools = nixl.pools
+    pools.producer[1].buf[0:PAGE] = os.urandom(PAGE)  # type: ignore[index]
+    handle = producer.post(
+        TransferMode.WRITE, [desc(1, 0, 1, 7 * PAGE, PAGE)], peer=consumer.name, notification=b"req-1 done"
+    )
+    end = time.monotonic() + DEADLINE
+    got: list[bytes] = []
+    while not got and time.monotonic() < end:
+        got = [n.message for n in consumer.get_notifications() if n.peer == producer.name]
+    # The consumer looks at its pool as soon as it holds the notification (DONE-1).
+    assert got == [b"req-1 done"]
+    assert bytes(pools.consumer[1].buf[7 * PAGE : 8 * PAGE]) == bytes(pools.producer[1].buf[0:PAGE])  # type: ignore[index]
+    assert wait(producer, handle).state is TransferState.DONE
+    producer.release(handle)
+
+
+def test_read_notification_and_plain_notifications_reach_the_producer_in_order(
+    nixl: Pair,
+) -> None:
+    producer, consumer = nixl.producer, nixl.consumer
+    handle = consumer.post(TransferMode.READ, [desc(0, 0, 0, 0, PAGE)], peer=producer.name, notification=b"read")
+    assert wait(consumer, handle).state is TransferState.DONE
+    consumer.release(handle)
+    for i in range(3):
+        consumer.send_notification(producer.name, f"release {i}".encode())
+    end = time.monotonic() + DEADLINE
+    got: list[bytes] = []
+    while len(got) < 4 and time.monotonic() < end:
+        got += [n.message for n in producer.get_notifications() if n.peer == consumer.name]
+    assert got == [b"read", b"release 0", b"release 1", b"release 2"]
+
+
+def test_empty_descriptor_list_is_done_and_still_notifies(nixl: Pair) -> None:
+    producer, consumer = nixl.producer, nixl.consumer
+    handle = producer.post(TransferMode.WRITE, [], peer=consumer.name, notification=b"nothing to move")
+    assert producer.check(handle).state is TransferState.DONE
+    producer.release(handle)
+    end = time.monotonic() + DEADLINE
+    got: list[bytes] = []
+    while not got and time.monotonic() < end:
+        got = [n.message for n in consumer.get_notifications()]
+    assert got == [b"nothing to move"]
+
+
+def test_add_remote_agent_twice_with_the_same_bytes_is_a_no_op(nixl: Pair) -> None:
+    producer, consumer = nixl.producer, nixl.consumer
+    assert consumer.add_remote_agent(producer.get_agent_metadata()) == producer.name
+
+
+# --------------------------------------------------------------------------- refusals before anything moves
+
+
+@pytest.mark.parametrize(
+    ("bad", "match"),
+    [
+        (desc(0, 0, 0, POOL - PAGE + 1, PAGE), "out of range"),  # straddles the end of the peer's region
+        (desc(0, POOL, 0, 0, PAGE), "out of range"),  # past the end of the local region
+        (desc(0, 0, 2, 0, PAGE), "not registered"),  # the peer has regions 0 and 1 only
+        (desc(-1, 0, 0, 0, PAGE), "not registered"),
+        (desc(0, 0, 0, 0, 0), "out of range"),  # an empty copy is a planning bug
+    ],
+)
+def test_descriptor_outside_registered_memory_raises_plan_error_and_moves_nothing(
+    nixl: Pair, bad: Descriptor, match: str
+) -> None:
+    producer, consumer = nixl.producer, nixl.consumer
+    pools = nixl.pools
+    before = [bytes(shm.buf) for shm in pools.consumer]  # type: ignore[arg-type]
+    good = desc(0, 3 * PAGE, 1, 9 * PAGE, PAGE)
+    with pytest.raises(PlanError, match=match):
+        consumer.post(TransferMode.READ, [good, bad], peer=producer.name)
+    assert [bytes(shm.buf) for shm in pools.consumer] == before  # type: ignore[arg-type]
+
+
+def test_unknown_peer_raises_transport_error(nixl: Pair) -> None:
+    consumer = nixl.consumer
+    with pytest.raises(TransportError, match="unknown peer 'nobody'") as info:
+        consumer.post(TransferMode.READ, [desc(0, 0, 0, 0, PAGE)], peer="nobody")
+    assert info.value.reason == FailureReason.PEER_DISCONNECTED.value
+    with pytest.raises(TransportError, match="unknown peer"):
+        consumer.send_notification("nobody", b"x")
+
+
+def test_region_without_shared_memory_is_refused(nixl: Pair) -> None:
+    consumer = nixl.consumer
+    with pytest.raises(ConfigError, match="shm_name"):
+        consumer.register_memory([MemoryRegion(buffer=memoryview(bytearray(PAGE)))])
+
+
+def test_foreign_metadata_is_refused(nixl: Pair) -> None:
+    consumer = nixl.consumer
+    with pytest.raises(TransportError, match="not from a kvspec NIXL agent"):
+        consumer.add_remote_agent(b"{}")
+
+
+# --------------------------------------------------------------------------- failures, bounded
+
+
+def big_pair(backend: NixlBackend, size: int = 32 << 20) -> tuple[NixlAgent, NixlAgent, Pools]:
+    pools = Pools(size=size, count=1)
+    producer, consumer = backend.create_agent("producer"), backend.create_agent("consumer")
+    connect(producer, consumer, pools)
+    return producer, consumer, pools
+
+
+def repeated_read(size: int, times: int) -> list[Descriptor]:
+    """``times`` reads of the whole region: a long transfer without a large pool (nothing merges)."""
+    return [desc(0, 0, 0, 0, size)] * times
+
+
+def test_peer_killed_mid_transfer_over_tcp_fails_as_disconnected(tcp_backend: NixlBackend) -> None:
+    producer, consumer, pools = big_pair(tcp_backend)
+    try:
+        assert tcp_backend.capabilities.observable_in_flight
+        handle = consumer.post(TransferMode.READ, repeated_read(32 << 20, 64), peer=producer.name)  # 2 GiB
+        assert consumer.check(handle).state is TransferState.PENDING  # tcp: in flight after the post
+        os.kill(producer.pid, signal.SIGKILL)
+        started = time.monotonic()
+        status = wait(consumer, handle)
+        assert status.state is TransferState.FAILED
+        assert status.reason is FailureReason.PEER_DISCONNECTED, status
+        assert "disconnect" in status.detail.lower()
+        assert time.monotonic() - started < 5.0
+        consumer.release(handle)
+        # The restarted producer must be removed first, as NIXL requires; then it works again.
+        producer.close()
+        restarted = tcp_backend.create_agent("producer")
+        restarted.register_memory(Pools.regions(pools.producer))
+        with pytest.raises(TransportError, match="remove_remote_agent"):
+            consumer.add_remote_agent(restarted.get_agent_metadata())
+        consumer.remove_remote_agent("producer")
+        assert consumer.add_remote_agent(restarted.get_agent_metadata()) == "producer"
+        pools.producer[0].buf[:PAGE] = b"\x5a" * PAGE  # type: ignore[index]
+        handle = consumer.post(TransferMode.READ, [desc(0, PAGE, 0, 0, PAGE)], peer="producer")
+        assert wait(consumer, handle).state is TransferState.DONE
+        assert bytes(pools.consumer[0].buf[PAGE : 2 * PAGE]) == b"\x5a" * PAGE  # type: ignore[index]
+    finally:
+        tcp_backend.close()
+        pools.close()
+
+
+def test_peer_killed_during_a_cma_transfer_fails_as_disconnected(pytestconfig: pytest.Config) -> None:
+    require_backend_module(pytestconfig, "nixl_cu12", "nixl")
+    backend = NixlBackend()
+    producer, consumer, pools = big_pair(backend)
+    try:
+        # With CMA the copy runs inside the post, so the kill has to come from another thread.
+        killer = threading.Timer(0.15, os.kill, (producer.pid, signal.SIGKILL))
+        killer.start()
+        started = time.monotonic()
+        handle = consumer.post(TransferMode.READ, repeated_read(32 << 20, 1024), peer=producer.name)  # 32 GiB
+        status = wait(consumer, handle)
+        killer.join()
+        assert status.state is TransferState.FAILED
+        assert status.reason is FailureReason.PEER_DISCONNECTED, status
+        assert time.monotonic() - started < 10.0
+        consumer.release(handle)
+        # Later posts to the dead peer end FAILED (or are refused) at once, never hang.
+        again = consumer.post(TransferMode.READ, [desc(0, 0, 0, 0, PAGE)], peer=producer.name)
+        assert wait(consumer, again, deadline=5.0).reason is FailureReason.PEER_DISCONNECTED
+    finally:
+        backend.close()
+        pools.close()
+
+
+def test_stalled_peer_times_out(pytestconfig: pytest.Config) -> None:
+    require_backend_module(pytestconfig, "nixl_cu12", "nixl")
+    backend = NixlBackend(tls="tcp", transfer_timeout=1.0)
+    producer, consumer, pools = big_pair(backend)
+    try:
+        warm = consumer.post(TransferMode.READ, [desc(0, 0, 0, 0, PAGE)], peer=producer.name)
+        assert wait(consumer, warm).state is TransferState.DONE
+        os.kill(producer.pid, signal.SIGSTOP)  # alive but silent: no reset ever comes
+        handle = consumer.post(TransferMode.READ, repeated_read(32 << 20, 64), peer=producer.name)
+        status = wait(consumer, handle, deadline=10.0)
+        assert status.state is TransferState.FAILED
+        assert status.reason is FailureReason.TIMEOUT, status
+        os.kill(producer.pid, signal.SIGKILL)
+    finally:
+        backend.close()
+        pools.close()
+
+
+def test_dead_or_wedged_worker_is_a_bounded_error(pytestconfig: pytest.Config) -> None:
+    require_backend_module(pytestconfig, "nixl_cu12", "nixl")
+    backend = NixlBackend(call_timeout=1.0)
+    try:
+        wedged, dead = backend.create_agent("wedged"), backend.create_agent("dead")
+        os.kill(wedged.pid, signal.SIGSTOP)
+        started = time.monotonic()
+        with pytest.raises(TransportError, match="no answer") as info:
+            wedged.get_agent_metadata()
+        assert info.value.reason == FailureReason.TIMEOUT.value
+        assert time.monotonic() - started < 5.0
+        os.kill(dead.pid, signal.SIGKILL)
+        with pytest.raises(TransportError, match="worker process exited"):
+            dead.get_notifications()
+        dead.close()
+        with pytest.raises(TransportError, match="closed"):
+            dead.get_notifications()
+    finally:
+        backend.close()
+
+
+# --------------------------------------------------------------------------- without NIXL
+
+
+def run_python(code: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False)
+
+
+def test_importing_kvspec_does_not_import_nixl() -> None:
+    result = run_python(
+        "import sys, kvspec, kvspec.transport, kvspec.transport.nixl\n"
+        "print(sorted(m for m in sys.modules if m.startswith('nixl')))"
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
+
+
+def test_without_nixl_asking_for_the_backend_says_how_to_install_it() -> None:
+    result = run_python(
+        "import sys\n"
+        "for name in ('nixl_cu12', 'nixl_cu13', 'nixl'):\n"
+        "    sys.modules[name] = None  # as if not installed\n"
+        "import kvspec\n"
+        "from kvspec.transport import load_backend\n"
+        "try:\n"
+        "    load_backend('nixl')\n"
+        "except kvspec.BackendUnavailableError as exc:\n"
+        "    assert isinstance(exc, ImportError)\n"
+        "    print(exc)\n"
+    )
+    assert result.returncode == 0, result.stderr
+    assert "pip install numpy && pip install --no-deps nixl-cu12" in result.stdout
+    assert "kvspec[nixl]" in result.stdout
