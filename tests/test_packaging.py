@@ -1,0 +1,133 @@
+"""`python -m build` makes a wheel and an sdist that install in a fresh virtualenv, typed, suite included."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import sysconfig
+import tarfile
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# Run in the fresh environment, from a folder outside the checkout, so nothing resolves to the sources.
+CHECK = """
+import importlib.metadata, pathlib, sys
+import kvspec, kvspec.transport, kvspec_conformance
+prefix = pathlib.Path(sys.prefix).resolve()
+for module in (kvspec, kvspec_conformance):
+    where = pathlib.Path(module.__file__).resolve()
+    assert prefix in where.parents, f"{module.__name__} imported from {where}, not from {prefix}"
+    assert (where.parent / "py.typed").is_file(), f"{module.__name__} ships no py.typed"
+assert kvspec.__version__ == importlib.metadata.version("kvspec"), kvspec.__version__
+print("ok", kvspec.__version__)
+"""
+
+
+@pytest.fixture(scope="module")
+def dist(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Build the sdist and the wheel once, offline."""
+    out = tmp_path_factory.mktemp("dist")
+    pytest.importorskip("build")
+    subprocess.run(
+        # No --sdist/--wheel: build makes the sdist, then the wheel from the unpacked sdist, which
+        # also proves the sdist is complete. The backend is this environment's setuptools.
+        [sys.executable, "-m", "build", "--no-isolation", "--skip-dependency-check", "--outdir", str(out), str(ROOT)],
+        check=True,
+        capture_output=True,
+        cwd=ROOT,
+    )
+    return out
+
+
+def _only(folder: Path, pattern: str) -> Path:
+    found = sorted(folder.glob(pattern))
+    assert len(found) == 1, f"expected one {pattern} in {folder}, found {[p.name for p in found]}"
+    return found[0]
+
+
+def _fresh_venv(where: Path) -> Path:
+    """A new virtualenv that sees this environment's packages except kvspec itself.
+
+    Dependencies are linked in rather than downloaded so the test runs offline
+    and fast; kvspec can then come only from the artifact under test.
+    """
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(where)], check=True)
+    deps = where / "deps"
+    deps.mkdir()
+    site = Path(sysconfig.get_paths()["purelib"])
+    for entry in site.iterdir():
+        name = entry.name.lower()
+        if name.startswith(("kvspec", "__editable__", "_kvspec")) or name.endswith(".pth"):
+            continue
+        (deps / entry.name).symlink_to(entry)
+    python = where / "bin" / "python"
+    fresh_site = subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    Path(fresh_site, "deps.pth").write_text(f"{deps}\n", encoding="utf-8")
+    return python
+
+
+def _install_and_check(artifact: Path, venv: Path) -> None:
+    python = _fresh_venv(venv)
+    env = {**os.environ, "PIP_NO_INDEX": "1", "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
+    env.pop("PYTHONPATH", None)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "--python",
+            str(python),
+            "install",
+            "--quiet",
+            "--no-deps",
+            "--no-build-isolation",
+            str(artifact),
+        ],
+        check=True,
+        capture_output=True,
+        env=env,
+        cwd=venv,
+    )
+    result = subprocess.run([str(python), "-c", CHECK], check=False, capture_output=True, text=True, env=env, cwd=venv)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.startswith("ok")
+
+
+def test_wheel_contents(dist: Path) -> None:
+    wheel = _only(dist, "kvspec-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for required in (
+        "kvspec/__init__.py",
+        "kvspec/py.typed",
+        "kvspec/transport/__init__.py",
+        "kvspec_conformance/__init__.py",
+        "kvspec_conformance/py.typed",
+    ):
+        assert required in names, f"{wheel.name} lacks {required}"
+    assert not any(n.startswith(("tests/", "docs/", "conformance/")) for n in names), "stray top-level folders"
+
+
+def test_sdist_contents(dist: Path) -> None:
+    sdist = _only(dist, "kvspec-*.tar.gz")
+    with tarfile.open(sdist) as tar:
+        names = {name.split("/", 1)[1] for name in tar.getnames() if "/" in name}
+    for required in ("pyproject.toml", "README.md", "kvspec/py.typed", "conformance/__init__.py"):
+        assert required in names, f"{sdist.name} lacks {required}"
+
+
+def test_wheel_installs_in_a_fresh_venv(dist: Path, tmp_path: Path) -> None:
+    _install_and_check(_only(dist, "kvspec-*.whl"), tmp_path / "venv")
+
+
+def test_sdist_installs_in_a_fresh_venv(dist: Path, tmp_path: Path) -> None:
+    _install_and_check(_only(dist, "kvspec-*.tar.gz"), tmp_path / "venv")
