@@ -1,0 +1,102 @@
+"""Tests of the ``kvspec`` command line (``plan``, ``conform`` wiring)."""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+
+import pytest
+
+from kvspec import get_preset
+from kvspec.cli import main
+
+
+def run(*argv: str) -> tuple[int, str]:
+    out = io.StringIO()
+    status = main(list(argv), out=out)
+    return status, out.getvalue()
+
+
+def test_plan_json_matches_the_reference_counts() -> None:
+    status, text = run("plan", "gpt-oss-20b", "--tokens", "1000", "--json")
+    assert status == 0
+    data = json.loads(text)
+    assert data["model"] == "openai/gpt-oss-20b"
+    sliding, full = data["groups"]
+    # SW-1: W=128, B=16 -> budget 9; 1000 tokens need [873, 999] -> blocks 54..62, 9 blocks.
+    assert sliding["kind"] == "sliding_window"
+    assert sliding["blocks_unclipped"] == 63
+    assert sliding["blocks_clipped"] == 9
+    assert full["blocks_unclipped"] == full["blocks_clipped"] == 63
+    total = data["total"]
+    assert total["bytes_clipped"] == sum(g["bytes_clipped"] for g in data["groups"])
+    assert total["bytes_saved"] == total["bytes_unclipped"] - total["bytes_clipped"]
+    assert sliding["bytes_clipped"] == 9 * sliding["num_layers"] * sliding["page_size"]
+    assert total["descriptors_clipped"] >= 1
+
+
+def test_plan_accepts_hf_id_and_alias_alike() -> None:
+    preset = get_preset("gemma-3-27b")
+    _, by_alias = run("plan", preset.alias, "--tokens", "4096", "--json")
+    _, by_id = run("plan", preset.hf_id, "--tokens", "4096", "--json")
+    assert json.loads(by_alias) == json.loads(by_id)
+
+
+def test_full_prefix_hit_moves_nothing() -> None:
+    _, text = run("plan", "gemma-3-1b", "--tokens", "512", "--prefix-hit", "512", "--json")
+    data = json.loads(text)
+    assert data["total"]["bytes_clipped"] == 0
+    assert data["total"]["descriptors_clipped"] == 0
+
+
+def test_plan_table_and_write_mode() -> None:
+    status, text = run("plan", "gemma-3-27b", "--tokens", "8192", "--prefix-hit", "1024", "--mode", "write")
+    assert status == 0
+    assert "mode write" in text
+    assert "clipping saves" in text
+    assert "sliding_window" in text
+    assert "full_attention" in text
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (("plan", "no-such-model", "--tokens", "10"), "ConfigError"),
+        (("plan", "qwen3-next-80b", "--tokens", "10"), "UnsupportedHybridError"),
+        (("plan", "gemma-3-27b", "--tokens", "100", "--prefix-hit", "5"), "BlockAlignmentError"),
+    ],
+)
+def test_errors_exit_2_with_a_named_error(
+    argv: tuple[str, ...], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    status, _ = run(*argv)
+    assert status == 2
+    assert message in capsys.readouterr().err
+
+
+def test_bad_arguments_are_usage_errors() -> None:
+    with pytest.raises(SystemExit) as info:
+        run("plan", "gemma-3-27b", "--tokens", "-3")
+    assert info.value.code == 2
+
+
+def test_conform_without_the_suite_cli_says_so(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "kvspec_conformance.cli", None)
+    status, _ = run("conform", "loopback")
+    assert status == 2
+    assert "conformance suite is not importable" in capsys.readouterr().err
+
+
+def test_python_dash_m_runs() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "kvspec", "plan", "llama-3.1-8b", "--tokens", "64", "--json"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    )
+    assert json.loads(result.stdout)["groups"][0]["blocks_clipped"] == 4
