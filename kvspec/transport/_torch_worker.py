@@ -1,0 +1,644 @@
+"""The process behind one torch.distributed agent: attaches shared memory and moves bytes over process groups.
+
+Theory of operation (one worker per agent, started by
+:class:`kvspec.transport.torch_dist.TorchDistributedBackend`):
+
+- The main thread serves the parent's proxy over a ``multiprocessing`` pipe:
+  one request, one reply, never blocked longer than the backend's timeout.
+- Every pair of agents shares two control connections on 127.0.0.1 (one per
+  direction, authenticated with the receiver's key from its metadata) and one
+  two-rank process group (gloo by default) rendezvoused through a
+  ``FileStore`` in the lower-ranked worker's temporary directory, so no
+  listening socket beyond gloo's own pairs is opened.
+- Data moves with ``send``/``recv`` on that group, straight from and into
+  views of the shared pools; runs of many small pages are packed into a few
+  large messages through a small ring of staging buffers, because gloo costs
+  about 100 µs per message (research/backends.md §4).
+- READ: the initiator posts its receives, then asks the peer to send. WRITE:
+  the initiator asks the peer to receive, then sends; the peer acknowledges
+  once every byte is in its pool, and only then queues the post's
+  notification (DONE-1).
+- A control connection that closes means the peer process is gone: every
+  transfer with that peer becomes FAILED ``peer_disconnected`` (FAIL-1).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import importlib
+import itertools
+import json
+import mmap
+import os
+import secrets
+import shutil
+import tempfile
+import threading
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from multiprocessing.connection import Client, Connection, Listener
+from typing import Any
+
+import torch
+from torch.distributed import FileStore, ProcessGroupGloo  # type: ignore[attr-defined]  # re-exported at run time
+
+__all__ = ["main"]
+
+# (local_region, local_offset, remote_region, remote_offset, nbytes), already validated and coalesced.
+Run = tuple[int, int, int, int, int]
+# (region, offset, nbytes) on one side.
+Span = tuple[int, int, int]
+
+_TAG_MASK = (1 << 30) - 1
+
+
+# --------------------------------------------------------------------------- shared memory
+
+
+def _attach(shm_name: str, nbytes: int) -> mmap.mmap:
+    """Map a ``multiprocessing.shared_memory`` block without registering it with a resource tracker.
+
+    Attaching through ``SharedMemory`` on Python < 3.13 registers the block with
+    the tracker, which then unlinks the owner's block when this process exits.
+    """
+    fd = os.open(os.path.join("/dev/shm", shm_name.lstrip("/")), os.O_RDWR)
+    try:
+        return mmap.mmap(fd, nbytes)
+    finally:
+        os.close(fd)
+
+
+# --------------------------------------------------------------------------- chunking
+
+
+def _chunks(spans: Sequence[Span], chunk_bytes: int) -> list[list[Span]]:
+    """Group consecutive spans into messages of at most ``chunk_bytes`` (a larger span travels alone).
+
+    Both sides compute the same grouping from the same span list and size.
+    """
+    chunks: list[list[Span]] = []
+    current: list[Span] = []
+    size = 0
+    for span in spans:
+        if current and size + span[2] > chunk_bytes:
+            chunks.append(current)
+            current, size = [], 0
+        current.append(span)
+        size += span[2]
+    if current:
+        chunks.append(current)
+    return chunks
+
+
+# --------------------------------------------------------------------------- state
+
+
+class _Failure(Exception):
+    """A transfer or peer failed; ``reason`` is a ``FailureReason`` value."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(detail)
+        self.reason = reason
+        self.detail = detail
+
+
+class _Peer:
+    def __init__(self, meta: dict[str, Any], my_uid: str) -> None:
+        self.meta = meta
+        self.name: str = meta["name"]
+        self.uid: str = meta["uid"]
+        self.rank = 0 if my_uid < self.uid else 1
+        self.peer_rank = 1 - self.rank
+        self.out: Connection | None = None
+        self.out_lock = threading.Lock()
+        self.group: Any = None
+        self.ready = threading.Event()
+        self.dead: _Failure | None = None
+        self.op_lock = threading.Lock()
+        # Each pairing has a session per side; a hello with a new session means the peer re-added us.
+        self.session = secrets.token_hex(8)
+        self.remote_session: str | None = None
+
+    def send(self, message: tuple[Any, ...]) -> None:
+        if self.out is None:
+            raise _Failure("peer_disconnected", f"no control connection to peer {self.name!r}")
+        try:
+            with self.out_lock:
+                self.out.send(message)
+        except (OSError, EOFError, ValueError) as exc:
+            raise _Failure("peer_disconnected", f"peer {self.name!r} is gone: {exc}") from exc
+
+
+class _Transfer:
+    def __init__(self, xid: int, peer: _Peer, deadline: float) -> None:
+        self.xid = xid
+        self.peer = peer
+        self.deadline = deadline
+        self.state = "pending"
+        self.reason: str | None = None
+        self.detail = ""
+        self.released = False
+
+
+class _Worker:
+    """All state of one agent's process; methods named ``op_*`` answer the proxy's requests."""
+
+    def __init__(self, name: str, options: dict[str, Any]) -> None:
+        self.name = name
+        self.options = options
+        self.uid = f"{time.time_ns():x}-{os.getpid()}-{secrets.token_hex(4)}"
+        self.authkey = secrets.token_bytes(16)
+        self.timeout_s: float = options["timeout_s"]
+        self.chunk_bytes: int = options["chunk_bytes"]
+        self.stage_below: int = options["stage_below"]
+        self.ring: int = options["ring"]
+        self.store_dir = tempfile.mkdtemp(prefix="kvspec-torch-")
+        self.listener = Listener(("127.0.0.1", 0), authkey=self.authkey)
+        self.lock = threading.Condition()
+        self.maps: list[mmap.mmap] = []
+        self.tensors: list[torch.Tensor] = []
+        self.peers: dict[str, _Peer] = {}  # by uid
+        self.transfers: dict[int, _Transfer] = {}
+        self.notifications: list[tuple[str, bytes]] = []
+        self.counter = itertools.count(1)
+        self.graveyard: list[Any] = []  # groups of dead peers; destroying them may block
+        self.closed = False
+        self.group_factory = _resolve_group_factory(options["process_group"])
+        threading.Thread(target=self._accept_loop, name="kvspec-accept", daemon=True).start()
+
+    # ----------------------------------------------------------------------- metadata and peers
+
+    def metadata(self) -> dict[str, Any]:
+        host, port = self.listener.address
+        return {
+            "kvspec_torch": 1,
+            "name": self.name,
+            "uid": self.uid,
+            "pid": os.getpid(),
+            "host": host,
+            "port": port,
+            "authkey": self.authkey.hex(),
+            "store_dir": self.store_dir,
+            "regions": [t.numel() for t in self.tensors],
+            "process_group": self.options["process_group"],
+        }
+
+    def _accept_loop(self) -> None:
+        while not self.closed:
+            try:
+                conn = self.listener.accept()
+            except (OSError, EOFError):
+                if self.closed:
+                    return
+                continue  # a client that failed authentication
+            threading.Thread(target=self._reader, args=(conn,), name="kvspec-peer", daemon=True).start()
+
+    def _peer_by_name(self, name: str) -> _Peer:
+        with self.lock:
+            for peer in self.peers.values():
+                if peer.name == name:
+                    return peer
+        raise _Failure("unknown_peer", f"unknown peer {name!r}: add_remote_agent its metadata first")
+
+    def _ensure_peer(self, meta: dict[str, Any], remote_session: str | None = None) -> _Peer:
+        """The live peer for ``meta``, created (with its outgoing connection) when new."""
+        with self.lock:
+            peer = self.peers.get(meta["uid"])
+            if peer is not None and peer.dead is None and peer.remote_session in (None, remote_session):
+                if remote_session is not None:
+                    peer.remote_session = remote_session
+                return peer
+            if remote_session is None and peer is not None and peer.dead is None:
+                return peer
+            for old in [p for p in self.peers.values() if p.name == meta["name"] or p.uid == meta["uid"]]:
+                # A restarted peer (same name, new process) or a new pairing replaces the old one.
+                self._drop_peer(old, _Failure("peer_disconnected", f"peer {old.name!r} was replaced"))
+                self.peers.pop(old.uid, None)
+            peer = _Peer(meta, self.uid)
+            peer.remote_session = remote_session
+            self.peers[peer.uid] = peer
+        try:
+            peer.out = Client((meta["host"], meta["port"]), authkey=bytes.fromhex(meta["authkey"]))
+            peer.send(("hello", self.metadata(), peer.session))
+        except (OSError, EOFError, _Failure) as exc:
+            self._drop_peer(peer, _Failure("peer_disconnected", f"cannot reach peer {peer.name!r}: {exc}"))
+            raise _Failure("peer_disconnected", f"cannot reach peer {peer.name!r}: {exc}") from exc
+        if peer.rank == 0:
+            path = os.path.join(self.store_dir, f"group-{secrets.token_hex(8)}")
+            peer.send(("group", path))
+            self._start_group(peer, path)
+        return peer
+
+    def _start_group(self, peer: _Peer, path: str) -> None:
+        def form() -> None:
+            try:
+                store = FileStore(path, 2)
+                timeout = datetime.timedelta(seconds=self.timeout_s)
+                peer.group = self.group_factory(store, peer.rank, 2, timeout)
+            except Exception as exc:
+                self._drop_peer(peer, _Failure("peer_disconnected", f"process group with {peer.name!r}: {exc}"))
+            peer.ready.set()
+
+        threading.Thread(target=form, name="kvspec-group", daemon=True).start()
+
+    def _drop_peer(self, peer: _Peer, failure: _Failure) -> None:
+        with self.lock:
+            if peer.dead is None:
+                peer.dead = failure
+            for transfer in self.transfers.values():
+                if transfer.peer is peer and transfer.state == "pending":
+                    self._finish(transfer, failure)
+            if peer.group is not None:
+                self.graveyard.append(peer.group)
+            self.lock.notify_all()
+        peer.ready.set()
+        if peer.out is not None:
+            with contextlib.suppress(OSError):
+                peer.out.close()
+
+    def _reader(self, conn: Connection) -> None:
+        """Serve one incoming control connection until it closes."""
+        peer: _Peer | None = None
+        try:
+            while True:
+                message = conn.recv()
+                kind = message[0]
+                if kind == "hello":
+                    peer = self._ensure_peer(message[1], message[2])
+                elif peer is None:
+                    continue
+                elif kind == "group":
+                    self._start_group(peer, message[1])
+                elif kind == "notif":
+                    with self.lock:
+                        self.notifications.append((peer.name, message[1]))
+                elif kind == "read_req":
+                    self._serve_read(peer, *message[1:])
+                elif kind == "write_req":
+                    self._serve_write(peer, *message[1:])
+                elif kind == "write_done":
+                    self._remote_done(message[1], None)
+                elif kind == "write_failed":
+                    self._remote_done(message[1], _Failure(message[2], message[3]))
+        except (OSError, EOFError):
+            pass
+        except _Failure:
+            pass
+        finally:
+            conn.close()
+            if peer is not None and not self.closed:
+                self._drop_peer(peer, _Failure("peer_disconnected", f"peer {peer.name!r} closed its connection"))
+
+    # ----------------------------------------------------------------------- data path
+
+    def _views(self, spans: Sequence[Span]) -> list[torch.Tensor]:
+        return [self.tensors[r].narrow(0, off, n) for r, off, n in spans]
+
+    def _send_spans(self, peer: _Peer, spans: Sequence[Span], tag: int) -> None:
+        """Send ``spans`` in order and wait until gloo has taken every byte; raises on failure."""
+        group = peer.group
+        timeout = _td(self.timeout_s)
+        if not _staged(spans, self.stage_below):
+            with peer.op_lock:
+                works = [group.send([view], peer.peer_rank, tag) for view in self._views(spans)]
+            for work in works:
+                work.wait(timeout)
+            return
+        # A ring of staging buffers: chunk i reuses the buffer of chunk i - ring once that send is done.
+        buffers: list[torch.Tensor | None] = [None] * self.ring
+        in_flight: list[Any] = [None] * self.ring
+        for index, chunk in enumerate(_chunks(spans, self.chunk_bytes)):
+            slot = index % self.ring
+            if in_flight[slot] is not None:
+                in_flight[slot].wait(timeout)
+            if len(chunk) == 1:
+                tensor = self._views(chunk)[0]
+            else:
+                buffer = buffers[slot]
+                if buffer is None:
+                    buffer = buffers[slot] = torch.empty(self.chunk_bytes, dtype=torch.uint8)
+                tensor = _gather(buffer, self._views(chunk))
+            with peer.op_lock:
+                in_flight[slot] = group.send([tensor], peer.peer_rank, tag)
+        for work in in_flight:
+            if work is not None:
+                work.wait(timeout)
+
+    def _recv_spans(self, peer: _Peer, spans: Sequence[Span], tag: int) -> Callable[[], None]:
+        """Post receives for ``spans``; returns a function that waits for them (and scatters staged chunks)."""
+        group = peer.group
+        timeout = _td(self.timeout_s)
+        if not _staged(spans, self.stage_below):
+            with peer.op_lock:
+                works = [group.recv([view], peer.peer_rank, tag) for view in self._views(spans)]
+
+            def wait_direct() -> None:
+                for work in works:
+                    work.wait(timeout)
+
+            return wait_direct
+        chunks = _chunks(spans, self.chunk_bytes)
+        buffers = [torch.empty(self.chunk_bytes, dtype=torch.uint8) for _ in range(min(self.ring, len(chunks)))]
+        posted: list[Any] = []
+
+        def post(index: int) -> None:
+            chunk = chunks[index]
+            if len(chunk) == 1:
+                tensor = self._views(chunk)[0]
+            else:
+                tensor = buffers[index % len(buffers)].narrow(0, 0, sum(n for _, _, n in chunk))
+            with peer.op_lock:
+                posted.append(group.recv([tensor], peer.peer_rank, tag))
+
+        for index in range(min(self.ring, len(chunks))):
+            post(index)
+
+        def wait_staged() -> None:
+            for index, chunk in enumerate(chunks):
+                posted[index].wait(timeout)
+                if len(chunk) > 1:
+                    _scatter(buffers[index % len(buffers)], self._views(chunk))
+                if index + self.ring < len(chunks):
+                    post(index + self.ring)
+
+        return wait_staged
+
+    def _finish(self, transfer: _Transfer, failure: _Failure | None) -> None:
+        """Record the outcome once (caller holds the lock)."""
+        if transfer.state != "pending":
+            return
+        if failure is None:
+            transfer.state = "done"
+        else:
+            transfer.state, transfer.reason, transfer.detail = "failed", failure.reason, failure.detail
+        if transfer.released:
+            self.transfers.pop(transfer.xid, None)
+        self.lock.notify_all()
+
+    def _complete(self, transfer: _Transfer, failure: _Failure | None) -> None:
+        with self.lock:
+            self._finish(transfer, failure)
+
+    def _remote_done(self, xid: int, failure: _Failure | None) -> None:
+        with self.lock:
+            transfer = self.transfers.get(xid)
+            if transfer is not None:
+                self._finish(transfer, failure)
+
+    def _spawn(self, target: Callable[[], None]) -> None:
+        threading.Thread(target=target, name="kvspec-xfer", daemon=True).start()
+
+    def _serve_read(self, peer: _Peer, xid: int, tag: int, spans: list[Span]) -> None:
+        """The peer reads from us: send our spans from a thread so this connection keeps being served."""
+
+        def send() -> None:
+            try:
+                self._send_spans(peer, spans, tag)
+            except Exception as exc:
+                self._drop_peer(peer, _gloo_failure(peer, exc))
+
+        self._spawn(send)
+
+    def _serve_write(self, peer: _Peer, xid: int, tag: int, spans: list[Span], notification: bytes | None) -> None:
+        """The peer writes to us: receive, then queue its notification, then acknowledge (DONE-1)."""
+        try:
+            wait = self._recv_spans(peer, spans, tag)
+        except Exception as exc:
+            _quiet(peer.send, ("write_failed", xid, "transfer_error", f"peer could not post receives: {exc}"))
+            return
+
+        def land() -> None:
+            try:
+                wait()
+            except Exception as exc:
+                _quiet(peer.send, ("write_failed", xid, "transfer_error", f"receiving: {exc}"))
+                return
+            if notification is not None:
+                with self.lock:
+                    self.notifications.append((peer.name, notification))
+            _quiet(peer.send, ("write_done", xid))
+
+        self._spawn(land)
+
+    # ----------------------------------------------------------------------- proxy requests
+
+    def op_register(self, shm_names: list[str], sizes: list[int]) -> None:
+        for shm_name, size in zip(shm_names, sizes, strict=True):
+            mapped = _attach(shm_name, size)
+            self.maps.append(mapped)
+            self.tensors.append(torch.frombuffer(mapped, dtype=torch.uint8, count=size))
+
+    def op_metadata(self) -> bytes:
+        return json.dumps(self.metadata(), sort_keys=True).encode()
+
+    def op_add_peer(self, metadata: bytes) -> str:
+        meta = json.loads(metadata)
+        if meta["uid"] == self.uid:
+            raise _Failure("post_failed", "add_remote_agent: this is the agent's own metadata")
+        if meta.get("process_group") != self.options["process_group"]:
+            raise _Failure(
+                "post_failed",
+                f"add_remote_agent: peer uses process group {meta.get('process_group')!r}, "
+                f"this agent {self.options['process_group']!r}",
+            )
+        peer = self._ensure_peer(meta)
+        self._wait_ready(peer)
+        return peer.name
+
+    def _wait_ready(self, peer: _Peer) -> None:
+        if not peer.ready.wait(self.timeout_s):
+            raise _Failure("timeout", f"process group with {peer.name!r} not formed within {self.timeout_s} s")
+        if peer.dead is not None:
+            raise peer.dead
+
+    def op_remove_peer(self, name: str) -> None:
+        peer = self._peer_by_name(name)
+        self._drop_peer(peer, _Failure("peer_disconnected", f"peer {name!r} was removed"))
+        with self.lock:
+            self.peers.pop(peer.uid, None)
+
+    def op_post(self, mode: str, runs: list[Run], peer_name: str, notification: bytes | None) -> int:
+        peer = self._peer_by_name(peer_name)
+        if peer.dead is not None:
+            raise _Failure(peer.dead.reason, peer.dead.detail)
+        self._wait_ready(peer)
+        xid = next(self.counter)
+        tag = ((xid << 1) | peer.rank) & _TAG_MASK
+        local: list[Span] = [(lr, lo, n) for lr, lo, _, _, n in runs]
+        remote: list[Span] = [(rr, ro, n) for _, _, rr, ro, n in runs]
+        transfer = _Transfer(xid, peer, time.monotonic() + self.timeout_s)
+        with self.lock:
+            self.transfers[xid] = transfer
+        if mode == "read":
+            wait = self._recv_spans(peer, local, tag)
+            peer.send(("read_req", xid, tag, remote))
+
+            def land() -> None:
+                try:
+                    wait()
+                except Exception as exc:
+                    self._complete(transfer, _gloo_failure(peer, exc))
+                    return
+                self._complete(transfer, None)
+                if notification is not None:
+                    _quiet(peer.send, ("notif", notification))
+
+            self._spawn(land)
+        else:
+            peer.send(("write_req", xid, tag, remote, notification))
+
+            def send() -> None:
+                try:
+                    self._send_spans(peer, local, tag)
+                except Exception as exc:
+                    self._complete(transfer, _gloo_failure(peer, exc))
+                # DONE comes with the peer's write_done, once the bytes are in its pool.
+
+            self._spawn(send)
+        return xid
+
+    def op_check(self, xid: int, wait_s: float) -> tuple[str, str | None, str]:
+        with self.lock:
+            transfer = self.transfers.get(xid)
+            if transfer is None:
+                raise _Failure("unknown_handle", f"unknown or released transfer {xid}")
+            if transfer.state == "pending" and wait_s > 0:
+                self.lock.wait_for(lambda: transfer.state != "pending", timeout=wait_s)
+            if transfer.state == "pending" and time.monotonic() > transfer.deadline:
+                self._finish(transfer, _Failure("timeout", f"transfer {xid} exceeded {self.timeout_s} s"))
+                timed_out = True
+            else:
+                timed_out = False
+            state, reason, detail = transfer.state, transfer.reason, transfer.detail
+        if timed_out:
+            # Late bytes could land in blocks reused by a later request: the pair is not used again.
+            self._drop_peer(transfer.peer, _Failure("timeout", f"peer {transfer.peer.name!r} timed out"))
+        return state, reason, detail
+
+    def op_release(self, xid: int) -> None:
+        with self.lock:
+            transfer = self.transfers.get(xid)
+            if transfer is None:
+                return
+            transfer.released = True
+            if transfer.state != "pending":
+                self.transfers.pop(xid, None)
+
+    def op_notify(self, peer_name: str, message: bytes) -> None:
+        peer = self._peer_by_name(peer_name)
+        if peer.dead is not None:
+            raise _Failure(peer.dead.reason, peer.dead.detail)
+        peer.send(("notif", message))
+
+    def op_notifications(self) -> list[tuple[str, bytes]]:
+        with self.lock:
+            drained, self.notifications = self.notifications, []
+        return drained
+
+    def op_call(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+        return fn(self, *args)
+
+    # ----------------------------------------------------------------------- helpers for op_call
+
+    def process_group(self, peer_name: str) -> tuple[Any, int]:
+        """The process group shared with ``peer_name`` and the peer's rank in it (benchmarks use this)."""
+        peer = self._peer_by_name(peer_name)
+        self._wait_ready(peer)
+        return peer.group, peer.peer_rank
+
+    def region(self, index: int) -> torch.Tensor:
+        """The uint8 tensor over registered region ``index``."""
+        return self.tensors[index]
+
+    def close(self) -> None:
+        self.closed = True
+        for peer in list(self.peers.values()):
+            self._drop_peer(peer, _Failure("peer_disconnected", "agent closed"))
+        _quiet(self.listener.close)
+        shutil.rmtree(self.store_dir, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _td(seconds: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=seconds)
+
+
+def _staged(spans: Sequence[Span], stage_below: int) -> bool:
+    """Pack spans into staging messages when they are many and small on average."""
+    return len(spans) > 1 and sum(n for _, _, n in spans) < stage_below * len(spans)
+
+
+def _gather(buffer: torch.Tensor, views: Sequence[torch.Tensor]) -> torch.Tensor:
+    offset = 0
+    for view in views:
+        n = view.numel()
+        buffer.narrow(0, offset, n).copy_(view)
+        offset += n
+    return buffer.narrow(0, 0, offset)
+
+
+def _scatter(buffer: torch.Tensor, views: Sequence[torch.Tensor]) -> None:
+    offset = 0
+    for view in views:
+        n = view.numel()
+        view.copy_(buffer.narrow(0, offset, n))
+        offset += n
+
+
+def _gloo_failure(peer: _Peer, exc: BaseException) -> _Failure:
+    if peer.dead is not None:
+        return peer.dead
+    text = str(exc)
+    if "closed by peer" in text or "Connection reset" in text:
+        return _Failure("peer_disconnected", f"peer {peer.name!r}: {text}")
+    if "Timed out" in text or "timeout" in text.lower():
+        return _Failure("timeout", f"peer {peer.name!r}: {text}")
+    return _Failure("transfer_error", f"peer {peer.name!r}: {text}")
+
+
+def _quiet(fn: Callable[..., Any], *args: Any) -> None:
+    with contextlib.suppress(Exception):  # best effort: the peer may already be gone
+        fn(*args)
+
+
+def _resolve_group_factory(spec: str) -> Callable[..., Any]:
+    """``"gloo"``, or ``"module:function"`` taking ``(store, rank, world_size, timeout)``."""
+    if spec == "gloo":
+        return ProcessGroupGloo
+    module_name, _, attr = spec.partition(":")
+    factory: Callable[..., Any] = getattr(importlib.import_module(module_name), attr)
+    return factory
+
+
+def main(conn: Connection, name: str, options: dict[str, Any]) -> None:
+    """Serve the proxy's requests until it says ``close`` or its pipe closes."""
+    started = time.perf_counter()
+    worker = _Worker(name, options)
+    conn.send(("ready", os.getpid(), torch.__version__, time.perf_counter() - started))
+    try:
+        while True:
+            try:
+                request = conn.recv()
+            except (EOFError, OSError):
+                break
+            op, args = request[0], request[1:]
+            if op == "close":
+                worker.close()
+                conn.send(("ok", None))
+                break
+            try:
+                result = getattr(worker, f"op_{op}")(*args)
+                reply: tuple[Any, ...] = ("ok", result)
+            except _Failure as exc:
+                reply = ("err", exc.reason, exc.detail)
+            except Exception as exc:
+                reply = ("err", "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+            conn.send(reply)
+    finally:
+        worker.closed = True
+        # Skip interpreter teardown: destroying groups of dead peers can block.
+        os._exit(0)

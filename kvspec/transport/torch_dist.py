@@ -1,0 +1,438 @@
+"""The ``torch`` backend: each agent is a worker process moving bytes with torch.distributed point-to-point ops.
+
+Theory of operation:
+
+- :meth:`TorchDistributedBackend.create_agent` starts one worker process
+  (``multiprocessing`` spawn) and returns a :class:`TorchAgent`, a proxy
+  implementing :class:`kvspec.transport.Transport` over a pipe. This process
+  never imports torch; only the workers do.
+- ``register_memory`` takes shared-memory regions (``MemoryRegion.shm_name``);
+  the worker maps the same bytes, so data lands in the caller's pools without
+  passing through this process.
+- ``add_remote_agent`` pairs two workers: two control connections on
+  127.0.0.1 and one two-rank process group (gloo, ``GLOO_SOCKET_IFNAME=lo``).
+  ``post`` validates every descriptor here, before anything moves (PLAN-1),
+  coalesces adjacent descriptors into runs, and hands them to the worker.
+- ``check`` asks the worker; a transfer whose peer process dies or that
+  outlives ``timeout_s`` ends FAILED (FAIL-1). Every call to a worker is
+  bounded, so no call hangs the caller.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import itertools
+import json
+import multiprocessing
+import os
+import threading
+from collections.abc import Callable, Sequence
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+from kvspec._errors import BackendUnavailableError, ConfigError, PlanError, TransportError
+from kvspec._models import FailureReason, TransferMode
+from kvspec.transport._base import (
+    Capabilities,
+    Descriptor,
+    MemoryRegion,
+    Notification,
+    TransferHandle,
+    TransferState,
+    TransferStatus,
+)
+
+__all__ = ["TorchAgent", "TorchDistributedBackend"]
+
+INSTALL_HINT = (
+    "the 'torch' backend needs PyTorch: pip install 'kvspec[torch]' "
+    "(for the CPU build first: pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu)"
+)
+
+CAPABILITIES = Capabilities(
+    modes=frozenset({TransferMode.READ, TransferMode.WRITE}),
+    notifications=True,
+    cross_process=True,
+    integrity=False,
+    observable_in_flight=False,
+)
+
+# Extra seconds a pipe call waits beyond the worker's own timeout before the worker counts as hung.
+_PIPE_SLACK_S = 5.0
+_STATES = {"pending": TransferState.PENDING, "done": TransferState.DONE, "failed": TransferState.FAILED}
+
+
+def _require_torch() -> None:
+    try:
+        found = importlib.util.find_spec("torch") is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:
+        raise BackendUnavailableError(INSTALL_HINT)
+
+
+def _worker_entry(conn: Connection, name: str, options: dict[str, Any]) -> None:
+    """Process target: pin gloo to the loopback interface, then import torch and serve."""
+    os.environ["GLOO_SOCKET_IFNAME"] = options["interface"]
+    from kvspec.transport import _torch_worker
+
+    _torch_worker.main(conn, name, options)
+
+
+class TorchDistributedBackend:
+    """Agents in separate processes joined pairwise by torch.distributed process groups.
+
+    ``process_group`` is ``"gloo"`` (tested, CPU) or ``"module:function"``
+    building a group from ``(store, rank, world_size, timeout)``, importable
+    in the workers (e.g. to try NCCL where device memory is registered).
+    ``timeout_s`` bounds pairing, every transfer and every worker call.
+    Pages smaller than ``stage_below`` bytes on average are packed into
+    ``chunk_bytes`` messages through ``ring`` staging buffers per transfer.
+    """
+
+    def __init__(
+        self,
+        *,
+        process_group: str = "gloo",
+        timeout_s: float = 30.0,
+        start_timeout_s: float = 120.0,
+        interface: str = "lo",
+        chunk_bytes: int = 8 << 20,
+        stage_below: int = 1 << 20,
+        ring: int = 4,
+        check_wait_s: float = 0.001,
+    ) -> None:
+        _require_torch()
+        if timeout_s <= 0 or start_timeout_s <= 0:
+            raise ConfigError(
+                f"TorchDistributedBackend: expected positive timeouts, got {timeout_s}, {start_timeout_s}"
+            )
+        if chunk_bytes <= 0 or ring <= 0:
+            raise ConfigError(
+                f"TorchDistributedBackend: expected positive chunk_bytes and ring, got {chunk_bytes}, {ring}"
+            )
+        self._options: dict[str, Any] = {
+            "process_group": process_group,
+            "timeout_s": float(timeout_s),
+            "interface": interface,
+            "chunk_bytes": int(chunk_bytes),
+            "stage_below": int(stage_below),
+            "ring": int(ring),
+        }
+        self._start_timeout_s = float(start_timeout_s)
+        self._check_wait_s = float(check_wait_s)
+        self._context = multiprocessing.get_context("spawn")
+        self._agents: list[TorchAgent] = []
+
+    @property
+    def name(self) -> str:
+        """``"torch"``."""
+        return "torch"
+
+    @property
+    def capabilities(self) -> Capabilities:
+        """READ and WRITE, notifications, agents in separate processes."""
+        return CAPABILITIES
+
+    @property
+    def timeout_s(self) -> float:
+        """The bound on pairing, each transfer, and each call to a worker."""
+        return float(self._options["timeout_s"])
+
+    def create_agent(self, name: str) -> TorchAgent:
+        """Start a worker process for agent ``name``; returns at once, the first call waits for it."""
+        parent, child = self._context.Pipe(duplex=True)
+        process = self._context.Process(
+            target=_worker_entry, args=(child, name, self._options), name=f"kvspec-torch-{name}", daemon=True
+        )
+        process.start()
+        child.close()
+        agent = TorchAgent(
+            name=name,
+            process=process,
+            conn=parent,
+            start_timeout_s=self._start_timeout_s,
+            call_timeout_s=self.timeout_s + _PIPE_SLACK_S,
+            check_wait_s=self._check_wait_s,
+        )
+        self._agents.append(agent)
+        return agent
+
+    def close(self) -> None:
+        """Close every agent this backend started and end their processes."""
+        agents, self._agents = self._agents, []
+        for agent in agents:
+            agent.close()
+
+
+class TorchAgent:
+    """Proxy for one worker process; implements :class:`kvspec.transport.Transport`."""
+
+    def __init__(
+        self,
+        *,
+        name: str,
+        process: BaseProcess,
+        conn: Connection,
+        start_timeout_s: float,
+        call_timeout_s: float,
+        check_wait_s: float,
+    ) -> None:
+        self._name = name
+        self._process = process
+        self._conn = conn
+        self._start_timeout_s = start_timeout_s
+        self._call_timeout_s = call_timeout_s
+        self._check_wait_s = check_wait_s
+        self._lock = threading.Lock()
+        self._started = False
+        self._closed = False
+        self._broken: str | None = None
+        self.startup_s: float | None = None
+        self.torch_version: str | None = None
+        self._local_sizes: list[int] = []
+        self._peer_sizes: dict[str, list[int]] = {}
+        self._peer_pids: dict[str, int] = {}
+        self._handles: dict[int, TransferHandle] = {}
+        self._ids = itertools.count(1)
+
+    def __repr__(self) -> str:
+        return f"TorchAgent(name={self._name!r}, pid={self.pid})"
+
+    # ------------------------------------------------------------------- process
+
+    @property
+    def name(self) -> str:
+        """This agent's name."""
+        return self._name
+
+    @property
+    def capabilities(self) -> Capabilities:
+        """Same as the backend's."""
+        return CAPABILITIES
+
+    @property
+    def pid(self) -> int:
+        """The worker process id (tests assert the two endpoints differ)."""
+        pid = self._process.pid
+        if pid is None:
+            raise TransportError(f"agent {self._name!r}: worker process was never started")
+        return pid
+
+    def peer_pid(self, peer: str) -> int:
+        """The process id of a peer added with :meth:`add_remote_agent`."""
+        try:
+            return self._peer_pids[peer]
+        except KeyError:
+            raise TransportError(f"agent {self._name!r}: unknown peer {peer!r}", reason="post_failed") from None
+
+    @property
+    def alive(self) -> bool:
+        """Whether the worker process is still running."""
+        return self._process.is_alive()
+
+    def _wait_started(self) -> None:
+        if self._started:
+            return
+        if not self._conn.poll(self._start_timeout_s):
+            self._break(f"worker did not start within {self._start_timeout_s} s")
+        try:
+            ready = self._conn.recv()
+        except (EOFError, OSError):
+            self._break(f"worker exited during start-up (exit code {self._process.exitcode})")
+        _, _, self.torch_version, self.startup_s = ready
+        self._started = True
+
+    def _break(self, why: str) -> Any:
+        self._broken = f"agent {self._name!r}: {why}"
+        raise TransportError(self._broken, reason=FailureReason.TRANSFER_ERROR.value)
+
+    def _call(self, op: str, *args: Any, timeout_s: float | None = None) -> Any:
+        """One request, one reply; raises TransportError if the worker is gone or silent."""
+        if self._closed:
+            raise TransportError(f"agent {self._name!r} is closed", reason=FailureReason.POST_FAILED.value)
+        if self._broken is not None:
+            raise TransportError(self._broken, reason=FailureReason.TRANSFER_ERROR.value)
+        with self._lock:
+            self._wait_started()
+            try:
+                self._conn.send((op, *args))
+                if not self._conn.poll(self._call_timeout_s if timeout_s is None else timeout_s):
+                    self._break(f"worker did not answer {op!r} within the timeout")
+                reply = self._conn.recv()
+            except (EOFError, OSError, BrokenPipeError):
+                self._break(f"worker process died (exit code {self._process.exitcode})")
+        if reply[0] == "ok":
+            return reply[1]
+        _, reason, detail = reply
+        if reason in {r.value for r in FailureReason}:
+            raise TransportError(f"agent {self._name!r}: {detail}", reason=reason)
+        raise TransportError(f"agent {self._name!r}: {detail}", reason=FailureReason.POST_FAILED.value)
+
+    def call_in_worker(self, fn: Callable[..., Any], *args: Any, timeout_s: float | None = None) -> Any:
+        """Run ``fn(worker, *args)`` in the worker process (benchmarks and tests; ``fn`` must pickle)."""
+        return self._call("call", fn, args, timeout_s=timeout_s)
+
+    # ------------------------------------------------------------------- Transport
+
+    def register_memory(self, regions: Sequence[MemoryRegion]) -> None:
+        """Attach each region's shared memory in the worker; regions must carry ``shm_name``."""
+        names: list[str] = []
+        for index, region in enumerate(regions):
+            if region.shm_name is None:
+                raise ConfigError(
+                    f"torch backend: region {index} has no shm_name; agents live in other processes, "
+                    "so register multiprocessing.shared_memory regions (kvspec.testing.allocate_pool)"
+                )
+            names.append(region.shm_name)
+        sizes = [region.nbytes for region in regions]
+        self._call("register", names, sizes)
+        self._local_sizes.extend(sizes)
+
+    def get_agent_metadata(self) -> bytes:
+        """JSON naming the worker's control address, key and region sizes."""
+        metadata: bytes = self._call("metadata")
+        return metadata
+
+    def add_remote_agent(self, metadata: bytes) -> str:
+        """Pair with the peer's worker (control connections and a process group); returns its name."""
+        try:
+            meta = json.loads(metadata)
+            sizes = [int(n) for n in meta["regions"]]
+            pid = int(meta["pid"])
+        except (ValueError, KeyError, TypeError) as exc:
+            raise TransportError(
+                f"agent {self._name!r}: not torch-backend agent metadata ({exc})",
+                reason=FailureReason.POST_FAILED.value,
+            ) from None
+        name: str = self._call("add_peer", metadata)
+        self._peer_sizes[name] = sizes
+        self._peer_pids[name] = pid
+        return name
+
+    def remove_remote_agent(self, peer: str) -> None:
+        """Forget ``peer``; its pending transfers end FAILED ``peer_disconnected``."""
+        self._call("remove_peer", peer)
+        self._peer_sizes.pop(peer, None)
+        self._peer_pids.pop(peer, None)
+
+    def post(
+        self,
+        mode: TransferMode,
+        descriptors: Sequence[Descriptor],
+        *,
+        peer: str,
+        notification: bytes | None = None,
+    ) -> TransferHandle:
+        """Validate every descriptor (PLAN-1), coalesce adjacent ones, start the transfer in the worker."""
+        if peer not in self._peer_sizes:
+            raise TransportError(
+                f"agent {self._name!r}: unknown peer {peer!r}; add_remote_agent its metadata first",
+                reason=FailureReason.POST_FAILED.value,
+            )
+        mode = TransferMode(mode)
+        runs = _coalesce(_validate(descriptors, local_sizes=self._local_sizes, remote_sizes=self._peer_sizes[peer]))
+        xid: int = self._call("post", mode.value, runs, peer, notification)
+        handle = TransferHandle(transfer_id=xid, peer=peer, mode=mode)
+        self._handles[xid] = handle
+        return handle
+
+    def _own(self, handle: TransferHandle) -> int:
+        if self._handles.get(handle.transfer_id) is not handle:
+            raise TransportError(
+                f"agent {self._name!r}: handle {handle.transfer_id} was not posted here or is released",
+                reason=FailureReason.POST_FAILED.value,
+            )
+        return handle.transfer_id
+
+    def check(self, handle: TransferHandle) -> TransferStatus:
+        """The worker's view of the transfer; FAILED when the peer died or the timeout passed (FAIL-1)."""
+        xid = self._own(handle)
+        try:
+            state, reason, detail = self._call("check", xid, self._check_wait_s)
+        except TransportError as exc:
+            if self._broken is None and not self._closed:
+                raise
+            return TransferStatus(state=TransferState.FAILED, reason=FailureReason.TRANSFER_ERROR, detail=str(exc))
+        return TransferStatus(
+            state=_STATES[state], reason=None if reason is None else FailureReason(reason), detail=detail
+        )
+
+    def release(self, handle: TransferHandle) -> None:
+        """Forget the handle; a PENDING transfer is no longer reported (gloo cannot cancel its ops)."""
+        xid = self._own(handle)
+        del self._handles[xid]
+        if self._broken is None and not self._closed:
+            self._call("release", xid)
+
+    def send_notification(self, peer: str, message: bytes) -> None:
+        """Send ``message`` over the control connection to ``peer``."""
+        if peer not in self._peer_sizes:
+            raise TransportError(f"agent {self._name!r}: unknown peer {peer!r}", reason=FailureReason.POST_FAILED.value)
+        self._call("notify", peer, bytes(message))
+
+    def get_notifications(self) -> list[Notification]:
+        """Drain what peers sent, in arrival order."""
+        drained: list[tuple[str, bytes]] = self._call("notifications")
+        return [Notification(peer=peer, message=message) for peer, message in drained]
+
+    def close(self) -> None:
+        """Stop the worker (asking first, then terminating); later calls raise TransportError."""
+        if self._closed:
+            return
+        if self._broken is None and self._process.is_alive():
+            with contextlib.suppress(TransportError):
+                self._call("close", timeout_s=5.0)
+        self._closed = True
+        self._conn.close()
+        self._process.join(5.0)
+        if self._process.is_alive():
+            self._process.kill()
+            self._process.join(5.0)
+
+
+# --------------------------------------------------------------------------- descriptors
+
+
+def _validate(
+    descriptors: Sequence[Descriptor], *, local_sizes: Sequence[int], remote_sizes: Sequence[int]
+) -> list[Descriptor]:
+    """Check every descriptor against both sides' registered regions before anything moves (PLAN-1)."""
+    checked: list[Descriptor] = []
+    for index, d in enumerate(descriptors):
+        if d.nbytes < 0:
+            raise PlanError(f"descriptor {index}: expected nbytes >= 0, got {d.nbytes}")
+        for side, region, offset, sizes in (
+            ("local", d.local_region, d.local_offset, local_sizes),
+            ("remote", d.remote_region, d.remote_offset, remote_sizes),
+        ):
+            if not 0 <= region < len(sizes):
+                raise PlanError(f"descriptor {index}: {side} region {region} is not registered ({len(sizes)} regions)")
+            if offset < 0 or offset + d.nbytes > sizes[region]:
+                raise PlanError(
+                    f"descriptor {index}: {side} bytes [{offset}, {offset + d.nbytes}) fall outside "
+                    f"region {region} of {sizes[region]} bytes"
+                )
+        if d.nbytes:
+            checked.append(d)
+    return checked
+
+
+def _coalesce(descriptors: Sequence[Descriptor]) -> list[tuple[int, int, int, int, int]]:
+    """Merge descriptors that continue the previous one on both sides into one run (fewer gloo messages)."""
+    runs: list[list[int]] = []
+    for d in descriptors:
+        if runs:
+            last = runs[-1]
+            if (
+                last[0] == d.local_region
+                and last[2] == d.remote_region
+                and last[1] + last[4] == d.local_offset
+                and last[3] + last[4] == d.remote_offset
+            ):
+                last[4] += d.nbytes
+                continue
+        runs.append([d.local_region, d.local_offset, d.remote_region, d.remote_offset, d.nbytes])
+    return [(a, b, c, e, n) for a, b, c, e, n in runs]
