@@ -1,0 +1,922 @@
+"""Sans-IO per-request state machines for the producer (SM-1) and the consumer (SM-2).
+
+Theory of operation
+-------------------
+
+One :class:`ProducerSession` and one :class:`ConsumerSession` exist per
+request; a driver keeps them in a dict keyed by ``request_id`` (every message
+of an exchange carries the producer's request id). A session does no I/O and
+reads no clock: the driver feeds it events with the current time ``now`` and
+carries out the returned :class:`Output`:
+
+- ``output.send``: messages to encode (``kvspec.encode``) and send to the peer;
+- ``output.post``: post the transfer now (C's READ, or P's WRITE carrying
+  ``output.notification`` as the post's notification);
+- ``output.cancel``: release (cancel) the in-flight transfer, keep polling it
+  and report its end (``transfer_done``/``transfer_failed``);
+- ``output.free``: block ids that no transfer touches any more: the producer
+  returns them to its pool; the consumer may reuse (or recompute into) them.
+
+Every deadline is derived from the lease deadline in the transfer parameters
+and the session's timeouts, so no state waits forever (FAIL-1). A driver
+calls ``tick(now=...)`` at least at ``session.next_deadline``; every other
+method also fires the deadlines that are due before it handles its event.
+
+Each role is driven by ONE transition table (:data:`PRODUCER_TRANSITIONS`,
+:data:`CONSUMER_TRANSITIONS`); rows name the modes they apply to, and the
+docs' state diagrams are generated from them (:func:`to_mermaid`). An event
+with no row is ignored (late or duplicate; terminal states are sticky),
+except the cases that are errors: an event the local driver should never have
+produced raises :class:`kvspec.LocalProtocolError`; a message the peer should
+never have sent raises :class:`kvspec.RemoteProtocolError`. Either error
+leaves the session unchanged and its deadlines running, so blocks are still
+freed in bounded time.
+
+A driver, in short (READ mode)::
+
+    # producer engine, when prefill ends
+    producer = ProducerSession.create(request_id="r1", producer_engine_id="P",
+        producer_block_ids=clipped, num_tokens=n, mode=TransferMode.READ,
+        now=time.monotonic(), lease_duration=30.0)
+    router.forward(producer.params.to_kv_transfer_params())
+
+    # consumer engine, when the request arrives
+    params = TransferParams.from_kv_transfer_params(kv_transfer_params)
+    consumer = ConsumerSession(params=params, consumer_engine_id="C",
+        consumer_block_ids=suffix)
+    out = consumer.start(now=time.monotonic())
+    if out.post:
+        handle = transport.post(TransferMode.READ, descriptors, peer=...)
+    ...  # poll: transport.check(handle) -> consumer.transfer_done(now=...)
+    for message in out.send:
+        transport.send_notification(peer, kvspec.encode(message))
+
+    # producer engine, on each notification
+    out = producer.receive(kvspec.decode(note.message), now=time.monotonic())
+    if out.free is not None:
+        pool.free(out.free)
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, Generic, Literal, TypeVar
+
+import attrs
+
+from kvspec._errors import ConfigError, LocalProtocolError, RemoteProtocolError
+from kvspec._messages import (
+    Abort,
+    BlockOffer,
+    Completion,
+    Failure,
+    Message,
+    Release,
+    ReleaseOutcome,
+    TransferParams,
+    TransportData,
+)
+from kvspec._models import NULL_BLOCK_ID, BlockIds, FailureReason, TransferMode
+
+__all__ = [
+    "CONSUMER_TRANSITIONS",
+    "DEFAULT_DRAIN_TIMEOUT",
+    "DEFAULT_RELEASE_GRACE",
+    "PRODUCER_TRANSITIONS",
+    "Action",
+    "ConsumerEvent",
+    "ConsumerSession",
+    "ConsumerState",
+    "FailureInfo",
+    "Output",
+    "ProducerEvent",
+    "ProducerSession",
+    "ProducerState",
+    "Step",
+    "Transition",
+    "to_markdown",
+    "to_mermaid",
+]
+
+DEFAULT_DRAIN_TIMEOUT = 5.0
+"""Seconds a cancelled transfer may keep moving bytes; backends MUST stop within it (DRAIN-1)."""
+
+DEFAULT_RELEASE_GRACE = 10.0
+"""Seconds past the lease a producer still waits for a release; MUST exceed the consumer's drain timeout (LEASE-1)."""
+
+
+# --------------------------------------------------------------------------- states, events, actions
+
+
+class ProducerState(str, enum.Enum):
+    """Where one producer request stands (SM-1). Blocks are pinned in every non-terminal state."""
+
+    HELD = "held"
+    WRITING = "writing"
+    WRITTEN = "written"
+    ABORTING = "aborting"
+    CANCELLING = "cancelling"
+    EXPIRING = "expiring"
+    RELEASED = "released"
+    EXPIRED = "expired"
+    ABORTED = "aborted"
+
+    @property
+    def is_terminal(self) -> bool:
+        """Blocks are freed on entering a terminal state, which is sticky (SM-1)."""
+        return self in _PRODUCER_TERMINAL
+
+
+_PRODUCER_TERMINAL = frozenset({ProducerState.RELEASED, ProducerState.EXPIRED, ProducerState.ABORTED})
+
+
+class ProducerEvent(str, enum.Enum):
+    """What can happen to a producer request: a consumer message, a local call, or a deadline."""
+
+    RELEASE = "release"
+    OFFER = "offer"
+    PEER_ABORT = "peer_abort"
+    ABORT = "abort"
+    TRANSFER_DONE = "transfer_done"
+    TRANSFER_FAILED = "transfer_failed"
+    LEASE_EXPIRED = "lease_expired"
+    DRAIN_TIMEOUT = "drain_timeout"
+
+
+class ConsumerState(str, enum.Enum):
+    """Where one consumer request stands (SM-2)."""
+
+    ALLOCATED = "allocated"
+    LOADING = "loading"
+    FAILING = "failing"
+    ABORTING = "aborting"
+    LOADED = "loaded"
+    FAILED = "failed"
+    ABORTED = "aborted"
+
+    @property
+    def is_terminal(self) -> bool:
+        """A terminal state is entered once, sends the one release (REL-1), and is sticky."""
+        return self in _CONSUMER_TERMINAL
+
+
+_CONSUMER_TERMINAL = frozenset({ConsumerState.LOADED, ConsumerState.FAILED, ConsumerState.ABORTED})
+
+
+class ConsumerEvent(str, enum.Enum):
+    """What can happen to a consumer request: a producer message, a local call, or a deadline."""
+
+    START = "start"
+    PREFIX_HIT = "prefix_hit"
+    TRANSFER_DONE = "transfer_done"
+    TRANSFER_FAILED = "transfer_failed"
+    COMPLETION = "completion"
+    FAILURE = "failure"
+    PEER_ABORT = "peer_abort"
+    ABORT = "abort"
+    FAIL = "fail"
+    TIMEOUT = "timeout"
+    DRAIN_TIMEOUT = "drain_timeout"
+
+
+class Action(str, enum.Enum):
+    """What a transition asks the driver to do, in table order."""
+
+    POST = "post"
+    CANCEL = "cancel"
+    SEND_OFFER = "send_offer"
+    SEND_ABORT = "send_abort"
+    SEND_FAILURE = "send_failure"
+    SEND_RELEASE = "send_release"
+    FREE = "free"
+
+
+S = TypeVar("S", ProducerState, ConsumerState)
+E = TypeVar("E", ProducerEvent, ConsumerEvent)
+
+_BOTH = frozenset({TransferMode.READ, TransferMode.WRITE})
+_READ = frozenset({TransferMode.READ})
+_WRITE = frozenset({TransferMode.WRITE})
+
+
+@attrs.frozen(kw_only=True)
+class Transition(Generic[S, E]):
+    """One row of a role's transition table: in ``modes``, ``source`` --``event``--> ``target``."""
+
+    source: S
+    event: E
+    target: S
+    actions: tuple[Action, ...] = ()
+    modes: frozenset[TransferMode] = _BOTH
+
+
+def _rows(
+    source: S, modes: frozenset[TransferMode], *rows: tuple[E | tuple[E, ...], S, tuple[Action, ...]]
+) -> list[Transition[S, E]]:
+    out: list[Transition[S, E]] = []
+    for events, target, actions in rows:
+        for event in events if isinstance(events, tuple) else (events,):
+            out.append(Transition(source=source, event=event, target=target, actions=actions, modes=modes))
+    return out
+
+
+P, PE, A = ProducerState, ProducerEvent, Action
+
+# SM-1. READ: C reads P's HELD blocks and releases them; P frees on the release or at
+# lease + grace, by when C's read has been cancelled and drained (LEASE-1).
+# WRITE: C offers blocks, P writes and attaches the Completion; any P -> C message after
+# the offer is sent only once P's write no longer moves bytes (DRAIN-1).
+PRODUCER_TRANSITIONS: tuple[Transition[ProducerState, ProducerEvent], ...] = tuple(
+    _rows(
+        P.HELD,
+        _BOTH,
+        (PE.RELEASE, P.RELEASED, (A.FREE,)),
+        (PE.ABORT, P.ABORTING, (A.SEND_ABORT,)),
+        (PE.LEASE_EXPIRED, P.EXPIRED, (A.FREE, A.SEND_FAILURE)),
+    )
+    + _rows(
+        P.HELD,
+        _WRITE,
+        (PE.OFFER, P.WRITING, (A.POST,)),
+        (PE.PEER_ABORT, P.ABORTED, (A.FREE, A.SEND_ABORT)),
+    )
+    + _rows(
+        P.WRITING,
+        _WRITE,
+        (PE.TRANSFER_DONE, P.WRITTEN, ()),
+        (PE.TRANSFER_FAILED, P.WRITTEN, (A.SEND_FAILURE,)),
+        ((PE.RELEASE, PE.PEER_ABORT, PE.ABORT), P.CANCELLING, (A.CANCEL,)),
+        (PE.LEASE_EXPIRED, P.EXPIRING, (A.CANCEL,)),
+    )
+    + _rows(
+        P.WRITTEN,
+        _WRITE,
+        (PE.RELEASE, P.RELEASED, (A.FREE,)),
+        (PE.ABORT, P.ABORTED, (A.FREE,)),
+        (PE.LEASE_EXPIRED, P.EXPIRED, (A.FREE,)),
+    )
+    + _rows(
+        P.ABORTING,
+        _BOTH,
+        ((PE.RELEASE, PE.LEASE_EXPIRED), P.ABORTED, (A.FREE,)),
+    )
+    + _rows(
+        P.CANCELLING,
+        _WRITE,
+        ((PE.TRANSFER_DONE, PE.TRANSFER_FAILED, PE.DRAIN_TIMEOUT), P.ABORTED, (A.FREE, A.SEND_ABORT)),
+    )
+    + _rows(
+        P.EXPIRING,
+        _WRITE,
+        ((PE.TRANSFER_DONE, PE.TRANSFER_FAILED, PE.DRAIN_TIMEOUT), P.EXPIRED, (A.FREE, A.SEND_FAILURE)),
+    )
+)
+"""The producer's transition table (SM-1)."""
+
+C, CE = ConsumerState, ConsumerEvent
+_END = (A.FREE, A.SEND_RELEASE)
+
+# SM-2. C's blocks are reusable (FREE) only once no transfer can touch them: READ: its own
+# read ended or was cancelled and drained; WRITE: P confirmed (Completion, Failure, Abort)
+# or the lease plus the drain bound passed (DRAIN-1). Every terminal entry sends the one
+# release (REL-1).
+CONSUMER_TRANSITIONS: tuple[Transition[ConsumerState, ConsumerEvent], ...] = tuple(
+    _rows(
+        C.ALLOCATED,
+        _BOTH,
+        (CE.PREFIX_HIT, C.LOADED, (A.SEND_RELEASE,)),
+        (CE.ABORT, C.ABORTED, _END),
+        ((CE.FAIL, CE.TIMEOUT, CE.FAILURE, CE.PEER_ABORT), C.FAILED, _END),
+    )
+    + _rows(C.ALLOCATED, _READ, (CE.START, C.LOADING, (A.POST,)))
+    + _rows(C.ALLOCATED, _WRITE, (CE.START, C.LOADING, (A.SEND_OFFER,)))
+    + _rows(
+        C.LOADING,
+        _READ,
+        (CE.TRANSFER_DONE, C.LOADED, (A.SEND_RELEASE,)),
+        (CE.TRANSFER_FAILED, C.FAILED, _END),
+        ((CE.FAILURE, CE.PEER_ABORT, CE.TIMEOUT, CE.FAIL), C.FAILING, (A.CANCEL,)),
+        (CE.ABORT, C.ABORTING, (A.CANCEL,)),
+    )
+    + _rows(
+        C.LOADING,
+        _WRITE,
+        (CE.COMPLETION, C.LOADED, (A.SEND_RELEASE,)),
+        ((CE.FAILURE, CE.PEER_ABORT), C.FAILED, _END),
+        ((CE.TIMEOUT, CE.FAIL), C.FAILING, (A.SEND_ABORT,)),
+        (CE.ABORT, C.ABORTING, (A.SEND_ABORT,)),
+    )
+    + _rows(C.FAILING, _READ, ((CE.TRANSFER_DONE, CE.TRANSFER_FAILED), C.FAILED, _END))
+    + _rows(C.FAILING, _WRITE, ((CE.COMPLETION, CE.FAILURE, CE.PEER_ABORT), C.FAILED, _END))
+    + _rows(C.FAILING, _BOTH, (CE.DRAIN_TIMEOUT, C.FAILED, _END))
+    + _rows(C.ABORTING, _READ, ((CE.TRANSFER_DONE, CE.TRANSFER_FAILED), C.ABORTED, _END))
+    + _rows(C.ABORTING, _WRITE, ((CE.COMPLETION, CE.FAILURE, CE.PEER_ABORT), C.ABORTED, _END))
+    + _rows(C.ABORTING, _BOTH, (CE.DRAIN_TIMEOUT, C.ABORTED, _END))
+)
+"""The consumer's transition table (SM-2)."""
+
+del P, PE, C, CE, A
+
+
+def _index(
+    table: Iterable[Transition[S, E]],
+) -> dict[tuple[TransferMode, S, E], Transition[S, E]]:
+    index: dict[tuple[TransferMode, S, E], Transition[S, E]] = {}
+    for row in table:
+        for mode in row.modes:
+            key = (mode, row.source, row.event)
+            if key in index:  # pragma: no cover - guards the tables above
+                raise ConfigError(f"transition table: two rows for {key}")
+            index[key] = row
+    return index
+
+
+_PRODUCER_INDEX = _index(PRODUCER_TRANSITIONS)
+_CONSUMER_INDEX = _index(CONSUMER_TRANSITIONS)
+
+
+# --------------------------------------------------------------------------- outputs
+
+
+@attrs.frozen(kw_only=True)
+class Step:
+    """One transition taken, for logs and tests."""
+
+    source: ProducerState | ConsumerState
+    event: ProducerEvent | ConsumerEvent
+    target: ProducerState | ConsumerState
+    now: float
+
+
+@attrs.frozen(kw_only=True)
+class Output:
+    """What the driver must do after one call; empty when the event was ignored."""
+
+    send: tuple[Message, ...] = ()
+    free: BlockIds | None = None
+    post: bool = False
+    cancel: bool = False
+    notification: Completion | None = None
+    steps: tuple[Step, ...] = ()
+
+    def __add__(self, other: Output) -> Output:
+        if self.free is not None and other.free is not None:  # pragma: no cover - terminal states free once
+            raise LocalProtocolError("one call freed blocks twice")
+        return Output(
+            send=self.send + other.send,
+            free=self.free if other.free is None else other.free,
+            post=self.post or other.post,
+            cancel=self.cancel or other.cancel,
+            notification=self.notification or other.notification,
+            steps=self.steps + other.steps,
+        )
+
+    @property
+    def ignored(self) -> bool:
+        """True when no transition was taken."""
+        return not self.steps
+
+
+_NOTHING = Output()
+
+
+@attrs.frozen(kw_only=True)
+class FailureInfo:
+    """Why a consumer request failed and which of its blocks may hold bad bytes (FAIL-1)."""
+
+    reason: FailureReason
+    failed_consumer_block_ids: BlockIds
+    detail: str = ""
+
+
+def _non_null(block_ids: BlockIds) -> BlockIds:
+    # The null block belongs to no request and is never freed (NULL-1).
+    return BlockIds([[b for b in group if b != NULL_BLOCK_ID] for group in block_ids])
+
+
+def _check_duration(name: str, value: float | None, *, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ConfigError(f"{name}: expected a finite number of seconds >= 0, got {value!r}")
+
+
+# --------------------------------------------------------------------------- producer
+
+
+class ProducerSession:
+    """The producer's side of one request (SM-1): pins blocks until released, expired or aborted.
+
+    ``release_grace``: seconds past the lease deadline P still holds the
+    blocks waiting for the release, in READ mode or once its write is
+    final; MUST exceed the consumer's drain timeout (LEASE-1).
+    ``drain_timeout``: seconds a cancelled write may take to stop (DRAIN-1).
+    """
+
+    def __init__(
+        self,
+        *,
+        params: TransferParams,
+        release_grace: float = DEFAULT_RELEASE_GRACE,
+        drain_timeout: float = DEFAULT_DRAIN_TIMEOUT,
+    ) -> None:
+        if not isinstance(params, TransferParams):
+            raise ConfigError(f"ProducerSession.params: expected TransferParams, got {params!r}")
+        _check_duration("ProducerSession.release_grace", release_grace)
+        _check_duration("ProducerSession.drain_timeout", drain_timeout)
+        self.params = params
+        self.release_grace = float(release_grace)
+        self.drain_timeout = float(drain_timeout)
+        self._state = ProducerState.HELD
+        self._entered_at = -math.inf
+        self._offer: BlockOffer | None = None
+        self._posted = False
+        self._released_by: Release | None = None
+
+    @classmethod
+    def create(
+        cls,
+        *,
+        request_id: str,
+        producer_engine_id: str,
+        producer_block_ids: BlockIds | Iterable[Iterable[int]],
+        num_tokens: int,
+        mode: TransferMode,
+        now: float,
+        lease_duration: float,
+        transport_data: TransportData | None = None,
+        release_grace: float = DEFAULT_RELEASE_GRACE,
+        drain_timeout: float = DEFAULT_DRAIN_TIMEOUT,
+    ) -> ProducerSession:
+        """Pin clipped blocks for a consumer; ``session.params`` is what the router forwards (SM-1)."""
+        _check_duration("ProducerSession.lease_duration", lease_duration)
+        params = TransferParams(
+            request_id=request_id,
+            producer_engine_id=producer_engine_id,
+            producer_block_ids=BlockIds(producer_block_ids),
+            num_tokens=num_tokens,
+            mode=mode,
+            lease_deadline=float(now) + float(lease_duration),
+            transport_data={} if transport_data is None else transport_data,
+        )
+        return cls(params=params, release_grace=release_grace, drain_timeout=drain_timeout)
+
+    # ----------------------------------------------------------------- views
+
+    @property
+    def state(self) -> ProducerState:
+        """The current state."""
+        return self._state
+
+    @property
+    def is_terminal(self) -> bool:
+        """True once the blocks have been freed (RELEASED, EXPIRED or ABORTED)."""
+        return self._state.is_terminal
+
+    @property
+    def mode(self) -> TransferMode:
+        """READ or WRITE, from the transfer parameters."""
+        return self.params.mode
+
+    @property
+    def offer(self) -> BlockOffer | None:
+        """The consumer's block offer (WRITE mode), once received."""
+        return self._offer
+
+    @property
+    def completion(self) -> Completion:
+        """The message to attach to the write as its notification (WRITE mode; DONE-1)."""
+        return Completion(request_id=self.params.request_id, producer_engine_id=self.params.producer_engine_id)
+
+    @property
+    def next_deadline(self) -> float | None:
+        """When ``tick`` must next be called; ``None`` in a terminal state."""
+        due = self._due()
+        return None if due is None else due[0]
+
+    # ----------------------------------------------------------------- events
+
+    def receive(self, message: Message, *, now: float) -> Output:
+        """Handle a message from the consumer (Release, BlockOffer or Abort)."""
+        if getattr(message, "request_id", None) != self.params.request_id:
+            raise RemoteProtocolError(
+                f"message for request {getattr(message, 'request_id', None)!r} "
+                f"reached producer request {self.params.request_id!r}"
+            )
+        if isinstance(message, Release):
+            return self._handle(ProducerEvent.RELEASE, now)
+        if isinstance(message, BlockOffer):
+            self._check_offer(message)
+            out = self._advance(now)
+            if self._offer is None and self._state is ProducerState.HELD:
+                self._offer = message
+            return out + self._fire(ProducerEvent.OFFER, now)
+        if isinstance(message, Abort):
+            return self._handle(ProducerEvent.PEER_ABORT, now)
+        raise RemoteProtocolError(f"a producer does not accept {type(message).__name__} from a consumer")
+
+    def abort(self, *, now: float, detail: str = "") -> Output:
+        """The producer's engine gives up on the request (client gone, shutdown)."""
+        return self._handle(ProducerEvent.ABORT, now, detail=detail)
+
+    def transfer_done(self, *, now: float) -> Output:
+        """The posted write reached DONE (WRITE mode)."""
+        self._check_transfer_report()
+        return self._handle(ProducerEvent.TRANSFER_DONE, now)
+
+    def transfer_failed(self, reason: FailureReason, *, now: float, detail: str = "") -> Output:
+        """The posted write failed or could not be posted (WRITE mode; FAIL-1)."""
+        self._check_transfer_report()
+        if not isinstance(reason, FailureReason):
+            raise LocalProtocolError(f"transfer_failed: expected a FailureReason, got {reason!r}")
+        return self._handle(ProducerEvent.TRANSFER_FAILED, now, reason=reason, detail=detail)
+
+    def tick(self, *, now: float) -> Output:
+        """Fire every deadline due at ``now`` (FAIL-1)."""
+        return self._advance(now)
+
+    # ----------------------------------------------------------------- machinery
+
+    def _check_offer(self, offer: BlockOffer) -> None:
+        if self.mode is not TransferMode.WRITE:
+            raise RemoteProtocolError("a BlockOffer is only sent in WRITE mode; this request is READ")
+        if self._offer is not None and offer != self._offer:
+            raise RemoteProtocolError(f"a second, different BlockOffer for request {self.params.request_id!r}")
+
+    def _check_transfer_report(self) -> None:
+        if self.mode is not TransferMode.WRITE or not self._posted:
+            raise LocalProtocolError(
+                f"producer request {self.params.request_id!r} has no posted transfer to report on "
+                f"(mode {self.mode.value}, state {self._state.value})"
+            )
+
+    def _due(self) -> tuple[float, ProducerEvent] | None:
+        lease = self.params.lease_deadline
+        state = self._state
+        if state is ProducerState.HELD:
+            grace = self.release_grace if self.mode is TransferMode.READ else 0.0
+            return lease + grace, ProducerEvent.LEASE_EXPIRED
+        if state is ProducerState.WRITING:
+            return lease, ProducerEvent.LEASE_EXPIRED
+        if state in (ProducerState.WRITTEN, ProducerState.ABORTING):
+            return lease + self.release_grace, ProducerEvent.LEASE_EXPIRED
+        if state in (ProducerState.CANCELLING, ProducerState.EXPIRING):
+            return self._entered_at + self.drain_timeout, ProducerEvent.DRAIN_TIMEOUT
+        return None
+
+    def _advance(self, now: float) -> Output:
+        out = _NOTHING
+        while (due := self._due()) is not None and now >= due[0]:
+            out = out + self._fire(due[1], now)
+        return out
+
+    def _handle(
+        self, event: ProducerEvent, now: float, *, reason: FailureReason | None = None, detail: str = ""
+    ) -> Output:
+        return self._advance(now) + self._fire(event, now, reason=reason, detail=detail)
+
+    def _fire(
+        self, event: ProducerEvent, now: float, *, reason: FailureReason | None = None, detail: str = ""
+    ) -> Output:
+        row = _PRODUCER_INDEX.get((self.mode, self._state, event))
+        if row is None:
+            return _NOTHING
+        source, self._state, self._entered_at = self._state, row.target, now
+        out = Output(steps=(Step(source=source, event=event, target=row.target, now=now),))
+        for action in row.actions:
+            out = out + self._act(action, reason=reason, detail=detail)
+        return out
+
+    def _act(self, action: Action, *, reason: FailureReason | None, detail: str) -> Output:
+        params = self.params
+        if action is Action.FREE:
+            return Output(free=_non_null(params.producer_block_ids))
+        if action is Action.POST:
+            self._posted = True
+            return Output(post=True, notification=self.completion)
+        if action is Action.CANCEL:
+            return Output(cancel=True)
+        if action is Action.SEND_ABORT:
+            abort = Abort(request_id=params.request_id, engine_id=params.producer_engine_id, detail=detail)
+            return Output(send=(abort,))
+        if action is Action.SEND_FAILURE:
+            if self._state is ProducerState.EXPIRED or reason is None:
+                reason = FailureReason.LEASE_EXPIRED
+            failed = self._offer.consumer_block_ids if self._offer is not None else BlockIds([])
+            message = Failure(
+                request_id=params.request_id,
+                producer_engine_id=params.producer_engine_id,
+                reason=reason,
+                failed_consumer_block_ids=failed,
+                detail=detail,
+            )
+            return Output(send=(message,))
+        raise LocalProtocolError(f"producer cannot perform {action}")  # pragma: no cover - table guard
+
+    def __repr__(self) -> str:
+        return f"<ProducerSession {self.params.request_id!r} {self.mode.value} {self._state.value}>"
+
+
+# --------------------------------------------------------------------------- consumer
+
+
+class ConsumerSession:
+    """The consumer's side of one request (SM-2): loads, then sends exactly one release (REL-1).
+
+    ``consumer_block_ids`` are C's clipped, uncached suffix (CLIP-1); zero
+    groups, or only null ids, is a full prefix hit: ``start`` releases at
+    once. ``start_margin``: C does not start a transfer later than this many
+    seconds before the lease deadline (LEASE-1). ``transfer_timeout``: an
+    optional bound on the transfer, tighter than the lease. ``drain_timeout``
+    bounds the wait for a cancelled transfer to stop; it MUST be at least the
+    producer's and below the producer's release grace (DRAIN-1, LEASE-1).
+    """
+
+    def __init__(
+        self,
+        *,
+        params: TransferParams,
+        consumer_engine_id: str,
+        consumer_block_ids: BlockIds | Iterable[Iterable[int]],
+        start_margin: float = 0.0,
+        transfer_timeout: float | None = None,
+        drain_timeout: float = DEFAULT_DRAIN_TIMEOUT,
+    ) -> None:
+        if not isinstance(params, TransferParams):
+            raise ConfigError(f"ConsumerSession.params: expected TransferParams, got {params!r}")
+        if not isinstance(consumer_engine_id, str) or not consumer_engine_id:
+            found = consumer_engine_id
+            raise ConfigError(f"ConsumerSession.consumer_engine_id: expected a non-empty str, got {found!r}")
+        _check_duration("ConsumerSession.start_margin", start_margin)
+        _check_duration("ConsumerSession.transfer_timeout", transfer_timeout, allow_none=True)
+        _check_duration("ConsumerSession.drain_timeout", drain_timeout)
+        self.params = params
+        self.consumer_engine_id = consumer_engine_id
+        self.consumer_block_ids = BlockIds(consumer_block_ids)
+        self.start_margin = float(start_margin)
+        self.transfer_timeout = None if transfer_timeout is None else float(transfer_timeout)
+        self.drain_timeout = float(drain_timeout)
+        self._state = ConsumerState.ALLOCATED
+        self._entered_at = -math.inf
+        self._started_at = -math.inf
+        self._posted = False
+        self._failure: FailureInfo | None = None
+        self._release: Release | None = None
+
+    # ----------------------------------------------------------------- views
+
+    @property
+    def state(self) -> ConsumerState:
+        """The current state."""
+        return self._state
+
+    @property
+    def is_terminal(self) -> bool:
+        """True once LOADED, FAILED or ABORTED; the release has then been sent (REL-1)."""
+        return self._state.is_terminal
+
+    @property
+    def mode(self) -> TransferMode:
+        """READ or WRITE, from the transfer parameters."""
+        return self.params.mode
+
+    @property
+    def is_prefix_hit(self) -> bool:
+        """True when the consumer holds no block to load: a full local prefix hit (CLIP-1)."""
+        return all(b == NULL_BLOCK_ID for group in self.consumer_block_ids for b in group)
+
+    @property
+    def failure(self) -> FailureInfo | None:
+        """Why the request failed and which consumer blocks may be bad; set once FAILING or FAILED."""
+        return self._failure
+
+    @property
+    def release(self) -> Release | None:
+        """The one release this request sent, once terminal (REL-1)."""
+        return self._release
+
+    @property
+    def offer(self) -> BlockOffer:
+        """The block offer C sends in WRITE mode."""
+        return BlockOffer(
+            request_id=self.params.request_id,
+            consumer_engine_id=self.consumer_engine_id,
+            consumer_block_ids=self.consumer_block_ids,
+        )
+
+    @property
+    def next_deadline(self) -> float | None:
+        """When ``tick`` must next be called; ``None`` in a terminal state."""
+        due = self._due()
+        return None if due is None else due[0]
+
+    # ----------------------------------------------------------------- events
+
+    def start(self, *, now: float) -> Output:
+        """Begin loading: post the READ, send the WRITE offer, or release at once on a full prefix hit."""
+        if self._state is not ConsumerState.ALLOCATED and not self._state.is_terminal:
+            raise LocalProtocolError(f"consumer request {self.params.request_id!r} already started")
+        event = ConsumerEvent.PREFIX_HIT if self.is_prefix_hit else ConsumerEvent.START
+        out = self._advance(now)
+        if event is ConsumerEvent.START and self._state is ConsumerState.ALLOCATED:
+            self._started_at = now
+        return out + self._fire(event, now)
+
+    def receive(self, message: Message, *, now: float) -> Output:
+        """Handle a message from the producer (Completion, Failure or Abort)."""
+        if getattr(message, "request_id", None) != self.params.request_id:
+            raise RemoteProtocolError(
+                f"message for request {getattr(message, 'request_id', None)!r} "
+                f"reached consumer request {self.params.request_id!r}"
+            )
+        if isinstance(message, (Completion, Failure)) and message.producer_engine_id != self.params.producer_engine_id:
+            raise RemoteProtocolError(
+                f"{type(message).__name__} from engine {message.producer_engine_id!r}, "
+                f"expected {self.params.producer_engine_id!r}"
+            )
+        if isinstance(message, Completion):
+            if self.mode is not TransferMode.WRITE:
+                raise RemoteProtocolError("a Completion is only sent in WRITE mode; this request is READ")
+            return self._handle(ConsumerEvent.COMPLETION, now)
+        if isinstance(message, Failure):
+            failed = message.failed_consumer_block_ids
+            if len(failed) == 0:
+                failed = self.consumer_block_ids
+            return self._handle(ConsumerEvent.FAILURE, now, reason=message.reason, detail=message.detail, failed=failed)
+        if isinstance(message, Abort):
+            return self._handle(ConsumerEvent.PEER_ABORT, now, reason=FailureReason.ABORTED, detail=message.detail)
+        raise RemoteProtocolError(f"a consumer does not accept {type(message).__name__} from a producer")
+
+    def abort(self, *, now: float) -> Output:
+        """The consumer's engine gives up on the request; its blocks wait for the drain (SM-2)."""
+        return self._handle(ConsumerEvent.ABORT, now)
+
+    def fail(self, reason: FailureReason, *, now: float, detail: str = "") -> Output:
+        """A local check failed (handshake, window coverage, alignment...): end FAILED (FAIL-1)."""
+        if not isinstance(reason, FailureReason):
+            raise LocalProtocolError(f"fail: expected a FailureReason, got {reason!r}")
+        return self._handle(ConsumerEvent.FAIL, now, reason=reason, detail=detail)
+
+    def transfer_done(self, *, now: float) -> Output:
+        """The posted read reached DONE: every paired byte is readable (READ mode; DONE-1)."""
+        self._check_transfer_report()
+        return self._handle(ConsumerEvent.TRANSFER_DONE, now)
+
+    def transfer_failed(self, reason: FailureReason, *, now: float, detail: str = "") -> Output:
+        """The posted read failed or could not be posted (READ mode; FAIL-1)."""
+        self._check_transfer_report()
+        if not isinstance(reason, FailureReason):
+            raise LocalProtocolError(f"transfer_failed: expected a FailureReason, got {reason!r}")
+        return self._handle(ConsumerEvent.TRANSFER_FAILED, now, reason=reason, detail=detail)
+
+    def tick(self, *, now: float) -> Output:
+        """Fire every deadline due at ``now`` (FAIL-1)."""
+        return self._advance(now)
+
+    # ----------------------------------------------------------------- machinery
+
+    def _check_transfer_report(self) -> None:
+        if self.mode is not TransferMode.READ or not self._posted:
+            raise LocalProtocolError(
+                f"consumer request {self.params.request_id!r} has no posted transfer to report on "
+                f"(mode {self.mode.value}, state {self._state.value})"
+            )
+
+    def _due(self) -> tuple[float, ConsumerEvent, FailureReason | None] | None:
+        lease = self.params.lease_deadline
+        state = self._state
+        if state is ConsumerState.ALLOCATED:
+            # LEASE-1: never start a transfer that could outlive P's pin.
+            return lease - self.start_margin, ConsumerEvent.TIMEOUT, FailureReason.LEASE_EXPIRED
+        if state is ConsumerState.LOADING:
+            if self.transfer_timeout is not None and self._started_at + self.transfer_timeout < lease:
+                return self._started_at + self.transfer_timeout, ConsumerEvent.TIMEOUT, FailureReason.TIMEOUT
+            return lease, ConsumerEvent.TIMEOUT, FailureReason.LEASE_EXPIRED
+        if state in (ConsumerState.FAILING, ConsumerState.ABORTING):
+            if self.mode is TransferMode.READ:
+                return self._entered_at + self.drain_timeout, ConsumerEvent.DRAIN_TIMEOUT, None
+            # DRAIN-1: P cancels its write by the lease deadline and it stops within the drain bound.
+            return lease + self.drain_timeout, ConsumerEvent.DRAIN_TIMEOUT, None
+        return None
+
+    def _advance(self, now: float) -> Output:
+        out = _NOTHING
+        while (due := self._due()) is not None and now >= due[0]:
+            out = out + self._fire(due[1], now, reason=due[2])
+        return out
+
+    def _handle(
+        self,
+        event: ConsumerEvent,
+        now: float,
+        *,
+        reason: FailureReason | None = None,
+        detail: str = "",
+        failed: BlockIds | None = None,
+    ) -> Output:
+        return self._advance(now) + self._fire(event, now, reason=reason, detail=detail, failed=failed)
+
+    def _fire(
+        self,
+        event: ConsumerEvent,
+        now: float,
+        *,
+        reason: FailureReason | None = None,
+        detail: str = "",
+        failed: BlockIds | None = None,
+    ) -> Output:
+        row = _CONSUMER_INDEX.get((self.mode, self._state, event))
+        if row is None:
+            return _NOTHING
+        source, self._state, self._entered_at = self._state, row.target, now
+        if row.target in (ConsumerState.FAILING, ConsumerState.FAILED) and self._failure is None:
+            self._failure = FailureInfo(
+                reason=reason or FailureReason.TRANSFER_ERROR,
+                failed_consumer_block_ids=self.consumer_block_ids if failed is None else failed,
+                detail=detail,
+            )
+        out = Output(steps=(Step(source=source, event=event, target=row.target, now=now),))
+        for action in row.actions:
+            out = out + self._act(action, event=event)
+        return out
+
+    def _act(self, action: Action, *, event: ConsumerEvent) -> Output:
+        params = self.params
+        if action is Action.FREE:
+            return Output(free=_non_null(self.consumer_block_ids))
+        if action is Action.POST:
+            self._posted = True
+            return Output(post=True)
+        if action is Action.CANCEL:
+            return Output(cancel=True)
+        if action is Action.SEND_OFFER:
+            return Output(send=(self.offer,))
+        if action is Action.SEND_ABORT:
+            return Output(send=(Abort(request_id=params.request_id, engine_id=self.consumer_engine_id),))
+        if action is Action.SEND_RELEASE:
+            if self._release is not None:  # pragma: no cover - terminal states are entered once
+                raise LocalProtocolError("a second release for one consumer request (REL-1)")
+            self._release = Release(
+                request_id=params.request_id,
+                consumer_engine_id=self.consumer_engine_id,
+                outcome=_OUTCOMES[self._state] if event is not ConsumerEvent.PREFIX_HIT else ReleaseOutcome.PREFIX_HIT,
+            )
+            return Output(send=(self._release,))
+        raise LocalProtocolError(f"consumer cannot perform {action}")  # pragma: no cover - table guard
+
+    def __repr__(self) -> str:
+        return f"<ConsumerSession {self.params.request_id!r} {self.mode.value} {self._state.value}>"
+
+
+_OUTCOMES: Mapping[ConsumerState, ReleaseOutcome] = {
+    ConsumerState.LOADED: ReleaseOutcome.LOADED,
+    ConsumerState.FAILED: ReleaseOutcome.FAILED,
+    ConsumerState.ABORTED: ReleaseOutcome.ABORTED,
+}
+
+
+# --------------------------------------------------------------------------- diagrams
+
+Role = Literal["producer", "consumer"]
+
+
+def _table(role: Role) -> Sequence[Transition[Any, Any]]:
+    if role == "producer":
+        return PRODUCER_TRANSITIONS
+    if role == "consumer":
+        return CONSUMER_TRANSITIONS
+    raise ConfigError(f"role: expected 'producer' or 'consumer', got {role!r}")
+
+
+def _label(row: Transition[Any, Any], mode: TransferMode | None) -> str:
+    label: str = row.event.value
+    if mode is None and row.modes != _BOTH:
+        label = f"[{'/'.join(sorted(m.value for m in row.modes))}] {label}"
+    if row.actions:
+        label += " / " + ", ".join(a.value for a in row.actions)
+    return label
+
+
+def to_mermaid(role: Role, mode: TransferMode | None = None) -> str:
+    """A mermaid ``stateDiagram-v2`` of one role's transition table, for one mode or both (SM-1, SM-2)."""
+    table = _table(role)
+    rows = [row for row in table if mode is None or mode in row.modes]
+    initial = table[0].source
+    lines = ["stateDiagram-v2", f"    [*] --> {initial.name}"]
+    for row in rows:
+        lines.append(f"    {row.source.name} --> {row.target.name}: {_label(row, mode)}")
+    terminal = sorted({row.target.name for row in rows if row.target.is_terminal})
+    lines.extend(f"    {name} --> [*]" for name in terminal)
+    return "\n".join(lines) + "\n"
+
+
+def to_markdown(role: Role) -> str:
+    """The transition table of one role as a markdown table (SM-1, SM-2)."""
+    lines = ["| state | event | modes | next state | actions |", "|---|---|---|---|---|"]
+    for row in _table(role):
+        modes = "both" if row.modes == _BOTH else "/".join(sorted(m.value for m in row.modes))
+        actions = ", ".join(f"`{a.value}`" for a in row.actions) or "-"
+        lines.append(f"| {row.source.name} | `{row.event.value}` | {modes} | {row.target.name} | {actions} |")
+    return "\n".join(lines) + "\n"
