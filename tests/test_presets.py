@@ -1,0 +1,169 @@
+"""Tests for the model presets: lookup, vLLM grouping, layouts (PLAN-1) and admission of real models."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvspec import (
+    ChunkedLocalAttentionSpec,
+    ConfigError,
+    FullAttentionSpec,
+    MambaSpec,
+    SlidingWindowSpec,
+    TokenBasis,
+    UnsupportedHybridError,
+    blocks_per_sw,
+    get_preset,
+    get_token_basis_group,
+    is_hma_required,
+    list_presets,
+    validate_hybrid_support,
+)
+from kvspec.models import ModelPreset
+
+TINY = {"num_blocks": 3, "max_layers_per_group": 2, "head_size_divisor": 64}
+LAYOUTS = ["blocks_first", "layers_first", "per_layer", "shared"]
+
+
+def test_every_preset_is_found_by_hf_id_and_alias() -> None:
+    presets = list_presets()
+    assert len({p.alias for p in presets}) == len(presets)
+    for preset in presets:
+        assert get_preset(preset.hf_id) is preset
+        assert get_preset(preset.alias) is preset
+        assert get_preset(preset.alias.upper()) is preset
+        assert preset.source.startswith("https://")
+
+
+def test_required_presets_exist() -> None:
+    for name in [
+        "google/gemma-3-27b-it",
+        "gemma-3-27b",
+        "google/gemma-3-1b-it",
+        "gemma-3-1b",
+        "openai/gpt-oss-120b",
+        "gpt-oss-120b",
+        "openai/gpt-oss-20b",
+        "meta-llama/Llama-3.1-8B-Instruct",
+        "mistralai/Mistral-7B-v0.1",
+        "deepseek-ai/DeepSeek-V2-Lite",
+        "meta-llama/Llama-4-Scout-17B-16E-Instruct",
+        "Qwen/Qwen3-Next-80B-A3B-Instruct",
+        "google/gemma-4-31B-it",
+    ]:
+        assert isinstance(get_preset(name), ModelPreset)
+
+
+def test_unknown_preset_lists_the_known_ones() -> None:
+    with pytest.raises(ConfigError, match="gemma-3-27b"):
+        get_preset("gpt-5")
+
+
+@pytest.mark.parametrize("preset", list_presets(), ids=lambda p: p.alias)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_every_preset_builds_in_every_layout(preset: ModelPreset, layout: str) -> None:
+    config = preset.build_config(layout=layout, **TINY)  # type: ignore[arg-type]
+    assert config.num_blocks == 3
+    layers = [name for group in config.kv_cache_groups for name in group.layer_names]
+    assert len(layers) == len(set(layers))
+    for name in layers:
+        config.locate(name)
+
+
+def test_gemma3_27b_groups_as_vllm_does() -> None:
+    preset = get_preset("gemma-3-27b")
+    # 62 layers, every 6th global: 52 SW + 10 FA; group size 10; SW groups first, FA last (research §9.1).
+    assert [len(g) for g in preset.get_group_layout()] == [10, 10, 10, 10, 10, 2, 10]
+    assert preset.get_group_layout()[-1] == [5, 11, 17, 23, 29, 35, 41, 47, 53, 59]
+    config = preset.build_config(num_blocks=2, head_size_divisor=128)
+    kinds = [type(g.kv_cache_spec) for g in config.kv_cache_groups]
+    assert kinds == [SlidingWindowSpec] * 6 + [FullAttentionSpec]
+    assert blocks_per_sw(config) == (65,) * 6 + (0,)
+    assert is_hma_required(config)
+    assert get_token_basis_group(config) == TokenBasis(group_index=6, block_size=16)
+    validate_hybrid_support(config, "read")
+    validate_hybrid_support(config, "write")
+
+
+def test_gemma3_27b_page_size_at_full_size() -> None:
+    config = get_preset("gemma-3-27b").build_config(num_blocks=1, max_layers_per_group=1)
+    assert {g.kv_cache_spec.page_size_bytes for g in config.kv_cache_groups} == {2 * 16 * 16 * 128 * 2}
+
+
+@pytest.mark.parametrize(("alias", "layers"), [("gpt-oss-120b", 18), ("gpt-oss-20b", 12)])
+def test_gpt_oss_is_one_sw_and_one_fa_group(alias: str, layers: int) -> None:
+    preset = get_preset(alias)
+    assert [len(g) for g in preset.get_group_layout()] == [layers, layers]
+    config = preset.build_config(num_blocks=2, max_layers_per_group=1)
+    assert blocks_per_sw(config) == (9, 0)  # W=128, B=16 -> 9 (SW-1)
+    assert get_token_basis_group(config) == TokenBasis(group_index=1, block_size=16)
+
+
+def test_gemma4_full_layers_get_twice_the_block_size() -> None:
+    config = get_preset("gemma-4-31b").build_config(num_blocks=2, max_layers_per_group=1, head_size_divisor=64)
+    sizes = [g.kv_cache_spec.block_size for g in config.kv_cache_groups]
+    assert sizes == [16] * 5 + [32]
+    assert len({g.kv_cache_spec.page_size_bytes for g in config.kv_cache_groups}) == 1
+    assert get_token_basis_group(config) == TokenBasis(group_index=5, block_size=32)
+
+
+def test_full_attention_only_models_never_need_hma() -> None:
+    for alias in ("llama-3.1-8b", "deepseek-v2-lite"):
+        config = get_preset(alias).build_config(**TINY)  # type: ignore[arg-type]
+        assert config.num_groups == 1
+        assert not is_hma_required(config)
+        validate_hybrid_support(config, "write", read_only_hma=True)
+
+
+def test_mistral_sliding_window_only_is_hybrid() -> None:
+    config = get_preset("mistral-7b").build_config(**TINY)  # type: ignore[arg-type]
+    assert is_hma_required(config)
+    assert blocks_per_sw(config) == (4096 // 16 + 1,)
+    assert get_token_basis_group(config) is None
+
+
+def test_llama4_and_qwen3_next_are_rejected_under_hma() -> None:
+    scout = get_preset("llama-4-scout").build_config(**TINY)  # type: ignore[arg-type]
+    assert any(isinstance(g.kv_cache_spec, ChunkedLocalAttentionSpec) for g in scout.kv_cache_groups)
+    with pytest.raises(UnsupportedHybridError, match="chunked_local"):
+        validate_hybrid_support(scout, "read")
+    validate_hybrid_support(scout, "read", disable_hybrid_kv_cache_manager=True)
+    qwen = get_preset("qwen3-next-80b").build_config(num_blocks=2, max_layers_per_group=1)
+    assert any(isinstance(g.kv_cache_spec, MambaSpec) for g in qwen.kv_cache_groups)
+    assert len({g.kv_cache_spec.page_size_bytes for g in qwen.kv_cache_groups}) == 1  # padded to one page
+    for flag in (False, True):
+        with pytest.raises(UnsupportedHybridError, match="mamba"):
+            validate_hybrid_support(qwen, "read", disable_hybrid_kv_cache_manager=flag)
+
+
+def test_layouts_follow_the_page_address_rule() -> None:
+    preset = get_preset("gpt-oss-20b")
+    kw = {"num_blocks": 4, "max_layers_per_group": 3, "head_size_divisor": 64}
+    page = preset.build_config(**kw).kv_cache_groups[0].kv_cache_spec.page_size_bytes  # type: ignore[arg-type]
+    blocks_first = preset.build_config(layout="blocks_first", **kw)  # type: ignore[arg-type]
+    name = blocks_first.kv_cache_groups[0].layer_names[1]
+    assert blocks_first.page_offset(name, 2) == (0, 2 * 3 * page + page)
+    layers_first = preset.build_config(layout="layers_first", **kw)  # type: ignore[arg-type]
+    assert layers_first.page_offset(name, 2) == (0, 4 * page + 2 * page)
+    per_layer = preset.build_config(layout="per_layer", **kw)  # type: ignore[arg-type]
+    assert per_layer.page_offset(name, 2) == (1, 2 * page)
+    shared = preset.build_config(layout="shared", **kw)  # type: ignore[arg-type]
+    # vLLM's hybrid layout: the i-th layer of every group shares one tensor at the same bytes.
+    sw_layer, fa_layer = (g.layer_names[1] for g in shared.kv_cache_groups)
+    assert shared.page_offset(sw_layer, 2) == shared.page_offset(fa_layer, 2) == (1, 2 * page)
+    assert len(shared.kv_cache_tensors) == 3
+
+
+def test_overrides() -> None:
+    preset = get_preset("gemma-3-1b")
+    base = preset.build_config(num_blocks=2, max_layers_per_group=1)
+    fp8 = preset.build_config(num_blocks=2, max_layers_per_group=1, dtype="fp8")
+    assert (
+        fp8.kv_cache_groups[0].kv_cache_spec.page_size_bytes * 2
+        == base.kv_cache_groups[0].kv_cache_spec.page_size_bytes
+    )
+    small = preset.build_config(num_blocks=2, block_size=4, max_layers_per_group=1)
+    assert {g.kv_cache_spec.block_size for g in small.kv_cache_groups} == {4}
+    for bad in ({"num_blocks": 0}, {"num_blocks": 2, "layout": "rows"}, {"num_blocks": 2, "max_layers_per_group": 0}):
+        with pytest.raises(ConfigError):
+            preset.build_config(**bad)  # type: ignore[arg-type]
