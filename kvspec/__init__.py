@@ -1,5 +1,6 @@
 """kvspec: the executable reference specification for hybrid KV-cache hand-off between engines."""
 
+from kvspec._codec import decode, encode
 from kvspec._errors import (
     BackendUnavailableError,
     BlockAlignmentError,
@@ -16,6 +17,21 @@ from kvspec._errors import (
     UnsupportedHybridError,
     UnsupportedVersionError,
     WindowCoverageError,
+)
+from kvspec._handshake import check_compatibility
+from kvspec._messages import (
+    PROTOCOL_VERSION,
+    Abort,
+    BlockOffer,
+    Completion,
+    EngineDescriptor,
+    Failure,
+    GroupDescriptor,
+    Message,
+    Release,
+    ReleaseOutcome,
+    TransferParams,
+    TransportData,
 )
 from kvspec._models import (
     NULL_BLOCK_ID,
@@ -58,6 +74,17 @@ from kvspec._reference import (
     is_full_attention_spec,
     is_hma_required,
     validate_hybrid_support,
+)
+from kvspec._schema import message_schemas
+from kvspec._session import (
+    ConsumerEvent,
+    ConsumerSession,
+    ConsumerState,
+    FailureInfo,
+    Output,
+    ProducerEvent,
+    ProducerSession,
+    ProducerState,
 )
 
 __version__ = "0.1.0"
@@ -119,4 +146,28 @@ __all__ = [
     "is_full_attention_spec",
     "is_hma_required",
     "validate_hybrid_support",
+    "PROTOCOL_VERSION",
+    "Abort",
+    "BlockOffer",
+    "Completion",
+    "ConsumerEvent",
+    "ConsumerSession",
+    "ConsumerState",
+    "EngineDescriptor",
+    "Failure",
+    "FailureInfo",
+    "GroupDescriptor",
+    "Message",
+    "Output",
+    "ProducerEvent",
+    "ProducerSession",
+    "ProducerState",
+    "Release",
+    "ReleaseOutcome",
+    "TransferParams",
+    "TransportData",
+    "check_compatibility",
+    "decode",
+    "encode",
+    "message_schemas",
 ]
