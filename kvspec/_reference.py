@@ -63,6 +63,16 @@ def _to_block_ids(value: BlockIdsLike) -> BlockIds:
     return value if isinstance(value, BlockIds) else BlockIds(value)
 
 
+def _derived_block_ids(groups: Sequence[tuple[int, ...]]) -> BlockIds:
+    """A BlockIds made of slices of already-validated BlockIds, without validating every id again.
+
+    Validation is per id and would dominate a 128k-token request (benchmarks/bench_reference.py).
+    """
+    ids = object.__new__(BlockIds)
+    object.__setattr__(ids, "groups", tuple(groups))
+    return ids
+
+
 def _check_count(name: str, value: object) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
         raise ConfigError(f"{name}: expected a non-negative int, got {value!r}")
@@ -166,7 +176,7 @@ def get_exchange_clipped_blocks(block_ids: BlockIdsLike, budgets: Sequence[int])
     if not any(budgets):
         return ids
     # n > 0 guards Python's ids[-0:], which is the whole list (research H3).
-    return BlockIds([group[-n:] if n > 0 else group for group, n in zip(ids, budgets, strict=True)])
+    return _derived_block_ids([group[-n:] if n > 0 else group for group, n in zip(ids, budgets, strict=True)])
 
 
 @attrs.frozen(kw_only=True)
@@ -233,8 +243,8 @@ def align_block_ids(*, producer_block_ids: BlockIdsLike, consumer_block_ids: Blo
         return BlockPairs(producer_block_ids=[], consumer_block_ids=[])  # full prefix hit (ALIGN-1)
     if len(producer) != len(consumer):
         raise GroupCountError(f"producer has {len(producer)} groups, consumer {len(consumer)} (ALIGN-1)")
-    pairs_p: list[list[int]] = []
-    pairs_c: list[list[int]] = []
+    pairs_p: list[tuple[int, ...]] = []
+    pairs_c: list[tuple[int, ...]] = []
     for g, (p, c) in enumerate(zip(producer, consumer, strict=True)):
         if len(c) > len(p):
             raise BlockAlignmentError(
@@ -243,10 +253,12 @@ def align_block_ids(*, producer_block_ids: BlockIdsLike, consumer_block_ids: Blo
             )
         # Tail alignment: C's list is its uncached suffix, so it ends where P's ends (never front-trim).
         tail = p[len(p) - len(c) :]
-        kept = [(pi, ci) for pi, ci in zip(tail, c, strict=True) if pi != NULL_BLOCK_ID and ci != NULL_BLOCK_ID]
-        pairs_p.append([pi for pi, _ in kept])
-        pairs_c.append([ci for _, ci in kept])
-    return BlockPairs(producer_block_ids=pairs_p, consumer_block_ids=pairs_c)
+        if NULL_BLOCK_ID in c:
+            kept = [(pi, ci) for pi, ci in zip(tail, c, strict=True) if NULL_BLOCK_ID not in (pi, ci)]
+            tail, c = tuple(pi for pi, _ in kept), tuple(ci for _, ci in kept)
+        pairs_p.append(tail)
+        pairs_c.append(c)
+    return BlockPairs(producer_block_ids=_derived_block_ids(pairs_p), consumer_block_ids=_derived_block_ids(pairs_c))
 
 
 # --------------------------------------------------------------------------- WIN-1 and engine helpers
@@ -352,6 +364,10 @@ def _check_side(
             f"group {g}: {role} lists {len(blocks)} blocks, but {num_tokens} tokens leave at most {limit} (WIN-1)"
         )
     first = total - len(blocks)  # the list is tail-aligned to logical block total - 1
+    if not needed or (
+        needed.start >= first and NULL_BLOCK_ID not in blocks[needed.start - first : needed.stop - first]
+    ):
+        return  # the common case, checked at C speed
     for k in needed:
         block_id = blocks[k - first] if k >= first else None
         if block_id is None or block_id == NULL_BLOCK_ID:
