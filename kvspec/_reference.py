@@ -253,7 +253,7 @@ def align_block_ids(*, producer_block_ids: BlockIdsLike, consumer_block_ids: Blo
             )
         # Tail alignment: C's list is its uncached suffix, so it ends where P's ends (never front-trim).
         tail = p[len(p) - len(c) :]
-        if NULL_BLOCK_ID in c:
+        if NULL_BLOCK_ID in tail or NULL_BLOCK_ID in c:
             kept = [(pi, ci) for pi, ci in zip(tail, c, strict=True) if NULL_BLOCK_ID not in (pi, ci)]
             tail, c = tuple(pi for pi, _ in kept), tuple(ci for _, ci in kept)
         pairs_p.append(tail)
