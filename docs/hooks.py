@@ -3,16 +3,21 @@
 from __future__ import annotations
 
 import logging
+import posixpath
 import re
+import sys
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
+from markdown.extensions.toc import slugify
 from mkdocs.exceptions import PluginError
 from mkdocs.structure.files import File, Files
 
 log = logging.getLogger("mkdocs.hooks.kvspec")
 
 ROOT = Path(__file__).resolve().parent.parent
+GEN = Path(__file__).resolve().parent / "_gen"
 
 # Top-level folders of docs/ and the nav section their unlisted pages join.
 SECTIONS = {
@@ -24,14 +29,50 @@ SECTIONS = {
     "explanation": "Explanation",
 }
 
+# While the suite is being written, a rule without cases is shown on the catalogue page instead of
+# failing the build. Set to True once every rule has its cases: from then on a mismatch fails the build.
+REQUIRE_CATALOGUE = False
+
+CATALOGUE = "spec/catalogue.md"
+DIAGRAMS = "spec/diagrams.md"
+
 # A rule id as DESIGN.md writes them: capitals, a dash, a number (CLIP-1, SM-2).
 RULE_ID = re.compile(r"\b([A-Z]{2,5}-\d+)\b")
-# A spec heading that opens a rule's section: "## CLIP-1 ..." or "### Rule CLIP-1: ...".
-RULE_HEADING = re.compile(r"^(#{2,4})\s+(?:Rule\s+)?\**`?([A-Z]{2,5}-\d+)\b(.*)$")
+# A spec heading that opens a rule's section: "## CLIP-1 ...", "### Rule `CLIP-1`: ...", "## **SW-1**".
+RULE_HEADING = re.compile(r"^(?P<hashes>#{2,4})\s+(?:Rule\s+)?[*`]*(?P<id>[A-Z]{2,5}-\d+)\b(?P<rest>.*)$")
+# <!-- kvspec:NAME --> in any page is replaced by a generated snippet (a diagram, a table).
+MARKER = re.compile(r"^[ \t]*<!--\s*kvspec:(?P<name>[\w:.-]+)\s*-->[ \t]*$", re.MULTILINE)
+# Fenced code: rule headings inside it are not headings.
+FENCE = re.compile(r"^\s*(```|~~~)")
 
 
 class CatalogueError(PluginError):
     """The rule list and the conformance catalogue disagree; the build must stop."""
+
+
+class RuleLike(Protocol):
+    """What the catalogue needs of a rule (``kvspec._rules.Rule``)."""
+
+    id: str
+    title: str
+    summary: str
+
+    @property
+    def level(self) -> Any: ...
+
+
+class CaseLike(Protocol):
+    """What the catalogue needs of a conformance case (``kvspec_conformance`` ``Case``)."""
+
+    id: str
+    rule: str
+    title: str
+
+    @property
+    def level(self) -> Any: ...
+
+    @property
+    def requires(self) -> Iterable[str]: ...
 
 
 # --------------------------------------------------------------------------- nav
@@ -78,7 +119,145 @@ def on_config(config: Any) -> Any:
     return config
 
 
-# --------------------------------------------------------------------------- generated files
+# --------------------------------------------------------------------------- rule catalogue
+
+
+def _level(value: Any) -> str:
+    return str(getattr(value, "value", value))
+
+
+def check_catalogue(rules: Sequence[RuleLike], cases: Sequence[CaseLike]) -> dict[str, list[CaseLike]]:
+    """Rule id -> its cases; raises :class:`CatalogueError` listing every rule without a case and every
+    case that cites an unknown rule, so that neither can reach the published spec."""
+    by_rule: dict[str, list[CaseLike]] = {rule.id: [] for rule in rules}
+    problems = []
+    if len(by_rule) != len(rules):
+        problems.append("a rule id is listed twice in kvspec._rules.RULES")
+    for case in cases:
+        if case.rule not in by_rule:
+            problems.append(f"case {case.id} cites unknown rule {case.rule!r}")
+        else:
+            by_rule[case.rule].append(case)
+    problems += [f"rule {rule_id} has no conformance case" for rule_id, found in by_rule.items() if not found]
+    if problems:
+        raise CatalogueError("rule catalogue: " + "; ".join(problems))
+    return by_rule
+
+
+def load_catalogue() -> tuple[Sequence[RuleLike], Sequence[CaseLike]]:
+    """The rules from kvspec and every registered case from the installed suite."""
+    from kvspec._rules import RULES
+
+    try:
+        import kvspec_conformance
+    except Exception as error:  # the build must say why it cannot list the cases
+        raise CatalogueError(f"rule catalogue: kvspec_conformance does not import: {error!r}") from error
+    source = getattr(kvspec_conformance, "catalogue", None)
+    if source is None:
+        from kvspec_conformance import _cases
+
+        source = _cases.catalogue
+    try:
+        table: Mapping[str, Sequence[CaseLike]] = source()
+    except Exception as error:  # e.g. a case registered for an unknown rule
+        raise CatalogueError(f"rule catalogue: the suite's catalogue fails: {error}") from error
+    cases = [case for found in table.values() for case in found]
+    return RULES, cases
+
+
+def find_rule_sections(spec_pages: Mapping[str, str]) -> dict[str, tuple[str, str]]:
+    """Rule id -> (spec page, anchor) of the first heading that opens the rule's section."""
+    sections: dict[str, tuple[str, str]] = {}
+    for page, text in sorted(spec_pages.items()):
+        if page == CATALOGUE:
+            continue
+        for rule_id in _rule_headings(text):
+            sections.setdefault(rule_id, (page, _cases_anchor(rule_id)))
+    return sections
+
+
+def _rule_headings(text: str) -> list[str]:
+    found = []
+    in_fence = False
+    for line in text.splitlines():
+        if FENCE.match(line):
+            in_fence = not in_fence
+        elif not in_fence and (match := RULE_HEADING.match(line)):
+            found.append(match["id"])
+    return found
+
+
+def _cases_anchor(rule_id: str) -> str:
+    return f"cases-{slugify(rule_id, '-')}"
+
+
+def _rel(from_page: str, to_page: str) -> str:
+    """A link from one docs page to another, relative to the first's folder."""
+    return posixpath.relpath(to_page, posixpath.dirname(from_page) or ".")
+
+
+def render_catalogue(
+    rules: Sequence[RuleLike], by_rule: Mapping[str, Sequence[CaseLike]], sections: Mapping[str, tuple[str, str]]
+) -> str:
+    """The catalogue page: every rule with its level, summary, spec section and conformance cases."""
+    total = sum(len(found) for found in by_rule.values())
+    out = [
+        "# Rule catalogue",
+        "",
+        "Generated at build time from the rule list (`kvspec._rules.RULES`) and the conformance",
+        "suite's registry (`kvspec_conformance.catalogue()`). **The docs build fails** when a rule",
+        "has no conformance case or a case cites an unknown rule, so this page cannot list a rule",
+        "that nothing checks.",
+        "",
+        f"{len(rules)} rules, {total} cases. Run one rule's cases with",
+        "`kvspec conform BACKEND --rule CLIP-1`.",
+        "",
+        "| Rule | Level | Title | Cases |",
+        "|---|---|---|---|",
+    ]
+    for rule in rules:
+        anchor = slugify(rule.id, "-")
+        out.append(f"| [{rule.id}](#{anchor}) | {_level(rule.level)} | {rule.title} | {len(by_rule[rule.id])} |")
+    for rule in rules:
+        out += ["", f"## {rule.id}: {rule.title} {{#{slugify(rule.id, '-')}}}", ""]
+        out.append(f"**{_level(rule.level)}.** {rule.summary}")
+        if rule.id in sections:
+            page, anchor = sections[rule.id]
+            out += ["", f"Normative text: [{rule.id} in the spec]({_rel(CATALOGUE, page)}#{anchor})."]
+        out += ["", "| Case | Level | Needs | Checks |", "|---|---|---|---|"]
+        for case in by_rule[rule.id]:
+            needs = ", ".join(sorted(case.requires)) or "-"
+            out.append(f"| `{case.id}` | {_level(case.level)} | {needs} | {case.title} |")
+    return "\n".join(out) + "\n"
+
+
+def link_rule_sections(markdown: str, page: str, by_rule: Mapping[str, Sequence[CaseLike]]) -> str:
+    """Below each rule heading of a spec page, list the rule's conformance cases, linked to the catalogue."""
+    out = []
+    in_fence = False
+    seen: set[str] = set()
+    for line in markdown.splitlines():
+        out.append(line)
+        if FENCE.match(line):
+            in_fence = not in_fence
+            continue
+        match = None if in_fence else RULE_HEADING.match(line)
+        if match is None or match["id"] not in by_rule or match["id"] in seen:
+            continue
+        rule_id = match["id"]
+        seen.add(rule_id)
+        target = _rel(page, CATALOGUE)
+        cases = ", ".join(f"`{case.id}`" for case in by_rule[rule_id])
+        out += [
+            "",
+            f"*Conformance cases* ([catalogue]({target}#{slugify(rule_id, '-')})): {cases}",
+            f"{{: #{_cases_anchor(rule_id)} .kvspec-cases }}",
+            "",
+        ]
+    return "\n".join(out) + "\n"
+
+
+# --------------------------------------------------------------------------- generated files and snippets
 
 
 def _add(files: Files, config: Any, src_uri: str, content: str | bytes) -> None:
@@ -88,41 +267,123 @@ def _add(files: Files, config: Any, src_uri: str, content: str | bytes) -> None:
     files.append(File.generated(config, src_uri, content=content))
 
 
+def _fence(kind: str, body: str) -> str:
+    return f"```{kind}\n{body.rstrip()}\n```\n"
+
+
+def _import_generators() -> tuple[Any, Any]:
+    if str(GEN) not in sys.path:
+        sys.path.insert(0, str(GEN))
+    import diagrams
+    import figures
+
+    return diagrams, figures
+
+
+_STATE: dict[str, Any] = {"snippets": {}, "by_rule": {}}
+
+
+def render_diagrams_page(diagrams: Any) -> str:
+    """State diagrams from the transition tables and sequences from running the sessions."""
+    out = [
+        "# Diagrams",
+        "",
+        "Generated at build time. The state diagrams are drawn from the transition tables the",
+        "sessions execute (`kvspec._session.PRODUCER_TRANSITIONS`, `CONSUMER_TRANSITIONS`); the",
+        "sequence diagrams are recorded by running a `ProducerSession` and a `ConsumerSession`",
+        "through each scenario, so every arrow is a message or an action the code really produced.",
+        "Labels read `event / actions`; `[read]` or `[write]` marks a row of one mode only.",
+        "",
+    ]
+    for role, rule in (("producer", "SM-1"), ("consumer", "SM-2")):
+        out += [f"## {role.capitalize()} states ({rule})", "", _fence("mermaid", diagrams.state_diagram(role))]
+        out += ['??? note "The transition table"', ""]
+        out += ["    " + line for line in diagrams.transition_table(role).splitlines()]
+        out.append("")
+    out += ["## Sequences", ""]
+    for name, (title, _) in diagrams.SEQUENCES.items():
+        out += [f"### {title}", "", _fence("mermaid", diagrams.sequence_diagram(name))]
+    return "\n".join(out) + "\n"
+
+
+def _bytes_table(rows: Sequence[tuple[str, int, int, int]]) -> str:
+    out = ["| Model | Tokens | Unclipped | Clipped | Saved |", "|---|---:|---:|---:|---:|"]
+    for model, tokens, unclipped, clipped in rows:
+        saved = 1 - clipped / unclipped if unclipped else 0.0
+        out.append(
+            f"| {model} | {tokens:,} | {unclipped / 2**20:,.0f} MiB | {clipped / 2**20:,.0f} MiB | {saved:.0%} |"
+        )
+    return "\n".join(out) + "\n"
+
+
+def _clipping_lists(example: Mapping[str, Any]) -> str:
+    pairs = example["pairs"]
+    rows = [
+        ("`blocks_per_sw(config)`", [example["budgets"][0]], [example["budgets"][1]]),
+        ("P's block table", example["table"][0], example["table"][1]),
+        ("P advertises (clipped)", example["advertised"][0], example["advertised"][1]),
+        ("C offers (uncached suffix, clipped)", example["offered"][0], example["offered"][1]),
+        ("pairs: producer ids", pairs.producer_block_ids[0], pairs.producer_block_ids[1]),
+        ("pairs: consumer ids", pairs.consumer_block_ids[0], pairs.consumer_block_ids[1]),
+    ]
+    out = ["| | full attention (group 0) | sliding window W=32 (group 1) |", "|---|---|---|"]
+    out += [f"| {label} | `{list(first)}` | `{list(second)}` |" for label, first, second in rows]
+    return "\n".join(out) + "\n"
+
+
 def on_files(files: Files, config: Any) -> Files:
     spec_pages = {
         f.src_uri: Path(f.abs_src_path).read_text(encoding="utf-8")
         for f in files
         if f.src_uri.startswith("spec/") and f.src_uri.endswith(".md") and f.abs_src_path
     }
-    _add(files, config, "spec/catalogue.md", render_catalogue_page(spec_pages))
-    _add(files, config, "spec/diagrams.md", render_diagrams_page())
-    for name, content in render_figures().items():
-        _add(files, config, f"img/{name}", content)
+    try:
+        rules, cases = load_catalogue()
+        by_rule = check_catalogue(rules, cases)
+        page = render_catalogue(rules, by_rule, find_rule_sections(spec_pages))
+    except CatalogueError as error:
+        if REQUIRE_CATALOGUE:
+            raise
+        log.info("%s (tolerated while REQUIRE_CATALOGUE is False)", error)
+        by_rule = {}
+        page = f'# Rule catalogue\n\n!!! danger "Incomplete"\n    {error}\n'
+    _STATE["by_rule"] = by_rule
+    _add(files, config, CATALOGUE, page)
+
+    diagrams, figures = _import_generators()
+    _add(files, config, DIAGRAMS, render_diagrams_page(diagrams))
+    rows = figures.bytes_rows()
+    _add(files, config, "img/clipping.svg", figures.clipping_svg())
+    _add(files, config, "img/bytes.svg", figures.bytes_svg(rows))
+
+    snippets: dict[str, str] = {
+        "bytes-table": _bytes_table(rows),
+        "clipping-lists": _clipping_lists(figures.clipping_example()),
+    }
+    for role in ("producer", "consumer"):
+        snippets[f"state-diagram:{role}"] = _fence("mermaid", diagrams.state_diagram(role))
+        snippets[f"state-table:{role}"] = diagrams.transition_table(role)
+    for name in diagrams.SEQUENCES:
+        snippets[f"sequence:{name}"] = _fence("mermaid", diagrams.sequence_diagram(name))
+    _STATE["snippets"] = snippets
+
     # CHANGELOG.md links into docs/ so that it reads right on a forge; on the site those links are relative.
     changelog = (ROOT / "CHANGELOG.md").read_text(encoding="utf-8").replace("](docs/", "](")
     _add(files, config, "changelog.md", changelog)
     return files
 
 
-# --------------------------------------------------------------------------- rule catalogue
+def on_page_markdown(markdown: str, page: Any, config: Any, files: Files) -> str:
+    src = page.file.src_uri
+    snippets: Mapping[str, str] = _STATE["snippets"]
 
+    def replace(match: re.Match[str]) -> str:
+        name = match["name"]
+        if name not in snippets:
+            raise PluginError(f"{src}: unknown generated snippet <!-- kvspec:{name} -->; known: {sorted(snippets)}")
+        return snippets[name]
 
-def render_catalogue_page(spec_pages: dict[str, str]) -> str:
-    """The rule catalogue page; a placeholder until the rule list lands."""
-    return "# Rule catalogue\n\nThe catalogue is generated from `kvspec._rules` and `kvspec_conformance`.\n"
-
-
-# --------------------------------------------------------------------------- diagrams
-
-
-def render_diagrams_page() -> str:
-    """State and sequence diagrams; a placeholder until the sessions land."""
-    return "# Diagrams\n\nState diagrams are generated from the session transition tables.\n"
-
-
-# --------------------------------------------------------------------------- figures
-
-
-def render_figures() -> dict[str, bytes]:
-    """SVG figures keyed by file name."""
-    return {}
+    markdown = MARKER.sub(replace, markdown)
+    if src.startswith("spec/") and src != CATALOGUE:
+        markdown = link_rule_sections(markdown, src, _STATE["by_rule"])
+    return markdown

@@ -1,0 +1,149 @@
+"""Mermaid diagrams for the docs: state diagrams from the transition tables, sequences from running the sessions."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import kvspec
+from kvspec import _session
+
+__all__ = ["SEQUENCES", "sequence_diagram", "state_diagram", "transition_table"]
+
+READ, WRITE = kvspec.TransferMode.READ, kvspec.TransferMode.WRITE
+
+
+def state_diagram(role: _session.Role, mode: kvspec.TransferMode | None = None) -> str:
+    """The role's state diagram, drawn from the table the session executes (SM-1, SM-2)."""
+    return _session.to_mermaid(role, mode)
+
+
+def transition_table(role: _session.Role) -> str:
+    """The role's transition table as Markdown."""
+    return _session.to_markdown(role)
+
+
+class _Recorder:
+    """Turns session outputs into mermaid sequence lines."""
+
+    def __init__(self, mode: kvspec.TransferMode) -> None:
+        self.mode = mode
+        self.lines = [
+            "sequenceDiagram",
+            "    participant P as Producer (prefill)",
+            "    participant R as Router",
+            "    participant C as Consumer (decode)",
+            "    participant T as Transport",
+        ]
+
+    def say(self, line: str) -> None:
+        self.lines.append(f"    {line}")
+
+    def record(self, who: str, out: _session.Output) -> None:
+        peer = "C" if who == "P" else "P"
+        for step in out.steps:
+            self.say(f"Note over {who}: {step.source.name} → {step.target.name} ({step.event.value})")
+        if out.post:
+            extra = f" + {type(out.notification).__name__} as its notification" if out.notification else ""
+            self.say(f"{who}->>T: post {self.mode.value.upper()} descriptors{extra}")
+        if out.cancel:
+            self.say(f"{who}->>T: cancel the transfer, keep polling until it ends")
+        for message in out.send:
+            self.say(f"{who}-){peer}: {type(message).__name__} (encoded, sent as a transport notification)")
+        if out.free is not None:
+            self.say(f"Note over {who}: blocks {out.free.to_lists()} may be reused")
+
+    def text(self) -> str:
+        return "\n".join(self.lines) + "\n"
+
+
+def _producer(mode: kvspec.TransferMode) -> _session.ProducerSession:
+    return _session.ProducerSession.create(
+        request_id="req-1",
+        producer_engine_id="prefill-0",
+        producer_block_ids=[[1, 2, 3], [7, 8]],
+        num_tokens=40,
+        mode=mode,
+        now=0.0,
+        lease_duration=30.0,
+    )
+
+
+def _handoff(
+    rec: _Recorder, producer: _session.ProducerSession, consumer_ids: list[list[int]]
+) -> _session.ConsumerSession:
+    rec.say(f"Note over P: prefill done, {producer.state.name}: blocks pinned until the lease deadline")
+    rec.say("P->>R: TransferParams (kv_transfer_params: clipped producer_block_ids, num_tokens, lease)")
+    rec.say("R->>C: TransferParams")
+    return _session.ConsumerSession(
+        params=producer.params, consumer_engine_id="decode-0", consumer_block_ids=consumer_ids
+    )
+
+
+def _read() -> str:
+    rec = _Recorder(READ)
+    producer = _producer(READ)
+    consumer = _handoff(rec, producer, [[11, 12], [13, 14]])
+    rec.record("C", out := consumer.start(now=1.0))
+    rec.say("T->>T: copy P's paired pages into C's blocks")
+    rec.say("T-->>C: check(): DONE, every byte readable on C (DONE-1)")
+    rec.record("C", out := consumer.transfer_done(now=2.0))
+    for message in out.send:
+        rec.record("P", producer.receive(message, now=2.5))
+    return rec.text()
+
+
+def _write() -> str:
+    rec = _Recorder(WRITE)
+    producer = _producer(WRITE)
+    consumer = _handoff(rec, producer, [[11, 12], [13, 14]])
+    rec.record("C", out := consumer.start(now=1.0))
+    for message in out.send:
+        rec.record("P", producer.receive(message, now=1.5))
+    rec.say("T->>T: copy P's paired pages into C's blocks")
+    rec.say("T-->>P: check(): DONE")
+    rec.record("P", producer.transfer_done(now=2.0))
+    rec.say("T-->>C: notification Completion, delivered after the data (DONE-1)")
+    rec.record("C", out := consumer.receive(producer.completion, now=2.1))
+    for message in out.send:
+        rec.record("P", producer.receive(message, now=2.5))
+    return rec.text()
+
+
+def _read_failure() -> str:
+    rec = _Recorder(READ)
+    producer = _producer(READ)
+    consumer = _handoff(rec, producer, [[11, 12], [13, 14]])
+    rec.record("C", consumer.start(now=1.0))
+    rec.say("T-->>C: check(): FAILED (peer_disconnected)")
+    out = consumer.transfer_failed(kvspec.FailureReason.PEER_DISCONNECTED, now=2.0)
+    rec.record("C", out)
+    if consumer.failure is not None:
+        ids = consumer.failure.failed_consumer_block_ids.to_lists()
+        rec.say(f"Note over C: FAILED, never LOADED; possibly invalid blocks {ids} (FAIL-1)")
+    for message in out.send:
+        rec.record("P", producer.receive(message, now=2.5))
+    return rec.text()
+
+
+def _prefix_hit() -> str:
+    rec = _Recorder(READ)
+    producer = _producer(READ)
+    consumer = _handoff(rec, producer, [])
+    rec.say("Note over C: full prefix hit: zero groups to load, nothing is posted")
+    rec.record("C", out := consumer.start(now=1.0))
+    for message in out.send:
+        rec.record("P", producer.receive(message, now=1.5))
+    return rec.text()
+
+
+SEQUENCES: dict[str, tuple[str, Callable[[], str]]] = {
+    "read": ("READ: the consumer pulls", _read),
+    "write": ("WRITE: the producer pushes into the blocks the consumer offered", _write),
+    "read-failure": ("READ, the transfer fails: FAILED, then the one release", _read_failure),
+    "prefix-hit": ("Full prefix hit: nothing moves, the release still goes out (REL-1)", _prefix_hit),
+}
+
+
+def sequence_diagram(name: str) -> str:
+    """A sequence diagram made by running both sessions through one scenario."""
+    return SEQUENCES[name][1]()
