@@ -1,0 +1,834 @@
+"""The exchange driver: producer and consumer endpoints running requests end to end over a Transport.
+
+Theory of operation
+-------------------
+
+An endpoint is one engine: a :class:`KVCacheConfig`, a :class:`BlockAllocator`
+over its pool (block 0 is the null block and is never handed out), one
+:class:`Transport` agent with the pool's regions registered, and one sans-IO
+session per request (:class:`ProducerSession` / :class:`ConsumerSession`).
+The endpoint carries out what the sessions ask (post, cancel, send, free) and
+feeds them what happens (transfer status, notifications, time).
+
+1. :func:`connect` is the handshake: both sides' :class:`EngineDescriptor`
+   travel through the codec, are checked for compatibility (HS-1) and for
+   hybrid admission (ADM-1, ADM-2), then each side loads the other's
+   transport metadata. The peer's layout (its ``KVCacheConfig``) is handed
+   over here too: a real engine ships it with its transport metadata.
+2. :meth:`ProducerEndpoint.prefill` allocates the request's full block table
+   for ``T`` tokens, prunes the sliding-window groups with leading null ids as
+   vLLM does, clips (CLIP-1), pins the advertised blocks (SM-1) and returns the
+   :class:`TransferParams` the router forwards (as vLLM's dict).
+3. :meth:`ConsumerEndpoint.begin` allocates the uncached suffix after a prefix
+   hit ``H`` (clipped, CLIP-1), checks WIN-1 and ALIGN-1 and plans every byte
+   (PLAN-1) before anything moves; a failed check ends the request FAILED
+   with a typed reason and its one release (REL-1).
+4. :meth:`poll` on both endpoints moves things forward: transfer status,
+   notifications (control messages are ``kvspec.encode`` bytes), deadlines.
+   READ: C posts the read; on DONE it is LOADED and releases P. WRITE: C sends
+   its block offer; P posts the write with the Completion as its notification;
+   C is LOADED when the Completion arrives, then releases P.
+
+Every phase has a deadline derived from the lease (FAIL-1), read from an
+injectable clock, so :func:`run_request` never hangs. Blocks return to their
+allocator only when a session frees them, which is never while a transfer
+that touches them is in flight (SM-1, SM-2).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Sequence
+
+import attrs
+
+from kvspec._codec import decode, encode
+from kvspec._errors import (
+    BlockAlignmentError,
+    ConfigError,
+    GroupCountError,
+    IncompatiblePeerError,
+    KVSpecError,
+    LocalProtocolError,
+    PlanError,
+    ProtocolError,
+    TransportError,
+    WindowCoverageError,
+)
+from kvspec._handshake import check_compatibility
+from kvspec._messages import BlockOffer, EngineDescriptor, Message, ReleaseOutcome, TransferParams
+from kvspec._models import NULL_BLOCK_ID, BlockIds, FailureReason, KVCacheConfig, TransferMode
+from kvspec._plan import TransferPlan, plan_transfer
+from kvspec._reference import (
+    BlockPairs,
+    align_block_ids,
+    blocks_per_sw,
+    compute_transfer_pairs,
+    get_consumer_block_counts,
+    get_exchange_clipped_blocks,
+    get_logical_block_count,
+    get_pruned_block_ids,
+    is_hma_required,
+    validate_hybrid_support,
+)
+from kvspec._session import (
+    DEFAULT_DRAIN_TIMEOUT,
+    DEFAULT_RELEASE_GRACE,
+    ConsumerSession,
+    ConsumerState,
+    FailureInfo,
+    Output,
+    ProducerSession,
+    ProducerState,
+)
+from kvspec.transport._base import MemoryRegion, TransferHandle, TransferState, Transport
+
+__all__ = [
+    "BlockAllocator",
+    "ConsumerEndpoint",
+    "ConsumerResult",
+    "ExchangeResult",
+    "DEFAULT_LEASE_DURATION",
+    "OutOfBlocksError",
+    "ProducerEndpoint",
+    "ProducerResult",
+    "connect",
+    "run_request",
+]
+
+Clock = Callable[[], float]
+
+DEFAULT_LEASE_DURATION = 30.0
+"""Seconds a producer pins a request's blocks for its consumer (SM-1)."""
+
+
+class OutOfBlocksError(KVSpecError, RuntimeError):
+    """The allocator has fewer free blocks than a request needs; nothing was allocated."""
+
+
+# --------------------------------------------------------------------------- blocks
+
+
+class BlockAllocator:
+    """A free list over ``1 .. num_blocks - 1``; block 0 is the null block and never allocated (NULL-1).
+
+    ``on_free`` is called with every id list before it is returned to the
+    pool, so a test can assert that no transfer still touches them (SM-2).
+    """
+
+    def __init__(self, num_blocks: int, *, on_free: Callable[[list[int]], None] | None = None) -> None:
+        if not isinstance(num_blocks, int) or num_blocks <= 0:
+            raise ConfigError(f"BlockAllocator.num_blocks: expected a positive int, got {num_blocks!r}")
+        self.num_blocks = num_blocks
+        self.on_free = on_free
+        # Pop from the end: low ids first, which keeps fresh allocations contiguous (fewer descriptors).
+        self._free = list(range(num_blocks - 1, NULL_BLOCK_ID, -1))
+        self._used: set[int] = set()
+
+    @property
+    def num_free(self) -> int:
+        """Blocks available, the null block excluded."""
+        return len(self._free)
+
+    def allocate(self, count: int) -> list[int]:
+        """``count`` distinct real ids, or :class:`OutOfBlocksError` with nothing taken."""
+        if count < 0:
+            raise ConfigError(f"BlockAllocator.allocate: expected a non-negative count, got {count}")
+        if count > len(self._free):
+            raise OutOfBlocksError(f"need {count} blocks, {len(self._free)} free of {self.num_blocks - 1}")
+        ids = [self._free.pop() for _ in range(count)]
+        self._used.update(ids)
+        return ids
+
+    def allocate_groups(self, counts: Sequence[int]) -> BlockIds:
+        """One list per group, all from the one pool (as vLLM's block pool serves every group)."""
+        if sum(counts) > len(self._free):
+            raise OutOfBlocksError(f"need {sum(counts)} blocks, {len(self._free)} free of {self.num_blocks - 1}")
+        return BlockIds([self.allocate(n) for n in counts])
+
+    def free(self, block_ids: Iterable[int]) -> None:
+        """Return real ids to the pool; null ids are skipped; a double free is a local protocol error."""
+        ids = [b for b in block_ids if b != NULL_BLOCK_ID]
+        unknown = [b for b in ids if b not in self._used]
+        if unknown or len(set(ids)) != len(ids):
+            raise LocalProtocolError(f"BlockAllocator.free: ids not allocated or freed twice: {sorted(unknown)[:8]}")
+        if self.on_free is not None:
+            self.on_free(ids)
+        self._used.difference_update(ids)
+        # Keep low ids first for later allocations.
+        self._free.extend(ids)
+        self._free.sort(reverse=True)
+
+    def free_groups(self, block_ids: BlockIds) -> None:
+        """Free every real id of every group."""
+        self.free(b for group in block_ids for b in group)
+
+
+# --------------------------------------------------------------------------- results
+
+
+@attrs.frozen(kw_only=True)
+class ConsumerResult:
+    """How one consumer request ended (SM-2); ``failure`` is set exactly when FAILED (FAIL-1)."""
+
+    request_id: str
+    mode: TransferMode
+    state: ConsumerState
+    consumer_block_ids: BlockIds
+    producer_block_ids: BlockIds
+    pairs: BlockPairs | None
+    num_bytes: int
+    failure: FailureInfo | None
+    release: ReleaseOutcome | None
+
+
+@attrs.frozen(kw_only=True)
+class ProducerResult:
+    """How one producer request ended (SM-1)."""
+
+    request_id: str
+    mode: TransferMode
+    state: ProducerState
+    producer_block_ids: BlockIds
+
+
+@attrs.frozen(kw_only=True)
+class ExchangeResult:
+    """Both sides of one request run by :func:`run_request`."""
+
+    params: TransferParams
+    consumer: ConsumerResult
+    producer: ProducerResult
+    elapsed: float
+
+    @property
+    def state(self) -> ConsumerState:
+        """The consumer's final state."""
+        return self.consumer.state
+
+
+# --------------------------------------------------------------------------- endpoints
+
+
+def _reason_of(error: Exception) -> FailureReason:
+    """The typed failure reason of a check or transport error (FAIL-1)."""
+    if isinstance(error, WindowCoverageError):
+        return FailureReason.WINDOW_COVERAGE
+    if isinstance(error, (BlockAlignmentError, GroupCountError)):
+        return FailureReason.BLOCK_ALIGNMENT
+    if isinstance(error, TransportError):
+        try:
+            return FailureReason(error.reason)
+        except ValueError:
+            return FailureReason.POST_FAILED
+    if isinstance(error, IncompatiblePeerError):
+        return FailureReason.INCOMPATIBLE_PEER
+    return FailureReason.PROTOCOL
+
+
+@attrs.define(eq=False)
+class _Peer:
+    engine_id: str
+    agent: str
+    config: KVCacheConfig
+    descriptor: EngineDescriptor
+
+
+class _Endpoint:
+    """What both roles share: config, allocator, transport, peers, clock, error log."""
+
+    role = "engine"
+
+    def __init__(
+        self,
+        *,
+        engine_id: str,
+        config: KVCacheConfig,
+        transport: Transport,
+        regions: Sequence[MemoryRegion],
+        mode: TransferMode,
+        clock: Clock = time.monotonic,
+        disable_hybrid_kv_cache_manager: bool = False,
+        on_free: Callable[[list[int]], None] | None = None,
+    ) -> None:
+        if not isinstance(engine_id, str) or not engine_id:
+            raise ConfigError(f"{type(self).__name__}.engine_id: expected a non-empty str, got {engine_id!r}")
+        if len(regions) != len(config.kv_cache_tensors):
+            raise ConfigError(
+                f"{type(self).__name__}.regions: expected {len(config.kv_cache_tensors)} regions "
+                f"(one per KV-cache tensor), got {len(regions)}"
+            )
+        for index, (region, tensor) in enumerate(zip(regions, config.kv_cache_tensors, strict=True)):
+            if region.nbytes < tensor.size:
+                raise ConfigError(
+                    f"{type(self).__name__}.regions[{index}]: expected at least {tensor.size} bytes, "
+                    f"got {region.nbytes}"
+                )
+        self.engine_id = engine_id
+        self.config = config
+        self.transport = transport
+        self.mode = TransferMode(mode)
+        self.clock = clock
+        self.hma_enabled = is_hma_required(config, disable_hybrid_kv_cache_manager=disable_hybrid_kv_cache_manager)
+        self.allocator = BlockAllocator(config.num_blocks, on_free=on_free)
+        self.errors: list[str] = []
+        self._peers: dict[str, _Peer] = {}
+        self._agents: dict[str, str] = {}
+        transport.register_memory(regions)
+
+    # -- handshake
+
+    def describe(self) -> EngineDescriptor:
+        """This engine's self-description, with its transport metadata (HS-1)."""
+        return EngineDescriptor.from_config(
+            engine_id=self.engine_id,
+            config=self.config,
+            mode=self.mode,
+            hma_enabled=self.hma_enabled,
+            transport_metadata=self.transport.get_agent_metadata(),
+        )
+
+    def add_peer(self, descriptor: EngineDescriptor, config: KVCacheConfig) -> str:
+        """Load a compatible peer's transport metadata; return its agent name."""
+        if descriptor.num_blocks != config.num_blocks:
+            raise PlanError(
+                f"peer {descriptor.engine_id!r}: descriptor says {descriptor.num_blocks} blocks, "
+                f"layout {config.num_blocks}"
+            )
+        agent = self.transport.add_remote_agent(descriptor.transport_metadata)
+        self._peers[descriptor.engine_id] = _Peer(
+            engine_id=descriptor.engine_id, agent=agent, config=config, descriptor=descriptor
+        )
+        self._agents[agent] = descriptor.engine_id
+        return agent
+
+    def _peer(self, engine_id: str) -> _Peer:
+        peer = self._peers.get(engine_id)
+        if peer is None:
+            raise TransportError(
+                f"{self.role} {self.engine_id!r}: no handshake with engine {engine_id!r}",
+                reason=FailureReason.PEER_DISCONNECTED.value,
+            )
+        return peer
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Free blocks in this engine's pool (the null block excluded)."""
+        return self.allocator.num_free
+
+    def _send(self, agent: str, messages: Sequence[Message]) -> bool:
+        """Send control messages as codec bytes; False (and logged) when the peer is unreachable."""
+        ok = True
+        for message in messages:
+            try:
+                self.transport.send_notification(agent, encode(message))
+            except TransportError as exc:
+                self.errors.append(f"send {type(message).__name__} to {agent!r}: {exc}")
+                ok = False
+        return ok
+
+    def _receive(self) -> list[tuple[str, Message]]:
+        """Drain and decode notifications; undecodable ones are logged and dropped (VER-1)."""
+        try:
+            notes = self.transport.get_notifications()
+        except TransportError as exc:
+            self.errors.append(f"get_notifications: {exc}")
+            return []
+        messages = []
+        for note in notes:
+            try:
+                messages.append((note.peer, decode(note.message)))
+            except KVSpecError as exc:
+                self.errors.append(f"undecodable notification from {note.peer!r}: {exc}")
+        return messages
+
+    def close(self) -> None:
+        """Close the transport agent."""
+        self.transport.close()
+
+
+@attrs.define(eq=False)
+class _ProducerRequest:
+    session: ProducerSession
+    consumer_agent: str | None = None
+    handle: TransferHandle | None = None
+    table: BlockIds = attrs.field(factory=lambda: BlockIds([]))
+
+
+class ProducerEndpoint(_Endpoint):
+    """The prefill engine: pins blocks per request and serves READs or posts WRITEs (SM-1)."""
+
+    role = "producer"
+
+    def __init__(
+        self,
+        *,
+        engine_id: str,
+        config: KVCacheConfig,
+        transport: Transport,
+        regions: Sequence[MemoryRegion],
+        mode: TransferMode,
+        clock: Clock = time.monotonic,
+        disable_hybrid_kv_cache_manager: bool = False,
+        on_free: Callable[[list[int]], None] | None = None,
+        lease_duration: float = DEFAULT_LEASE_DURATION,
+        release_grace: float = DEFAULT_RELEASE_GRACE,
+        drain_timeout: float = DEFAULT_DRAIN_TIMEOUT,
+    ) -> None:
+        super().__init__(
+            engine_id=engine_id,
+            config=config,
+            transport=transport,
+            regions=regions,
+            mode=mode,
+            clock=clock,
+            disable_hybrid_kv_cache_manager=disable_hybrid_kv_cache_manager,
+            on_free=on_free,
+        )
+        self.lease_duration = lease_duration
+        self.release_grace = release_grace
+        self.drain_timeout = drain_timeout
+        self._requests: dict[str, _ProducerRequest] = {}
+        self._results: dict[str, ProducerResult] = {}
+
+    def prefill(self, request_id: str, *, num_tokens: int) -> TransferParams:
+        """Allocate, prune and clip the request's table, pin it, and return what the router forwards (CLIP-1, SM-1).
+
+        The caller fills the pages of :meth:`block_table` before the consumer
+        begins (the prefill's output).
+        """
+        if request_id in self._requests or request_id in self._results:
+            raise LocalProtocolError(f"producer request {request_id!r} already exists")
+        counts = [get_logical_block_count(g.kv_cache_spec, num_tokens) for g in self.config.kv_cache_groups]
+        table = self.allocator.allocate_groups(counts)
+        # vLLM frees the blocks a sliding window left behind; they never travel (WIN-1).
+        pruned = get_pruned_block_ids(self.config, table, num_computed_tokens=num_tokens)
+        advertised = get_exchange_clipped_blocks(pruned, blocks_per_sw(self.config))
+        kept = {b for group in advertised for b in group}
+        self.allocator.free(b for group in table for b in group if b not in kept)
+        session = ProducerSession.create(
+            request_id=request_id,
+            producer_engine_id=self.engine_id,
+            producer_block_ids=advertised,
+            num_tokens=num_tokens,
+            mode=self.mode,
+            now=self.clock(),
+            lease_duration=self.lease_duration,
+            release_grace=self.release_grace,
+            drain_timeout=self.drain_timeout,
+        )
+        self._requests[request_id] = _ProducerRequest(session=session, table=advertised)
+        return session.params
+
+    def block_table(self, request_id: str) -> BlockIds:
+        """The advertised (pruned, clipped) block ids of a live request."""
+        return self._requests[request_id].table
+
+    def abort(self, request_id: str) -> None:
+        """The producer engine gives up on a request (SM-1)."""
+        request = self._requests.get(request_id)
+        if request is not None:
+            self._carry_out(request, request.session.abort(now=self.clock()))
+
+    def result(self, request_id: str) -> ProducerResult | None:
+        """The outcome of a finished request, or None while it is live."""
+        return self._results.get(request_id)
+
+    @property
+    def active_requests(self) -> tuple[str, ...]:
+        """Requests whose blocks are still pinned."""
+        return tuple(self._requests)
+
+    def poll(self) -> None:
+        """Progress transfers, handle notifications, fire deadlines."""
+        for request in list(self._requests.values()):
+            if request.handle is not None:
+                self._check_transfer(request)
+        for agent, message in self._receive():
+            target = self._requests.get(getattr(message, "request_id", ""))
+            if target is None:
+                continue  # late or duplicate message for a finished request (SM-1: ignored)
+            if target.consumer_agent is None:
+                target.consumer_agent = agent
+            try:
+                out = target.session.receive(message, now=self.clock())
+            except ProtocolError as exc:
+                self.errors.append(f"request {target.session.params.request_id!r}: {exc}")
+                continue
+            self._carry_out(target, out)
+        for request in list(self._requests.values()):
+            self._carry_out(request, request.session.tick(now=self.clock()))
+
+    def _check_transfer(self, request: _ProducerRequest) -> None:
+        assert request.handle is not None
+        status = self.transport.check(request.handle)
+        if status.state is TransferState.PENDING:
+            return
+        self._drop_handle(request)
+        session = request.session
+        if status.state is TransferState.DONE:
+            self._carry_out(request, session.transfer_done(now=self.clock()))
+        else:
+            reason = status.reason or FailureReason.TRANSFER_ERROR
+            self._carry_out(request, session.transfer_failed(reason, now=self.clock(), detail=status.detail))
+
+    def _drop_handle(self, request: _ProducerRequest) -> None:
+        if request.handle is not None:
+            handle, request.handle = request.handle, None
+            self.transport.release(handle)
+
+    def _carry_out(self, request: _ProducerRequest, out: Output) -> None:
+        session = request.session
+        if out.cancel and request.handle is not None:
+            # Releasing a pending transfer cancels it; the loopback stops at once (DRAIN-1).
+            self._drop_handle(request)
+            cancelled = session.transfer_failed(FailureReason.ABORTED, now=self.clock(), detail="cancelled")
+            self._carry_out(request, cancelled)
+        if out.post:
+            self._post_write(request, out)
+        if out.send and request.consumer_agent is not None:
+            self._send(request.consumer_agent, out.send)
+        elif out.send:
+            self._send_to_engine(request, out.send)
+        if out.free is not None:
+            if request.handle is not None:
+                raise LocalProtocolError(f"producer request {session.params.request_id!r}: free while writing")
+            self.allocator.free_groups(out.free)
+        if session.is_terminal and session.params.request_id in self._requests:
+            del self._requests[session.params.request_id]
+            self._results[session.params.request_id] = ProducerResult(
+                request_id=session.params.request_id,
+                mode=session.mode,
+                state=session.state,
+                producer_block_ids=session.params.producer_block_ids,
+            )
+
+    def _send_to_engine(self, request: _ProducerRequest, messages: Sequence[Message]) -> None:
+        # The consumer has not spoken yet (READ lease ran out first): tell the one peer, if there is one.
+        if len(self._peers) == 1:
+            (peer,) = self._peers.values()
+            self._send(peer.agent, messages)
+            return
+        request_id = request.session.params.request_id
+        self.errors.append(f"request {request_id!r}: no known consumer for {len(messages)} messages")
+
+    def _post_write(self, request: _ProducerRequest, out: Output) -> None:
+        session = request.session
+        offer = session.offer
+        notification = out.notification
+        try:
+            if offer is None or notification is None:
+                raise LocalProtocolError("a write is posted only for an offer, with its Completion")
+            engine_id = offer.consumer_engine_id
+            peer = self._peer(engine_id)
+            request.consumer_agent = peer.agent
+            pairs = align_block_ids(
+                producer_block_ids=session.params.producer_block_ids, consumer_block_ids=offer.consumer_block_ids
+            )
+            plan = plan_transfer(producer_config=self.config, consumer_config=peer.config, pairs=pairs)
+            request.handle = self.transport.post(
+                TransferMode.WRITE,
+                plan.to_descriptors(TransferMode.WRITE),
+                peer=peer.agent,
+                notification=encode(notification),
+            )
+        except KVSpecError as exc:
+            self.errors.append(f"request {session.params.request_id!r}: write not posted: {exc}")
+            self._carry_out(request, session.transfer_failed(_reason_of(exc), now=self.clock(), detail=str(exc)))
+
+
+@attrs.define(eq=False)
+class _ConsumerRequest:
+    session: ConsumerSession
+    producer_agent: str
+    pairs: BlockPairs | None = None
+    plan: TransferPlan | None = None
+    handle: TransferHandle | None = None
+    freed: bool = False
+
+
+class ConsumerEndpoint(_Endpoint):
+    """The decode engine: allocates the uncached suffix, loads it, releases the producer once (SM-2, REL-1)."""
+
+    role = "consumer"
+
+    def __init__(
+        self,
+        *,
+        engine_id: str,
+        config: KVCacheConfig,
+        transport: Transport,
+        regions: Sequence[MemoryRegion],
+        mode: TransferMode,
+        clock: Clock = time.monotonic,
+        disable_hybrid_kv_cache_manager: bool = False,
+        on_free: Callable[[list[int]], None] | None = None,
+        transfer_timeout: float | None = None,
+        drain_timeout: float = DEFAULT_DRAIN_TIMEOUT,
+        start_margin: float = 0.0,
+    ) -> None:
+        super().__init__(
+            engine_id=engine_id,
+            config=config,
+            transport=transport,
+            regions=regions,
+            mode=mode,
+            clock=clock,
+            disable_hybrid_kv_cache_manager=disable_hybrid_kv_cache_manager,
+            on_free=on_free,
+        )
+        self.transfer_timeout = transfer_timeout
+        self.drain_timeout = drain_timeout
+        self.start_margin = start_margin
+        self._requests: dict[str, _ConsumerRequest] = {}
+        self._results: dict[str, ConsumerResult] = {}
+        self._loaded: dict[str, BlockIds] = {}
+
+    def begin(self, params: TransferParams, *, prefix_hit_tokens: int = 0) -> None:
+        """Start loading a request: allocate, clip, check WIN-1, plan, then post or offer (CLIP-1, WIN-1, PLAN-1).
+
+        A failed check ends the request FAILED with its typed reason before
+        any byte moves; a full prefix hit only releases the producer (REL-1).
+        """
+        request_id = params.request_id
+        if request_id in self._requests or request_id in self._results:
+            raise LocalProtocolError(f"consumer request {request_id!r} already exists")
+        now = self.clock()
+        peer = self._peers.get(params.producer_engine_id)
+        consumer_ids = BlockIds([])
+        check_error: KVSpecError | None = None
+        if peer is None:
+            check_error = TransportError(
+                f"no handshake with engine {params.producer_engine_id!r}", reason=FailureReason.PEER_DISCONNECTED.value
+            )
+        elif params.mode is not self.mode:
+            check_error = IncompatiblePeerError({"mode": (params.mode.value, self.mode.value)})
+        else:
+            try:
+                counts = get_consumer_block_counts(
+                    self.config, num_tokens=params.num_tokens, prefix_hit_tokens=prefix_hit_tokens
+                )
+                if prefix_hit_tokens < params.num_tokens:
+                    suffix = self.allocator.allocate_groups(counts)
+                    # The counts are already within budget; clipping again is the CLIP-1 exchange point.
+                    consumer_ids = get_exchange_clipped_blocks(suffix, blocks_per_sw(self.config))
+            except KVSpecError as exc:
+                check_error = exc
+        session = ConsumerSession(
+            params=params,
+            consumer_engine_id=self.engine_id,
+            consumer_block_ids=consumer_ids,
+            start_margin=self.start_margin,
+            transfer_timeout=self.transfer_timeout,
+            drain_timeout=self.drain_timeout,
+        )
+        request = _ConsumerRequest(session=session, producer_agent="" if peer is None else peer.agent)
+        self._requests[request_id] = request
+        if check_error is None and len(consumer_ids):
+            assert peer is not None
+            try:
+                # WIN-1 and ALIGN-1 before any byte moves; then every byte is planned (PLAN-1).
+                request.pairs = compute_transfer_pairs(
+                    self.config,
+                    num_tokens=params.num_tokens,
+                    prefix_hit_tokens=prefix_hit_tokens,
+                    producer_block_ids=params.producer_block_ids,
+                    consumer_block_ids=consumer_ids,
+                )
+                request.plan = plan_transfer(
+                    producer_config=peer.config, consumer_config=self.config, pairs=request.pairs
+                )
+            except KVSpecError as exc:
+                check_error = exc
+        if check_error is not None:
+            self.errors.append(f"request {request_id!r}: {type(check_error).__name__}: {check_error}")
+            self._carry_out(request, session.fail(_reason_of(check_error), now=now, detail=str(check_error)))
+            return
+        self._carry_out(request, session.start(now=now))
+
+    def abort(self, request_id: str) -> None:
+        """The consumer engine gives up; blocks wait for the drain before reuse (SM-2)."""
+        request = self._requests.get(request_id)
+        if request is not None:
+            self._carry_out(request, request.session.abort(now=self.clock()))
+
+    def finish(self, request_id: str) -> None:
+        """The request's decode ended: return its loaded blocks to the pool."""
+        ids = self._loaded.pop(request_id, None)
+        if ids is not None:
+            self.allocator.free_groups(ids)
+
+    def result(self, request_id: str) -> ConsumerResult | None:
+        """The outcome of a finished request, or None while it is live."""
+        return self._results.get(request_id)
+
+    @property
+    def active_requests(self) -> tuple[str, ...]:
+        """Requests not yet LOADED, FAILED or ABORTED."""
+        return tuple(self._requests)
+
+    def poll(self) -> None:
+        """Progress transfers, handle notifications, fire deadlines."""
+        for request in list(self._requests.values()):
+            if request.handle is not None:
+                self._check_transfer(request)
+        for _agent, message in self._receive():
+            target = self._requests.get(getattr(message, "request_id", ""))
+            if target is None:
+                continue  # late or duplicate (SM-2: terminal states are sticky)
+            try:
+                out = target.session.receive(message, now=self.clock())
+            except ProtocolError as exc:
+                self.errors.append(f"request {target.session.params.request_id!r}: {exc}")
+                continue
+            self._carry_out(target, out)
+        for request in list(self._requests.values()):
+            self._carry_out(request, request.session.tick(now=self.clock()))
+
+    def _check_transfer(self, request: _ConsumerRequest) -> None:
+        assert request.handle is not None
+        try:
+            status = self.transport.check(request.handle)
+        except TransportError as exc:
+            self._drop_handle(request)
+            failed = request.session.transfer_failed(_reason_of(exc), now=self.clock(), detail=str(exc))
+            self._carry_out(request, failed)
+            return
+        if status.state is TransferState.PENDING:
+            return
+        self._drop_handle(request)
+        session = request.session
+        if status.state is TransferState.DONE:
+            self._carry_out(request, session.transfer_done(now=self.clock()))
+        else:
+            reason = status.reason or FailureReason.TRANSFER_ERROR
+            self._carry_out(request, session.transfer_failed(reason, now=self.clock(), detail=status.detail))
+
+    def _drop_handle(self, request: _ConsumerRequest) -> None:
+        if request.handle is not None:
+            handle, request.handle = request.handle, None
+            try:
+                self.transport.release(handle)
+            except TransportError as exc:
+                self.errors.append(f"release handle: {exc}")
+
+    def _carry_out(self, request: _ConsumerRequest, out: Output) -> None:
+        session = request.session
+        if out.cancel and request.handle is not None:
+            # Releasing a pending read cancels it; the loopback stops at once (DRAIN-1).
+            self._drop_handle(request)
+            out = out + session.transfer_failed(FailureReason.ABORTED, now=self.clock(), detail="cancelled")
+        if out.post:
+            self._post_read(request)
+        if out.send:
+            sent = self._send(request.producer_agent, out.send)
+            if not sent and any(isinstance(m, BlockOffer) for m in out.send):
+                self._carry_out(
+                    request, session.fail(FailureReason.PEER_DISCONNECTED, now=self.clock(), detail="offer not sent")
+                )
+        if out.free is not None and not request.freed:
+            if request.handle is not None:
+                raise LocalProtocolError(f"consumer request {session.params.request_id!r}: free while reading")
+            request.freed = True
+            self.allocator.free_groups(out.free)
+        if session.is_terminal and session.params.request_id in self._requests:
+            self._finish_request(request)
+
+    def _finish_request(self, request: _ConsumerRequest) -> None:
+        session = request.session
+        request_id = session.params.request_id
+        del self._requests[request_id]
+        if session.state is ConsumerState.LOADED and not request.freed:
+            self._loaded[request_id] = session.consumer_block_ids
+        self._results[request_id] = ConsumerResult(
+            request_id=request_id,
+            mode=session.mode,
+            state=session.state,
+            consumer_block_ids=session.consumer_block_ids,
+            producer_block_ids=session.params.producer_block_ids,
+            pairs=request.pairs,
+            num_bytes=0 if request.plan is None else request.plan.total_bytes,
+            failure=session.failure,
+            release=None if session.release is None else session.release.outcome,
+        )
+
+    def _post_read(self, request: _ConsumerRequest) -> None:
+        session = request.session
+        assert request.plan is not None
+        try:
+            request.handle = self.transport.post(
+                TransferMode.READ, request.plan.to_descriptors(TransferMode.READ), peer=request.producer_agent
+            )
+        except KVSpecError as exc:
+            self.errors.append(f"request {session.params.request_id!r}: read not posted: {exc}")
+            self._carry_out(request, session.transfer_failed(_reason_of(exc), now=self.clock(), detail=str(exc)))
+
+
+# --------------------------------------------------------------------------- one call
+
+
+def _through_codec(descriptor: EngineDescriptor) -> EngineDescriptor:
+    # The descriptor crosses the wire as codec bytes, as it would between two processes (HS-1, VER-1).
+    decoded = decode(encode(descriptor))
+    if not isinstance(decoded, EngineDescriptor):
+        raise LocalProtocolError(f"handshake: decoded a {type(decoded).__name__}, not an EngineDescriptor")
+    return decoded
+
+
+def connect(producer: ProducerEndpoint, consumer: ConsumerEndpoint) -> None:
+    """The handshake: exchange descriptors through the codec, check them, add each other (HS-1, ADM-1).
+
+    Raises :class:`kvspec.IncompatiblePeerError` listing every differing
+    field, or :class:`kvspec.UnsupportedHybridError`, before any transfer.
+    """
+    producer_desc = _through_codec(producer.describe())
+    consumer_desc = _through_codec(consumer.describe())
+    check_compatibility(producer_desc, consumer_desc)
+    for endpoint in (producer, consumer):
+        if endpoint.hma_enabled:
+            validate_hybrid_support(endpoint.config, endpoint.mode)
+    producer.add_peer(consumer_desc, consumer.config)
+    consumer.add_peer(producer_desc, producer.config)
+
+
+def run_request(
+    producer: ProducerEndpoint,
+    consumer: ConsumerEndpoint,
+    *,
+    request_id: str,
+    num_tokens: int,
+    prefix_hit_tokens: int = 0,
+    fill: Callable[[BlockIds], None] | None = None,
+    finish: bool = True,
+    idle: Callable[[], None] | None = None,
+) -> ExchangeResult:
+    """Run one whole request in the endpoints' mode and return both sides' outcomes.
+
+    ``fill`` receives the producer's advertised block ids to write the
+    prefill's pages; the transfer parameters go through the router as vLLM's
+    dict. The loop polls both endpoints until both sessions are terminal;
+    every session deadline derives from the lease, so it ends in bounded
+    time (FAIL-1). ``idle`` runs between polls (default: a 0.2 ms sleep).
+    ``finish`` frees a LOADED request's consumer blocks at the end, as the
+    end of decoding would.
+    """
+    start = producer.clock()
+    params = producer.prefill(request_id, num_tokens=num_tokens)
+    if fill is not None:
+        fill(producer.block_table(request_id))
+    routed = TransferParams.from_kv_transfer_params(params.to_kv_transfer_params())
+    consumer.begin(routed, prefix_hit_tokens=prefix_hit_tokens)
+    pause = idle if idle is not None else (lambda: time.sleep(0.0002))
+    while producer.result(request_id) is None or consumer.result(request_id) is None:
+        consumer.poll()
+        producer.poll()
+        if producer.result(request_id) is None or consumer.result(request_id) is None:
+            pause()
+    consumer_result, producer_result = consumer.result(request_id), producer.result(request_id)
+    if consumer_result is None or producer_result is None:  # pragma: no cover - the loop above waits for both
+        raise LocalProtocolError(f"request {request_id!r} did not end on both sides")
+    if finish:
+        consumer.finish(request_id)
+    return ExchangeResult(
+        params=params, consumer=consumer_result, producer=producer_result, elapsed=producer.clock() - start
+    )
