@@ -1,0 +1,394 @@
+"""The wire codec: round trips, canonical bytes, VER-1 evolution rules, and fuzzing the decoder."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import attrs
+import pytest
+from hypothesis import example, given
+from hypothesis import strategies as st
+
+from kvspec import (
+    PROTOCOL_VERSION,
+    Abort,
+    BlockIds,
+    BlockOffer,
+    Completion,
+    ConfigError,
+    EngineDescriptor,
+    Failure,
+    FailureReason,
+    GroupDescriptor,
+    KVSpecError,
+    MalformedMessageError,
+    Release,
+    ReleaseOutcome,
+    SpecKind,
+    TransferMode,
+    TransferParams,
+    UnsupportedVersionError,
+    decode,
+    encode,
+)
+from kvspec._codec import MESSAGE_TYPES, _decode
+from kvspec._messages import TRANSFER_PARAMS_KEYS
+from kvspec._schema import message_schema, render_schema
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# --------------------------------------------------------------------------- strategies
+
+ids = st.text(min_size=1, max_size=10)
+positive = st.integers(1, 2**40)
+block_ids = st.lists(st.lists(st.integers(0, 2**31), max_size=5), max_size=4).map(BlockIds)
+finite = st.floats(allow_nan=False, allow_infinity=False)
+transport_data = st.one_of(
+    st.binary(max_size=24),
+    st.dictionaries(
+        st.text(min_size=1, max_size=12).filter(lambda k: k not in TRANSFER_PARAMS_KEYS),
+        st.one_of(st.text(max_size=12), st.integers(-(2**63), 2**63)),
+        max_size=4,
+    ),
+)
+groups = st.builds(
+    GroupDescriptor,
+    kind=st.sampled_from(SpecKind),
+    block_size=positive,
+    sliding_window=st.none() | positive,
+    attention_chunk_size=st.none() | positive,
+    dtype=st.none() | st.sampled_from(["bfloat16", "float16", "float8_e4m3fn"]),
+    num_kv_heads=st.none() | positive,
+    head_size=st.none() | positive,
+    page_size_bytes=positive,
+    layer_names=st.lists(ids, min_size=1, max_size=3, unique=True).map(tuple),
+)
+engine_descriptors = st.builds(
+    EngineDescriptor,
+    protocol_version=st.tuples(st.integers(0, 9), st.integers(0, 9)),
+    engine_id=ids,
+    mode=st.sampled_from(TransferMode),
+    hma_enabled=st.booleans(),
+    groups=st.lists(groups, min_size=1, max_size=3).map(tuple),
+    num_blocks=positive,
+    tp_size=positive,
+    transport_metadata=st.binary(max_size=32),
+)
+transfer_params = st.builds(
+    TransferParams,
+    request_id=ids,
+    producer_engine_id=ids,
+    producer_block_ids=block_ids,
+    num_tokens=st.integers(0, 2**40),
+    mode=st.sampled_from(TransferMode),
+    lease_deadline=finite,
+    transport_data=transport_data,
+)
+messages: st.SearchStrategy[Any] = st.one_of(
+    engine_descriptors,
+    transfer_params,
+    st.builds(BlockOffer, request_id=ids, consumer_engine_id=ids, consumer_block_ids=block_ids),
+    st.builds(Completion, request_id=ids, producer_engine_id=ids),
+    st.builds(
+        Failure,
+        request_id=ids,
+        producer_engine_id=ids,
+        reason=st.sampled_from(FailureReason),
+        failed_consumer_block_ids=block_ids,
+        detail=st.text(max_size=20),
+    ),
+    st.builds(Release, request_id=ids, consumer_engine_id=ids, outcome=st.sampled_from(ReleaseOutcome)),
+    st.builds(Abort, request_id=ids, engine_id=ids, detail=st.text(max_size=20)),
+)
+
+RELEASE = Release(request_id="r1", consumer_engine_id="c", outcome=ReleaseOutcome.LOADED)
+PARAMS = TransferParams(
+    request_id="r1",
+    producer_engine_id="p",
+    producer_block_ids=[[1, 2, 3], [0, 7]],
+    num_tokens=40,
+    mode=TransferMode.READ,
+    lease_deadline=123.5,
+    transport_data={"remote_host": "127.0.0.1", "remote_port": 5600},
+)
+
+# --------------------------------------------------------------------------- round trips
+
+
+@given(messages)
+def test_every_message_round_trips(message: Any) -> None:
+    data = encode(message)
+    assert decode(data) == message
+    assert encode(decode(data)) == data  # canonical: decoding and re-encoding is the identity
+
+
+@given(messages)
+def test_encoding_is_canonical_json(message: Any) -> None:
+    data = encode(message)
+    obj = json.loads(data)
+    assert obj["v"] == list(PROTOCOL_VERSION)
+    assert MESSAGE_TYPES[obj["type"]] is type(message)
+    assert data == json.dumps(obj, sort_keys=True, separators=(",", ":")).encode("ascii")
+
+
+def test_release_encoding_is_pinned() -> None:
+    # A change to these bytes is a wire change: it needs a protocol version bump (VER-1).
+    expected = b'{"consumer_engine_id":"c","outcome":"loaded","request_id":"r1","type":"release","v":[1,0]}'
+    assert encode(RELEASE) == expected
+
+
+def test_transport_data_travels_as_object_or_base64() -> None:
+    assert json.loads(encode(PARAMS))["transport_data"] == {"remote_host": "127.0.0.1", "remote_port": 5600}
+    opaque = attrs.evolve(PARAMS, transport_data=b"\x00\xff")
+    assert json.loads(encode(opaque))["transport_data"] == "AP8="
+    assert decode(encode(opaque)) == opaque
+
+
+def test_encode_refuses_non_messages() -> None:
+    with pytest.raises(ConfigError):
+        encode({"type": "release"})  # type: ignore[arg-type]
+
+
+# --------------------------------------------------------------------------- VER-1
+
+
+def _obj(message: Any) -> dict[str, Any]:
+    result: dict[str, Any] = json.loads(encode(message))
+    return result
+
+
+def _bytes(obj: object) -> bytes:
+    return json.dumps(obj).encode()
+
+
+def test_unknown_fields_from_a_newer_minor_are_ignored() -> None:
+    obj = _obj(RELEASE) | {"v": [PROTOCOL_VERSION[0], PROTOCOL_VERSION[1] + 3], "priority": 7, "trace": {"a": [1]}}
+    assert decode(_bytes(obj)) == RELEASE
+
+
+def test_an_older_minor_may_omit_fields_with_defaults() -> None:
+    failure = Failure(request_id="r", producer_engine_id="p", reason=FailureReason.TIMEOUT)
+    obj = _obj(failure)
+    del obj["detail"], obj["failed_consumer_block_ids"]
+    assert decode(_bytes(obj)) == failure
+
+
+@pytest.mark.parametrize("version", [[PROTOCOL_VERSION[0] + 1, 0], [0, 9], [99, 0]])
+def test_another_major_is_refused(version: list[int]) -> None:
+    with pytest.raises(UnsupportedVersionError):
+        decode(_bytes(_obj(RELEASE) | {"v": version}))
+
+
+@pytest.mark.parametrize("version", [None, "1.0", [1], [1, 0, 0], [1, -1], [True, 0], [1.0, 0]])
+def test_a_malformed_version_names_v(version: object) -> None:
+    obj = _obj(RELEASE) | {"v": version}
+    if version is None:
+        del obj["v"]
+    with pytest.raises(MalformedMessageError) as info:
+        decode(_bytes(obj))
+    assert info.value.field == "v"
+
+
+@pytest.mark.parametrize("name", ["request_id", "consumer_engine_id", "outcome"])
+def test_a_missing_field_is_named(name: str) -> None:
+    obj = _obj(RELEASE)
+    del obj[name]
+    with pytest.raises(MalformedMessageError, match="missing") as info:
+        decode(_bytes(obj))
+    assert info.value.field == name
+
+
+@pytest.mark.parametrize(
+    ("message", "field", "value", "named"),
+    [
+        (PARAMS, "num_tokens", "40", "num_tokens"),
+        (PARAMS, "num_tokens", 40.0, "num_tokens"),
+        (PARAMS, "num_tokens", -1, "num_tokens"),
+        (PARAMS, "num_tokens", True, "num_tokens"),
+        (PARAMS, "mode", "pull", "mode"),
+        (PARAMS, "lease_deadline", "soon", "lease_deadline"),
+        (PARAMS, "producer_block_ids", [1, 2], "producer_block_ids[0]"),
+        (PARAMS, "producer_block_ids", [[1, -2]], "producer_block_ids[0][1]"),
+        (PARAMS, "producer_block_ids", [[1, "2"]], "producer_block_ids[0][1]"),
+        (PARAMS, "request_id", "", "request_id"),
+        (PARAMS, "transport_data", 5, "transport_data"),
+        (PARAMS, "transport_data", "not base64!", "transport_data"),
+        (RELEASE, "outcome", "done", "outcome"),
+    ],
+)
+def test_a_mistyped_field_is_named(message: Any, field: str, value: object, named: str) -> None:
+    with pytest.raises(MalformedMessageError) as info:
+        decode(_bytes(_obj(message) | {field: value}))
+    assert info.value.field == named
+
+
+def test_nested_fields_are_named_with_their_path() -> None:
+    descriptor = EngineDescriptor(
+        engine_id="p",
+        mode=TransferMode.READ,
+        hma_enabled=True,
+        groups=(
+            GroupDescriptor(kind=SpecKind.FULL_ATTENTION, block_size=16, page_size_bytes=4096, layer_names=("l0",)),
+        ),
+        num_blocks=10,
+    )
+    obj = _obj(descriptor)
+    obj["groups"][0]["block_size"] = 0
+    with pytest.raises(MalformedMessageError) as info:
+        decode(_bytes(obj))
+    assert info.value.field == "groups[0].block_size"
+    obj["groups"][0]["block_size"] = "16"
+    with pytest.raises(MalformedMessageError) as info:
+        decode(_bytes(obj))
+    assert info.value.field == "groups[0].block_size"
+
+
+@pytest.mark.parametrize("kind", [None, "releas", 3, "Release"])
+def test_an_unknown_type_is_named(kind: object) -> None:
+    with pytest.raises(MalformedMessageError) as info:
+        decode(_bytes(_obj(RELEASE) | {"type": kind}))
+    assert info.value.field == "type"
+
+
+# --------------------------------------------------------------------------- fuzz
+
+
+def _decodes_or_raises_kvspec_error(data: bytes) -> None:
+    try:
+        message = _decode(data)  # no safety net: a stray exception here is a codec bug
+    except KVSpecError:
+        return
+    assert type(message) in MESSAGE_TYPES.values()  # never a half-built message
+
+
+@given(st.binary(max_size=200))
+@example(b"")
+@example(b"\xff\xfe")
+@example(b"[" * 50_000)
+@example(b"1" * 5000)
+@example(b'{"v":[1,0],"type":"release","request_id":"r","consumer_engine_id":"c","outcome":"loaded","v":[2,0]}')
+@example(b'{"v":[1e400,0],"type":"abort"}')
+@example(b'{"v":[1,0],"type":"transfer_params","lease_deadline":NaN}')
+def test_random_bytes_raise_only_kvspec_errors(data: bytes) -> None:
+    _decodes_or_raises_kvspec_error(data)
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
+    lambda children: st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=5), children, max_size=3),
+    max_leaves=8,
+)
+
+
+@given(messages, st.data())
+def test_mutated_fields_raise_only_kvspec_errors(message: Any, data: st.DataObject) -> None:
+    obj = _obj(message)
+    key = data.draw(st.sampled_from(sorted(obj)))
+    action = data.draw(st.sampled_from(["delete", "replace", "add"]))
+    if action == "delete":
+        del obj[key]
+    elif action == "replace":
+        obj[key] = data.draw(json_values)
+    else:
+        obj[data.draw(st.text(max_size=6))] = data.draw(json_values)
+    _decodes_or_raises_kvspec_error(json.dumps(obj).encode())
+
+
+@given(messages, st.data())
+def test_mutated_bytes_raise_only_kvspec_errors(message: Any, data: st.DataObject) -> None:
+    raw = bytearray(encode(message))
+    for _ in range(data.draw(st.integers(1, 4))):
+        index = data.draw(st.integers(0, len(raw) - 1))
+        op = data.draw(st.sampled_from(["flip", "delete", "insert"]))
+        if op == "flip":
+            raw[index] ^= data.draw(st.integers(1, 255))
+        elif op == "delete" and len(raw) > 1:
+            del raw[index]
+        else:
+            raw.insert(index, data.draw(st.integers(0, 255)))
+    _decodes_or_raises_kvspec_error(bytes(raw))
+
+
+def test_decode_accepts_bytearray_and_memoryview_and_refuses_text() -> None:
+    data = encode(RELEASE)
+    assert decode(bytearray(data)) == RELEASE
+    assert decode(memoryview(data)) == RELEASE
+    with pytest.raises(MalformedMessageError):
+        decode(data.decode())  # type: ignore[arg-type]
+
+
+# --------------------------------------------------------------------------- schemas
+
+
+@pytest.mark.parametrize("name", sorted(MESSAGE_TYPES))
+def test_committed_schemas_are_current(name: str) -> None:
+    path = ROOT / "docs" / "schema" / f"{name}.schema.json"
+    assert path.exists(), f"run: python -m kvspec._schema docs/schema ({path} is missing)"
+    assert path.read_text(encoding="utf-8") == render_schema(name), (
+        f"{path} is stale; regenerate with: python -m kvspec._schema docs/schema"
+    )
+
+
+def test_no_stray_schema_files() -> None:
+    committed = {p.name for p in (ROOT / "docs" / "schema").glob("*.schema.json")}
+    assert committed == {f"{name}.schema.json" for name in MESSAGE_TYPES}
+
+
+def _check(schema: dict[str, Any], value: Any, path: str = "$") -> None:
+    """A small validator for the subset of JSON Schema the generator emits."""
+    if "const" in schema:
+        assert value == schema["const"], path
+    if "anyOf" in schema:
+        errors = []
+        for option in schema["anyOf"]:
+            try:
+                _check(option, value, path)
+                return
+            except AssertionError as exc:
+                errors.append(exc)
+        raise AssertionError(f"{path}: no option matched: {errors}")
+    kind = schema.get("type")
+    python = {"object": dict, "array": list, "string": str, "null": type(None), "boolean": bool}
+    if kind == "integer":
+        assert isinstance(value, int), path
+        assert not isinstance(value, bool), path
+        assert value >= schema.get("minimum", value), path
+    elif kind == "number":
+        assert isinstance(value, (int, float)), path
+        assert not isinstance(value, bool), path
+    elif kind is not None:
+        assert isinstance(value, python[kind]), path
+    if "enum" in schema:
+        assert value in schema["enum"], path
+    if kind == "object":
+        for name in schema.get("required", []):
+            assert name in value, f"{path}.{name} is required"
+        for name, sub in schema.get("properties", {}).items():
+            if name in value:
+                _check(sub, value[name], f"{path}.{name}")
+        extra = schema.get("additionalProperties")
+        if isinstance(extra, dict):
+            for name, item in value.items():
+                _check(extra, item, f"{path}[{name!r}]")
+    if kind == "array":
+        if "prefixItems" in schema:
+            assert schema["minItems"] <= len(value) <= schema["maxItems"], path
+            for i, (sub, item) in enumerate(zip(schema["prefixItems"], value, strict=False)):
+                _check(sub, item, f"{path}[{i}]")
+        if "items" in schema:
+            for i, item in enumerate(value):
+                _check(schema["items"], item, f"{path}[{i}]")
+
+
+@given(messages)
+def test_every_encoding_matches_its_schema(message: Any) -> None:
+    obj = _obj(message)
+    _check(message_schema(obj["type"]), obj)
+
+
+def test_schemas_allow_unknown_fields_and_require_fields_without_defaults() -> None:
+    schema = message_schema("failure")
+    assert schema["additionalProperties"] is True
+    assert set(schema["required"]) == {"type", "v", "request_id", "producer_engine_id", "reason"}

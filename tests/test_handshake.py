@@ -1,0 +1,170 @@
+"""Handshake compatibility (HS-1): every mismatch is rejected, naming each differing field with both values."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import attrs
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvspec import (
+    ConfigError,
+    EngineDescriptor,
+    GroupDescriptor,
+    IncompatiblePeerError,
+    SpecKind,
+    TransferMode,
+    check_compatibility,
+    get_preset,
+)
+from kvspec._handshake import GROUP_FIELDS, get_differences
+
+SW = GroupDescriptor(
+    kind=SpecKind.SLIDING_WINDOW,
+    block_size=16,
+    sliding_window=512,
+    dtype="bfloat16",
+    num_kv_heads=1,
+    head_size=256,
+    page_size_bytes=16 * 1 * 512 * 2,
+    layer_names=("layers.0", "layers.1"),
+)
+FA = GroupDescriptor(
+    kind=SpecKind.FULL_ATTENTION,
+    block_size=16,
+    dtype="bfloat16",
+    num_kv_heads=1,
+    head_size=256,
+    page_size_bytes=16 * 1 * 512 * 2,
+    layer_names=("layers.5",),
+)
+PRODUCER = EngineDescriptor(
+    engine_id="prefill-0",
+    mode=TransferMode.READ,
+    hma_enabled=True,
+    groups=(SW, FA),
+    num_blocks=1000,
+    transport_metadata=b"p-agent",
+)
+CONSUMER = attrs.evolve(PRODUCER, engine_id="decode-0", num_blocks=3000, transport_metadata=b"c-agent")
+
+Edit = Callable[[EngineDescriptor], EngineDescriptor]
+
+
+def _group(index: int, **changes: object) -> Edit:
+    def edit(d: EngineDescriptor) -> EngineDescriptor:
+        groups = list(d.groups)
+        groups[index] = attrs.evolve(groups[index], **changes)
+        return attrs.evolve(d, groups=tuple(groups))
+
+    return edit
+
+
+# One row per mismatch the issue lists: (name, edit of the consumer, field reported, (producer, consumer) values).
+MISMATCHES: list[tuple[str, Edit, str, tuple[object, object]]] = [
+    ("major version", lambda d: attrs.evolve(d, protocol_version=(2, 0)), "protocol_version.major", (1, 2)),
+    ("mode", lambda d: attrs.evolve(d, mode=TransferMode.WRITE), "mode", ("read", "write")),
+    ("HMA flag", lambda d: attrs.evolve(d, hma_enabled=False), "hma_enabled", (True, False)),
+    ("group count", lambda d: attrs.evolve(d, groups=(SW,)), "num_groups", (2, 1)),
+    (
+        "group order",
+        lambda d: attrs.evolve(d, groups=(FA, SW)),
+        "groups.order",
+        ((("layers.0", "layers.1"), ("layers.5",)), (("layers.5",), ("layers.0", "layers.1"))),
+    ),
+    ("kind", _group(0, kind=SpecKind.SLIDING_WINDOW_MLA), "groups[0].kind", ("sliding_window", "sliding_window_mla")),
+    ("block size", _group(1, block_size=32), "groups[1].block_size", (16, 32)),
+    ("window", _group(0, sliding_window=1024), "groups[0].sliding_window", (512, 1024)),
+    ("chunk size", _group(1, attention_chunk_size=8192), "groups[1].attention_chunk_size", (None, 8192)),
+    ("dtype", _group(1, dtype="float8_e4m3fn"), "groups[1].dtype", ("bfloat16", "float8_e4m3fn")),
+    ("heads", _group(0, num_kv_heads=2), "groups[0].num_kv_heads", (1, 2)),
+    ("head size", _group(0, head_size=128), "groups[0].head_size", (256, 128)),
+    ("page size", _group(1, page_size_bytes=8192), "groups[1].page_size_bytes", (16384, 8192)),
+    (
+        "layer names",
+        _group(0, layer_names=("layers.0", "layers.2")),
+        "groups[0].layer_names",
+        (("layers.0", "layers.1"), ("layers.0", "layers.2")),
+    ),
+    ("tp size", lambda d: attrs.evolve(d, tp_size=2), "tp_size", (1, 2)),
+]
+
+
+def test_identical_descriptors_are_compatible() -> None:
+    assert check_compatibility(PRODUCER, CONSUMER) is None
+
+
+def test_engine_id_blocks_metadata_and_minor_version_may_differ() -> None:
+    consumer = attrs.evolve(CONSUMER, protocol_version=(1, 7))
+    assert get_differences(PRODUCER, consumer) == {}
+
+
+@pytest.mark.parametrize(
+    ("name", "edit", "field", "values"), MISMATCHES, ids=[row[0].replace(" ", "-") for row in MISMATCHES]
+)
+def test_each_mismatch_is_rejected_naming_the_field(
+    name: str, edit: Edit, field: str, values: tuple[object, object]
+) -> None:
+    with pytest.raises(IncompatiblePeerError) as info:
+        check_compatibility(PRODUCER, edit(CONSUMER))
+    assert field in info.value.differences, info.value.differences
+    assert info.value.differences[field] == values
+    assert field in str(info.value)  # the message alone tells an operator what to fix
+
+
+def test_the_table_covers_every_group_field() -> None:
+    covered = {row[2].split(".", 1)[1] for row in MISMATCHES if row[2].startswith("groups[")}
+    assert covered == set(GROUP_FIELDS)
+
+
+def test_every_difference_is_reported_at_once() -> None:
+    consumer = CONSUMER
+    for _, edit, _, _ in MISMATCHES:
+        if edit is not MISMATCHES[3][1] and edit is not MISMATCHES[4][1]:  # group count/order rewrite the groups
+            consumer = edit(consumer)
+    diffs = get_differences(PRODUCER, consumer)
+    expected = {row[2] for i, row in enumerate(MISMATCHES) if i not in (3, 4)}
+    assert set(diffs) == expected
+
+
+@given(st.sampled_from(MISMATCHES), st.booleans())
+def test_the_check_is_symmetric_in_what_it_finds(row: tuple[str, Edit, str, object], swap: bool) -> None:
+    _, edit, field, _ = row
+    producer, consumer = (edit(PRODUCER), CONSUMER) if swap else (PRODUCER, edit(CONSUMER))
+    diffs = get_differences(producer, consumer)
+    assert field in diffs
+    assert set(diffs) == set(get_differences(consumer, producer))
+
+
+def test_descriptors_from_two_engines_with_the_same_model_agree() -> None:
+    preset = get_preset("gpt-oss-20b")
+    producer = EngineDescriptor.from_config(
+        engine_id="p",
+        config=preset.build_config(num_blocks=16, max_layers_per_group=2),
+        mode=TransferMode.READ,
+        hma_enabled=True,
+    )
+    consumer = EngineDescriptor.from_config(
+        engine_id="c",
+        config=preset.build_config(num_blocks=64, max_layers_per_group=2),
+        mode=TransferMode.READ,
+        hma_enabled=True,
+    )
+    check_compatibility(producer, consumer)
+    # A different block size on one side (a block-size ratio) is out of v1 and rejected the same way (HS-1).
+    other = EngineDescriptor.from_config(
+        engine_id="c",
+        config=preset.build_config(num_blocks=64, block_size=32, max_layers_per_group=2),
+        mode=TransferMode.READ,
+        hma_enabled=True,
+    )
+    with pytest.raises(IncompatiblePeerError) as info:
+        check_compatibility(producer, other)
+    assert {f for f in info.value.differences if f.endswith(".block_size")}
+
+
+def test_non_descriptors_are_refused() -> None:
+    with pytest.raises(ConfigError):
+        check_compatibility(PRODUCER, {"engine_id": "c"})  # type: ignore[arg-type]

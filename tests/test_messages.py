@@ -1,0 +1,281 @@
+"""Protocol messages: validation on construction, engine descriptors, and vLLM's kv_transfer_params dict form."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import attrs
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvspec import (
+    PROTOCOL_VERSION,
+    Abort,
+    BlockIds,
+    BlockOffer,
+    Completion,
+    ConfigError,
+    EngineDescriptor,
+    Failure,
+    FailureReason,
+    GroupDescriptor,
+    MalformedMessageError,
+    Release,
+    ReleaseOutcome,
+    SpecKind,
+    TransferMode,
+    TransferParams,
+    UnsupportedVersionError,
+    get_preset,
+)
+from kvspec._messages import TRANSFER_PARAMS_KEYS, FieldError
+
+PARAMS = TransferParams(
+    request_id="cmpl-1",
+    producer_engine_id="prefill-0",
+    producer_block_ids=[[1, 2, 3], [0, 7, 8]],
+    num_tokens=40,
+    mode=TransferMode.READ,
+    lease_deadline=1_700_000_030.5,
+    transport_data={"remote_host": "127.0.0.1", "remote_port": 5600, "tp_size": 1},
+)
+
+
+# --------------------------------------------------------------------------- validation
+
+
+@pytest.mark.parametrize(
+    ("build", "field"),
+    [
+        (lambda: Release(request_id="", consumer_engine_id="c", outcome=ReleaseOutcome.LOADED), "request_id"),
+        (lambda: Release(request_id="r", consumer_engine_id=3, outcome=ReleaseOutcome.LOADED), "consumer_engine_id"),
+        (lambda: Release(request_id="r", consumer_engine_id="c", outcome="loaded"), "outcome"),
+        (lambda: Abort(request_id="r", engine_id="", detail=""), "engine_id"),
+        (lambda: Abort(request_id="r", engine_id="p", detail=None), "detail"),
+        (lambda: Completion(request_id=None, producer_engine_id="p"), "request_id"),
+        (lambda: Failure(request_id="r", producer_engine_id="p", reason="timeout"), "reason"),
+        (
+            lambda: Failure(
+                request_id="r", producer_engine_id="p", reason=FailureReason.TIMEOUT, failed_consumer_block_ids=[[-1]]
+            ),
+            "failed_consumer_block_ids",
+        ),
+        (lambda: BlockOffer(request_id="r", consumer_engine_id="c", consumer_block_ids="12"), "consumer_block_ids"),
+        (lambda: attrs.evolve(PARAMS, num_tokens=-1), "num_tokens"),
+        (lambda: attrs.evolve(PARAMS, num_tokens=True), "num_tokens"),
+        (lambda: attrs.evolve(PARAMS, lease_deadline=float("nan")), "lease_deadline"),
+        (lambda: attrs.evolve(PARAMS, lease_deadline=float("inf")), "lease_deadline"),
+        (lambda: attrs.evolve(PARAMS, lease_deadline="soon"), "lease_deadline"),
+        (lambda: attrs.evolve(PARAMS, mode="read"), "mode"),
+        (lambda: attrs.evolve(PARAMS, transport_data=[1, 2]), "transport_data"),
+        (lambda: attrs.evolve(PARAMS, transport_data={"remote_block_ids": "x"}), "transport_data['remote_block_ids']"),
+        (lambda: attrs.evolve(PARAMS, transport_data={"host": 1.5}), "transport_data['host']"),
+        (
+            lambda: GroupDescriptor(kind=SpecKind.MLA, block_size=0, page_size_bytes=1, layer_names=("a",)),
+            "block_size",
+        ),
+        (
+            lambda: GroupDescriptor(kind=SpecKind.MLA, block_size=16, page_size_bytes=1, layer_names=("a", "a")),
+            "layer_names",
+        ),
+        (
+            lambda: GroupDescriptor(kind=SpecKind.MLA, block_size=16, page_size_bytes=1, layer_names=()),
+            "layer_names",
+        ),
+        (
+            lambda: EngineDescriptor(engine_id="p", mode=TransferMode.READ, hma_enabled=1, groups=(), num_blocks=4),
+            "hma_enabled",
+        ),
+        (
+            lambda: EngineDescriptor(
+                protocol_version=(1,), engine_id="p", mode=TransferMode.READ, hma_enabled=True, groups=(), num_blocks=4
+            ),
+            "protocol_version",
+        ),
+    ],
+)
+def test_construction_names_the_bad_field(build: Any, field: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        build()
+    assert isinstance(info.value, FieldError)
+    assert info.value.field == field
+    assert field.split("[")[0] in str(info.value)
+
+
+def test_messages_are_frozen_and_hashable() -> None:
+    release = Release(request_id="r", consumer_engine_id="c", outcome=ReleaseOutcome.FAILED)
+    with pytest.raises(attrs.exceptions.FrozenInstanceError):
+        release.request_id = "x"  # type: ignore[misc]
+    assert hash(release) == hash(Release(request_id="r", consumer_engine_id="c", outcome=ReleaseOutcome.FAILED))
+    assert hash(PARAMS) == hash(attrs.evolve(PARAMS))
+
+
+def test_block_ids_accept_nested_lists() -> None:
+    offer = BlockOffer(request_id="r", consumer_engine_id="c", consumer_block_ids=[[4, 5], []])
+    assert offer.consumer_block_ids == BlockIds([[4, 5], []])
+    assert Failure(request_id="r", producer_engine_id="p", reason=FailureReason.TIMEOUT).failed_consumer_block_ids == (
+        BlockIds([])
+    )
+
+
+def test_reprs_are_valid_python() -> None:
+    namespace = {
+        "Release": Release,
+        "ReleaseOutcome": ReleaseOutcome,
+        "TransferParams": TransferParams,
+        "BlockIds": BlockIds,
+        "TransferMode": TransferMode,
+    }
+    release = Release(request_id="r", consumer_engine_id="c", outcome=ReleaseOutcome.LOADED)
+    text = repr(release).replace("<ReleaseOutcome.LOADED: 'loaded'>", "ReleaseOutcome.LOADED")
+    assert eval(text, namespace) == release
+    text = repr(PARAMS).replace("<TransferMode.READ: 'read'>", "TransferMode.READ")
+    assert eval(text, namespace) == PARAMS
+
+
+# --------------------------------------------------------------------------- engine descriptor
+
+
+def test_engine_descriptor_from_a_hybrid_config() -> None:
+    config = get_preset("gemma-3-1b").build_config(num_blocks=8, max_layers_per_group=2)
+    descriptor = EngineDescriptor.from_config(
+        engine_id="prefill-0", config=config, mode=TransferMode.WRITE, hma_enabled=True, transport_metadata=b"agent"
+    )
+    assert descriptor.protocol_version == PROTOCOL_VERSION
+    assert descriptor.num_blocks == 8
+    assert len(descriptor.groups) == config.num_groups
+    for group, described in zip(config.kv_cache_groups, descriptor.groups, strict=True):
+        spec = group.kv_cache_spec
+        assert described.kind is spec.kind
+        assert described.block_size == spec.block_size
+        assert described.page_size_bytes == spec.page_size_bytes
+        assert described.layer_names == group.layer_names
+        assert described.sliding_window == getattr(spec, "sliding_window", None)
+        assert described.dtype == "bfloat16"
+    kinds = {g.kind for g in descriptor.groups}
+    assert kinds == {SpecKind.SLIDING_WINDOW, SpecKind.FULL_ATTENTION}
+    assert "agent" not in repr(descriptor)  # opaque transport bytes stay out of logs
+
+
+def test_group_descriptor_of_a_mamba_group_has_no_attention_fields() -> None:
+    config = get_preset("qwen3-next-80b").build_config(num_blocks=4, max_layers_per_group=1)
+    mamba = [GroupDescriptor.from_group(g) for g in config.kv_cache_groups if g.kv_cache_spec.kind is SpecKind.MAMBA]
+    assert mamba
+    assert all(g.dtype is None and g.num_kv_heads is None and g.head_size is None for g in mamba)
+
+
+# --------------------------------------------------------------------------- kv_transfer_params
+
+
+def test_dict_form_uses_vllm_key_names() -> None:
+    d = PARAMS.to_kv_transfer_params()
+    assert d["do_remote_prefill"] is True
+    assert d["do_remote_decode"] is False
+    assert d["remote_request_id"] == "cmpl-1"
+    assert d["remote_engine_id"] == "prefill-0"
+    assert d["remote_block_ids"] == [[1, 2, 3], [0, 7, 8]]  # per-group lists, as under HMA
+    assert d["remote_num_tokens"] == 40
+    assert d["remote_blocks_expiry_time"] == 1_700_000_030.5
+    assert d["remote_host"] == "127.0.0.1"
+    assert d["remote_port"] == 5600
+    assert d["tp_size"] == 1
+    assert d["transfer_mode"] == "read"
+    assert d["kvspec_version"] == f"{PROTOCOL_VERSION[0]}.{PROTOCOL_VERSION[1]}"
+
+
+transport = st.one_of(
+    st.binary(max_size=16),
+    st.dictionaries(
+        st.text(min_size=1, max_size=10).filter(lambda k: k not in TRANSFER_PARAMS_KEYS),
+        st.one_of(st.text(max_size=10), st.integers()),
+        max_size=4,
+    ),
+)
+
+
+@given(
+    st.builds(
+        TransferParams,
+        request_id=st.text(min_size=1, max_size=10),
+        producer_engine_id=st.text(min_size=1, max_size=10),
+        producer_block_ids=st.lists(st.lists(st.integers(0, 2**31), max_size=4), max_size=4).map(BlockIds),
+        num_tokens=st.integers(0, 2**40),
+        mode=st.sampled_from(TransferMode),
+        lease_deadline=st.floats(allow_nan=False, allow_infinity=False),
+        transport_data=transport,
+    )
+)
+def test_dict_form_round_trips_also_through_json(params: TransferParams) -> None:
+    d = params.to_kv_transfer_params()
+    assert TransferParams.from_kv_transfer_params(d) == params
+    # Routers often serialise the dict as JSON on the way.
+    assert TransferParams.from_kv_transfer_params(json.loads(json.dumps(d))) == params
+
+
+def test_a_router_dict_in_nixl_spelling_parses() -> None:
+    # The shape vLLM's NIXL connector puts in kv_transfer_params (vllm_semantics.md section 3.5), plus kvspec's keys.
+    d = {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_block_ids": ([1, 2], [5]),
+        "remote_engine_id": "e0",
+        "remote_request_id": "r0",
+        "remote_host": "10.0.0.2",
+        "remote_port": 5557,
+        "tp_size": 1,
+        "remote_num_tokens": 33,
+        "remote_blocks_expiry_time": 50,
+        "transfer_mode": "push",
+        "kvspec_version": "1.4",
+    }
+    params = TransferParams.from_kv_transfer_params(d)
+    assert params.mode is TransferMode.WRITE
+    assert params.producer_block_ids == BlockIds([[1, 2], [5]])
+    assert params.lease_deadline == 50.0
+    assert params.transport_data == {"remote_host": "10.0.0.2", "remote_port": 5557, "tp_size": 1}
+
+
+def _without(key: str) -> dict[str, object]:
+    d = PARAMS.to_kv_transfer_params()
+    del d[key]
+    return d
+
+
+@pytest.mark.parametrize(
+    ("d", "field"),
+    [
+        (_without("remote_request_id"), "remote_request_id"),
+        (_without("remote_engine_id"), "remote_engine_id"),
+        (_without("remote_block_ids"), "remote_block_ids"),
+        (_without("remote_num_tokens"), "remote_num_tokens"),
+        (_without("remote_blocks_expiry_time"), "remote_blocks_expiry_time"),
+        (_without("transfer_mode"), "transfer_mode"),
+        (_without("kvspec_version"), "kvspec_version"),
+        (_without("do_remote_prefill"), "do_remote_prefill"),
+        (PARAMS.to_kv_transfer_params() | {"remote_block_ids": [1, 2, 3]}, "remote_block_ids[0]"),
+        (PARAMS.to_kv_transfer_params() | {"remote_block_ids": [[1, "2"]]}, "remote_block_ids[0][1]"),
+        (PARAMS.to_kv_transfer_params() | {"remote_num_tokens": "40"}, "remote_num_tokens"),
+        (PARAMS.to_kv_transfer_params() | {"remote_num_tokens": -3}, "remote_num_tokens"),
+        (PARAMS.to_kv_transfer_params() | {"remote_blocks_expiry_time": float("nan")}, "remote_blocks_expiry_time"),
+        (PARAMS.to_kv_transfer_params() | {"transfer_mode": "sideways"}, "transfer_mode"),
+        (PARAMS.to_kv_transfer_params() | {"kvspec_version": "one"}, "kvspec_version"),
+        (PARAMS.to_kv_transfer_params() | {"remote_dp_size": None}, "remote_dp_size"),
+        (PARAMS.to_kv_transfer_params() | {"kvspec_transport_data": "AA=="}, "kvspec_transport_data"),
+    ],
+)
+def test_a_bad_dict_names_the_key(d: dict[str, object], field: str) -> None:
+    with pytest.raises(MalformedMessageError) as info:
+        TransferParams.from_kv_transfer_params(d)
+    assert info.value.field == field
+
+
+def test_a_dict_of_another_major_is_refused() -> None:
+    with pytest.raises(UnsupportedVersionError):
+        TransferParams.from_kv_transfer_params(PARAMS.to_kv_transfer_params() | {"kvspec_version": "2.0"})
+
+
+def test_not_a_dict_is_refused() -> None:
+    with pytest.raises(MalformedMessageError):
+        TransferParams.from_kv_transfer_params([("remote_request_id", "r")])  # type: ignore[arg-type]
