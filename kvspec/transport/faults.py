@@ -130,8 +130,8 @@ class FaultInjector:
         self._all_disconnected = False
         self._held: list[_Held] = []
         self._injected: list[InjectedFault] = []
-        if self._active and plan.disconnect_at_post == 0:
-            self._all_disconnected = True
+        # disconnect_at_post=0: the link drops before the first post or send, after the handshake.
+        self._disconnect_pending = self._active and plan.disconnect_at_post == 0
 
     # -- introspection
 
@@ -162,6 +162,9 @@ class FaultInjector:
         return self._all_disconnected or peer in self._disconnected
 
     def _refuse_if_disconnected(self, peer: str) -> None:
+        if self._disconnect_pending:
+            self._disconnect_pending = False
+            self._disconnect_all()
         if self._is_disconnected(peer):
             raise TransportError(
                 f"fault injector: peer {peer!r} disconnected", reason=FailureReason.PEER_DISCONNECTED.value
@@ -204,7 +207,7 @@ class FaultInjector:
 
     def _disconnect_all(self) -> None:
         self._all_disconnected = True
-        self._record("disconnect", f"after post {self._posts}")
+        self._record("disconnect", f"after {self._posts} posts")
 
     def post(
         self,

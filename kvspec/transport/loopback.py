@@ -322,6 +322,27 @@ class LoopbackAgent:
             self.inbox.clear()
             return drained
 
+    def touches(self, region: int, offset: int, nbytes: int) -> bool:
+        """Whether a pending transfer may still read or write ``[offset, offset + nbytes)`` of a local region.
+
+        For tests of SM-1/SM-2: a block may return to its pool only when no
+        pending transfer touches its pages.
+        """
+        with self._fabric.lock:
+            if not 0 <= region < len(self._regions):
+                return False
+            view = self._regions[region]
+            end = offset + nbytes
+            for transfer in self._fabric.pending:
+                if transfer.initiator is not self and transfer.target is not self:
+                    continue
+                for destination, d_offset, source, s_offset, n in transfer.copies[transfer.next_copy :]:
+                    if destination is view and d_offset < end and offset < d_offset + n:
+                        return True
+                    if source is view and s_offset < end and offset < s_offset + n:
+                        return True
+            return False
+
     @property
     def num_pending(self) -> int:
         """Transfers this agent takes part in that are still PENDING."""
