@@ -9,6 +9,7 @@ from hypothesis import assume, example, given
 from hypothesis import strategies as st
 from strategies import (
     ALL_KINDS,
+    Scenario,
     block_lists,
     build_scenario,
     config_from_specs,
@@ -28,6 +29,7 @@ from kvspec import (
     FullAttentionSpec,
     GroupCountError,
     KVCacheConfig,
+    KVCacheSpec,
     KVSpecError,
     MambaSpec,
     MLAAttentionSpec,
@@ -371,7 +373,7 @@ def _oracle_covered(scenario_config: KVCacheConfig, t: int, h: int, producer: Bl
 
 
 @given(scenario=scenarios())
-def test_vllm_built_lists_cover_the_window_and_pair_every_needed_block(scenario) -> None:  # type: ignore[no-untyped-def]
+def test_vllm_built_lists_cover_the_window_and_pair_every_needed_block(scenario: Scenario) -> None:
     s = scenario
     assert _oracle_covered(s.config, s.num_tokens, s.prefix_hit_tokens, s.producer_block_ids, s.consumer_block_ids)
     pairs = compute_transfer_pairs(
@@ -397,7 +399,7 @@ def test_vllm_built_lists_cover_the_window_and_pair_every_needed_block(scenario)
 
 
 @given(scenario=scenarios(), data=st.data())
-def test_coverage_agrees_with_a_position_by_position_oracle(scenario, data: st.DataObject) -> None:  # type: ignore[no-untyped-def]
+def test_coverage_agrees_with_a_position_by_position_oracle(scenario: Scenario, data: st.DataObject) -> None:
     s = scenario
     g = data.draw(st.integers(0, s.config.num_groups - 1))
     side = data.draw(st.sampled_from(["producer", "consumer"]))
@@ -595,7 +597,7 @@ def test_coverage_group_count_mismatch() -> None:
 
 
 @given(spec=st.sampled_from(["full", "sw", "chunked", "mamba"]).flatmap(specs), n=st.integers(0, 500))
-def test_skipped_tokens(spec, n: int) -> None:  # type: ignore[no-untyped-def]
+def test_skipped_tokens(spec: KVCacheSpec, n: int) -> None:
     skipped = get_num_skipped_tokens(spec, n)
     if isinstance(spec, SlidingWindowSpec):
         assert skipped == max(0, n - spec.sliding_window + 1)
@@ -633,7 +635,7 @@ def test_pruning_stops_at_the_first_null_walking_back() -> None:
 
 
 @given(scenario=scenarios())
-def test_consumer_block_counts_match_what_is_needed(scenario) -> None:  # type: ignore[no-untyped-def]
+def test_consumer_block_counts_match_what_is_needed(scenario: Scenario) -> None:
     s = scenario
     counts = get_consumer_block_counts(s.config, num_tokens=s.num_tokens, prefix_hit_tokens=s.prefix_hit_tokens)
     for count, group in zip(counts, s.config.kv_cache_groups, strict=True):
@@ -667,3 +669,40 @@ def test_gemma3_27b_128k_request() -> None:
 def test_all_errors_share_the_root() -> None:
     for error in (BlockAlignmentError, GroupCountError, WindowCoverageError, UnsupportedHybridError, ConfigError):
         assert issubclass(error, KVSpecError)
+
+
+def test_worked_example_in_the_spec() -> None:
+    """docs/spec/worked-example.md: every number on that page."""
+    config = config_from_specs([sw(48), fa()])
+    assert is_hma_required(config)
+    validate_hybrid_support(config, "write")
+    assert blocks_per_sw(config) == (4, 0)
+    assert get_token_basis_group(config) == TokenBasis(group_index=1, block_size=16)
+    sw_spec, fa_spec = (g.kv_cache_spec for g in config.kv_cache_groups)
+    assert get_needed_token_range(sw_spec, num_tokens=100, prefix_hit_tokens=32) == range(53, 100)
+    assert get_needed_block_range(sw_spec, num_tokens=100, prefix_hit_tokens=32) == range(3, 7)
+    assert get_needed_block_range(fa_spec, num_tokens=100, prefix_hit_tokens=32) == range(2, 7)
+    held = [[11, 12, 13, 14, 15, 16, 17], [21, 22, 23, 24, 25, 26, 27]]
+    pruned = get_pruned_block_ids(config, held, num_computed_tokens=100)
+    assert pruned == BlockIds([[0, 0, 0, 14, 15, 16, 17], [21, 22, 23, 24, 25, 26, 27]])
+    producer = get_exchange_clipped_blocks(pruned, blocks_per_sw(config))
+    assert producer == BlockIds([[14, 15, 16, 17], [21, 22, 23, 24, 25, 26, 27]])
+    assert get_consumer_block_counts(config, num_tokens=100, prefix_hit_tokens=32) == (4, 5)
+    consumer = [[41, 42, 43, 44], [51, 52, 53, 54, 55]]
+    pairs = compute_transfer_pairs(
+        config, num_tokens=100, prefix_hit_tokens=32, producer_block_ids=producer, consumer_block_ids=consumer
+    )
+    assert pairs.producer_block_ids == BlockIds([[14, 15, 16, 17], [23, 24, 25, 26, 27]])
+    assert pairs.consumer_block_ids == BlockIds(consumer)
+    # Section 6: T = 94, (T - W + 2) % B == 0.
+    held6 = [[11, 12, 13, 14, 15, 16], [21, 22, 23, 24, 25, 26]]
+    c6 = [[1, 2, 3, 4], [5, 6, 7, 8, 9, 10]]
+    good = get_exchange_clipped_blocks(get_pruned_block_ids(config, held6, num_computed_tokens=94), (4, 0))
+    assert good[0] == (13, 14, 15, 16)
+    check_window_coverage(config, num_tokens=94, prefix_hit_tokens=0, producer_block_ids=good, consumer_block_ids=c6)
+    bad = get_exchange_clipped_blocks(get_pruned_block_ids(config, held6, num_computed_tokens=95), (4, 0))
+    assert bad[0] == (0, 14, 15, 16)
+    with pytest.raises(
+        WindowCoverageError, match=r"logical block 2 \(tokens \[32, 47\]\).*producer has the null block"
+    ):
+        check_window_coverage(config, num_tokens=94, prefix_hit_tokens=0, producer_block_ids=bad, consumer_block_ids=c6)
