@@ -18,6 +18,17 @@ from kvspec._errors import (
     UnsupportedVersionError,
     WindowCoverageError,
 )
+from kvspec._exchange import (
+    BlockAllocator,
+    ConsumerEndpoint,
+    ConsumerResult,
+    ExchangeResult,
+    OutOfBlocksError,
+    ProducerEndpoint,
+    ProducerResult,
+    connect,
+    run_request,
+)
 from kvspec._handshake import check_compatibility
 from kvspec._messages import (
     PROTOCOL_VERSION,
@@ -53,6 +64,17 @@ from kvspec._models import (
     SlidingWindowSpec,
     SpecKind,
     TransferMode,
+)
+from kvspec._plan import (
+    GroupPlan,
+    GroupSummary,
+    PageCopy,
+    PairedBlocks,
+    PlanSummary,
+    TransferPlan,
+    blocks_needed_for,
+    plan_transfer,
+    summarize_plan,
 )
 from kvspec._presets import ModelPreset, get_preset, list_presets
 from kvspec._reference import (
@@ -170,4 +192,22 @@ __all__ = [
     "decode",
     "encode",
     "message_schemas",
+    "GroupPlan",
+    "GroupSummary",
+    "PageCopy",
+    "PairedBlocks",
+    "PlanSummary",
+    "TransferPlan",
+    "blocks_needed_for",
+    "plan_transfer",
+    "summarize_plan",
+    "BlockAllocator",
+    "ConsumerEndpoint",
+    "ConsumerResult",
+    "ExchangeResult",
+    "OutOfBlocksError",
+    "ProducerEndpoint",
+    "ProducerResult",
+    "connect",
+    "run_request",
 ]

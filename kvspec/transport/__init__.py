@@ -12,12 +12,20 @@ from kvspec.transport._base import (
     Transport,
 )
 from kvspec.transport._registry import BUILTIN_BACKENDS, load_backend
+from kvspec.transport.faults import FaultInjector, FaultPlan, FaultyBackend, InjectedFault
+from kvspec.transport.loopback import LoopbackAgent, LoopbackBackend
 
 __all__ = [
     "BUILTIN_BACKENDS",
     "Backend",
     "Capabilities",
     "Descriptor",
+    "FaultInjector",
+    "FaultPlan",
+    "FaultyBackend",
+    "InjectedFault",
+    "LoopbackAgent",
+    "LoopbackBackend",
     "MemoryRegion",
     "Notification",
     "TransferHandle",
