@@ -173,7 +173,7 @@ class DType:
 def _to_dtype(value: object) -> DType:
     if isinstance(value, DType):
         return value
-    return DType(name=value)  # type: ignore[arg-type]
+    return DType(name=value)
 
 
 def _to_dtypes(value: Iterable[object]) -> tuple[DType, ...]:
@@ -505,6 +505,18 @@ class BlockIds(Sequence[tuple[int, ...]]):
     def from_lists(cls, groups: Iterable[Iterable[int]]) -> BlockIds:
         """Build from plain nested sequences, e.g. vLLM's ``tuple[list[int], ...]``."""
         return cls(groups)
+
+    @classmethod
+    def _from_trusted(cls, groups: Iterable[tuple[int, ...]]) -> BlockIds:
+        """Build from tuples already known valid (slices of a validated BlockIds).
+
+        Skips the per-id check, which would dominate a 128k-token request
+        (benchmarks/bench_reference.py). Internal: callers outside kvspec use
+        the validating constructor.
+        """
+        ids = object.__new__(cls)
+        object.__setattr__(ids, "groups", tuple(groups))
+        return ids
 
     def to_lists(self) -> list[list[int]]:
         """Plain nested lists, as vLLM's ``kv_transfer_params`` carries them."""

@@ -68,9 +68,7 @@ def _derived_block_ids(groups: Sequence[tuple[int, ...]]) -> BlockIds:
 
     Validation is per id and would dominate a 128k-token request (benchmarks/bench_reference.py).
     """
-    ids = object.__new__(BlockIds)
-    object.__setattr__(ids, "groups", tuple(groups))
-    return ids
+    return BlockIds._from_trusted(groups)
 
 
 def _check_count(name: str, value: object) -> int:
