@@ -460,8 +460,15 @@ class ProducerEndpoint(_Endpoint):
             self._carry_out(request, request.session.tick(now=self.clock()))
 
     def _check_transfer(self, request: _ProducerRequest) -> None:
-        assert request.handle is not None
-        status = self.transport.check(request.handle)
+        if request.handle is None:  # pragma: no cover - poll checks only posted requests
+            return
+        try:
+            status = self.transport.check(request.handle)
+        except TransportError as exc:
+            self._drop_handle(request)
+            failed = request.session.transfer_failed(_reason_of(exc), now=self.clock(), detail=str(exc))
+            self._carry_out(request, failed)
+            return
         if status.state is TransferState.PENDING:
             return
         self._drop_handle(request)
@@ -475,7 +482,10 @@ class ProducerEndpoint(_Endpoint):
     def _drop_handle(self, request: _ProducerRequest) -> None:
         if request.handle is not None:
             handle, request.handle = request.handle, None
-            self.transport.release(handle)
+            try:
+                self.transport.release(handle)
+            except TransportError as exc:
+                self.errors.append(f"release handle: {exc}")
 
     def _carry_out(self, request: _ProducerRequest, out: Output) -> None:
         session = request.session
@@ -624,8 +634,7 @@ class ConsumerEndpoint(_Endpoint):
         )
         request = _ConsumerRequest(session=session, producer_agent="" if peer is None else peer.agent)
         self._requests[request_id] = request
-        if check_error is None and len(consumer_ids):
-            assert peer is not None
+        if check_error is None and peer is not None and len(consumer_ids):
             try:
                 # WIN-1 and ALIGN-1 before any byte moves; then every byte is planned (PLAN-1).
                 request.pairs = compute_transfer_pairs(
@@ -686,7 +695,8 @@ class ConsumerEndpoint(_Endpoint):
             self._carry_out(request, request.session.tick(now=self.clock()))
 
     def _check_transfer(self, request: _ConsumerRequest) -> None:
-        assert request.handle is not None
+        if request.handle is None:  # pragma: no cover - poll checks only posted requests
+            return
         try:
             status = self.transport.check(request.handle)
         except TransportError as exc:
@@ -754,8 +764,9 @@ class ConsumerEndpoint(_Endpoint):
 
     def _post_read(self, request: _ConsumerRequest) -> None:
         session = request.session
-        assert request.plan is not None
         try:
+            if request.plan is None:
+                raise LocalProtocolError("a read is posted only for a planned request")
             request.handle = self.transport.post(
                 TransferMode.READ, request.plan.to_descriptors(TransferMode.READ), peer=request.producer_agent
             )

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import argparse
 import io
 import json
 import subprocess
 import sys
+import types
 
 import pytest
 
@@ -100,3 +102,23 @@ def test_python_dash_m_runs() -> None:
         timeout=60,
     )
     assert json.loads(result.stdout)["groups"][0]["blocks_clipped"] == 4
+
+
+def test_conform_delegates_to_the_suite_cli(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen = {}
+
+    def add_arguments(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("backend")
+        parser.add_argument("--rule", action="append")
+
+    def run_suite(args: argparse.Namespace) -> int:
+        seen.update(vars(args))
+        return 1
+
+    fake = types.ModuleType("kvspec_conformance.cli")
+    fake.add_arguments = add_arguments  # type: ignore[attr-defined]
+    fake.run = run_suite  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "kvspec_conformance.cli", fake)
+    status, _ = run("conform", "loopback", "--rule", "WIN-1")
+    assert status == 1
+    assert seen == {"backend": "loopback", "rule": ["WIN-1"]}

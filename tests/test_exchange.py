@@ -311,3 +311,29 @@ def test_allocator_never_hands_out_the_null_block() -> None:
     with pytest.raises(Exception, match="freed twice"):
         allocator.free([1])
     assert list(itertools.islice(iter(allocator.allocate(2)), 2)) == [1, 2]
+
+
+@pytest.mark.parametrize("mode", MODES, ids=lambda m: m.value)
+def test_peer_block_ids_outside_the_pool_are_refused_before_anything_moves(
+    make_pair: object, mode: TransferMode
+) -> None:
+    """Parameters from a peer never steer a copy outside the registered pool (PLAN-1)."""
+    pair = make_pair("gpt-oss-20b", mode)  # type: ignore[operator]
+    free = (pair.producer.num_free_blocks, pair.consumer.num_free_blocks)
+    consumer_before = pair.consumer_pool.snapshot()
+    params = pair.producer.prefill("evil", num_tokens=40)
+    far = pair.producer.config.num_blocks + 5
+    forged = attrs.evolve(
+        params, producer_block_ids=BlockIds([[far + i for i in g] for g in params.producer_block_ids])
+    )
+    pair.consumer.begin(forged)
+    for _ in range(100):
+        pair.consumer.poll()
+        pair.producer.poll()
+    result = pair.consumer.result("evil")
+    assert result is not None
+    assert result.state is ConsumerState.FAILED
+    assert result.failure is not None
+    assert result.failure.reason is FailureReason.PROTOCOL
+    assert pair.consumer_pool.snapshot() == consumer_before
+    assert (pair.producer.num_free_blocks, pair.consumer.num_free_blocks) == free
