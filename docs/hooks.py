@@ -271,13 +271,49 @@ def _fence(kind: str, body: str) -> str:
     return f"```{kind}\n{body.rstrip()}\n```\n"
 
 
-def _import_generators() -> tuple[Any, Any]:
+def _import_generators() -> tuple[Any, Any, Any]:
     if str(GEN) not in sys.path:
         sys.path.insert(0, str(GEN))
     import diagrams
+    import errors
     import figures
 
-    return diagrams, figures
+    return diagrams, errors, figures
+
+
+ERRORS_PAGE = "reference/errors.md"
+# Modules whose exported calls the errors page lists.
+ERROR_SOURCES = ("kvspec", "kvspec.transport", "kvspec.transport.loopback")
+
+
+def _raised_by_snippets(errors: Any) -> dict[str, str]:
+    table = errors.raised_by(ROOT / "kvspec", errors.public_calls(ERROR_SOURCES))
+    snippets = {}
+    for error, calls in table.items():
+        if calls:
+            listed = ", ".join(f"`{call}`" for call in calls)
+            snippets[f"raised-by:{error}"] = f"**Raised by:** {listed}.\n"
+        else:
+            snippets[f"raised-by:{error}"] = "**Raised by:** no exported call raises it directly.\n"
+    return snippets
+
+
+def check_errors_page(markdown: str) -> None:
+    """Every error kvspec exports has its own section (a raised-by marker) on the errors page."""
+    import kvspec
+
+    exported = [
+        name
+        for name in kvspec.__all__
+        if isinstance(getattr(kvspec, name), type)
+        and issubclass(getattr(kvspec, name), kvspec.KVSpecError)
+        and name != "KVSpecError"
+    ]
+    missing = [name for name in exported if f"kvspec:raised-by:{name} " not in markdown.replace("-->", " -->")]
+    if missing:
+        raise PluginError(
+            f"{ERRORS_PAGE}: no section for exported error(s) {missing}; add one with its raised-by marker"
+        )
 
 
 _STATE: dict[str, Any] = {"snippets": {}, "by_rule": {}}
@@ -350,7 +386,7 @@ def on_files(files: Files, config: Any) -> Files:
     _STATE["by_rule"] = by_rule
     _add(files, config, CATALOGUE, page)
 
-    diagrams, figures = _import_generators()
+    diagrams, errors, figures = _import_generators()
     _add(files, config, DIAGRAMS, render_diagrams_page(diagrams))
     rows = figures.bytes_rows()
     _add(files, config, "img/clipping.svg", figures.clipping_svg())
@@ -365,6 +401,7 @@ def on_files(files: Files, config: Any) -> Files:
         snippets[f"state-table:{role}"] = diagrams.transition_table(role)
     for name in diagrams.SEQUENCES:
         snippets[f"sequence:{name}"] = _fence("mermaid", diagrams.sequence_diagram(name))
+    snippets.update(_raised_by_snippets(errors))
     _STATE["snippets"] = snippets
 
     # CHANGELOG.md links into docs/ so that it reads right on a forge; on the site those links are relative.
@@ -383,6 +420,8 @@ def on_page_markdown(markdown: str, page: Any, config: Any, files: Files) -> str
             raise PluginError(f"{src}: unknown generated snippet <!-- kvspec:{name} -->; known: {sorted(snippets)}")
         return snippets[name]
 
+    if src == ERRORS_PAGE:
+        check_errors_page(markdown)
     markdown = MARKER.sub(replace, markdown)
     if src.startswith("spec/") and src != CATALOGUE:
         markdown = link_rule_sections(markdown, src, _STATE["by_rule"])

@@ -230,3 +230,41 @@ def test_spec_headings_gain_their_cases_and_the_catalogue_links_back() -> None:
     rendered = hooks.render_catalogue(rules, by_rule, sections)
     assert "[CLIP-1 in the spec](reference.md#cases-clip-1)" in rendered
     assert "| `SW-1/b` | MUST | - | t |" in rendered
+
+
+def test_errors_page_finds_raises_through_helpers_and_validators(tmp_path: Path) -> None:
+    spec = importlib.util.spec_from_file_location("kvspec_docs_errors", DOCS / "_gen" / "errors.py")
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "mod.py").write_text(
+        textwrap.dedent(
+            """
+            import attrs
+            class KVSpecError(Exception): ...
+            class BadError(KVSpecError, ValueError): ...
+            class WorseError(BadError): ...
+            def _helper(x):
+                raise WorseError(x)
+            def api(x):
+                return _helper(x)
+            def clean(x):
+                return x
+            def _check(inst, attribute, value):
+                if value < 0:
+                    raise BadError(value)
+            @attrs.frozen
+            class Model:
+                x: int = attrs.field(validator=_check)
+            """
+        ),
+        encoding="utf-8",
+    )
+    public = {"api()": ("pkg.mod", "api"), "clean()": ("pkg.mod", "clean"), "Model(...)": ("pkg.mod", "Model.__init__")}
+    table = module.raised_by(package, public)
+    assert table["WorseError"] == ["api()"]
+    assert table["BadError"] == ["Model(...)", "api()"]  # a subclass counts for its base
+    assert "clean()" not in table["KVSpecError"]
