@@ -399,13 +399,7 @@ class ProducerEndpoint(_Endpoint):
         """
         if request_id in self._requests or request_id in self._results:
             raise LocalProtocolError(f"producer request {request_id!r} already exists")
-        counts = [get_logical_block_count(g.kv_cache_spec, num_tokens) for g in self.config.kv_cache_groups]
-        table = self.allocator.allocate_groups(counts)
-        # vLLM frees the blocks a sliding window left behind; they never travel (WIN-1).
-        pruned = get_pruned_block_ids(self.config, table, num_computed_tokens=num_tokens)
-        advertised = get_exchange_clipped_blocks(pruned, blocks_per_sw(self.config))
-        kept = {b for group in advertised for b in group}
-        self.allocator.free(b for group in table for b in group if b not in kept)
+        advertised = self._allocate_table(num_tokens)
         session = ProducerSession.create(
             request_id=request_id,
             producer_engine_id=self.engine_id,
@@ -419,6 +413,25 @@ class ProducerEndpoint(_Endpoint):
         )
         self._requests[request_id] = _ProducerRequest(session=session, table=advertised)
         return session.params
+
+    def _allocate_table(self, num_tokens: int) -> BlockIds:
+        """The request's table as vLLM leaves it after prefill, pruned and clipped (WIN-1, CLIP-1).
+
+        Positions a sliding window left behind hold the null block, as vLLM's
+        ``remove_skipped_blocks`` leaves them; only the other positions get
+        real blocks, so the pool never needs the whole unpruned table.
+        """
+        totals = [get_logical_block_count(g.kv_cache_spec, num_tokens) for g in self.config.kv_cache_groups]
+        shape = get_exchange_clipped_blocks(
+            get_pruned_block_ids(self.config, BlockIds([[1] * n for n in totals]), num_computed_tokens=num_tokens),
+            blocks_per_sw(self.config),
+        )
+        real = self.allocator.allocate_groups([sum(1 for b in group if b != NULL_BLOCK_ID) for group in shape])
+        table = []
+        for group, ids in zip(shape, real, strict=True):
+            fresh = iter(ids)
+            table.append([NULL_BLOCK_ID if b == NULL_BLOCK_ID else next(fresh) for b in group])
+        return BlockIds(table)
 
     def block_table(self, request_id: str) -> BlockIds:
         """The advertised (pruned, clipped) block ids of a live request."""
