@@ -353,3 +353,24 @@ def test_consumer_abort_mid_transfer_waits_for_drain(make_rig: object, mode: Tra
     assert result.state is ConsumerState.ABORTED
     assert not rig.violations, rig.violations
     assert (rig.producer.num_free_blocks, rig.consumer.num_free_blocks) == free
+
+
+def test_partial_transfer_moves_some_bytes_then_fails() -> None:
+    """Half the bytes land, then FAILED with partial_transfer, and the notification never arrives (FAIL-1)."""
+    backend = FaultyBackend(LoopbackBackend(), FaultPlan(partial_transfer=1.0))
+    a, b = backend.create_agent("a"), backend.create_agent("b")
+    src, dst = bytearray(b"\x07" * 64), bytearray(64)
+    a.register_memory([MemoryRegion(buffer=memoryview(src))])
+    b.register_memory([MemoryRegion(buffer=memoryview(dst))])
+    a.add_remote_agent(b.get_agent_metadata())
+    desc = Descriptor(local_region=0, local_offset=0, remote_region=0, remote_offset=0, nbytes=64)
+    handle = a.post(TransferMode.WRITE, [desc], peer="b", notification=b"done")
+    for _ in range(5):
+        status = a.check(handle)
+        if status.state is not TransferState.PENDING:
+            break
+    assert status.state is TransferState.FAILED
+    assert status.reason is FailureReason.PARTIAL_TRANSFER
+    assert dst == bytearray(b"\x07" * 32 + b"\x00" * 32)
+    assert b.get_notifications() == []
+    backend.close()

@@ -106,6 +106,17 @@ class _Held:
     behind_next: bool = False
 
 
+def _first_bytes(descriptors: Sequence[Descriptor], nbytes: int) -> list[Descriptor]:
+    """The descriptors that move the first ``nbytes`` bytes, the last one cut short."""
+    kept: list[Descriptor] = []
+    for d in descriptors:
+        if nbytes <= 0:
+            break
+        kept.append(d if d.nbytes <= nbytes else attrs.evolve(d, nbytes=nbytes))
+        nbytes -= d.nbytes
+    return kept
+
+
 class FaultInjector:
     """Wraps any :class:`Transport` and injects the faults of a :class:`FaultPlan`.
 
@@ -228,10 +239,11 @@ class FaultInjector:
         descriptors = list(descriptors)
         state = _Posted(inner=TransferHandle(transfer_id=0, peer=peer, mode=mode), peer=peer)
         if partial:
-            kept = len(descriptors) // 2
-            self._record("partial_transfer", f"post {self._posts}: {kept} of {len(descriptors)} descriptors")
+            total = sum(d.nbytes for d in descriptors)
+            descriptors = _first_bytes(descriptors, total // 2)
+            self._record("partial_transfer", f"post {self._posts}: {total // 2} of {total} bytes")
             # The notification rides on the complete transfer only; a partial one never sends it.
-            descriptors, notification, state.fault = descriptors[:kept], None, "partial"
+            notification, state.fault = None, "partial"
         elif corrupt and descriptors:
             state.fault = "corrupt"
             descriptors = self._corrupt(mode, descriptors, state)
