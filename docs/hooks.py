@@ -367,6 +367,57 @@ def _clipping_lists(example: Mapping[str, Any]) -> str:
     return "\n".join(out) + "\n"
 
 
+API_PAGE = "reference/api.md"
+# The order of the API page's sections: the layers, from pure data up (DESIGN.md section 2).
+API_ORDER = {
+    "kvspec._models": "Models",
+    "kvspec._presets": "Model presets",
+    "kvspec._reference": "Reference functions",
+    "kvspec._messages": "Messages",
+    "kvspec._codec": "Codec",
+    "kvspec._schema": "JSON schemas",
+    "kvspec._handshake": "Handshake",
+    "kvspec._session": "Sessions",
+    "kvspec._plan": "Planner",
+    "kvspec._exchange": "Exchange driver",
+    "kvspec._errors": "Errors",
+}
+
+
+def render_api_page() -> str:
+    """``kvspec``'s exports, one section per private module that defines them, in layer order."""
+    import importlib
+
+    import kvspec
+
+    sections: dict[str, list[str]] = {}
+    for name in kvspec.__all__:
+        if name.startswith("__"):
+            continue
+        obj = getattr(kvspec, name)
+        origin = getattr(obj, "__module__", None) if isinstance(obj, type) or callable(obj) else None
+        sections.setdefault(origin if isinstance(origin, str) and origin.startswith("kvspec") else "", []).append(name)
+    order = {module: index for index, module in enumerate(API_ORDER)}
+    out = [
+        "# `kvspec`",
+        "",
+        "Everything below is imported from the top-level package (`import kvspec`); the private",
+        "modules named in each section are where it is defined, not how to import it. Generated",
+        "from `kvspec.__all__` and the docstrings.",
+        "",
+    ]
+    for module in sorted(sections, key=lambda m: (m == "", order.get(m, len(order)), m)):
+        if module:
+            summary = (importlib.import_module(module).__doc__ or module).strip().splitlines()[0]
+            title = API_ORDER.get(module, module)
+            out += [f"## {title}", "", f"{summary} Defined in `{module}`.", ""]
+        else:
+            out += ["## Constants and type aliases", ""]
+        for name in sections[module]:
+            out += [f"::: kvspec.{name}", "    options:", "      heading_level: 3", ""]
+    return "\n".join(out) + "\n"
+
+
 def on_files(files: Files, config: Any) -> Files:
     spec_pages = {
         f.src_uri: Path(f.abs_src_path).read_text(encoding="utf-8")
@@ -386,6 +437,7 @@ def on_files(files: Files, config: Any) -> Files:
     _STATE["by_rule"] = by_rule
     _add(files, config, CATALOGUE, page)
 
+    _add(files, config, API_PAGE, render_api_page())
     diagrams, errors, figures = _import_generators()
     _add(files, config, DIAGRAMS, render_diagrams_page(diagrams))
     rows = figures.bytes_rows()
