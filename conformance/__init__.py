@@ -1,3 +1,57 @@
-"""kvspec's conformance suite: run it against any Transport backend (installed as kvspec_conformance)."""
+"""kvspec's conformance suite: run it against any Transport backend (installed as kvspec_conformance).
 
-__all__: list[str] = []
+Two ways in: ``kvspec conform [BACKEND]`` on the command line, or subclass
+:class:`BackendSuite` in your own pytest suite. :func:`catalogue` lists every
+rule with its cases; :func:`run_scenario` replays one scenario (what a failure
+prints as its reproducer).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ._cases import CAPABILITIES, Case, CaseFailure, CaseSkip, all_cases, case, catalogue, select_cases
+from ._connector import Connector, ReferenceConnector
+from ._context import DEFAULT_MAX_EXAMPLES, CaseContext
+from ._report import CaseResult, Outcome, Report
+from ._runner import run_case, run_suite
+from ._scenario import PresetConfig, Request, RequestOutcome, Scenario, ScenarioResult, run_scenario
+
+if TYPE_CHECKING:
+    from .pytest_plugin import BackendSuite
+
+__all__ = [
+    "CAPABILITIES",
+    "DEFAULT_MAX_EXAMPLES",
+    "BackendSuite",
+    "Case",
+    "CaseContext",
+    "CaseFailure",
+    "CaseResult",
+    "CaseSkip",
+    "Connector",
+    "Outcome",
+    "PresetConfig",
+    "ReferenceConnector",
+    "Report",
+    "Request",
+    "RequestOutcome",
+    "Scenario",
+    "ScenarioResult",
+    "all_cases",
+    "case",
+    "catalogue",
+    "run_case",
+    "run_scenario",
+    "run_suite",
+    "select_cases",
+]
+
+
+def __getattr__(name: str) -> object:
+    # BackendSuite needs pytest; import it only when asked for.
+    if name == "BackendSuite":
+        from .pytest_plugin import BackendSuite
+
+        return BackendSuite
+    raise AttributeError(f"module 'kvspec_conformance' has no attribute {name!r}")

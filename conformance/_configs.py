@@ -1,0 +1,140 @@
+"""Small KV-cache configs for cases: a few layers, tiny pages, chosen group kinds and block sizes."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal
+
+import attrs
+
+from kvspec._models import (
+    AttentionSpec,
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheTensor,
+    MambaSpec,
+    MLAAttentionSpec,
+    SlidingWindowMLASpec,
+    SlidingWindowSpec,
+)
+
+__all__ = ["GroupShape", "chunked", "full", "make_config", "mamba", "mla", "sw", "sw_mla"]
+
+ConfigLayout = Literal["separate", "shared", "per_layer", "layers_first"]
+
+
+@attrs.frozen(kw_only=True)
+class GroupShape:
+    """One group of a small config: its kind, block size and (for local kinds) window or chunk."""
+
+    kind: Literal["full", "mla", "sw", "sw_mla", "chunked", "mamba"]
+    block_size: int = 4
+    window: int = 0
+
+
+def full(block_size: int = 4) -> GroupShape:
+    """A full-attention group."""
+    return GroupShape(kind="full", block_size=block_size)
+
+
+def mla(block_size: int = 4) -> GroupShape:
+    """An MLA group (full attention for HMA-1)."""
+    return GroupShape(kind="mla", block_size=block_size)
+
+
+def sw(window: int, block_size: int = 4) -> GroupShape:
+    """A sliding-window group."""
+    return GroupShape(kind="sw", block_size=block_size, window=window)
+
+
+def sw_mla(window: int, block_size: int = 4) -> GroupShape:
+    """A sliding-window MLA group."""
+    return GroupShape(kind="sw_mla", block_size=block_size, window=window)
+
+
+def chunked(chunk: int, block_size: int = 4) -> GroupShape:
+    """A chunked-local group (refused under HMA, ADM-1)."""
+    return GroupShape(kind="chunked", block_size=block_size, window=chunk)
+
+
+def mamba(block_size: int = 4) -> GroupShape:
+    """A Mamba state group (never admitted, ADM-1)."""
+    return GroupShape(kind="mamba", block_size=block_size)
+
+
+def _spec(shape: GroupShape, padded: int | None) -> AttentionSpec | MambaSpec:
+    common = {"block_size": shape.block_size, "page_size_padded": padded}
+    attn = {**common, "num_kv_heads": 1, "head_size": 2, "dtype": "int8"}
+    if shape.kind == "full":
+        return FullAttentionSpec(**attn)  # type: ignore[arg-type]
+    if shape.kind == "mla":
+        return MLAAttentionSpec(**attn)  # type: ignore[arg-type]
+    if shape.kind == "sw":
+        return SlidingWindowSpec(**attn, sliding_window=shape.window)  # type: ignore[arg-type]
+    if shape.kind == "sw_mla":
+        return SlidingWindowMLASpec(**attn, sliding_window=shape.window)  # type: ignore[arg-type]
+    if shape.kind == "chunked":
+        return ChunkedLocalAttentionSpec(**attn, attention_chunk_size=shape.window)  # type: ignore[arg-type]
+    return MambaSpec(**common, shapes=[(2, 2)], dtypes=["int8"])  # type: ignore[arg-type]
+
+
+def make_config(
+    *groups: GroupShape,
+    num_blocks: int = 32,
+    layers: int | Sequence[int] = 2,
+    layout: ConfigLayout = "separate",
+) -> KVCacheConfig:
+    """A config with one group per shape; ``layers`` per group (an int, or one count per group).
+
+    - ``separate``: one tensor per group, block-major (the group's layers of a block adjacent).
+    - ``layers_first``: one tensor per group, layer-major.
+    - ``per_layer``: one tensor per layer.
+    - ``shared``: vLLM's hybrid layout: tensor ``i`` holds layer ``i`` of every
+      group at the same bytes (pages padded to one size); sound because one
+      block id belongs to one group at a time.
+    """
+    counts = [layers] * len(groups) if isinstance(layers, int) else list(layers)
+    natural = [_spec(shape, None).page_size_bytes for shape in groups]
+    page = max(natural)
+    specs = [
+        _spec(shape, page if layout == "shared" and n != page else None)
+        for shape, n in zip(groups, natural, strict=True)
+    ]
+    names = [[f"g{g}.l{i}" for i in range(counts[g])] for g in range(len(groups))]
+    group_specs = [
+        KVCacheGroupSpec(layer_names=layer_names, kv_cache_spec=spec)
+        for layer_names, spec in zip(names, specs, strict=True)
+    ]
+    tensors: list[KVCacheTensor] = []
+    if layout == "shared":
+        for i in range(max(counts)):
+            tensors.append(
+                KVCacheTensor(
+                    size=num_blocks * page,
+                    layers=[n[i] for n in names if i < len(n)],
+                    layer_stride=0,
+                    block_stride=page,
+                )
+            )
+    else:
+        for layer_names, spec in zip(names, specs, strict=True):
+            p = spec.page_size_bytes
+            n = len(layer_names)
+            if layout == "separate":
+                tensors.append(
+                    KVCacheTensor(size=num_blocks * n * p, layers=layer_names, layer_stride=p, block_stride=n * p)
+                )
+            elif layout == "layers_first":
+                tensors.append(
+                    KVCacheTensor(
+                        size=num_blocks * n * p, layers=layer_names, layer_stride=num_blocks * p, block_stride=p
+                    )
+                )
+            else:
+                tensors += [
+                    KVCacheTensor(size=num_blocks * p, layers=[name], layer_stride=0, block_stride=p)
+                    for name in layer_names
+                ]
+    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=tensors, kv_cache_groups=group_specs)

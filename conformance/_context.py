@@ -1,0 +1,143 @@
+"""What a case sees: the backend under test, the connector, the budget, and assertion helpers."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from typing import TypeVar
+
+import attrs
+from hypothesis import HealthCheck, settings
+
+from kvspec._models import FailureReason
+from kvspec.transport._base import Backend, Capabilities
+
+from ._cases import CaseFailure, CaseSkip
+from ._connector import Connector, ReferenceConnector
+from ._scenario import ScenarioResult, run_scenario
+
+__all__ = ["DEFAULT_MAX_EXAMPLES", "CaseContext"]
+
+DEFAULT_MAX_EXAMPLES = 15
+
+F = TypeVar("F", bound=Callable[..., object])
+
+_Scenario = object  # the Scenario type, kept loose to avoid an import cycle in annotations
+
+
+@attrs.define(kw_only=True)
+class CaseContext:
+    """Handed to every case function.
+
+    ``backend_spec`` is how the reproducer names the backend (e.g.
+    ``"loopback"`` or ``"mypkg.transport:make_backend"``).
+    """
+
+    backend: Backend
+    backend_spec: str
+    connector: Connector = attrs.field(factory=ReferenceConnector)
+    max_examples: int = DEFAULT_MAX_EXAMPLES
+    time_scale: float = 1.0
+    last_reproducer: str | None = None
+
+    @property
+    def capabilities(self) -> Capabilities:
+        """The backend's declared capabilities."""
+        return self.backend.capabilities
+
+    def run(self, scenario: _Scenario) -> ScenarioResult:
+        """Play a scenario on the backend under test and remember it as the reproducer."""
+        from ._scenario import Scenario
+
+        assert isinstance(scenario, Scenario)
+        if self.time_scale != 1.0:
+            scenario = attrs.evolve(
+                scenario, deadline=scenario.deadline * self.time_scale, lease=scenario.lease * self.time_scale
+            )
+        self.last_reproducer = scenario.to_python(self.backend_spec)
+        if not isinstance(self.connector, ReferenceConnector):
+            self.last_reproducer += f"# connector under test: {self.connector!r}; pass it as connector=...\n"
+        return run_scenario(scenario, backend=self.backend, connector=self.connector)
+
+    def fail(self, message: str) -> CaseFailure:
+        """A failure carrying the last scenario as reproducer; ``raise ctx.fail(...)``."""
+        return CaseFailure(message, reproducer=self.last_reproducer)
+
+    def skip(self, reason: str) -> CaseSkip:
+        """``raise ctx.skip(reason)`` when the case does not apply."""
+        return CaseSkip(reason)
+
+    def hypothesis(self, func: F) -> F:
+        """Apply the suite's hypothesis budget to a ``@given`` test run inside a case."""
+        wrapped: F = settings(
+            max_examples=self.max_examples,
+            deadline=None,
+            database=None,
+            derandomize=True,
+            print_blob=False,
+            suppress_health_check=list(HealthCheck),
+        )(func)
+        return wrapped
+
+    # -- assertions on a scenario's result
+
+    def expect(
+        self,
+        result: ScenarioResult,
+        *,
+        loaded: Iterable[str] = (),
+        failed: Mapping[str, FailureReason | Iterable[FailureReason] | None] | None = None,
+        errors: Mapping[str, str] | None = None,
+        rule: str,
+    ) -> None:
+        """Check a result: oracle clean, the named requests LOADED or FAILED (with a reason), REL-1 and SM-1 held.
+
+        ``failed`` maps request ids to the accepted reason(s), or ``None`` for
+        any reason; ``errors`` maps request ids to the kvspec error type that
+        must have stopped them before any byte moved. ``rule`` names the rule
+        the case checks, for the message.
+        """
+        problems: list[str] = []
+        if result.early_completions:
+            problems.append("completion was reported before the data was visible (DONE-1):")
+            problems += ["  " + e for e in result.early_completions]
+        if result.mismatches:
+            problems.append("pages differ from the oracle (read both pools directly):")
+            problems += ["  " + str(m) for m in result.mismatches[:12]]
+            if len(result.mismatches) > 12:
+                problems.append(f"  ... and {len(result.mismatches) - 12} more")
+        problems += list(result.problems)
+        for rid in loaded:
+            o = result.outcome(rid)
+            if o.consumer_state != "loaded":
+                problems.append(
+                    f"{rid}: expected LOADED, got {o.consumer_state.upper()} "
+                    f"(reason {o.reason.value if o.reason else None}, error {o.error}, {o.detail})"
+                )
+        for rid, accepted in (failed or {}).items():
+            o = result.outcome(rid)
+            if o.consumer_state != "failed":
+                problems.append(f"{rid}: expected FAILED, got {o.consumer_state.upper()} (FAIL-1)")
+                continue
+            if o.reason is None:
+                problems.append(f"{rid}: FAILED without a typed reason (FAIL-1)")
+            if accepted is not None:
+                reasons = {accepted} if isinstance(accepted, FailureReason) else set(accepted)
+                if o.reason not in reasons:
+                    wanted = sorted(r.value for r in reasons)
+                    problems.append(f"{rid}: FAILED with reason {o.reason}, expected one of {wanted}")
+        for rid, error in (errors or {}).items():
+            o = result.outcome(rid)
+            if o.error != error or o.posted:
+                problems.append(
+                    f"{rid}: expected {error} before any transfer was posted, got error {o.error}, "
+                    f"posted={o.posted}, state {o.consumer_state}"
+                )
+        for o in result.outcomes.values():
+            if o.releases_sent != 1:
+                problems.append(
+                    f"{o.request_id}: the consumer sent {o.releases_sent} releases, expected exactly 1 (REL-1)"
+                )
+            if o.producer_state == "held":
+                problems.append(f"{o.request_id}: the producer still holds its blocks (SM-1)")
+        if problems:
+            raise self.fail(f"{rule}: " + "\n".join(problems) + "\n\nscenario result:\n" + result.summary())

@@ -1,0 +1,217 @@
+"""Conformance results and their renderings: the terminal table by rule, JSON, and JUnit XML."""
+
+from __future__ import annotations
+
+import enum
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TextIO
+from xml.etree import ElementTree as ET
+
+import attrs
+
+from kvspec._rules import RULES, Level
+
+__all__ = ["CaseResult", "Outcome", "Report"]
+
+
+class Outcome(str, enum.Enum):
+    """How one case ended. ``ERROR`` is a crash of the suite or backend outside any assertion."""
+
+    PASSED = "passed"
+    FAILED = "failed"
+    SKIPPED = "skipped"
+    ERROR = "error"
+
+
+@attrs.frozen(kw_only=True)
+class CaseResult:
+    """One case's outcome, with its message and, on failure, a pasteable reproducer."""
+
+    case_id: str
+    rule: str
+    level: Level
+    title: str
+    outcome: Outcome
+    seconds: float
+    message: str = ""
+    reproducer: str | None = None
+
+    @property
+    def is_failure(self) -> bool:
+        """Failed or errored."""
+        return self.outcome in (Outcome.FAILED, Outcome.ERROR)
+
+    def to_dict(self) -> dict[str, object]:
+        """Plain JSON-ready data."""
+        return {
+            "id": self.case_id,
+            "rule": self.rule,
+            "level": self.level.value,
+            "title": self.title,
+            "outcome": self.outcome.value,
+            "seconds": round(self.seconds, 4),
+            "message": self.message,
+            "reproducer": self.reproducer,
+        }
+
+
+@attrs.frozen(kw_only=True)
+class Report:
+    """Every case result of one run against one backend."""
+
+    backend: str
+    results: tuple[CaseResult, ...]
+    seconds: float
+    max_examples: int
+    kvspec_version: str
+
+    @property
+    def passed(self) -> bool:
+        """True unless some MUST case failed or errored; SHOULD failures only warn."""
+        return not any(r.is_failure and r.level is Level.MUST for r in self.results)
+
+    @property
+    def exit_status(self) -> int:
+        """0 when :attr:`passed`, 1 otherwise."""
+        return 0 if self.passed else 1
+
+    def counts(self) -> dict[str, int]:
+        """Number of results per outcome."""
+        found = {outcome.value: 0 for outcome in Outcome}
+        for result in self.results:
+            found[result.outcome.value] += 1
+        return found
+
+    def by_rule(self) -> dict[str, list[CaseResult]]:
+        """Results grouped by rule, in DESIGN.md order; rules with no selected case are left out."""
+        table: dict[str, list[CaseResult]] = {rule.id: [] for rule in RULES}
+        for result in self.results:
+            table.setdefault(result.rule, []).append(result)
+        return {rule: results for rule, results in table.items() if results}
+
+    def failed_rules(self) -> list[str]:
+        """Rules with at least one failed or errored case."""
+        return [rule for rule, results in self.by_rule().items() if any(r.is_failure for r in results)]
+
+    # -- renderings
+
+    def to_dict(self) -> dict[str, object]:
+        """The JSON document: summary, per-rule status, and every case."""
+        rules = {}
+        for rule, results in self.by_rule().items():
+            rules[rule] = {
+                "status": _rule_status(results),
+                **{outcome.value: sum(r.outcome is outcome for r in results) for outcome in Outcome},
+            }
+        return {
+            "backend": self.backend,
+            "kvspec_version": self.kvspec_version,
+            "passed": self.passed,
+            "seconds": round(self.seconds, 3),
+            "max_examples": self.max_examples,
+            "counts": self.counts(),
+            "rules": rules,
+            "cases": [r.to_dict() for r in self.results],
+        }
+
+    def write_json(self, path: str | Path) -> None:
+        """Write :meth:`to_dict` as indented JSON."""
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n", encoding="utf-8")
+
+    def to_junit(self) -> str:
+        """JUnit XML: one testsuite per rule, one testcase per case."""
+        root = ET.Element(
+            "testsuites",
+            name=f"kvspec conformance ({self.backend})",
+            tests=str(len(self.results)),
+            failures=str(sum(r.outcome is Outcome.FAILED for r in self.results)),
+            errors=str(sum(r.outcome is Outcome.ERROR for r in self.results)),
+            skipped=str(sum(r.outcome is Outcome.SKIPPED for r in self.results)),
+            time=f"{self.seconds:.3f}",
+        )
+        for rule, results in self.by_rule().items():
+            suite = ET.SubElement(
+                root,
+                "testsuite",
+                name=rule,
+                tests=str(len(results)),
+                failures=str(sum(r.outcome is Outcome.FAILED for r in results)),
+                errors=str(sum(r.outcome is Outcome.ERROR for r in results)),
+                skipped=str(sum(r.outcome is Outcome.SKIPPED for r in results)),
+                time=f"{sum(r.seconds for r in results):.3f}",
+            )
+            for result in results:
+                testcase = ET.SubElement(
+                    suite,
+                    "testcase",
+                    classname=f"kvspec_conformance.{rule}",
+                    name=f"{result.case_id} [{result.level.value}]",
+                    time=f"{result.seconds:.3f}",
+                )
+                if result.outcome is Outcome.SKIPPED:
+                    ET.SubElement(testcase, "skipped", message=result.message)
+                elif result.is_failure:
+                    tag = "failure" if result.outcome is Outcome.FAILED else "error"
+                    element = ET.SubElement(testcase, tag, message=result.message.splitlines()[0][:500])
+                    element.text = result.message + (
+                        f"\n\nReproducer:\n{result.reproducer}" if result.reproducer else ""
+                    )
+        ET.indent(root)
+        return '<?xml version="1.0" encoding="utf-8"?>\n' + ET.tostring(root, encoding="unicode") + "\n"
+
+    def write_junit(self, path: str | Path) -> None:
+        """Write :meth:`to_junit`."""
+        Path(path).write_text(self.to_junit(), encoding="utf-8")
+
+    def render(self, *, verbose: bool = False) -> str:
+        """The terminal report: a table by rule, then every failure with its reproducer."""
+        lines = [f"kvspec conformance: backend {self.backend!r}, kvspec {self.kvspec_version}", ""]
+        header = f"{'rule':<8} {'status':<7} {'pass':>4} {'fail':>4} {'skip':>4}  notes"
+        lines += [header, "-" * len(header)]
+        for rule, results in self.by_rule().items():
+            notes = sorted({r.message for r in results if r.outcome is Outcome.SKIPPED})
+            failed = [r.case_id.partition("/")[2] for r in results if r.is_failure]
+            note = ("failed: " + ", ".join(failed)) if failed else ("; ".join(notes) if notes else "")
+            lines.append(
+                f"{rule:<8} {_rule_status(results):<7} "
+                f"{sum(r.outcome is Outcome.PASSED for r in results):>4} "
+                f"{sum(r.is_failure for r in results):>4} "
+                f"{sum(r.outcome is Outcome.SKIPPED for r in results):>4}  {_clip(note, 70)}"
+            )
+        if verbose:
+            lines += ["", "cases:"]
+            lines += [f"  {r.outcome.value:<7} {r.level.value:<6} {r.case_id} ({r.seconds:.2f}s)" for r in self.results]
+        failures = [r for r in self.results if r.is_failure]
+        for result in failures:
+            lines += ["", "=" * 78, f"{result.outcome.value.upper()} {result.case_id} [{result.level.value}]"]
+            lines.append(f"  {result.title}")
+            lines += ["", result.message.rstrip()]
+            if result.reproducer:
+                lines += ["", "Reproducer (paste into python):", "", result.reproducer.rstrip()]
+        counts = self.counts()
+        verdict = "PASSED" if self.passed else "FAILED (a MUST case failed)"
+        lines += [
+            "",
+            f"{verdict}: {counts['passed']} passed, {counts['failed']} failed, {counts['error']} errors, "
+            f"{counts['skipped']} skipped in {self.seconds:.1f}s",
+        ]
+        return "\n".join(lines) + "\n"
+
+    def print(self, stream: TextIO | None = None, *, verbose: bool = False) -> None:
+        """Write :meth:`render` to ``stream`` (stdout by default)."""
+        (stream or sys.stdout).write(self.render(verbose=verbose))
+
+
+def _rule_status(results: Sequence[CaseResult]) -> str:
+    if any(r.is_failure for r in results):
+        return "FAIL"
+    if all(r.outcome is Outcome.SKIPPED for r in results):
+        return "SKIP"
+    return "PASS"
+
+
+def _clip(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: width - 3] + "..."

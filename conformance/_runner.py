@@ -1,0 +1,102 @@
+"""Run selected cases against one backend and collect a :class:`Report`."""
+
+from __future__ import annotations
+
+import time
+import traceback
+from collections.abc import Callable, Iterable, Sequence
+
+import kvspec
+from kvspec._rules import Level
+from kvspec.transport._base import Backend
+from kvspec.transport._registry import load_backend
+
+from ._cases import Case, CaseFailure, CaseSkip, missing_capabilities, select_cases
+from ._connector import Connector, ReferenceConnector
+from ._context import DEFAULT_MAX_EXAMPLES, CaseContext
+from ._report import CaseResult, Outcome, Report
+
+__all__ = ["run_case", "run_suite"]
+
+Progress = Callable[[int, int, CaseResult], None]
+
+
+def run_case(case: Case, context: CaseContext) -> CaseResult:
+    """Run one case; a missing capability is a skip with its reason, never a pass."""
+    started = time.perf_counter()
+    missing = missing_capabilities(case, context.capabilities)
+
+    def result(outcome: Outcome, message: str = "", reproducer: str | None = None) -> CaseResult:
+        return CaseResult(
+            case_id=case.id,
+            rule=case.rule,
+            level=case.level,
+            title=case.title,
+            outcome=outcome,
+            seconds=time.perf_counter() - started,
+            message=message,
+            reproducer=reproducer,
+        )
+
+    if missing:
+        return result(Outcome.SKIPPED, f"backend lacks capability {', '.join(missing)}")
+    context.last_reproducer = None
+    try:
+        case.func(context)
+    except CaseSkip as exc:
+        return result(Outcome.SKIPPED, exc.reason)
+    except CaseFailure as exc:
+        return result(Outcome.FAILED, str(exc), exc.reproducer or context.last_reproducer)
+    except AssertionError as exc:
+        return result(Outcome.FAILED, f"{case.rule}: {exc}", context.last_reproducer)
+    except Exception as exc:
+        tb = traceback.format_exception(type(exc), exc, exc.__traceback__)
+        return result(Outcome.ERROR, f"{type(exc).__name__}: {exc}\n" + "".join(tb[-6:]), context.last_reproducer)
+    return result(Outcome.PASSED)
+
+
+def run_suite(
+    backend: Backend | str = "loopback",
+    *,
+    rules: Iterable[str] | None = None,
+    levels: Iterable[Level | str] | None = None,
+    max_examples: int = DEFAULT_MAX_EXAMPLES,
+    connector: Connector | None = None,
+    time_scale: float = 1.0,
+    progress: Progress | None = None,
+    cases: Sequence[Case] | None = None,
+) -> Report:
+    """Run the conformance suite and return its report.
+
+    ``backend`` is a Backend or a name for :func:`kvspec.transport.load_backend`
+    (built-in, entry point in ``kvspec.backends``, or ``"module:factory"``).
+    ``rules`` selects rule ids or case-id prefixes; ``levels`` MUST and/or SHOULD.
+    """
+    started = time.perf_counter()
+    spec = backend if isinstance(backend, str) else f"{type(backend).__module__}:{type(backend).__name__}"
+    resolved = load_backend(backend) if isinstance(backend, str) else backend
+    chosen = list(cases) if cases is not None else list(select_cases(rules=rules, levels=levels))
+    context = CaseContext(
+        backend=resolved,
+        backend_spec=spec,
+        connector=connector or ReferenceConnector(),
+        max_examples=max_examples,
+        time_scale=time_scale,
+    )
+    results: list[CaseResult] = []
+    try:
+        for index, case in enumerate(chosen):
+            outcome = run_case(case, context)
+            results.append(outcome)
+            if progress is not None:
+                progress(index + 1, len(chosen), outcome)
+    finally:
+        if isinstance(backend, str):
+            resolved.close()
+    return Report(
+        backend=resolved.name if not isinstance(backend, str) else backend,
+        results=tuple(results),
+        seconds=time.perf_counter() - started,
+        max_examples=max_examples,
+        kvspec_version=kvspec.__version__,
+    )

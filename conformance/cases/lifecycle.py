@@ -1,0 +1,369 @@
+"""Cases on when things happen: completion, failures and faults, aborts, leases and releases."""
+
+from __future__ import annotations
+
+from kvspec._models import FailureReason
+from kvspec.transport.faults import FaultPlan
+
+from .._cases import case
+from .._configs import full, make_config, sw
+from .._context import CaseContext
+from .._scenario import Request, Scenario
+
+__all__: list[str] = []
+
+CONFIG = make_config(full(4), sw(8, 4), num_blocks=96)
+# Fault cases use short deadlines so that a lost message costs little time; the CLI's --time-scale stretches them.
+DEADLINE, LEASE = 0.2, 0.4
+
+
+def _modes(ctx: CaseContext) -> list[str]:
+    return [m.value for m in sorted(ctx.capabilities.modes, key=lambda m: m.value)]
+
+
+def _initiator(mode: str) -> str:
+    return "consumer" if mode == "read" else "producer"
+
+
+def _receiver(mode: str) -> str:
+    return "producer" if mode == "read" else "consumer"
+
+
+def _next_wave(prefix: str, wave: int = 1, count: int = 2) -> list[Request]:
+    # Requests that start after the faulty ones ended: they reuse the freed blocks and must load cleanly.
+    return [
+        Request(request_id=f"{prefix}{i}", num_tokens=14 + i, prefix_hit_tokens=4 * i, wave=wave) for i in range(count)
+    ]
+
+
+# --------------------------------------------------------------------------- DONE-1
+
+
+@case("DONE-1", "read-done-means-visible", requires=["read"])
+def _done_read(ctx: CaseContext) -> None:
+    """When check() reports DONE every paired byte is already readable in the consumer's pool."""
+    config = make_config(full(8), sw(16, 8), num_blocks=256, layers=4)
+    requests = [Request(request_id=f"r{i}", num_tokens=40 + 7 * i) for i in range(6)]
+    result = ctx.run(Scenario(config=config, requests=requests, mode="read"))
+    ctx.expect(result, loaded=[r.request_id for r in requests], rule="DONE-1")
+
+
+@case("DONE-1", "write-notification-after-data", requires=["write", "notifications"])
+def _done_write(ctx: CaseContext) -> None:
+    """The notification attached to a WRITE arrives only after every byte of it is readable at the consumer."""
+    config = make_config(full(8), sw(16, 8), num_blocks=256, layers=4)
+    requests = [Request(request_id=f"w{i}", num_tokens=40 + 7 * i) for i in range(6)]
+    result = ctx.run(Scenario(config=config, requests=requests, mode="write"))
+    ctx.expect(result, loaded=[r.request_id for r in requests], rule="DONE-1")
+
+
+# --------------------------------------------------------------------------- FAIL-1 (faults of the injector)
+
+
+@case("FAIL-1", "failed-post", requires=["notifications"])
+def _fail_post(ctx: CaseContext) -> None:
+    """A post that fails ends FAILED (post_failed) with nothing moved; the freed blocks load the next request."""
+    for mode in _modes(ctx):
+        plan = FaultPlan(fail_post=1.0)
+        scenario = Scenario(
+            config=CONFIG,
+            mode=mode,
+            requests=[
+                Request(request_id="a", num_tokens=13),
+                Request(request_id="b", num_tokens=17, prefix_hit_tokens=4),
+            ],
+            faults=plan,
+            fault_side=_initiator(mode),
+            deadline=DEADLINE,
+            lease=LEASE,
+        )
+        result = ctx.run(scenario)
+        ctx.expect(result, failed={"a": FailureReason.POST_FAILED, "b": FailureReason.POST_FAILED}, rule="FAIL-1")
+
+
+@case("FAIL-1", "partial-transfer", requires=["notifications"])
+def _fail_partial(ctx: CaseContext) -> None:
+    """A transfer that moves only part of its descriptors ends FAILED, never LOADED; later requests reuse the blocks."""
+    for mode in _modes(ctx):
+        scenario = Scenario(
+            config=CONFIG,
+            mode=mode,
+            requests=[Request(request_id="a", num_tokens=21), *_next_wave("n")],
+            faults=FaultPlan(partial_transfer=1.0, skip_posts=0),
+            fault_side=_initiator(mode),
+            deadline=DEADLINE,
+            lease=LEASE,
+        )
+        result = ctx.run(scenario)
+        failed = {rid: None for rid in result.outcomes}
+        ctx.expect(result, failed=failed, rule="FAIL-1")
+        partial = result.outcome("a")
+        if partial.reason not in (FailureReason.PARTIAL_TRANSFER, FailureReason.TRANSFER_ERROR, FailureReason.TIMEOUT):
+            raise ctx.fail(f"FAIL-1: partial transfer ended with reason {partial.reason}")
+
+
+@case("FAIL-1", "lost-notification", requires=["notifications"])
+def _fail_lost(ctx: CaseContext) -> None:
+    """Every notification to the receiver is lost: both sides still end within their deadlines, nothing leaks."""
+    for mode in _modes(ctx):
+        scenario = Scenario(
+            config=CONFIG,
+            mode=mode,
+            requests=[Request(request_id="a", num_tokens=13), Request(request_id="b", num_tokens=9)],
+            faults=FaultPlan(drop_notifications=1.0),
+            fault_side=_receiver(mode),
+            deadline=DEADLINE,
+            lease=LEASE,
+        )
+        result = ctx.run(scenario)
+        if mode == "read":
+            # The consumer loads; the producer never hears the release and lets its lease expire (SM-1).
+            ctx.expect(result, loaded=["a", "b"], rule="FAIL-1")
+            states = {o.producer_state for o in result.outcomes.values()}
+            if states != {"expired"}:
+                raise ctx.fail(f"FAIL-1: the producer should have expired its leases, got {sorted(states)}")
+        else:
+            ctx.expect(result, failed={"a": FailureReason.TIMEOUT, "b": FailureReason.TIMEOUT}, rule="FAIL-1")
+
+
+@case("FAIL-1", "late-notification", requires=["notifications"])
+def _fail_late(ctx: CaseContext) -> None:
+    """Notifications delayed by a few polls still complete the requests correctly."""
+    for mode in _modes(ctx):
+        scenario = Scenario(
+            config=CONFIG,
+            mode=mode,
+            requests=[Request(request_id=f"r{i}", num_tokens=10 + 3 * i) for i in range(4)],
+            faults=FaultPlan(delay_notifications=1.0, delay_polls=3),
+            fault_side="both",
+        )
+        ctx.expect(ctx.run(scenario), loaded=[f"r{i}" for i in range(4)], rule="FAIL-1")
+
+
+@case("FAIL-1", "duplicate-notification", requires=["notifications"])
+def _fail_duplicate(ctx: CaseContext) -> None:
+    """Every notification delivered twice: duplicates are ignored, nothing is freed or loaded twice."""
+    for mode in _modes(ctx):
+        scenario = Scenario(
+            config=CONFIG,
+            mode=mode,
+            requests=[Request(request_id=f"r{i}", num_tokens=10 + 3 * i) for i in range(3)] + _next_wave("n"),
+            faults=FaultPlan(duplicate_notifications=1.0),
+            fault_side="both",
+        )
+        ctx.expect(ctx.run(scenario), loaded=["r0", "r1", "r2", "n0", "n1"], rule="FAIL-1")
+
+
+@case("FAIL-1", "corruption-with-integrity", requires=["integrity"])
+def _fail_corrupt(ctx: CaseContext) -> None:
+    """A backend that claims integrity never reports a corrupted transfer as done."""
+    for mode in _modes(ctx):
+        scenario = Scenario(
+            config=CONFIG,
+            mode=mode,
+            requests=[Request(request_id="a", num_tokens=15)],
+            faults=FaultPlan(corrupt_page=1.0),
+            fault_side=_initiator(mode),
+            deadline=DEADLINE,
+            lease=LEASE,
+        )
+        ctx.expect(ctx.run(scenario), failed={"a": None}, rule="FAIL-1")
+
+
+@case("FAIL-1", "peer-disconnect-then-rehandshake", requires=["notifications"])
+def _fail_disconnect(ctx: CaseContext) -> None:
+    """A peer disconnect fails the transfer in flight (peer_disconnected); after a new handshake the pair works."""
+    for mode in _modes(ctx):
+        scenario = Scenario(
+            config=CONFIG,
+            mode=mode,
+            requests=[Request(request_id="a", num_tokens=18), *_next_wave("n")],
+            faults=FaultPlan(disconnect_at_post=1),
+            fault_side=_initiator(mode),
+            deadline=DEADLINE,
+            lease=LEASE,
+        )
+        result = ctx.run(scenario)
+        ctx.expect(
+            result,
+            loaded=["n0", "n1"],
+            failed={"a": [FailureReason.PEER_DISCONNECTED, FailureReason.TIMEOUT]},
+            rule="FAIL-1",
+        )
+
+
+@case("FAIL-1", "peer-lost-mid-transfer", requires=["observable_in_flight"])
+def _fail_native_disconnect(ctx: CaseContext) -> None:
+    """The backend's own failure (the initiator forgets its peer mid-transfer) is reported FAILED, never done."""
+    for mode in _modes(ctx):
+        scenario = Scenario(
+            config=CONFIG,
+            mode=mode,
+            requests=[Request(request_id="a", num_tokens=18, disconnect_after_polls=0), *_next_wave("n")],
+            deadline=DEADLINE,
+            lease=LEASE,
+        )
+        result = ctx.run(scenario)
+        ctx.expect(
+            result,
+            loaded=["n0", "n1"],
+            failed={"a": [FailureReason.PEER_DISCONNECTED, FailureReason.TRANSFER_ERROR, FailureReason.TIMEOUT]},
+            rule="FAIL-1",
+        )
+
+
+@case("FAIL-1", "random-faults-under-load", requires=["notifications"])
+def _fail_random(ctx: CaseContext) -> None:
+    """Random drops, delays, duplicates, failed and partial posts under load: every request ends, nothing leaks."""
+    for mode in _modes(ctx):
+        for seed in range(3):
+            plan = FaultPlan(
+                seed=seed,
+                drop_notifications=0.15,
+                delay_notifications=0.15,
+                duplicate_notifications=0.15,
+                fail_post=0.15,
+                partial_transfer=0.15,
+            )
+            requests = [
+                Request(request_id=f"r{w}.{i}", num_tokens=6 + 5 * i, prefix_hit_tokens=4 * (i % 2), wave=w)
+                for w in range(3)
+                for i in range(4)
+            ]
+            scenario = Scenario(
+                config=CONFIG,
+                mode=mode,
+                requests=requests,
+                faults=plan,
+                fault_side="both",
+                deadline=DEADLINE,
+                lease=LEASE,
+            )
+            result = ctx.run(scenario)
+            loaded = [o.request_id for o in result.outcomes.values() if o.consumer_state == "loaded"]
+            failed = {o.request_id: None for o in result.outcomes.values() if o.consumer_state != "loaded"}
+            ctx.expect(result, loaded=loaded, failed=failed, rule="FAIL-1")
+
+
+# --------------------------------------------------------------------------- SM-1, SM-2
+
+
+@case("SM-1", "lease-expiry-frees-producer-blocks", requires=["notifications"])
+def _sm1_lease(ctx: CaseContext) -> None:
+    """A producer that never hears from the consumer expires its lease, frees its blocks, and ignores late signals."""
+    for mode in _modes(ctx):
+        scenario = Scenario(
+            config=CONFIG,
+            mode=mode,
+            requests=[Request(request_id="a", num_tokens=13)],
+            faults=FaultPlan(drop_notifications=1.0),
+            fault_side="producer",
+            deadline=DEADLINE,
+            lease=LEASE,
+        )
+        result = ctx.run(scenario)
+        if result.outcome("a").producer_state != "expired":
+            raise ctx.fail(f"SM-1: expected the producer's lease to expire\n{result.summary()}")
+        if mode == "read":
+            ctx.expect(result, loaded=["a"], rule="SM-1")
+        else:
+            ctx.expect(result, failed={"a": FailureReason.TIMEOUT}, rule="SM-1")
+
+
+@case("SM-1", "producer-blocks-reused-after-release")
+def _sm1_reuse(ctx: CaseContext) -> None:
+    """Producer blocks freed on release are refilled for the next wave; the consumer gets new bytes, not stale ones."""
+    requests = [Request(request_id=f"w{w}.{i}", num_tokens=11 + 4 * i, wave=w) for w in range(3) for i in range(3)]
+    for mode in _modes(ctx):
+        result = ctx.run(Scenario(config=CONFIG, mode=mode, requests=requests))
+        ctx.expect(result, loaded=[r.request_id for r in requests], rule="SM-1")
+
+
+@case("SM-2", "abort-mid-transfer-then-reuse", requires=["observable_in_flight"])
+def _sm2_abort(ctx: CaseContext) -> None:
+    """A consumer abort while LOADING drains before its blocks are reused: the next request's pages stay intact."""
+    for mode in _modes(ctx):
+        for polls in (0, 1):
+            scenario = Scenario(
+                config=CONFIG,
+                mode=mode,
+                requests=[
+                    Request(request_id="a", num_tokens=22, abort_after_polls=polls),
+                    Request(request_id="b", num_tokens=19, abort_after_polls=polls),
+                    *_next_wave("n", count=3),
+                ],
+                deadline=DEADLINE,
+                lease=LEASE,
+            )
+            result = ctx.run(scenario)
+            outcome = {rid: result.outcome(rid) for rid in ("a", "b")}
+            failed = {rid: FailureReason.ABORTED for rid, o in outcome.items() if o.consumer_state == "failed"}
+            loaded = [rid for rid, o in outcome.items() if o.consumer_state == "loaded"]
+            ctx.expect(result, loaded=["n0", "n1", "n2", *loaded], failed=failed, rule="SM-2")
+
+
+@case("SM-2", "failed-request-never-loaded", requires=["notifications"])
+def _sm2_failed_sticky(ctx: CaseContext) -> None:
+    """A request that failed stays FAILED even when its completion arrives late (terminal states are sticky)."""
+    for mode in _modes(ctx):
+        scenario = Scenario(
+            config=CONFIG,
+            mode=mode,
+            requests=[Request(request_id="a", num_tokens=13), *_next_wave("n")],
+            faults=FaultPlan(delay_notifications=1.0, delay_polls=200),
+            fault_side="consumer",
+            deadline=0.05,
+            lease=0.3,
+        )
+        result = ctx.run(scenario)
+        if mode == "write":
+            ctx.expect(result, failed={rid: FailureReason.TIMEOUT for rid in result.outcomes}, rule="SM-2")
+        else:
+            ctx.expect(result, loaded=list(result.outcomes), rule="SM-2")
+
+
+# --------------------------------------------------------------------------- REL-1
+
+
+@case("REL-1", "one-release-per-request", requires=["notifications"])
+def _rel_once(ctx: CaseContext) -> None:
+    """Loaded, failed, aborted and full-prefix-hit requests each send exactly one release, and P gets each once."""
+    for mode in _modes(ctx):
+        requests = [
+            Request(request_id="loaded", num_tokens=13),
+            Request(request_id="full-hit", num_tokens=12, prefix_hit_tokens=12),
+            Request(
+                request_id="window-fail",
+                num_tokens=14,
+                producer_block_ids=[[1, 2, 3, 4], [0, 0, 5, 6]],
+                consumer_block_ids=[[7, 8, 9, 10], [11, 12, 13]],
+            ),
+            Request(request_id="aborted", num_tokens=17, abort_after_polls=0),
+        ]
+        result = ctx.run(Scenario(config=CONFIG, mode=mode, requests=requests, deadline=DEADLINE, lease=LEASE))
+        aborted = result.outcome("aborted")
+        extra = {"aborted": FailureReason.ABORTED} if aborted.consumer_state == "failed" else {}
+        ctx.expect(
+            result,
+            loaded=["loaded", "full-hit", *([] if extra else ["aborted"])],
+            failed={"window-fail": FailureReason.WINDOW_COVERAGE, **extra},
+            rule="REL-1",
+        )
+        received = {o.request_id: o.releases_received for o in result.outcomes.values() if o.releases_received != 1}
+        if received:
+            raise ctx.fail(f"REL-1: the producer received {received} releases, expected exactly 1 each")
+
+
+@case("REL-1", "repeated-release-is-noop", requires=["notifications"])
+def _rel_repeat(ctx: CaseContext) -> None:
+    """A release delivered twice is a no-op on the producer: its blocks are freed once and reused cleanly."""
+    for mode in _modes(ctx):
+        requests = [Request(request_id="a", num_tokens=13), Request(request_id="b", num_tokens=9), *_next_wave("n")]
+        scenario = Scenario(
+            config=CONFIG,
+            mode=mode,
+            requests=requests,
+            faults=FaultPlan(duplicate_notifications=1.0),
+            fault_side="producer",
+        )
+        ctx.expect(ctx.run(scenario), loaded=["a", "b", "n0", "n1"], rule="REL-1")

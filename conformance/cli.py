@@ -1,0 +1,191 @@
+"""The ``kvspec conform`` command: run the suite against a backend and report by rule."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+from typing import TextIO
+
+import attrs
+
+from kvspec._errors import KVSpecError
+from kvspec._rules import RULES, Level
+from kvspec.transport._registry import load_backend
+
+from ._cases import select_cases
+from ._connector import Connector
+from ._context import DEFAULT_MAX_EXAMPLES
+from ._report import CaseResult, Outcome
+from ._runner import run_suite
+
+__all__ = ["add_arguments", "main", "run"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the ``conform`` options to ``parser`` (used by ``kvspec conform`` and ``python -m kvspec_conformance``)."""
+    parser.add_argument(
+        "backend",
+        nargs="?",
+        default="loopback",
+        help="built-in name (loopback, torch, nixl), an entry point of group kvspec.backends, "
+        "or 'package.module:factory' (default: loopback)",
+    )
+    parser.add_argument(
+        "--rule",
+        action="append",
+        default=[],
+        metavar="ID",
+        help="run only this rule (e.g. CLIP-1) or case id prefix (e.g. WIN-1/window); repeat or comma-separate",
+    )
+    parser.add_argument(
+        "--level",
+        action="append",
+        default=[],
+        choices=[level.value for level in Level] + [level.value.lower() for level in Level],
+        help="run only cases of this level (MUST, SHOULD); repeatable",
+    )
+    parser.add_argument(
+        "--max-examples",
+        type=int,
+        default=DEFAULT_MAX_EXAMPLES,
+        metavar="N",
+        help=f"hypothesis examples per generated case (default {DEFAULT_MAX_EXAMPLES})",
+    )
+    parser.add_argument(
+        "--time-scale",
+        type=float,
+        default=float(os.environ.get("KVSPEC_CONFORM_TIME_SCALE", "1.0")),
+        metavar="X",
+        help="multiply every scenario deadline and lease by X (slow backends; default 1.0)",
+    )
+    parser.add_argument(
+        "--option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="keyword option for the backend factory (int/float/bool values are converted); repeatable",
+    )
+    parser.add_argument(
+        "--connector",
+        metavar="MODULE:FACTORY",
+        help="check your own connector logic (clip, pair, plan, admission, handshake) instead of kvspec's reference",
+    )
+    parser.add_argument("--json", metavar="PATH", help="write the report as JSON")
+    parser.add_argument("--junit", metavar="PATH", help="write the report as JUnit XML")
+    parser.add_argument("--list", action="store_true", help="list the selected cases and exit")
+    parser.add_argument("-q", "--quiet", action="store_true", help="no progress display")
+    parser.add_argument("-v", "--verbose", action="store_true", help="list every case in the report")
+
+
+def _split(values: Sequence[str]) -> list[str]:
+    return [part.strip() for value in values for part in value.split(",") if part.strip()]
+
+
+def _convert(value: str) -> object:
+    lowered = value.lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    for kind in (int, float):
+        try:
+            return kind(value)
+        except ValueError:
+            pass
+    return value
+
+
+def _options(values: Sequence[str]) -> dict[str, object]:
+    options: dict[str, object] = {}
+    for item in values:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"kvspec conform: --option expects KEY=VALUE, got {item!r}")
+        options[key.strip()] = _convert(value.strip())
+    return options
+
+
+def _load_connector(path: str) -> Connector:
+    import importlib
+
+    module_name, _, attr = path.partition(":")
+    if not module_name or not attr:
+        raise SystemExit(f"kvspec conform: --connector expects 'module:factory', got {path!r}")
+    factory = getattr(importlib.import_module(module_name), attr)
+    connector = factory()
+    if not isinstance(connector, Connector):
+        raise SystemExit(f"kvspec conform: {path} did not return a Connector (clip, pair, plan, admission, handshake)")
+    return connector
+
+
+class _Progress:
+    """One status line on a terminal, a line per case otherwise."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self.stream = stream
+        self.tty = stream.isatty()
+
+    def __call__(self, index: int, total: int, result: CaseResult) -> None:
+        mark = {Outcome.PASSED: ".", Outcome.SKIPPED: "s", Outcome.FAILED: "F", Outcome.ERROR: "E"}[result.outcome]
+        if self.tty:
+            line = f"[{index}/{total}] {mark} {result.case_id} ({result.seconds:.2f}s)"
+            self.stream.write("\r\x1b[2K" + line[:100])
+            if index == total:
+                self.stream.write("\n")
+        else:
+            self.stream.write(
+                f"[{index:>3}/{total}] {result.outcome.value:<7} {result.case_id} ({result.seconds:.2f}s)\n"
+            )
+        self.stream.flush()
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the suite as ``args`` says; returns the exit status (non-zero when a MUST case failed)."""
+    rules = _split(args.rule)
+    levels = [level.upper() for level in args.level]
+    try:
+        cases = select_cases(rules=rules or None, levels=levels or None)
+    except ValueError as exc:
+        print(f"kvspec conform: {exc}", file=sys.stderr)
+        return 2
+    if args.list:
+        for c in cases:
+            needs = f"  [needs {', '.join(sorted(c.requires))}]" if c.requires else ""
+            print(f"{c.id:<52} {c.level.value:<6} {c.title}{needs}")
+        print(f"{len(cases)} cases over {len({c.rule for c in cases})} of {len(RULES)} rules")
+        return 0
+    try:
+        backend = load_backend(args.backend, **_options(args.option))
+    except (KVSpecError, ImportError) as exc:
+        print(f"kvspec conform: cannot load backend {args.backend!r}: {exc}", file=sys.stderr)
+        return 2
+    connector = _load_connector(args.connector) if args.connector else None
+    progress = None if args.quiet else _Progress(sys.stderr)
+    try:
+        report = run_suite(
+            backend,
+            cases=cases,
+            max_examples=args.max_examples,
+            connector=connector,
+            time_scale=args.time_scale,
+            progress=progress,
+        )
+    finally:
+        backend.close()
+    report = attrs.evolve(report, backend=args.backend)
+    report.print(verbose=args.verbose)
+    if args.json:
+        report.write_json(args.json)
+    if args.junit:
+        report.write_junit(args.junit)
+    return report.exit_status
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m kvspec_conformance [BACKEND] [options]``."""
+    parser = argparse.ArgumentParser(
+        prog="kvspec conform",
+        description="Run the kvspec conformance suite against a transport backend and report by rule.",
+    )
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
