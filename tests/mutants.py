@@ -1,0 +1,313 @@
+"""Mutant backends and connectors, each breaking exactly one rule; the suite must catch every one.
+
+Backend mutants wrap the loopback backend's agents (the transport seam);
+connector mutants replace one hook of the reference connector (the connector
+seam, :class:`kvspec_conformance.Connector`), because front-trimming, clipping
+and id mix-ups live in connector logic, not in a transport.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import attrs
+from kvspec_conformance import ReferenceConnector
+
+from kvspec import BlockIds, KVCacheConfig, TransferMode
+from kvspec._plan import PairedBlocks
+from kvspec._reference import BlockPairs, check_window_coverage
+from kvspec.transport import Backend, Capabilities, Descriptor, MemoryRegion, Notification, TransferHandle
+from kvspec.transport._base import TransferState, TransferStatus, Transport
+from kvspec.transport.loopback import LoopbackBackend
+
+__all__ = ["BACKEND_MUTANTS", "CONNECTOR_MUTANTS", "MutantBackend"]
+
+
+class _Agent:
+    """Delegates every Transport call to the loopback agent it wraps; mutants override one behaviour."""
+
+    def __init__(self, inner: Transport, backend: MutantBackend) -> None:
+        self.inner = inner
+        self.backend = backend
+        self.regions: list[memoryview] = []
+
+    @property
+    def name(self) -> str:
+        return self.inner.name
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return self.inner.capabilities
+
+    def register_memory(self, regions: Sequence[MemoryRegion]) -> None:
+        self.inner.register_memory(regions)
+        self.regions += [r.buffer for r in regions]
+        self.backend.regions[self.name] = self.regions
+
+    def get_agent_metadata(self) -> bytes:
+        return self.inner.get_agent_metadata()
+
+    def add_remote_agent(self, metadata: bytes) -> str:
+        return self.inner.add_remote_agent(metadata)
+
+    def remove_remote_agent(self, peer: str) -> None:
+        self.inner.remove_remote_agent(peer)
+
+    def post(
+        self, mode: TransferMode, descriptors: Sequence[Descriptor], *, peer: str, notification: bytes | None = None
+    ) -> TransferHandle:
+        return self.inner.post(mode, descriptors, peer=peer, notification=notification)
+
+    def check(self, handle: TransferHandle) -> TransferStatus:
+        return self.inner.check(handle)
+
+    def release(self, handle: TransferHandle) -> None:
+        self.inner.release(handle)
+
+    def send_notification(self, peer: str, message: bytes) -> None:
+        self.inner.send_notification(peer, message)
+
+    def get_notifications(self) -> Sequence[Notification]:
+        return self.inner.get_notifications()
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+class MutantBackend:
+    """A loopback backend whose agents are ``agent_class`` wrappers."""
+
+    agent_class: type[_Agent] = _Agent
+    breaks: str = ""
+
+    def __init__(self) -> None:
+        # Small chunks keep transfers in flight over several polls, so "early" is observable.
+        self.inner = LoopbackBackend(chunk_bytes=256)
+        self.regions: dict[str, list[memoryview]] = {}
+
+    @property
+    def name(self) -> str:
+        return f"mutant-{type(self).__name__}"
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return self.inner.capabilities
+
+    def create_agent(self, name: str) -> Transport:
+        return self.agent_class(self.inner.create_agent(name), self)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+# --------------------------------------------------------------------------- backend mutants
+
+
+class _EarlyCompletionAgent(_Agent):
+    """Reports DONE (and sends the post's notification) before a single byte has moved."""
+
+    def __init__(self, inner: Transport, backend: MutantBackend) -> None:
+        super().__init__(inner, backend)
+        self.reported: set[int] = set()
+        self.kept: list[TransferHandle] = []
+
+    def post(
+        self, mode: TransferMode, descriptors: Sequence[Descriptor], *, peer: str, notification: bytes | None = None
+    ) -> TransferHandle:
+        handle = self.inner.post(mode, descriptors, peer=peer)
+        if notification is not None:
+            self.inner.send_notification(peer, notification)  # ahead of the data
+        return handle
+
+    def check(self, handle: TransferHandle) -> TransferStatus:
+        if handle.transfer_id not in self.reported:
+            self.reported.add(handle.transfer_id)
+            return TransferStatus(state=TransferState.DONE)
+        return self.inner.check(handle)
+
+    def release(self, handle: TransferHandle) -> None:
+        self.kept.append(handle)  # the copy goes on and lands later
+
+
+class EarlyCompletion(MutantBackend):
+    """Completion reported before the data lands."""
+
+    agent_class = _EarlyCompletionAgent
+    breaks = "DONE-1"
+
+
+class _FailedAsDoneAgent(_Agent):
+    def check(self, handle: TransferHandle) -> TransferStatus:
+        status = self.inner.check(handle)
+        if status.state is TransferState.FAILED:
+            return TransferStatus(state=TransferState.DONE)
+        return status
+
+
+class FailedAsDone(MutantBackend):
+    """A failed transfer reported as done."""
+
+    agent_class = _FailedAsDoneAgent
+    breaks = "FAIL-1"
+
+
+class _SilentAgent(_Agent):
+    def post(
+        self, mode: TransferMode, descriptors: Sequence[Descriptor], *, peer: str, notification: bytes | None = None
+    ) -> TransferHandle:
+        return self.inner.post(mode, descriptors, peer=peer)
+
+    def send_notification(self, peer: str, message: bytes) -> None:
+        return None
+
+
+class NeverNotifies(MutantBackend):
+    """A notification is never sent (neither attached to a post nor on its own)."""
+
+    agent_class = _SilentAgent
+    breaks = "REL-1"
+
+
+class _WrongLayerAgent(_Agent):
+    def post(
+        self, mode: TransferMode, descriptors: Sequence[Descriptor], *, peer: str, notification: bytes | None = None
+    ) -> TransferHandle:
+        # Rotate the destination region: pages land in the next tensor, i.e. another group or layer.
+        count = len(self.backend.regions.get(peer if mode is TransferMode.WRITE else self.name, ()))
+        if count > 1:
+            if mode is TransferMode.READ:
+                descriptors = [attrs.evolve(d, local_region=(d.local_region + 1) % count) for d in descriptors]
+            else:
+                descriptors = [attrs.evolve(d, remote_region=(d.remote_region + 1) % count) for d in descriptors]
+        return self.inner.post(mode, descriptors, peer=peer, notification=notification)
+
+
+class WrongLayer(MutantBackend):
+    """Pages written into the wrong group or layer."""
+
+    agent_class = _WrongLayerAgent
+    breaks = "PLAN-1"
+
+
+@attrs.define
+class _Zombie:
+    mode: TransferMode
+    descriptors: list[Descriptor]
+    peer: str
+    polls_left: int
+
+
+class _EarlyFreeAgent(_Agent):
+    """``release`` of a PENDING transfer returns at once, but the copy still lands a few calls later."""
+
+    def __init__(self, inner: Transport, backend: MutantBackend) -> None:
+        super().__init__(inner, backend)
+        self.posted: dict[int, tuple[TransferMode, list[Descriptor], str]] = {}
+        self.pending: set[int] = set()
+        self.zombies: list[_Zombie] = []
+
+    def post(
+        self, mode: TransferMode, descriptors: Sequence[Descriptor], *, peer: str, notification: bytes | None = None
+    ) -> TransferHandle:
+        handle = self.inner.post(mode, descriptors, peer=peer, notification=notification)
+        self.posted[handle.transfer_id] = (mode, list(descriptors), peer)
+        self.pending.add(handle.transfer_id)
+        return handle
+
+    def check(self, handle: TransferHandle) -> TransferStatus:
+        self._haunt()
+        status = self.inner.check(handle)
+        if status.state is not TransferState.PENDING:
+            self.pending.discard(handle.transfer_id)
+        return status
+
+    def release(self, handle: TransferHandle) -> None:
+        if handle.transfer_id in self.pending:
+            mode, descriptors, peer = self.posted[handle.transfer_id]
+            self.zombies.append(_Zombie(mode=mode, descriptors=descriptors, peer=peer, polls_left=12))
+        self.inner.release(handle)
+
+    def get_notifications(self) -> Sequence[Notification]:
+        self._haunt()
+        return self.inner.get_notifications()
+
+    def _haunt(self) -> None:
+        for zombie in list(self.zombies):
+            zombie.polls_left -= 1
+            if zombie.polls_left > 0:
+                continue
+            self.zombies.remove(zombie)
+            remote = self.backend.regions[zombie.peer]
+            for d in zombie.descriptors:
+                local = (self.regions[d.local_region], d.local_offset)
+                far = (remote[d.remote_region], d.remote_offset)
+                (source, s_off), (dest, d_off) = (far, local) if zombie.mode is TransferMode.READ else (local, far)
+                dest[d_off : d_off + d.nbytes] = source[s_off : s_off + d.nbytes]
+
+
+class EarlyFree(MutantBackend):
+    """Blocks freed while a transfer into them is still in flight (release does not cancel or drain)."""
+
+    agent_class = _EarlyFreeAgent
+    breaks = "SM-2"
+
+
+BACKEND_MUTANTS: tuple[type[MutantBackend], ...] = (EarlyCompletion, FailedAsDone, NeverNotifies, WrongLayer, EarlyFree)
+
+
+# --------------------------------------------------------------------------- connector mutants
+
+
+class FrontTrim(ReferenceConnector):
+    """Pairs C's list with the FRONT of P's list (the vLLM B5 bug) instead of its tail."""
+
+    breaks = "ALIGN-1"
+
+    def pair_block_ids(
+        self,
+        config: KVCacheConfig,
+        *,
+        num_tokens: int,
+        prefix_hit_tokens: int,
+        producer_block_ids: BlockIds,
+        consumer_block_ids: BlockIds,
+    ) -> PairedBlocks:
+        check_window_coverage(
+            config,
+            num_tokens=num_tokens,
+            prefix_hit_tokens=prefix_hit_tokens,
+            producer_block_ids=producer_block_ids,
+            consumer_block_ids=consumer_block_ids,
+        )
+        if len(consumer_block_ids) == 0:
+            return BlockPairs(producer_block_ids=[], consumer_block_ids=[])
+        pairs_p, pairs_c = [], []
+        for p, c in zip(producer_block_ids, consumer_block_ids, strict=True):
+            kept = [(pi, ci) for pi, ci in zip(p[: len(c)], c, strict=True) if pi and ci]
+            pairs_p.append([pi for pi, _ in kept])
+            pairs_c.append([ci for _, ci in kept])
+        return BlockPairs(producer_block_ids=pairs_p, consumer_block_ids=pairs_c)
+
+
+class ProducerIdsAsConsumerIds(ReferenceConnector):
+    """Uses the producer's block ids as the consumer's (remote ids taken for local ones)."""
+
+    breaks = "ALIGN-1"
+
+    def pair_block_ids(self, config: KVCacheConfig, **kwargs: BlockIds | int) -> PairedBlocks:  # type: ignore[override]
+        pairs = super().pair_block_ids(config, **kwargs)  # type: ignore[arg-type]
+        return BlockPairs(producer_block_ids=pairs.producer_block_ids, consumer_block_ids=pairs.producer_block_ids)
+
+
+class NoClipping(ReferenceConnector):
+    """Never clips sliding-window groups to their budget."""
+
+    breaks = "CLIP-1"
+
+    def clip_block_ids(self, config: KVCacheConfig, block_ids: BlockIds) -> BlockIds:
+        return block_ids
+
+
+CONNECTOR_MUTANTS: tuple[type[ReferenceConnector], ...] = (FrontTrim, ProducerIdsAsConsumerIds, NoClipping)
+
+_: Callable[[], Backend] = LoopbackBackend  # the mutants wrap this reference

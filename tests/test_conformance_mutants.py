@@ -1,0 +1,52 @@
+"""Each mutant breaks one rule; the suite must fail it on that rule (and the reference loopback on none)."""
+
+from __future__ import annotations
+
+import pytest
+from kvspec_conformance import ReferenceConnector, Report, run_suite
+from mutants import BACKEND_MUTANTS, CONNECTOR_MUTANTS, MutantBackend
+
+from kvspec.transport.loopback import LoopbackBackend
+
+
+def _failures(report: Report) -> str:
+    return "\n".join(f"{r.case_id}: {r.outcome.value}: {r.message[:200]}" for r in report.results)
+
+
+@pytest.mark.parametrize("mutant", BACKEND_MUTANTS, ids=lambda m: m.__name__)
+def test_backend_mutant_fails_its_rule(mutant: type[MutantBackend]) -> None:
+    backend = mutant()
+    try:
+        report = run_suite(backend, rules=[mutant.breaks], max_examples=5)
+    finally:
+        backend.close()
+    assert mutant.breaks in report.failed_rules(), _failures(report)
+    assert not report.passed
+
+
+@pytest.mark.parametrize("mutant", CONNECTOR_MUTANTS, ids=lambda m: m.__name__)
+def test_connector_mutant_fails_its_rule(mutant: type[ReferenceConnector]) -> None:
+    rule = mutant.breaks  # type: ignore[attr-defined]
+    report = run_suite(LoopbackBackend(), rules=[rule], connector=mutant(), max_examples=5)
+    assert rule in report.failed_rules(), _failures(report)
+    failed = [r for r in report.results if r.is_failure and r.rule == rule]
+    # Every failure names what went wrong and carries a reproducer that replays the scenario.
+    assert all(r.reproducer and "run_scenario(" in r.reproducer for r in failed)
+
+
+@pytest.mark.parametrize("mutant", [*BACKEND_MUTANTS], ids=lambda m: m.__name__)
+def test_backend_mutants_pass_unrelated_pure_rules(mutant: type[MutantBackend]) -> None:
+    # The handshake refuses before any agent moves a byte, so no transport mutant can break it.
+    backend = mutant()
+    try:
+        report = run_suite(backend, rules=["HS-1/mismatch-table", "ADM-1"], max_examples=1)
+    finally:
+        backend.close()
+    assert report.passed, _failures(report)
+
+
+def test_reference_connector_and_loopback_pass_the_mutated_rules() -> None:
+    rules = sorted({m.breaks for m in BACKEND_MUTANTS} | {m.breaks for m in CONNECTOR_MUTANTS})  # type: ignore[attr-defined]
+    report = run_suite("loopback", rules=rules, max_examples=5)
+    assert report.passed, _failures(report)
+    assert not report.failed_rules()
