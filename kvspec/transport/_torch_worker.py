@@ -20,6 +20,13 @@ Theory of operation (one worker per agent, started by
   notification (DONE-1).
 - A control connection that closes means the peer process is gone: every
   transfer with that peer becomes FAILED ``peer_disconnected`` (FAIL-1).
+- A posted transfer starts moving at its first ``check``, which reports
+  PENDING; a transfer whose peer is dropped before ``check`` reported DONE
+  ends FAILED. So a transfer can always be observed in flight, and nothing
+  moves for a request the engine gave up on before polling it.
+- ``reset`` returns the process to a blank agent so the backend can hand it
+  out again: starting a process and importing torch takes seconds, pairing
+  a few milliseconds.
 """
 
 from __future__ import annotations
@@ -30,9 +37,12 @@ import importlib
 import itertools
 import json
 import mmap
+import multiprocessing
 import os
+import queue
 import secrets
 import shutil
+import sys
 import tempfile
 import threading
 import time
@@ -52,6 +62,13 @@ Run = tuple[int, int, int, int, int]
 Span = tuple[int, int, int]
 
 _TAG_MASK = (1 << 30) - 1
+_DEBUG = bool(os.environ.get("KVSPEC_TORCH_DEBUG"))
+
+
+def _log(*parts: object) -> None:
+    """Trace control events to stderr when ``KVSPEC_TORCH_DEBUG`` is set."""
+    if _DEBUG:
+        print(f"[kvspec-torch {os.getpid()} {time.monotonic():.4f}]", *parts, file=sys.stderr, flush=True)
 
 
 # --------------------------------------------------------------------------- shared memory
@@ -132,13 +149,21 @@ class _Peer:
 
 
 class _Transfer:
-    def __init__(self, xid: int, peer: _Peer, deadline: float) -> None:
+    def __init__(
+        self, xid: int, peer: _Peer, mode: str, runs: list[Run], notification: bytes | None, timeout_s: float
+    ) -> None:
         self.xid = xid
         self.peer = peer
-        self.deadline = deadline
+        self.mode = mode
+        self.runs = runs
+        self.notification = notification
+        self.timeout_s = timeout_s
+        self.deadline = 0.0  # set when it starts
+        self.started = False
         self.state = "pending"
         self.reason: str | None = None
         self.detail = ""
+        self.reported_done = False
         self.released = False
 
 
@@ -148,14 +173,11 @@ class _Worker:
     def __init__(self, name: str, options: dict[str, Any]) -> None:
         self.name = name
         self.options = options
-        self.uid = f"{time.time_ns():x}-{os.getpid()}-{secrets.token_hex(4)}"
-        self.authkey = secrets.token_bytes(16)
         self.timeout_s: float = options["timeout_s"]
         self.chunk_bytes: int = options["chunk_bytes"]
         self.stage_below: int = options["stage_below"]
         self.ring: int = options["ring"]
         self.store_dir = tempfile.mkdtemp(prefix="kvspec-torch-")
-        self.listener = Listener(("127.0.0.1", 0), authkey=self.authkey)
         self.lock = threading.Condition()
         self.maps: list[mmap.mmap] = []
         self.tensors: list[torch.Tensor] = []
@@ -163,10 +185,25 @@ class _Worker:
         self.transfers: dict[int, _Transfer] = {}
         self.notifications: list[tuple[str, bytes]] = []
         self.counter = itertools.count(1)
-        self.graveyard: list[Any] = []  # groups of dead peers; destroying them may block
+        self.spare_rings: list[list[torch.Tensor]] = []
+        # Groups of dropped peers are destroyed in their own thread: a destructor may wait for pending ops.
+        self.graveyard: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.closed = False
         self.group_factory = _resolve_group_factory(options["process_group"])
-        threading.Thread(target=self._accept_loop, name="kvspec-accept", daemon=True).start()
+        threading.Thread(target=self._reap, name="kvspec-reaper", daemon=True).start()
+        self._new_identity()
+
+    def _new_identity(self) -> None:
+        """A fresh uid, key and listening socket: peers of an earlier life cannot reach this one."""
+        self.uid = f"{time.time_ns():x}-{os.getpid()}-{secrets.token_hex(4)}"
+        self.authkey = secrets.token_bytes(16)
+        self.listener = Listener(("127.0.0.1", 0), authkey=self.authkey)
+        threading.Thread(target=self._accept_loop, args=(self.listener,), name="kvspec-accept", daemon=True).start()
+
+    def _reap(self) -> None:
+        while True:
+            group = self.graveyard.get()
+            del group
 
     # ----------------------------------------------------------------------- metadata and peers
 
@@ -180,17 +217,16 @@ class _Worker:
             "host": host,
             "port": port,
             "authkey": self.authkey.hex(),
-            "store_dir": self.store_dir,
             "regions": [t.numel() for t in self.tensors],
             "process_group": self.options["process_group"],
         }
 
-    def _accept_loop(self) -> None:
-        while not self.closed:
+    def _accept_loop(self, listener: Listener) -> None:
+        while True:
             try:
-                conn = self.listener.accept()
-            except (OSError, EOFError):
-                if self.closed:
+                conn = listener.accept()
+            except (OSError, EOFError, multiprocessing.AuthenticationError):
+                if self.closed or listener is not self.listener:
                     return
                 continue  # a client that failed authentication
             threading.Thread(target=self._reader, args=(conn,), name="kvspec-peer", daemon=True).start()
@@ -200,7 +236,11 @@ class _Worker:
             for peer in self.peers.values():
                 if peer.name == name:
                     return peer
-        raise _Failure("unknown_peer", f"unknown peer {name!r}: add_remote_agent its metadata first")
+        raise _Failure("peer_disconnected", f"unknown peer {name!r}: add_remote_agent its metadata first")
+
+    def _current(self, peer: _Peer) -> bool:
+        """Whether ``peer`` is this life's live entry (messages from older pairings are ignored)."""
+        return peer.dead is None and self.peers.get(peer.uid) is peer
 
     def _ensure_peer(self, meta: dict[str, Any], remote_session: str | None = None) -> _Peer:
         """The live peer for ``meta``, created (with its outgoing connection) when new."""
@@ -217,11 +257,12 @@ class _Worker:
                 self._drop_peer(old, _Failure("peer_disconnected", f"peer {old.name!r} was replaced"))
                 self.peers.pop(old.uid, None)
             peer = _Peer(meta, self.uid)
+            _log(self.name, "new peer", peer.name, peer.uid, "rank", peer.rank, "session", remote_session)
             peer.remote_session = remote_session
             self.peers[peer.uid] = peer
         try:
             peer.out = Client((meta["host"], meta["port"]), authkey=bytes.fromhex(meta["authkey"]))
-            peer.send(("hello", self.metadata(), peer.session))
+            peer.send(("hello", self.metadata(), peer.session, peer.uid))
         except (OSError, EOFError, _Failure) as exc:
             self._drop_peer(peer, _Failure("peer_disconnected", f"cannot reach peer {peer.name!r}: {exc}"))
             raise _Failure("peer_disconnected", f"cannot reach peer {peer.name!r}: {exc}") from exc
@@ -244,14 +285,18 @@ class _Worker:
         threading.Thread(target=form, name="kvspec-group", daemon=True).start()
 
     def _drop_peer(self, peer: _Peer, failure: _Failure) -> None:
+        _log(self.name, "drop", peer.name, peer.uid, failure.reason, failure.detail)
         with self.lock:
             if peer.dead is None:
                 peer.dead = failure
-            for transfer in self.transfers.values():
-                if transfer.peer is peer and transfer.state == "pending":
+            for transfer in list(self.transfers.values()):
+                if transfer.peer is peer and not transfer.reported_done:
+                    # Not yet DONE to the caller: it never will be (FAIL-1).
+                    transfer.state = "pending"
                     self._finish(transfer, failure)
             if peer.group is not None:
-                self.graveyard.append(peer.group)
+                self.graveyard.put(peer.group)
+                peer.group = None
             self.lock.notify_all()
         peer.ready.set()
         if peer.out is not None:
@@ -265,11 +310,17 @@ class _Worker:
             while True:
                 message = conn.recv()
                 kind = message[0]
+                _log(self.name, "recv", kind, peer.name if peer else None)
                 if kind == "hello":
+                    if message[3] != self.uid:
+                        break  # meant for an earlier life of this process (before a reset)
                     peer = self._ensure_peer(message[1], message[2])
-                elif peer is None:
                     continue
-                elif kind == "group":
+                with self.lock:
+                    current = peer is not None and self._current(peer)
+                if peer is None or not current:
+                    continue
+                if kind == "group":
                     self._start_group(peer, message[1])
                 elif kind == "notif":
                     with self.lock:
@@ -279,9 +330,9 @@ class _Worker:
                 elif kind == "write_req":
                     self._serve_write(peer, *message[1:])
                 elif kind == "write_done":
-                    self._remote_done(message[1], None)
+                    self._remote_done(peer, message[1], None)
                 elif kind == "write_failed":
-                    self._remote_done(message[1], _Failure(message[2], message[3]))
+                    self._remote_done(peer, message[1], _Failure(message[2], message[3]))
         except (OSError, EOFError):
             pass
         except _Failure:
@@ -307,24 +358,22 @@ class _Worker:
                 work.wait(timeout)
             return
         # A ring of staging buffers: chunk i reuses the buffer of chunk i - ring once that send is done.
-        buffers: list[torch.Tensor | None] = [None] * self.ring
-        in_flight: list[Any] = [None] * self.ring
-        for index, chunk in enumerate(_chunks(spans, self.chunk_bytes)):
-            slot = index % self.ring
-            if in_flight[slot] is not None:
-                in_flight[slot].wait(timeout)
-            if len(chunk) == 1:
-                tensor = self._views(chunk)[0]
-            else:
-                buffer = buffers[slot]
-                if buffer is None:
-                    buffer = buffers[slot] = torch.empty(self.chunk_bytes, dtype=torch.uint8)
-                tensor = _gather(buffer, self._views(chunk))
-            with peer.op_lock:
-                in_flight[slot] = group.send([tensor], peer.peer_rank, tag)
-        for work in in_flight:
-            if work is not None:
-                work.wait(timeout)
+        buffers = self._take_buffers()
+        in_flight: list[Any] = [None] * len(buffers)
+        try:
+            for index, chunk in enumerate(_chunks(spans, self.chunk_bytes)):
+                slot = index % len(buffers)
+                if in_flight[slot] is not None:
+                    in_flight[slot].wait(timeout)
+                tensor = self._views(chunk)[0] if len(chunk) == 1 else _gather(buffers[slot], self._views(chunk))
+                with peer.op_lock:
+                    in_flight[slot] = group.send([tensor], peer.peer_rank, tag)
+            for work in in_flight:
+                if work is not None:
+                    work.wait(timeout)
+        finally:
+            if all(work is None or work.is_completed() for work in in_flight):
+                self._give_buffers(buffers)
 
     def _recv_spans(self, peer: _Peer, spans: Sequence[Span], tag: int) -> Callable[[], None]:
         """Post receives for ``spans``; returns a function that waits for them (and scatters staged chunks)."""
@@ -340,7 +389,7 @@ class _Worker:
 
             return wait_direct
         chunks = _chunks(spans, self.chunk_bytes)
-        buffers = [torch.empty(self.chunk_bytes, dtype=torch.uint8) for _ in range(min(self.ring, len(chunks)))]
+        buffers = self._take_buffers()
         posted: list[Any] = []
 
         def post(index: int) -> None:
@@ -352,7 +401,7 @@ class _Worker:
             with peer.op_lock:
                 posted.append(group.recv([tensor], peer.peer_rank, tag))
 
-        for index in range(min(self.ring, len(chunks))):
+        for index in range(min(len(buffers), len(chunks))):
             post(index)
 
         def wait_staged() -> None:
@@ -360,10 +409,23 @@ class _Worker:
                 posted[index].wait(timeout)
                 if len(chunk) > 1:
                     _scatter(buffers[index % len(buffers)], self._views(chunk))
-                if index + self.ring < len(chunks):
-                    post(index + self.ring)
+                if index + len(buffers) < len(chunks):
+                    post(index + len(buffers))
+            # Only a transfer that ended cleanly returns its buffers: a failed one may still be written.
+            self._give_buffers(buffers)
 
         return wait_staged
+
+    def _take_buffers(self) -> list[torch.Tensor]:
+        """A ring of staging buffers, reused across transfers so their pages are already mapped."""
+        with self.lock:
+            if self.spare_rings:
+                return self.spare_rings.pop()
+        return [torch.zeros(self.chunk_bytes, dtype=torch.uint8) for _ in range(self.ring)]
+
+    def _give_buffers(self, buffers: list[torch.Tensor]) -> None:
+        with self.lock:
+            self.spare_rings.append(buffers)
 
     def _finish(self, transfer: _Transfer, failure: _Failure | None) -> None:
         """Record the outcome once (caller holds the lock)."""
@@ -381,10 +443,10 @@ class _Worker:
         with self.lock:
             self._finish(transfer, failure)
 
-    def _remote_done(self, xid: int, failure: _Failure | None) -> None:
+    def _remote_done(self, peer: _Peer, xid: int, failure: _Failure | None) -> None:
         with self.lock:
             transfer = self.transfers.get(xid)
-            if transfer is not None:
+            if transfer is not None and transfer.peer is peer:
                 self._finish(transfer, failure)
 
     def _spawn(self, target: Callable[[], None]) -> None:
@@ -415,8 +477,10 @@ class _Worker:
             except Exception as exc:
                 _quiet(peer.send, ("write_failed", xid, "transfer_error", f"receiving: {exc}"))
                 return
-            if notification is not None:
-                with self.lock:
+            with self.lock:
+                if not self._current(peer):
+                    return  # the writer gave up on us; its transfer is FAILED, so no notification
+                if notification is not None:
                     self.notifications.append((peer.name, notification))
             _quiet(peer.send, ("write_done", xid))
 
@@ -460,18 +524,25 @@ class _Worker:
             self.peers.pop(peer.uid, None)
 
     def op_post(self, mode: str, runs: list[Run], peer_name: str, notification: bytes | None) -> int:
+        """Record the transfer; it starts at the first check (see the module docstring)."""
         peer = self._peer_by_name(peer_name)
         if peer.dead is not None:
             raise _Failure(peer.dead.reason, peer.dead.detail)
         self._wait_ready(peer)
         xid = next(self.counter)
-        tag = ((xid << 1) | peer.rank) & _TAG_MASK
-        local: list[Span] = [(lr, lo, n) for lr, lo, _, _, n in runs]
-        remote: list[Span] = [(rr, ro, n) for _, _, rr, ro, n in runs]
-        transfer = _Transfer(xid, peer, time.monotonic() + self.timeout_s)
         with self.lock:
-            self.transfers[xid] = transfer
-        if mode == "read":
+            self.transfers[xid] = _Transfer(xid, peer, mode, runs, notification, self.timeout_s)
+        return xid
+
+    def _start(self, transfer: _Transfer) -> None:
+        """Post this side's ops and ask the peer for its side."""
+        transfer.started = True
+        transfer.deadline = time.monotonic() + transfer.timeout_s
+        peer, xid, notification = transfer.peer, transfer.xid, transfer.notification
+        tag = ((xid << 1) | peer.rank) & _TAG_MASK
+        local: list[Span] = [(lr, lo, n) for lr, lo, _, _, n in transfer.runs]
+        remote: list[Span] = [(rr, ro, n) for _, _, rr, ro, n in transfer.runs]
+        if transfer.mode == "read":
             wait = self._recv_spans(peer, local, tag)
             peer.send(("read_req", xid, tag, remote))
 
@@ -497,20 +568,32 @@ class _Worker:
                 # DONE comes with the peer's write_done, once the bytes are in its pool.
 
             self._spawn(send)
-        return xid
 
     def op_check(self, xid: int, wait_s: float) -> tuple[str, str | None, str]:
         with self.lock:
             transfer = self.transfers.get(xid)
             if transfer is None:
-                raise _Failure("unknown_handle", f"unknown or released transfer {xid}")
+                raise _Failure("post_failed", f"unknown or released transfer {xid}")
+        if not transfer.started and transfer.state == "pending":
+            try:
+                self._start(transfer)
+            except _Failure as failure:
+                self._complete(transfer, failure)
+            except Exception as exc:
+                self._complete(transfer, _gloo_failure(transfer.peer, exc))
+            with self.lock:
+                if transfer.state == "failed":
+                    return transfer.state, transfer.reason, transfer.detail
+            return "pending", None, ""  # the first check always sees it in flight
+        timed_out = False
+        with self.lock:
             if transfer.state == "pending" and wait_s > 0:
                 self.lock.wait_for(lambda: transfer.state != "pending", timeout=wait_s)
             if transfer.state == "pending" and time.monotonic() > transfer.deadline:
-                self._finish(transfer, _Failure("timeout", f"transfer {xid} exceeded {self.timeout_s} s"))
+                self._finish(transfer, _Failure("timeout", f"transfer {xid} exceeded {transfer.timeout_s} s"))
                 timed_out = True
-            else:
-                timed_out = False
+            if transfer.state == "done":
+                transfer.reported_done = True
             state, reason, detail = transfer.state, transfer.reason, transfer.detail
         if timed_out:
             # Late bytes could land in blocks reused by a later request: the pair is not used again.
@@ -518,12 +601,24 @@ class _Worker:
         return state, reason, detail
 
     def op_release(self, xid: int) -> None:
+        """Forget a transfer; a READ in flight is waited for (bounded) so no byte lands afterwards (SM-2)."""
         with self.lock:
             transfer = self.transfers.get(xid)
             if transfer is None:
                 return
             transfer.released = True
+            if transfer.state == "pending" and not transfer.started:
+                self._finish(transfer, _Failure("aborted", "released before it started"))
+            elif transfer.state == "pending" and transfer.mode == "read":
+                # gloo cannot cancel a posted receive: let it land (or fail) before the caller reuses the blocks.
+                remaining = max(0.0, transfer.deadline - time.monotonic())
+                self.lock.wait_for(lambda: transfer.state != "pending", timeout=remaining)
+            stuck = transfer.state == "pending" and transfer.mode == "read"
             if transfer.state != "pending":
+                self.transfers.pop(xid, None)
+        if stuck:
+            self._drop_peer(transfer.peer, _Failure("timeout", f"peer {transfer.peer.name!r} timed out"))
+            with self.lock:
                 self.transfers.pop(xid, None)
 
     def op_notify(self, peer_name: str, message: bytes) -> None:
@@ -551,6 +646,25 @@ class _Worker:
     def region(self, index: int) -> torch.Tensor:
         """The uint8 tensor over registered region ``index``."""
         return self.tensors[index]
+
+    def op_reset(self) -> None:
+        """Become a blank agent again (the backend reuses this process for a new agent)."""
+        with self.lock:
+            peers = list(self.peers.values())
+        for peer in peers:
+            self._drop_peer(peer, _Failure("peer_disconnected", f"agent {self.name!r} closed"))
+        old = self.listener
+        with self.lock:
+            self.peers.clear()
+            self.transfers.clear()
+            self.notifications.clear()
+            # Views still used by ops in flight keep their mapping alive; the rest is unmapped when dropped.
+            self.tensors, self.maps = [], []
+            self._new_identity()
+        _quiet(old.close)
+
+    def op_rename(self, name: str) -> None:
+        self.name = name
 
     def close(self) -> None:
         self.closed = True
@@ -617,6 +731,8 @@ def _resolve_group_factory(spec: str) -> Callable[..., Any]:
 def main(conn: Connection, name: str, options: dict[str, Any]) -> None:
     """Serve the proxy's requests until it says ``close`` or its pipe closes."""
     started = time.perf_counter()
+    # Copies here are single memcpy's; intra-op thread pools only contend for the few cores with gloo.
+    torch.set_num_threads(options["threads"])
     worker = _Worker(name, options)
     conn.send(("ready", os.getpid(), torch.__version__, time.perf_counter() - started))
     try:

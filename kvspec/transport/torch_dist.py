@@ -16,6 +16,9 @@ Theory of operation:
 - ``check`` asks the worker; a transfer whose peer process dies or that
   outlives ``timeout_s`` ends FAILED (FAIL-1). Every call to a worker is
   bounded, so no call hangs the caller.
+- ``close`` resets the worker and the backend keeps it for the next
+  ``create_agent`` (spawning a process and importing torch takes seconds;
+  a conformance run creates two agents per scenario).
 """
 
 from __future__ import annotations
@@ -103,6 +106,8 @@ class TorchDistributedBackend:
         stage_below: int = 1 << 20,
         ring: int = 4,
         check_wait_s: float = 0.001,
+        threads: int = 1,
+        max_idle: int = 4,
     ) -> None:
         _require_torch()
         if timeout_s <= 0 or start_timeout_s <= 0:
@@ -120,11 +125,15 @@ class TorchDistributedBackend:
             "chunk_bytes": int(chunk_bytes),
             "stage_below": int(stage_below),
             "ring": int(ring),
+            "threads": int(threads),
         }
         self._start_timeout_s = float(start_timeout_s)
         self._check_wait_s = float(check_wait_s)
         self._context = multiprocessing.get_context("spawn")
         self._agents: list[TorchAgent] = []
+        self._idle: list[tuple[BaseProcess, Connection]] = []
+        self._max_idle = max_idle
+        self._lock = threading.Lock()
 
     @property
     def name(self) -> str:
@@ -142,13 +151,23 @@ class TorchDistributedBackend:
         return float(self._options["timeout_s"])
 
     def create_agent(self, name: str) -> TorchAgent:
-        """Start a worker process for agent ``name``; returns at once, the first call waits for it."""
-        parent, child = self._context.Pipe(duplex=True)
-        process = self._context.Process(
-            target=_worker_entry, args=(child, name, self._options), name=f"kvspec-torch-{name}", daemon=True
-        )
-        process.start()
-        child.close()
+        """An agent named ``name`` in its own process: an idle worker if one is kept, else a new one.
+
+        A new process starts in the background; the agent's first call waits for it.
+        """
+        with self._lock:
+            reused = self._idle.pop() if self._idle else None
+        if reused is not None:
+            process, parent = reused
+            started = True
+        else:
+            parent, child = self._context.Pipe(duplex=True)
+            process = self._context.Process(
+                target=_worker_entry, args=(child, name, self._options), name=f"kvspec-torch-{name}", daemon=True
+            )
+            process.start()
+            child.close()
+            started = False
         agent = TorchAgent(
             name=name,
             process=process,
@@ -156,15 +175,36 @@ class TorchDistributedBackend:
             start_timeout_s=self._start_timeout_s,
             call_timeout_s=self.timeout_s + _PIPE_SLACK_S,
             check_wait_s=self._check_wait_s,
+            recycle=self._recycle,
+            started=started,
         )
-        self._agents.append(agent)
+        if reused is not None:
+            agent._call("rename", name)
+        with self._lock:
+            self._agents.append(agent)
         return agent
 
+    def _recycle(self, agent: TorchAgent, process: BaseProcess, conn: Connection) -> bool:
+        """Keep a reset worker for the next agent; False when the backend has enough idle ones."""
+        with self._lock:
+            if agent in self._agents:
+                self._agents.remove(agent)
+            if len(self._idle) >= self._max_idle:
+                return False
+            self._idle.append((process, conn))
+            return True
+
     def close(self) -> None:
-        """Close every agent this backend started and end their processes."""
-        agents, self._agents = self._agents, []
+        """Close every agent this backend started and end every worker process."""
+        with self._lock:
+            agents, self._agents = self._agents, []
+            self._max_idle = 0
         for agent in agents:
             agent.close()
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for process, conn in idle:
+            _stop(process, conn)
 
 
 class TorchAgent:
@@ -179,15 +219,18 @@ class TorchAgent:
         start_timeout_s: float,
         call_timeout_s: float,
         check_wait_s: float,
+        recycle: Callable[[TorchAgent, BaseProcess, Connection], bool] | None = None,
+        started: bool = False,
     ) -> None:
         self._name = name
+        self._recycle = recycle
         self._process = process
         self._conn = conn
         self._start_timeout_s = start_timeout_s
         self._call_timeout_s = call_timeout_s
         self._check_wait_s = check_wait_s
         self._lock = threading.Lock()
-        self._started = False
+        self._started = started
         self._closed = False
         self._broken: str | None = None
         self.startup_s: float | None = None
@@ -330,7 +373,7 @@ class TorchAgent:
         if peer not in self._peer_sizes:
             raise TransportError(
                 f"agent {self._name!r}: unknown peer {peer!r}; add_remote_agent its metadata first",
-                reason=FailureReason.POST_FAILED.value,
+                reason=FailureReason.PEER_DISCONNECTED.value,
             )
         mode = TransferMode(mode)
         runs = _coalesce(_validate(descriptors, local_sizes=self._local_sizes, remote_sizes=self._peer_sizes[peer]))
@@ -353,8 +396,9 @@ class TorchAgent:
         try:
             state, reason, detail = self._call("check", xid, self._check_wait_s)
         except TransportError as exc:
-            if self._broken is None and not self._closed:
+            if self._broken is None:
                 raise
+            # This agent's own worker is gone: the transfer can only have failed.
             return TransferStatus(state=TransferState.FAILED, reason=FailureReason.TRANSFER_ERROR, detail=str(exc))
         return TransferStatus(
             state=_STATES[state], reason=None if reason is None else FailureReason(reason), detail=detail
@@ -379,18 +423,45 @@ class TorchAgent:
         return [Notification(peer=peer, message=message) for peer, message in drained]
 
     def close(self) -> None:
-        """Stop the worker (asking first, then terminating); later calls raise TransportError."""
+        """End the agent: its worker is reset for reuse by the backend, or stopped. Idempotent.
+
+        Its peers see it disconnect; later calls on this object raise TransportError.
+        """
         if self._closed:
             return
-        if self._broken is None and self._process.is_alive():
-            with contextlib.suppress(TransportError):
-                self._call("close", timeout_s=5.0)
+        healthy = self._broken is None and self._process.is_alive()
+        if healthy and self._recycle is not None:
+            try:
+                self._call("reset")
+            except TransportError:
+                healthy = False
+            else:
+                self._closed = True
+                if self._recycle(self, self._process, self._conn):
+                    return
         self._closed = True
-        self._conn.close()
-        self._process.join(5.0)
-        if self._process.is_alive():
-            self._process.kill()
-            self._process.join(5.0)
+        if healthy:
+            _stop(self._process, self._conn)
+        else:
+            self._conn.close()
+            _kill(self._process)
+
+
+def _stop(process: BaseProcess, conn: Connection) -> None:
+    """Ask a worker to exit, then make sure it did."""
+    with contextlib.suppress(OSError, EOFError):
+        conn.send(("close",))
+        if conn.poll(5.0):
+            conn.recv()
+    conn.close()
+    process.join(5.0)
+    _kill(process)
+
+
+def _kill(process: BaseProcess) -> None:
+    if process.is_alive():
+        process.kill()
+    process.join(5.0)
 
 
 # --------------------------------------------------------------------------- descriptors
@@ -402,8 +473,8 @@ def _validate(
     """Check every descriptor against both sides' registered regions before anything moves (PLAN-1)."""
     checked: list[Descriptor] = []
     for index, d in enumerate(descriptors):
-        if d.nbytes < 0:
-            raise PlanError(f"descriptor {index}: expected nbytes >= 0, got {d.nbytes}")
+        if d.nbytes <= 0:
+            raise PlanError(f"descriptor {index}: expected nbytes > 0, got {d.nbytes}")
         for side, region, offset, sizes in (
             ("local", d.local_region, d.local_offset, local_sizes),
             ("remote", d.remote_region, d.remote_offset, remote_sizes),
@@ -415,8 +486,7 @@ def _validate(
                     f"descriptor {index}: {side} bytes [{offset}, {offset + d.nbytes}) fall outside "
                     f"region {region} of {sizes[region]} bytes"
                 )
-        if d.nbytes:
-            checked.append(d)
+        checked.append(d)
     return checked
 
 
