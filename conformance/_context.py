@@ -53,9 +53,9 @@ class CaseContext:
             scenario = attrs.evolve(
                 scenario, deadline=scenario.deadline * self.time_scale, lease=scenario.lease * self.time_scale
             )
-        self.last_reproducer = scenario.to_python(self.backend_spec)
-        if not isinstance(self.connector, ReferenceConnector):
-            self.last_reproducer += f"# connector under test: {self.connector!r}; pass it as connector=...\n"
+        kind = type(self.connector)
+        connector = None if kind is ReferenceConnector else f"{kind.__module__}:{kind.__qualname__}"
+        self.last_reproducer = scenario.to_python(self.backend_spec, connector)
         return run_scenario(scenario, backend=self.backend, connector=self.connector)
 
     def fail(self, message: str) -> CaseFailure:

@@ -177,14 +177,24 @@ class Scenario:
     lease: float = 2.0
     handshake_overrides: tuple[tuple[str, object], ...] = attrs.field(default=(), converter=_to_overrides)
 
-    def to_python(self, backend: str = "loopback") -> str:
-        """A script that replays this scenario on ``backend`` and prints what the oracle found."""
+    def to_python(self, backend: str = "loopback", connector: str | None = None) -> str:
+        """A script that replays this scenario on ``backend`` and prints what the oracle found.
+
+        ``connector`` is ``"module:Class"`` of a connector under test built without arguments.
+        """
+        imports = ""
+        call = f"run_scenario(scenario, backend={backend!r})"
+        if connector is not None:
+            module, _, name = connector.partition(":")
+            imports = f"from {module} import {name} as ConnectorUnderTest\n"
+            call = f"run_scenario(scenario, backend={backend!r}, connector=ConnectorUnderTest())"
         return (
             "from kvspec import *\n"
             "from kvspec.transport.faults import FaultPlan\n"
-            "from kvspec_conformance import PresetConfig, Request, Scenario, run_scenario\n\n"
+            "from kvspec_conformance import PresetConfig, Request, Scenario, run_scenario\n"
+            f"{imports}\n"
             f"scenario = {self!r}\n"
-            f"result = run_scenario(scenario, backend={backend!r})\n"
+            f"result = {call}\n"
             "print(result.summary())\n"
         )
 

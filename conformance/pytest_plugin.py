@@ -49,9 +49,9 @@ class BackendSuite:
             metafunc.parametrize("kvspec_case", cases, ids=[c.id for c in cases])
 
     @pytest.fixture(scope="class")
-    def kvspec_context(self) -> Iterator[CaseContext]:
+    @classmethod
+    def kvspec_context(cls) -> Iterator[CaseContext]:
         """One backend for the whole class, closed at the end."""
-        cls = type(self)
         backend = cls.backend_factory()
         factory = cls.connector_factory
         context = CaseContext(

@@ -1,0 +1,156 @@
+"""Tests of the suite itself: registry and catalogue, selection, skips, reports, reproducers, BackendSuite."""
+
+from __future__ import annotations
+
+import json
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import attrs
+import pytest
+from kvspec_conformance import (
+    BackendSuite,
+    CaseResult,
+    Outcome,
+    Report,
+    all_cases,
+    catalogue,
+    run_suite,
+    select_cases,
+)
+from kvspec_conformance._cases import case, missing_capabilities
+
+from kvspec import TransferMode
+from kvspec._rules import RULES, Level, get_rule
+from kvspec.transport import Capabilities
+from kvspec.transport.loopback import LoopbackBackend
+
+
+def test_every_rule_has_a_case_and_every_case_a_known_rule() -> None:
+    table = catalogue()
+    assert list(table) == [rule.id for rule in RULES]
+    assert all(table[rule.id] for rule in RULES), [r for r, cases in table.items() if not cases]
+    for c in all_cases():
+        assert c.id.startswith(c.rule + "/")
+        assert c.title
+        assert get_rule(c.rule).id == c.rule
+
+
+def test_case_ids_are_unique_and_registration_rejects_bad_ones() -> None:
+    ids = [c.id for c in all_cases()]
+    assert len(ids) == len(set(ids))
+    with pytest.raises(KeyError):
+        case("NOPE-1", "x")
+    with pytest.raises(ValueError, match="slug"):
+        case("CLIP-1", "Bad Slug")
+    with pytest.raises(ValueError, match="capabilities"):
+        case("CLIP-1", "x", requires=["teleport"])
+
+
+def test_select_by_rule_prefix_and_level() -> None:
+    clip = select_cases(rules=["CLIP-1"])
+    assert clip
+    assert {c.rule for c in clip} == {"CLIP-1"}
+    one = select_cases(rules=["WIN-1/window-start-on-block-boundary"])
+    assert [c.id for c in one] == ["WIN-1/window-start-on-block-boundary"]
+    assert all(c.level is Level.MUST for c in select_cases(levels=["must"]))
+    with pytest.raises(ValueError, match="matches no rule"):
+        select_cases(rules=["XYZ-9"])
+
+
+def test_missing_capability_is_a_skip_with_reason_never_a_pass() -> None:
+    class ReadOnly(LoopbackBackend):
+        @property
+        def capabilities(self) -> Capabilities:
+            return attrs.evolve(super().capabilities, modes=frozenset({TransferMode.READ}), notifications=False)
+
+    backend = ReadOnly()
+    report = run_suite(backend, rules=["DONE-1", "FAIL-1/failed-post", "ALIGN-1/write-partial-prefix-hit"])
+    backend.close()
+    by_id = {r.case_id: r for r in report.results}
+    write = by_id["DONE-1/write-notification-after-data"]
+    assert write.outcome is Outcome.SKIPPED
+    assert "write" in write.message
+    assert by_id["FAIL-1/failed-post"].outcome is Outcome.SKIPPED
+    assert "notifications" in by_id["FAIL-1/failed-post"].message
+    assert by_id["DONE-1/read-done-means-visible"].outcome is Outcome.PASSED
+    needs_write = next(c for c in all_cases() if c.id == "ALIGN-1/write-partial-prefix-hit")
+    assert missing_capabilities(needs_write, backend.capabilities) == ["write"]
+
+
+def _report(*outcomes: tuple[str, Level, Outcome]) -> Report:
+    return Report(
+        backend="x",
+        results=tuple(
+            CaseResult(
+                case_id=f"{rule}/c{i}",
+                rule=rule,
+                level=level,
+                title="t",
+                outcome=outcome,
+                seconds=0.1,
+                message="boom\nline two" if outcome is Outcome.FAILED else "",
+                reproducer="print(1)\n" if outcome is Outcome.FAILED else None,
+            )
+            for i, (rule, level, outcome) in enumerate(outcomes)
+        ),
+        seconds=1.0,
+        max_examples=3,
+        kvspec_version="0",
+    )
+
+
+def test_exit_status_fails_only_on_must() -> None:
+    assert _report(("CLIP-1", Level.MUST, Outcome.PASSED)).exit_status == 0
+    assert _report(("CLIP-1", Level.SHOULD, Outcome.FAILED)).exit_status == 0
+    assert _report(("CLIP-1", Level.MUST, Outcome.FAILED)).exit_status == 1
+    assert _report(("CLIP-1", Level.MUST, Outcome.ERROR)).exit_status == 1
+
+
+def test_json_and_junit_reports(tmp_path: Path) -> None:
+    report = _report(
+        ("CLIP-1", Level.MUST, Outcome.PASSED),
+        ("WIN-1", Level.MUST, Outcome.FAILED),
+        ("SM-1", Level.MUST, Outcome.SKIPPED),
+    )
+    report.write_json(tmp_path / "r.json")
+    data = json.loads((tmp_path / "r.json").read_text())
+    assert data["passed"] is False
+    assert data["rules"]["WIN-1"]["status"] == "FAIL"
+    assert data["rules"]["SM-1"]["status"] == "SKIP"
+    assert data["cases"][1]["reproducer"] == "print(1)\n"
+    report.write_junit(tmp_path / "r.xml")
+    root = ET.parse(tmp_path / "r.xml").getroot()
+    assert root.get("tests") == "3"
+    assert root.get("failures") == "1"
+    assert root.get("skipped") == "1"
+    failure = root.find(".//testsuite[@name='WIN-1']/testcase/failure")
+    assert failure is not None
+    assert "Reproducer" in (failure.text or "")
+    text = report.render()
+    assert "WIN-1    FAIL" in text
+    assert "Reproducer (paste into python)" in text
+
+
+def test_reproducer_replays_the_failure() -> None:
+    from mutants import NoClipping
+
+    report = run_suite("loopback", rules=["CLIP-1/sw-tail-keeps-last-n"], connector=NoClipping())
+    (result,) = report.results
+    assert result.outcome is Outcome.FAILED
+    assert result.reproducer is not None
+    assert "from mutants import NoClipping as ConnectorUnderTest" in result.reproducer
+    # The pasted script replays the scenario; with the mutant connector it shows the same stray pages.
+    namespace: dict[str, object] = {}
+    exec(compile(result.reproducer, "<reproducer>", "exec"), namespace)
+    replayed = namespace["result"]
+    assert not replayed.ok  # type: ignore[attr-defined]
+    assert any(m.kind.value == "stray_write" for m in replayed.mismatches)  # type: ignore[attr-defined]
+
+
+class TestLoopbackThroughBackendSuite(BackendSuite):
+    """The pytest way in, as a connector author would write it (a few rules, to stay quick)."""
+
+    backend_factory = staticmethod(LoopbackBackend)
+    rules = ("CLIP-1", "HS-1", "REL-1")
+    max_examples = 3
