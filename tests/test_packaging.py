@@ -24,6 +24,9 @@ for module in (kvspec, kvspec_conformance):
     assert prefix in where.parents, f"{module.__name__} imported from {where}, not from {prefix}"
     assert (where.parent / "py.typed").is_file(), f"{module.__name__} ships no py.typed"
 assert kvspec.__version__ == importlib.metadata.version("kvspec"), kvspec.__version__
+# The suite works from the installed package: every rule has its cases (the case modules were shipped).
+table = kvspec_conformance.catalogue()
+assert table and all(table.values()), {rule: len(cases) for rule, cases in table.items()}
 print("ok", kvspec.__version__)
 """
 
@@ -76,7 +79,7 @@ def _fresh_venv(where: Path) -> Path:
     return python
 
 
-def _install_and_check(artifact: Path, venv: Path) -> None:
+def _install_and_check(artifact: Path, venv: Path, *, run_suite: bool = False) -> None:
     python = _fresh_venv(venv)
     env = {**os.environ, "PIP_NO_INDEX": "1", "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
     env.pop("PYTHONPATH", None)
@@ -101,6 +104,11 @@ def _install_and_check(artifact: Path, venv: Path) -> None:
     result = subprocess.run([str(python), "-c", CHECK], check=False, capture_output=True, text=True, env=env, cwd=venv)
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.startswith("ok")
+    if run_suite:
+        # The console script exists and the installed suite runs a rule's cases on loopback.
+        command = [str(venv / "bin" / "kvspec"), "conform", "loopback", "--rule", "SW-1", "-q"]
+        result = subprocess.run(command, check=False, capture_output=True, text=True, env=env, cwd=venv)
+        assert result.returncode == 0, result.stdout + result.stderr
 
 
 def test_wheel_contents(dist: Path) -> None:
@@ -126,7 +134,7 @@ def test_sdist_contents(dist: Path) -> None:
 
 
 def test_wheel_installs_in_a_fresh_venv(dist: Path, tmp_path: Path) -> None:
-    _install_and_check(_only(dist, "kvspec-*.whl"), tmp_path / "venv")
+    _install_and_check(_only(dist, "kvspec-*.whl"), tmp_path / "venv", run_suite=True)
 
 
 def test_sdist_installs_in_a_fresh_venv(dist: Path, tmp_path: Path) -> None:
