@@ -278,7 +278,6 @@ class Worker:
             # Nothing to move; NIXL rejects empty lists, so only the notification travels.
             if notification is not None:
                 self.notify(peer, notification)
-            self.xfers[xfer_id] = _Xfer(None, peer, "done")
             return (xfer_id, "done", None, "")
         local, remote = self.build_descs(packed, peer)
         agent = self.agent
@@ -306,7 +305,13 @@ class Worker:
             self._fail_from(xfer, exc)
         else:
             self._apply(xfer, state)
-        return (xfer_id, *xfer.status())
+        return (xfer_id, *self._report(xfer_id, xfer))
+
+    def _report(self, xfer_id: int, xfer: _Xfer) -> tuple[str, str | None, str]:
+        """The status; a transfer that ended is released at once (the proxy keeps its final status)."""
+        if xfer.state != "pending":
+            self.release(xfer_id)
+        return xfer.status()
 
     def _apply(self, xfer: _Xfer, state: str) -> None:
         if state == "DONE":
@@ -339,7 +344,7 @@ class Worker:
             if waited > self.transfer_timeout:
                 xfer.state, xfer.reason = "failed", "timeout"
                 xfer.detail = f"still in flight after {waited:.1f} s (transfer_timeout={self.transfer_timeout} s)"
-        return xfer.status()
+        return self._report(xfer_id, xfer)
 
     def release(self, xfer_id: int) -> None:
         xfer = self.xfers.pop(xfer_id, None)
@@ -449,9 +454,14 @@ def main(argv: list[str] | None = None, extra_ops: dict[str, Callable[..., Any]]
     conn.send(("ok", os.getpid()))
     serve(conn, worker)
     conn.close()
-    # Skip interpreter teardown: UCX objects finalised out of order only produce warnings.
+    # Skip interpreter teardown (UCX objects finalised out of order only produce
+    # warnings), but flush C stdio so that UCX_LOG_FILE logs are complete.
     sys.stdout.flush()
     sys.stderr.flush()
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        ctypes.CDLL(None).fflush(None)
     os._exit(0)
 
 

@@ -32,10 +32,10 @@ import importlib.util
 import itertools
 import os
 import socket
+import struct
 import subprocess
 import sys
 import threading
-from array import array
 from collections.abc import Mapping, Sequence
 from multiprocessing.connection import Connection
 from operator import attrgetter
@@ -223,7 +223,10 @@ class NixlAgent:
         """
         if not isinstance(mode, TransferMode):
             raise PlanError(f"post: expected a TransferMode, got {mode!r}")
-        packed = array("q", itertools.chain.from_iterable(map(_ROW, descriptors))).tobytes()
+        try:
+            packed = struct.pack(f"<{5 * len(descriptors)}q", *itertools.chain.from_iterable(map(_ROW, descriptors)))
+        except (struct.error, AttributeError, TypeError) as exc:
+            raise PlanError(f"post: descriptors must be Descriptor objects with 64-bit int fields ({exc})") from None
         op = "READ" if mode is TransferMode.READ else "WRITE"
         message = None if notification is None else bytes(notification)
         reply = self._call("post", op, packed, peer, message)
@@ -258,10 +261,11 @@ class NixlAgent:
 
     def release(self, handle: TransferHandle) -> None:
         """Drop a handle; NIXL cancels a transfer still in flight as far as it can."""
-        self._final.pop(handle.transfer_id, None)
         if handle.transfer_id not in self._handles:
             return
         self._handles.discard(handle.transfer_id)
+        if self._final.pop(handle.transfer_id, None) is not None:
+            return  # the worker released the NIXL request when it ended
         if self._broken is None and not self._closed:
             self._call("release", handle.transfer_id)
 
