@@ -269,3 +269,15 @@ def test_errors_page_finds_raises_through_helpers_and_validators(tmp_path: Path)
     assert table["WorseError"] == ["api()"]
     assert table["BadError"] == ["Model(...)", "api()"]  # a subclass counts for its base
     assert "clean()" not in table["KVSpecError"]
+
+
+def test_changelog_states_both_versions() -> None:
+    import kvspec
+
+    text = (ROOT / "CHANGELOG.md").read_text(encoding="utf-8")
+    major, minor = kvspec.PROTOCOL_VERSION
+    section = re.search(
+        rf"^## {re.escape(kvspec.__version__)}\n(?P<body>.*?)(?=^## |\Z)", text, re.MULTILINE | re.DOTALL
+    )
+    assert section, f"CHANGELOG.md has no section for package version {kvspec.__version__}"
+    assert f"Protocol: **{major}.{minor}**" in section["body"], "the release must say which protocol version it speaks"
