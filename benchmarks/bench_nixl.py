@@ -87,9 +87,7 @@ if len(sys.argv) > 1 and sys.argv[1] == "--worker":
             start = time.perf_counter()
             if style == "prep":
                 local_h, remote_h = cache[(peer, block)]
-                handle = agent.make_prepped_xfer(
-                    mode, local_h, lidx.astype(np.int32), remote_h, ridx.astype(np.int32)
-                )
+                handle = agent.make_prepped_xfer(mode, local_h, lidx.astype(np.int32), remote_h, ridx.astype(np.int32))
             else:
                 zeros = np.zeros(len(lidx), dtype=np.uint64)
                 sizes = np.full(len(lidx), block, dtype=np.uint64)
@@ -111,9 +109,9 @@ if len(sys.argv) > 1 and sys.argv[1] == "--worker":
     sys.exit(0)
 
 
-from kvspec import TransferMode  # noqa: E402
-from kvspec.transport import Descriptor, MemoryRegion, TransferState  # noqa: E402
-from kvspec.transport.nixl import NixlAgent, NixlBackend  # noqa: E402
+from kvspec import TransferMode
+from kvspec.transport import Descriptor, MemoryRegion, TransferState
+from kvspec.transport.nixl import NixlAgent, NixlBackend
 
 KIB, MIB = 1024, 1024 * 1024
 GB = 1e9
@@ -151,11 +149,15 @@ class Bench:
         self.producer_buf, self.consumer_buf = (shm.buf for shm in self.shms)
         # Every 8-byte word unique, so a misplaced block is always seen.
         np.frombuffer(self.producer_buf, dtype=np.uint64)[:] = np.arange(pool // 8, dtype=np.uint64)  # type: ignore[arg-type]
-        env = {} if args.no_ucx_log else {
-            "UCX_LOG_LEVEL": "info",
-            "UCX_PROTO_INFO": "y",
-            "UCX_LOG_FILE": str(log_dir / "ucx.%p.log"),
-        }
+        env = (
+            {}
+            if args.no_ucx_log
+            else {
+                "UCX_LOG_LEVEL": "info",
+                "UCX_PROTO_INFO": "y",
+                "UCX_LOG_FILE": str(log_dir / "ucx.%p.log"),
+            }
+        )
         self.backend = NixlBackend(
             tls=args.tls, env=env, worker_command=[sys.executable, str(Path(__file__).resolve()), "--worker"]
         )
@@ -227,25 +229,37 @@ class Bench:
             source.release()
         return times
 
-    def measure(self, method: str, mode: TransferMode, block: int, p_ids: list[int], c_ids: list[int]) -> float:
-        """Warm up once, check the bytes, then return the median seconds of ``--reps`` requests."""
-        reps = self.args.reps
+    def run(
+        self, method: str, mode: TransferMode, block: int, p_ids: list[int], c_ids: list[int], n: int
+    ) -> list[float]:
         local, remote = (c_ids, p_ids) if mode is TransferMode.READ else (p_ids, c_ids)
-        self.clear(block, c_ids)
+        if method == "kvspec":
+            return self.run_kvspec(mode, block, local, remote, n)
+        if method in ("raw-prep", "raw-init"):
+            return self.run_raw(method[4:], mode, block, local, remote, n)
+        return self.run_memcpy(block, p_ids, c_ids, n)
 
-        def run(n: int) -> list[float]:
-            if method == "kvspec":
-                return self.run_kvspec(mode, block, local, remote, n)
-            if method in ("raw-prep", "raw-init"):
-                return self.run_raw(method[4:], mode, block, local, remote, n)
-            return self.run_memcpy(block, p_ids, c_ids, n)
-
-        run(1)
-        self.verify(block, p_ids, c_ids, method)
-        return statistics.median(run(reps))
+    def measure(self, mode: TransferMode, block: int, p_ids: list[int], c_ids: list[int]) -> dict[str, float]:
+        """Warm up and check the bytes of every method, then time them in turns (fair under noise); medians."""
+        for method in METHODS:
+            self.clear(block, c_ids)
+            self.run(method, mode, block, p_ids, c_ids, 1)
+            self.verify(block, p_ids, c_ids, method)
+        times: dict[str, list[float]] = {m: [] for m in METHODS}
+        for _ in range(self.args.reps):
+            for method in METHODS:
+                times[method] += self.run(method, mode, block, p_ids, c_ids, 1)
+        return {m: statistics.median(t) for m, t in times.items()}
 
 
 METHODS = ("kvspec", "raw-prep", "raw-init", "memcpy")
+
+# A UCX_PROTO_INFO table of the connection between the agents: "| <agent> intra-node cfg#N |",
+# "| <title> |", then rows "| range | description | config |" up to the next table.
+TABLE = (
+    r"\| \S+ intra-node cfg#\d+ +\|\n.*?\| (remote memory (?:read|write)[^|]*?) +\|\n"
+    r"(.*?)(?=\n[^\n]*\+-+\+\n[^\n]*\+-+\+|\Z)"
+)
 
 
 def transports(log_dir: Path) -> list[str]:
@@ -255,12 +269,7 @@ def transports(log_dir: Path) -> list[str]:
         text = log.read_text(errors="replace")
         for lanes in re.findall(r"UCX\s+INFO\s+(\S+ intra-node cfg#\d+ .*)", text):
             lines.append(f"lanes: {lanes.strip()}")
-        # Tables: "| <agent> intra-node cfg#N |", then "| <title> |", then rows "| range | description | config |".
-        for title, body in re.findall(
-            r"\| \S+ intra-node cfg#\d+ +\|\n.*?\| (remote memory (?:read|write)[^|]*?) +\|\n(.*?)(?=\n[^\n]*\+-+\+\n[^\n]*\+-+\+|\Z)",
-            text,
-            flags=re.S,
-        ):
+        for title, body in re.findall(TABLE, text, flags=re.S):
             rows = re.findall(r"\|\s*([\d.]+(?:\.\.\w+)?)\s*\|\s*([^|]+?)\s*\|\s*([^|]+?)\s*\|", body)
             lines.append(f"{title.strip()}: " + "; ".join(f"{r} {d} {c}" for r, d, c in rows))
     return sorted(set(lines))
@@ -298,7 +307,8 @@ def main() -> None:
                 p_ids, c_ids = block_ids(pattern, count - count % 16 if pattern == "runs16" else count, num_blocks, rng)
                 payload = len(p_ids) * block
                 for mode in args.modes:
-                    gbps = {m: payload / bench.measure(m, mode, block, p_ids, c_ids) / GB for m in METHODS}
+                    seconds = bench.measure(mode, block, p_ids, c_ids)
+                    gbps = {m: payload / seconds[m] / GB for m in METHODS}
                     ratio, vs_memcpy = gbps["kvspec"] / gbps["raw-prep"], gbps["kvspec"] / gbps["memcpy"]
                     page = f"{block // KIB}K" if block < MIB else f"{block // MIB}M"
                     print(
@@ -316,7 +326,9 @@ def main() -> None:
     for line in transports(log_dir) or ["(no UCX log collected)"]:
         print(f"#   {line}")
     if args.json is not None:
-        args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)}, "results": results}, default=str))
+        args.json.write_text(
+            json.dumps({"args": vars(args) | {"json": str(args.json)}, "results": results}, default=str)
+        )
 
 
 if __name__ == "__main__":
