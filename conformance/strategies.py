@@ -8,8 +8,8 @@ from hypothesis import strategies as st
 
 from kvspec._models import KVCacheConfig
 
-from ._configs import ConfigLayout, GroupShape, full, make_config, mla, sw, sw_mla
 from ._scenario import Request, Scenario
+from .configs import ConfigLayout, GroupShape, full, make_config, mla, sw, sw_mla
 
 __all__ = ["configs", "group_shapes", "requests", "scenarios"]
 

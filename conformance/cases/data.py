@@ -10,9 +10,9 @@ from kvspec._presets import list_presets
 from kvspec._reference import validate_hybrid_support
 
 from .._cases import case
-from .._configs import full, make_config, mla, sw, sw_mla
 from .._context import CaseContext
 from .._scenario import PresetConfig, Request, Scenario
+from ..configs import full, make_config, mla, sw, sw_mla
 from ..strategies import scenarios
 
 __all__: list[str] = []
@@ -298,7 +298,7 @@ def _hma_mla(ctx: CaseContext) -> None:
 @case("ADM-1", "unsupported-kinds-refused-before-setup")
 def _adm_refused(ctx: CaseContext) -> None:
     """Chunked-local and Mamba groups are refused with UnsupportedHybridError before any agent exists."""
-    from .._configs import chunked, mamba
+    from ..configs import chunked, mamba
 
     for config in (make_config(full(4), chunked(8, 4)), make_config(full(4), mamba(4))):
         for mode in _modes(ctx):

@@ -8,9 +8,9 @@ from kvspec._messages import PROTOCOL_VERSION, Completion, Release, ReleaseOutco
 from kvspec._models import KVCacheConfig
 
 from .._cases import case
-from .._configs import full, make_config, mla, sw
 from .._context import CaseContext
 from .._scenario import Request, Scenario
+from ..configs import full, make_config, mla, sw
 
 __all__: list[str] = []
 

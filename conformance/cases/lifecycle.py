@@ -6,9 +6,9 @@ from kvspec._models import FailureReason
 from kvspec.transport.faults import FaultPlan
 
 from .._cases import case
-from .._configs import full, make_config, sw
 from .._context import CaseContext
 from .._scenario import Request, Scenario
+from ..configs import full, make_config, sw
 
 __all__: list[str] = []
 

@@ -1,4 +1,4 @@
-"""Small KV-cache configs for cases: a few layers, tiny pages, chosen group kinds and block sizes."""
+"""Small KV-cache configs for scenarios: a few layers, tiny pages, chosen group kinds, block sizes and layouts."""
 
 from __future__ import annotations
 
