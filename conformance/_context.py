@@ -6,7 +6,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import TypeVar
 
 import attrs
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, Phase, settings
 
 from kvspec._models import FailureReason
 from kvspec.transport._base import Backend, Capabilities
@@ -29,7 +29,9 @@ class CaseContext:
     """Handed to every case function.
 
     ``backend_spec`` is how the reproducer names the backend (e.g.
-    ``"loopback"`` or ``"mypkg.transport:make_backend"``).
+    ``"loopback"`` or ``"mypkg.transport:make_backend"``). ``shrink`` lets
+    hypothesis minimise a failing generated scenario (slower on a failing
+    backend, shorter reproducer).
     """
 
     backend: Backend
@@ -37,6 +39,7 @@ class CaseContext:
     connector: Connector = attrs.field(factory=ReferenceConnector)
     max_examples: int = DEFAULT_MAX_EXAMPLES
     time_scale: float = 1.0
+    shrink: bool = False
     last_reproducer: str | None = None
 
     @property
@@ -68,8 +71,10 @@ class CaseContext:
 
     def hypothesis(self, func: F) -> F:
         """Apply the suite's hypothesis budget to a ``@given`` test run inside a case."""
+        phases = [Phase.explicit, Phase.generate] + ([Phase.shrink] if self.shrink else [])
         wrapped: F = settings(
             max_examples=self.max_examples,
+            phases=phases,
             deadline=None,
             database=None,
             derandomize=True,

@@ -63,6 +63,7 @@ def run_suite(
     max_examples: int = DEFAULT_MAX_EXAMPLES,
     connector: Connector | None = None,
     time_scale: float = 1.0,
+    shrink: bool = False,
     progress: Progress | None = None,
     cases: Sequence[Case] | None = None,
 ) -> Report:
@@ -82,6 +83,7 @@ def run_suite(
         connector=connector or ReferenceConnector(),
         max_examples=max_examples,
         time_scale=time_scale,
+        shrink=shrink,
     )
     results: list[CaseResult] = []
     try:

@@ -61,6 +61,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="multiply every scenario deadline and lease by X (slow backends; default 1.0)",
     )
     parser.add_argument(
+        "--shrink",
+        action="store_true",
+        help="let hypothesis minimise a failing generated scenario (shorter reproducer, slower failing runs)",
+    )
+    parser.add_argument(
         "--option",
         action="append",
         default=[],
@@ -168,6 +173,7 @@ def run(args: argparse.Namespace) -> int:
             max_examples=args.max_examples,
             connector=connector,
             time_scale=args.time_scale,
+            shrink=args.shrink,
             progress=progress,
         )
     finally:

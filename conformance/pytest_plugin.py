@@ -42,6 +42,7 @@ class BackendSuite:
     levels: ClassVar[Sequence[str] | None] = None
     max_examples: ClassVar[int] = DEFAULT_MAX_EXAMPLES
     time_scale: ClassVar[float] = 1.0
+    shrink: ClassVar[bool] = False
 
     def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
         if "kvspec_case" in metafunc.fixturenames:
@@ -60,6 +61,7 @@ class BackendSuite:
             connector=factory() if factory is not None else ReferenceConnector(),
             max_examples=cls.max_examples,
             time_scale=cls.time_scale,
+            shrink=cls.shrink,
         )
         try:
             yield context
