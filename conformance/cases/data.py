@@ -256,6 +256,35 @@ def _win_consumer_missing(ctx: CaseContext) -> None:
         )
 
 
+@case("WIN-1", "empty-group-list-fails")
+def _win_empty_group(ctx: CaseContext) -> None:
+    """An empty list for a group that still needs blocks fails before any byte moves, on either side."""
+    requests = [
+        Request(
+            request_id="p-empty",
+            num_tokens=10,
+            producer_block_ids=[[1, 2, 3], []],
+            consumer_block_ids=[[4, 5, 6], [7, 8]],
+        ),
+        Request(
+            request_id="c-empty",
+            num_tokens=10,
+            producer_block_ids=[[9, 10, 11], [12, 13]],
+            consumer_block_ids=[[14, 15, 16], []],
+        ),
+        Request(request_id="ok", num_tokens=10),
+    ]
+    for mode in _modes(ctx):
+        result = ctx.run(Scenario(config=FA_SW, requests=requests, mode=mode))
+        ctx.expect(
+            result,
+            loaded=["ok"],
+            failed={"p-empty": FailureReason.WINDOW_COVERAGE, "c-empty": FailureReason.WINDOW_COVERAGE},
+            errors={"p-empty": "WindowCoverageError", "c-empty": "WindowCoverageError"},
+            rule="WIN-1",
+        )
+
+
 # --------------------------------------------------------------------------- TOK-1
 
 

@@ -140,6 +140,20 @@ def _fail_late(ctx: CaseContext) -> None:
         ctx.expect(ctx.run(scenario), loaded=[f"r{i}" for i in range(4)], rule="FAIL-1")
 
 
+@case("FAIL-1", "reordered-notifications", requires=["notifications"])
+def _fail_reordered(ctx: CaseContext) -> None:
+    """Notifications overtaken by later ones (reordered) still complete every request exactly once."""
+    for mode in _modes(ctx):
+        scenario = Scenario(
+            config=CONFIG,
+            mode=mode,
+            requests=[Request(request_id=f"r{i}", num_tokens=9 + 4 * i) for i in range(5)],
+            faults=FaultPlan(reorder_notifications=0.5, seed=3),
+            fault_side="both",
+        )
+        ctx.expect(ctx.run(scenario), loaded=[f"r{i}" for i in range(5)], rule="FAIL-1")
+
+
 @case("FAIL-1", "duplicate-notification", requires=["notifications"])
 def _fail_duplicate(ctx: CaseContext) -> None:
     """Every notification delivered twice: duplicates are ignored, nothing is freed or loaded twice."""
