@@ -426,6 +426,50 @@ def render_api_page() -> str:
     return "\n".join(out) + "\n"
 
 
+CLI_PAGE = "reference/cli.md"
+CLI_EXAMPLE = ["plan", "gemma-3-27b", "--tokens", "32768", "--prefix-hit", "4096"]
+
+
+def render_cli_page() -> str:
+    """Every command's ``--help``, and one real ``kvspec plan`` run, captured at build time."""
+    import argparse
+    import io
+
+    from kvspec_conformance import cli as suite_cli
+
+    from kvspec import cli
+
+    parser = cli.build_parser()
+    conform = argparse.ArgumentParser(prog="kvspec conform", description=suite_cli.__doc__)
+    suite_cli.add_arguments(conform)
+    commands = [("kvspec", parser)]
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            commands += [(f"kvspec {name}", sub) for name, sub in action.choices.items() if name != "conform"]
+    commands.append(("kvspec conform", conform))
+    out = [
+        "# Command line",
+        "",
+        "`kvspec` is installed with the package (also `python -m kvspec`). The help texts below are",
+        "captured from the installed code when these pages are built.",
+        "",
+    ]
+    for name, sub in commands:
+        out += [f"## `{name}`", "", _fence("text", sub.format_help())]
+    captured = io.StringIO()
+    status = cli.main(CLI_EXAMPLE, out=captured)
+    if status != 0:
+        raise PluginError(f"{CLI_PAGE}: `kvspec {' '.join(CLI_EXAMPLE)}` exited with {status}")
+    out += [
+        "## Example",
+        "",
+        "What one 32k-token request of Gemma 3 27B moves, when the consumer already holds 4096 tokens:",
+        "",
+        _fence("console", f"$ kvspec {' '.join(CLI_EXAMPLE)}\n{captured.getvalue()}"),
+    ]
+    return "\n".join(out) + "\n"
+
+
 def on_files(files: Files, config: Any) -> Files:
     spec_pages = {
         f.src_uri: Path(f.abs_src_path).read_text(encoding="utf-8")
@@ -440,6 +484,7 @@ def on_files(files: Files, config: Any) -> Files:
     _add(files, config, CATALOGUE, render_catalogue(rules, by_rule, find_rule_sections(spec_pages)))
 
     _add(files, config, API_PAGE, render_api_page())
+    _add(files, config, CLI_PAGE, render_cli_page())
     diagrams, errors, figures = _import_generators()
     _add(files, config, DIAGRAMS, render_diagrams_page(diagrams))
     rows = figures.bytes_rows()
