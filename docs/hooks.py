@@ -31,6 +31,7 @@ SECTIONS = {
 
 CATALOGUE = "spec/catalogue.md"
 DIAGRAMS = "spec/diagrams.md"
+GENERATED_PAGES = frozenset({CATALOGUE, DIAGRAMS})
 
 # A rule id as DESIGN.md writes them: capitals, a dash, a number (CLIP-1, SM-2).
 RULE_ID = re.compile(r"\b([A-Z]{2,5}-\d+)\b")
@@ -106,7 +107,10 @@ def complete_nav(nav: list[Any], docs_dir: Path) -> list[Any]:
             continue
         if isinstance(section[title], str):
             section[title] = [section[title]]
-        section[title].extend(pages)
+        entries = section[title]
+        # New pages go before the generated pages (catalogue, diagrams), which close their section.
+        tail = next((i for i, item in enumerate(entries) if _nav_paths(item) & GENERATED_PAGES), len(entries))
+        entries[tail:tail] = pages
     return nav
 
 

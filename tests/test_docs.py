@@ -154,10 +154,11 @@ def test_nav_gains_unlisted_pages(tmp_path: Path) -> None:
     for rel in ["index.md", "spec/index.md", "spec/new-rule.md", "backends/x.md", "misc/other.md"]:
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_text("# t\n", encoding="utf-8")
-    nav = hooks.complete_nav([{"Home": "index.md"}, {"Spec": ["spec/index.md"]}, {"Changelog": "c.md"}], tmp_path)
+    spec = ["spec/index.md", {"Rule catalogue": "spec/catalogue.md"}]
+    nav = hooks.complete_nav([{"Home": "index.md"}, {"Spec": spec}, {"Changelog": "c.md"}], tmp_path)
     assert nav == [
         {"Home": "index.md"},
-        {"Spec": ["spec/index.md", "spec/new-rule.md"]},
+        {"Spec": ["spec/index.md", "spec/new-rule.md", {"Rule catalogue": "spec/catalogue.md"}]},
         {"Backends": ["backends/x.md"]},
         {"Changelog": "c.md"},
     ]
