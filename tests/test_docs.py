@@ -282,3 +282,36 @@ def test_changelog_states_both_versions() -> None:
     )
     assert section, f"CHANGELOG.md has no section for package version {kvspec.__version__}"
     assert f"Protocol: **{major}.{minor}**" in section["body"], "the release must say which protocol version it speaks"
+
+
+def _build_config() -> object:
+    pytest.importorskip("mkdocs")
+    from mkdocs.config import load_config
+
+    return load_config(str(ROOT / "mkdocs.yml"))
+
+
+def test_the_build_stops_on_a_rule_without_a_case(monkeypatch: pytest.MonkeyPatch) -> None:
+    from mkdocs.structure.files import Files
+
+    import kvspec._rules
+
+    hooks = _load_hooks()
+    config = _build_config()
+    new = kvspec._rules.Rule(id="NEW-9", title="a new rule", level=kvspec._rules.Level.MUST, summary="s")
+    monkeypatch.setattr(kvspec._rules, "RULES", (*kvspec._rules.RULES, new))
+    with pytest.raises(hooks.CatalogueError, match="rule NEW-9 has no conformance case"):
+        hooks.on_files(Files([]), config)
+
+
+def test_the_build_stops_on_a_case_citing_an_unknown_rule(monkeypatch: pytest.MonkeyPatch) -> None:
+    import kvspec_conformance
+    from mkdocs.structure.files import Files
+
+    hooks = _load_hooks()
+    config = _build_config()
+    real = kvspec_conformance.catalogue()
+    stray = _Case(id="CLIP-9/stray", rule="CLIP-9")
+    monkeypatch.setattr(kvspec_conformance, "catalogue", lambda: {**real, "CLIP-1": [*real["CLIP-1"], stray]})
+    with pytest.raises(hooks.CatalogueError, match="case CLIP-9/stray cites unknown rule 'CLIP-9'"):
+        hooks.on_files(Files([]), config)
