@@ -14,6 +14,8 @@ from markdown.extensions.toc import slugify
 from mkdocs.exceptions import PluginError
 from mkdocs.structure.files import File, Files
 
+from kvspec import TransferMode
+
 log = logging.getLogger("mkdocs.hooks.kvspec")
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -294,6 +296,7 @@ def _import_generators() -> tuple[Any, Any, Any]:
 
 
 ERRORS_PAGE = "reference/errors.md"
+READ_MODE, WRITE_MODE = TransferMode.READ, TransferMode.WRITE
 # Modules whose exported calls the errors page lists.
 ERROR_SOURCES = ("kvspec", "kvspec.transport", "kvspec.transport.loopback")
 
@@ -340,12 +343,14 @@ def render_diagrams_page(diagrams: Any) -> str:
         "sessions execute (`kvspec._session.PRODUCER_TRANSITIONS`, `CONSUMER_TRANSITIONS`); the",
         "sequence diagrams are recorded by running a `ProducerSession` and a `ConsumerSession`",
         "through each scenario, so every arrow is a message or an action the code really produced.",
-        "Labels read `event / actions`; `[read]` or `[write]` marks a row of one mode only.",
+        "Labels read `events / actions`; `|` separates events with different actions.",
         "",
     ]
     for role, rule in (("producer", "SM-1"), ("consumer", "SM-2")):
-        out += [f"## {role.capitalize()} states ({rule})", "", _fence("mermaid", diagrams.state_diagram(role))]
-        out += ['??? note "The transition table"', ""]
+        out += [f"## {role.capitalize()} states ({rule})", ""]
+        for mode in (READ_MODE, WRITE_MODE):
+            out += [f"### {mode.value.upper()} mode", "", _fence("mermaid", diagrams.state_diagram(role, mode))]
+        out += ['??? note "The transition table, both modes"', ""]
         out += ["    " + line for line in diagrams.transition_table(role).splitlines()]
         out.append("")
     out += ["## Sequences", ""]
@@ -501,6 +506,8 @@ def on_files(files: Files, config: Any) -> Files:
     }
     for role in ("producer", "consumer"):
         snippets[f"state-diagram:{role}"] = _fence("mermaid", diagrams.state_diagram(role))
+        for mode in (READ_MODE, WRITE_MODE):
+            snippets[f"state-diagram:{role}:{mode.value}"] = _fence("mermaid", diagrams.state_diagram(role, mode))
         snippets[f"state-table:{role}"] = diagrams.transition_table(role)
     for name in diagrams.SEQUENCES:
         snippets[f"sequence:{name}"] = _fence("mermaid", diagrams.sequence_diagram(name))

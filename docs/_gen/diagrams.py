@@ -13,8 +13,28 @@ READ, WRITE = kvspec.TransferMode.READ, kvspec.TransferMode.WRITE
 
 
 def state_diagram(role: _session.Role, mode: kvspec.TransferMode | None = None) -> str:
-    """The role's state diagram, drawn from the table the session executes (SM-1, SM-2)."""
-    return _session.to_mermaid(role, mode)
+    """The role's state diagram, drawn from the table the session executes (SM-1, SM-2).
+
+    Rows with the same source and target become one arrow, and events with
+    the same actions share one label (``release, abort / cancel``), so
+    parallel arrows do not overlap.
+    """
+    merged: dict[tuple[str, str], dict[str, list[str]]] = {}
+    other: list[str] = []
+    for line in _session.to_mermaid(role, mode).splitlines():
+        head, sep, label = line.partition(": ")
+        source, arrow, target = head.strip().partition(" --> ")
+        if sep and arrow and "[*]" not in head:
+            event, _, actions = label.partition(" / ")
+            merged.setdefault((source, target), {}).setdefault(actions, []).append(event)
+        else:
+            other.append(line)
+    edges = []
+    for (source, target), by_actions in merged.items():
+        labels = [", ".join(events) + (f" / {actions}" if actions else "") for actions, events in by_actions.items()]
+        edges.append(f"    {source} --> {target}: {' | '.join(labels)}")
+    # Keep the header and the initial arrow first, the final arrows last.
+    return "\n".join(other[:2] + edges + other[2:]) + "\n"
 
 
 def transition_table(role: _session.Role) -> str:
