@@ -262,8 +262,9 @@ class _Worker:
             self.peers[peer.uid] = peer
         try:
             peer.out = Client((meta["host"], meta["port"]), authkey=bytes.fromhex(meta["authkey"]))
-            peer.send(("hello", self.metadata(), peer.session, peer.uid))
-        except (OSError, EOFError, _Failure) as exc:
+            # (hello, our metadata, our session, the uid we address, the session of theirs we answer or None)
+            peer.send(("hello", self.metadata(), peer.session, peer.uid, peer.remote_session))
+        except Exception as exc:  # refused, reset, or a reused port with another key (AuthenticationError)
             self._drop_peer(peer, _Failure("peer_disconnected", f"cannot reach peer {peer.name!r}: {exc}"))
             raise _Failure("peer_disconnected", f"cannot reach peer {peer.name!r}: {exc}") from exc
         if peer.rank == 0:
@@ -271,6 +272,14 @@ class _Worker:
             peer.send(("group", path))
             self._start_group(peer, path)
         return peer
+
+    def _answers_live_pairing(self, uid: str, answered: str | None) -> bool:
+        """A hello that answers one of our sessions counts only while that session's entry lives."""
+        if answered is None:
+            return True  # the peer starts a new pairing
+        with self.lock:
+            entry = self.peers.get(uid)
+            return entry is not None and entry.dead is None and entry.session == answered
 
     def _start_group(self, peer: _Peer, path: str) -> None:
         def form() -> None:
@@ -312,9 +321,10 @@ class _Worker:
                 kind = message[0]
                 _log(self.name, "recv", kind, peer.name if peer else None)
                 if kind == "hello":
-                    if message[3] != self.uid:
-                        break  # meant for an earlier life of this process (before a reset)
-                    peer = self._ensure_peer(message[1], message[2])
+                    _, meta, their_session, target_uid, answered = message
+                    if target_uid != self.uid or not self._answers_live_pairing(meta["uid"], answered):
+                        break  # for an earlier life of this process, or a pairing dropped since
+                    peer = self._ensure_peer(meta, their_session)
                     continue
                 with self.lock:
                     current = peer is not None and self._current(peer)
@@ -333,10 +343,10 @@ class _Worker:
                     self._remote_done(peer, message[1], None)
                 elif kind == "write_failed":
                     self._remote_done(peer, message[1], _Failure(message[2], message[3]))
-        except (OSError, EOFError):
+        except (OSError, EOFError, _Failure):
             pass
-        except _Failure:
-            pass
+        except Exception as exc:
+            _log(self.name, "reader failed", repr(exc))
         finally:
             conn.close()
             if peer is not None and not self.closed:

@@ -59,7 +59,8 @@ CAPABILITIES = Capabilities(
     notifications=True,
     cross_process=True,
     integrity=False,
-    observable_in_flight=False,
+    # A transfer starts at its first check, which always reports PENDING.
+    observable_in_flight=True,
 )
 
 # Extra seconds a pipe call waits beyond the worker's own timeout before the worker counts as hung.
@@ -108,6 +109,7 @@ class TorchDistributedBackend:
         check_wait_s: float = 0.001,
         threads: int = 1,
         max_idle: int = 4,
+        prestart: int = 2,
     ) -> None:
         _require_torch()
         if timeout_s <= 0 or start_timeout_s <= 0:
@@ -132,8 +134,9 @@ class TorchDistributedBackend:
         self._context = multiprocessing.get_context("spawn")
         self._agents: list[TorchAgent] = []
         self._idle: list[tuple[BaseProcess, Connection]] = []
-        self._max_idle = max_idle
+        self._max_idle = max(max_idle, prestart)
         self._lock = threading.Lock()
+        self._prestart(prestart)
 
     @property
     def name(self) -> str:
@@ -150,6 +153,30 @@ class TorchDistributedBackend:
         """The bound on pairing, each transfer, and each call to a worker."""
         return float(self._options["timeout_s"])
 
+    def _spawn(self, name: str) -> tuple[BaseProcess, Connection]:
+        parent, child = self._context.Pipe(duplex=True)
+        process = self._context.Process(
+            target=_worker_entry, args=(child, name, self._options), name=f"kvspec-torch-{name}", daemon=True
+        )
+        process.start()
+        child.close()
+        return process, parent
+
+    def _prestart(self, count: int) -> None:
+        """Start ``count`` workers now and wait until they are ready, so the first agents start warm."""
+        spawned = [self._spawn("idle") for _ in range(count)]
+        for process, conn in spawned:
+            if not conn.poll(self._start_timeout_s):
+                _kill(process)
+                raise TransportError(f"torch backend: a worker did not start within {self._start_timeout_s} s")
+            try:
+                conn.recv()  # ("ready", pid, torch version, seconds)
+            except (EOFError, OSError):
+                raise TransportError(
+                    f"torch backend: a worker exited during start-up (exit code {process.exitcode})"
+                ) from None
+            self._idle.append((process, conn))
+
     def create_agent(self, name: str) -> TorchAgent:
         """An agent named ``name`` in its own process: an idle worker if one is kept, else a new one.
 
@@ -161,12 +188,7 @@ class TorchDistributedBackend:
             process, parent = reused
             started = True
         else:
-            parent, child = self._context.Pipe(duplex=True)
-            process = self._context.Process(
-                target=_worker_entry, args=(child, name, self._options), name=f"kvspec-torch-{name}", daemon=True
-            )
-            process.start()
-            child.close()
+            process, parent = self._spawn(name)
             started = False
         agent = TorchAgent(
             name=name,
