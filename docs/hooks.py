@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import posixpath
 import re
 import sys
@@ -15,8 +14,6 @@ from mkdocs.exceptions import PluginError
 from mkdocs.structure.files import File, Files
 
 from kvspec import TransferMode
-
-log = logging.getLogger("mkdocs.hooks.kvspec")
 
 ROOT = Path(__file__).resolve().parent.parent
 GEN = Path(__file__).resolve().parent / "_gen"
@@ -35,8 +32,6 @@ CATALOGUE = "spec/catalogue.md"
 DIAGRAMS = "spec/diagrams.md"
 GENERATED_PAGES = frozenset({CATALOGUE, DIAGRAMS})
 
-# A rule id as DESIGN.md writes them: capitals, a dash, a number (CLIP-1, SM-2).
-RULE_ID = re.compile(r"\b([A-Z]{2,5}-\d+)\b")
 # A spec heading that opens a rule's section: "## CLIP-1 ...", "### Rule `CLIP-1`: ...", "## **SW-1**".
 RULE_HEADING = re.compile(r"^(?P<hashes>#{2,4})\s+(?:Rule\s+)?[*`]*(?P<id>[A-Z]{2,5}-\d+)\b(?P<rest>.*)$")
 # <!-- kvspec:NAME --> in any page is replaced by a generated snippet (a diagram, a table).
