@@ -47,9 +47,14 @@ class CatalogueError(PluginError):
 class RuleLike(Protocol):
     """What the catalogue needs of a rule (``kvspec._rules.Rule``)."""
 
-    id: str
-    title: str
-    summary: str
+    @property
+    def id(self) -> str: ...
+
+    @property
+    def title(self) -> str: ...
+
+    @property
+    def summary(self) -> str: ...
 
     @property
     def level(self) -> Any: ...
@@ -58,9 +63,14 @@ class RuleLike(Protocol):
 class CaseLike(Protocol):
     """What the catalogue needs of a conformance case (``kvspec_conformance`` ``Case``)."""
 
-    id: str
-    rule: str
-    title: str
+    @property
+    def id(self) -> str: ...
+
+    @property
+    def rule(self) -> str: ...
+
+    @property
+    def title(self) -> str: ...
 
     @property
     def level(self) -> Any: ...

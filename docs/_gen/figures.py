@@ -40,12 +40,11 @@ def _save(fig: Any) -> bytes:
 
 def _example_config() -> kvspec.KVCacheConfig:
     """Full attention plus a 32-token sliding window, block size 16 (MoRIIO's two-group test shape)."""
-    spec = {"block_size": 16, "num_kv_heads": 1, "head_size": 8, "dtype": "float16"}
+    full = kvspec.FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=8, dtype="float16")
+    window = kvspec.SlidingWindowSpec(block_size=16, num_kv_heads=1, head_size=8, dtype="float16", sliding_window=32)
     groups = [
-        kvspec.KVCacheGroupSpec(layer_names=["full.0"], kv_cache_spec=kvspec.FullAttentionSpec(**spec)),
-        kvspec.KVCacheGroupSpec(
-            layer_names=["sliding.0"], kv_cache_spec=kvspec.SlidingWindowSpec(sliding_window=32, **spec)
-        ),
+        kvspec.KVCacheGroupSpec(layer_names=["full.0"], kv_cache_spec=full),
+        kvspec.KVCacheGroupSpec(layer_names=["sliding.0"], kv_cache_spec=window),
     ]
     page = groups[0].kv_cache_spec.page_size_bytes
     tensors = [
