@@ -145,6 +145,22 @@ def _read_failure() -> str:
     return rec.text()
 
 
+def _abort_while_loading() -> str:
+    rec = _Recorder(READ)
+    producer = _producer(READ)
+    consumer = _handoff(rec, producer, [[11, 12], [13, 14]])
+    rec.record("C", consumer.start(now=1.0))
+    rec.say("Note over C: the request is aborted while its read is in flight")
+    rec.record("C", consumer.abort(now=1.5))
+    rec.say("Note over C: blocks stay allocated: bytes may still land in them (SM-2)")
+    rec.say("T-->>C: check(): the cancelled transfer has stopped")
+    out = consumer.transfer_done(now=2.0)
+    rec.record("C", out)
+    for message in out.send:
+        rec.record("P", producer.receive(message, now=2.5))
+    return rec.text()
+
+
 def _prefix_hit() -> str:
     rec = _Recorder(READ)
     producer = _producer(READ)
@@ -160,6 +176,7 @@ SEQUENCES: dict[str, tuple[str, Callable[[], str]]] = {
     "read": ("READ: the consumer pulls", _read),
     "write": ("WRITE: the producer pushes into the blocks the consumer offered", _write),
     "read-failure": ("READ, the transfer fails: FAILED, then the one release", _read_failure),
+    "abort-while-loading": ("READ, aborted mid-transfer: cancel, drain, only then free (SM-2)", _abort_while_loading),
     "prefix-hit": ("Full prefix hit: nothing moves, the release still goes out (REL-1)", _prefix_hit),
 }
 
