@@ -279,3 +279,18 @@ def test_a_dict_of_another_major_is_refused() -> None:
 def test_not_a_dict_is_refused() -> None:
     with pytest.raises(MalformedMessageError):
         TransferParams.from_kv_transfer_params([("remote_request_id", "r")])  # type: ignore[arg-type]
+
+
+# --------------------------------------------------------------------------- the catalogue page stays honest
+
+
+def test_the_message_catalogue_lists_every_field() -> None:
+    from pathlib import Path
+
+    page = (Path(__file__).resolve().parent.parent / "docs" / "spec" / "protocol-messages.md").read_text("utf-8")
+    for cls in (EngineDescriptor, GroupDescriptor, TransferParams, BlockOffer, Completion, Failure, Release, Abort):
+        section = page.split(f"### {cls.__name__}", 1)[-1] if cls is not GroupDescriptor else page
+        for field in attrs.fields(cls):
+            assert f"| `{field.name}` |" in section, f"{cls.__name__}.{field.name} is missing from the catalogue"
+    for key in TRANSFER_PARAMS_KEYS:
+        assert f"`{key}`" in page, f"kv_transfer_params key {key} is missing from the catalogue"
