@@ -467,6 +467,7 @@ class _Worker:
 
         def send() -> None:
             try:
+                self._wait_ready(peer)  # a peer that paired from its side alone may be here first
                 self._send_spans(peer, spans, tag)
             except Exception as exc:
                 self._drop_peer(peer, _gloo_failure(peer, exc))
@@ -475,14 +476,11 @@ class _Worker:
 
     def _serve_write(self, peer: _Peer, xid: int, tag: int, spans: list[Span], notification: bytes | None) -> None:
         """The peer writes to us: receive, then queue its notification, then acknowledge (DONE-1)."""
-        try:
-            wait = self._recv_spans(peer, spans, tag)
-        except Exception as exc:
-            _quiet(peer.send, ("write_failed", xid, "transfer_error", f"peer could not post receives: {exc}"))
-            return
 
         def land() -> None:
             try:
+                self._wait_ready(peer)
+                wait = self._recv_spans(peer, spans, tag)
                 wait()
             except Exception as exc:
                 _quiet(peer.send, ("write_failed", xid, "transfer_error", f"receiving: {exc}"))

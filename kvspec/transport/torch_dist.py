@@ -35,6 +35,8 @@ from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any
 
+import attrs
+
 from kvspec._errors import BackendUnavailableError, ConfigError, PlanError, TransportError
 from kvspec._models import FailureReason, TransferMode
 from kvspec.transport._base import (
@@ -133,7 +135,7 @@ class TorchDistributedBackend:
         self._check_wait_s = float(check_wait_s)
         self._context = multiprocessing.get_context("spawn")
         self._agents: list[TorchAgent] = []
-        self._idle: list[tuple[BaseProcess, Connection]] = []
+        self._idle: list[_WorkerProcess] = []
         self._max_idle = max(max_idle, prestart)
         self._lock = threading.Lock()
         self._prestart(prestart)
@@ -153,29 +155,26 @@ class TorchDistributedBackend:
         """The bound on pairing, each transfer, and each call to a worker."""
         return float(self._options["timeout_s"])
 
-    def _spawn(self, name: str) -> tuple[BaseProcess, Connection]:
+    def _spawn(self, name: str) -> _WorkerProcess:
         parent, child = self._context.Pipe(duplex=True)
         process = self._context.Process(
             target=_worker_entry, args=(child, name, self._options), name=f"kvspec-torch-{name}", daemon=True
         )
         process.start()
         child.close()
-        return process, parent
+        return _WorkerProcess(process=process, conn=parent)
 
     def _prestart(self, count: int) -> None:
         """Start ``count`` workers now and wait until they are ready, so the first agents start warm."""
         spawned = [self._spawn("idle") for _ in range(count)]
-        for process, conn in spawned:
-            if not conn.poll(self._start_timeout_s):
-                _kill(process)
-                raise TransportError(f"torch backend: a worker did not start within {self._start_timeout_s} s")
-            try:
-                conn.recv()  # ("ready", pid, torch version, seconds)
-            except (EOFError, OSError):
-                raise TransportError(
-                    f"torch backend: a worker exited during start-up (exit code {process.exitcode})"
-                ) from None
-            self._idle.append((process, conn))
+        try:
+            for worker in spawned:
+                worker.wait_ready(self._start_timeout_s)
+        except TransportError:
+            for worker in spawned:
+                _kill(worker.process)
+            raise
+        self._idle.extend(spawned)
 
     def create_agent(self, name: str) -> TorchAgent:
         """An agent named ``name`` in its own process: an idle worker if one is kept, else a new one.
@@ -184,21 +183,13 @@ class TorchDistributedBackend:
         """
         with self._lock:
             reused = self._idle.pop() if self._idle else None
-        if reused is not None:
-            process, parent = reused
-            started = True
-        else:
-            process, parent = self._spawn(name)
-            started = False
         agent = TorchAgent(
             name=name,
-            process=process,
-            conn=parent,
+            worker=reused or self._spawn(name),
             start_timeout_s=self._start_timeout_s,
             call_timeout_s=self.timeout_s + _PIPE_SLACK_S,
             check_wait_s=self._check_wait_s,
             recycle=self._recycle,
-            started=started,
         )
         if reused is not None:
             agent._call("rename", name)
@@ -206,14 +197,14 @@ class TorchDistributedBackend:
             self._agents.append(agent)
         return agent
 
-    def _recycle(self, agent: TorchAgent, process: BaseProcess, conn: Connection) -> bool:
+    def _recycle(self, agent: TorchAgent, worker: _WorkerProcess) -> bool:
         """Keep a reset worker for the next agent; False when the backend has enough idle ones."""
         with self._lock:
             if agent in self._agents:
                 self._agents.remove(agent)
             if len(self._idle) >= self._max_idle:
                 return False
-            self._idle.append((process, conn))
+            self._idle.append(worker)
             return True
 
     def close(self) -> None:
@@ -225,8 +216,29 @@ class TorchDistributedBackend:
             agent.close()
         with self._lock:
             idle, self._idle = self._idle, []
-        for process, conn in idle:
-            _stop(process, conn)
+        for worker in idle:
+            _stop(worker.process, worker.conn)
+
+
+@attrs.define(kw_only=True)
+class _WorkerProcess:
+    """One worker process and the parent's end of its pipe; outlives the agents it serves."""
+
+    process: BaseProcess
+    conn: Connection
+    torch_version: str | None = None
+    startup_s: float | None = None
+
+    def wait_ready(self, timeout_s: float) -> None:
+        """Take the worker's ``ready`` message (once); raises TransportError if it never comes."""
+        if self.torch_version is not None:
+            return
+        if not self.conn.poll(timeout_s):
+            raise TransportError(f"torch worker did not start within {timeout_s} s")
+        try:
+            _, _, self.torch_version, self.startup_s = self.conn.recv()
+        except (EOFError, OSError):
+            raise TransportError(f"torch worker exited during start-up (exit code {self.process.exitcode})") from None
 
 
 class TorchAgent:
@@ -236,27 +248,23 @@ class TorchAgent:
         self,
         *,
         name: str,
-        process: BaseProcess,
-        conn: Connection,
+        worker: _WorkerProcess,
         start_timeout_s: float,
         call_timeout_s: float,
         check_wait_s: float,
-        recycle: Callable[[TorchAgent, BaseProcess, Connection], bool] | None = None,
-        started: bool = False,
+        recycle: Callable[[TorchAgent, _WorkerProcess], bool] | None = None,
     ) -> None:
         self._name = name
         self._recycle = recycle
-        self._process = process
-        self._conn = conn
+        self._worker = worker
+        self._process = worker.process
+        self._conn = worker.conn
         self._start_timeout_s = start_timeout_s
         self._call_timeout_s = call_timeout_s
         self._check_wait_s = check_wait_s
         self._lock = threading.Lock()
-        self._started = started
         self._closed = False
         self._broken: str | None = None
-        self.startup_s: float | None = None
-        self.torch_version: str | None = None
         self._local_sizes: list[int] = []
         self._peer_sizes: dict[str, list[int]] = {}
         self._peer_pids: dict[str, int] = {}
@@ -298,17 +306,21 @@ class TorchAgent:
         """Whether the worker process is still running."""
         return self._process.is_alive()
 
+    @property
+    def torch_version(self) -> str | None:
+        """``torch.__version__`` in the worker, once it has started."""
+        return self._worker.torch_version
+
+    @property
+    def startup_s(self) -> float | None:
+        """Seconds the worker took to set up after importing torch."""
+        return self._worker.startup_s
+
     def _wait_started(self) -> None:
-        if self._started:
-            return
-        if not self._conn.poll(self._start_timeout_s):
-            self._break(f"worker did not start within {self._start_timeout_s} s")
         try:
-            ready = self._conn.recv()
-        except (EOFError, OSError):
-            self._break(f"worker exited during start-up (exit code {self._process.exitcode})")
-        _, _, self.torch_version, self.startup_s = ready
-        self._started = True
+            self._worker.wait_ready(self._start_timeout_s)
+        except TransportError as exc:
+            self._break(str(exc))
 
     def _break(self, why: str) -> Any:
         self._broken = f"agent {self._name!r}: {why}"
@@ -459,7 +471,7 @@ class TorchAgent:
                 healthy = False
             else:
                 self._closed = True
-                if self._recycle(self, self._process, self._conn):
+                if self._recycle(self, self._worker):
                     return
         self._closed = True
         if healthy:

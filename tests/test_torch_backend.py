@@ -1,0 +1,558 @@
+"""Tests of the torch.distributed backend: worker processes joined by gloo on 127.0.0.1 (DONE-1, PLAN-1, FAIL-1)."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from multiprocessing import shared_memory
+from typing import Any, ClassVar
+
+import pytest
+from conftest import require_backend_module
+from kvspec_conformance import BackendSuite, CaseContext
+
+from kvspec import ConfigError, PlanError, TransferMode, TransportError
+from kvspec._models import FailureReason
+from kvspec.transport import (
+    Backend,
+    Descriptor,
+    MemoryRegion,
+    TransferHandle,
+    TransferState,
+    TransferStatus,
+    Transport,
+    load_backend,
+)
+from kvspec.transport.torch_dist import TorchAgent, TorchDistributedBackend
+
+pytestmark = pytest.mark.torch
+
+PAGE = 4096
+POOL = 64 * PAGE
+DEADLINE = 20.0  # seconds; every wait below is bounded by this
+
+
+class Pools:
+    """``count`` shared-memory regions per side, random bytes, created and unlinked by the test process."""
+
+    def __init__(self, size: int = POOL, count: int = 2, seed: int = 7) -> None:
+        self.size = size
+        self.blocks = [shared_memory.SharedMemory(create=True, size=size) for _ in range(2 * count)]
+        rng = random.Random(seed)
+        for shm in self.blocks:
+            assert shm.buf is not None
+            piece = 1 << 20
+            for offset in range(0, size, piece):
+                end = min(offset + piece, size)
+                shm.buf[offset:end] = rng.randbytes(end - offset)
+        self.producer = self.blocks[:count]
+        self.consumer = self.blocks[count:]
+
+    @staticmethod
+    def regions(blocks: list[shared_memory.SharedMemory]) -> list[MemoryRegion]:
+        return [MemoryRegion(buffer=shm.buf[: shm.size], shm_name=shm.name) for shm in blocks]  # type: ignore[index]
+
+    @staticmethod
+    def read(shm: shared_memory.SharedMemory, offset: int, nbytes: int) -> bytes:
+        assert shm.buf is not None
+        return bytes(shm.buf[offset : offset + nbytes])
+
+    def snapshot(self) -> list[bytes]:
+        return [self.read(shm, 0, self.size) for shm in self.blocks]
+
+    def close(self) -> None:
+        for shm in self.blocks:
+            shm.close()
+            shm.unlink()
+
+
+def desc(local_region: int, local_offset: int, remote_region: int, remote_offset: int, nbytes: int) -> Descriptor:
+    return Descriptor(
+        local_region=local_region,
+        local_offset=local_offset,
+        remote_region=remote_region,
+        remote_offset=remote_offset,
+        nbytes=nbytes,
+    )
+
+
+def connect(producer: Transport, consumer: Transport, pools: Pools) -> None:
+    producer.register_memory(Pools.regions(pools.producer))
+    consumer.register_memory(Pools.regions(pools.consumer))
+    assert consumer.add_remote_agent(producer.get_agent_metadata()) == producer.name
+    assert producer.add_remote_agent(consumer.get_agent_metadata()) == consumer.name
+
+
+def wait(agent: Transport, handle: TransferHandle, deadline: float = DEADLINE) -> TransferStatus:
+    end = time.monotonic() + deadline
+    while time.monotonic() < end:
+        status = agent.check(handle)
+        if status.state is not TransferState.PENDING:
+            return status
+    pytest.fail(f"transfer {handle.transfer_id} still PENDING after {deadline} s")
+
+
+def scattered(rng: random.Random, count: int, pages: int = POOL // PAGE) -> list[tuple[int, int, int]]:
+    """(producer page, consumer page, region) triples: random pages in both regions plus one adjacent run."""
+    triples = []
+    for region in (0, 1):
+        p_pages = rng.sample(range(pages - 4), count)
+        c_pages = rng.sample(range(pages - 4), count)
+        triples += [(p, c, region) for p, c in zip(p_pages, c_pages, strict=True)]
+    run = [(pages - 4 + i, pages - 4 + i, 1) for i in range(4)]  # adjacent on both sides: coalesced into one send
+    return triples + run
+
+
+def expect_moved(pools: Pools, before: list[bytes], triples: list[tuple[int, int, int]], *, size: int = PAGE) -> None:
+    """Each consumer page holds its producer page; every other byte of both pools is unchanged."""
+    count = len(pools.producer)
+    images = [bytearray(b) for b in before]
+    for p, c, region in triples:
+        images[count + region][c * size : (c + 1) * size] = before[region][p * size : (p + 1) * size]
+    after = pools.snapshot()
+    for index, (image, now) in enumerate(zip(images, after, strict=True)):
+        assert bytes(image) == now, f"region {index} differs from the expected image"
+
+
+def poll_notifications(agent: Transport, count: int, deadline: float = DEADLINE) -> list[Any]:
+    got: list[Any] = []
+    end = time.monotonic() + deadline
+    while len(got) < count and time.monotonic() < end:
+        got += agent.get_notifications()
+    return got
+
+
+# --------------------------------------------------------------------------- fixtures
+
+
+class Pair:
+    """A backend with agents ``producer`` and ``consumer`` in two worker processes, registered and connected."""
+
+    def __init__(self, backend: TorchDistributedBackend, pools: Pools) -> None:
+        self.backend = backend
+        self.pools = pools
+        self.producer = backend.create_agent("producer")
+        self.consumer = backend.create_agent("consumer")
+        connect(self.producer, self.consumer, pools)
+
+
+@pytest.fixture(scope="module")
+def backend(pytestconfig: pytest.Config) -> Iterator[TorchDistributedBackend]:
+    require_backend_module(pytestconfig, "torch")
+    # Small staging messages and ring, so that a few 4 KiB pages already span several chunks.
+    backend = TorchDistributedBackend(timeout_s=DEADLINE, chunk_bytes=4 * PAGE, ring=2)
+    yield backend
+    backend.close()
+
+
+@pytest.fixture(scope="module")
+def pair(backend: TorchDistributedBackend) -> Iterator[Pair]:
+    pools = Pools()
+    pair = Pair(backend, pools)
+    yield pair
+    pair.producer.close()
+    pair.consumer.close()
+    pools.close()
+
+
+# --------------------------------------------------------------------------- shape
+
+
+def test_is_a_backend_with_agents_in_two_other_processes(backend: TorchDistributedBackend, pair: Pair) -> None:
+    producer, consumer = pair.producer, pair.consumer
+    assert isinstance(backend, Backend)
+    assert isinstance(producer, Transport)
+    assert backend.name == "torch"
+    assert len({producer.pid, consumer.pid, os.getpid()}) == 3
+    assert consumer.peer_pid("producer") == producer.pid
+    assert producer.peer_pid("consumer") == consumer.pid
+    caps = backend.capabilities
+    assert caps.modes == {TransferMode.READ, TransferMode.WRITE}
+    assert caps.cross_process and caps.notifications and caps.observable_in_flight
+    assert producer.torch_version is not None and producer.torch_version.startswith("2.")
+
+
+def test_registry_builds_it_and_this_process_never_imports_torch(pytestconfig: pytest.Config) -> None:
+    require_backend_module(pytestconfig, "torch")
+    code = textwrap.dedent(
+        """
+        import sys
+        from kvspec.transport import load_backend
+        backend = load_backend("torch", prestart=0)
+        print(type(backend).__name__, "torch" in sys.modules)
+        backend.close()
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.split() == ["TorchDistributedBackend", "False"]
+
+
+def _tcp_sockets(pid: int) -> list[str]:
+    """Local addresses of the TCP sockets process ``pid`` holds (from /proc)."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    found = []
+    for table in ("tcp", "tcp6"):
+        with open(f"/proc/{pid}/net/{table}") as f:
+            for line in f.read().splitlines()[1:]:
+                fields = line.split()
+                if fields[9] in inodes:
+                    found.append(fields[1])
+    return found
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_every_socket_of_both_workers_is_on_loopback(pair: Pair) -> None:
+    # 0100007F is 127.0.0.1 in /proc's little-endian hex; gloo must honour GLOO_SOCKET_IFNAME=lo.
+    for agent in (pair.producer, pair.consumer):
+        addresses = _tcp_sockets(agent.pid)
+        assert addresses, "expected the control and gloo sockets"
+        assert all(a.split(":")[0] == "0100007F" for a in addresses), addresses
+
+
+# --------------------------------------------------------------------------- data
+
+
+@pytest.mark.parametrize("page", [PAGE, 4 * PAGE], ids=["4KiB", "16KiB"])
+def test_read_moves_exactly_the_described_bytes(pair: Pair, page: int) -> None:
+    """Small pages travel packed in 16 KiB messages through a ring of two staging buffers (wraps around)."""
+    pools = pair.pools
+    triples = scattered(random.Random(page), 5, POOL // page)
+    before = pools.snapshot()
+    descriptors = [desc(r, c * page, r, p * page, page) for p, c, r in triples]
+    handle = pair.consumer.post(TransferMode.READ, descriptors, peer="producer")
+    assert pair.consumer.check(handle).state is TransferState.PENDING  # the first check sees it in flight
+    assert wait(pair.consumer, handle).state is TransferState.DONE
+    pair.consumer.release(handle)
+    expect_moved(pools, before, triples, size=page)
+
+
+def test_large_pages_go_straight_into_the_pool(backend: TorchDistributedBackend) -> None:
+    size = 1 << 20
+    pools = Pools(size=8 * size, count=1, seed=3)
+    pair = Pair(backend, pools)
+    try:
+        triples = [(0, 5, 0), (3, 1, 0), (6, 2, 0), (7, 3, 0)]  # 6,7 -> 2,3 coalesce into one 2 MiB send
+        before = pools.snapshot()
+        handle = pair.producer.post(
+            TransferMode.WRITE, [desc(0, p * size, 0, c * size, size) for p, c, _ in triples], peer="consumer"
+        )
+        assert wait(pair.producer, handle).state is TransferState.DONE
+        expect_moved(pools, before, triples, size=size)
+    finally:
+        pair.producer.close()
+        pair.consumer.close()
+        pools.close()
+
+
+def test_write_notification_arrives_after_the_data(pair: Pair) -> None:
+    pools = pair.pools
+    triples = scattered(random.Random(11), 6)
+    before = pools.snapshot()
+    descriptors = [desc(r, p * PAGE, r, c * PAGE, PAGE) for p, c, r in triples]
+    handle = pair.producer.post(TransferMode.WRITE, descriptors, peer="consumer", notification=b"complete:w1")
+    notes: list[Any] = []
+    end = time.monotonic() + DEADLINE
+    while not notes and time.monotonic() < end:
+        pair.producer.check(handle)  # the initiator's polling is what starts and progresses it
+        notes = list(pair.consumer.get_notifications())
+    # Checked the moment the notification is seen, before the initiator reports DONE (DONE-1).
+    expect_moved(pools, before, triples)
+    assert [(n.peer, n.message) for n in notes] == [("producer", b"complete:w1")]
+    assert wait(pair.producer, handle).state is TransferState.DONE
+
+
+def test_read_notification_reaches_the_producer_after_done(pair: Pair) -> None:
+    handle = pair.consumer.post(TransferMode.READ, [desc(0, 0, 0, PAGE, PAGE)], peer="producer", notification=b"rel")
+    assert wait(pair.consumer, handle).state is TransferState.DONE
+    notes = poll_notifications(pair.producer, 1)
+    assert [(n.peer, n.message) for n in notes] == [("consumer", b"rel")]
+
+
+def test_notifications_arrive_in_order_both_ways(pair: Pair) -> None:
+    messages = [f"m{i}".encode() * (i + 1) for i in range(20)]
+    for message in messages:
+        pair.consumer.send_notification("producer", message)
+        pair.producer.send_notification("consumer", message)
+    assert [n.message for n in poll_notifications(pair.producer, 20)] == messages
+    assert [n.message for n in poll_notifications(pair.consumer, 20)] == messages
+
+
+# --------------------------------------------------------------------------- refusals
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        desc(0, 0, 0, POOL - PAGE + 1, PAGE),  # straddles the end of the peer's region
+        desc(0, POOL, 0, 0, PAGE),  # past the end of the local region
+        desc(2, 0, 0, 0, PAGE),  # local region not registered
+        desc(0, 0, 5, 0, PAGE),  # remote region not registered
+        desc(0, -PAGE, 0, 0, PAGE),  # negative offset
+        desc(0, 0, 0, 0, 0),  # empty
+    ],
+    ids=["remote-straddles-end", "local-past-end", "local-region", "remote-region", "negative", "empty"],
+)
+@pytest.mark.parametrize("mode", [TransferMode.READ, TransferMode.WRITE])
+def test_out_of_range_descriptor_refused_before_anything_moves(pair: Pair, bad: Descriptor, mode: TransferMode) -> None:
+    initiator, peer = (pair.consumer, "producer") if mode is TransferMode.READ else (pair.producer, "consumer")
+    before = pair.pools.snapshot()
+    good = [desc(0, i * PAGE, 0, (i + 20) * PAGE, PAGE) for i in range(4)]
+    with pytest.raises(PlanError, match="descriptor 4"):
+        initiator.post(mode, [*good, bad], peer=peer)
+    # Prove nothing is in flight: a later transfer completes and the pools are untouched.
+    handle = initiator.post(mode, [desc(1, 0, 1, 0, PAGE)], peer=peer)
+    assert wait(initiator, handle).state is TransferState.DONE
+    expect_moved(pair.pools, before, [(0, 0, 1)])
+
+
+def test_unknown_peer_and_foreign_handles_are_refused(pair: Pair) -> None:
+    with pytest.raises(TransportError, match="unknown peer") as info:
+        pair.consumer.post(TransferMode.READ, [desc(0, 0, 0, 0, PAGE)], peer="nobody")
+    assert info.value.reason == FailureReason.PEER_DISCONNECTED.value
+    with pytest.raises(TransportError, match="unknown peer"):
+        pair.consumer.send_notification("nobody", b"x")
+    handle = pair.consumer.post(TransferMode.READ, [desc(0, 0, 0, 0, PAGE)], peer="producer")
+    with pytest.raises(TransportError, match="not posted here"):
+        pair.producer.check(handle)
+    assert wait(pair.consumer, handle).state is TransferState.DONE
+    pair.consumer.release(handle)
+    with pytest.raises(TransportError):
+        pair.consumer.check(handle)
+
+
+def test_memory_without_a_shared_memory_name_is_refused(backend: TorchDistributedBackend) -> None:
+    agent = backend.create_agent("private")
+    try:
+        with pytest.raises(ConfigError, match="shm_name"):
+            agent.register_memory([MemoryRegion(buffer=memoryview(bytearray(PAGE)))])
+    finally:
+        agent.close()
+
+
+def test_adding_the_same_peer_twice_is_idempotent(pair: Pair) -> None:
+    metadata = pair.producer.get_agent_metadata()
+    assert pair.consumer.add_remote_agent(metadata) == "producer"
+    assert pair.consumer.add_remote_agent(metadata) == "producer"
+    handle = pair.consumer.post(TransferMode.READ, [desc(0, 0, 0, 0, PAGE)], peer="producer")
+    assert wait(pair.consumer, handle).state is TransferState.DONE
+
+
+def test_closed_agent_refuses_calls_and_its_worker_is_reused(backend: TorchDistributedBackend) -> None:
+    agent = backend.create_agent("short-lived")
+    pid = agent.pid
+    agent.get_agent_metadata()
+    agent.close()
+    with pytest.raises(TransportError, match="closed"):
+        agent.get_agent_metadata()
+    again = backend.create_agent("next")
+    try:
+        assert again.pid == pid  # the reset worker was handed out again
+        assert again.name == "next"
+    finally:
+        again.close()
+
+
+# --------------------------------------------------------------------------- failures
+
+
+def test_removing_the_peer_mid_transfer_fails_it_and_pairing_again_works(backend: TorchDistributedBackend) -> None:
+    pools = Pools()
+    pair = Pair(backend, pools)
+    try:
+        for mode, initiator, peer, other in (
+            (TransferMode.READ, pair.consumer, "producer", pair.producer),
+            (TransferMode.WRITE, pair.producer, "consumer", pair.consumer),
+        ):
+            handle = initiator.post(mode, [desc(0, 0, 0, 0, PAGE)], peer=peer)
+            assert initiator.check(handle).state is TransferState.PENDING
+            initiator.remove_remote_agent(peer)
+            status = wait(initiator, handle)
+            assert (status.state, status.reason) == (TransferState.FAILED, FailureReason.PEER_DISCONNECTED)
+            initiator.release(handle)
+            with pytest.raises(TransportError):
+                initiator.post(mode, [desc(0, 0, 0, 0, PAGE)], peer=peer)
+            initiator.add_remote_agent(other.get_agent_metadata())
+            handle = initiator.post(mode, [desc(0, 0, 0, 0, PAGE)], peer=peer)
+            assert wait(initiator, handle).state is TransferState.DONE
+    finally:
+        pair.producer.close()
+        pair.consumer.close()
+        pools.close()
+
+
+def test_killing_the_peer_mid_transfer_fails_within_the_deadline_and_the_survivor_serves_on(
+    backend: TorchDistributedBackend,
+) -> None:
+    """SIGSTOP keeps the peer from answering (so the transfer is surely in flight), then SIGKILL ends it."""
+    size = 1 << 20
+    pools = Pools(size=16 * size, count=1, seed=5)
+    pair = Pair(backend, pools)
+    consumer = pair.consumer
+    try:
+        for mode in (TransferMode.READ, TransferMode.WRITE):
+            producer = pair.producer
+            pages = [desc(0, i * size, 0, i * size, size) for i in range(16)]
+            os.kill(producer.pid, signal.SIGSTOP)
+            if mode is TransferMode.READ:
+                handle = consumer.post(mode, pages, peer="producer")
+                assert consumer.check(handle).state is TransferState.PENDING
+                assert consumer.check(handle).state is TransferState.PENDING
+                killed = time.monotonic()
+                os.kill(producer.pid, signal.SIGKILL)
+                status = wait(consumer, handle)
+                assert (status.state, status.reason) == (TransferState.FAILED, FailureReason.PEER_DISCONNECTED)
+                consumer.release(handle)
+            else:
+                # The consumer pushes back into the producer (WRITE from this side) while it is stopped.
+                handle = consumer.post(mode, pages, peer="producer", notification=b"never")
+                assert consumer.check(handle).state is TransferState.PENDING
+                killed = time.monotonic()
+                os.kill(producer.pid, signal.SIGKILL)
+                status = wait(consumer, handle)
+                assert status.state is TransferState.FAILED
+                assert status.reason in (FailureReason.PEER_DISCONNECTED, FailureReason.TRANSFER_ERROR)
+            assert time.monotonic() - killed < DEADLINE / 2
+            end = time.monotonic() + 5.0
+            while producer.alive and time.monotonic() < end:
+                time.sleep(0.01)
+            assert not producer.alive
+            # The dead agent's own calls fail instead of hanging.
+            with pytest.raises(TransportError):
+                producer.get_agent_metadata()
+            producer.close()
+            # The survivor pairs with a replacement of the same name and moves bytes again.
+            pair.producer = replacement = backend.create_agent("producer")
+            replacement.register_memory(Pools.regions(pools.producer))
+            assert consumer.add_remote_agent(replacement.get_agent_metadata()) == "producer"
+            replacement.add_remote_agent(consumer.get_agent_metadata())
+            before = pools.snapshot()
+            handle = consumer.post(TransferMode.READ, [desc(0, 0, 0, 3 * size, size)], peer="producer")
+            assert wait(consumer, handle).state is TransferState.DONE
+            expect_moved(pools, before, [(3, 0, 0)], size=size)
+    finally:
+        pair.producer.close()
+        consumer.close()
+        pools.close()
+
+
+def test_a_silent_peer_times_out_and_the_pair_can_be_rebuilt(pytestconfig: pytest.Config) -> None:
+    require_backend_module(pytestconfig, "torch")
+    backend = TorchDistributedBackend(timeout_s=1.0)
+    pools = Pools()
+    try:
+        pair = Pair(backend, pools)
+        os.kill(pair.producer.pid, signal.SIGSTOP)
+        try:
+            handle = pair.consumer.post(TransferMode.READ, [desc(0, 0, 0, 0, PAGE)], peer="producer")
+            started = time.monotonic()
+            status = wait(pair.consumer, handle)
+            assert (status.state, status.reason) == (TransferState.FAILED, FailureReason.TIMEOUT)
+            assert 1.0 <= time.monotonic() - started < 5.0
+        finally:
+            os.kill(pair.producer.pid, signal.SIGCONT)
+        pair.consumer.remove_remote_agent("producer")
+        pair.consumer.add_remote_agent(pair.producer.get_agent_metadata())
+        handle = pair.consumer.post(TransferMode.READ, [desc(0, 0, 0, 0, PAGE)], peer="producer")
+        assert wait(pair.consumer, handle).state is TransferState.DONE
+    finally:
+        backend.close()
+        pools.close()
+
+
+def test_killing_an_agents_own_worker_fails_its_transfers(backend: TorchDistributedBackend) -> None:
+    pools = Pools()
+    pair = Pair(backend, pools)
+    try:
+        handle = pair.consumer.post(TransferMode.READ, [desc(0, 0, 0, 0, PAGE)], peer="producer")
+        os.kill(pair.consumer.pid, signal.SIGKILL)
+        status = wait(pair.consumer, handle)
+        assert (status.state, status.reason) == (TransferState.FAILED, FailureReason.TRANSFER_ERROR)
+        with pytest.raises(TransportError, match="died"):
+            pair.consumer.post(TransferMode.READ, [desc(0, 0, 0, 0, PAGE)], peer="producer")
+    finally:
+        pair.consumer.close()
+        pair.producer.close()
+        pools.close()
+
+
+# --------------------------------------------------------------------------- without torch
+
+
+def test_without_torch_kvspec_imports_and_the_backend_says_how_to_install() -> None:
+    code = textwrap.dedent(
+        """
+        import sys
+        sys.modules["torch"] = None  # as if torch were not installed
+        import kvspec
+        import kvspec.transport.torch_dist
+        from kvspec.transport import load_backend
+        try:
+            load_backend("torch")
+        except kvspec.BackendUnavailableError as exc:
+            assert isinstance(exc, ImportError)
+            print(exc)
+        else:
+            raise SystemExit("expected BackendUnavailableError")
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "pip install 'kvspec[torch]'" in out.stdout
+    assert "torch==2.13.0" in out.stdout
+
+
+# --------------------------------------------------------------------------- the whole conformance suite
+
+
+def _make_backend() -> TorchDistributedBackend:
+    return TorchDistributedBackend()
+
+
+class TestConformance(BackendSuite):
+    """Every conformance case against the torch backend; a case skips only for a capability it lacks (integrity)."""
+
+    backend_factory = staticmethod(_make_backend)
+    allowed_skips: ClassVar[set[str]] = {"FAIL-1/corruption-with-integrity"}
+
+    @pytest.fixture(scope="class", autouse=True)
+    def _torch_is_required(self, pytestconfig: pytest.Config) -> None:
+        require_backend_module(pytestconfig, "torch")
+
+    def test_conformance(self, kvspec_case: Any, kvspec_context: CaseContext) -> None:
+        if kvspec_case.id in self.allowed_skips:
+            assert "integrity" in kvspec_case.requires
+        super().test_conformance(kvspec_case, kvspec_context)
+
+    def test_endpoints_are_separate_processes(self, kvspec_context: CaseContext) -> None:
+        backend = kvspec_context.backend
+        assert isinstance(backend, TorchDistributedBackend)
+        producer, consumer = backend.create_agent("producer"), backend.create_agent("consumer")
+        try:
+            assert isinstance(producer, TorchAgent) and isinstance(consumer, TorchAgent)
+            assert len({producer.pid, consumer.pid, os.getpid()}) == 3
+        finally:
+            producer.close()
+            consumer.close()
+
+
+def test_load_backend_passes_options(pytestconfig: pytest.Config) -> None:
+    require_backend_module(pytestconfig, "torch")
+    backend = load_backend("torch", timeout_s=3.0, prestart=0)
+    try:
+        assert isinstance(backend, TorchDistributedBackend)
+        assert backend.timeout_s == 3.0
+    finally:
+        backend.close()
