@@ -6,6 +6,9 @@ from collections.abc import Iterator
 from multiprocessing import shared_memory
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from kvspec_conformance.strategies import configs
 
 from kvspec import BlockIds, FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor, SlidingWindowSpec
 from kvspec.testing import (
@@ -167,3 +170,46 @@ def test_other_request_salt_is_caught(pools: tuple[PagePool, PagePool]) -> None:
     found = run(producer, consumer, [(0, 6, 7), *GOOD[1:]])
     assert {(m.kind, m.block) for m in found} == {(MismatchKind.WRONG_CONTENT, 7)}
     assert "salt 'r2'" in found[0].what or "producer's block 6" in found[0].what
+
+
+# --------------------------------------------------------------------------- properties of the oracle
+
+
+def _plan_request(config: KVCacheConfig, data: st.DataObject) -> ExpectedLoad:
+    from math import lcm
+
+    unit = lcm(*(g.kv_cache_spec.block_size for g in config.kv_cache_groups))
+    tokens = data.draw(st.integers(1, 24), label="num_tokens")
+    hit = unit * data.draw(st.integers(0, tokens // unit), label="hit_units")
+    fresh = iter(range(1, config.num_blocks))
+    producer, consumer = [], []
+    for group in config.kv_cache_groups:
+        total = -(-tokens // group.kv_cache_spec.block_size)
+        producer.append([next(fresh) for _ in range(total)])
+        consumer.append([next(fresh) for _ in range(total - hit // group.kv_cache_spec.block_size)])
+    return ExpectedLoad(producer_block_ids=producer, consumer_block_ids=consumer, num_tokens=tokens, salt="p")
+
+
+@given(config=configs(max_groups=3, num_blocks=160), data=st.data())
+def test_oracle_accepts_a_correct_copy_and_catches_any_flipped_byte(config: KVCacheConfig, data: st.DataObject) -> None:
+    load = _plan_request(config, data)
+    with allocate_pool(config, shared=False) as producer, allocate_pool(config, shared=False) as consumer:
+        fill_background(producer, seed="p")
+        fill_background(consumer, seed="c")
+        fill_producer_pages(producer, load.producer_block_ids, num_tokens=load.num_tokens, salt=load.salt)
+        p0, c0 = producer.snapshot(), consumer.snapshot()
+        # An independent copy of what the transfer must do: every layer's page of every tail-aligned pair.
+        for copy in expected_copies(config, load):
+            for layer in config.kv_cache_groups[copy.group].layer_names:
+                consumer.page(layer, copy.consumer_block)[:] = producer.page(layer, copy.producer_block)
+        assert (
+            check_pools(producer=producer, consumer=consumer, producer_before=p0, consumer_before=c0, loads=[load])
+            == []
+        )
+        side = data.draw(st.sampled_from([producer, consumer]), label="side")
+        region = data.draw(st.integers(0, len(side.regions) - 1), label="region")
+        offset = data.draw(st.integers(0, side.regions[region].nbytes - 1), label="offset")
+        side.regions[region].buffer[offset] ^= 0xFF
+        found = check_pools(producer=producer, consumer=consumer, producer_before=p0, consumer_before=c0, loads=[load])
+        assert found, f"flipping byte {offset} of region {region} went unnoticed"
+        assert {m.side for m in found} == {"producer" if side is producer else "consumer"}
