@@ -1,0 +1,55 @@
+"""The shared conftest's options: --require-backends turns a missing backend dependency into a failure, --run-slow."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+TESTS = Path(__file__).resolve().parent
+
+SAMPLE = """
+import pytest
+from conftest import require_backend_module
+
+
+def test_needs_a_missing_backend(pytestconfig):
+    require_backend_module(pytestconfig, "kvspec_no_such_backend_module", "nosuch")
+
+
+def test_fixture_form(require_module):
+    require_module("kvspec_no_such_backend_module")
+
+
+@pytest.mark.slow
+def test_slow():
+    pass
+"""
+
+
+def _pytest(folder: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", str(folder), *args],
+        capture_output=True,
+        text=True,
+        cwd=folder,
+        timeout=300,
+    )
+
+
+def test_missing_backend_skips_by_default_and_fails_when_required(tmp_path: Path) -> None:
+    shutil.copy(TESTS / "conftest.py", tmp_path / "conftest.py")
+    (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    slow: slow\n", encoding="utf-8")
+    (tmp_path / "test_sample.py").write_text(SAMPLE, encoding="utf-8")
+    default = _pytest(tmp_path)
+    assert default.returncode == 0, default.stdout
+    assert "3 skipped" in default.stdout
+    assert "pip install 'kvspec[nosuch]'" in default.stdout
+    assert "slow: run with --run-slow" in default.stdout
+    required = _pytest(tmp_path, "--require-backends")
+    assert required.returncode == 1, required.stdout
+    assert "2 failed" in required.stdout
+    assert "--require-backends" in required.stdout
+    slow = _pytest(tmp_path, "--run-slow", "-k", "slow")
+    assert "1 passed" in slow.stdout, slow.stdout
