@@ -392,6 +392,7 @@ class _Driver:
         self.states: dict[str, _State] = {}
         self.loads: list[ExpectedLoad] = []
         self.early: list[str] = []
+        self.completed_early: list[tuple[str, ExpectedLoad, list[PageMismatch]]] = []
         self.problems: list[str] = []
         self.injectors: list[FaultInjector] = []
 
@@ -526,10 +527,8 @@ class _Driver:
         expected = self._expected(state, loaded=True)
         found = check_loaded_pages(self.consumer_pool, expected)
         if found:
-            self.early.append(
-                f"{state.spec.request_id}: reported complete while {len(found)} paired pages were not visible, "
-                f"e.g. {found[0]}"
-            )
+            # Judged at the end: a page right by then landed late (DONE-1); one still wrong is a data error.
+            self.completed_early.append((state.spec.request_id, expected, found))
         state.c_state = "loaded"
         state.finished_at = now
         self.loads.append(expected)
@@ -767,6 +766,7 @@ class _Driver:
                     refused = f"{type(exc).__name__}: {exc}"
                 else:
                     self._loop(started)
+                self._judge_early_completions()
                 mismatches = check_pools(
                     producer=producer_pool,
                     consumer=consumer_pool,
@@ -814,6 +814,16 @@ class _Driver:
             injected=injected,
             seconds=time.monotonic() - started,
         )
+
+    def _judge_early_completions(self) -> None:
+        for request_id, load, at_completion in self.completed_early:
+            still_wrong = {(m.layer, m.block) for m in check_loaded_pages(self.consumer_pool, load)}
+            late = [m for m in at_completion if (m.layer, m.block) not in still_wrong]
+            if late:
+                self.early.append(
+                    f"{request_id}: reported complete while {len(late)} paired pages had not landed yet, "
+                    f"e.g. group {late[0].group}, layer {late[0].layer!r}, block {late[0].block}"
+                )
 
     def _connect(self, producer_pool: PagePool, consumer_pool: PagePool) -> None:
         self.producer.register_memory(producer_pool.regions)

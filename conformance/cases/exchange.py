@@ -12,6 +12,7 @@ from kvspec._models import TransferMode
 from kvspec._session import ConsumerState
 from kvspec.testing import (
     ExpectedLoad,
+    PageMismatch,
     allocate_pool,
     check_loaded_pages,
     check_pools,
@@ -112,6 +113,7 @@ def _run(backend: Backend, mode: TransferMode, requests: list[_Req], plan: Fault
                 routed = TransferParams.from_kv_transfer_params(params[r.request_id].to_kv_transfer_params())
                 consumer.begin(routed, prefix_hit_tokens=r.prefix_hit_tokens)
             loads: dict[str, ExpectedLoad] = {}
+            completed_early: list[tuple[str, ExpectedLoad, list[PageMismatch]]] = []
             polls = 0
             hard_stop = time.monotonic() + 10.0 * scale
             by_id = {r.request_id: r for r in requests}
@@ -141,10 +143,15 @@ def _run(backend: Backend, mode: TransferMode, requests: list[_Req], plan: Fault
                     if load.loaded:
                         early = check_loaded_pages(c_pool, load)
                         if early:
-                            problems.append(f"{rid}: LOADED while pages were not visible (DONE-1): {early[0]}")
+                            completed_early.append((rid, load, early))
                     elif result.failure is None and result.state is ConsumerState.FAILED:
                         problems.append(f"{rid}: FAILED without a typed reason (FAIL-1)")
                 time.sleep(0.0002)
+            for rid, load, at_completion in completed_early:
+                still_wrong = {(m.layer, m.block) for m in check_loaded_pages(c_pool, load)}
+                late = [m for m in at_completion if (m.layer, m.block) not in still_wrong]
+                if late:
+                    problems.append(f"{rid}: LOADED before {len(late)} pages had landed (DONE-1): {late[0]}")
             mismatches = check_pools(
                 producer=p_pool,
                 consumer=c_pool,
