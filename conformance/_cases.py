@@ -8,9 +8,8 @@ from typing import TYPE_CHECKING
 
 import attrs
 
-from kvspec._models import TransferMode
-from kvspec._rules import RULES, Level, get_rule
-from kvspec.transport._base import Capabilities
+from kvspec import RULES, Level, TransferMode, get_rule
+from kvspec.transport import Capabilities
 
 if TYPE_CHECKING:
     from ._context import CaseContext

@@ -4,14 +4,18 @@ from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
-from kvspec._handshake import check_compatibility
-from kvspec._messages import EngineDescriptor
-from kvspec._models import BlockIds, KVCacheConfig, TransferMode
-from kvspec._plan import PairedBlocks, TransferPlan, plan_transfer
-from kvspec._reference import (
+from kvspec import (
+    BlockIds,
+    EngineDescriptor,
+    KVCacheConfig,
+    PairedBlocks,
+    TransferMode,
+    TransferPlan,
     blocks_per_sw,
+    check_compatibility,
     compute_transfer_pairs,
     get_exchange_clipped_blocks,
+    plan_transfer,
     validate_hybrid_support,
 )
 

@@ -8,8 +8,8 @@ from typing import TypeVar
 import attrs
 from hypothesis import HealthCheck, Phase, settings
 
-from kvspec._models import FailureReason
-from kvspec.transport._base import Backend, Capabilities
+from kvspec import FailureReason
+from kvspec.transport import Backend, Capabilities
 
 from ._cases import CaseFailure, CaseSkip
 from ._connector import Connector, ReferenceConnector

@@ -12,7 +12,7 @@ from xml.etree import ElementTree as ET
 
 import attrs
 
-from kvspec._rules import RULES, Level
+from kvspec import RULES, Level
 
 __all__ = ["CaseResult", "Outcome", "Report"]
 

@@ -7,9 +7,8 @@ import traceback
 from collections.abc import Callable, Iterable, Sequence
 
 import kvspec
-from kvspec._rules import Level
-from kvspec.transport._base import Backend
-from kvspec.transport._registry import load_backend
+from kvspec import Level
+from kvspec.transport import Backend, load_backend
 
 from ._cases import Case, CaseFailure, CaseSkip, missing_capabilities, select_cases
 from ._connector import Connector, ReferenceConnector

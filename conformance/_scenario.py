@@ -30,34 +30,35 @@ from typing import Any
 
 import attrs
 
-from kvspec._codec import decode, encode
-from kvspec._errors import (
-    IncompatiblePeerError,
-    KVSpecError,
-    MalformedMessageError,
-    PlanError,
-    TransportError,
-    UnsupportedVersionError,
-)
-from kvspec._messages import (
+from kvspec import (
+    NULL_BLOCK_ID,
     Abort,
+    BlockIds,
     BlockOffer,
     Completion,
     EngineDescriptor,
     Failure,
+    FailureReason,
+    IncompatiblePeerError,
+    KVCacheConfig,
+    KVSpecError,
+    MalformedMessageError,
     Message,
+    PairedBlocks,
+    PlanError,
     Release,
     ReleaseOutcome,
-)
-from kvspec._models import NULL_BLOCK_ID, BlockIds, FailureReason, KVCacheConfig, TransferMode
-from kvspec._plan import PairedBlocks
-from kvspec._presets import get_preset
-from kvspec._reference import (
+    TransferMode,
+    TransportError,
+    UnsupportedVersionError,
     blocks_per_sw,
+    decode,
+    encode,
     get_consumer_block_counts,
     get_exchange_clipped_blocks,
     get_logical_block_count,
     get_num_skipped_tokens,
+    get_preset,
     is_hma_required,
 )
 from kvspec.testing import (
@@ -71,8 +72,7 @@ from kvspec.testing import (
     fill_producer_pages,
     format_mismatches,
 )
-from kvspec.transport._base import Backend, TransferHandle, TransferState, Transport
-from kvspec.transport.faults import FaultInjector, FaultPlan, InjectedFault
+from kvspec.transport import Backend, FaultInjector, FaultPlan, InjectedFault, TransferHandle, TransferState, Transport
 
 from ._connector import Connector, ReferenceConnector
 
@@ -911,7 +911,7 @@ class _Driver:
 
 def _resolve_backend(backend: Backend | str) -> tuple[Backend, bool]:
     if isinstance(backend, str):
-        from kvspec.transport._registry import load_backend
+        from kvspec.transport import load_backend
 
         return load_backend(backend), True
     return backend, False

@@ -10,9 +10,8 @@ from typing import TextIO
 
 import attrs
 
-from kvspec._errors import KVSpecError
-from kvspec._rules import RULES, Level
-from kvspec.transport._registry import load_backend
+from kvspec import RULES, KVSpecError, Level
+from kvspec.transport import load_backend
 
 from ._cases import select_cases
 from ._connector import Connector

@@ -7,7 +7,7 @@ from typing import Literal
 
 import attrs
 
-from kvspec._models import (
+from kvspec import (
     AttentionSpec,
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,

@@ -22,7 +22,7 @@ from typing import ClassVar
 
 import pytest
 
-from kvspec.transport._base import Backend
+from kvspec.transport import Backend
 
 from ._cases import Case, select_cases
 from ._connector import Connector, ReferenceConnector

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 from hypothesis import strategies as st
 
-from kvspec._models import KVCacheConfig
+from kvspec import KVCacheConfig
 
 from ._scenario import Request, Scenario
 from .configs import ConfigLayout, GroupShape, full, make_config, mla, sw, sw_mla

@@ -97,6 +97,7 @@ from kvspec._reference import (
     is_hma_required,
     validate_hybrid_support,
 )
+from kvspec._rules import RULES, Level, Rule, get_rule
 from kvspec._schema import message_schemas
 from kvspec._session import (
     ConsumerEvent,
@@ -210,4 +211,8 @@ __all__ = [
     "ProducerResult",
     "connect",
     "run_request",
+    "RULES",
+    "Level",
+    "Rule",
+    "get_rule",
 ]

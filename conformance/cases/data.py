@@ -5,9 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvspec._models import FailureReason, TransferMode
-from kvspec._presets import list_presets
-from kvspec._reference import validate_hybrid_support
+from kvspec import FailureReason, TransferMode, list_presets, validate_hybrid_support
 
 from .._cases import case
 from .._context import CaseContext
@@ -417,9 +415,9 @@ def _plan_presets(ctx: CaseContext) -> None:
 @case("PLAN-1", "out-of-range-descriptor-refused")
 def _plan_bounds(ctx: CaseContext) -> None:
     """A descriptor outside the registered regions is refused at post, before any byte moves."""
-    from kvspec._errors import PlanError, TransportError
+    from kvspec import PlanError, TransportError
     from kvspec.testing import allocate_pool, fill_background
-    from kvspec.transport._base import Descriptor
+    from kvspec.transport import Descriptor
 
     config = make_config(full(4), num_blocks=8)
     backend = ctx.backend

@@ -6,10 +6,7 @@ import time
 
 import attrs
 
-from kvspec._exchange import ConsumerEndpoint, ProducerEndpoint, connect
-from kvspec._messages import TransferParams
-from kvspec._models import TransferMode
-from kvspec._session import ConsumerState
+from kvspec import ConsumerEndpoint, ConsumerState, ProducerEndpoint, TransferMode, TransferParams, connect
 from kvspec.testing import (
     ExpectedLoad,
     PageMismatch,
@@ -20,8 +17,7 @@ from kvspec.testing import (
     fill_producer_pages,
     format_mismatches,
 )
-from kvspec.transport._base import Backend, Transport
-from kvspec.transport.faults import FaultInjector, FaultPlan
+from kvspec.transport import Backend, FaultInjector, FaultPlan, Transport
 
 from .._cases import case
 from .._context import CaseContext
@@ -62,7 +58,7 @@ def run_endpoints(
     of this function as its reproducer.
     """
     if isinstance(backend, str):
-        from kvspec.transport._registry import load_backend
+        from kvspec.transport import load_backend
 
         loaded = load_backend(backend)
         try:

@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-from kvspec._codec import decode, encode
-from kvspec._errors import KVSpecError
-from kvspec._messages import PROTOCOL_VERSION, Completion, Release, ReleaseOutcome
-from kvspec._models import KVCacheConfig
+from kvspec import PROTOCOL_VERSION, Completion, KVCacheConfig, KVSpecError, Release, ReleaseOutcome, decode, encode
 
 from .._cases import case
 from .._context import CaseContext
@@ -83,7 +80,7 @@ def _hs_dtype(ctx: CaseContext) -> None:
         spec = attrs.evolve(group.kv_cache_spec, **{field: value})  # type: ignore[arg-type]
         page = spec.page_size_bytes
         n = len(group.layer_names)
-        from kvspec._models import KVCacheTensor
+        from kvspec import KVCacheTensor
 
         tensor = KVCacheTensor(size=32 * n * page, layers=group.layer_names, layer_stride=page, block_stride=n * page)
         consumer = attrs.evolve(
@@ -137,7 +134,7 @@ def _ver_bytes(ctx: CaseContext) -> None:
     import json
 
     from kvspec.testing import allocate_pool
-    from kvspec.transport._base import TransferState
+    from kvspec.transport import TransferState
 
     release = encode(Release(request_id="r1", consumer_engine_id="c", outcome=ReleaseOutcome.LOADED))
     newer = json.loads(release)

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from kvspec._models import FailureReason
-from kvspec.transport.faults import FaultPlan
+from kvspec import FailureReason
+from kvspec.transport import FaultPlan
 
 from .._cases import case
 from .._context import CaseContext
