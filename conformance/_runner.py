@@ -40,17 +40,23 @@ def run_case(case: Case, context: CaseContext) -> CaseResult:
     if missing:
         return result(Outcome.SKIPPED, f"backend lacks capability {', '.join(missing)}")
     context.last_reproducer = None
+    # Cases that drive the transport directly have no scenario; they replay as the one case.
+    whole_case = (
+        "from kvspec_conformance import run_suite\n\n"
+        f"run_suite({context.backend_spec!r}, rules=[{case.id!r}], max_examples={context.max_examples}).print()\n"
+    )
     try:
         case.func(context)
     except CaseSkip as exc:
         return result(Outcome.SKIPPED, exc.reason)
     except CaseFailure as exc:
-        return result(Outcome.FAILED, str(exc), exc.reproducer or context.last_reproducer)
+        return result(Outcome.FAILED, str(exc), exc.reproducer or context.last_reproducer or whole_case)
     except AssertionError as exc:
-        return result(Outcome.FAILED, f"{case.rule}: {exc}", context.last_reproducer)
+        return result(Outcome.FAILED, f"{case.rule}: {exc}", context.last_reproducer or whole_case)
     except Exception as exc:
         tb = traceback.format_exception(type(exc), exc, exc.__traceback__)
-        return result(Outcome.ERROR, f"{type(exc).__name__}: {exc}\n" + "".join(tb[-6:]), context.last_reproducer)
+        message = f"{type(exc).__name__}: {exc}\n" + "".join(tb[-6:])
+        return result(Outcome.ERROR, message, context.last_reproducer or whole_case)
     return result(Outcome.PASSED)
 
 
