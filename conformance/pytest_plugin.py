@@ -33,6 +33,13 @@ from ._runner import run_case
 __all__ = ["BackendSuite"]
 
 
+def _spec_of(factory: Callable[[], Backend]) -> str:
+    """``module:name`` of the factory, for reproducers (``load_backend`` can load it back)."""
+    module = getattr(factory, "__module__", None) or "your_module"
+    name = getattr(factory, "__qualname__", None) or getattr(factory, "__name__", "factory")
+    return f"{module}:{name}"
+
+
 class BackendSuite:
     """Base class: set ``backend_factory`` (a zero-argument callable returning a Backend)."""
 
@@ -57,7 +64,7 @@ class BackendSuite:
         factory = cls.connector_factory
         context = CaseContext(
             backend=backend,
-            backend_spec=f"{cls.__module__}:{cls.__name__}.backend_factory",
+            backend_spec=_spec_of(cls.backend_factory),
             connector=factory() if factory is not None else ReferenceConnector(),
             max_examples=cls.max_examples,
             time_scale=cls.time_scale,
