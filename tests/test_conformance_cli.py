@@ -121,3 +121,18 @@ def test_suite_runs_from_an_installed_wheel(tmp_path: Path) -> None:
     report = json.loads((work / "r.json").read_text())
     assert report["passed"] is True
     assert report["counts"]["passed"] > 0
+
+
+def test_backend_options_and_connector_under_test() -> None:
+    # Factory options reach the backend: 4 KiB chunks keep loopback transfers in flight over many polls.
+    chunked = _conform("loopback", "--option", "chunk_bytes=4096", "--rule", "DONE-1,SM-2", "-q")
+    assert chunked.returncode == 0, chunked.stdout[-3000:] + chunked.stderr[-2000:]
+    # A connector under test is judged by the same oracle: this one never clips.
+    broken = _conform(
+        "loopback", "--connector", "mutants:NoClipping", "--rule", "CLIP-1", "-q", env={"PYTHONPATH": str(TESTS)}
+    )
+    assert broken.returncode == 1, broken.stdout[-3000:] + broken.stderr[-2000:]
+    assert "CLIP-1   FAIL" in broken.stdout
+    assert "from mutants import NoClipping as ConnectorUnderTest" in broken.stdout
+    bad = _conform("loopback", "--option", "nonsense")
+    assert bad.returncode != 0
