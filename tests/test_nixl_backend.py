@@ -15,6 +15,7 @@ from multiprocessing import shared_memory
 import attrs
 import pytest
 from conftest import require_backend_module
+from kvspec_conformance import BackendSuite, Case, CaseContext, all_cases, run_case
 
 from kvspec import ConfigError, PlanError, TransferMode, TransportError
 from kvspec._models import FailureReason
@@ -431,3 +432,80 @@ def test_without_nixl_asking_for_the_backend_says_how_to_install_it() -> None:
     assert result.returncode == 0, result.stderr
     assert "pip install numpy && pip install --no-deps nixl-cu12" in result.stdout
     assert "kvspec[nixl]" in result.stdout
+
+
+def test_closed_agents_worker_hosts_the_next_agent(pytestconfig: pytest.Config) -> None:
+    require_backend_module(pytestconfig, "nixl_cu12", "nixl")
+    backend = NixlBackend(max_idle_workers=1)
+    pools = Pools()
+    try:
+        producer, consumer = backend.create_agent("producer"), backend.create_agent("consumer")
+        connect(producer, consumer, pools)
+        first_pid = consumer.pid
+        consumer.close()
+        with pytest.raises(TransportError, match="closed"):
+            consumer.get_notifications()
+        # A new NIXL agent in the same process: a new name, its own registrations and peers.
+        again = backend.create_agent("consumer-2")
+        assert again.pid == first_pid
+        producer.remove_remote_agent("consumer")
+        connect(producer, again, pools)
+        pools.producer[0].buf[:PAGE] = b"\xa5" * PAGE  # type: ignore[index]
+        handle = again.post(TransferMode.READ, [desc(0, 2 * PAGE, 0, 0, PAGE)], peer="producer")
+        assert wait(again, handle).state is TransferState.DONE
+        assert bytes(pools.consumer[0].buf[2 * PAGE : 3 * PAGE]) == b"\xa5" * PAGE  # type: ignore[index]
+    finally:
+        backend.close()
+        pools.close()
+
+
+# --------------------------------------------------------------------------- the whole conformance suite
+
+IN_FLIGHT_CASES = [c.id for c in all_cases() if "observable_in_flight" in c.requires]
+# Cases needing a capability NIXL does not claim: integrity (it never checks bytes), and, over
+# CMA, seeing a transfer in flight (TestConformanceOverTcp runs those).
+NOT_CLAIMED = {"integrity", "observable_in_flight"}
+# The fault injector cuts the link after this post returns, but over CMA the post has already
+# moved the data and delivered the completion, so C may rightly be LOADED: see the report.
+RACY_OVER_CMA = {"FAIL-1/peer-disconnect-then-rehandshake"}
+
+
+class TestConformance(BackendSuite):
+    """Every case against NIXL over UCX's default transports (CMA); skips only for capabilities it does not claim."""
+
+    backend_factory = staticmethod(NixlBackend)
+
+    @pytest.fixture(scope="class", autouse=True)
+    @classmethod
+    def _nixl_is_required(cls, pytestconfig: pytest.Config) -> None:
+        require_backend_module(pytestconfig, "nixl_cu12", "nixl")
+
+    def test_conformance(self, kvspec_case: Case, kvspec_context: CaseContext) -> None:
+        missing = set(kvspec_case.requires) - {"read", "write", "notifications", "cross_process"}
+        if missing:
+            assert missing <= NOT_CLAIMED, f"{kvspec_case.id} needs {missing}"
+        if kvspec_case.id in RACY_OVER_CMA:
+            result = run_case(kvspec_case, kvspec_context)
+            if result.is_failure:
+                pytest.xfail(f"synchronous completion races the injected disconnect: {result.message[:200]}")
+            return
+        super().test_conformance(kvspec_case, kvspec_context)
+
+
+def _tcp_backend() -> NixlBackend:
+    return NixlBackend(tls="tcp")
+
+
+class TestConformanceOverTcp(BackendSuite):
+    """The in-flight cases, over UCX_TLS=tcp where NIXL transfers are asynchronous."""
+
+    backend_factory = staticmethod(_tcp_backend)
+    rules = IN_FLIGHT_CASES
+
+    @pytest.fixture(scope="class", autouse=True)
+    @classmethod
+    def _nixl_is_required(cls, pytestconfig: pytest.Config) -> None:
+        require_backend_module(pytestconfig, "nixl_cu12", "nixl")
+
+    def test_the_in_flight_cases_are_selected(self) -> None:
+        assert IN_FLIGHT_CASES, "no conformance case needs observable_in_flight any more"
