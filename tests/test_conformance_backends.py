@@ -1,0 +1,40 @@
+"""The suite against the cross-process backends: pools in shared memory, read directly by the oracle."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from types import ModuleType
+
+import pytest
+from kvspec_conformance import Report, run_suite
+
+# Both backends bind 127.0.0.1 only.
+os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+os.environ.setdefault("UCX_NET_DEVICES", "lo")
+
+BACKENDS = [
+    pytest.param("torch", "torch", "torch", marks=pytest.mark.torch, id="torch"),
+    pytest.param("nixl", "nixl_cu12", "nixl", marks=pytest.mark.nixl, id="nixl"),
+]
+SMOKE = ["CLIP-1/sw-tail-keeps-last-n", "DONE-1", "FAIL-1/failed-post", "HS-1/compatible-pair-accepted"]
+
+
+def _failures(report: Report) -> str:
+    return "\n\n".join(f"{r.case_id}: {r.message}\n{r.reproducer}" for r in report.results if r.is_failure)
+
+
+@pytest.mark.parametrize(("backend", "module", "extra"), BACKENDS)
+def test_smoke(backend: str, module: str, extra: str, require_module: Callable[..., ModuleType]) -> None:
+    require_module(module, extra)
+    report = run_suite(backend, rules=SMOKE, max_examples=2, time_scale=3.0)
+    assert report.passed, _failures(report)
+    assert any(r.outcome.value == "passed" for r in report.results)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("backend", "module", "extra"), BACKENDS)
+def test_every_must_case(backend: str, module: str, extra: str, require_module: Callable[..., ModuleType]) -> None:
+    require_module(module, extra)
+    report = run_suite(backend, levels=["MUST"], max_examples=5, time_scale=3.0)
+    assert report.passed, _failures(report)
