@@ -174,8 +174,11 @@ def test_is_a_backend_with_agents_in_two_other_processes(backend: TorchDistribut
     assert producer.peer_pid("consumer") == consumer.pid
     caps = backend.capabilities
     assert caps.modes == {TransferMode.READ, TransferMode.WRITE}
-    assert caps.cross_process and caps.notifications and caps.observable_in_flight
-    assert producer.torch_version is not None and producer.torch_version.startswith("2.")
+    assert caps.cross_process
+    assert caps.notifications
+    assert caps.observable_in_flight
+    assert producer.torch_version is not None
+    assert producer.torch_version.startswith("2.")
 
 
 def test_registry_builds_it_and_this_process_never_imports_torch(pytestconfig: pytest.Config) -> None:
@@ -528,7 +531,8 @@ class TestConformance(BackendSuite):
     allowed_skips: ClassVar[set[str]] = {"FAIL-1/corruption-with-integrity"}
 
     @pytest.fixture(scope="class", autouse=True)
-    def _torch_is_required(self, pytestconfig: pytest.Config) -> None:
+    @classmethod
+    def _torch_is_required(cls, pytestconfig: pytest.Config) -> None:
         require_backend_module(pytestconfig, "torch")
 
     def test_conformance(self, kvspec_case: Any, kvspec_context: CaseContext) -> None:
@@ -541,7 +545,8 @@ class TestConformance(BackendSuite):
         assert isinstance(backend, TorchDistributedBackend)
         producer, consumer = backend.create_agent("producer"), backend.create_agent("consumer")
         try:
-            assert isinstance(producer, TorchAgent) and isinstance(consumer, TorchAgent)
+            assert isinstance(producer, TorchAgent)
+            assert isinstance(consumer, TorchAgent)
             assert len({producer.pid, consumer.pid, os.getpid()}) == 3
         finally:
             producer.close()
