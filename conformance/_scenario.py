@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import attrs
@@ -227,6 +227,7 @@ class ScenarioResult:
     injected: tuple[InjectedFault, ...]
     seconds: float
     refused: str | None = None  # "ErrorType: message" when admission or the handshake refused the pair
+    lost_messages: tuple[str, ...] = ()  # control messages the transport refused to send (after a disconnect)
 
     @property
     def ok(self) -> bool:
@@ -257,6 +258,8 @@ class ScenarioResult:
             lines += ["problems:", *("  " + p for p in self.problems)]
         if self.injected:
             lines.append("injected faults: " + ", ".join(f"{f.agent}:{f.kind}" for f in self.injected))
+        if self.lost_messages:
+            lines.append("control messages not sent: " + "; ".join(self.lost_messages[:5]))
         return "\n".join(lines)
 
 
@@ -332,7 +335,7 @@ def _decode(data: bytes) -> tuple[str, str, dict[str, object]]:
         return "release", message.request_id, {"abort": abort}
     if isinstance(message, Abort):
         return "drained", message.request_id, {}
-    raise _ScenarioError(f"unexpected message {message!r}")
+    raise MalformedMessageError(f"unexpected {type(message).__name__} among the control messages")
 
 
 @attrs.define(eq=False)
@@ -812,6 +815,7 @@ class _Driver:
             early_completions=tuple(self.early),
             problems=tuple(self.problems),
             injected=injected,
+            lost_messages=tuple(self.lost_sends),
             seconds=time.monotonic() - started,
         )
 
@@ -934,8 +938,3 @@ def run_scenario(
     finally:
         if owned:
             resolved.close()
-
-
-def describe_outcomes(outcomes: Sequence[RequestOutcome]) -> str:
-    """One line per outcome, for failure messages."""
-    return "; ".join(f"{o.request_id}={o.consumer_state}/{o.producer_state}" for o in outcomes)
