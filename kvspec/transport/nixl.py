@@ -40,6 +40,7 @@ from collections.abc import Callable, Mapping, Sequence
 from multiprocessing.connection import Connection
 from operator import attrgetter
 from pathlib import Path
+from typing import cast
 
 from kvspec._errors import BackendUnavailableError, ConfigError, PlanError, TransportError
 from kvspec._models import FailureReason, TransferMode
@@ -191,9 +192,7 @@ class NixlAgent:
 
     def get_agent_metadata(self) -> bytes:
         """NIXL's metadata wrapped with this agent's name and region table; pass it to the peer out of band."""
-        blob = self._call("metadata")
-        assert isinstance(blob, bytes)  # the worker's reply type
-        return blob
+        return cast(bytes, self._call("metadata"))
 
     def add_remote_agent(self, metadata: bytes) -> str:
         """Load a peer's metadata; the same bytes again are a no-op.
@@ -201,9 +200,7 @@ class NixlAgent:
         A peer restarted under the same name must be removed first
         (:meth:`remove_remote_agent`), as NIXL requires.
         """
-        name = self._call("add_peer", bytes(metadata))
-        assert isinstance(name, str)
-        return name
+        return cast(str, self._call("add_peer", bytes(metadata)))
 
     def remove_remote_agent(self, peer: str) -> None:
         """Forget a peer and disconnect from it."""
@@ -231,8 +228,7 @@ class NixlAgent:
             raise PlanError(f"post: descriptors must be Descriptor objects with 64-bit int fields ({exc})") from None
         op = "READ" if mode is TransferMode.READ else "WRITE"
         message = None if notification is None else bytes(notification)
-        reply = self._call("post", op, packed, peer, message)
-        assert isinstance(reply, tuple)
+        reply = cast(tuple[int, str, "str | None", str], self._call("post", op, packed, peer, message))
         transfer_id, state, reason, detail = reply
         handle = TransferHandle(transfer_id=transfer_id, peer=peer, mode=mode)
         self._handles.add(transfer_id)
@@ -255,8 +251,7 @@ class NixlAgent:
                 raise
             status = TransferStatus(state=TransferState.FAILED, reason=_reason(exc.reason), detail=str(exc))
         else:
-            assert isinstance(reply, tuple)
-            status = _status(*reply)
+            status = _status(*cast(tuple[str, "str | None", str], reply))
         if status.state is not TransferState.PENDING:
             self._final[handle.transfer_id] = status
         return status
@@ -277,15 +272,12 @@ class NixlAgent:
 
     def get_notifications(self) -> Sequence[Notification]:
         """Drain the notifications the worker has collected, in arrival order."""
-        drained = self._call("notifs")
-        assert isinstance(drained, list)
+        drained = cast(list[tuple[str, bytes]], self._call("notifs"))
         return [Notification(peer=peer, message=message) for peer, message in drained]
 
     def info(self) -> dict[str, object]:
         """The worker's pid, UCX backend parameters and ``UCX_*`` environment (for reports)."""
-        info = self._call("info")
-        assert isinstance(info, dict)
-        return info
+        return cast(dict[str, object], self._call("info"))
 
     def close(self) -> None:
         """End the NIXL agent; its worker process goes back to the backend for reuse, or stops. Idempotent."""
