@@ -47,6 +47,10 @@ NIXL_MODULES = ("nixl_cu12", "nixl_cu13", "nixl")
 
 METADATA_MAGIC = b"KVSPEC-NIXL\x01"
 
+# Prepared lists cover every block of every region; above this many blocks (both sides together),
+# requests fall back to merged initialize_xfer lists (prep of 32768 blocks takes ~3.4 ms).
+_MAX_PREPPED = 1 << 18
+
 # Reply kinds the proxy maps onto kvspec errors.
 PLAN = "plan"
 TRANSPORT = "transport"
@@ -152,6 +156,8 @@ class Worker:
         self.region_size = np.zeros(0, dtype=np.int64)
         self.peers: dict[str, tuple[bytes, Any, Any]] = {}  # name -> (metadata, bases, sizes)
         self.xfers: dict[int, _Xfer] = {}
+        self.local_lists: dict[int, tuple[Any, Any]] = {}  # block size -> (prepared list, first index per region)
+        self.remote_lists: dict[tuple[str, int], tuple[Any, Any]] = {}  # (peer, block size) -> the same
         self.unreleased: list[Any] = []
         self.next_id = 1
         self.notifs: list[tuple[str, bytes]] = []
@@ -181,6 +187,7 @@ class Worker:
             self.views.append(view)
         if descs:
             self.registrations.append(self.agent.register_memory(descs, "DRAM"))
+        self._drop_lists()
         self.region_base = np.array([int(v.ctypes.data) for v in self.views], dtype=np.int64)
         self.region_size = np.array([int(v.nbytes) for v in self.views], dtype=np.int64)
 
@@ -218,6 +225,7 @@ class Worker:
     def remove_peer(self, name: str) -> None:
         if self.peers.pop(name, None) is None:
             return
+        self._drop_lists(name)
         try:
             self.agent.remove_remote_agent(name)
         except Exception as exc:
@@ -233,14 +241,14 @@ class Worker:
 
     # -- transfers
 
-    def build_descs(self, packed: bytes, peer: str) -> tuple[Any, Any]:
+    def check_rows(self, packed: bytes, peer: str) -> tuple[Any, ...]:
         """Check ``(local_region, local_offset, remote_region, remote_offset, nbytes)`` rows
-        against both region tables (PLAN-1), then merge rows adjacent on both sides."""
+        against both region tables before NIXL sees them (PLAN-1); return the columns."""
         np = self.np
-        _, remote_base, remote_size = self._peer(peer)
+        _, _, remote_size = self._peer(peer)
         rows = np.frombuffer(packed, dtype=np.int64).reshape(-1, 5)
         lr, lo, rr, ro, n = (rows[:, i] for i in range(5))
-        num_local, num_remote = len(self.region_base), len(remote_base)
+        num_local, num_remote = len(self.region_base), len(remote_size)
         bad_region = (lr < 0) | (lr >= num_local) | (rr < 0) | (rr >= num_remote)
         if bad_region.any():
             i = int(np.flatnonzero(bad_region)[0])
@@ -258,9 +266,15 @@ class Worker:
                 f"descriptor {i}: local [{int(lo[i])}, {int(lo[i] + n[i])}) of {int(lsize[i])} / remote "
                 f"[{int(ro[i])}, {int(ro[i] + n[i])}) of {int(rsize[i])} bytes out of range",
             )
+        return lr, lo, rr, ro, n
+
+    def merged_descs(self, columns: tuple[Any, ...], peer: str) -> tuple[Any, Any]:
+        """Nx3 (address, nbytes, device) lists with rows adjacent on both sides merged."""
+        np = self.np
+        lr, lo, rr, ro, n = columns
         la = self.region_base[lr] + lo
-        ra = remote_base[rr] + ro
-        # Only prepared lists merge inside NIXL; merging here gives initialize_xfer the same gain.
+        ra = self.peers[peer][1][rr] + ro
+        # initialize_xfer does not merge (research/backends.md §3.2 item 4); merging here gives it the same gain.
         follows = (
             (lr[1:] == lr[:-1]) & (rr[1:] == rr[:-1]) & (la[1:] == la[:-1] + n[:-1]) & (ra[1:] == ra[:-1] + n[:-1])
         )
@@ -271,6 +285,52 @@ class Worker:
         remote = np.column_stack((ra[starts], lengths, zeros)).astype(np.uint64)
         return local, remote
 
+    def prepped(self, columns: tuple[Any, ...], peer: str) -> tuple[Any, Any, Any, Any] | None:
+        """(local list, indices, remote list, indices) when every row is one whole, aligned block of one size.
+
+        Lists cover every block of every region and are prepared once per
+        block size (and peer); NIXL merges adjacent indices itself.
+        """
+        lr, lo, rr, ro, n = columns
+        size = int(n[0])
+        if (n != size).any() or (lo % size).any() or (ro % size).any():
+            return None
+        remote_base, remote_size = self.peers[peer][1], self.peers[peer][2]
+        if int((self.region_size // size).sum()) + int((remote_size // size).sum()) > _MAX_PREPPED:
+            return None
+        local = self.local_lists.get(size)
+        if local is None:
+            local = self.local_lists[size] = self._prep("NIXL_INIT_AGENT", self.region_base, self.region_size, size)
+        remote = self.remote_lists.get((peer, size))
+        if remote is None:
+            remote = self.remote_lists[(peer, size)] = self._prep(peer, remote_base, remote_size, size)
+        np = self.np
+        lidx = (local[1][lr] + lo // size).astype(np.int32)
+        ridx = (remote[1][rr] + ro // size).astype(np.int32)
+        return local[0], lidx, remote[0], ridx
+
+    def _prep(self, agent_name: str, bases: Any, sizes: Any, size: int) -> tuple[Any, Any]:
+        """A prepared list of every ``size``-byte block of every region, and each region's first index."""
+        np = self.np
+        counts = sizes // size
+        first = np.concatenate((np.zeros(1, dtype=np.int64), np.cumsum(counts)[:-1]))
+        rows = np.zeros((int(counts.sum()), 3), dtype=np.uint64)
+        for base, count, at in zip(bases, counts, first, strict=True):
+            rows[at : at + count, 0] = int(base) + np.arange(count, dtype=np.uint64) * size
+        rows[:, 1] = size
+        return self.agent.prep_xfer_dlist(agent_name, rows, "DRAM"), first
+
+    def _drop_lists(self, peer: str | None = None) -> None:
+        """Release prepared lists: a peer's (it left), or all of them (regions changed)."""
+        doomed = [k for k in self.remote_lists if peer is None or k[0] == peer]
+        handles = [self.remote_lists.pop(k)[0] for k in doomed]
+        if peer is None:
+            handles += [h for h, _ in self.local_lists.values()]
+            self.local_lists.clear()
+        for handle in handles:
+            with contextlib.suppress(Exception):
+                self.agent.release_dlist_handle(handle)
+
     def post(self, mode: str, packed: bytes, peer: str, notification: bytes | None) -> tuple[int, str, str | None, str]:
         self._peer(peer)
         xfer_id = self.next_id
@@ -280,22 +340,23 @@ class Worker:
             if notification is not None:
                 self.notify(peer, notification)
             return (xfer_id, "done", None, "")
-        local, remote = self.build_descs(packed, peer)
+        columns = self.check_rows(packed, peer)
         agent = self.agent
+        message = notification if notification is not None else b""
         try:
-            handle = agent.initialize_xfer(
-                mode,
-                agent.get_xfer_descs(local, "DRAM"),
-                agent.get_xfer_descs(remote, "DRAM"),
-                peer,
-                notification if notification is not None else b"",
-            )
+            prepped = self.prepped(columns, peer)
+            if prepped is not None:
+                handle = agent.make_prepped_xfer(mode, *prepped, message)
+            else:
+                local, remote = self.merged_descs(columns, peer)
+                handle = agent.initialize_xfer(
+                    mode, agent.get_xfer_descs(local, "DRAM"), agent.get_xfer_descs(remote, "DRAM"), peer, message
+                )
         except self.bindings.nixlRemoteDisconnectError as exc:
             raise RequestError(TRANSPORT, f"peer {peer!r} is gone: {_describe(exc)}", "peer_disconnected") from None
-        except self.bindings.nixlNotFoundError as exc:
-            # Both tables were checked above, so NIXL disagreeing means its registrations changed.
-            raise RequestError(TRANSPORT, f"NIXL refused the request: {_describe(exc)}", "post_failed") from None
         except Exception as exc:
+            # Both tables were checked above, so a refusal here (nixlNotFoundError, nixlInvalidParamError)
+            # means NIXL's view of the registrations differs from ours.
             raise RequestError(TRANSPORT, f"NIXL refused the request: {_describe(exc)}", "post_failed") from None
         xfer = _Xfer(handle, peer, "pending")
         self.xfers[xfer_id] = xfer
@@ -401,6 +462,7 @@ class Worker:
             with contextlib.suppress(Exception):
                 self.agent.release_xfer_handle(handle)
         self.unreleased.clear()
+        self._drop_lists()
         for peer in list(self.peers):
             with contextlib.suppress(Exception):
                 self.agent.remove_remote_agent(peer)
