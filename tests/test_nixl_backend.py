@@ -337,6 +337,27 @@ def test_peer_killed_mid_transfer_over_tcp_fails_as_disconnected(tcp_backend: Ni
         pools.close()
 
 
+def test_removing_the_peer_mid_transfer_fails_it_and_the_pair_can_be_rebuilt(tcp_backend: NixlBackend) -> None:
+    producer, consumer, pools = big_pair(tcp_backend)
+    try:
+        handle = consumer.post(TransferMode.READ, repeated_read(32 << 20, 64), peer=producer.name)
+        assert consumer.check(handle).state is TransferState.PENDING
+        consumer.remove_remote_agent(producer.name)
+        status = consumer.check(handle)
+        assert status.state is TransferState.FAILED
+        assert status.reason is FailureReason.PEER_DISCONNECTED, status
+        assert "removed" in status.detail
+        consumer.release(handle)
+        with pytest.raises(TransportError, match="unknown peer"):
+            consumer.post(TransferMode.READ, [desc(0, 0, 0, 0, PAGE)], peer=producer.name)
+        assert consumer.add_remote_agent(producer.get_agent_metadata()) == producer.name
+        again = consumer.post(TransferMode.READ, [desc(0, 0, 0, PAGE, PAGE)], peer=producer.name)
+        assert wait(consumer, again).state is TransferState.DONE
+    finally:
+        tcp_backend.close()
+        pools.close()
+
+
 def test_peer_killed_during_a_cma_transfer_fails_as_disconnected(pytestconfig: pytest.Config) -> None:
     require_backend_module(pytestconfig, "nixl_cu12", "nixl")
     backend = NixlBackend()

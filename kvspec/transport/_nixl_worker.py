@@ -225,6 +225,12 @@ class Worker:
     def remove_peer(self, name: str) -> None:
         if self.peers.pop(name, None) is None:
             return
+        for xfer in self.xfers.values():
+            if xfer.peer == name and xfer.state == "pending":
+                # Cancel first, so that nothing lands after FAILED is reported (SM-2).
+                xfer.state, xfer.reason = "failed", "peer_disconnected"
+                xfer.detail = f"peer {name!r} was removed while the transfer was in flight"
+                self._cancel(xfer)
         self._drop_lists(name)
         try:
             self.agent.remove_remote_agent(name)
@@ -410,13 +416,19 @@ class Worker:
 
     def release(self, xfer_id: int) -> None:
         xfer = self.xfers.pop(xfer_id, None)
-        if xfer is None or xfer.handle is None:
+        if xfer is not None:
+            self._cancel(xfer)
+
+    def _cancel(self, xfer: _Xfer) -> None:
+        """Release the NIXL request, which cancels it if still active."""
+        if xfer.handle is None:
             return
+        handle, xfer.handle = xfer.handle, None
         try:
-            self.agent.release_xfer_handle(xfer.handle)
+            self.agent.release_xfer_handle(handle)
         except Exception:
             # NIXL cannot cancel it yet; keep it alive and retry at close (never free live memory).
-            self.unreleased.append(xfer.handle)
+            self.unreleased.append(handle)
 
     # -- notifications
 
