@@ -178,7 +178,12 @@ class NixlAgent:
     # -- memory and peers
 
     def register_memory(self, regions: Sequence[MemoryRegion]) -> None:
-        """Attach each shared-memory region in the worker and register it with NIXL as DRAM."""
+        """Attach each shared-memory region in the worker and register it with NIXL as DRAM.
+
+        Each region's ``buffer`` must start at byte 0 of its ``shm_name`` block
+        (as :func:`kvspec.testing.allocate_pool` makes them); the worker maps
+        ``region.nbytes`` bytes from there.
+        """
         table: list[tuple[str, int]] = []
         for index, region in enumerate(regions, start=len(self._local_regions)):
             if region.shm_name is None:
