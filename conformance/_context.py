@@ -54,7 +54,10 @@ class CaseContext:
         assert isinstance(scenario, Scenario)
         if self.time_scale != 1.0:
             scenario = attrs.evolve(
-                scenario, deadline=scenario.deadline * self.time_scale, lease=scenario.lease * self.time_scale
+                scenario,
+                deadline=scenario.deadline * self.time_scale,
+                lease=scenario.lease * self.time_scale,
+                drain=scenario.drain * self.time_scale,
             )
         kind = type(self.connector)
         connector = None if kind is ReferenceConnector else f"{kind.__module__}:{kind.__qualname__}"

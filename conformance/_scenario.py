@@ -163,6 +163,8 @@ class Request:
 class Scenario:
     """A whole exchange: configs, mode, requests, injected faults and deadlines (seconds).
 
+    ``drain`` is the drain bound: a transfer released while PENDING may move
+    bytes for that long, so its blocks are reused only after it (SM-2).
     ``handshake_overrides`` replaces fields of the consumer's handshake
     descriptor, e.g. ``(("mode", "write"),)`` or ``(("protocol_version", (2, 0)),)``.
     """
@@ -175,6 +177,7 @@ class Scenario:
     fault_side: str = attrs.field(default="both", validator=_one_of("producer", "consumer", "both"))
     deadline: float = 1.0
     lease: float = 2.0
+    drain: float = 0.1
     handshake_overrides: tuple[tuple[str, object], ...] = attrs.field(default=(), converter=_to_overrides)
 
     def to_python(self, backend: str = "loopback", connector: str | None = None) -> str:
@@ -363,6 +366,10 @@ class _State:
     p_deadline: float = 0.0
     c_blocks_held: bool = True
     c_quarantine_until: float | None = None
+    c_drain_until: float | None = None  # C cancelled its read: blocks wait for the drain bound
+    p_drain_until: float | None = None  # P cancelled its write: blocks (and its confirmation) wait for it
+    p_blocks_held: bool = True
+    p_confirm_drain: bool = False
     releases_sent: int = 0
     releases_received: int = 0
     finished_at: float = 0.0
@@ -375,6 +382,12 @@ class _State:
     @property
     def p_terminal(self) -> bool:
         return self.p_state in ("released", "expired", "aborted") and self.p_handle is None
+
+    @property
+    def settled(self) -> bool:
+        """Both sides ended and every block is back (or held by a loaded request)."""
+        c_done = self.c_terminal and (self.c_state == "loaded" or not self.c_blocks_held)
+        return c_done and self.p_terminal and not self.p_blocks_held
 
 
 def _reason(value: str | None, default: FailureReason) -> FailureReason:
@@ -546,11 +559,20 @@ class _Driver:
         state.finished_at = now
         self.loads.append(self._expected(state, loaded=False))
         self._send_release(state)
-        if self.mode is TransferMode.READ or state.moved_nothing:
-            self._free_consumer(state)  # nothing of ours is in flight any more (released or never posted)
+        if state.c_drain_until is not None:
+            state.c_quarantine_until = state.c_drain_until  # our cancelled read may still land (SM-2)
+        elif self.mode is TransferMode.READ or state.moved_nothing:
+            self._free_consumer(state)  # our read ended (DONE or FAILED) or was never posted
         else:
             # A WRITE into our blocks may still be in flight: keep them until P says it drained, or its lease ends.
             state.c_quarantine_until = state.started + self.scenario.lease + self.scenario.deadline
+
+    def _cancel_read(self, state: _State, now: float) -> None:
+        assert state.c_handle is not None
+        self.consumer.release(state.c_handle)
+        state.c_handle = None
+        state.c_drain_until = now + self.scenario.drain
+        self.cancelled_at.append(now)
 
     def _free_consumer(self, state: _State) -> None:
         if state.c_blocks_held:
@@ -604,9 +626,8 @@ class _Driver:
                 if spec.disconnect_after_polls is not None and state.polls == spec.disconnect_after_polls + 1:
                     self.consumer.remove_remote_agent(self.producer_name)  # the backend's own peer loss
                 if spec.abort_after_polls is not None and state.polls > spec.abort_after_polls:
-                    # Abort while LOADING: release cancels; no byte may land afterwards (SM-2).
-                    self.consumer.release(state.c_handle)
-                    state.c_handle = None
+                    # Abort while LOADING: release cancels; the blocks wait for the drain bound (SM-2).
+                    self._cancel_read(state, now)
                     self._consumer_failed(state, FailureReason.ABORTED, "aborted by the consumer", now)
                     continue
                 status = self.consumer.check(state.c_handle)
@@ -624,8 +645,7 @@ class _Driver:
                     self._consumer_failed(state, FailureReason.ABORTED, "aborted by the consumer", now)
             if state.c_state == "loading" and now > state.c_deadline:
                 if state.c_handle is not None:
-                    self.consumer.release(state.c_handle)
-                    state.c_handle = None
+                    self._cancel_read(state, now)
                 self._consumer_failed(state, FailureReason.TIMEOUT, "no completion before the deadline", now)
             if state.c_quarantine_until is not None and now > state.c_quarantine_until:
                 self._free_consumer(state)
@@ -647,11 +667,10 @@ class _Driver:
                 if state.p_state != "held":
                     continue  # terminal states are sticky; repeats are no-ops (SM-1, REL-1)
                 aborting = state.p_handle is not None
-                self._cancel_write(state)
+                self._cancel_write(state, now)
                 state.p_state = "aborted" if aborting and extra.get("abort") else "released"
-                self._free_producer(state)
-                if extra.get("abort") and self.mode is TransferMode.WRITE:
-                    self._send(self.producer, self.consumer_name, _encode("drained", request_id))
+                state.p_confirm_drain = bool(extra.get("abort")) and self.mode is TransferMode.WRITE
+                self._free_producer_when_drained(state, now)
             elif kind == "offer" and state.p_state == "held" and not state.posted:
                 self._producer_write(state, BlockIds(extra["consumer_block_ids"]), now)
         for state in self.states.values():
@@ -682,17 +701,27 @@ class _Driver:
                         ),
                     )
             if state.p_state == "held" and now > state.p_deadline:
-                self._cancel_write(state)  # never free blocks with a transfer in flight (SM-1)
+                self._cancel_write(state, now)  # never free blocks with a transfer in flight (SM-1)
                 state.p_state = "expired"
-                self._free_producer(state)
+            self._free_producer_when_drained(state, now)
 
-    def _cancel_write(self, state: _State) -> None:
+    def _cancel_write(self, state: _State, now: float) -> None:
         if state.p_handle is not None:
             self.producer.release(state.p_handle)
             state.p_handle = None
+            state.p_drain_until = now + self.scenario.drain
+            self.cancelled_at.append(now)
 
-    def _free_producer(self, state: _State) -> None:
+    def _free_producer_when_drained(self, state: _State, now: float) -> None:
+        if state.p_state == "held" or not state.p_blocks_held:
+            return
+        if state.p_drain_until is not None and now <= state.p_drain_until:
+            return  # a cancelled write may still move bytes (SM-1)
+        state.p_blocks_held = False
         self.p_alloc.release(b for ids in state.producer_ids for b in ids)
+        if state.p_confirm_drain:
+            # Sent only once P's write no longer moves bytes: C may reuse its blocks (SM-2).
+            self._send(self.producer, self.consumer_name, _encode("drained", state.spec.request_id))
 
     def _producer_write(self, state: _State, offered: BlockIds, now: float) -> None:
         request_id = state.spec.request_id
@@ -751,6 +780,7 @@ class _Driver:
                 refused=f"{type(exc).__name__}: {exc}",
             )
         self.lost_sends: list[str] = []
+        self.cancelled_at: list[float] = []
         self.p_alloc = _Allocator(self.p_config.num_blocks)
         self.c_alloc = _Allocator(self.c_config.num_blocks)
         with allocate_pool(self.p_config) as producer_pool, allocate_pool(self.c_config) as consumer_pool:
@@ -881,9 +911,10 @@ class _Driver:
             specs.sort(key=lambda s: s.producer_block_ids is None and s.consumer_block_ids is None)
             for spec in specs:
                 self._start(spec, now)
-            self._drive(hard_stop, until=lambda: all(s.c_terminal and s.p_terminal for s in self.states.values()))
+            # The next wave starts once blocks are back, so it reuses what the last one freed.
+            self._drive(hard_stop, until=lambda: all(s.settled for s in self.states.values()))
             if time.monotonic() > hard_stop:
-                stuck = [rid for rid, s in self.states.items() if not (s.c_terminal and s.p_terminal)]
+                stuck = [rid for rid, s in self.states.items() if not s.settled]
                 self.problems.append(f"requests {stuck} did not end within the deadlines (FAIL-1)")
                 return
         # Let quarantined blocks come back, then keep polling a little so that late writes land and are seen.
@@ -891,11 +922,19 @@ class _Driver:
         held = [rid for rid, s in self.states.items() if s.c_quarantine_until is not None]
         if held:
             self.problems.append(f"consumer blocks of {held} never came back (SM-2)")
-        settle = time.monotonic() + min(0.05, self.scenario.deadline)
+        settle = time.monotonic() + 0.01
+        if self.completed_early:
+            # Give data that trailed a completion time to land, so it is judged late, not wrong (DONE-1).
+            settle += min(0.2, self.scenario.deadline)
+        if self.cancelled_at:
+            # A cancelled transfer that outlives the drain bound must be seen landing (SM-2).
+            settle = max(settle, max(self.cancelled_at) + 4 * self.scenario.drain)
         polls = 0
         while polls < 20 or time.monotonic() < settle:
             self._poll_once(time.monotonic())
             polls += 1
+            if polls > 20:
+                time.sleep(0.001)
 
     def _drive(self, hard_stop: float, *, until: Callable[[], bool]) -> None:
         idle = 0
@@ -905,7 +944,7 @@ class _Driver:
                 return
             self._poll_once(now)
             idle += 1
-            if idle > 50:
+            if idle > 10:
                 time.sleep(0.0005)  # cross-process backends progress in their own processes
 
     def _poll_once(self, now: float) -> None:

@@ -8,6 +8,7 @@ and id mix-ups live in connector logic, not in a transport.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 
 import attrs
@@ -194,11 +195,11 @@ class _Zombie:
     mode: TransferMode
     descriptors: list[Descriptor]
     peer: str
-    polls_left: int
+    lands_at: float
 
 
 class _EarlyFreeAgent(_Agent):
-    """``release`` of a PENDING transfer returns at once, but the copy still lands a few calls later."""
+    """``release`` of a PENDING transfer returns at once, but the copy lands 0.25 s later, past the drain bound."""
 
     def __init__(self, inner: Transport, backend: MutantBackend) -> None:
         super().__init__(inner, backend)
@@ -224,7 +225,8 @@ class _EarlyFreeAgent(_Agent):
     def release(self, handle: TransferHandle) -> None:
         if handle.transfer_id in self.pending:
             mode, descriptors, peer = self.posted[handle.transfer_id]
-            self.zombies.append(_Zombie(mode=mode, descriptors=descriptors, peer=peer, polls_left=12))
+            lands_at = time.monotonic() + 0.25
+            self.zombies.append(_Zombie(mode=mode, descriptors=descriptors, peer=peer, lands_at=lands_at))
         self.inner.release(handle)
 
     def get_notifications(self) -> Sequence[Notification]:
@@ -233,8 +235,7 @@ class _EarlyFreeAgent(_Agent):
 
     def _haunt(self) -> None:
         for zombie in list(self.zombies):
-            zombie.polls_left -= 1
-            if zombie.polls_left > 0:
+            if time.monotonic() < zombie.lands_at:
                 continue
             self.zombies.remove(zombie)
             remote = self.backend.regions[zombie.peer]

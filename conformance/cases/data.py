@@ -397,7 +397,7 @@ def _plan_concurrent(ctx: CaseContext) -> None:
 def _plan_presets(ctx: CaseContext) -> None:
     """Every admitted model preset (few layers, small pages) moves its blocks correctly; others are refused."""
     for preset in list_presets():
-        config = PresetConfig(name=preset.alias, num_blocks=512, max_layers_per_group=1, head_size_divisor=32)
+        config = PresetConfig(name=preset.alias, num_blocks=192, max_layers_per_group=1, head_size_divisor=32)
         try:
             validate_hybrid_support(config.build(), TransferMode.READ)
         except Exception:
@@ -406,8 +406,8 @@ def _plan_presets(ctx: CaseContext) -> None:
                 raise ctx.fail(f"PLAN-1: preset {preset.alias} must be refused at admission (ADM-1)") from None
             continue
         requests = [
-            Request(request_id="r", num_tokens=170),
-            Request(request_id="hit", num_tokens=170, prefix_hit_tokens=64),
+            Request(request_id="r", num_tokens=100),
+            Request(request_id="hit", num_tokens=100, prefix_hit_tokens=64),
         ]
         _all_loaded(ctx, Scenario(config=config, requests=requests), "PLAN-1")
 

@@ -206,14 +206,13 @@ def _endpoints(ctx: CaseContext) -> None:
 @case("FAIL-1", "exchange-endpoints-under-faults", requires=["notifications"])
 def _endpoints_faults(ctx: CaseContext) -> None:
     """kvspec's own endpoints under random injected faults: every request ends in bounded time, nothing leaks."""
-    for mode in _modes(ctx):
-        for seed in range(2):
-            plan = FaultPlan(
-                seed=seed,
-                drop_notifications=0.1,
-                delay_notifications=0.2,
-                duplicate_notifications=0.2,
-                fail_post=0.1,
-                partial_transfer=0.1,
-            )
-            _check(ctx, mode, plan, "FAIL-1")
+    for seed, mode in enumerate(_modes(ctx)):
+        plan = FaultPlan(
+            seed=seed,
+            drop_notifications=0.1,
+            delay_notifications=0.2,
+            duplicate_notifications=0.2,
+            fail_post=0.1,
+            partial_transfer=0.1,
+        )
+        _check(ctx, mode, plan, "FAIL-1")

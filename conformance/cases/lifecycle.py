@@ -230,7 +230,7 @@ def _fail_native_disconnect(ctx: CaseContext) -> None:
 def _fail_random(ctx: CaseContext) -> None:
     """Random drops, delays, duplicates, failed and partial posts under load: every request ends, nothing leaks."""
     for mode in _modes(ctx):
-        for seed in range(3):
+        for seed in range(2):
             plan = FaultPlan(
                 seed=seed,
                 drop_notifications=0.15,
@@ -241,8 +241,8 @@ def _fail_random(ctx: CaseContext) -> None:
             )
             requests = [
                 Request(request_id=f"r{w}.{i}", num_tokens=6 + 5 * i, prefix_hit_tokens=4 * (i % 2), wave=w)
-                for w in range(3)
-                for i in range(4)
+                for w in range(2)
+                for i in range(5)
             ]
             scenario = Scenario(
                 config=CONFIG,
