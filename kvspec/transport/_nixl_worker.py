@@ -248,12 +248,11 @@ class Worker:
     # -- transfers
 
     def check_rows(self, packed: bytes, peer: str) -> tuple[Any, ...]:
-        """Check ``(local_region, local_offset, remote_region, remote_offset, nbytes)`` rows
-        against both region tables before NIXL sees them (PLAN-1); return the columns."""
+        """Check the columns ``local_region, local_offset, remote_region, remote_offset, nbytes``
+        (int64, one after the other) against both region tables before NIXL sees them (PLAN-1)."""
         np = self.np
         _, _, remote_size = self._peer(peer)
-        rows = np.frombuffer(packed, dtype=np.int64).reshape(-1, 5)
-        lr, lo, rr, ro, n = (rows[:, i] for i in range(5))
+        lr, lo, rr, ro, n = np.frombuffer(packed, dtype=np.int64).reshape(5, -1)
         num_local, num_remote = len(self.region_base), len(remote_size)
         bad_region = (lr < 0) | (lr >= num_local) | (rr < 0) | (rr >= num_remote)
         if bad_region.any():

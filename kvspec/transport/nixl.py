@@ -29,7 +29,6 @@ the post reports ``FAILED(PEER_DISCONNECTED)``; any other NIXL error or an
 from __future__ import annotations
 
 import importlib.util
-import itertools
 import os
 import socket
 import struct
@@ -64,7 +63,7 @@ INSTALL_HINT = (
 # The same names the worker tries, in the same order (kept in sync by a test).
 _NIXL_MODULES = ("nixl_cu12", "nixl_cu13", "nixl")
 _WORKER_MODULE = "kvspec.transport._nixl_worker"
-_ROW = attrgetter("local_region", "local_offset", "remote_region", "remote_offset", "nbytes")
+_FIELDS = tuple(attrgetter(f) for f in ("local_region", "local_offset", "remote_region", "remote_offset", "nbytes"))
 _PENDING = TransferStatus(state=TransferState.PENDING)
 _DONE = TransferStatus(state=TransferState.DONE)
 
@@ -228,7 +227,9 @@ class NixlAgent:
         if not isinstance(mode, TransferMode):
             raise PlanError(f"post: expected a TransferMode, got {mode!r}")
         try:
-            packed = struct.pack(f"<{5 * len(descriptors)}q", *itertools.chain.from_iterable(map(_ROW, descriptors)))
+            # Column by column: the cheapest way found to turn Descriptor objects into bytes (~0.3 us each).
+            column = f"<{len(descriptors)}q"
+            packed = b"".join(struct.pack(column, *map(field, descriptors)) for field in _FIELDS)
         except (struct.error, AttributeError, TypeError) as exc:
             raise PlanError(f"post: descriptors must be Descriptor objects with 64-bit int fields ({exc})") from None
         op = "READ" if mode is TransferMode.READ else "WRITE"
