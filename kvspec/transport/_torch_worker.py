@@ -165,6 +165,7 @@ class _Transfer:
         self.detail = ""
         self.reported_done = False
         self.released = False
+        self.last_check = 0.0
 
 
 class _Worker:
@@ -595,8 +596,11 @@ class _Worker:
             return "pending", None, ""  # the first check always sees it in flight
         timed_out = False
         with self.lock:
-            if transfer.state == "pending" and wait_s > 0:
+            # Only a caller polling this very transfer in a tight loop waits here (so it does not spin a
+            # core); one that polls many transfers in turn gets answers at once.
+            if transfer.state == "pending" and time.monotonic() - transfer.last_check < wait_s:
                 self.lock.wait_for(lambda: transfer.state != "pending", timeout=wait_s)
+            transfer.last_check = time.monotonic()
             if transfer.state == "pending" and time.monotonic() > transfer.deadline:
                 self._finish(transfer, _Failure("timeout", f"transfer {xid} exceeded {transfer.timeout_s} s"))
                 timed_out = True
