@@ -18,9 +18,9 @@ Theory of operation (research/backends.md section 3):
 * Metadata is NIXL's own blob wrapped with this agent's name and region table,
   so the initiator can check every descriptor before NIXL sees it; it travels
   through the parents, never through NIXL's listener (which binds 0.0.0.0).
-* Every request is checked, then adjacent descriptors are merged, then one
-  ``initialize_xfer`` + ``transfer`` is issued; with CMA the copy happens
-  inside ``transfer``.
+* ``post`` checks every descriptor and creates the NIXL request (prepared
+  lists, or merged descriptors through ``initialize_xfer``); the first
+  ``check`` calls ``transfer()``, which over CMA does the whole copy.
 
 This module imports nothing from kvspec beyond the package itself; a worker
 starts in about the time NIXL's UCX backend takes to initialise (~0.4 s).
@@ -121,13 +121,14 @@ class _Shm:
 class _Xfer:
     """One posted transfer as the worker tracks it."""
 
-    __slots__ = ("detail", "handle", "peer", "posted_at", "reason", "state")
+    __slots__ = ("detail", "handle", "peer", "posted_at", "reason", "started", "state")
 
     def __init__(self, handle: Any, peer: str, state: str, reason: str | None = None, detail: str = "") -> None:
         self.handle = handle
         self.peer = peer
         self.posted_at = time.monotonic()
         self.state = state  # "pending" | "done" | "failed"
+        self.started = False  # transfer() called (at the first check)
         self.reason = reason
         self.detail = detail
 
@@ -363,16 +364,21 @@ class Worker:
             # Both tables were checked above, so a refusal here (nixlNotFoundError, nixlInvalidParamError)
             # means NIXL's view of the registrations differs from ours.
             raise RequestError(TRANSPORT, f"NIXL refused the request: {_describe(exc)}", "post_failed") from None
-        xfer = _Xfer(handle, peer, "pending")
-        self.xfers[xfer_id] = xfer
+        # Nothing moves until the first check (as on loopback): over CMA transfer() does the whole
+        # copy and sends the notification, so starting here would leave no moment in which a
+        # release (cancel) or a lost peer could still stop the request.
+        self.xfers[xfer_id] = _Xfer(handle, peer, "pending")
+        return (xfer_id, "pending", None, "")
+
+    def _begin(self, xfer: _Xfer) -> None:
+        xfer.started = True
         try:
-            state = agent.transfer(handle)
+            state = self.agent.transfer(xfer.handle)
         except Exception as exc:
             # The request was posted, so bytes may have moved: report FAILED, do not raise.
             self._fail_from(xfer, exc)
         else:
             self._apply(xfer, state)
-        return (xfer_id, *self._report(xfer_id, xfer))
 
     def _report(self, xfer_id: int, xfer: _Xfer) -> tuple[str, str | None, str]:
         """The status; a transfer that ended is released at once (the proxy keeps its final status)."""
@@ -401,7 +407,9 @@ class Worker:
 
     def check(self, xfer_id: int) -> tuple[str, str | None, str]:
         xfer = self._xfer(xfer_id)
-        if xfer.state == "pending":
+        if xfer.state == "pending" and not xfer.started:
+            self._begin(xfer)
+        elif xfer.state == "pending":
             try:
                 self._apply(xfer, self.agent.check_xfer_state(xfer.handle))
             except Exception as exc:

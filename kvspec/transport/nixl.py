@@ -9,9 +9,11 @@ Theory of operation:
 * Regions must be ``multiprocessing.shared_memory`` blocks
   (``MemoryRegion.shm_name``); the worker attaches them by name and registers
   them with NIXL as host DRAM. Device memory (VRAM) is not supported.
-* Every worker runs with ``UCX_NET_DEVICES=lo``. By default UCX moves data
-  with CMA (``process_vm_readv``/``writev``), so ``transfer()`` completes
-  inside the post and a transfer is never seen in flight; ``tls="tcp"`` sets
+* Every worker runs with ``UCX_NET_DEVICES=lo``. ``post`` creates the NIXL
+  request and the first ``check`` starts it, as loopback moves nothing until
+  polled. By default UCX moves data with CMA (``process_vm_readv``/``writev``),
+  so ``transfer()`` completes inside that check and a transfer is never seen
+  in flight; ``tls="tcp"`` sets
   ``UCX_TLS=tcp``, which is slower but truly asynchronous
   (``observable_in_flight``), for the in-flight and disconnect cases.
 * Every pipe call has a deadline (``call_timeout``), so a wedged or dead
@@ -220,9 +222,10 @@ class NixlAgent:
         peer: str,
         notification: bytes | None = None,
     ) -> TransferHandle:
-        """Check every descriptor, merge adjacent ones, and start the NIXL transfer (PLAN-1).
+        """Check every descriptor against both sides' regions (PLAN-1) and create the NIXL request.
 
-        With CMA the copy is done when this returns; the handle then reports DONE.
+        Bytes move from the first :meth:`check` on, which calls NIXL's
+        ``transfer()``; over CMA that call does the whole copy and returns DONE.
         """
         if not isinstance(mode, TransferMode):
             raise PlanError(f"post: expected a TransferMode, got {mode!r}")
