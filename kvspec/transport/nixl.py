@@ -13,9 +13,9 @@ Theory of operation:
   request and the first ``check`` starts it, as loopback moves nothing until
   polled. By default UCX moves data with CMA (``process_vm_readv``/``writev``),
   so ``transfer()`` completes inside that check and a transfer is never seen
-  in flight; ``tls="tcp"`` sets
-  ``UCX_TLS=tcp``, which is slower but truly asynchronous
-  (``observable_in_flight``), for the in-flight and disconnect cases.
+  in flight; ``tls="tcp"`` sets ``UCX_TLS=tcp``, which is slower but truly
+  asynchronous (``observable_in_flight``), for the in-flight and disconnect
+  cases.
 * Every pipe call has a deadline (``call_timeout``), so a wedged or dead
   worker becomes a :class:`kvspec.TransportError`, never a hang; a transfer
   still in flight after ``transfer_timeout`` reports ``FAILED(TIMEOUT)``.
@@ -23,8 +23,8 @@ Theory of operation:
 Failure mapping (research/backends.md section 3.4): a descriptor outside
 either side's registered regions raises :class:`kvspec.PlanError` at post,
 before NIXL sees it (PLAN-1); an unknown peer raises
-:class:`kvspec.TransportError`; ``nixlRemoteDisconnectError`` during or after
-the post reports ``FAILED(PEER_DISCONNECTED)``; any other NIXL error or an
+:class:`kvspec.TransportError`; ``nixlRemoteDisconnectError`` once the transfer
+started reports ``FAILED(PEER_DISCONNECTED)``; any other NIXL error or an
 ``"ERR"`` state reports ``FAILED(TRANSFER_ERROR)`` (FAIL-1).
 """
 
