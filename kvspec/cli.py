@@ -71,10 +71,12 @@ def build_parser() -> argparse.ArgumentParser:
         "conform",
         help="run the conformance suite against a backend",
         description="Run the conformance suite (kvspec_conformance) against a transport backend.",
-        add_help=False,
     )
-    conform.add_argument("-h", "--help", action="store_true", help="show the suite's help")
-    conform.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    suite_cli = _suite_cli()
+    if suite_cli is not None:
+        suite_cli.add_arguments(conform)
+    else:  # accept anything, so the handler can say how to install the suite
+        conform.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     conform.set_defaults(handler=_run_conform)
     return parser
 
@@ -179,21 +181,23 @@ def _run_plan(args: argparse.Namespace, out: TextIO) -> int:
 # --------------------------------------------------------------------------- conform
 
 
-def _run_conform(args: argparse.Namespace, out: TextIO) -> int:
+def _suite_cli() -> Any:
     try:
-        suite_cli = importlib.import_module("kvspec_conformance.cli")
-    except ImportError as exc:
+        return importlib.import_module("kvspec_conformance.cli")
+    except ImportError:
+        return None
+
+
+def _run_conform(args: argparse.Namespace, out: TextIO) -> int:
+    suite_cli = _suite_cli()
+    if suite_cli is None:
         print(
-            f"kvspec conform: the conformance suite is not importable ({exc}); "
+            "kvspec conform: the conformance suite is not importable; "
             "install it with: pip install 'kvspec[conformance]'",
             file=sys.stderr,
         )
         return 2
-    parser = argparse.ArgumentParser(prog="kvspec conform", description="Run the kvspec conformance suite.")
-    suite_cli.add_arguments(parser)
-    suite_args = parser.parse_args(["--help"] if args.help else args.rest)
-    result = suite_cli.run(suite_args)
-    return int(result or 0)
+    return int(suite_cli.run(args) or 0)
 
 
 def main(argv: Sequence[str] | None = None, *, out: TextIO | None = None) -> int:

@@ -110,6 +110,7 @@ def test_conform_delegates_to_the_suite_cli(monkeypatch: pytest.MonkeyPatch) -> 
     def add_arguments(parser: argparse.ArgumentParser) -> None:
         parser.add_argument("backend")
         parser.add_argument("--rule", action="append")
+        parser.add_argument("-q", "--quiet", action="store_true")
 
     def run_suite(args: argparse.Namespace) -> int:
         seen.update(vars(args))
@@ -119,6 +120,7 @@ def test_conform_delegates_to_the_suite_cli(monkeypatch: pytest.MonkeyPatch) -> 
     fake.add_arguments = add_arguments  # type: ignore[attr-defined]
     fake.run = run_suite  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "kvspec_conformance.cli", fake)
-    status, _ = run("conform", "loopback", "--rule", "WIN-1")
+    # Options may come before the backend name, as in `kvspec conform -q loopback`.
+    status, _ = run("conform", "-q", "loopback", "--rule", "WIN-1")
     assert status == 1
-    assert seen == {"backend": "loopback", "rule": ["WIN-1"]}
+    assert (seen["backend"], seen["rule"], seen["quiet"]) == ("loopback", ["WIN-1"], True)
