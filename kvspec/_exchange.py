@@ -503,10 +503,13 @@ class ProducerEndpoint(_Endpoint):
     def _carry_out(self, request: _ProducerRequest, out: Output) -> None:
         session = request.session
         if out.cancel and request.handle is not None:
-            # Releasing a pending transfer cancels it; the loopback stops at once (DRAIN-1).
+            # Releasing a pending transfer cancels it. Only a backend that stops at once
+            # (Capabilities.immediate_cancel) counts as drained now; any other is drained
+            # when the session's drain timeout fires from tick() (SM-2, protocol-lifecycle).
             self._drop_handle(request)
-            cancelled = session.transfer_failed(FailureReason.ABORTED, now=self.clock(), detail="cancelled")
-            self._carry_out(request, cancelled)
+            if self.transport.capabilities.immediate_cancel:
+                cancelled = session.transfer_failed(FailureReason.ABORTED, now=self.clock(), detail="cancelled")
+                self._carry_out(request, cancelled)
         if out.post:
             self._post_write(request, out)
         if out.send and request.consumer_agent is not None:
@@ -738,9 +741,11 @@ class ConsumerEndpoint(_Endpoint):
     def _carry_out(self, request: _ConsumerRequest, out: Output) -> None:
         session = request.session
         if out.cancel and request.handle is not None:
-            # Releasing a pending read cancels it; the loopback stops at once (DRAIN-1).
+            # Releasing a pending read cancels it; drained now only if the backend stops
+            # at once, else when the session's drain timeout fires (SM-2).
             self._drop_handle(request)
-            out = out + session.transfer_failed(FailureReason.ABORTED, now=self.clock(), detail="cancelled")
+            if self.transport.capabilities.immediate_cancel:
+                out = out + session.transfer_failed(FailureReason.ABORTED, now=self.clock(), detail="cancelled")
         if out.post:
             self._post_read(request)
         if out.send:

@@ -337,3 +337,40 @@ def test_peer_block_ids_outside_the_pool_are_refused_before_anything_moves(
     assert result.failure.reason is FailureReason.PROTOCOL
     assert pair.consumer_pool.snapshot() == consumer_before
     assert (pair.producer.num_free_blocks, pair.consumer.num_free_blocks) == free
+
+
+class _SlowCancel:
+    """A loopback agent that does not claim immediate cancel, like NIXL or gloo."""
+
+    def __init__(self, inner: object) -> None:
+        self._inner = inner
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._inner, name)
+
+    @property
+    def capabilities(self) -> object:
+        return attrs.evolve(self._inner.capabilities, immediate_cancel=False)  # type: ignore[attr-defined]
+
+
+def test_abort_waits_out_the_drain_when_cancel_is_not_immediate(make_pair: object) -> None:
+    """A cancelled read counts as drained only after drain_timeout unless the backend stops at once (SM-2)."""
+    clock = SteppingClock(step=0.001)
+    pair: Pair = make_pair("gemma-3-1b", TransferMode.READ, clock=clock)  # type: ignore[operator]
+    pair.consumer.transport = _SlowCancel(pair.consumer.transport)  # type: ignore[assignment]
+    free = pair.consumer.num_free_blocks
+    params = pair.producer.prefill("a", num_tokens=300)
+    pair.consumer.begin(params)
+    pair.consumer.poll()
+    assert pair.consumer.num_free_blocks < free
+    aborted_at = clock.now
+    pair.consumer.abort("a")
+    while pair.consumer.num_free_blocks < free:
+        assert clock.now - aborted_at < 5.0, "blocks never came back"
+        pair.consumer.poll()
+        pair.producer.poll()
+    # Handed back only once the consumer's drain_timeout (0.5 s) had passed since the abort.
+    assert clock.now - aborted_at >= 0.5
+    result = pair.consumer.result("a")
+    assert result is not None
+    assert result.state is ConsumerState.ABORTED

@@ -64,6 +64,9 @@ class Capabilities:
     - ``integrity``: the backend verifies the bytes it moved and reports
       ``FailureReason.INTEGRITY`` when they differ.
     - ``observable_in_flight``: a posted transfer can be seen ``PENDING``.
+    - ``immediate_cancel``: ``release`` of a PENDING transfer stops it before
+      returning, so no byte of it lands afterwards. Without it, callers treat a
+      cancelled transfer as drained only after their drain timeout (SM-2).
     """
 
     modes: frozenset[TransferMode] = frozenset({TransferMode.READ, TransferMode.WRITE})
@@ -71,6 +74,7 @@ class Capabilities:
     cross_process: bool = False
     integrity: bool = False
     observable_in_flight: bool = False
+    immediate_cancel: bool = False
 
 
 @attrs.frozen(kw_only=True, eq=False)

@@ -39,6 +39,7 @@ LOOPBACK_CAPABILITIES = Capabilities(
     cross_process=False,
     integrity=False,
     observable_in_flight=True,
+    immediate_cancel=True,  # release() of a pending transfer drops its queued copies under the lock
 )
 
 
