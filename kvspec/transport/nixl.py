@@ -37,6 +37,7 @@ import struct
 import subprocess
 import sys
 import threading
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from multiprocessing.connection import Connection
 from operator import attrgetter
@@ -328,6 +329,13 @@ def _reason(value: str | None) -> FailureReason:
         return FailureReason.TRANSFER_ERROR
 
 
+def _kill_all(processes: list[subprocess.Popen[bytes]]) -> None:
+    for process in processes:
+        if process.poll() is None:
+            process.kill()
+            process.wait(timeout=10.0)
+
+
 def _close_worker(process: subprocess.Popen[bytes], conn: Connection) -> None:
     """Ask an idle worker to exit, then make sure it did."""
     try:
@@ -411,6 +419,9 @@ class NixlBackend:
         self._agents: list[NixlAgent] = []
         self._idle: list[tuple[subprocess.Popen[bytes], Connection]] = []
         self._max_idle = max_idle_workers
+        # A backend dropped without close() must not leave workers polling behind it.
+        self._processes: list[subprocess.Popen[bytes]] = []
+        weakref.finalize(self, _kill_all, self._processes)
 
     @property
     def name(self) -> str:
@@ -457,6 +468,7 @@ class NixlBackend:
             )
         finally:
             theirs.close()
+        self._processes[:] = [p for p in self._processes if p.poll() is None] + [process]
         return self._started(name, process, Connection(ours.detach()), self._options)
 
     def _started(self, name: str, process: subprocess.Popen[bytes], conn: Connection, request: object) -> NixlAgent:
