@@ -42,6 +42,7 @@ import os
 import queue
 import secrets
 import shutil
+import socket
 import sys
 import tempfile
 import threading
@@ -130,6 +131,8 @@ class _Peer:
         self.peer_rank = 1 - self.rank
         self.out: Connection | None = None
         self.out_lock = threading.Lock()
+        self.close_lock = threading.Lock()
+        self.out_closed = False
         self.group: Any = None
         self.ready = threading.Event()
         self.dead: _Failure | None = None
@@ -139,13 +142,42 @@ class _Peer:
         self.remote_session: str | None = None
 
     def send(self, message: tuple[Any, ...]) -> None:
-        if self.out is None:
-            raise _Failure("peer_disconnected", f"no control connection to peer {self.name!r}")
         try:
             with self.out_lock:
+                if self.out is None or self.out_closed:
+                    raise _Failure("peer_disconnected", f"no control connection to peer {self.name!r}")
                 self.out.send(message)
         except (OSError, EOFError, ValueError) as exc:
             raise _Failure("peer_disconnected", f"peer {self.name!r} is gone: {exc}") from exc
+
+    def attach_out(self, conn: Connection) -> None:
+        """Adopt the outgoing connection, unless the peer was dropped meanwhile."""
+        with self.close_lock:
+            if not self.out_closed:
+                self.out = conn
+                return
+        conn.close()
+        raise _Failure("peer_disconnected", f"peer {self.name!r} was dropped while connecting")
+
+    def close_out(self) -> None:
+        """Close the outgoing connection exactly once, never while a send uses it.
+
+        Two threads closing one descriptor number is the classic bug: the second
+        close hits whatever socket reused the number in between. So: shut the
+        socket down first (which wakes a send blocked on a stopped peer), then
+        close it under the send lock, once.
+        """
+        with self.close_lock:
+            if self.out_closed:
+                return
+            self.out_closed = True
+            out = self.out
+        if out is None:
+            return
+        with contextlib.suppress(OSError, ValueError):
+            _shutdown(out.fileno())  # through a duplicate; the original is closed below, once
+        with self.out_lock, contextlib.suppress(OSError):
+            out.close()
 
 
 class _Transfer:
@@ -192,14 +224,16 @@ class _Worker:
         self.closed = False
         self.group_factory = _resolve_group_factory(options["process_group"])
         threading.Thread(target=self._reap, name="kvspec-reaper", daemon=True).start()
+        # One listening socket for the life of the process (closing a socket another thread blocks on
+        # frees its descriptor number for reuse while that thread still holds it).
+        self.authkey = secrets.token_bytes(16)
+        self.listener = Listener(("127.0.0.1", 0), authkey=self.authkey)
+        threading.Thread(target=self._accept_loop, name="kvspec-accept", daemon=True).start()
         self._new_identity()
 
     def _new_identity(self) -> None:
-        """A fresh uid, key and listening socket: peers of an earlier life cannot reach this one."""
+        """A fresh uid: hellos addressed to an earlier life of this process are refused."""
         self.uid = f"{time.time_ns():x}-{os.getpid()}-{secrets.token_hex(4)}"
-        self.authkey = secrets.token_bytes(16)
-        self.listener = Listener(("127.0.0.1", 0), authkey=self.authkey)
-        threading.Thread(target=self._accept_loop, args=(self.listener,), name="kvspec-accept", daemon=True).start()
 
     def _reap(self) -> None:
         while True:
@@ -222,14 +256,12 @@ class _Worker:
             "process_group": self.options["process_group"],
         }
 
-    def _accept_loop(self, listener: Listener) -> None:
-        while True:
+    def _accept_loop(self) -> None:
+        while not self.closed:
             try:
-                conn = listener.accept()
+                conn = self.listener.accept()
             except (OSError, EOFError, multiprocessing.AuthenticationError):
-                if self.closed or listener is not self.listener:
-                    return
-                continue  # a client that failed authentication
+                continue  # a client that went away or failed authentication
             threading.Thread(target=self._reader, args=(conn,), name="kvspec-peer", daemon=True).start()
 
     def _peer_by_name(self, name: str) -> _Peer:
@@ -250,8 +282,10 @@ class _Worker:
             if peer is not None and peer.dead is None and peer.remote_session in (None, remote_session):
                 if remote_session is not None:
                     peer.remote_session = remote_session
+                _log(self.name, "known peer", peer.name, peer.uid, "ready", peer.ready.is_set())
                 return peer
             if remote_session is None and peer is not None and peer.dead is None:
+                _log(self.name, "known peer", peer.name, peer.uid, "ready", peer.ready.is_set())
                 return peer
             for old in [p for p in self.peers.values() if p.name == meta["name"] or p.uid == meta["uid"]]:
                 # A restarted peer (same name, new process) or a new pairing replaces the old one.
@@ -262,7 +296,7 @@ class _Worker:
             peer.remote_session = remote_session
             self.peers[peer.uid] = peer
         try:
-            peer.out = Client((meta["host"], meta["port"]), authkey=bytes.fromhex(meta["authkey"]))
+            peer.attach_out(Client((meta["host"], meta["port"]), authkey=bytes.fromhex(meta["authkey"])))
             # (hello, our metadata, our session, the uid we address, the session of theirs we answer or None)
             peer.send(("hello", self.metadata(), peer.session, peer.uid, peer.remote_session))
         except Exception as exc:  # refused, reset, or a reused port with another key (AuthenticationError)
@@ -309,9 +343,7 @@ class _Worker:
                 peer.group = None
             self.lock.notify_all()
         peer.ready.set()
-        if peer.out is not None:
-            with contextlib.suppress(OSError):
-                peer.out.close()
+        peer.close_out()
 
     def _reader(self, conn: Connection) -> None:
         """Serve one incoming control connection until it closes."""
@@ -508,6 +540,7 @@ class _Worker:
 
     def op_add_peer(self, metadata: bytes) -> str:
         meta = json.loads(metadata)
+        _log(self.name, "add_peer", meta.get("name"), meta.get("uid"), "me", self.uid)
         if meta["uid"] == self.uid:
             raise _Failure("post_failed", "add_remote_agent: this is the agent's own metadata")
         if meta.get("process_group") != self.options["process_group"]:
@@ -665,7 +698,6 @@ class _Worker:
             peers = list(self.peers.values())
         for peer in peers:
             self._drop_peer(peer, _Failure("peer_disconnected", f"agent {self.name!r} closed"))
-        old = self.listener
         with self.lock:
             self.peers.clear()
             self.transfers.clear()
@@ -673,7 +705,6 @@ class _Worker:
             # Views still used by ops in flight keep their mapping alive; the rest is unmapped when dropped.
             self.tensors, self.maps = [], []
             self._new_identity()
-        _quiet(old.close)
 
     def op_rename(self, name: str) -> None:
         self.name = name
@@ -687,6 +718,15 @@ class _Worker:
 
 
 # --------------------------------------------------------------------------- helpers
+
+
+def _shutdown(fd: int) -> None:
+    """Shut a connected socket down through a duplicate descriptor (the original is closed by its owner)."""
+    sock = socket.socket(fileno=os.dup(fd))
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    finally:
+        sock.close()
 
 
 def _td(seconds: float) -> datetime.timedelta:
