@@ -40,7 +40,18 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
-__all__ = ["METADATA_MAGIC", "NIXL_MODULES", "Worker", "main", "pack_metadata", "unpack_metadata"]
+__all__ = [
+    "METADATA_MAGIC",
+    "NIXL_MODULES",
+    "RequestError",
+    "Worker",
+    "answer",
+    "check_columns",
+    "main",
+    "pack_metadata",
+    "unpack_columns",
+    "unpack_metadata",
+]
 
 # Import names of the NIXL Python API, in order of preference (nixl-cu12 wheel first).
 NIXL_MODULES = ("nixl_cu12", "nixl_cu13", "nixl")
@@ -86,6 +97,34 @@ def unpack_metadata(blob: bytes) -> tuple[str, list[tuple[int, int]], bytes]:
     except (ValueError, KeyError, TypeError) as exc:
         raise RequestError(TRANSPORT, f"unreadable peer metadata ({exc!r})", "protocol") from None
     return name, regions, bytes(blob[start + 4 + size :])
+
+
+def unpack_columns(np: Any, packed: bytes) -> tuple[Any, ...]:
+    """``local_region, local_offset, remote_region, remote_offset, nbytes``: five int64 columns, one after the other."""
+    return tuple(np.frombuffer(packed, dtype=np.int64).reshape(5, -1))
+
+
+def check_columns(np: Any, columns: tuple[Any, ...], local_sizes: Any, remote_sizes: Any) -> None:
+    """Raise a PLAN ``RequestError`` naming the first descriptor outside either side's regions (PLAN-1)."""
+    lr, lo, rr, ro, n = columns
+    num_local, num_remote = len(local_sizes), len(remote_sizes)
+    bad_region = (lr < 0) | (lr >= num_local) | (rr < 0) | (rr >= num_remote)
+    if bad_region.any():
+        i = int(np.flatnonzero(bad_region)[0])
+        raise RequestError(
+            PLAN,
+            f"descriptor {i}: region local={int(lr[i])} remote={int(rr[i])} not registered "
+            f"(local has {num_local}, remote has {num_remote})",
+        )
+    lsize, rsize = local_sizes[lr], remote_sizes[rr]
+    bad_range = (n <= 0) | (lo < 0) | (ro < 0) | (lo + n > lsize) | (ro + n > rsize)
+    if bad_range.any():
+        i = int(np.flatnonzero(bad_range)[0])
+        raise RequestError(
+            PLAN,
+            f"descriptor {i}: local [{int(lo[i])}, {int(lo[i] + n[i])}) of {int(lsize[i])} / remote "
+            f"[{int(ro[i])}, {int(ro[i] + n[i])}) of {int(rsize[i])} bytes out of range",
+        )
 
 
 def _import_nixl() -> tuple[Any, Any]:
@@ -160,7 +199,6 @@ class Worker:
         self.local_lists: dict[int, tuple[Any, Any]] = {}  # block size -> (prepared list, first index per region)
         self.remote_lists: dict[tuple[str, int], tuple[Any, Any]] = {}  # (peer, block size) -> the same
         self.unreleased: list[Any] = []
-        self.next_id = 1
         self.notifs: list[tuple[str, bytes]] = []
         self.ops: dict[str, Callable[..., Any]] = {
             "register": self.register,
@@ -249,30 +287,10 @@ class Worker:
     # -- transfers
 
     def check_rows(self, packed: bytes, peer: str) -> tuple[Any, ...]:
-        """Check the columns ``local_region, local_offset, remote_region, remote_offset, nbytes``
-        (int64, one after the other) against both region tables before NIXL sees them (PLAN-1)."""
-        np = self.np
-        _, _, remote_size = self._peer(peer)
-        lr, lo, rr, ro, n = np.frombuffer(packed, dtype=np.int64).reshape(5, -1)
-        num_local, num_remote = len(self.region_base), len(remote_size)
-        bad_region = (lr < 0) | (lr >= num_local) | (rr < 0) | (rr >= num_remote)
-        if bad_region.any():
-            i = int(np.flatnonzero(bad_region)[0])
-            raise RequestError(
-                PLAN,
-                f"descriptor {i}: region local={int(lr[i])} remote={int(rr[i])} not registered "
-                f"(local has {num_local}, remote has {num_remote})",
-            )
-        lsize, rsize = self.region_size[lr], remote_size[rr]
-        bad_range = (n <= 0) | (lo < 0) | (ro < 0) | (lo + n > lsize) | (ro + n > rsize)
-        if bad_range.any():
-            i = int(np.flatnonzero(bad_range)[0])
-            raise RequestError(
-                PLAN,
-                f"descriptor {i}: local [{int(lo[i])}, {int(lo[i] + n[i])}) of {int(lsize[i])} / remote "
-                f"[{int(ro[i])}, {int(ro[i] + n[i])}) of {int(rsize[i])} bytes out of range",
-            )
-        return lr, lo, rr, ro, n
+        """The five int64 columns of a post, checked against both region tables (PLAN-1)."""
+        columns = unpack_columns(self.np, packed)
+        check_columns(self.np, columns, self.region_size, self._peer(peer)[2])
+        return columns
 
     def merged_descs(self, columns: tuple[Any, ...], peer: str) -> tuple[Any, Any]:
         """Nx3 (address, nbytes, device) lists with rows adjacent on both sides merged."""
@@ -337,15 +355,16 @@ class Worker:
             with contextlib.suppress(Exception):
                 self.agent.release_dlist_handle(handle)
 
-    def post(self, mode: str, packed: bytes, peer: str, notification: bytes | None) -> tuple[int, str, str | None, str]:
+    def post(
+        self, xfer_id: int, mode: str, packed: bytes, peer: str, notification: bytes | None
+    ) -> tuple[str, str | None, str]:
+        """Create the request ``xfer_id`` (the proxy numbers them and sends them with its next call)."""
         self._peer(peer)
-        xfer_id = self.next_id
-        self.next_id += 1
         if not packed:
             # Nothing to move; NIXL rejects empty lists, so only the notification travels.
             if notification is not None:
                 self.notify(peer, notification)
-            return (xfer_id, "done", None, "")
+            return ("done", None, "")
         columns = self.check_rows(packed, peer)
         agent = self.agent
         message = notification if notification is not None else b""
@@ -368,7 +387,7 @@ class Worker:
         # copy and sends the notification, so starting here would leave no moment in which a
         # release (cancel) or a lost peer could still stop the request.
         self.xfers[xfer_id] = _Xfer(handle, peer, "pending")
-        return (xfer_id, "pending", None, "")
+        return ("pending", None, "")
 
     def _begin(self, xfer: _Xfer) -> None:
         xfer.started = True
@@ -501,9 +520,24 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")
 
 
+def answer(worker: Worker, op: str, args: list[Any]) -> tuple[Any, ...]:
+    """Run one request; ``("ok", value)`` or ``("err", kind, reason, message)``."""
+    try:
+        return ("ok", worker.ops[op](*args))
+    except RequestError as exc:
+        return ("err", exc.kind, exc.reason, str(exc))
+    except Exception as exc:  # a bug or an unexpected NIXL error: report it, keep serving
+        return ("err", TRANSPORT, "transfer_error", f"{op} failed in the NIXL worker: {_describe(exc)}")
+
+
 def serve(conn: Connection, worker: Worker) -> str:
     """Answer requests until ``close`` or ``retire`` (returned) or until the parent goes away
-    (``"eof"``); poll NIXL in between."""
+    (``"eof"``); poll NIXL in between.
+
+    ``("batch", [post requests], (op, *args))`` carries the posts the proxy
+    queued since its last call, ahead of that call, in one message; the reply
+    is ``("batch", [post replies], reply)``.
+    """
     while True:
         if not conn.poll(worker.poll_interval):
             worker.poll()
@@ -514,13 +548,12 @@ def serve(conn: Connection, worker: Worker) -> str:
             return "eof"  # the parent died: nothing left to serve
         if op in ("close", "retire"):
             return str(op)
-        try:
-            handler = worker.ops[op]
-            reply: tuple[Any, ...] = ("ok", handler(*args))
-        except RequestError as exc:
-            reply = ("err", exc.kind, exc.reason, str(exc))
-        except Exception as exc:  # a bug or an unexpected NIXL error: report it, keep serving
-            reply = ("err", TRANSPORT, "transfer_error", f"{op} failed in the NIXL worker: {_describe(exc)}")
+        if op == "batch":
+            posts, (inner_op, *inner_args) = args
+            post_replies = [answer(worker, post_op, post_args) for post_op, *post_args in posts]
+            reply: tuple[Any, ...] = ("batch", post_replies, answer(worker, inner_op, inner_args))
+        else:
+            reply = answer(worker, op, args)
         try:
             conn.send(reply)
         except OSError:

@@ -31,6 +31,7 @@ started reports ``FAILED(PEER_DISCONNECTED)``; any other NIXL error or an
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import os
 import socket
 import struct
@@ -42,10 +43,11 @@ from collections.abc import Callable, Mapping, Sequence
 from multiprocessing.connection import Connection
 from operator import attrgetter
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 from kvspec._errors import BackendUnavailableError, ConfigError, PlanError, TransportError
 from kvspec._models import FailureReason, TransferMode
+from kvspec.transport import _nixl_worker
 from kvspec.transport._base import (
     Capabilities,
     Descriptor,
@@ -63,8 +65,8 @@ INSTALL_HINT = (
     "(or pip install 'kvspec[nixl]' after installing torch==2.13.0, so that pip does not pull a CUDA torch)"
 )
 
-# The same names the worker tries, in the same order (kept in sync by a test).
-_NIXL_MODULES = ("nixl_cu12", "nixl_cu13", "nixl")
+# The names the worker tries, in the same order.
+_NIXL_MODULES = _nixl_worker.NIXL_MODULES
 _WORKER_MODULE = "kvspec.transport._nixl_worker"
 _FIELDS = tuple(attrgetter(f) for f in ("local_region", "local_offset", "remote_region", "remote_offset", "nbytes"))
 _PENDING = TransferStatus(state=TransferState.PENDING)
@@ -119,7 +121,14 @@ class NixlAgent:
         self._broken: str | None = None
         self._final: dict[int, TransferStatus] = {}
         self._handles: set[int] = set()
-        self._local_regions: list[int] = []
+        self._ids = itertools.count(1)
+        # Posts checked here wait, in order, to travel with the next call in one message.
+        self._queued: dict[int, tuple[object, ...]] = {}
+        import numpy  # the nixl extra's dependency; checked by NixlBackend, imported only now
+
+        self._np = numpy
+        self._local_sizes = numpy.zeros(0, dtype=numpy.int64)
+        self._peer_sizes: dict[str, Any] = {}  # peer name -> its region sizes, from its metadata
 
     # -- identity
 
@@ -153,9 +162,11 @@ class NixlAgent:
                 )
             if self._broken is not None:
                 raise TransportError(self._broken, reason=FailureReason.TRANSFER_ERROR.value)
+            queued, self._queued = self._queued, {}
+            request: tuple[object, ...] = ("batch", list(queued.values()), (op, *args)) if queued else (op, *args)
             limit = self._call_timeout if timeout is None else timeout
             try:
-                self._conn.send((op, *args))
+                self._conn.send(request)
                 if not self._conn.poll(limit):
                     self._break(f"nixl agent {self._name!r}: no answer to {op!r} within {limit} s; worker stopped")
                     raise TransportError(self._broken or "", reason=FailureReason.TIMEOUT.value)
@@ -163,6 +174,10 @@ class NixlAgent:
             except (EOFError, OSError):
                 self._break(f"nixl agent {self._name!r}: worker process exited (code {self._process.poll()})")
                 raise TransportError(self._broken or "", reason=FailureReason.TRANSFER_ERROR.value) from None
+            if queued:
+                _, post_replies, reply = reply
+                for transfer_id, post_reply in zip(queued, post_replies, strict=True):
+                    self._settle(transfer_id, post_reply)
         if reply[0] == "ok":
             return reply[1]
         _, kind, reason, message = reply
@@ -171,6 +186,17 @@ class NixlAgent:
         if kind == "config":
             raise ConfigError(message)
         raise TransportError(message, reason=reason)
+
+    def _settle(self, transfer_id: int, reply: tuple[Any, ...]) -> None:
+        """Apply a post's reply: an ended request (nothing to move) or one NIXL refused is final."""
+        if reply[0] == "ok":
+            status = _status(*reply[1])
+        else:
+            _, kind, reason, message = reply
+            why = FailureReason.POST_FAILED if kind in ("plan", "config") else _reason(reason)
+            status = TransferStatus(state=TransferState.FAILED, reason=why, detail=message)
+        if status.state is not TransferState.PENDING and transfer_id in self._handles:
+            self._final[transfer_id] = status
 
     def _break(self, why: str) -> None:
         """Give up on the worker: kill it so it cannot act later on a request we abandoned."""
@@ -187,7 +213,7 @@ class NixlAgent:
         ``region.nbytes`` bytes from there.
         """
         table: list[tuple[str, int]] = []
-        for index, region in enumerate(regions, start=len(self._local_regions)):
+        for index, region in enumerate(regions, start=len(self._local_sizes)):
             if region.shm_name is None:
                 raise ConfigError(
                     f"NixlAgent.register_memory: region {index} has no shm_name; the nixl backend runs agents "
@@ -195,7 +221,8 @@ class NixlAgent:
                 )
             table.append((region.shm_name, region.nbytes))
         self._call("register", table)
-        self._local_regions.extend(nbytes for _, nbytes in table)
+        np = self._np
+        self._local_sizes = np.concatenate((self._local_sizes, np.array([n for _, n in table], dtype=np.int64)))
 
     def get_agent_metadata(self) -> bytes:
         """NIXL's metadata wrapped with this agent's name and region table; pass it to the peer out of band."""
@@ -207,11 +234,16 @@ class NixlAgent:
         A peer restarted under the same name must be removed first
         (:meth:`remove_remote_agent`), as NIXL requires.
         """
-        return cast(str, self._call("add_peer", bytes(metadata)))
+        name = cast(str, self._call("add_peer", bytes(metadata)))
+        # The worker accepted it, so it parses; keep the peer's region sizes to check posts here.
+        _, regions, _ = _nixl_worker.unpack_metadata(bytes(metadata))
+        self._peer_sizes[name] = self._np.array([n for _, n in regions], dtype=self._np.int64)
+        return name
 
     def remove_remote_agent(self, peer: str) -> None:
-        """Forget a peer and disconnect from it."""
+        """Forget a peer and disconnect from it; its transfers in flight fail as disconnected."""
         self._call("remove_peer", peer)
+        self._peer_sizes.pop(peer, None)
 
     # -- transfers
 
@@ -236,16 +268,31 @@ class NixlAgent:
             packed = b"".join(struct.pack(column, *map(field, descriptors)) for field in _FIELDS)
         except (struct.error, AttributeError, TypeError) as exc:
             raise PlanError(f"post: descriptors must be Descriptor objects with 64-bit int fields ({exc})") from None
+        remote_sizes = self._peer_sizes.get(peer)
+        if remote_sizes is None:
+            raise TransportError(
+                f"agent {self._name!r}: unknown peer {peer!r} (add_remote_agent first)",
+                reason=FailureReason.PEER_DISCONNECTED.value,
+            )
+        if packed:
+            try:
+                np = self._np
+                _nixl_worker.check_columns(np, _nixl_worker.unpack_columns(np, packed), self._local_sizes, remote_sizes)
+            except _nixl_worker.RequestError as exc:
+                raise PlanError(str(exc)) from None
         op = "READ" if mode is TransferMode.READ else "WRITE"
         message = None if notification is None else bytes(notification)
-        reply = cast(tuple[int, str, "str | None", str], self._call("post", op, packed, peer, message))
-        transfer_id, state, reason, detail = reply
-        handle = TransferHandle(transfer_id=transfer_id, peer=peer, mode=mode)
-        self._handles.add(transfer_id)
-        status = _status(state, reason, detail)
-        if status.state is not TransferState.PENDING:
-            self._final[transfer_id] = status
-        return handle
+        with self._lock:
+            if self._closed:
+                raise TransportError(
+                    f"nixl agent {self._name!r} is closed", reason=FailureReason.PEER_DISCONNECTED.value
+                )
+            transfer_id = next(self._ids)
+            # Checked here already, so the request can travel with the next call (the first check,
+            # usually): one round trip per request, and nothing moves before it is polled.
+            self._queued[transfer_id] = ("post", transfer_id, op, packed, peer, message)
+            self._handles.add(transfer_id)
+        return TransferHandle(transfer_id=transfer_id, peer=peer, mode=mode)
 
     def check(self, handle: TransferHandle) -> TransferStatus:
         """Report PENDING, DONE or FAILED with a reason; a dead worker reports FAILED, never hangs."""
@@ -262,6 +309,8 @@ class NixlAgent:
             status = TransferStatus(state=TransferState.FAILED, reason=_reason(exc.reason), detail=str(exc))
         else:
             status = _status(*cast(tuple[str, "str | None", str], reply))
+        # The post travelled with this check: NIXL may have refused it, or it had nothing to move.
+        status = self._final.get(handle.transfer_id, status)
         if status.state is not TransferState.PENDING:
             self._final[handle.transfer_id] = status
         return status
@@ -273,6 +322,9 @@ class NixlAgent:
         self._handles.discard(handle.transfer_id)
         if self._final.pop(handle.transfer_id, None) is not None:
             return  # the worker released the NIXL request when it ended
+        with self._lock:
+            if self._queued.pop(handle.transfer_id, None) is not None:
+                return  # never sent: nothing moved, nothing to cancel
         if self._broken is None and not self._closed:
             self._call("release", handle.transfer_id)
 
@@ -299,6 +351,7 @@ class NixlAgent:
             self._handles.clear()
             if self._broken is None:
                 op = "close" if self._recycle is None else "retire"
+                self._queued.clear()  # never sent, so never started
                 try:
                     self._conn.send((op,))
                     done = self._conn.poll(min(self._call_timeout, 10.0)) and self._conn.recv()[0] == "ok"
