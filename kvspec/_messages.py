@@ -49,6 +49,7 @@ __all__ = [
     "Completion",
     "EngineDescriptor",
     "Failure",
+    "FieldError",
     "GroupDescriptor",
     "Message",
     "Release",
@@ -322,7 +323,7 @@ class TransferParams:
     ``producer_block_ids`` are already clipped (CLIP-1); ``num_tokens`` is
     explicit and never inferred from a clipped group (TOK-1).
     ``lease_deadline`` is an absolute time on a clock both engines share
-    (SM-1, LEASE-1). ``transport_data`` is the transport's addressing data:
+    (SM-1, the lease rule). ``transport_data`` is the transport's addressing data:
     named values travel as top-level keys of the vLLM dict (``remote_host``,
     ``remote_port``, ``tp_size``...), opaque bytes as base64.
     """
@@ -501,7 +502,7 @@ class Completion:
 class Failure:
     """P reports that the request failed, with the consumer blocks that may hold bad bytes (FAIL-1).
 
-    Sent only once no write of P's touches C's blocks any more (DRAIN-1).
+    Sent only once no write of P's touches C's blocks any more (SM-2, the drain rule).
     """
 
     request_id: str = attrs.field(validator=_non_empty_str)
@@ -527,7 +528,7 @@ class Abort:
     """The sender (``engine_id``) gave up on the request (SM-1, SM-2).
 
     From P in WRITE mode it also confirms that no write of P's touches C's
-    blocks any more (DRAIN-1).
+    blocks any more (SM-2, the drain rule).
     """
 
     request_id: str = attrs.field(validator=_non_empty_str)

@@ -101,10 +101,10 @@ __all__ = [
 ]
 
 DEFAULT_DRAIN_TIMEOUT = 5.0
-"""Seconds a cancelled transfer may keep moving bytes; backends MUST stop within it (DRAIN-1)."""
+"""Seconds a cancelled transfer may keep moving bytes; backends MUST stop within it (SM-2, the drain rule)."""
 
 DEFAULT_RELEASE_GRACE = 10.0
-"""Seconds past the lease a producer still waits for a release; MUST exceed the consumer's drain timeout (LEASE-1)."""
+"""Seconds past the lease a producer still waits for a release; above the consumer's drain timeout (SM-1)."""
 
 
 # --------------------------------------------------------------------------- states, events, actions
@@ -225,9 +225,9 @@ def _rows(
 P, PE, A = ProducerState, ProducerEvent, Action
 
 # SM-1. READ: C reads P's HELD blocks and releases them; P frees on the release or at
-# lease + grace, by when C's read has been cancelled and drained (LEASE-1).
+# lease + grace, by when C's read has been cancelled and drained (SM-1, the lease rule).
 # WRITE: C offers blocks, P writes and attaches the Completion; any P -> C message after
-# the offer is sent only once P's write no longer moves bytes (DRAIN-1).
+# the offer is sent only once P's write no longer moves bytes (SM-2, the drain rule).
 PRODUCER_TRANSITIONS: tuple[Transition[ProducerState, ProducerEvent], ...] = tuple(
     _rows(
         P.HELD,
@@ -280,7 +280,7 @@ _END = (A.FREE, A.SEND_RELEASE)
 
 # SM-2. C's blocks are reusable (FREE) only once no transfer can touch them: READ: its own
 # read ended or was cancelled and drained; WRITE: P confirmed (Completion, Failure, Abort)
-# or the lease plus the drain bound passed (DRAIN-1). Every terminal entry sends the one
+# or the lease plus the drain bound passed (SM-2, the drain rule). Every terminal entry sends the one
 # release (REL-1).
 CONSUMER_TRANSITIONS: tuple[Transition[ConsumerState, ConsumerEvent], ...] = tuple(
     _rows(
@@ -411,8 +411,8 @@ class ProducerSession:
 
     ``release_grace``: seconds past the lease deadline P still holds the
     blocks waiting for the release, in READ mode or once its write is
-    final; MUST exceed the consumer's drain timeout (LEASE-1).
-    ``drain_timeout``: seconds a cancelled write may take to stop (DRAIN-1).
+    final; MUST exceed the consumer's drain timeout (SM-1, the lease rule).
+    ``drain_timeout``: seconds a cancelled write may take to stop (SM-2, the drain rule).
     """
 
     def __init__(
@@ -628,10 +628,10 @@ class ConsumerSession:
     ``consumer_block_ids`` are C's clipped, uncached suffix (CLIP-1); zero
     groups, or only null ids, is a full prefix hit: ``start`` releases at
     once. ``start_margin``: C does not start a transfer later than this many
-    seconds before the lease deadline (LEASE-1). ``transfer_timeout``: an
+    seconds before the lease deadline (SM-1, the lease rule). ``transfer_timeout``: an
     optional bound on the transfer, tighter than the lease. ``drain_timeout``
     bounds the wait for a cancelled transfer to stop; it MUST be at least the
-    producer's and below the producer's release grace (DRAIN-1, LEASE-1).
+    producer's and below the producer's release grace (SM-1, SM-2: the lease and drain rules).
     """
 
     def __init__(
@@ -788,7 +788,7 @@ class ConsumerSession:
         lease = self.params.lease_deadline
         state = self._state
         if state is ConsumerState.ALLOCATED:
-            # LEASE-1: never start a transfer that could outlive P's pin.
+            # SM-1, the lease rule: never start a transfer that could outlive P's pin.
             return lease - self.start_margin, ConsumerEvent.TIMEOUT, FailureReason.LEASE_EXPIRED
         if state is ConsumerState.LOADING:
             if self.transfer_timeout is not None and self._started_at + self.transfer_timeout < lease:
@@ -797,7 +797,7 @@ class ConsumerSession:
         if state in (ConsumerState.FAILING, ConsumerState.ABORTING):
             if self.mode is TransferMode.READ:
                 return self._entered_at + self.drain_timeout, ConsumerEvent.DRAIN_TIMEOUT, None
-            # DRAIN-1: P cancels its write by the lease deadline and it stops within the drain bound.
+            # SM-2, the drain rule: P cancels its write by the lease deadline and it stops within the drain bound.
             return lease + self.drain_timeout, ConsumerEvent.DRAIN_TIMEOUT, None
         return None
 

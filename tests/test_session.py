@@ -1,4 +1,4 @@
-"""Per-role sessions (SM-1, SM-2, REL-1, FAIL-1, LEASE-1, DRAIN-1): examples of every path and the table's shape."""
+"""Per-role sessions (SM-1, SM-2, REL-1, FAIL-1; lease and drain rules): every path, and the tables' shape."""
 
 from __future__ import annotations
 
@@ -130,7 +130,7 @@ def test_full_prefix_hit_only_releases(mode: TransferMode, ids: object) -> None:
     assert producer.receive(release, now=1.1).free == PRODUCER_FREED  # type: ignore[arg-type]
 
 
-# --------------------------------------------------------------------------- leases and deadlines (LEASE-1)
+# --------------------------------------------------------------------------- leases and deadlines (SM-1)
 
 
 def test_read_producer_frees_only_after_lease_plus_grace() -> None:
@@ -216,7 +216,7 @@ def test_write_producer_never_posts_after_the_lease() -> None:
     assert out.free == PRODUCER_FREED
 
 
-# --------------------------------------------------------------------------- aborts and drains (DRAIN-1)
+# --------------------------------------------------------------------------- aborts and drains (SM-2)
 
 
 def test_write_consumer_abort_waits_for_the_producer_drain_confirmation() -> None:
