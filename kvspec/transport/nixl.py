@@ -9,9 +9,10 @@ Theory of operation:
 * Regions must be ``multiprocessing.shared_memory`` blocks
   (``MemoryRegion.shm_name``); the worker attaches them by name and registers
   them with NIXL as host DRAM. Device memory (VRAM) is not supported.
-* Every worker runs with ``UCX_NET_DEVICES=lo``. ``post`` creates the NIXL
-  request and the first ``check`` starts it, as loopback moves nothing until
-  polled. By default UCX moves data with CMA (``process_vm_readv``/``writev``),
+* Every worker runs with ``UCX_NET_DEVICES=lo``. ``post`` checks the
+  descriptors here and queues the request; it reaches the worker with the
+  next call, and the first ``check`` starts it, as loopback moves nothing
+  until polled. By default UCX moves data with CMA (``process_vm_readv``/``writev``),
   so ``transfer()`` completes inside that check and a transfer is never seen
   in flight; ``tls="tcp"`` sets ``UCX_TLS=tcp``, which is slower but truly
   asynchronous (``observable_in_flight``), for the in-flight and disconnect
@@ -23,9 +24,10 @@ Theory of operation:
 Failure mapping (research/backends.md section 3.4): a descriptor outside
 either side's registered regions raises :class:`kvspec.PlanError` at post,
 before NIXL sees it (PLAN-1); an unknown peer raises
-:class:`kvspec.TransportError`; ``nixlRemoteDisconnectError`` once the transfer
-started reports ``FAILED(PEER_DISCONNECTED)``; any other NIXL error or an
-``"ERR"`` state reports ``FAILED(TRANSFER_ERROR)`` (FAIL-1).
+:class:`kvspec.TransportError`; a request NIXL refuses anyway reports
+``FAILED(POST_FAILED)`` at the first check; ``nixlRemoteDisconnectError``
+once the transfer started reports ``FAILED(PEER_DISCONNECTED)``; any other
+NIXL error or an ``"ERR"`` state reports ``FAILED(TRANSFER_ERROR)`` (FAIL-1).
 """
 
 from __future__ import annotations
