@@ -230,6 +230,22 @@ def test_releasing_a_transfer_never_checked_moves_nothing(nixl: Pair) -> None:
     assert bytes(pools.consumer[0].buf) == before  # type: ignore[arg-type]
 
 
+def test_a_posted_transfer_waits_for_its_check_while_other_calls_go_by(nixl: Pair) -> None:
+    producer, consumer = nixl.producer, nixl.consumer
+    pools = nixl.pools
+    pools.producer[0].buf[5 * PAGE : 6 * PAGE] = os.urandom(PAGE)  # type: ignore[index]
+    first = consumer.post(TransferMode.READ, [desc(0, 60 * PAGE, 0, 5 * PAGE, PAGE)], peer=producer.name)
+    second = consumer.post(TransferMode.READ, [desc(0, 61 * PAGE, 0, 5 * PAGE, PAGE)], peer=producer.name)
+    consumer.get_notifications()  # both posts reach the worker with this call; neither starts
+    time.sleep(0.05)
+    assert bytes(pools.consumer[0].buf[60 * PAGE : 62 * PAGE]) != bytes(pools.producer[0].buf[5 * PAGE : 6 * PAGE]) * 2  # type: ignore[index]
+    assert wait(consumer, second).state is TransferState.DONE
+    assert wait(consumer, first).state is TransferState.DONE
+    for handle in (first, second):
+        consumer.release(handle)
+    assert bytes(pools.consumer[0].buf[60 * PAGE : 62 * PAGE]) == bytes(pools.producer[0].buf[5 * PAGE : 6 * PAGE]) * 2  # type: ignore[index]
+
+
 def test_read_notification_and_plain_notifications_reach_the_producer_in_order(
     nixl: Pair,
 ) -> None:
