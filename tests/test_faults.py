@@ -320,7 +320,7 @@ def test_bad_plans_are_refused() -> None:
 
 
 def test_producer_expires_when_consumer_vanishes(make_rig: object) -> None:
-    """READ: the consumer never begins; the producer frees at lease + grace (SM-1, LEASE-1)."""
+    """READ: the consumer never begins; the producer frees at lease + grace (SM-1: the lease)."""
     rig = make_rig(R, FaultPlan())  # type: ignore[operator]
     free = rig.producer.num_free_blocks
     rig.producer.prefill("orphan", num_tokens=100)
