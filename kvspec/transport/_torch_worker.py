@@ -49,7 +49,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
-from multiprocessing.connection import Client, Connection, Listener
+from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
 from typing import Any
 
 import torch
@@ -227,7 +227,7 @@ class _Worker:
         # One listening socket for the life of the process (closing a socket another thread blocks on
         # frees its descriptor number for reuse while that thread still holds it).
         self.authkey = secrets.token_bytes(16)
-        self.listener = Listener(("127.0.0.1", 0), authkey=self.authkey)
+        self.listener = _listen()
         threading.Thread(target=self._accept_loop, name="kvspec-accept", daemon=True).start()
         self._new_identity()
 
@@ -243,7 +243,7 @@ class _Worker:
     # ----------------------------------------------------------------------- metadata and peers
 
     def metadata(self) -> dict[str, Any]:
-        host, port = self.listener.address
+        host, port = self.listener.getsockname()
         return {
             "kvspec_torch": 1,
             "name": self.name,
@@ -259,10 +259,22 @@ class _Worker:
     def _accept_loop(self) -> None:
         while not self.closed:
             try:
-                conn = self.listener.accept()
-            except (OSError, EOFError, multiprocessing.AuthenticationError):
-                continue  # a client that went away or failed authentication
-            threading.Thread(target=self._reader, args=(conn,), name="kvspec-peer", daemon=True).start()
+                sock, _ = self.listener.accept()
+            except OSError:
+                continue
+            threading.Thread(target=self._serve_connection, args=(sock,), name="kvspec-peer", daemon=True).start()
+
+    def _serve_connection(self, sock: socket.socket) -> None:
+        """Authenticate one incoming control connection (in its own thread: a slow client blocks no one)."""
+        _no_delay(sock)
+        conn = Connection(sock.detach())
+        try:
+            deliver_challenge(conn, self.authkey)
+            answer_challenge(conn, self.authkey)
+        except (OSError, EOFError, multiprocessing.AuthenticationError):
+            conn.close()
+            return
+        self._reader(conn)
 
     def _peer_by_name(self, name: str) -> _Peer:
         with self.lock:
@@ -296,7 +308,7 @@ class _Worker:
             peer.remote_session = remote_session
             self.peers[peer.uid] = peer
         try:
-            peer.attach_out(Client((meta["host"], meta["port"]), authkey=bytes.fromhex(meta["authkey"])))
+            peer.attach_out(_connect((meta["host"], meta["port"]), bytes.fromhex(meta["authkey"])))
             # (hello, our metadata, our session, the uid we address, the session of theirs we answer or None)
             peer.send(("hello", self.metadata(), peer.session, peer.uid, peer.remote_session))
         except Exception as exc:  # refused, reset, or a reused port with another key (AuthenticationError)
@@ -727,6 +739,39 @@ def _shutdown(fd: int) -> None:
         sock.shutdown(socket.SHUT_RDWR)
     finally:
         sock.close()
+
+
+def _no_delay(sock: socket.socket) -> None:
+    """Control messages are small and often back to back: without this, Nagle's algorithm and delayed
+    ACKs hold the second one for 40 ms."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+def _listen() -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    _no_delay(sock)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(64)
+    return sock
+
+
+def _connect(address: tuple[str, int], authkey: bytes) -> Connection:
+    """``multiprocessing.connection.Client`` with TCP_NODELAY set before the handshake."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        _no_delay(sock)
+        sock.connect(address)
+    except BaseException:
+        sock.close()
+        raise
+    conn = Connection(sock.detach())
+    try:
+        answer_challenge(conn, authkey)
+        deliver_challenge(conn, authkey)
+    except BaseException:
+        conn.close()
+        raise
+    return conn
 
 
 def _td(seconds: float) -> datetime.timedelta:

@@ -96,6 +96,10 @@ class TorchDistributedBackend:
     ``timeout_s`` bounds pairing, every transfer and every worker call.
     Pages smaller than ``stage_below`` bytes on average are packed into
     ``chunk_bytes`` messages through ``ring`` staging buffers per transfer.
+    ``check_wait_s`` is how long a check of a transfer polled in a tight
+    loop waits in the worker; ``threads`` is ``torch.set_num_threads`` in the
+    workers; ``prestart`` workers are started (and waited for) here, and up
+    to ``max_idle`` closed agents' workers are kept for reuse.
     """
 
     def __init__(
