@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Sequence
+from typing import Generic, Protocol, TypeVar
 
 import attrs
 
@@ -234,7 +235,25 @@ class _Peer:
     descriptor: EngineDescriptor
 
 
-class _Endpoint:
+class _TransferSession(Protocol):
+    def transfer_done(self, *, now: float) -> Output: ...
+
+    def transfer_failed(self, reason: FailureReason, *, now: float, detail: str = "") -> Output: ...
+
+
+class _Posted(Protocol):
+    """What both roles' request records share: a session and at most one posted transfer."""
+
+    handle: TransferHandle | None
+
+    @property
+    def session(self) -> _TransferSession: ...
+
+
+_R = TypeVar("_R", bound=_Posted)
+
+
+class _Endpoint(Generic[_R]):
     """What both roles share: config, allocator, transport, peers, clock, error log."""
 
     role = "engine"
@@ -342,6 +361,40 @@ class _Endpoint:
                 self.errors.append(f"undecodable notification from {note.peer!r}: {exc}")
         return messages
 
+    # -- transfers (both roles)
+
+    def _check_transfer(self, request: _R) -> None:
+        """Poll a posted transfer and feed its end to the session (DONE-1, FAIL-1)."""
+        if request.handle is None:  # pragma: no cover - poll checks only posted requests
+            return
+        try:
+            status = self.transport.check(request.handle)
+        except TransportError as exc:
+            self._drop_handle(request)
+            failed = request.session.transfer_failed(_reason_of(exc), now=self.clock(), detail=str(exc))
+            self._carry_out(request, failed)
+            return
+        if status.state is TransferState.PENDING:
+            return
+        self._drop_handle(request)
+        session = request.session
+        if status.state is TransferState.DONE:
+            self._carry_out(request, session.transfer_done(now=self.clock()))
+        else:
+            reason = status.reason or FailureReason.TRANSFER_ERROR
+            self._carry_out(request, session.transfer_failed(reason, now=self.clock(), detail=status.detail))
+
+    def _drop_handle(self, request: _R) -> None:
+        if request.handle is not None:
+            handle, request.handle = request.handle, None
+            try:
+                self.transport.release(handle)
+            except TransportError as exc:
+                self.errors.append(f"release handle: {exc}")
+
+    def _carry_out(self, request: _R, out: Output) -> None:
+        raise NotImplementedError
+
     def close(self) -> None:
         """Close the transport agent."""
         self.transport.close()
@@ -355,7 +408,7 @@ class _ProducerRequest:
     table: BlockIds = attrs.field(factory=lambda: BlockIds([]))
 
 
-class ProducerEndpoint(_Endpoint):
+class ProducerEndpoint(_Endpoint["_ProducerRequest"]):
     """The prefill engine: pins blocks per request and serves READs or posts WRITEs (SM-1)."""
 
     role = "producer"
@@ -472,34 +525,6 @@ class ProducerEndpoint(_Endpoint):
         for request in list(self._requests.values()):
             self._carry_out(request, request.session.tick(now=self.clock()))
 
-    def _check_transfer(self, request: _ProducerRequest) -> None:
-        if request.handle is None:  # pragma: no cover - poll checks only posted requests
-            return
-        try:
-            status = self.transport.check(request.handle)
-        except TransportError as exc:
-            self._drop_handle(request)
-            failed = request.session.transfer_failed(_reason_of(exc), now=self.clock(), detail=str(exc))
-            self._carry_out(request, failed)
-            return
-        if status.state is TransferState.PENDING:
-            return
-        self._drop_handle(request)
-        session = request.session
-        if status.state is TransferState.DONE:
-            self._carry_out(request, session.transfer_done(now=self.clock()))
-        else:
-            reason = status.reason or FailureReason.TRANSFER_ERROR
-            self._carry_out(request, session.transfer_failed(reason, now=self.clock(), detail=status.detail))
-
-    def _drop_handle(self, request: _ProducerRequest) -> None:
-        if request.handle is not None:
-            handle, request.handle = request.handle, None
-            try:
-                self.transport.release(handle)
-            except TransportError as exc:
-                self.errors.append(f"release handle: {exc}")
-
     def _carry_out(self, request: _ProducerRequest, out: Output) -> None:
         session = request.session
         if out.cancel and request.handle is not None:
@@ -573,7 +598,7 @@ class _ConsumerRequest:
     freed: bool = False
 
 
-class ConsumerEndpoint(_Endpoint):
+class ConsumerEndpoint(_Endpoint["_ConsumerRequest"]):
     """The decode engine: allocates the uncached suffix, loads it, releases the producer once (SM-2, REL-1)."""
 
     role = "consumer"
@@ -709,34 +734,6 @@ class ConsumerEndpoint(_Endpoint):
             self._carry_out(target, out)
         for request in list(self._requests.values()):
             self._carry_out(request, request.session.tick(now=self.clock()))
-
-    def _check_transfer(self, request: _ConsumerRequest) -> None:
-        if request.handle is None:  # pragma: no cover - poll checks only posted requests
-            return
-        try:
-            status = self.transport.check(request.handle)
-        except TransportError as exc:
-            self._drop_handle(request)
-            failed = request.session.transfer_failed(_reason_of(exc), now=self.clock(), detail=str(exc))
-            self._carry_out(request, failed)
-            return
-        if status.state is TransferState.PENDING:
-            return
-        self._drop_handle(request)
-        session = request.session
-        if status.state is TransferState.DONE:
-            self._carry_out(request, session.transfer_done(now=self.clock()))
-        else:
-            reason = status.reason or FailureReason.TRANSFER_ERROR
-            self._carry_out(request, session.transfer_failed(reason, now=self.clock(), detail=status.detail))
-
-    def _drop_handle(self, request: _ConsumerRequest) -> None:
-        if request.handle is not None:
-            handle, request.handle = request.handle, None
-            try:
-                self.transport.release(handle)
-            except TransportError as exc:
-                self.errors.append(f"release handle: {exc}")
 
     def _carry_out(self, request: _ConsumerRequest, out: Output) -> None:
         session = request.session
