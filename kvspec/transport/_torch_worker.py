@@ -5,6 +5,10 @@ Theory of operation (one worker per agent, started by
 
 - The main thread serves the parent's proxy over a ``multiprocessing`` pipe:
   one request, one reply, never blocked longer than the backend's timeout.
+  A second pipe carries events the other way as they happen (a transfer
+  ended, a notification arrived), so the proxy answers ``check`` and
+  ``get_notifications`` without a round trip. Events carry the worker's
+  generation (bumped on ``reset``) so a proxy ignores an earlier life's.
 - Every pair of agents shares two control connections on 127.0.0.1 (one per
   direction, authenticated with the receiver's key from its metadata) and one
   two-rank process group (gloo by default) rendezvoused through a
@@ -20,10 +24,9 @@ Theory of operation (one worker per agent, started by
   notification (DONE-1).
 - A control connection that closes means the peer process is gone: every
   transfer with that peer becomes FAILED ``peer_disconnected`` (FAIL-1).
-- A posted transfer starts moving at its first ``check``, which reports
-  PENDING; a transfer whose peer is dropped before ``check`` reported DONE
-  ends FAILED. So a transfer can always be observed in flight, and nothing
-  moves for a request the engine gave up on before polling it.
+- A posted transfer starts moving at the proxy's first ``check`` (which
+  reports PENDING), so a transfer can always be observed in flight, and
+  nothing moves for a request the engine gave up on before polling it.
 - ``reset`` returns the process to a blank agent so the backend can hand it
   out again: starting a process and importing torch takes seconds, pairing
   a few milliseconds.
@@ -195,16 +198,17 @@ class _Transfer:
         self.state = "pending"
         self.reason: str | None = None
         self.detail = ""
-        self.reported_done = False
         self.released = False
-        self.last_check = 0.0
 
 
 class _Worker:
     """All state of one agent's process; methods named ``op_*`` answer the proxy's requests."""
 
-    def __init__(self, name: str, options: dict[str, Any]) -> None:
+    def __init__(self, name: str, options: dict[str, Any], events: Connection) -> None:
         self.name = name
+        self.generation = 0
+        self.events: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
+        threading.Thread(target=self._emit_loop, args=(events,), name="kvspec-events", daemon=True).start()
         self.options = options
         self.timeout_s: float = options["timeout_s"]
         self.chunk_bytes: int = options["chunk_bytes"]
@@ -216,7 +220,6 @@ class _Worker:
         self.tensors: list[torch.Tensor] = []
         self.peers: dict[str, _Peer] = {}  # by uid
         self.transfers: dict[int, _Transfer] = {}
-        self.notifications: list[tuple[str, bytes]] = []
         self.counter = itertools.count(1)
         self.spare_rings: list[list[torch.Tensor]] = []
         # Groups of dropped peers are destroyed in their own thread: a destructor may wait for pending ops.
@@ -224,6 +227,7 @@ class _Worker:
         self.closed = False
         self.group_factory = _resolve_group_factory(options["process_group"])
         threading.Thread(target=self._reap, name="kvspec-reaper", daemon=True).start()
+        threading.Thread(target=self._expire_loop, name="kvspec-expire", daemon=True).start()
         # One listening socket for the life of the process (closing a socket another thread blocks on
         # frees its descriptor number for reuse while that thread still holds it).
         self.authkey = secrets.token_bytes(16)
@@ -234,6 +238,32 @@ class _Worker:
     def _new_identity(self) -> None:
         """A fresh uid: hellos addressed to an earlier life of this process are refused."""
         self.uid = f"{time.time_ns():x}-{os.getpid()}-{secrets.token_hex(4)}"
+
+    def _emit_loop(self, events: Connection) -> None:
+        """Write events in order; a proxy slow to read them blocks only this thread."""
+        while True:
+            event = self.events.get()
+            if event is None:
+                return
+            try:
+                events.send(event)
+            except (OSError, ValueError):
+                return  # the parent is gone; the main loop exits on its own pipe
+
+    def _emit(self, *event: Any) -> None:
+        self.events.put((event[0], self.generation, *event[1:]))
+
+    def _expire_loop(self) -> None:
+        """Fail transfers past their deadline (FAIL-1); the pair is dropped so late bytes cannot land."""
+        while not self.closed:
+            time.sleep(0.05)
+            now = time.monotonic()
+            with self.lock:
+                late = [t for t in self.transfers.values() if t.started and t.state == "pending" and now > t.deadline]
+                for transfer in late:
+                    self._finish(transfer, _Failure("timeout", f"transfer exceeded {transfer.timeout_s} s"))
+            for transfer in late:
+                self._drop_peer(transfer.peer, _Failure("timeout", f"peer {transfer.peer.name!r} timed out"))
 
     def _reap(self) -> None:
         while True:
@@ -346,9 +376,7 @@ class _Worker:
             if peer.dead is None:
                 peer.dead = failure
             for transfer in list(self.transfers.values()):
-                if transfer.peer is peer and not transfer.reported_done:
-                    # Not yet DONE to the caller: it never will be (FAIL-1).
-                    transfer.state = "pending"
+                if transfer.peer is peer:
                     self._finish(transfer, failure)
             if peer.group is not None:
                 self.graveyard.put(peer.group)
@@ -378,8 +406,7 @@ class _Worker:
                 if kind == "group":
                     self._start_group(peer, message[1])
                 elif kind == "notif":
-                    with self.lock:
-                        self.notifications.append((peer.name, message[1]))
+                    self._emit("notif", peer.name, message[1])
                 elif kind == "read_req":
                     self._serve_read(peer, *message[1:])
                 elif kind == "write_req":
@@ -490,6 +517,7 @@ class _Worker:
             transfer.state = "done"
         else:
             transfer.state, transfer.reason, transfer.detail = "failed", failure.reason, failure.detail
+        self._emit("state", transfer.xid, transfer.state, transfer.reason, transfer.detail)
         if transfer.released:
             self.transfers.pop(transfer.xid, None)
         self.lock.notify_all()
@@ -534,7 +562,7 @@ class _Worker:
                 if not self._current(peer):
                     return  # the writer gave up on us; its transfer is FAILED, so no notification
                 if notification is not None:
-                    self.notifications.append((peer.name, notification))
+                    self._emit("notif", peer.name, notification)
             _quiet(peer.send, ("write_done", xid))
 
         self._spawn(land)
@@ -623,39 +651,20 @@ class _Worker:
 
             self._spawn(send)
 
-    def op_check(self, xid: int, wait_s: float) -> tuple[str, str | None, str]:
+    def op_start(self, xid: int) -> None:
+        """The proxy's first check of a transfer: start it (its outcome comes as an event)."""
         with self.lock:
             transfer = self.transfers.get(xid)
             if transfer is None:
                 raise _Failure("post_failed", f"unknown or released transfer {xid}")
-        if not transfer.started and transfer.state == "pending":
-            try:
-                self._start(transfer)
-            except _Failure as failure:
-                self._complete(transfer, failure)
-            except Exception as exc:
-                self._complete(transfer, _gloo_failure(transfer.peer, exc))
-            with self.lock:
-                if transfer.state == "failed":
-                    return transfer.state, transfer.reason, transfer.detail
-            return "pending", None, ""  # the first check always sees it in flight
-        timed_out = False
-        with self.lock:
-            # Only a caller polling this very transfer in a tight loop waits here (so it does not spin a
-            # core); one that polls many transfers in turn gets answers at once.
-            if transfer.state == "pending" and time.monotonic() - transfer.last_check < wait_s:
-                self.lock.wait_for(lambda: transfer.state != "pending", timeout=wait_s)
-            transfer.last_check = time.monotonic()
-            if transfer.state == "pending" and time.monotonic() > transfer.deadline:
-                self._finish(transfer, _Failure("timeout", f"transfer {xid} exceeded {transfer.timeout_s} s"))
-                timed_out = True
-            if transfer.state == "done":
-                transfer.reported_done = True
-            state, reason, detail = transfer.state, transfer.reason, transfer.detail
-        if timed_out:
-            # Late bytes could land in blocks reused by a later request: the pair is not used again.
-            self._drop_peer(transfer.peer, _Failure("timeout", f"peer {transfer.peer.name!r} timed out"))
-        return state, reason, detail
+            if transfer.started or transfer.state != "pending":
+                return
+        try:
+            self._start(transfer)
+        except _Failure as failure:
+            self._complete(transfer, failure)
+        except Exception as exc:
+            self._complete(transfer, _gloo_failure(transfer.peer, exc))
 
     def op_release(self, xid: int) -> None:
         """Forget a transfer; a READ in flight is waited for (bounded) so no byte lands afterwards (SM-2)."""
@@ -684,11 +693,6 @@ class _Worker:
             raise _Failure(peer.dead.reason, peer.dead.detail)
         peer.send(("notif", message))
 
-    def op_notifications(self) -> list[tuple[str, bytes]]:
-        with self.lock:
-            drained, self.notifications = self.notifications, []
-        return drained
-
     def op_call(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
         return fn(self, *args)
 
@@ -713,13 +717,15 @@ class _Worker:
         with self.lock:
             self.peers.clear()
             self.transfers.clear()
-            self.notifications.clear()
+            self.generation += 1
             # Views still used by ops in flight keep their mapping alive; the rest is unmapped when dropped.
             self.tensors, self.maps = [], []
             self._new_identity()
 
-    def op_rename(self, name: str) -> None:
+    def op_rename(self, name: str) -> int:
+        """Take a new agent's name; returns the generation its events carry."""
         self.name = name
+        return self.generation
 
     def close(self) -> None:
         self.closed = True
@@ -825,12 +831,12 @@ def _resolve_group_factory(spec: str) -> Callable[..., Any]:
     return factory
 
 
-def main(conn: Connection, name: str, options: dict[str, Any]) -> None:
-    """Serve the proxy's requests until it says ``close`` or its pipe closes."""
+def main(conn: Connection, events: Connection, name: str, options: dict[str, Any]) -> None:
+    """Serve the proxy's requests until it says ``close`` or its pipe closes; push events on ``events``."""
     started = time.perf_counter()
     # Copies here are single memcpy's; intra-op thread pools only contend for the few cores with gloo.
     torch.set_num_threads(options["threads"])
-    worker = _Worker(name, options)
+    worker = _Worker(name, options, events)
     conn.send(("ready", os.getpid(), torch.__version__, time.perf_counter() - started))
     try:
         while True:

@@ -25,11 +25,11 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-import itertools
 import json
 import multiprocessing
 import os
 import threading
+import time
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
@@ -40,6 +40,7 @@ import attrs
 from kvspec._errors import BackendUnavailableError, ConfigError, PlanError, TransportError
 from kvspec._models import FailureReason, TransferMode
 from kvspec.transport._base import (
+    PENDING,
     Capabilities,
     Descriptor,
     MemoryRegion,
@@ -79,12 +80,12 @@ def _require_torch() -> None:
         raise BackendUnavailableError(INSTALL_HINT)
 
 
-def _worker_entry(conn: Connection, name: str, options: dict[str, Any]) -> None:
+def _worker_entry(conn: Connection, events: Connection, name: str, options: dict[str, Any]) -> None:
     """Process target: pin gloo to the loopback interface, then import torch and serve."""
     os.environ["GLOO_SOCKET_IFNAME"] = options["interface"]
     from kvspec.transport import _torch_worker
 
-    _torch_worker.main(conn, name, options)
+    _torch_worker.main(conn, events, name, options)
 
 
 class TorchDistributedBackend:
@@ -161,12 +162,17 @@ class TorchDistributedBackend:
 
     def _spawn(self, name: str) -> _WorkerProcess:
         parent, child = self._context.Pipe(duplex=True)
+        events, events_child = self._context.Pipe(duplex=False)
         process = self._context.Process(
-            target=_worker_entry, args=(child, name, self._options), name=f"kvspec-torch-{name}", daemon=True
+            target=_worker_entry,
+            args=(child, events_child, name, self._options),
+            name=f"kvspec-torch-{name}",
+            daemon=True,
         )
         process.start()
         child.close()
-        return _WorkerProcess(process=process, conn=parent)
+        events_child.close()
+        return _WorkerProcess(process=process, conn=parent, events=events)
 
     def _prestart(self, count: int) -> None:
         """Start ``count`` workers now and wait until they are ready, so the first agents start warm."""
@@ -196,7 +202,7 @@ class TorchDistributedBackend:
             recycle=self._recycle,
         )
         if reused is not None:
-            agent._call("rename", name)
+            reused.generation = agent._call("rename", name)
         with self._lock:
             self._agents.append(agent)
         return agent
@@ -222,6 +228,7 @@ class TorchDistributedBackend:
             idle, self._idle = self._idle, []
         for worker in idle:
             _stop(worker.process, worker.conn)
+            worker.events.close()
 
 
 @attrs.define(kw_only=True)
@@ -230,6 +237,8 @@ class _WorkerProcess:
 
     process: BaseProcess
     conn: Connection
+    events: Connection
+    generation: int = 0
     torch_version: str | None = None
     startup_s: float | None = None
 
@@ -263,6 +272,9 @@ class TorchAgent:
         self._worker = worker
         self._process = worker.process
         self._conn = worker.conn
+        self._events = worker.events
+        self._events_lock = threading.Lock()
+        self._events_dead = False
         self._start_timeout_s = start_timeout_s
         self._call_timeout_s = call_timeout_s
         self._check_wait_s = check_wait_s
@@ -273,7 +285,11 @@ class TorchAgent:
         self._peer_sizes: dict[str, list[int]] = {}
         self._peer_pids: dict[str, int] = {}
         self._handles: dict[int, TransferHandle] = {}
-        self._ids = itertools.count(1)
+        self._started: set[int] = set()
+        self._status: dict[int, TransferStatus] = {}  # final states from the worker's events
+        self._reported: set[int] = set()  # transfers check has answered DONE for
+        self._last_check: dict[int, float] = {}
+        self._inbox: list[Notification] = []
 
     def __repr__(self) -> str:
         return f"TorchAgent(name={self._name!r}, pid={self.pid})"
@@ -394,10 +410,20 @@ class TorchAgent:
         return name
 
     def remove_remote_agent(self, peer: str) -> None:
-        """Forget ``peer``; its pending transfers end FAILED ``peer_disconnected``."""
+        """Forget ``peer``; its transfers not yet seen DONE by ``check`` end FAILED ``peer_disconnected``."""
         self._call("remove_peer", peer)
         self._peer_sizes.pop(peer, None)
         self._peer_pids.pop(peer, None)
+        self._drain()
+        for xid, handle in self._handles.items():
+            if handle.peer == peer and xid not in self._reported:
+                failed = self._status.get(xid)
+                if failed is None or failed.state is not TransferState.FAILED:
+                    self._status[xid] = TransferStatus(
+                        state=TransferState.FAILED,
+                        reason=FailureReason.PEER_DISCONNECTED,
+                        detail=f"peer {peer!r} was removed",
+                    )
 
     def post(
         self,
@@ -428,37 +454,97 @@ class TorchAgent:
             )
         return handle.transfer_id
 
+    def _drain(self, wait_s: float = 0.0) -> None:
+        """Apply the worker's events (transfer outcomes, notifications), waiting up to ``wait_s`` for one."""
+        with self._events_lock:
+            timeout = wait_s
+            while not self._events_dead:
+                try:
+                    if not self._events.poll(timeout):
+                        return
+                    event = self._events.recv()
+                except (EOFError, OSError):
+                    self._events_dead = True
+                    return
+                timeout = 0.0
+                kind, generation = event[0], event[1]
+                if generation != self._worker.generation:
+                    continue  # addressed to an earlier agent served by the same process
+                if kind == "state":
+                    _, _, xid, state, reason, detail = event
+                    if xid in self._handles and xid not in self._reported:
+                        self._status[xid] = TransferStatus(
+                            state=_STATES[state],
+                            reason=None if reason is None else FailureReason(reason),
+                            detail=detail,
+                        )
+                elif kind == "notif":
+                    self._inbox.append(Notification(peer=event[2], message=event[3]))
+
+    def _worker_gone(self, detail: str) -> TransferStatus:
+        # This agent's own worker is gone: its transfers can only have failed.
+        return TransferStatus(state=TransferState.FAILED, reason=FailureReason.TRANSFER_ERROR, detail=detail)
+
     def check(self, handle: TransferHandle) -> TransferStatus:
-        """The worker's view of the transfer; FAILED when the peer died or the timeout passed (FAIL-1)."""
+        """Where the transfer stands; FAILED when the peer died or the timeout passed (FAIL-1).
+
+        The first check starts the transfer and answers PENDING; later ones read
+        the outcomes the worker pushes, without a round trip.
+        """
         xid = self._own(handle)
-        try:
-            state, reason, detail = self._call("check", xid, self._check_wait_s)
-        except TransportError as exc:
-            if self._broken is None:
-                raise
-            # This agent's own worker is gone: the transfer can only have failed.
-            return TransferStatus(state=TransferState.FAILED, reason=FailureReason.TRANSFER_ERROR, detail=str(exc))
-        return TransferStatus(
-            state=_STATES[state], reason=None if reason is None else FailureReason(reason), detail=detail
-        )
+        if self._closed:
+            raise TransportError(f"agent {self._name!r} is closed", reason=FailureReason.PEER_DISCONNECTED.value)
+        if xid not in self._started:
+            self._started.add(xid)
+            try:
+                self._call("start", xid)
+            except TransportError as exc:
+                if self._broken is None:
+                    raise
+                return self._worker_gone(str(exc))
+            self._drain()
+            status = self._status.get(xid)
+            return status if status is not None and status.state is TransferState.FAILED else PENDING
+        # Polled again right away: wait a little for an event instead of spinning a core.
+        tight = time.monotonic() - self._last_check.get(xid, 0.0) < self._check_wait_s
+        self._drain(self._check_wait_s if tight and xid not in self._status else 0.0)
+        self._last_check[xid] = time.monotonic()
+        status = self._status.get(xid)
+        if status is None:
+            if self._events_dead or not self._process.is_alive():
+                self._broken = self._broken or f"agent {self._name!r}: worker process died"
+                return self._worker_gone(self._broken)
+            return PENDING
+        if status.state is TransferState.DONE:
+            self._reported.add(xid)
+        return status
 
     def release(self, handle: TransferHandle) -> None:
-        """Forget the handle; a PENDING transfer is no longer reported (gloo cannot cancel its ops)."""
+        """Forget the handle. A READ still in flight is waited for (bounded), so no byte lands afterwards."""
         xid = self._own(handle)
         del self._handles[xid]
+        for table in (self._status, self._last_check):
+            table.pop(xid, None)
+        self._started.discard(xid)
+        self._reported.discard(xid)
         if self._broken is None and not self._closed:
             self._call("release", xid)
 
     def send_notification(self, peer: str, message: bytes) -> None:
         """Send ``message`` over the control connection to ``peer``."""
         if peer not in self._peer_sizes:
-            raise TransportError(f"agent {self._name!r}: unknown peer {peer!r}", reason=FailureReason.POST_FAILED.value)
+            raise TransportError(
+                f"agent {self._name!r}: unknown peer {peer!r}", reason=FailureReason.PEER_DISCONNECTED.value
+            )
         self._call("notify", peer, bytes(message))
 
     def get_notifications(self) -> list[Notification]:
-        """Drain what peers sent, in arrival order."""
-        drained: list[tuple[str, bytes]] = self._call("notifications")
-        return [Notification(peer=peer, message=message) for peer, message in drained]
+        """What peers sent, in arrival order (pushed by the worker as it arrives; no round trip)."""
+        if self._closed:
+            raise TransportError(f"agent {self._name!r} is closed", reason=FailureReason.PEER_DISCONNECTED.value)
+        self._drain()
+        drained, self._inbox = self._inbox, []
+        return drained
 
     def close(self) -> None:
         """End the agent: its worker is reset for reuse by the backend, or stopped. Idempotent.
