@@ -136,16 +136,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--pool", default="512M", help="bytes per pool (default 512M)")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--chunk", default="8M", help="backend staging message size")
-    parser.add_argument("--ring", type=int, default=4, help="backend staging buffers per transfer")
+    parser.add_argument("--chunk", default="1M", help="backend staging message size")
+    parser.add_argument("--ring", type=int, default=8, help="backend staging buffers per transfer")
     parser.add_argument("--check-wait", type=float, default=0.001, help="backend check_wait_s")
+    parser.add_argument("--stage-below", default="32K", help="backend stage_below (0: never stage)")
     args = parser.parse_args(argv)
     pool_bytes = _size(args.pool)
     rng = random.Random(args.seed)
 
     started = time.perf_counter()
     backend = TorchDistributedBackend(
-        timeout_s=120.0, chunk_bytes=_size(args.chunk), ring=args.ring, check_wait_s=args.check_wait
+        timeout_s=120.0,
+        chunk_bytes=_size(args.chunk),
+        ring=args.ring,
+        check_wait_s=args.check_wait,
+        stage_below=_size(args.stage_below),
     )
     producer, consumer = backend.create_agent("producer"), backend.create_agent("consumer")
     shms = [_pool(pool_bytes), _pool(pool_bytes)]

@@ -625,8 +625,9 @@ class _Worker:
         local: list[Span] = [(lr, lo, n) for lr, lo, _, _, n in transfer.runs]
         remote: list[Span] = [(rr, ro, n) for _, _, rr, ro, n in transfer.runs]
         if transfer.mode == "read":
-            wait = self._recv_spans(peer, local, tag)
+            # Ask first: the peer builds and posts its sends while this side posts its receives.
             peer.send(("read_req", xid, tag, remote))
+            wait = self._recv_spans(peer, local, tag)
 
             def land() -> None:
                 try:
@@ -790,12 +791,10 @@ def _staged(spans: Sequence[Span], stage_below: int) -> bool:
 
 
 def _gather(buffer: torch.Tensor, views: Sequence[torch.Tensor]) -> torch.Tensor:
-    offset = 0
-    for view in views:
-        n = view.numel()
-        buffer.narrow(0, offset, n).copy_(view)
-        offset += n
-    return buffer.narrow(0, 0, offset)
+    """Pack ``views`` into the front of ``buffer`` (one ``torch.cat``: no per-page Python call)."""
+    packed = buffer.narrow(0, 0, sum(view.numel() for view in views))
+    torch.cat(list(views), out=packed)
+    return packed
 
 
 def _scatter(buffer: torch.Tensor, views: Sequence[torch.Tensor]) -> None:
