@@ -10,20 +10,22 @@ Theory of operation (one worker per agent, started by
   ``get_notifications`` without a round trip. Events carry the worker's
   generation (bumped on ``reset``) so a proxy ignores an earlier life's.
 - Every pair of agents shares two control connections on 127.0.0.1 (one per
-  direction, authenticated with the receiver's key from its metadata) and one
-  two-rank process group (gloo by default) rendezvoused through a
-  ``FileStore`` in the lower-ranked worker's temporary directory, so no
-  listening socket beyond gloo's own pairs is opened.
+  direction, authenticated with the receiver's key from its metadata,
+  ``TCP_NODELAY``) and one two-rank process group (gloo by default)
+  rendezvoused through a ``FileStore`` in the lower-ranked worker's temporary
+  directory, so no port is opened for the rendezvous.
 - Data moves with ``send``/``recv`` on that group, straight from and into
   views of the shared pools; runs of many small pages are packed into a few
-  large messages through a small ring of staging buffers, because gloo costs
-  about 100 µs per message (research/backends.md §4).
-- READ: the initiator posts its receives, then asks the peer to send. WRITE:
+  large messages through a small ring of staging buffers, because gloo's
+  cost per message dominates small pages (research/backends.md §4).
+- READ: the initiator asks the peer to send, then posts its receives. WRITE:
   the initiator asks the peer to receive, then sends; the peer acknowledges
   once every byte is in its pool, and only then queues the post's
   notification (DONE-1).
 - A control connection that closes means the peer process is gone: every
-  transfer with that peer becomes FAILED ``peer_disconnected`` (FAIL-1).
+  transfer with that peer becomes FAILED ``peer_disconnected`` (FAIL-1); a
+  transfer past its deadline becomes FAILED ``timeout`` and the pair is
+  dropped, so late bytes cannot land in blocks reused since.
 - A posted transfer starts moving at the proxy's first ``check`` (which
   reports PENDING), so a transfer can always be observed in flight, and
   nothing moves for a request the engine gave up on before polling it.
