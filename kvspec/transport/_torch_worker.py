@@ -216,7 +216,8 @@ class _Worker:
         self.chunk_bytes: int = options["chunk_bytes"]
         self.stage_below: int = options["stage_below"]
         self.ring: int = options["ring"]
-        self.store_dir = tempfile.mkdtemp(prefix="kvspec-torch-")
+        # Named by pid so the backend can remove it when this process is killed.
+        self.store_dir = tempfile.mkdtemp(prefix=f"kvspec-torch-{os.getpid()}-")
         self.lock = threading.Condition()
         self.maps: list[mmap.mmap] = []
         self.tensors: list[torch.Tensor] = []

@@ -24,10 +24,13 @@ Theory of operation:
 from __future__ import annotations
 
 import contextlib
+import glob
 import importlib.util
 import json
 import multiprocessing
 import os
+import shutil
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -583,9 +586,13 @@ def _stop(process: BaseProcess, conn: Connection) -> None:
 
 
 def _kill(process: BaseProcess) -> None:
+    """End a worker for sure, and remove its rendezvous directory (a killed worker cannot)."""
     if process.is_alive():
         process.kill()
     process.join(5.0)
+    if process.pid is not None and not process.is_alive():
+        for path in glob.glob(os.path.join(tempfile.gettempdir(), f"kvspec-torch-{process.pid}-*")):
+            shutil.rmtree(path, ignore_errors=True)
 
 
 # --------------------------------------------------------------------------- descriptors
