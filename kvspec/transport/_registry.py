@@ -54,5 +54,3 @@ def load_backend(spec: str = "loopback", **options: object) -> Backend:
     if not isinstance(backend, Backend):
         raise ConfigError(f"backend: factory for {spec!r} returned {type(backend).__name__}, not a Backend")
     return backend
-
-
