@@ -236,6 +236,13 @@ class _Peer:
 
 
 class _TransferSession(Protocol):
+    @property
+    def params(self) -> TransferParams: ...
+
+    def receive(self, message: Message, *, now: float) -> Output: ...
+
+    def tick(self, *, now: float) -> Output: ...
+
     def transfer_done(self, *, now: float) -> Output: ...
 
     def transfer_failed(self, reason: FailureReason, *, now: float, detail: str = "") -> Output: ...
@@ -257,6 +264,7 @@ class _Endpoint(Generic[_R]):
     """What both roles share: config, allocator, transport, peers, clock, error log."""
 
     role = "engine"
+    _requests: dict[str, _R]
 
     def __init__(
         self,
@@ -362,6 +370,28 @@ class _Endpoint(Generic[_R]):
         return messages
 
     # -- transfers (both roles)
+
+    def poll(self) -> None:
+        """Progress transfers, handle notifications, fire deadlines."""
+        for request in list(self._requests.values()):
+            if request.handle is not None:
+                self._check_transfer(request)
+        for agent, message in self._receive():
+            target = self._requests.get(getattr(message, "request_id", ""))
+            if target is None:
+                continue  # late or duplicate message for a finished request: ignored (SM-1, SM-2)
+            self._on_message(agent, target)
+            try:
+                out = target.session.receive(message, now=self.clock())
+            except ProtocolError as exc:
+                self.errors.append(f"request {target.session.params.request_id!r}: {exc}")
+                continue
+            self._carry_out(target, out)
+        for request in list(self._requests.values()):
+            self._carry_out(request, request.session.tick(now=self.clock()))
+
+    def _on_message(self, agent: str, request: _R) -> None:
+        """Hook: a control message for ``request`` arrived from ``agent``."""
 
     def _check_transfer(self, request: _R) -> None:
         """Poll a posted transfer and feed its end to the session (DONE-1, FAIL-1)."""
@@ -505,25 +535,9 @@ class ProducerEndpoint(_Endpoint["_ProducerRequest"]):
         """Requests whose blocks are still pinned."""
         return tuple(self._requests)
 
-    def poll(self) -> None:
-        """Progress transfers, handle notifications, fire deadlines."""
-        for request in list(self._requests.values()):
-            if request.handle is not None:
-                self._check_transfer(request)
-        for agent, message in self._receive():
-            target = self._requests.get(getattr(message, "request_id", ""))
-            if target is None:
-                continue  # late or duplicate message for a finished request (SM-1: ignored)
-            if target.consumer_agent is None:
-                target.consumer_agent = agent
-            try:
-                out = target.session.receive(message, now=self.clock())
-            except ProtocolError as exc:
-                self.errors.append(f"request {target.session.params.request_id!r}: {exc}")
-                continue
-            self._carry_out(target, out)
-        for request in list(self._requests.values()):
-            self._carry_out(request, request.session.tick(now=self.clock()))
+    def _on_message(self, agent: str, request: _ProducerRequest) -> None:
+        if request.consumer_agent is None:
+            request.consumer_agent = agent  # WRITE: where to send the Completion and failures
 
     def _carry_out(self, request: _ProducerRequest, out: Output) -> None:
         session = request.session
@@ -716,24 +730,6 @@ class ConsumerEndpoint(_Endpoint["_ConsumerRequest"]):
     def active_requests(self) -> tuple[str, ...]:
         """Requests not yet LOADED, FAILED or ABORTED."""
         return tuple(self._requests)
-
-    def poll(self) -> None:
-        """Progress transfers, handle notifications, fire deadlines."""
-        for request in list(self._requests.values()):
-            if request.handle is not None:
-                self._check_transfer(request)
-        for _agent, message in self._receive():
-            target = self._requests.get(getattr(message, "request_id", ""))
-            if target is None:
-                continue  # late or duplicate (SM-2: terminal states are sticky)
-            try:
-                out = target.session.receive(message, now=self.clock())
-            except ProtocolError as exc:
-                self.errors.append(f"request {target.session.params.request_id!r}: {exc}")
-                continue
-            self._carry_out(target, out)
-        for request in list(self._requests.values()):
-            self._carry_out(request, request.session.tick(now=self.clock()))
 
     def _carry_out(self, request: _ConsumerRequest, out: Output) -> None:
         session = request.session
