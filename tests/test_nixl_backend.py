@@ -16,6 +16,7 @@ import attrs
 import pytest
 from conftest import require_backend_module
 from kvspec_conformance import BackendSuite, Case, CaseContext, all_cases
+from transport_helpers import connect, desc, regions, wait
 
 from kvspec import ConfigError, PlanError, TransferMode, TransportError
 from kvspec._models import FailureReason
@@ -23,9 +24,7 @@ from kvspec.transport import (
     Backend,
     Descriptor,
     MemoryRegion,
-    TransferHandle,
     TransferState,
-    TransferStatus,
     Transport,
     _nixl_worker,
     load_backend,
@@ -51,41 +50,10 @@ class Pools:
         self.producer = self.blocks[:count]
         self.consumer = self.blocks[count:]
 
-    @staticmethod
-    def regions(blocks: list[shared_memory.SharedMemory]) -> list[MemoryRegion]:
-        return [MemoryRegion(buffer=shm.buf, shm_name=shm.name) for shm in blocks]  # type: ignore[arg-type]
-
     def close(self) -> None:
         for shm in self.blocks:
             shm.close()
             shm.unlink()
-
-
-def desc(local_region: int, local_offset: int, remote_region: int, remote_offset: int, nbytes: int) -> Descriptor:
-    return Descriptor(
-        local_region=local_region,
-        local_offset=local_offset,
-        remote_region=remote_region,
-        remote_offset=remote_offset,
-        nbytes=nbytes,
-    )
-
-
-def connect(producer: Transport, consumer: Transport, pools: Pools) -> None:
-    producer.register_memory(Pools.regions(pools.producer))
-    consumer.register_memory(Pools.regions(pools.consumer))
-    assert consumer.add_remote_agent(producer.get_agent_metadata()) == producer.name
-    assert producer.add_remote_agent(consumer.get_agent_metadata()) == consumer.name
-
-
-def wait(agent: Transport, handle: TransferHandle, deadline: float = DEADLINE) -> TransferStatus:
-    end = time.monotonic() + deadline
-    while time.monotonic() < end:
-        status = agent.check(handle)
-        if status.state is not TransferState.PENDING:
-            return status
-        time.sleep(0.001)
-    pytest.fail(f"transfer {handle.transfer_id} still PENDING after {deadline} s")
 
 
 def scattered(rng: random.Random, count: int) -> list[tuple[int, int, int]]:
@@ -357,7 +325,7 @@ def test_peer_killed_mid_transfer_over_tcp_fails_as_disconnected(tcp_backend: Ni
         # The restarted producer must be removed first, as NIXL requires; then it works again.
         producer.close()
         restarted = tcp_backend.create_agent("producer")
-        restarted.register_memory(Pools.regions(pools.producer))
+        restarted.register_memory(regions(pools.producer))
         with pytest.raises(TransportError, match="remove_remote_agent"):
             consumer.add_remote_agent(restarted.get_agent_metadata())
         consumer.remove_remote_agent("producer")

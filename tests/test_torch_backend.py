@@ -16,6 +16,7 @@ from typing import Any, ClassVar
 import pytest
 from conftest import require_backend_module
 from kvspec_conformance import BackendSuite, CaseContext
+from transport_helpers import connect, desc, regions, wait
 
 from kvspec import ConfigError, PlanError, TransferMode, TransportError
 from kvspec._models import FailureReason
@@ -23,9 +24,7 @@ from kvspec.transport import (
     Backend,
     Descriptor,
     MemoryRegion,
-    TransferHandle,
     TransferState,
-    TransferStatus,
     Transport,
     load_backend,
 )
@@ -55,10 +54,6 @@ class Pools:
         self.consumer = self.blocks[count:]
 
     @staticmethod
-    def regions(blocks: list[shared_memory.SharedMemory]) -> list[MemoryRegion]:
-        return [MemoryRegion(buffer=shm.buf[: shm.size], shm_name=shm.name) for shm in blocks]  # type: ignore[index]
-
-    @staticmethod
     def read(shm: shared_memory.SharedMemory, offset: int, nbytes: int) -> bytes:
         assert shm.buf is not None
         return bytes(shm.buf[offset : offset + nbytes])
@@ -70,32 +65,6 @@ class Pools:
         for shm in self.blocks:
             shm.close()
             shm.unlink()
-
-
-def desc(local_region: int, local_offset: int, remote_region: int, remote_offset: int, nbytes: int) -> Descriptor:
-    return Descriptor(
-        local_region=local_region,
-        local_offset=local_offset,
-        remote_region=remote_region,
-        remote_offset=remote_offset,
-        nbytes=nbytes,
-    )
-
-
-def connect(producer: Transport, consumer: Transport, pools: Pools) -> None:
-    producer.register_memory(Pools.regions(pools.producer))
-    consumer.register_memory(Pools.regions(pools.consumer))
-    assert consumer.add_remote_agent(producer.get_agent_metadata()) == producer.name
-    assert producer.add_remote_agent(consumer.get_agent_metadata()) == consumer.name
-
-
-def wait(agent: Transport, handle: TransferHandle, deadline: float = DEADLINE) -> TransferStatus:
-    end = time.monotonic() + deadline
-    while time.monotonic() < end:
-        status = agent.check(handle)
-        if status.state is not TransferState.PENDING:
-            return status
-    pytest.fail(f"transfer {handle.transfer_id} still PENDING after {deadline} s")
 
 
 def scattered(rng: random.Random, count: int, pages: int = POOL // PAGE) -> list[tuple[int, int, int]]:
@@ -438,7 +407,7 @@ def test_killing_the_peer_mid_transfer_fails_within_the_deadline_and_the_survivo
             producer.close()
             # The survivor pairs with a replacement of the same name and moves bytes again.
             pair.producer = replacement = backend.create_agent("producer")
-            replacement.register_memory(Pools.regions(pools.producer))
+            replacement.register_memory(regions(pools.producer))
             assert consumer.add_remote_agent(replacement.get_agent_metadata()) == "producer"
             replacement.add_remote_agent(consumer.get_agent_metadata())
             before = pools.snapshot()
