@@ -18,7 +18,7 @@ from kvspec._reference import (
     get_logical_block_count,
     get_pruned_block_ids,
 )
-from kvspec.transport._base import Descriptor
+from kvspec.transport._base import DescriptorList
 
 __all__ = [
     "GroupPlan",
@@ -118,34 +118,28 @@ class TransferPlan:
         """Number of pages before merging."""
         return sum(group.num_pages for group in self.groups)
 
-    def to_descriptors(self, mode: TransferMode) -> tuple[Descriptor, ...]:
+    def to_descriptors(self, mode: TransferMode) -> DescriptorList:
         """Map role-named copies onto the posting agent's local/remote regions.
 
         READ: the consumer posts, so local = consumer and remote = producer.
         WRITE: the producer posts, so local = producer and remote = consumer.
         This is the only place the role -> initiator mapping is made (ADM-2).
+        The result is packed (:class:`kvspec.transport.DescriptorList`), so a
+        backend can ship it without touching each descriptor.
         """
-        if mode is TransferMode.READ:
-            return tuple(
-                Descriptor(
-                    local_region=c.consumer_region,
-                    local_offset=c.consumer_offset,
-                    remote_region=c.producer_region,
-                    remote_offset=c.producer_offset,
-                    nbytes=c.nbytes,
-                )
-                for c in self.copies
+        copies = self.copies
+        producer = ([c.producer_region for c in copies], [c.producer_offset for c in copies])
+        consumer = ([c.consumer_region for c in copies], [c.consumer_offset for c in copies])
+        if mode is TransferMode.READ or mode is TransferMode.WRITE:
+            (local_region, local_offset), (remote_region, remote_offset) = (
+                (consumer, producer) if mode is TransferMode.READ else (producer, consumer)
             )
-        if mode is TransferMode.WRITE:
-            return tuple(
-                Descriptor(
-                    local_region=c.producer_region,
-                    local_offset=c.producer_offset,
-                    remote_region=c.consumer_region,
-                    remote_offset=c.consumer_offset,
-                    nbytes=c.nbytes,
-                )
-                for c in self.copies
+            return DescriptorList.from_columns(
+                local_region=local_region,
+                local_offset=local_offset,
+                remote_region=remote_region,
+                remote_offset=remote_offset,
+                nbytes=[c.nbytes for c in copies],
             )
         raise PlanError(f"to_descriptors: expected a TransferMode, got {mode!r}")
 
