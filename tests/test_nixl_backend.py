@@ -16,7 +16,7 @@ import attrs
 import pytest
 from conftest import require_backend_module
 from kvspec_conformance import BackendSuite, Case, CaseContext, all_cases
-from transport_helpers import connect, desc, regions, wait
+from transport_helpers import LOOPBACK, connect, desc, regions, tcp_sockets, wait
 
 from kvspec import ConfigError, PlanError, TransferMode, TransportError
 from kvspec._models import FailureReason
@@ -24,7 +24,9 @@ from kvspec.transport import (
     Backend,
     Descriptor,
     MemoryRegion,
+    TransferHandle,
     TransferState,
+    TransferStatus,
     Transport,
     _nixl_worker,
     load_backend,
@@ -77,10 +79,12 @@ class Pair:
     pools: Pools
 
 
-@pytest.fixture(scope="module")
-def nixl(pytestconfig: pytest.Config) -> Iterator[Pair]:
+# Where the consumer's NIXL agent runs: in a worker like the producer's, or in the test process
+# (NixlBackend(in_process=...)), as an engine runs its own agent. Every test of a pair runs both ways.
+@pytest.fixture(scope="module", params=[None, "consumer"], ids=["workers", "in-process"])
+def nixl(pytestconfig: pytest.Config, request: pytest.FixtureRequest) -> Iterator[Pair]:
     require_backend_module(pytestconfig, "nixl_cu12", "nixl")
-    backend = NixlBackend()
+    backend = NixlBackend(in_process=request.param)
     pools = Pools()
     producer, consumer = backend.create_agent("producer"), backend.create_agent("consumer")
     connect(producer, consumer, pools)
@@ -89,29 +93,77 @@ def nixl(pytestconfig: pytest.Config) -> Iterator[Pair]:
     pools.close()
 
 
-@pytest.fixture
-def tcp_backend(pytestconfig: pytest.Config) -> Iterator[NixlBackend]:
+@pytest.fixture(params=[None, "consumer"], ids=["workers", "in-process"])
+def tcp_backend(pytestconfig: pytest.Config, request: pytest.FixtureRequest) -> Iterator[NixlBackend]:
     """UCX_TLS=tcp: transfers are asynchronous, so they can be seen (and broken) in flight."""
     require_backend_module(pytestconfig, "nixl_cu12", "nixl")
-    backend = NixlBackend(tls="tcp", transfer_timeout=DEADLINE)
+    backend = NixlBackend(tls="tcp", transfer_timeout=DEADLINE, in_process=request.param)
     yield backend
     backend.close()
+
+
+def wait_both(initiator: NixlAgent, handle: TransferHandle, peer: NixlAgent) -> TransferStatus:
+    """Poll the initiator and keep the passive peer progressing, as the Transport contract asks.
+
+    An agent in this process progresses only when called; its notifications are dropped here.
+    """
+    end = time.monotonic() + DEADLINE
+    while time.monotonic() < end:
+        status = initiator.check(handle)
+        if status.state is not TransferState.PENDING:
+            return status
+        peer.get_notifications()
+    pytest.fail(f"transfer {handle.transfer_id} still PENDING after {DEADLINE} s")
 
 
 # --------------------------------------------------------------------------- shape
 
 
-def test_is_a_backend_with_agents_in_two_other_processes(nixl: Pair) -> None:
+def test_is_a_backend_with_agents_in_two_processes(nixl: Pair) -> None:
     backend, producer, consumer = nixl.backend, nixl.producer, nixl.consumer
     assert isinstance(backend, Backend)
     assert isinstance(producer, Transport)
-    assert len({producer.pid, consumer.pid, os.getpid()}) == 3
+    assert producer.pid != consumer.pid
+    assert producer.pid != os.getpid()
+    assert (consumer.pid == os.getpid()) == consumer.in_process
+    assert not producer.in_process
     caps = backend.capabilities
     assert caps.cross_process
     assert caps.notifications
     assert not caps.observable_in_flight
     assert caps.modes == frozenset({TransferMode.READ, TransferMode.WRITE})
     assert consumer.info()["env"]["UCX_NET_DEVICES"] == "lo"  # type: ignore[index]
+
+
+def test_an_in_process_agent_is_made_under_the_workers_ucx_settings_and_leaves_the_environment_alone(
+    pytestconfig: pytest.Config,
+) -> None:
+    require_backend_module(pytestconfig, "nixl_cu12", "nixl")
+    before = dict(os.environ)
+    backend = NixlBackend(in_process="here", env={"NIXL_KVSPEC_PROBE": "1", "UCX_NET_DEVICES": "lo"})
+    try:
+        agent = backend.create_agent("here")
+        assert agent.in_process
+        assert agent.pid == os.getpid()
+        assert agent.info()["env"]["UCX_NET_DEVICES"] == "lo"  # type: ignore[index]
+        assert dict(os.environ) == before  # set for the agent's creation only
+        with pytest.raises(ConfigError, match="in_process"):
+            NixlBackend(in_process="")
+    finally:
+        backend.close()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_every_socket_of_both_agents_is_on_loopback(nixl: Pair) -> None:
+    # UCX wires up and notifies over tcp; with UCX_NET_DEVICES=lo it listens and connects on 127.0.0.1 only,
+    # in the workers and in this process alike.
+    handle = nixl.consumer.post(TransferMode.READ, [desc(0, 0, 0, 0, PAGE)], peer=nixl.producer.name)
+    assert wait(nixl.consumer, handle).state is TransferState.DONE
+    nixl.consumer.release(handle)
+    for agent in (nixl.producer, nixl.consumer):
+        addresses = tcp_sockets(agent.pid)
+        assert addresses, f"expected UCX's sockets in {agent.name}'s process"
+        assert all(a.split(":")[0] == LOOPBACK for a in addresses), (agent.name, addresses)
 
 
 def test_load_backend_builds_it_with_options(pytestconfig: pytest.Config) -> None:
@@ -153,7 +205,7 @@ def test_scattered_pages_arrive_byte_exact(nixl: Pair, mode: TransferMode) -> No
         descriptors = [desc(r, p * PAGE, r, c * PAGE, PAGE) for p, c, r in triples]
         initiator, peer = producer, consumer.name
     handle = initiator.post(mode, descriptors, peer=peer)
-    assert wait(initiator, handle).state is TransferState.DONE
+    assert wait_both(initiator, handle, consumer if initiator is producer else producer).state is TransferState.DONE
     initiator.release(handle)
     expected = [bytearray(b) for b in before]
     for p, c, r in triples:
@@ -494,6 +546,27 @@ class TestConformance(BackendSuite):
     """Every case against NIXL over UCX's default transports (CMA); skips only for capabilities it does not claim."""
 
     backend_factory = staticmethod(NixlBackend)
+
+    @pytest.fixture(scope="class", autouse=True)
+    @classmethod
+    def _nixl_is_required(cls, pytestconfig: pytest.Config) -> None:
+        require_backend_module(pytestconfig, "nixl_cu12", "nixl")
+
+    def test_conformance(self, kvspec_case: Case, kvspec_context: CaseContext) -> None:
+        missing = set(kvspec_case.requires) - {"read", "write", "notifications", "cross_process"}
+        if missing:
+            assert missing <= NOT_CLAIMED, f"{kvspec_case.id} needs {missing}"
+        super().test_conformance(kvspec_case, kvspec_context)
+
+
+def _in_process_backend() -> NixlBackend:
+    return NixlBackend(in_process="consumer")
+
+
+class TestConformanceInProcess(BackendSuite):
+    """Every case again with the consumer's agent in the suite's process and the producer's in a worker."""
+
+    backend_factory = staticmethod(_in_process_backend)
 
     @pytest.fixture(scope="class", autouse=True)
     @classmethod

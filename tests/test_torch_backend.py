@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 import pytest
 from conftest import require_backend_module
 from kvspec_conformance import BackendSuite, CaseContext
-from transport_helpers import connect, desc, regions, wait
+from transport_helpers import connect, desc, regions, tcp_sockets, wait
 
 from kvspec import ConfigError, PlanError, TransferMode, TransportError
 from kvspec._models import FailureReason
@@ -165,31 +165,11 @@ def test_registry_builds_it_and_this_process_never_imports_torch(pytestconfig: p
     assert out.stdout.split() == ["TorchDistributedBackend", "False"]
 
 
-def _tcp_sockets(pid: int) -> list[str]:
-    """Local addresses of the TCP sockets process ``pid`` holds (from /proc)."""
-    inodes = set()
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            target = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[8:-1])
-    found = []
-    for table in ("tcp", "tcp6"):
-        with open(f"/proc/{pid}/net/{table}") as f:
-            for line in f.read().splitlines()[1:]:
-                fields = line.split()
-                if fields[9] in inodes:
-                    found.append(fields[1])
-    return found
-
-
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_every_socket_of_both_workers_is_on_loopback(pair: Pair) -> None:
     # 0100007F is 127.0.0.1 in /proc's little-endian hex; gloo must honour GLOO_SOCKET_IFNAME=lo.
     for agent in (pair.producer, pair.consumer):
-        addresses = _tcp_sockets(agent.pid)
+        addresses = tcp_sockets(agent.pid)
         assert addresses, "expected the control and gloo sockets"
         assert all(a.split(":")[0] == "0100007F" for a in addresses), addresses
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from multiprocessing import shared_memory
 from typing import Protocol
@@ -10,7 +11,10 @@ import pytest
 
 from kvspec.transport import Descriptor, MemoryRegion, TransferHandle, TransferState, TransferStatus, Transport
 
-__all__ = ["connect", "desc", "regions", "wait"]
+__all__ = ["LOOPBACK", "connect", "desc", "regions", "tcp_sockets", "wait"]
+
+# 127.0.0.1 as /proc/net/tcp writes a local address (little-endian hex).
+LOOPBACK = "0100007F"
 
 
 class _Pools(Protocol):
@@ -51,3 +55,23 @@ def wait(agent: Transport, handle: TransferHandle, deadline: float = 20.0) -> Tr
             return status
         time.sleep(0.0005)
     pytest.fail(f"transfer {handle.transfer_id} still PENDING after {deadline} s")
+
+
+def tcp_sockets(pid: int) -> list[str]:
+    """Local addresses of the TCP sockets process ``pid`` holds (from /proc)."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    found = []
+    for table in ("tcp", "tcp6"):
+        with open(f"/proc/{pid}/net/{table}") as f:
+            for line in f.read().splitlines()[1:]:
+                fields = line.split()
+                if fields[9] in inodes:
+                    found.append(fields[1])
+    return found

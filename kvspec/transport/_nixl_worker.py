@@ -47,6 +47,7 @@ __all__ = [
     "Worker",
     "answer",
     "check_columns",
+    "handle",
     "main",
     "pack_metadata",
     "unpack_columns",
@@ -99,15 +100,34 @@ def unpack_metadata(blob: bytes) -> tuple[str, list[tuple[int, int]], bytes]:
     return name, regions, bytes(blob[start + 4 + size :])
 
 
-def unpack_columns(np: Any, packed: bytes) -> tuple[Any, ...]:
-    """``local_region, local_offset, remote_region, remote_offset, nbytes``: five int64 columns, one after the other."""
-    return tuple(np.frombuffer(packed, dtype=np.int64).reshape(5, -1))
+def unpack_columns(np: Any, packed: bytes | memoryview) -> Any:
+    """A 5 x N int64 array: ``local_region, local_offset, remote_region, remote_offset, nbytes`` rows."""
+    return np.frombuffer(packed, dtype="<i8").reshape(5, -1)
 
 
-def check_columns(np: Any, columns: tuple[Any, ...], local_sizes: Any, remote_sizes: Any) -> None:
+def check_columns(np: Any, columns: Any, local_sizes: Any, remote_sizes: Any) -> None:
     """Raise a PLAN ``RequestError`` naming the first descriptor outside either side's regions (PLAN-1)."""
     lr, lo, rr, ro, n = columns
+    if not len(n):
+        return
     num_local, num_remote = len(local_sizes), len(remote_sizes)
+    # The usual case in a handful of whole-array reductions; only a request that fails them is
+    # looked at row by row, to name the first bad descriptor.
+    low, high = columns.min(axis=1), columns.max(axis=1)
+    local_min, remote_min = local_sizes.min(), remote_sizes.min()
+    # Every term below its region size first, so that the sums below cannot overflow int64.
+    if (
+        low.min() >= 0
+        and low[4] > 0
+        and high[0] < num_local
+        and high[2] < num_remote
+        and high[1] <= local_min
+        and high[3] <= remote_min
+        and high[4] <= min(local_min, remote_min)
+    ):
+        last = (columns[1::2] + n).max(axis=1)  # the largest local and remote end offsets
+        if last[0] <= local_min and last[1] <= remote_min:
+            return
     bad_region = (lr < 0) | (lr >= num_local) | (rr < 0) | (rr >= num_remote)
     if bad_region.any():
         i = int(np.flatnonzero(bad_region)[0])
@@ -117,13 +137,13 @@ def check_columns(np: Any, columns: tuple[Any, ...], local_sizes: Any, remote_si
             f"(local has {num_local}, remote has {num_remote})",
         )
     lsize, rsize = local_sizes[lr], remote_sizes[rr]
-    bad_range = (n <= 0) | (lo < 0) | (ro < 0) | (lo + n > lsize) | (ro + n > rsize)
+    bad_range = (n <= 0) | (lo < 0) | (ro < 0) | (n > lsize) | (n > rsize) | (lo > lsize - n) | (ro > rsize - n)
     if bad_range.any():
         i = int(np.flatnonzero(bad_range)[0])
         raise RequestError(
             PLAN,
-            f"descriptor {i}: local [{int(lo[i])}, {int(lo[i] + n[i])}) of {int(lsize[i])} / remote "
-            f"[{int(ro[i])}, {int(ro[i] + n[i])}) of {int(rsize[i])} bytes out of range",
+            f"descriptor {i}: local [{int(lo[i])}, {int(lo[i]) + int(n[i])}) of {int(lsize[i])} / remote "
+            f"[{int(ro[i])}, {int(ro[i]) + int(n[i])}) of {int(rsize[i])} bytes out of range",
         )
 
 
@@ -184,6 +204,8 @@ class Worker:
         self.np = np
         self.api, self.bindings = _import_nixl()
         self.name = name
+        # The UCX settings the agent was created under (in process they are set for that moment only).
+        self.ucx_env = {k: v for k, v in os.environ.items() if k.startswith("UCX_")}
         self.transfer_timeout: float | None = options.get("transfer_timeout")
         self.poll_interval: float = float(options.get("poll_interval", 0.0005))
         config = self.api.nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False, backends=[])
@@ -286,12 +308,6 @@ class Worker:
 
     # -- transfers
 
-    def check_rows(self, packed: bytes, peer: str) -> tuple[Any, ...]:
-        """The five int64 columns of a post, checked against both region tables (PLAN-1)."""
-        columns = unpack_columns(self.np, packed)
-        check_columns(self.np, columns, self.region_size, self._peer(peer)[2])
-        return columns
-
     def merged_descs(self, columns: tuple[Any, ...], peer: str) -> tuple[Any, Any]:
         """Nx3 (address, nbytes, device) lists with rows adjacent on both sides merged."""
         np = self.np
@@ -313,25 +329,48 @@ class Worker:
         """(local list, indices, remote list, indices) when every row is one whole, aligned block of one size.
 
         Lists cover every block of every region and are prepared once per
-        block size (and peer); NIXL merges adjacent indices itself.
+        block size (and peer); NIXL merges adjacent indices itself. This runs
+        once per request, so it sticks to a few whole-array numpy operations
+        (shifts and masks for the usual power-of-two sizes).
         """
+        np = self.np
         lr, lo, rr, ro, n = columns
         size = int(n[0])
-        if (n != size).any() or (lo % size).any() or (ro % size).any():
+        lists = self._lists(peer, size)
+        if lists is None or (n != size).any():
             return None
+        if size & (size - 1) == 0:
+            # Power-of-two blocks: every offset aligned iff no low bit is set in any of them.
+            or_all = np.bitwise_or.reduce
+            if (int(or_all(lo)) | int(or_all(ro))) & (size - 1):
+                return None
+            shift = size.bit_length() - 1
+            lq = np.right_shift(lo, shift, dtype=np.int32, casting="unsafe")
+            rq = np.right_shift(ro, shift, dtype=np.int32, casting="unsafe")
+        else:
+            (lq, lrest), (rq, rrest) = np.divmod(lo, size), np.divmod(ro, size)
+            if (lrest | rrest).any():
+                return None
+        (local, local_first), (remote, remote_first) = lists
+        # Region 0 starts at index 0, so one region needs no lookup of first indexes.
+        lidx = (lq if len(local_first) == 1 else lq + local_first[lr]).astype(np.int32, copy=False)
+        ridx = (rq if len(remote_first) == 1 else rq + remote_first[rr]).astype(np.int32, copy=False)
+        return local, lidx, remote, ridx
+
+    def _lists(self, peer: str, size: int) -> tuple[tuple[Any, Any], tuple[Any, Any]] | None:
+        """Both prepared lists for ``size``-byte blocks, made on first use; ``None`` when they would be too long."""
+        local = self.local_lists.get(size)
+        remote = self.remote_lists.get((peer, size))
+        if local is not None and remote is not None:
+            return local, remote
         remote_base, remote_size = self.peers[peer][1], self.peers[peer][2]
         if int((self.region_size // size).sum()) + int((remote_size // size).sum()) > _MAX_PREPPED:
             return None
-        local = self.local_lists.get(size)
         if local is None:
             local = self.local_lists[size] = self._prep("NIXL_INIT_AGENT", self.region_base, self.region_size, size)
-        remote = self.remote_lists.get((peer, size))
         if remote is None:
             remote = self.remote_lists[(peer, size)] = self._prep(peer, remote_base, remote_size, size)
-        np = self.np
-        lidx = (local[1][lr] + lo // size).astype(np.int32)
-        ridx = (remote[1][rr] + ro // size).astype(np.int32)
-        return local[0], lidx, remote[0], ridx
+        return local, remote
 
     def _prep(self, agent_name: str, bases: Any, sizes: Any, size: int) -> tuple[Any, Any]:
         """A prepared list of every ``size``-byte block of every region, and each region's first index."""
@@ -356,7 +395,7 @@ class Worker:
                 self.agent.release_dlist_handle(handle)
 
     def post(
-        self, xfer_id: int, mode: str, packed: bytes, peer: str, notification: bytes | None
+        self, xfer_id: int, mode: str, packed: bytes | memoryview, peer: str, notification: bytes | None
     ) -> tuple[str, str | None, str]:
         """Create the request ``xfer_id`` (the proxy numbers them and sends them with its next call)."""
         self._peer(peer)
@@ -365,7 +404,9 @@ class Worker:
             if notification is not None:
                 self.notify(peer, notification)
             return ("done", None, "")
-        columns = self.check_rows(packed, peer)
+        # The proxy checked every row against the same two region tables (PLAN-1) before sending
+        # it; NIXL checks again against its registrations, so a row it does not know fails the post.
+        columns = unpack_columns(self.np, packed)
         agent = self.agent
         message = notification if notification is not None else b""
         try:
@@ -486,7 +527,7 @@ class Worker:
         return {
             "pid": os.getpid(),
             "ucx_params": dict(self.agent.get_backend_params("UCX")),
-            "env": {k: v for k, v in os.environ.items() if k.startswith("UCX_")},
+            "env": dict(self.ucx_env),
         }
 
     def close(self) -> None:
@@ -530,30 +571,36 @@ def answer(worker: Worker, op: str, args: list[Any]) -> tuple[Any, ...]:
         return ("err", TRANSPORT, "transfer_error", f"{op} failed in the NIXL worker: {_describe(exc)}")
 
 
-def serve(conn: Connection, worker: Worker) -> str:
-    """Answer requests until ``close`` or ``retire`` (returned) or until the parent goes away
-    (``"eof"``); poll NIXL in between.
+def handle(worker: Worker, request: tuple[Any, ...]) -> tuple[Any, ...]:
+    """Answer one request of the proxy (``close`` and ``retire`` excepted).
 
     ``("batch", [post requests], (op, *args))`` carries the posts the proxy
     queued since its last call, ahead of that call, in one message; the reply
     is ``("batch", [post replies], reply)``.
+    """
+    op, *args = request
+    if op == "batch":
+        posts, (inner_op, *inner_args) = args
+        post_replies = [answer(worker, post_op, post_args) for post_op, *post_args in posts]
+        return ("batch", post_replies, answer(worker, inner_op, inner_args))
+    return answer(worker, op, args)
+
+
+def serve(conn: Connection, worker: Worker) -> str:
+    """Answer requests until ``close`` or ``retire`` (returned) or until the parent goes away
+    (``"eof"``); poll NIXL in between.
     """
     while True:
         if not conn.poll(worker.poll_interval):
             worker.poll()
             continue
         try:
-            op, *args = conn.recv()
+            request = conn.recv()
         except (EOFError, OSError):
             return "eof"  # the parent died: nothing left to serve
-        if op in ("close", "retire"):
-            return str(op)
-        if op == "batch":
-            posts, (inner_op, *inner_args) = args
-            post_replies = [answer(worker, post_op, post_args) for post_op, *post_args in posts]
-            reply: tuple[Any, ...] = ("batch", post_replies, answer(worker, inner_op, inner_args))
-        else:
-            reply = answer(worker, op, args)
+        if request[0] in ("close", "retire"):
+            return str(request[0])
+        reply = handle(worker, request)
         try:
             conn.send(reply)
         except OSError:

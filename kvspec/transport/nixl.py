@@ -32,18 +32,17 @@ NIXL error or an ``"ERR"`` state reports ``FAILED(TRANSFER_ERROR)`` (FAIL-1).
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import itertools
 import os
 import socket
-import struct
 import subprocess
 import sys
 import threading
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from multiprocessing.connection import Connection
-from operator import attrgetter
 from pathlib import Path
 from typing import Any, cast
 
@@ -53,6 +52,7 @@ from kvspec.transport import _nixl_worker
 from kvspec.transport._base import (
     Capabilities,
     Descriptor,
+    DescriptorList,
     MemoryRegion,
     Notification,
     TransferHandle,
@@ -70,7 +70,6 @@ INSTALL_HINT = (
 # The names the worker tries, in the same order.
 _NIXL_MODULES = _nixl_worker.NIXL_MODULES
 _WORKER_MODULE = "kvspec.transport._nixl_worker"
-_FIELDS = tuple(attrgetter(f) for f in ("local_region", "local_offset", "remote_region", "remote_offset", "nbytes"))
 _PENDING = TransferStatus(state=TransferState.PENDING)
 _DONE = TransferStatus(state=TransferState.DONE)
 
@@ -95,27 +94,37 @@ def _require_nixl() -> None:
 
 
 class NixlAgent:
-    """A proxy for one NIXL agent living in a worker process (Transport).
+    """One NIXL agent (Transport): a proxy for an agent in a worker process, or the agent itself.
 
-    Calls are forwarded over a pipe and answered within ``call_timeout``
-    seconds. The worker polls NIXL whenever it is idle, so this agent may stay
-    passive (no calls) without stalling its peer.
+    In a worker process (the default), calls are forwarded over a pipe and
+    answered within ``call_timeout`` seconds, and the worker polls NIXL
+    whenever it is idle, so this agent may stay passive (no calls) without
+    stalling its peer. In this process (``NixlBackend(in_process=NAME)``),
+    calls go straight to NIXL: no pipe, no call timeout, and NIXL progresses
+    only when this agent is called, so a passive agent must poll
+    :meth:`get_notifications`, as the :class:`kvspec.transport.Transport`
+    contract asks.
     """
 
     def __init__(
         self,
         name: str,
-        process: subprocess.Popen[bytes],
-        conn: Connection,
+        process: subprocess.Popen[bytes] | None,
+        conn: Connection | None,
         *,
         capabilities: Capabilities,
         call_timeout: float,
         recycle: Callable[[subprocess.Popen[bytes], Connection], None] | None = None,
+        worker: _nixl_worker.Worker | None = None,
     ) -> None:
         self._name = name
         self._recycle = recycle
+        # Exactly one of the two: a worker process and its pipe, or the worker object in this process.
+        if (worker is None) == (process is None or conn is None):
+            raise ConfigError("NixlAgent: expected a worker process and its pipe, or an in-process worker")
         self._process = process
         self._conn = conn
+        self._worker = worker
         self._capabilities = capabilities
         self._call_timeout = call_timeout
         self._lock = threading.Lock()
@@ -146,8 +155,13 @@ class NixlAgent:
 
     @property
     def pid(self) -> int:
-        """The worker process id (tests kill it to simulate a dead peer)."""
-        return self._process.pid
+        """The id of the process NIXL runs in: the worker's, or this process's when in process."""
+        return os.getpid() if self._process is None else self._process.pid
+
+    @property
+    def in_process(self) -> bool:
+        """Whether the NIXL agent runs in this process (``NixlBackend(in_process=...)``)."""
+        return self._worker is not None
 
     @property
     def closed(self) -> bool:
@@ -166,16 +180,10 @@ class NixlAgent:
                 raise TransportError(self._broken, reason=FailureReason.TRANSFER_ERROR.value)
             queued, self._queued = self._queued, {}
             request: tuple[object, ...] = ("batch", list(queued.values()), (op, *args)) if queued else (op, *args)
-            limit = self._call_timeout if timeout is None else timeout
-            try:
-                self._conn.send(request)
-                if not self._conn.poll(limit):
-                    self._break(f"nixl agent {self._name!r}: no answer to {op!r} within {limit} s; worker stopped")
-                    raise TransportError(self._broken or "", reason=FailureReason.TIMEOUT.value)
-                reply = self._conn.recv()
-            except (EOFError, OSError):
-                self._break(f"nixl agent {self._name!r}: worker process exited (code {self._process.poll()})")
-                raise TransportError(self._broken or "", reason=FailureReason.TRANSFER_ERROR.value) from None
+            if self._worker is not None:
+                reply = _nixl_worker.handle(self._worker, request)
+            else:
+                reply = self._ask(op, request, self._call_timeout if timeout is None else timeout)
             if queued:
                 _, post_replies, reply = reply
                 for transfer_id, post_reply in zip(queued, post_replies, strict=True):
@@ -188,6 +196,20 @@ class NixlAgent:
         if kind == "config":
             raise ConfigError(message)
         raise TransportError(message, reason=reason)
+
+    def _ask(self, op: str, request: tuple[object, ...], limit: float) -> Any:
+        """Send ``request`` to the worker process and wait up to ``limit`` seconds for its reply."""
+        assert self._process is not None
+        assert self._conn is not None
+        try:
+            self._conn.send(request)
+            if not self._conn.poll(limit):
+                self._break(f"nixl agent {self._name!r}: no answer to {op!r} within {limit} s; worker stopped")
+                raise TransportError(self._broken or "", reason=FailureReason.TIMEOUT.value)
+            return self._conn.recv()
+        except (EOFError, OSError):
+            self._break(f"nixl agent {self._name!r}: worker process exited (code {self._process.poll()})")
+            raise TransportError(self._broken or "", reason=FailureReason.TRANSFER_ERROR.value) from None
 
     def _settle(self, transfer_id: int, reply: tuple[Any, ...]) -> None:
         """Apply a post's reply: an ended request (nothing to move) or one NIXL refused is final."""
@@ -203,7 +225,8 @@ class NixlAgent:
     def _break(self, why: str) -> None:
         """Give up on the worker: kill it so it cannot act later on a request we abandoned."""
         self._broken = why
-        _stop(self._process, grace=0.0)
+        if self._process is not None:
+            _stop(self._process, grace=0.0)
 
     # -- memory and peers
 
@@ -265,10 +288,11 @@ class NixlAgent:
         if not isinstance(mode, TransferMode):
             raise PlanError(f"post: expected a TransferMode, got {mode!r}")
         try:
-            # Column by column: the cheapest way found to turn Descriptor objects into bytes (~0.3 us each).
-            column = f"<{len(descriptors)}q"
-            packed = b"".join(struct.pack(column, *map(field, descriptors)) for field in _FIELDS)
-        except (struct.error, AttributeError, TypeError) as exc:
+            # A DescriptorList (what TransferPlan.to_descriptors returns) is already packed.
+            table = DescriptorList.of(descriptors)
+            # In process the worker reads the list's own buffer; a pipe needs bytes.
+            packed = table.view() if self._worker is not None and sys.byteorder == "little" else table.to_bytes()
+        except ConfigError as exc:
             raise PlanError(f"post: descriptors must be Descriptor objects with 64-bit int fields ({exc})") from None
         remote_sizes = self._peer_sizes.get(peer)
         if remote_sizes is None:
@@ -276,7 +300,8 @@ class NixlAgent:
                 f"agent {self._name!r}: unknown peer {peer!r} (add_remote_agent first)",
                 reason=FailureReason.PEER_DISCONNECTED.value,
             )
-        if packed:
+        # PLAN-1: the list's bounds settle the usual case at once; otherwise look row by row.
+        if not table.bounds.fits(self._local_sizes.tolist(), remote_sizes.tolist()):
             try:
                 np = self._np
                 _nixl_worker.check_columns(np, _nixl_worker.unpack_columns(np, packed), self._local_sizes, remote_sizes)
@@ -351,6 +376,15 @@ class NixlAgent:
             self._closed = True
             self._final.clear()
             self._handles.clear()
+            if self._worker is not None:
+                self._queued.clear()
+                try:
+                    self._worker.close()
+                except Exception as exc:
+                    raise TransportError(f"nixl agent {self._name!r}: could not tear down: {exc}") from None
+                return
+            assert self._process is not None
+            assert self._conn is not None
             if self._broken is None:
                 op = "close" if self._recycle is None else "retire"
                 self._queued.clear()  # never sent, so never started
@@ -403,6 +437,21 @@ def _close_worker(process: subprocess.Popen[bytes], conn: Connection) -> None:
     _stop(process, grace=5.0)
 
 
+@contextlib.contextmanager
+def _environment(settings: Mapping[str, str]) -> Iterator[None]:
+    """Set ``settings`` in ``os.environ`` for the block, then put back what was there."""
+    saved = {key: os.environ.get(key) for key in settings}
+    os.environ.update(settings)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
 def _stop(process: subprocess.Popen[bytes], *, grace: float) -> None:
     """Wait ``grace`` seconds for the worker to exit, then kill it and reap it."""
     try:
@@ -430,6 +479,12 @@ class NixlBackend:
     - ``max_idle_workers``: worker processes of closed agents kept to host the
       next agents (a fresh NIXL agent in a warm process starts in ~20 ms
       instead of ~0.5 s); 0 stops every worker with its agent (default 4).
+    - ``in_process``: the name of one agent to run in this process instead of
+      a worker, as an engine runs its own agent: no pipe round trip per call,
+      and no call timeout. Its UCX context is created under the workers'
+      ``UCX_*``/``NIXL_*`` environment (``UCX_NET_DEVICES=lo`` included),
+      which is set for that moment only. The other agents still run in
+      workers, so each transfer still crosses two processes (default none).
     """
 
     def __init__(
@@ -443,6 +498,7 @@ class NixlBackend:
         transfer_timeout: float | None = 60.0,
         poll_interval: float = 0.0005,
         max_idle_workers: int = 4,
+        in_process: str | None = None,
         worker_command: Sequence[str] | None = None,
     ) -> None:
         _require_nixl()
@@ -453,6 +509,9 @@ class NixlBackend:
                 raise ConfigError(f"NixlBackend.{field}: expected a positive number of seconds, got {value!r}")
         if not isinstance(poll_interval, (int, float)) or not 0 < poll_interval <= 1:
             raise ConfigError(f"NixlBackend.poll_interval: expected seconds in (0, 1], got {poll_interval!r}")
+        if in_process is not None and (not isinstance(in_process, str) or not in_process):
+            raise ConfigError(f"NixlBackend.in_process: expected an agent name or None, got {in_process!r}")
+        self._in_process = in_process
         self._tls = tls
         self._env = dict(env or {})
         self._options: dict[str, object] = {
@@ -507,6 +566,8 @@ class NixlBackend:
         for agent in self._agents:
             if agent.name == name and not agent.closed:
                 raise TransportError(f"nixl: an agent named {name!r} already exists", reason="protocol")
+        if name == self._in_process:
+            return self._local_agent(name)
         while self._idle:
             process, conn = self._idle.pop()
             try:
@@ -525,6 +586,24 @@ class NixlBackend:
             theirs.close()
         self._processes[:] = [p for p in self._processes if p.poll() is None] + [process]
         return self._started(name, process, Connection(ours.detach()), self._options)
+
+    def _local_agent(self, name: str) -> NixlAgent:
+        """Start the NIXL agent ``name`` in this process, under the workers' UCX and NIXL settings."""
+        settings = {k: v for k, v in self.worker_env().items() if k.startswith(("UCX_", "NIXL_"))}
+        with _environment(settings):
+            try:
+                worker = _nixl_worker.Worker(name, dict(self._options))
+            except ImportError as exc:
+                why = f"the nixl backend could not import NIXL ({exc}): {INSTALL_HINT}"
+                raise BackendUnavailableError(why) from None
+            except Exception as exc:
+                raise TransportError(f"nixl: could not start agent {name!r} in this process: {exc}") from None
+        agent = NixlAgent(
+            name, None, None, capabilities=self._capabilities, call_timeout=self._call_timeout, worker=worker
+        )
+        self._agents = [a for a in self._agents if not a.closed]
+        self._agents.append(agent)
+        return agent
 
     def _started(self, name: str, process: subprocess.Popen[bytes], conn: Connection, request: object) -> NixlAgent:
         """Send the start request and wait for the agent; stop the worker on any failure."""
