@@ -5,6 +5,7 @@ Usage::
     .venv/bin/python benchmarks/bench_nixl.py                 # 16 KiB, 64 KiB, 2 MiB pages
     .venv/bin/python benchmarks/bench_nixl.py --quick         # a smaller pool, fewer repetitions
     .venv/bin/python benchmarks/bench_nixl.py --tls tcp       # UCX_TLS=tcp instead of the default (CMA)
+    .venv/bin/python benchmarks/bench_nixl.py --configs in-process --sizes 16k
 
 Workload (research/backends.md section 0): a pool of ``--pool-mib`` MiB per side
 split into blocks of B bytes; one request moves K = min(1000, N/2) blocks
@@ -12,14 +13,26 @@ split into blocks of B bytes; one request moves K = min(1000, N/2) blocks
 ids. ``rand``: K random ids on each side, chosen independently; ``runs16``:
 the same count laid out as runs of 16 adjacent ids on both sides.
 
+Configurations (``--configs``), each between the same two processes for kvspec and raw NIXL:
+
+* ``workers``: both agents in worker processes, as the conformance suite runs
+  them; kvspec calls reach the initiator's agent over a pipe, raw NIXL is
+  timed inside that worker.
+* ``in-process``: the initiator's agent (the consumer for READ, the producer
+  for WRITE) in this process (``NixlBackend(in_process=...)``), as an engine
+  runs its own agent, and its peer in a worker; raw NIXL is timed in this
+  process on the same agent.
+
 Methods, timed per request (median of ``--reps``):
 
 * ``kvspec``: :class:`kvspec.transport.nixl.NixlAgent` ``post`` + ``check``
-  until DONE + ``release``, timed in this process (pipe round trips included).
-* ``raw-prep``: inside the same initiator worker process, with the same NIXL
-  agent and connection: ``make_prepped_xfer`` on lists prepared once over every
-  block of both pools (NIXL merges adjacent blocks) + ``transfer`` + polling
-  ``check_xfer_state`` + ``release_xfer_handle``.
+  until DONE + ``release``, timed in this process. The descriptors are a
+  :class:`kvspec.transport.DescriptorList` built before timing, as
+  ``TransferPlan.to_descriptors`` hands them over, like raw NIXL's index
+  arrays; "pack ms" is what a plain list of ``Descriptor`` objects would add.
+* ``raw-prep``: the same NIXL agent and connection: ``make_prepped_xfer`` on
+  lists prepared once over every block of both pools (NIXL merges adjacent
+  blocks) + ``transfer`` + polling ``check_xfer_state`` + ``release_xfer_handle``.
 * ``raw-init``: the same, with one descriptor per block through
   ``get_xfer_descs`` + ``initialize_xfer`` (no merging), as a naive caller would.
 * ``memcpy``: one process copying the same blocks between the two
@@ -30,7 +43,7 @@ machine hits them alike. The ratio printed is ``kvspec / raw-prep`` of the
 medians (target >= 0.9), then of the best requests; "extra ms" is what a
 request costs kvspec beyond raw NIXL (median difference). Every method's
 warm-up request is checked byte for byte. No assertion is made on timings.
-The UCX transports in use are read from the workers' UCX logs
+The UCX transports in use are read from the agents' UCX logs
 (``UCX_PROTO_INFO=y``) and printed at the end.
 """
 
@@ -50,71 +63,71 @@ from multiprocessing import shared_memory
 from pathlib import Path
 from typing import Any
 
-if len(sys.argv) > 1 and sys.argv[1] == "--worker":
-    # Worker mode: serve one NIXL agent, plus the raw-NIXL timing request below.
-    from kvspec.transport import _nixl_worker
+from kvspec import TransferMode
+from kvspec.transport import Descriptor, DescriptorList, MemoryRegion, TransferState, _nixl_worker
+from kvspec.transport.nixl import NixlAgent, NixlBackend
 
-    def raw_op(
-        worker: _nixl_worker.Worker,
-        style: str,
-        mode: str,
-        block: int,
-        local_ids: list[int],
-        remote_ids: list[int],
-        peer: str,
-        reps: int,
-    ) -> list[float]:
-        """Time ``reps`` raw NIXL requests of the given blocks (region 0 on both sides)."""
-        np = worker.np
-        agent = worker.agent
-        _, remote_base, remote_size = worker.peers[peer]
-        local_base, local_size = int(worker.region_base[0]), int(worker.region_size[0])
-        lidx = np.asarray(local_ids, dtype=np.int64)
-        ridx = np.asarray(remote_ids, dtype=np.int64)
-        cache: dict[Any, Any] = worker.__dict__.setdefault("bench_prepped", {})
-        if style == "prep" and (peer, block) not in cache:
 
-            def every_block(base: int, size: int) -> Any:
-                count = size // block
-                rows = np.zeros((count, 3), dtype=np.uint64)
-                rows[:, 0] = base + np.arange(count, dtype=np.uint64) * block
-                rows[:, 1] = block
-                return rows
+def raw_op(
+    worker: _nixl_worker.Worker,
+    style: str,
+    mode: str,
+    block: int,
+    local_ids: list[int],
+    remote_ids: list[int],
+    peer: str,
+    reps: int,
+) -> list[float]:
+    """Time ``reps`` raw NIXL requests of the given blocks (region 0 on both sides)."""
+    np = worker.np
+    agent = worker.agent
+    _, remote_base, remote_size = worker.peers[peer]
+    local_base, local_size = int(worker.region_base[0]), int(worker.region_size[0])
+    lidx = np.asarray(local_ids, dtype=np.int64)
+    ridx = np.asarray(remote_ids, dtype=np.int64)
+    cache: dict[Any, Any] = worker.__dict__.setdefault("bench_prepped", {})
+    if style == "prep" and (peer, block) not in cache:
 
-            cache[(peer, block)] = (
-                agent.prep_xfer_dlist("NIXL_INIT_AGENT", every_block(local_base, local_size), "DRAM"),
-                agent.prep_xfer_dlist(peer, every_block(int(remote_base[0]), int(remote_size[0])), "DRAM"),
+        def every_block(base: int, size: int) -> Any:
+            count = size // block
+            rows = np.zeros((count, 3), dtype=np.uint64)
+            rows[:, 0] = base + np.arange(count, dtype=np.uint64) * block
+            rows[:, 1] = block
+            return rows
+
+        cache[(peer, block)] = (
+            agent.prep_xfer_dlist("NIXL_INIT_AGENT", every_block(local_base, local_size), "DRAM"),
+            agent.prep_xfer_dlist(peer, every_block(int(remote_base[0]), int(remote_size[0])), "DRAM"),
+        )
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        if style == "prep":
+            local_h, remote_h = cache[(peer, block)]
+            handle = agent.make_prepped_xfer(mode, local_h, lidx.astype(np.int32), remote_h, ridx.astype(np.int32))
+        else:
+            zeros = np.zeros(len(lidx), dtype=np.uint64)
+            sizes = np.full(len(lidx), block, dtype=np.uint64)
+            local = np.column_stack((local_base + lidx * block, sizes, zeros)).astype(np.uint64)
+            remote = np.column_stack((int(remote_base[0]) + ridx * block, sizes, zeros)).astype(np.uint64)
+            handle = agent.initialize_xfer(
+                mode, agent.get_xfer_descs(local, "DRAM"), agent.get_xfer_descs(remote, "DRAM"), peer
             )
-        times = []
-        for _ in range(reps):
-            start = time.perf_counter()
-            if style == "prep":
-                local_h, remote_h = cache[(peer, block)]
-                handle = agent.make_prepped_xfer(mode, local_h, lidx.astype(np.int32), remote_h, ridx.astype(np.int32))
-            else:
-                zeros = np.zeros(len(lidx), dtype=np.uint64)
-                sizes = np.full(len(lidx), block, dtype=np.uint64)
-                local = np.column_stack((local_base + lidx * block, sizes, zeros)).astype(np.uint64)
-                remote = np.column_stack((int(remote_base[0]) + ridx * block, sizes, zeros)).astype(np.uint64)
-                handle = agent.initialize_xfer(
-                    mode, agent.get_xfer_descs(local, "DRAM"), agent.get_xfer_descs(remote, "DRAM"), peer
-                )
-            state = agent.transfer(handle)
-            while state == "PROC":
-                state = agent.check_xfer_state(handle)
-            agent.release_xfer_handle(handle)
-            times.append(time.perf_counter() - start)
-            if state != "DONE":
-                raise RuntimeError(f"raw NIXL transfer ended {state}")
-        return times
+        state = agent.transfer(handle)
+        while state == "PROC":
+            state = agent.check_xfer_state(handle)
+        agent.release_xfer_handle(handle)
+        times.append(time.perf_counter() - start)
+        if state != "DONE":
+            raise RuntimeError(f"raw NIXL transfer ended {state}")
+    return times
 
+
+if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+    # Worker mode: serve one NIXL agent, plus the raw-NIXL timing request above.
     _nixl_worker.main(sys.argv[2:], extra_ops={"raw": raw_op})
     sys.exit(0)
 
-
-from kvspec import TransferMode
-from kvspec.transport import Descriptor, MemoryRegion, TransferState
-from kvspec.transport.nixl import NixlAgent, NixlBackend
 
 KIB, MIB = 1024, 1024 * 1024
 GB = 1e9
@@ -161,18 +174,41 @@ class Bench:
                 "UCX_LOG_FILE": str(log_dir / "ucx.%p.log"),
             }
         )
-        self.backend = NixlBackend(
-            tls=args.tls, env=env, worker_command=[sys.executable, str(Path(__file__).resolve()), "--worker"]
-        )
-        self.producer = self.backend.create_agent("producer")
-        self.consumer = self.backend.create_agent("consumer")
-        self.producer.register_memory([MemoryRegion(buffer=self.producer_buf, shm_name=self.shms[0].name)])  # type: ignore[arg-type]
-        self.consumer.register_memory([MemoryRegion(buffer=self.consumer_buf, shm_name=self.shms[1].name)])  # type: ignore[arg-type]
-        self.consumer.add_remote_agent(self.producer.get_agent_metadata())
-        self.producer.add_remote_agent(self.consumer.get_agent_metadata())
+        self.env = env
+        # (backend, producer, consumer) per configuration and mode; built on first use.
+        self.pairs: dict[tuple[str, TransferMode], tuple[NixlBackend, NixlAgent, NixlAgent]] = {}
+        self.backends: list[NixlBackend] = []
+        self.config = "workers"
+
+    def pair(self, mode: TransferMode) -> tuple[NixlAgent, NixlAgent]:
+        """The producer and consumer agents of the current configuration for ``mode``.
+
+        ``workers``: both agents in worker processes, one backend for both
+        modes. ``in-process``: the initiator (the consumer for READ, the
+        producer for WRITE) in this process, its peer in a worker.
+        """
+        key = (self.config, mode) if self.config == "in-process" else (self.config, TransferMode.READ)
+        if key not in self.pairs:
+            local = None if self.config == "workers" else ("consumer" if mode is TransferMode.READ else "producer")
+            backend = NixlBackend(
+                tls=self.args.tls,
+                env=self.env,
+                in_process=local,
+                worker_command=[sys.executable, str(Path(__file__).resolve()), "--worker"],
+            )
+            self.backends.append(backend)
+            producer, consumer = backend.create_agent("producer"), backend.create_agent("consumer")
+            producer.register_memory([MemoryRegion(buffer=self.producer_buf, shm_name=self.shms[0].name)])  # type: ignore[arg-type]
+            consumer.register_memory([MemoryRegion(buffer=self.consumer_buf, shm_name=self.shms[1].name)])  # type: ignore[arg-type]
+            consumer.add_remote_agent(producer.get_agent_metadata())
+            producer.add_remote_agent(consumer.get_agent_metadata())
+            self.pairs[key] = (backend, producer, consumer)
+        _, producer, consumer = self.pairs[key]
+        return producer, consumer
 
     def close(self) -> None:
-        self.backend.close()
+        for backend in self.backends:
+            backend.close()
         for shm in self.shms:
             shm.close()
             shm.unlink()
@@ -188,14 +224,19 @@ class Bench:
 
     def initiator(self, mode: TransferMode) -> tuple[NixlAgent, str]:
         # READ: the consumer pulls; WRITE: the producer pushes (Descriptor local = initiator).
-        return (self.consumer, "producer") if mode is TransferMode.READ else (self.producer, "consumer")
+        producer, consumer = self.pair(mode)
+        return (consumer, "producer") if mode is TransferMode.READ else (producer, "consumer")
 
     def run_kvspec(self, mode: TransferMode, block: int, local: list[int], remote: list[int], reps: int) -> list[float]:
         agent, peer = self.initiator(mode)
-        descriptors = [
-            Descriptor(local_region=0, local_offset=lo * block, remote_region=0, remote_offset=ro * block, nbytes=block)
-            for lo, ro in zip(local, remote, strict=True)
-        ]
+        # Packed, as TransferPlan.to_descriptors hands them over (a plain list costs pack_ms more).
+        descriptors = DescriptorList.from_columns(
+            local_region=[0] * len(local),
+            local_offset=[i * block for i in local],
+            remote_region=[0] * len(remote),
+            remote_offset=[i * block for i in remote],
+            nbytes=[block] * len(local),
+        )
         times = []
         for _ in range(reps):
             start = time.perf_counter()
@@ -212,6 +253,9 @@ class Bench:
         self, style: str, mode: TransferMode, block: int, local: list[int], remote: list[int], reps: int
     ) -> list[float]:
         agent, peer = self.initiator(mode)
+        if agent.in_process:
+            # The same NIXL agent, prepared lists and connection, in this process.
+            return raw_op(agent._worker, style, mode.name, block, local, remote, peer, reps)  # type: ignore[arg-type]
         times = agent._call("raw", style, mode.name, block, local, remote, peer, reps, timeout=600.0)
         assert isinstance(times, list)
         return times
@@ -257,6 +301,21 @@ class Bench:
 
 METHODS = ("kvspec", "raw-prep", "raw-init", "memcpy")
 
+
+def packing_ms(block: int, p_ids: list[int], c_ids: list[int]) -> float:
+    """Median ms to pack a plain list of Descriptor objects into a DescriptorList (what post does with one)."""
+    plain = [
+        Descriptor(local_region=0, local_offset=c * block, remote_region=0, remote_offset=p * block, nbytes=block)
+        for p, c in zip(p_ids, c_ids, strict=True)
+    ]
+    times = []
+    for _ in range(21):
+        start = time.perf_counter()
+        DescriptorList(plain)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
 # A UCX_PROTO_INFO table of the connection between the agents: "| <agent> intra-node cfg#N |",
 # "| <title> |", then rows "| range | description | config |" up to the next table.
 TABLE = (
@@ -283,6 +342,12 @@ def main() -> None:
     parser.add_argument("--sizes", type=lambda s: [parse_size(x) for x in s.split(",")], default="16k,64k,2m")
     parser.add_argument("--patterns", type=lambda s: s.split(","), default="rand,runs16")
     parser.add_argument("--modes", type=lambda s: [TransferMode[x.upper()] for x in s.split(",")], default="read,write")
+    parser.add_argument(
+        "--configs",
+        type=lambda s: s.split(","),
+        default="workers,in-process",
+        help="where the initiating agent runs: in a worker process, or in this process",
+    )
     parser.add_argument("--pool-mib", type=int, default=512)
     parser.add_argument("--blocks", type=int, default=1000, help="blocks per request (at most half the pool)")
     parser.add_argument("--reps", type=int, default=7)
@@ -300,8 +365,8 @@ def main() -> None:
     bench = Bench(args, log_dir)
     results: list[dict[str, Any]] = []
     rng = random.Random(2026)
-    header = f"{'mode':5} {'pattern':7} {'page':>7} {'K':>5}  " + "  ".join(f"{m:>9}" for m in METHODS)
-    print(header + "  kvspec/raw-prep (best)  kvspec/memcpy  extra ms   (GB/s, medians)")
+    header = f"{'mode':5} {'pattern':7} {'page':>5} {'K':>5} {'config':10}  " + "  ".join(f"{m:>9}" for m in METHODS)
+    print(header + "  kvspec/raw-prep (best)  kvspec/memcpy  extra ms  pack ms   (GB/s, medians)")
     try:
         for block in args.sizes:
             num_blocks = args.pool_mib * MIB // block
@@ -309,27 +374,39 @@ def main() -> None:
             for pattern in args.patterns:
                 p_ids, c_ids = block_ids(pattern, count - count % 16 if pattern == "runs16" else count, num_blocks, rng)
                 payload = len(p_ids) * block
+                pack_ms = packing_ms(block, p_ids, c_ids)
                 for mode in args.modes:
-                    times = bench.measure(mode, block, p_ids, c_ids)
-                    gbps = {m: payload / statistics.median(t) / GB for m, t in times.items()}
-                    best = {m: payload / min(t) / GB for m, t in times.items()}
-                    ratio, vs_memcpy = gbps["kvspec"] / gbps["raw-prep"], gbps["kvspec"] / gbps["memcpy"]
-                    best_ratio = best["kvspec"] / best["raw-prep"]
-                    # What a request costs kvspec beyond raw NIXL (packing, pipe round trips, checks).
-                    extra_ms = (statistics.median(times["kvspec"]) - statistics.median(times["raw-prep"])) * 1e3
-                    page = f"{block // KIB}K" if block < MIB else f"{block // MIB}M"
-                    print(
-                        f"{mode.name:5} {pattern:7} {page:>7} {len(p_ids):>5}  "
-                        + "  ".join(f"{gbps[m]:9.2f}" for m in METHODS)
-                        + f"  {ratio:15.2f} ({best_ratio:4.2f})  {vs_memcpy:13.2f}  {extra_ms:8.2f}",
-                        flush=True,
-                    )
-                    results.append(
-                        {"mode": mode.name, "pattern": pattern, "block": block, "blocks": len(p_ids), "seconds": times}
-                    )
+                    for config in args.configs:
+                        bench.config = config
+                        times = bench.measure(mode, block, p_ids, c_ids)
+                        gbps = {m: payload / statistics.median(t) / GB for m, t in times.items()}
+                        best = {m: payload / min(t) / GB for m, t in times.items()}
+                        ratio, vs_memcpy = gbps["kvspec"] / gbps["raw-prep"], gbps["kvspec"] / gbps["memcpy"]
+                        best_ratio = best["kvspec"] / best["raw-prep"]
+                        # What a request costs kvspec beyond raw NIXL (pipe round trip, checks, bookkeeping).
+                        extra_ms = (statistics.median(times["kvspec"]) - statistics.median(times["raw-prep"])) * 1e3
+                        page = f"{block // KIB}K" if block < MIB else f"{block // MIB}M"
+                        print(
+                            f"{mode.name:5} {pattern:7} {page:>5} {len(p_ids):>5} {config:10}  "
+                            + "  ".join(f"{gbps[m]:9.2f}" for m in METHODS)
+                            + f"  {ratio:15.2f} ({best_ratio:4.2f})  {vs_memcpy:13.2f}"
+                            + f"  {extra_ms:8.2f}  {pack_ms:7.2f}",
+                            flush=True,
+                        )
+                        results.append(
+                            {
+                                "mode": mode.name,
+                                "pattern": pattern,
+                                "block": block,
+                                "blocks": len(p_ids),
+                                "config": config,
+                                "pack_ms": pack_ms,
+                                "seconds": times,
+                            }
+                        )
     finally:
         bench.close()
-    print("\n# UCX transports (from UCX_PROTO_INFO in the workers' logs)")
+    print("\n# UCX transports (from UCX_PROTO_INFO in the agents' logs)")
     for line in transports(log_dir) or ["(no UCX log collected)"]:
         print(f"#   {line}")
     if args.json is not None:

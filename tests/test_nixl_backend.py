@@ -11,6 +11,7 @@ import threading
 import time
 from collections.abc import Iterator
 from multiprocessing import shared_memory
+from pathlib import Path
 
 import attrs
 import pytest
@@ -532,6 +533,24 @@ def test_closed_agents_worker_hosts_the_next_agent(pytestconfig: pytest.Config) 
     finally:
         backend.close()
         pools.close()
+
+
+def test_the_benchmark_runs_both_configurations_and_checks_every_methods_bytes(pytestconfig: pytest.Config) -> None:
+    # A tiny run: the figures mean nothing, but every method's first request is compared byte for byte.
+    require_backend_module(pytestconfig, "nixl_cu12", "nixl")
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_nixl.py"
+    args = ["--pool-mib", "4", "--blocks", "32", "--reps", "1", "--sizes", "16k", "--modes", "read,write"]
+    result = subprocess.run(
+        [sys.executable, str(script), *args, "--no-ucx-log"], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = [line.split() for line in result.stdout.splitlines() if line.startswith(("READ", "WRITE"))]
+    assert sorted((r[0], r[1], r[4]) for r in rows) == sorted(
+        (mode, pattern, config)
+        for mode in ("READ", "WRITE")
+        for pattern in ("rand", "runs16")
+        for config in ("workers", "in-process")
+    )
 
 
 # --------------------------------------------------------------------------- the whole conformance suite
