@@ -206,9 +206,14 @@ class Bench:
         _, producer, consumer = self.pairs[key]
         return producer, consumer
 
-    def close(self) -> None:
+    def close_backends(self) -> None:
         for backend in self.backends:
             backend.close()
+        self.backends.clear()
+        self.pairs.clear()
+
+    def close(self) -> None:
+        self.close_backends()
         for shm in self.shms:
             shm.close()
             shm.unlink()
@@ -350,7 +355,7 @@ def main() -> None:
     )
     parser.add_argument("--pool-mib", type=int, default=512)
     parser.add_argument("--blocks", type=int, default=1000, help="blocks per request (at most half the pool)")
-    parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--tls", choices=["tcp"], default=None, help="UCX_TLS for the workers (default: UCX picks)")
     parser.add_argument("--quick", action="store_true", help="128 MiB pool, 3 repetitions")
     parser.add_argument("--no-ucx-log", action="store_true", help="do not collect UCX protocol logs")
@@ -364,20 +369,25 @@ def main() -> None:
     print(f"# pool {args.pool_mib} MiB per side, median of {args.reps}, UCX_TLS={args.tls or '(default)'}")
     bench = Bench(args, log_dir)
     results: list[dict[str, Any]] = []
-    rng = random.Random(2026)
     header = f"{'mode':5} {'pattern':7} {'page':>5} {'K':>5} {'config':10}  " + "  ".join(f"{m:>9}" for m in METHODS)
     print(header + "  kvspec/raw-prep (best)  kvspec/memcpy  extra ms  pack ms   (GB/s, medians)")
     try:
-        for block in args.sizes:
-            num_blocks = args.pool_mib * MIB // block
-            count = min(args.blocks, num_blocks // 2)
-            for pattern in args.patterns:
-                p_ids, c_ids = block_ids(pattern, count - count % 16 if pattern == "runs16" else count, num_blocks, rng)
-                payload = len(p_ids) * block
-                pack_ms = packing_ms(block, p_ids, c_ids)
-                for mode in args.modes:
-                    for config in args.configs:
-                        bench.config = config
+        # One configuration at a time, its backends closed after it, so that only its own
+        # workers share the machine with the timed requests.
+        for config in args.configs:
+            bench.config = config
+            for block in args.sizes:
+                num_blocks = args.pool_mib * MIB // block
+                count = min(args.blocks, num_blocks // 2)
+                for pattern in args.patterns:
+                    # The same ids for every configuration.
+                    rng = random.Random(f"{block}-{pattern}")
+                    p_ids, c_ids = block_ids(
+                        pattern, count - count % 16 if pattern == "runs16" else count, num_blocks, rng
+                    )
+                    payload = len(p_ids) * block
+                    pack_ms = packing_ms(block, p_ids, c_ids)
+                    for mode in args.modes:
                         times = bench.measure(mode, block, p_ids, c_ids)
                         gbps = {m: payload / statistics.median(t) / GB for m, t in times.items()}
                         best = {m: payload / min(t) / GB for m, t in times.items()}
@@ -404,6 +414,7 @@ def main() -> None:
                                 "seconds": times,
                             }
                         )
+            bench.close_backends()
     finally:
         bench.close()
     print("\n# UCX transports (from UCX_PROTO_INFO in the agents' logs)")

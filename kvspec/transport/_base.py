@@ -131,6 +131,7 @@ class DescriptorBounds:
     count: int  # descriptors in the list
     smallest: int  # the smallest value of any field of any descriptor
     smallest_nbytes: int
+    largest_nbytes: int
     regions: tuple[int, int]  # the largest local and remote region index
     ends: tuple[int, int]  # the largest local and remote offset + nbytes
 
@@ -223,13 +224,16 @@ class DescriptorList(Sequence[Descriptor]):
                 raise ConfigError(f"DescriptorList.{name}: expected 64-bit signed ints ({exc})") from None
         self._data, self._count = data, count
         if not count:
-            self._bounds = DescriptorBounds(count=0, smallest=0, smallest_nbytes=0, regions=(-1, -1), ends=(0, 0))
+            self._bounds = DescriptorBounds(
+                count=0, smallest=0, smallest_nbytes=0, largest_nbytes=0, regions=(-1, -1), ends=(0, 0)
+            )
             return
         local_region, local_offset, remote_region, remote_offset, nbytes = columns
         self._bounds = DescriptorBounds(
             count=count,
             smallest=min(map(min, columns)),
             smallest_nbytes=min(nbytes),
+            largest_nbytes=max(nbytes),
             regions=(max(local_region), max(remote_region)),
             ends=(max(map(operator.add, local_offset, nbytes)), max(map(operator.add, remote_offset, nbytes))),
         )

@@ -325,36 +325,35 @@ class Worker:
         remote = np.column_stack((ra[starts], lengths, zeros)).astype(np.uint64)
         return local, remote
 
-    def prepped(self, columns: tuple[Any, ...], peer: str) -> tuple[Any, Any, Any, Any] | None:
-        """(local list, indices, remote list, indices) when every row is one whole, aligned block of one size.
+    def prepped(self, columns: Any, peer: str, size: int) -> tuple[Any, Any, Any, Any] | None:
+        """(local list, indices, remote list, indices) when every row is one whole, aligned ``size``-byte block.
 
         Lists cover every block of every region and are prepared once per
         block size (and peer); NIXL merges adjacent indices itself. This runs
-        once per request, so it sticks to a few whole-array numpy operations
-        (shifts and masks for the usual power-of-two sizes).
+        once per request, on data the last copy has pushed out of the caches,
+        so it sticks to two or three whole-array numpy calls.
         """
         np = self.np
-        lr, lo, rr, ro, n = columns
-        size = int(n[0])
         lists = self._lists(peer, size)
-        if lists is None or (n != size).any():
+        if lists is None:
             return None
+        offsets = columns[1::2]  # local and remote offsets, 2 x N
         if size & (size - 1) == 0:
-            # Power-of-two blocks: every offset aligned iff no low bit is set in any of them.
-            or_all = np.bitwise_or.reduce
-            if (int(or_all(lo)) | int(or_all(ro))) & (size - 1):
+            # Power-of-two blocks: all aligned iff no low bit is set in any offset.
+            if int(np.bitwise_or.reduce(offsets, axis=None)) & (size - 1):
                 return None
-            shift = size.bit_length() - 1
-            lq = np.right_shift(lo, shift, dtype=np.int32, casting="unsafe")
-            rq = np.right_shift(ro, shift, dtype=np.int32, casting="unsafe")
+            lidx, ridx = np.right_shift(offsets, size.bit_length() - 1, dtype=np.int32, casting="unsafe")
         else:
-            (lq, lrest), (rq, rrest) = np.divmod(lo, size), np.divmod(ro, size)
-            if (lrest | rrest).any():
+            blocks, rest = np.divmod(offsets, size)
+            if rest.any():
                 return None
+            lidx, ridx = blocks.astype(np.int32)
         (local, local_first), (remote, remote_first) = lists
         # Region 0 starts at index 0, so one region needs no lookup of first indexes.
-        lidx = (lq if len(local_first) == 1 else lq + local_first[lr]).astype(np.int32, copy=False)
-        ridx = (rq if len(remote_first) == 1 else rq + remote_first[rr]).astype(np.int32, copy=False)
+        if len(local_first) > 1:
+            lidx = lidx + local_first[columns[0]].astype(np.int32)
+        if len(remote_first) > 1:
+            ridx = ridx + remote_first[columns[2]].astype(np.int32)
         return local, lidx, remote, ridx
 
     def _lists(self, peer: str, size: int) -> tuple[tuple[Any, Any], tuple[Any, Any]] | None:
@@ -395,9 +394,19 @@ class Worker:
                 self.agent.release_dlist_handle(handle)
 
     def post(
-        self, xfer_id: int, mode: str, packed: bytes | memoryview, peer: str, notification: bytes | None
+        self,
+        xfer_id: int,
+        mode: str,
+        packed: bytes | memoryview,
+        peer: str,
+        notification: bytes | None,
+        block: int = 0,
     ) -> tuple[str, str | None, str]:
-        """Create the request ``xfer_id`` (the proxy numbers them and sends them with its next call)."""
+        """Create the request ``xfer_id`` (the proxy numbers them and sends them with its next call).
+
+        ``block`` is every descriptor's ``nbytes`` when they are all the same
+        (from the list's bounds), else 0.
+        """
         self._peer(peer)
         if not packed:
             # Nothing to move; NIXL rejects empty lists, so only the notification travels.
@@ -410,7 +419,7 @@ class Worker:
         agent = self.agent
         message = notification if notification is not None else b""
         try:
-            prepped = self.prepped(columns, peer)
+            prepped = self.prepped(columns, peer, block) if block else None
             if prepped is not None:
                 handle = agent.make_prepped_xfer(mode, *prepped, message)
             else:

@@ -317,7 +317,9 @@ class NixlAgent:
             transfer_id = next(self._ids)
             # Checked here already, so the request can travel with the next call (the first check,
             # usually): one round trip per request, and nothing moves before it is polled.
-            self._queued[transfer_id] = ("post", transfer_id, op, packed, peer, message)
+            bounds = table.bounds
+            block = bounds.smallest_nbytes if bounds.smallest_nbytes == bounds.largest_nbytes else 0
+            self._queued[transfer_id] = ("post", transfer_id, op, packed, peer, message, block)
             self._handles.add(transfer_id)
         return TransferHandle(transfer_id=transfer_id, peer=peer, mode=mode)
 
