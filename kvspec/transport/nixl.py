@@ -138,8 +138,8 @@ class NixlAgent:
         import numpy  # the nixl extra's dependency; checked by NixlBackend, imported only now
 
         self._np = numpy
-        self._local_sizes = numpy.zeros(0, dtype=numpy.int64)
-        self._peer_sizes: dict[str, Any] = {}  # peer name -> its region sizes, from its metadata
+        self._local_sizes: tuple[int, ...] = ()
+        self._peer_sizes: dict[str, tuple[int, ...]] = {}  # peer name -> its region sizes, from its metadata
 
     # -- identity
 
@@ -246,8 +246,7 @@ class NixlAgent:
                 )
             table.append((region.shm_name, region.nbytes))
         self._call("register", table)
-        np = self._np
-        self._local_sizes = np.concatenate((self._local_sizes, np.array([n for _, n in table], dtype=np.int64)))
+        self._local_sizes += tuple(n for _, n in table)
 
     def get_agent_metadata(self) -> bytes:
         """NIXL's metadata wrapped with this agent's name and region table; pass it to the peer out of band."""
@@ -262,7 +261,7 @@ class NixlAgent:
         name = cast(str, self._call("add_peer", bytes(metadata)))
         # The worker accepted it, so it parses; keep the peer's region sizes to check posts here.
         _, regions, _ = _nixl_worker.unpack_metadata(bytes(metadata))
-        self._peer_sizes[name] = self._np.array([n for _, n in regions], dtype=self._np.int64)
+        self._peer_sizes[name] = tuple(n for _, n in regions)
         return name
 
     def remove_remote_agent(self, peer: str) -> None:
@@ -301,10 +300,11 @@ class NixlAgent:
                 reason=FailureReason.PEER_DISCONNECTED.value,
             )
         # PLAN-1: the list's bounds settle the usual case at once; otherwise look row by row.
-        if not table.bounds.fits(self._local_sizes.tolist(), remote_sizes.tolist()):
+        if not table.bounds.fits(self._local_sizes, remote_sizes):
+            np = self._np
+            local, remote = np.array(self._local_sizes, dtype=np.int64), np.array(remote_sizes, dtype=np.int64)
             try:
-                np = self._np
-                _nixl_worker.check_columns(np, _nixl_worker.unpack_columns(np, packed), self._local_sizes, remote_sizes)
+                _nixl_worker.check_columns(np, _nixl_worker.unpack_columns(np, packed), local, remote)
             except _nixl_worker.RequestError as exc:
                 raise PlanError(str(exc)) from None
         op = "READ" if mode is TransferMode.READ else "WRITE"
