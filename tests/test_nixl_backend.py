@@ -582,21 +582,10 @@ def _in_process_backend() -> NixlBackend:
     return NixlBackend(in_process="consumer")
 
 
-class TestConformanceInProcess(BackendSuite):
+class TestConformanceInProcess(TestConformance):
     """Every case again with the consumer's agent in the suite's process and the producer's in a worker."""
 
     backend_factory = staticmethod(_in_process_backend)
-
-    @pytest.fixture(scope="class", autouse=True)
-    @classmethod
-    def _nixl_is_required(cls, pytestconfig: pytest.Config) -> None:
-        require_backend_module(pytestconfig, "nixl_cu12", "nixl")
-
-    def test_conformance(self, kvspec_case: Case, kvspec_context: CaseContext) -> None:
-        missing = set(kvspec_case.requires) - {"read", "write", "notifications", "cross_process"}
-        if missing:
-            assert missing <= NOT_CLAIMED, f"{kvspec_case.id} needs {missing}"
-        super().test_conformance(kvspec_case, kvspec_context)
 
 
 def _tcp_backend() -> NixlBackend:

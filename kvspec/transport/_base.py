@@ -253,8 +253,13 @@ class DescriptorList(Sequence[Descriptor]):
         count = self._count
         if not -count <= index < count:
             raise IndexError(f"DescriptorList index {index} out of range for {count} descriptors")
-        index %= count
-        data = self._data
+        return self._row(index % count)
+
+    def __iter__(self) -> Iterator[Descriptor]:
+        return map(self._row, range(self._count))
+
+    def _row(self, index: int) -> Descriptor:
+        data, count = self._data, self._count
         return Descriptor(
             local_region=data[index],
             local_offset=data[count + index],
@@ -262,17 +267,6 @@ class DescriptorList(Sequence[Descriptor]):
             remote_offset=data[3 * count + index],
             nbytes=data[4 * count + index],
         )
-
-    def __iter__(self) -> Iterator[Descriptor]:
-        data, count = self._data, self._count
-        for index in range(count):
-            yield Descriptor(
-                local_region=data[index],
-                local_offset=data[count + index],
-                remote_region=data[2 * count + index],
-                remote_offset=data[3 * count + index],
-                nbytes=data[4 * count + index],
-            )
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, DescriptorList):
