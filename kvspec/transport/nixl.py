@@ -1,4 +1,4 @@
-"""The NIXL backend: each agent is a NIXL agent (UCX backend) in its own worker process.
+"""The NIXL backend: each agent is a NIXL agent (UCX backend) in its own worker process, or one in this process.
 
 Theory of operation:
 
@@ -6,6 +6,8 @@ Theory of operation:
   and :meth:`NixlBackend.create_agent` starts one worker process per agent
   (:mod:`kvspec.transport._nixl_worker`) and returns a :class:`NixlAgent`
   proxy that implements :class:`kvspec.transport.Transport` over a pipe.
+  The agent named ``in_process`` instead runs the same worker code in this
+  process, called directly, as an engine runs its own agent.
 * Regions must be ``multiprocessing.shared_memory`` blocks
   (``MemoryRegion.shm_name``); the worker attaches them by name and registers
   them with NIXL as host DRAM. Device memory (VRAM) is not supported.
