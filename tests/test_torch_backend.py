@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 import pytest
 from conftest import require_backend_module
 from kvspec_conformance import BackendSuite, CaseContext
-from transport_helpers import connect, desc, regions, tcp_sockets, wait
+from transport_helpers import LOOPBACK, connect, desc, regions, tcp_sockets, wait
 
 from kvspec import ConfigError, PlanError, TransferMode, TransportError
 from kvspec._models import FailureReason
@@ -167,11 +167,11 @@ def test_registry_builds_it_and_this_process_never_imports_torch(pytestconfig: p
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_every_socket_of_both_workers_is_on_loopback(pair: Pair) -> None:
-    # 0100007F is 127.0.0.1 in /proc's little-endian hex; gloo must honour GLOO_SOCKET_IFNAME=lo.
+    # gloo must honour GLOO_SOCKET_IFNAME=lo.
     for agent in (pair.producer, pair.consumer):
         addresses = tcp_sockets(agent.pid)
         assert addresses, "expected the control and gloo sockets"
-        assert all(a.split(":")[0] == "0100007F" for a in addresses), addresses
+        assert all(a.split(":")[0] == LOOPBACK for a in addresses), addresses
 
 
 # --------------------------------------------------------------------------- data

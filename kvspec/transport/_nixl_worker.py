@@ -106,28 +106,12 @@ def unpack_columns(np: Any, packed: bytes | memoryview) -> Any:
 
 
 def check_columns(np: Any, columns: Any, local_sizes: Any, remote_sizes: Any) -> None:
-    """Raise a PLAN ``RequestError`` naming the first descriptor outside either side's regions (PLAN-1)."""
+    """Raise a PLAN ``RequestError`` naming the first descriptor outside either side's regions (PLAN-1).
+
+    Row by row: the proxy calls it only when the list's bounds did not already prove every row inside.
+    """
     lr, lo, rr, ro, n = columns
-    if not len(n):
-        return
     num_local, num_remote = len(local_sizes), len(remote_sizes)
-    # The usual case in a handful of whole-array reductions; only a request that fails them is
-    # looked at row by row, to name the first bad descriptor.
-    low, high = columns.min(axis=1), columns.max(axis=1)
-    local_min, remote_min = local_sizes.min(), remote_sizes.min()
-    # Every term below its region size first, so that the sums below cannot overflow int64.
-    if (
-        low.min() >= 0
-        and low[4] > 0
-        and high[0] < num_local
-        and high[2] < num_remote
-        and high[1] <= local_min
-        and high[3] <= remote_min
-        and high[4] <= min(local_min, remote_min)
-    ):
-        last = (columns[1::2] + n).max(axis=1)  # the largest local and remote end offsets
-        if last[0] <= local_min and last[1] <= remote_min:
-            return
     bad_region = (lr < 0) | (lr >= num_local) | (rr < 0) | (rr >= num_remote)
     if bad_region.any():
         i = int(np.flatnonzero(bad_region)[0])
