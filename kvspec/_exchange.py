@@ -44,6 +44,7 @@ from typing import Generic, Protocol, TypeVar
 import attrs
 
 from kvspec._codec import decode, encode
+from kvspec._enums import FailureReason, TransferMode
 from kvspec._errors import (
     BlockAlignmentError,
     ConfigError,
@@ -51,6 +52,7 @@ from kvspec._errors import (
     IncompatiblePeerError,
     KVSpecError,
     LocalProtocolError,
+    OutOfBlocksError,
     PlanError,
     ProtocolError,
     TransportError,
@@ -58,7 +60,7 @@ from kvspec._errors import (
 )
 from kvspec._handshake import check_compatibility
 from kvspec._messages import BlockOffer, EngineDescriptor, Message, ReleaseOutcome, TransferParams
-from kvspec._models import NULL_BLOCK_ID, BlockIds, FailureReason, KVCacheConfig, TransferMode
+from kvspec._models import NULL_BLOCK_ID, BlockIds, KVCacheConfig
 from kvspec._plan import TransferPlan, plan_transfer
 from kvspec._reference import (
     BlockPairs,
@@ -90,7 +92,6 @@ __all__ = [
     "ConsumerResult",
     "ExchangeResult",
     "DEFAULT_LEASE_DURATION",
-    "OutOfBlocksError",
     "ProducerEndpoint",
     "ProducerResult",
     "connect",
@@ -101,10 +102,6 @@ Clock = Callable[[], float]
 
 DEFAULT_LEASE_DURATION = 30.0
 """Seconds a producer pins a request's blocks for its consumer (SM-1)."""
-
-
-class OutOfBlocksError(KVSpecError, RuntimeError):
-    """The allocator has fewer free blocks than a request needs; nothing was allocated."""
 
 
 # --------------------------------------------------------------------------- blocks

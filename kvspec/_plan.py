@@ -8,8 +8,10 @@ from typing import Protocol
 
 import attrs
 
+from kvspec._descriptors import DescriptorList
+from kvspec._enums import TransferMode
 from kvspec._errors import PlanError
-from kvspec._models import NULL_BLOCK_ID, BlockIds, KVCacheConfig, TransferMode
+from kvspec._models import NULL_BLOCK_ID, BlockIds, KVCacheConfig
 from kvspec._reference import (
     blocks_per_sw,
     compute_transfer_pairs,
@@ -18,7 +20,6 @@ from kvspec._reference import (
     get_logical_block_count,
     get_pruned_block_ids,
 )
-from kvspec.transport._base import DescriptorList
 
 __all__ = [
     "GroupPlan",

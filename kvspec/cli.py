@@ -9,8 +9,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any, TextIO
 
+from kvspec._enums import TransferMode
 from kvspec._errors import KVSpecError
-from kvspec._models import TransferMode
 from kvspec._plan import PlanSummary, blocks_needed_for, summarize_plan
 from kvspec._presets import get_preset, list_presets
 from kvspec._reference import validate_hybrid_support

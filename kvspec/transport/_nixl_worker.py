@@ -40,13 +40,14 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
+from kvspec._descriptors import DescriptorList, merge_runs
+
 __all__ = [
     "METADATA_MAGIC",
     "NIXL_MODULES",
     "RequestError",
     "Worker",
     "answer",
-    "check_columns",
     "handle",
     "main",
     "pack_metadata",
@@ -62,6 +63,8 @@ METADATA_MAGIC = b"KVSPEC-NIXL\x01"
 # Prepared lists cover every block of every region; above this many blocks (both sides together),
 # requests fall back to merged initialize_xfer lists (prep of 32768 blocks takes ~3.4 ms).
 _MAX_PREPPED = 1 << 18
+
+_COLUMNS = ("local_region", "local_offset", "remote_region", "remote_offset", "nbytes")
 
 # Reply kinds the proxy maps onto kvspec errors.
 PLAN = "plan"
@@ -103,32 +106,6 @@ def unpack_metadata(blob: bytes) -> tuple[str, list[tuple[int, int]], bytes]:
 def unpack_columns(np: Any, packed: bytes | memoryview) -> Any:
     """A 5 x N int64 array: ``local_region, local_offset, remote_region, remote_offset, nbytes`` rows."""
     return np.frombuffer(packed, dtype="<i8").reshape(5, -1)
-
-
-def check_columns(np: Any, columns: Any, local_sizes: Any, remote_sizes: Any) -> None:
-    """Raise a PLAN ``RequestError`` naming the first descriptor outside either side's regions (PLAN-1).
-
-    Row by row: the proxy calls it only when the list's bounds did not already prove every row inside.
-    """
-    lr, lo, rr, ro, n = columns
-    num_local, num_remote = len(local_sizes), len(remote_sizes)
-    bad_region = (lr < 0) | (lr >= num_local) | (rr < 0) | (rr >= num_remote)
-    if bad_region.any():
-        i = int(np.flatnonzero(bad_region)[0])
-        raise RequestError(
-            PLAN,
-            f"descriptor {i}: region local={int(lr[i])} remote={int(rr[i])} not registered "
-            f"(local has {num_local}, remote has {num_remote})",
-        )
-    lsize, rsize = local_sizes[lr], remote_sizes[rr]
-    bad_range = (n <= 0) | (lo < 0) | (ro < 0) | (n > lsize) | (n > rsize) | (lo > lsize - n) | (ro > rsize - n)
-    if bad_range.any():
-        i = int(np.flatnonzero(bad_range)[0])
-        raise RequestError(
-            PLAN,
-            f"descriptor {i}: local [{int(lo[i])}, {int(lo[i]) + int(n[i])}) of {int(lsize[i])} / remote "
-            f"[{int(ro[i])}, {int(ro[i]) + int(n[i])}) of {int(rsize[i])} bytes out of range",
-        )
 
 
 def _import_nixl() -> tuple[Any, Any]:
@@ -293,20 +270,16 @@ class Worker:
     # -- transfers
 
     def merged_descs(self, columns: tuple[Any, ...], peer: str) -> tuple[Any, Any]:
-        """Nx3 (address, nbytes, device) lists with rows adjacent on both sides merged."""
+        """Nx3 (address, nbytes, device) lists, rows that continue each other on both sides merged."""
         np = self.np
-        lr, lo, rr, ro, n = columns
-        la = self.region_base[lr] + lo
-        ra = self.peers[peer][1][rr] + ro
-        # initialize_xfer does not merge (research/backends.md §3.2 item 4); merging here gives it the same gain.
-        follows = (
-            (lr[1:] == lr[:-1]) & (rr[1:] == rr[:-1]) & (la[1:] == la[:-1] + n[:-1]) & (ra[1:] == ra[:-1] + n[:-1])
+        # initialize_xfer does not merge adjacent rows (docs/backends/nixl.md); the shared merge_runs does.
+        merged = merge_runs(
+            DescriptorList.from_columns(**dict(zip(_COLUMNS, (c.tolist() for c in columns), strict=True)))
         )
-        starts = np.concatenate((np.zeros(1, dtype=np.int64), np.flatnonzero(~follows) + 1))
-        lengths = np.add.reduceat(n, starts)
-        zeros = np.zeros(len(starts), dtype=np.int64)
-        local = np.column_stack((la[starts], lengths, zeros)).astype(np.uint64)
-        remote = np.column_stack((ra[starts], lengths, zeros)).astype(np.uint64)
+        lr, lo, rr, ro, n = (np.frombuffer(merged.column(name), dtype=np.int64) for name in _COLUMNS)
+        zeros = np.zeros(len(n), dtype=np.int64)
+        local = np.column_stack((self.region_base[lr] + lo, n, zeros)).astype(np.uint64)
+        remote = np.column_stack((self.peers[peer][1][rr] + ro, n, zeros)).astype(np.uint64)
         return local, remote
 
     def prepped(self, columns: Any, peer: str, size: int) -> tuple[Any, Any, Any, Any] | None:
