@@ -13,8 +13,9 @@ import statistics
 import time
 from collections.abc import Callable
 
-from kvspec import TransferMode, get_preset
-from kvspec._plan import blocks_needed_for, summarize_plan
+from kvspec import TransferMode
+from kvspec._summary import blocks_needed_for, summarize_plan
+from kvspec.presets import get_preset
 from kvspec.transport import Descriptor, MemoryRegion, TransferState
 from kvspec.transport.loopback import LoopbackBackend
 

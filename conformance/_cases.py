@@ -8,7 +8,8 @@ from typing import TYPE_CHECKING
 
 import attrs
 
-from kvspec import RULES, Level, TransferMode, get_rule
+from kvspec import TransferMode
+from kvspec.rules import RULES, Level, get_rule
 from kvspec.transport import Capabilities
 
 if TYPE_CHECKING:

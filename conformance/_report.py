@@ -12,7 +12,7 @@ from xml.etree import ElementTree as ET
 
 import attrs
 
-from kvspec import RULES, Level
+from kvspec.rules import RULES, Level
 
 __all__ = ["CaseResult", "Outcome", "Report"]
 

@@ -7,7 +7,7 @@ import traceback
 from collections.abc import Callable, Iterable, Sequence
 
 import kvspec
-from kvspec import Level
+from kvspec.rules import Level
 from kvspec.transport import Backend, load_backend
 
 from ._cases import Case, CaseFailure, CaseSkip, missing_capabilities, select_cases

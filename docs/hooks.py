@@ -377,7 +377,7 @@ def _bytes_table(rows: Sequence[tuple[str, int, int, int]]) -> str:
 def _clipping_lists(example: Mapping[str, Any]) -> str:
     pairs = example["pairs"]
     rows = [
-        ("`blocks_per_sw(config)`", [example["budgets"][0]], [example["budgets"][1]]),
+        ("`get_blocks_per_sw(config)`", [example["budgets"][0]], [example["budgets"][1]]),
         ("P's block table", example["table"][0], example["table"][1]),
         ("P advertises (clipped)", example["advertised"][0], example["advertised"][1]),
         ("C offers (uncached suffix, clipped)", example["offered"][0], example["offered"][1]),

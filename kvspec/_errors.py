@@ -21,8 +21,8 @@ __all__ = [
     "ProtocolError",
     "RemoteProtocolError",
     "TransportError",
-    "UnsupportedHybridError",
     "UnknownRuleError",
+    "UnsupportedHybridError",
     "UnsupportedVersionError",
     "WindowCoverageError",
 ]

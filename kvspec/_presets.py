@@ -81,11 +81,6 @@ class ModelPreset:
         """Decoder layers that hold KV cache or state."""
         return len(self.layer_specs)
 
-    @property
-    def kinds(self) -> tuple[str, ...]:
-        """The distinct spec kinds, in order of first appearance."""
-        return tuple(dict.fromkeys(spec.kind.value for spec in self.layer_specs))
-
     def get_group_layout(self) -> list[list[int]]:
         """Layer indices of each group, as vLLM groups them."""
         return _group_layers(_unify_page_sizes(list(self.layer_specs), _B))

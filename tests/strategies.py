@@ -20,7 +20,7 @@ from kvspec import (
     MLAAttentionSpec,
     SlidingWindowMLASpec,
     SlidingWindowSpec,
-    blocks_per_sw,
+    get_blocks_per_sw,
     get_consumer_block_counts,
     get_exchange_clipped_blocks,
     get_logical_block_count,
@@ -110,13 +110,13 @@ def build_scenario(
     next_id = 1
     producer = []
     for group in config.kv_cache_groups:
-        count = get_logical_block_count(group.kv_cache_spec, num_tokens)
+        count = get_logical_block_count(group.kv_cache_spec, num_tokens=num_tokens)
         producer.append(list(range(next_id, next_id + count)))
         next_id += count
     pruned = get_pruned_block_ids(
         config, producer, num_computed_tokens=num_tokens if prune_tokens is None else prune_tokens
     )
-    budgets = blocks_per_sw(config)
+    budgets = get_blocks_per_sw(config)
     counts = get_consumer_block_counts(config, num_tokens=num_tokens, prefix_hit_tokens=prefix_hit_tokens)
     consumer = []
     for count in counts:

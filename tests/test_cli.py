@@ -11,8 +11,8 @@ import types
 
 import pytest
 
-from kvspec import get_preset
 from kvspec.cli import main
+from kvspec.presets import get_preset
 
 
 def run(*argv: str) -> tuple[int, str]:

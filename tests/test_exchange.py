@@ -8,15 +8,7 @@ from collections.abc import Iterator
 import attrs
 import pytest
 
-from kvspec import (
-    BlockIds,
-    FailureReason,
-    IncompatiblePeerError,
-    KVCacheConfig,
-    TransferMode,
-    UnsupportedHybridError,
-    get_preset,
-)
+from kvspec import BlockIds, FailureReason, IncompatiblePeerError, KVCacheConfig, TransferMode, UnsupportedHybridError
 from kvspec._exchange import (
     BlockAllocator,
     ConsumerEndpoint,
@@ -27,6 +19,7 @@ from kvspec._exchange import (
 )
 from kvspec._messages import TransferParams
 from kvspec._session import ConsumerState, ProducerState
+from kvspec.presets import get_preset
 from kvspec.testing import (
     ExpectedLoad,
     PagePool,

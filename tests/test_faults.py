@@ -7,9 +7,10 @@ from collections.abc import Iterator
 import attrs
 import pytest
 
-from kvspec import BlockIds, ConfigError, FailureReason, KVCacheConfig, TransferMode, TransportError, get_preset
+from kvspec import BlockIds, ConfigError, FailureReason, KVCacheConfig, TransferMode, TransportError
 from kvspec._exchange import ConsumerEndpoint, ProducerEndpoint, connect, run_request
 from kvspec._session import ConsumerState, ProducerState
+from kvspec.presets import get_preset
 from kvspec.testing import (
     ExpectedLoad,
     PagePool,

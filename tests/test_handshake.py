@@ -17,9 +17,9 @@ from kvspec import (
     SpecKind,
     TransferMode,
     check_compatibility,
-    get_preset,
 )
 from kvspec._handshake import GROUP_FIELDS, get_differences
+from kvspec.presets import get_preset
 
 SW = GroupDescriptor(
     kind=SpecKind.SLIDING_WINDOW,
@@ -93,7 +93,7 @@ MISMATCHES: list[tuple[str, Edit, str, tuple[object, object]]] = [
 
 
 def test_identical_descriptors_are_compatible() -> None:
-    assert check_compatibility(PRODUCER, CONSUMER) is None
+    assert check_compatibility(producer=PRODUCER, consumer=CONSUMER) is None
 
 
 def test_engine_id_blocks_metadata_and_minor_version_may_differ() -> None:
@@ -108,7 +108,7 @@ def test_each_mismatch_is_rejected_naming_the_field(
     name: str, edit: Edit, field: str, values: tuple[object, object]
 ) -> None:
     with pytest.raises(IncompatiblePeerError) as info:
-        check_compatibility(PRODUCER, edit(CONSUMER))
+        check_compatibility(producer=PRODUCER, consumer=edit(CONSUMER))
     assert field in info.value.differences, info.value.differences
     assert info.value.differences[field] == values
     assert field in str(info.value)  # the message alone tells an operator what to fix
@@ -152,7 +152,7 @@ def test_descriptors_from_two_engines_with_the_same_model_agree() -> None:
         mode=TransferMode.READ,
         hma_enabled=True,
     )
-    check_compatibility(producer, consumer)
+    check_compatibility(producer=producer, consumer=consumer)
     # A different block size on one side (a block-size ratio) is out of v1 and rejected the same way (HS-1).
     other = EngineDescriptor.from_config(
         engine_id="c",
@@ -161,10 +161,10 @@ def test_descriptors_from_two_engines_with_the_same_model_agree() -> None:
         hma_enabled=True,
     )
     with pytest.raises(IncompatiblePeerError) as info:
-        check_compatibility(producer, other)
+        check_compatibility(producer=producer, consumer=other)
     assert {f for f in info.value.differences if f.endswith(".block_size")}
 
 
 def test_non_descriptors_are_refused() -> None:
     with pytest.raises(ConfigError):
-        check_compatibility(PRODUCER, {"engine_id": "c"})  # type: ignore[arg-type]
+        check_compatibility(producer=PRODUCER, consumer={"engine_id": "c"})  # type: ignore[arg-type]

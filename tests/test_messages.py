@@ -28,9 +28,9 @@ from kvspec import (
     TransferMode,
     TransferParams,
     UnsupportedVersionError,
-    get_preset,
 )
 from kvspec._messages import TRANSFER_PARAMS_KEYS, FieldError
+from kvspec.presets import get_preset
 
 PARAMS = TransferParams(
     request_id="cmpl-1",

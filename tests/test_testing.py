@@ -17,8 +17,8 @@ from kvspec.testing import (
     PagePool,
     allocate_pool,
     check_pools,
-    expected_copies,
     expected_page,
+    expected_pairs,
     fill_background,
     fill_producer_pages,
     logical_positions,
@@ -102,10 +102,10 @@ def test_positions_are_tail_aligned() -> None:
 def test_expected_copies_tail_align_and_drop_nulls() -> None:
     config = make_config()
     load = ExpectedLoad(producer_block_ids=[[1, 2, 3], [0, 5]], consumer_block_ids=[[7, 8], [9, 10]], num_tokens=10)
-    pairs = [(c.group, c.position, c.producer_block, c.consumer_block) for c in expected_copies(config, load)]
+    pairs = [(c.group, c.position, c.producer_block, c.consumer_block) for c in expected_pairs(config, load)]
     assert pairs == [(0, 1, 2, 7), (0, 2, 3, 8), (1, 2, 5, 10)]
     full_hit = ExpectedLoad(producer_block_ids=P_IDS, consumer_block_ids=[], num_tokens=10)
-    assert expected_copies(config, full_hit) == []
+    assert expected_pairs(config, full_hit) == []
 
 
 def test_keys_differ_by_every_part() -> None:
@@ -199,7 +199,7 @@ def test_oracle_accepts_a_correct_copy_and_catches_any_flipped_byte(config: KVCa
         fill_producer_pages(producer, load.producer_block_ids, num_tokens=load.num_tokens, salt=load.salt)
         p0, c0 = producer.snapshot(), consumer.snapshot()
         # An independent copy of what the transfer must do: every layer's page of every tail-aligned pair.
-        for copy in expected_copies(config, load):
+        for copy in expected_pairs(config, load):
             for layer in config.kv_cache_groups[copy.group].layer_names:
                 consumer.page(layer, copy.consumer_block)[:] = producer.page(layer, copy.producer_block)
         assert (
