@@ -319,7 +319,7 @@ class _Worker:
             for peer in self.peers.values():
                 if peer.name == name:
                     return peer
-        raise _Failure("peer_disconnected", f"unknown peer {name!r}: add_remote_agent its metadata first")
+        raise _Failure("peer_disconnected", f"unknown or disconnected peer {name!r} (add_remote_agent first)")
 
     def _current(self, peer: _Peer) -> bool:
         """Whether ``peer`` is this life's live entry (messages from older pairings are ignored)."""

@@ -350,6 +350,10 @@ class NixlAgent:
 
     def send_notification(self, peer: str, message: bytes) -> None:
         """Send ``message`` to ``peer`` without data."""
+        if self._closed:
+            raise closed_agent_error(self._name)
+        if peer not in self._peer_sizes:
+            raise unknown_peer_error(self._name, peer)
         self._call("notify", peer, bytes(message))
 
     def get_notifications(self) -> Sequence[Notification]:
