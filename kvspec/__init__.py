@@ -15,6 +15,8 @@ submodules (docs/explanation/layers.md):
 """
 
 # The spec-layer submodules load with the spec (the redundant aliases mark them as re-exported).
+from typing import TYPE_CHECKING
+
 from kvspec import presets as presets
 from kvspec import rules as rules
 from kvspec import schema as schema
@@ -234,4 +236,6 @@ _MOVED: dict[str, tuple[str, str, str]] = {
 }
 
 # kvspec.exchange, kvspec.transport and kvspec.testing load on first use: the spec never imports them.
-__getattr__ = moved_names("kvspec", _MOVED, lazy_submodules=("exchange", "testing", "transport"))
+# Hidden from type checkers, so that a misspelt name stays an error there; old names are flagged too.
+if not TYPE_CHECKING:
+    __getattr__ = moved_names("kvspec", _MOVED, lazy_submodules=("exchange", "testing", "transport"))

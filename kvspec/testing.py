@@ -32,6 +32,7 @@ import secrets
 from collections.abc import Iterator, Sequence
 from multiprocessing import shared_memory
 from types import TracebackType
+from typing import TYPE_CHECKING
 
 import attrs
 
@@ -566,10 +567,11 @@ def _locate_changes(config: KVCacheConfig, index: int, old: bytes, now: bytes, s
 
 
 # Renamed in 0.2.0; the old names work, with a DeprecationWarning, until 0.3.0.
-__getattr__ = moved_names(
-    "kvspec.testing",
-    {
-        "PageCopy": ("kvspec.testing", "ExpectedPair", "kvspec.testing.ExpectedPair"),
-        "expected_copies": ("kvspec.testing", "expected_pairs", "kvspec.testing.expected_pairs"),
-    },
-)
+if not TYPE_CHECKING:  # hidden from type checkers, which then flag the old names
+    __getattr__ = moved_names(
+        "kvspec.testing",
+        {
+            "PageCopy": ("kvspec.testing", "ExpectedPair", "kvspec.testing.ExpectedPair"),
+            "expected_copies": ("kvspec.testing", "expected_pairs", "kvspec.testing.expected_pairs"),
+        },
+    )

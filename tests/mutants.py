@@ -295,7 +295,7 @@ class ProducerIdsAsConsumerIds(ReferenceConnector):
 
     breaks = "ALIGN-1"
 
-    def pair_block_ids(self, config: KVCacheConfig, **kwargs: BlockIds | int) -> BlockPairsLike:  # type: ignore[override]
+    def pair_block_ids(self, config: KVCacheConfig, **kwargs: BlockIds | int) -> BlockPairsLike:
         pairs = super().pair_block_ids(config, **kwargs)  # type: ignore[arg-type]
         return BlockPairs(producer_block_ids=pairs.producer_block_ids, consumer_block_ids=pairs.producer_block_ids)
 

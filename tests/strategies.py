@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import attrs
 from hypothesis import strategies as st
@@ -37,7 +38,12 @@ windows = st.integers(min_value=1, max_value=200)
 def specs(draw: st.DrawFn, kind: str, block_size: int | None = None) -> KVCacheSpec:
     """One tiny spec of ``kind`` (pages of a few bytes)."""
     b = draw(block_sizes) if block_size is None else block_size
-    common = {"block_size": b, "num_kv_heads": 1, "head_size": draw(st.integers(1, 4)), "dtype": "float16"}
+    common: dict[str, Any] = {
+        "block_size": b,
+        "num_kv_heads": 1,
+        "head_size": draw(st.integers(1, 4)),
+        "dtype": "float16",
+    }
     if kind == "full":
         return FullAttentionSpec(**common)
     if kind == "mla":

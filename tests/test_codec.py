@@ -313,8 +313,8 @@ def test_mutated_bytes_raise_only_kvspec_errors(message: Any, data: st.DataObjec
 
 def test_decode_accepts_bytearray_and_memoryview_and_refuses_text() -> None:
     data = encode(RELEASE)
-    assert decode(bytearray(data)) == RELEASE
-    assert decode(memoryview(data)) == RELEASE
+    assert decode(bytearray(data)) == RELEASE  # type: ignore[arg-type]
+    assert decode(memoryview(data)) == RELEASE  # type: ignore[arg-type]
     with pytest.raises(MalformedMessageError):
         decode(data.decode())  # type: ignore[arg-type]
 
@@ -350,7 +350,7 @@ def _check(schema: dict[str, Any], value: Any, path: str = "$") -> None:
                 errors.append(exc)
         raise AssertionError(f"{path}: no option matched: {errors}")
     kind = schema.get("type")
-    python = {"object": dict, "array": list, "string": str, "null": type(None), "boolean": bool}
+    python: dict[str, type] = {"object": dict, "array": list, "string": str, "null": type(None), "boolean": bool}
     if kind == "integer":
         assert isinstance(value, int), path
         assert not isinstance(value, bool), path

@@ -64,7 +64,7 @@ def test_old_name_warns_and_resolves_to_the_new_object(module: str, old: str, ta
 
 def test_from_import_of_an_old_name_warns() -> None:
     with pytest.warns(DeprecationWarning, match=r"kvspec\.run_request is deprecated; use kvspec\.exchange"):
-        from kvspec import run_request  # noqa: F401
+        from kvspec import run_request  # type: ignore[attr-defined]  # noqa: F401
 
 
 def test_an_unknown_name_is_still_an_attribute_error() -> None:
@@ -97,22 +97,22 @@ def test_validate_hybrid_support_keeps_its_positional_mode_and_warns() -> None:
 def test_positional_arguments_that_became_keyword_only_warn_and_still_work() -> None:
     spec = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=8, dtype="float16")
     with pytest.warns(DeprecationWarning, match=r"passing num_tokens= positionally to get_logical_block_count\(\)"):
-        assert kvspec.get_logical_block_count(spec, 33) == 3  # type: ignore[misc]
+        assert kvspec.get_logical_block_count(spec, 33) == 3  # type: ignore[call-arg]
     window = SlidingWindowSpec(block_size=4, num_kv_heads=1, head_size=8, dtype="float16", sliding_window=4)
     with pytest.warns(DeprecationWarning, match=r"passing num_computed_tokens= positionally"):
-        assert kvspec.get_num_skipped_tokens(window, 7) == 4  # type: ignore[misc]
+        assert kvspec.get_num_skipped_tokens(window, 7) == 4  # type: ignore[call-arg]
     assert kvspec.get_logical_block_count(spec, num_tokens=33) == 3
 
 
 def test_too_many_positional_arguments_are_still_a_type_error() -> None:
     spec = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=8, dtype="float16")
     with pytest.raises(TypeError, match=r"get_logical_block_count\(\) takes 2 arguments, got 3"):
-        kvspec.get_logical_block_count(spec, 1, 2)  # type: ignore[misc]
+        kvspec.get_logical_block_count(spec, 1, 2)  # type: ignore[call-arg]
 
 
 def test_the_deprecated_testing_alias_builds_the_new_class() -> None:
     with pytest.warns(DeprecationWarning, match=r"kvspec\.testing\.PageCopy is deprecated"):
-        old = kvspec.testing.PageCopy  # type: ignore[attr-defined]
+        old: type[kvspec.testing.ExpectedPair] = kvspec.testing.PageCopy  # type: ignore[attr-defined]
     pair = old(group=0, position=1, producer_block=2, consumer_block=3)
     assert isinstance(pair, kvspec.testing.ExpectedPair)
     assert BlockIds([[2]])[0] == (pair.producer_block,)

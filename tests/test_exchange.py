@@ -8,17 +8,19 @@ from collections.abc import Iterator
 import attrs
 import pytest
 
-from kvspec import BlockIds, FailureReason, IncompatiblePeerError, KVCacheConfig, TransferMode, UnsupportedHybridError
-from kvspec._exchange import (
-    BlockAllocator,
-    ConsumerEndpoint,
+from kvspec import (
+    BlockIds,
+    ConsumerState,
+    FailureReason,
+    IncompatiblePeerError,
+    KVCacheConfig,
     OutOfBlocksError,
-    ProducerEndpoint,
-    connect,
-    run_request,
+    ProducerState,
+    TransferMode,
+    TransferParams,
+    UnsupportedHybridError,
 )
-from kvspec._messages import TransferParams
-from kvspec._session import ConsumerState, ProducerState
+from kvspec.exchange import BlockAllocator, ConsumerEndpoint, ProducerEndpoint, connect, run_request
 from kvspec.presets import get_preset
 from kvspec.testing import (
     ExpectedLoad,

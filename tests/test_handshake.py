@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import attrs
 import pytest
@@ -53,7 +54,7 @@ CONSUMER = attrs.evolve(PRODUCER, engine_id="decode-0", num_blocks=3000, transpo
 Edit = Callable[[EngineDescriptor], EngineDescriptor]
 
 
-def _group(index: int, **changes: object) -> Edit:
+def _group(index: int, **changes: Any) -> Edit:
     def edit(d: EngineDescriptor) -> EngineDescriptor:
         groups = list(d.groups)
         groups[index] = attrs.evolve(groups[index], **changes)

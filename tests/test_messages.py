@@ -20,6 +20,7 @@ from kvspec import (
     EngineDescriptor,
     Failure,
     FailureReason,
+    FieldError,
     GroupDescriptor,
     MalformedMessageError,
     Release,
@@ -29,7 +30,7 @@ from kvspec import (
     TransferParams,
     UnsupportedVersionError,
 )
-from kvspec._messages import TRANSFER_PARAMS_KEYS, FieldError
+from kvspec._messages import TRANSFER_PARAMS_KEYS
 from kvspec.presets import get_preset
 
 PARAMS = TransferParams(
@@ -50,12 +51,12 @@ PARAMS = TransferParams(
     ("build", "field"),
     [
         (lambda: Release(request_id="", consumer_engine_id="c", outcome=ReleaseOutcome.LOADED), "request_id"),
-        (lambda: Release(request_id="r", consumer_engine_id=3, outcome=ReleaseOutcome.LOADED), "consumer_engine_id"),
-        (lambda: Release(request_id="r", consumer_engine_id="c", outcome="loaded"), "outcome"),
+        (lambda: Release(request_id="r", consumer_engine_id=3, outcome=ReleaseOutcome.LOADED), "consumer_engine_id"),  # type: ignore[arg-type]
+        (lambda: Release(request_id="r", consumer_engine_id="c", outcome="loaded"), "outcome"),  # type: ignore[arg-type]
         (lambda: Abort(request_id="r", engine_id="", detail=""), "engine_id"),
-        (lambda: Abort(request_id="r", engine_id="p", detail=None), "detail"),
-        (lambda: Completion(request_id=None, producer_engine_id="p"), "request_id"),
-        (lambda: Failure(request_id="r", producer_engine_id="p", reason="timeout"), "reason"),
+        (lambda: Abort(request_id="r", engine_id="p", detail=None), "detail"),  # type: ignore[arg-type]
+        (lambda: Completion(request_id=None, producer_engine_id="p"), "request_id"),  # type: ignore[arg-type]
+        (lambda: Failure(request_id="r", producer_engine_id="p", reason="timeout"), "reason"),  # type: ignore[arg-type]
         (
             lambda: Failure(
                 request_id="r", producer_engine_id="p", reason=FailureReason.TIMEOUT, failed_consumer_block_ids=[[-1]]
@@ -68,7 +69,7 @@ PARAMS = TransferParams(
         (lambda: attrs.evolve(PARAMS, lease_deadline=float("nan")), "lease_deadline"),
         (lambda: attrs.evolve(PARAMS, lease_deadline=float("inf")), "lease_deadline"),
         (lambda: attrs.evolve(PARAMS, lease_deadline="soon"), "lease_deadline"),
-        (lambda: attrs.evolve(PARAMS, mode="read"), "mode"),
+        (lambda: attrs.evolve(PARAMS, mode="read"), "mode"),  # type: ignore[arg-type]
         (lambda: attrs.evolve(PARAMS, transport_data=[1, 2]), "transport_data"),
         (lambda: attrs.evolve(PARAMS, transport_data={"remote_block_ids": "x"}), "transport_data['remote_block_ids']"),
         (lambda: attrs.evolve(PARAMS, transport_data={"host": 1.5}), "transport_data['host']"),
@@ -85,7 +86,7 @@ PARAMS = TransferParams(
             "layer_names",
         ),
         (
-            lambda: EngineDescriptor(engine_id="p", mode=TransferMode.READ, hma_enabled=1, groups=(), num_blocks=4),
+            lambda: EngineDescriptor(engine_id="p", mode=TransferMode.READ, hma_enabled=1, groups=(), num_blocks=4),  # type: ignore[arg-type]
             "hma_enabled",
         ),
         (

@@ -585,7 +585,7 @@ def _in_process_backend() -> NixlBackend:
 class TestConformanceInProcess(TestConformance):
     """Every case again with the consumer's agent in the suite's process and the producer's in a worker."""
 
-    backend_factory = staticmethod(_in_process_backend)
+    backend_factory = staticmethod(_in_process_backend)  # type: ignore[assignment]
 
 
 def _tcp_backend() -> NixlBackend:

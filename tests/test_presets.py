@@ -164,4 +164,4 @@ def test_overrides() -> None:
     assert {g.kv_cache_spec.block_size for g in small.kv_cache_groups} == {4}
     for bad in ({"num_blocks": 0}, {"num_blocks": 2, "layout": "rows"}, {"num_blocks": 2, "max_layers_per_group": 0}):
         with pytest.raises(ConfigError):
-            preset.build_config(**bad)  # type: ignore[arg-type]
+            preset.build_config(**bad)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 from hypothesis import assume, example, given
@@ -441,7 +442,7 @@ def test_producer_pruned_with_one_token_too_many_is_caught(
     scenario = build_scenario(config, t, h, prune_tokens=t + 1)
     first_needed = t - window + 1
     hazard = (t - window + 2) > 0 and (t - window + 2) % block_size == 0 and h <= first_needed
-    kwargs = {
+    kwargs: dict[str, Any] = {
         "num_tokens": t,
         "prefix_hit_tokens": h,
         "producer_block_ids": scenario.producer_block_ids,

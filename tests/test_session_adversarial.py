@@ -372,7 +372,7 @@ class ConsumerAlone(RuleBasedStateMachine):
             assert request.releases == 1, "exactly one release per consumer request (REL-1)"
 
 
-_BUDGET = settings(settings.default, max_examples=3 * settings.default.max_examples // 2)
+_BUDGET = settings(settings.default, max_examples=3 * settings().max_examples // 2)
 TestProducerAlone = ProducerAlone.TestCase
 TestProducerAlone.settings = _BUDGET
 TestConsumerAlone = ConsumerAlone.TestCase

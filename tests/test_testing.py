@@ -14,6 +14,7 @@ from kvspec import BlockIds, FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec,
 from kvspec.testing import (
     ExpectedLoad,
     MismatchKind,
+    PageMismatch,
     PagePool,
     allocate_pool,
     check_pools,
@@ -70,7 +71,9 @@ def copy_pages(producer: PagePool, consumer: PagePool, pairs: list[tuple[int, in
 GOOD = [(0, 2, 7), (0, 3, 8), (1, 4, 9), (1, 5, 10)]
 
 
-def run(producer: PagePool, consumer: PagePool, pairs: list[tuple[int, int, int]], load: ExpectedLoad = LOAD) -> list:
+def run(
+    producer: PagePool, consumer: PagePool, pairs: list[tuple[int, int, int]], load: ExpectedLoad = LOAD
+) -> list[PageMismatch]:
     fill_producer_pages(producer, load.producer_block_ids, num_tokens=load.num_tokens, salt=load.salt)
     p0, c0 = producer.snapshot(), consumer.snapshot()
     copy_pages(producer, consumer, pairs)

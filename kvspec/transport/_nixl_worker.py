@@ -263,7 +263,9 @@ class Worker:
         peer = self.peers.get(name)
         if peer is None:
             raise RequestError(
-                TRANSPORT, f"agent {self.name!r}: unknown or disconnected peer {name!r} (add_remote_agent first)", "peer_disconnected"
+                TRANSPORT,
+                f"agent {self.name!r}: unknown or disconnected peer {name!r} (add_remote_agent first)",
+                "peer_disconnected",
             )
         return peer
 
