@@ -79,7 +79,7 @@ def test_errors_exit_2_with_a_named_error(
 
 
 def test_bad_arguments_are_usage_errors() -> None:
-    with pytest.raises(SystemExit) as info:
+    with pytest.raises(SystemExit, match=r"^2$") as info:  # argparse exits with status 2
         run("plan", "gemma-3-27b", "--tokens", "-3")
     assert info.value.code == 2
 

@@ -72,12 +72,12 @@ def test_index_out_of_range_raises_index_error() -> None:
     packed = DescriptorList([desc(0, 0, 0, 0, 8)])
     with pytest.raises(IndexError, match="out of range for 1"):
         packed[1]
-    with pytest.raises(IndexError):
+    with pytest.raises(IndexError, match=r"DescriptorList index -2 out of range for 1 descriptors"):
         packed[-2]
 
 
 def test_it_is_not_hashable_since_it_equals_lists() -> None:
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match=r"unhashable type: 'DescriptorList'"):
         hash(DescriptorList())
 
 

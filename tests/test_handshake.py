@@ -108,7 +108,7 @@ def test_engine_id_blocks_metadata_and_minor_version_may_differ() -> None:
 def test_each_mismatch_is_rejected_naming_the_field(
     name: str, edit: Edit, field: str, values: tuple[object, object]
 ) -> None:
-    with pytest.raises(IncompatiblePeerError) as info:
+    with pytest.raises(IncompatiblePeerError, match=r"incompatible peers \(HS-1\): ") as info:
         check_compatibility(producer=PRODUCER, consumer=edit(CONSUMER))
     assert field in info.value.differences, info.value.differences
     assert info.value.differences[field] == values
@@ -161,11 +161,11 @@ def test_descriptors_from_two_engines_with_the_same_model_agree() -> None:
         mode=TransferMode.READ,
         hma_enabled=True,
     )
-    with pytest.raises(IncompatiblePeerError) as info:
+    with pytest.raises(IncompatiblePeerError, match=r"groups\[0\]\.block_size: producer=16 consumer=32") as info:
         check_compatibility(producer=producer, consumer=other)
     assert {f for f in info.value.differences if f.endswith(".block_size")}
 
 
 def test_non_descriptors_are_refused() -> None:
-    with pytest.raises(ConfigError):
+    with pytest.raises(ConfigError, match=r"check_compatibility: expected the consumer's EngineDescriptor"):
         check_compatibility(producer=PRODUCER, consumer={"engine_id": "c"})  # type: ignore[arg-type]

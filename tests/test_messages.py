@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import attrs
@@ -98,7 +99,7 @@ PARAMS = TransferParams(
     ],
 )
 def test_construction_names_the_bad_field(build: Any, field: str) -> None:
-    with pytest.raises(ConfigError) as info:
+    with pytest.raises(ConfigError, match=rf"\.{re.escape(field)}: expected ") as info:
         build()
     assert isinstance(info.value, FieldError)
     assert info.value.field == field
@@ -107,7 +108,7 @@ def test_construction_names_the_bad_field(build: Any, field: str) -> None:
 
 def test_messages_are_frozen_and_hashable() -> None:
     release = Release(request_id="r", consumer_engine_id="c", outcome=ReleaseOutcome.FAILED)
-    with pytest.raises(attrs.exceptions.FrozenInstanceError):
+    with pytest.raises(attrs.exceptions.FrozenInstanceError, match=r"can't set attribute|cannot assign"):
         release.request_id = "x"  # type: ignore[misc]
     assert hash(release) == hash(Release(request_id="r", consumer_engine_id="c", outcome=ReleaseOutcome.FAILED))
     assert hash(PARAMS) == hash(attrs.evolve(PARAMS))
@@ -267,18 +268,20 @@ def _without(key: str) -> dict[str, object]:
     ],
 )
 def test_a_bad_dict_names_the_key(d: dict[str, object], field: str) -> None:
-    with pytest.raises(MalformedMessageError) as info:
+    with pytest.raises(MalformedMessageError, match=rf"^{re.escape(field)}: ") as info:
         TransferParams.from_kv_transfer_params(d)
     assert info.value.field == field
 
 
 def test_a_dict_of_another_major_is_refused() -> None:
-    with pytest.raises(UnsupportedVersionError):
+    with pytest.raises(
+        UnsupportedVersionError, match=r"kvspec_version: peer speaks protocol 2\.0, this side speaks major 1"
+    ):
         TransferParams.from_kv_transfer_params(PARAMS.to_kv_transfer_params() | {"kvspec_version": "2.0"})
 
 
 def test_not_a_dict_is_refused() -> None:
-    with pytest.raises(MalformedMessageError):
+    with pytest.raises(MalformedMessageError, match=r"expected a dict, got list"):
         TransferParams.from_kv_transfer_params([("remote_request_id", "r")])  # type: ignore[arg-type]
 
 

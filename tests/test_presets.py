@@ -163,5 +163,5 @@ def test_overrides() -> None:
     small = preset.build_config(num_blocks=2, block_size=4, max_layers_per_group=1)
     assert {g.kv_cache_spec.block_size for g in small.kv_cache_groups} == {4}
     for bad in ({"num_blocks": 0}, {"num_blocks": 2, "layout": "rows"}, {"num_blocks": 2, "max_layers_per_group": 0}):
-        with pytest.raises(ConfigError):
+        with pytest.raises(ConfigError, match=r"ModelPreset\.build_config\."):
             preset.build_config(**bad)

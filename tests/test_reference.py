@@ -112,7 +112,7 @@ def test_admission_fails_closed(config: KVCacheConfig, mode: TransferMode, read_
     refused = hma and any(not isinstance(s, (FullAttentionSpec, SlidingWindowSpec)) for s in spec_list)
     write_refused = hma and read_only and mode is TransferMode.WRITE
     if has_mamba or refused or write_refused:
-        with pytest.raises(UnsupportedHybridError) as info:
+        with pytest.raises(UnsupportedHybridError, match=r"\(ADM-[12]\)") as info:
             check_hybrid_support(config, mode=mode, read_only_hma=read_only, disable_hybrid_kv_cache_manager=flag)
         assert isinstance(info.value, NotImplementedError)
         assert "--disable-hybrid-kv-cache-manager" in str(info.value)
@@ -239,7 +239,7 @@ def test_clip_zero_groups_stay_zero_groups() -> None:
 def test_clip_group_count_mismatch_is_an_error() -> None:
     with pytest.raises(GroupCountError, match="2 groups"):
         get_exchange_clipped_blocks([[1], [2]], (0, 3, 3))
-    with pytest.raises(GroupCountError):
+    with pytest.raises(GroupCountError, match=r"block ids have 2 groups, budgets have 1 \(CLIP-1\)"):
         get_exchange_clipped_blocks([[1], [2]], (0,))
 
 
@@ -317,16 +317,16 @@ def test_empty_consumer_list_yields_no_pairs() -> None:
 
 
 def test_align_group_count_mismatch() -> None:
-    with pytest.raises(GroupCountError):
+    with pytest.raises(GroupCountError, match=r"producer has 1 groups, consumer 2 \(ALIGN-1\)"):
         compute_block_pairs(producer_block_ids=[[1, 2]], consumer_block_ids=[[1], [2]])
 
 
 def test_block_pairs_validates_itself() -> None:
     with pytest.raises(BlockAlignmentError, match="NULL-1"):
         BlockPairs(producer_block_ids=[[0]], consumer_block_ids=[[5]])
-    with pytest.raises(BlockAlignmentError):
+    with pytest.raises(BlockAlignmentError, match=r"BlockPairs: group 0 pairs 2 producer with 1 consumer ids"):
         BlockPairs(producer_block_ids=[[1, 2]], consumer_block_ids=[[5]])
-    with pytest.raises(GroupCountError):
+    with pytest.raises(GroupCountError, match=r"BlockPairs: 1 producer groups, 2 consumer groups \(ALIGN-1\)"):
         BlockPairs(producer_block_ids=[[1]], consumer_block_ids=[[5], [6]])
     assert BlockPairs(producer_block_ids=[], consumer_block_ids=[]).num_groups == 0
 
@@ -590,7 +590,7 @@ def test_missing_full_attention_block_is_reported() -> None:
 
 def test_coverage_group_count_mismatch() -> None:
     config = config_from_specs([fa(), sw(32)])
-    with pytest.raises(GroupCountError):
+    with pytest.raises(GroupCountError, match=r"producer block ids have 1 groups, the config 2 \(WIN-1\)"):
         check_window_coverage(
             config, num_tokens=16, prefix_hit_tokens=0, producer_block_ids=[[1]], consumer_block_ids=[[2], [3]]
         )

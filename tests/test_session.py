@@ -338,13 +338,13 @@ def test_remote_protocol_errors_leave_the_session_unchanged() -> None:
         producer.receive(other, now=1.0)  # no offers in READ mode
     with pytest.raises(RemoteProtocolError, match="r2"):
         producer.receive(Release(request_id="r2", consumer_engine_id="C", outcome=ReleaseOutcome.LOADED), now=1.0)
-    with pytest.raises(RemoteProtocolError):
+    with pytest.raises(RemoteProtocolError, match=r"a producer does not accept Completion from a consumer"):
         producer.receive(Completion(request_id="r1", producer_engine_id="P"), now=1.0)  # wrong direction
     with pytest.raises(RemoteProtocolError, match="WRITE"):
         consumer.receive(Completion(request_id="r1", producer_engine_id="P"), now=1.0)
     with pytest.raises(RemoteProtocolError, match="Q"):
         consumer.receive(Completion(request_id="r1", producer_engine_id="Q"), now=1.0)
-    with pytest.raises(RemoteProtocolError):
+    with pytest.raises(RemoteProtocolError, match=r"a consumer does not accept BlockOffer from a producer"):
         consumer.receive(other, now=1.0)
     assert producer.state is ProducerState.HELD
     assert consumer.state is ConsumerState.ALLOCATED
@@ -361,14 +361,14 @@ def test_a_conflicting_second_offer_is_a_remote_error() -> None:
 
 def test_local_protocol_errors() -> None:
     producer, consumer = _pair(READ)
-    with pytest.raises(LocalProtocolError):
+    with pytest.raises(LocalProtocolError, match=r"consumer request 'r1' has no posted transfer to report on"):
         consumer.transfer_done(now=1.0)  # nothing posted yet
-    with pytest.raises(LocalProtocolError):
+    with pytest.raises(LocalProtocolError, match=r"producer request 'r1' has no posted transfer to report on"):
         producer.transfer_done(now=1.0)  # P never transfers in READ mode
     consumer.start(now=1.0)
     with pytest.raises(LocalProtocolError, match="already started"):
         consumer.start(now=1.1)
-    with pytest.raises(LocalProtocolError):
+    with pytest.raises(LocalProtocolError, match=r"transfer_failed: expected a FailureReason, got 'timeout'"):
         consumer.transfer_failed("timeout", now=1.2)  # type: ignore[arg-type]
     assert consumer.state is ConsumerState.LOADING
 
@@ -450,5 +450,5 @@ def test_mermaid_diagrams_cover_every_row() -> None:
                 mode in row.modes for row in table
             )
         assert to_markdown(role).count("\n") == len(table) + 2  # type: ignore[arg-type]
-    with pytest.raises(ConfigError):
+    with pytest.raises(ConfigError, match=r"role: expected 'producer' or 'consumer', got 'router'"):
         to_mermaid("router")  # type: ignore[arg-type]

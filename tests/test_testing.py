@@ -91,7 +91,7 @@ def test_shared_pool_is_attachable_and_unlinked() -> None:
     other.close()
     pool.close()
     pool.close()  # idempotent
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(FileNotFoundError, match=r"No such file or directory"):
         shared_memory.SharedMemory(name=name)
 
 

@@ -7,7 +7,7 @@ reason compared with the one table in docs/reference/transport.md.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 from conftest import require_backend_module
@@ -66,9 +66,8 @@ def pair(request: pytest.FixtureRequest, pytestconfig: pytest.Config) -> Iterato
     built.close()
 
 
-def _reason_of(call: object) -> FailureReason:
-    assert callable(call)
-    with pytest.raises(TransportError) as info:
+def _reason_of(call: Callable[[], object]) -> FailureReason:
+    with pytest.raises(TransportError, match=r"agent 'closing' is closed") as info:
         call()
     return info.value.reason
 
