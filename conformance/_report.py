@@ -86,7 +86,7 @@ class Report:
         return found
 
     def by_rule(self) -> dict[str, list[CaseResult]]:
-        """Results grouped by rule, in DESIGN.md order; rules with no selected case are left out."""
+        """Results grouped by rule in the order of docs/spec/index.md; rules with no selected case are left out."""
         table: dict[str, list[CaseResult]] = {rule.id: [] for rule in RULES}
         for result in self.results:
             table.setdefault(result.rule, []).append(result)

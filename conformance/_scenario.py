@@ -432,7 +432,8 @@ class _Driver:
         groups: list[list[int]] = []
         for group in self.p_config.kv_cache_groups:
             total = get_logical_block_count(group.kv_cache_spec, num_tokens=spec.num_tokens)
-            # P has computed every token; vLLM nulls the blocks its window skipped (research §2.3).
+            # P has computed every token; vLLM nulls the blocks its window skipped
+            # (docs/spec/alignment-and-coverage.md, WIN-1).
             skipped = min(
                 get_num_skipped_tokens(group.kv_cache_spec, num_computed_tokens=spec.num_tokens)
                 // group.kv_cache_spec.block_size,

@@ -390,7 +390,7 @@ def _clipping_lists(example: Mapping[str, Any]) -> str:
 
 
 API_PAGE = "reference/api.md"
-# The order of the API page's sections: the layers, from pure data up (DESIGN.md section 2).
+# The order of the API page's sections: the layers, from pure data up (docs/explanation/layers.md).
 API_ORDER = {
     "kvspec._rules": "Rules",
     "kvspec._models": "Models",

@@ -254,7 +254,7 @@ class EngineDescriptor:
 
 # --------------------------------------------------------------------------- transfer parameters
 
-# vLLM's kv_transfer_params keys (research: vllm_semantics.md section 3.5), plus kvspec's own.
+# vLLM's kv_transfer_params keys, plus kvspec's own (docs/spec/protocol-messages.md, kv_transfer_params).
 _KEY_DO_REMOTE_PREFILL = "do_remote_prefill"
 _KEY_DO_REMOTE_DECODE = "do_remote_decode"
 _KEY_REQUEST_ID = "remote_request_id"

@@ -174,7 +174,7 @@ def get_exchange_clipped_blocks(block_ids: BlockIdsLike, budgets: Sequence[int])
         _check_count(f"budgets[{g}]", n)
     if not any(budgets):
         return ids
-    # n > 0 guards Python's ids[-0:], which is the whole list (research H3).
+    # n > 0 guards Python's ids[-0:], which is the whole list (docs/spec/window-budget-and-clipping.md, CLIP-1).
     return _derived_block_ids([group[-n:] if n > 0 else group for group, n in zip(ids, budgets, strict=True)])
 
 
@@ -288,7 +288,7 @@ def get_needed_block_range(spec: KVCacheSpec, *, num_tokens: int, prefix_hit_tok
 
 @keyword_only(1, "num_computed_tokens")
 def get_num_skipped_tokens(spec: KVCacheSpec, *, num_computed_tokens: int) -> int:
-    """Leading tokens a group no longer needs (vLLM ``get_num_skipped_tokens``, research §2.2) (WIN-1)."""
+    """Leading tokens a group no longer needs, as vLLM's ``get_num_skipped_tokens`` counts them (WIN-1)."""
     n = _check_count("num_computed_tokens", num_computed_tokens)
     if isinstance(spec, SlidingWindowSpec):
         return max(0, n - spec.sliding_window + 1)
@@ -303,9 +303,10 @@ def get_pruned_block_ids(config: KVCacheConfig, block_ids: BlockIdsLike, *, num_
     """Null the whole blocks a group skips, as vLLM's ``remove_skipped_blocks`` does (WIN-1).
 
     Per group, ``k = min(skipped // B_g, len)`` leading blocks become id 0,
-    walking back from ``k - 1`` and stopping at the first null (research §2.3).
+    walking back from ``k - 1`` and stopping at the first null
+    (docs/spec/alignment-and-coverage.md, WIN-1 Boundaries).
     Pruning with more tokens than C will use (vLLM's ``request.num_tokens``,
-    research H2) can null a block WIN-1 needs; :func:`check_window_coverage`
+    docs/spec/worked-example.md) can null a block WIN-1 needs; :func:`check_window_coverage`
     catches it.
     """
     ids = _to_block_ids(block_ids)
@@ -328,7 +329,7 @@ def get_consumer_block_counts(config: KVCacheConfig, *, num_tokens: int, prefix_
 
     Full attention: ``cdiv(T, B) - H / B``. Sliding window: from
     ``max(H, T - W + 1) // B`` to the last block, capped by the budget (vLLM
-    allocates nulls for skipped blocks, research §2.4). Zero when ``H == T``.
+    allocates nulls for skipped blocks; docs/spec/worked-example.md). Zero when ``H == T``.
     """
     _check_prefix(config, num_tokens, prefix_hit_tokens)
     counts = []

@@ -343,7 +343,7 @@ class MismatchKind(str, enum.Enum):
 
 @attrs.frozen(kw_only=True)
 class PageMismatch:
-    """One page (or byte range) that differs from the oracle's expectation (DESIGN.md section 4)."""
+    """One page (or byte range) that differs from the oracle's expectation (docs/explanation/suite-limits.md)."""
 
     side: str  # "producer" or "consumer"
     kind: MismatchKind

@@ -70,7 +70,8 @@ def test_every_preset_builds_in_every_layout(preset: ModelPreset, layout: str) -
 
 def test_gemma3_27b_groups_as_vllm_does() -> None:
     preset = get_preset("gemma-3-27b")
-    # 62 layers, every 6th global: 52 SW + 10 FA; group size 10; SW groups first, FA last (research §9.1).
+    # 62 layers, every 6th global: 52 SW + 10 FA; group size 10; SW groups first, FA last
+    # (docs/spec/memory-layout.md, Presets).
     assert [len(g) for g in preset.get_group_layout()] == [10, 10, 10, 10, 10, 2, 10]
     assert preset.get_group_layout()[-1] == [5, 11, 17, 23, 29, 35, 41, 47, 53, 59]
     config = preset.build_config(num_blocks=2, head_size_divisor=128)

@@ -6,6 +6,7 @@ import ast
 import importlib
 import importlib.metadata
 import inspect
+import re
 from pathlib import Path
 
 import pytest
@@ -109,3 +110,36 @@ def test_top_level_is_the_spec_and_tools_live_in_submodules() -> None:
     tools = {"ProducerEndpoint", "run_request", "get_preset", "RULES", "get_rule", "message_schemas", "summarize_plan"}
     assert not tools & set(kvspec.__all__)
     assert kvspec.__all__ == sorted(kvspec.__all__, key=lambda n: (not n.isupper(), not n[:1].isupper(), n))
+
+
+# Code cites the repository's own docs (docs/spec/...), never notes that live outside it.
+_OUTSIDE = re.compile(r"\bresearch\b[^\n]*(§|section|\.md)|shared/research|DESIGN\.md|STYLE habit|\bresearch [A-Z]\d")
+
+
+def _outside_citations(text: str) -> list[str]:
+    return [line.strip() for line in text.splitlines() if _OUTSIDE.search(line)]
+
+
+def test_the_citation_check_catches_a_note_outside_the_repository() -> None:
+    assert _outside_citations("x = 1  # vLLM nulls skipped blocks (research §2.3).") != []
+    assert _outside_citations('"""Workload (shared/research/backends.md section 0)."""') != []
+    assert _outside_citations("# (docs/spec/alignment-and-coverage.md, WIN-1)") == []
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        *sorted(
+            p
+            for folder in ("kvspec", "conformance", "tests", "benchmarks", "docs/_gen")
+            for p in (ROOT / folder).rglob("*.py")
+        ),
+        ROOT / "docs" / "hooks.py",
+    ],
+    ids=str,
+)
+def test_code_cites_only_the_repository(path: Path) -> None:
+    if path.name == "test_public_api.py":
+        return  # this file spells the forbidden patterns out
+    found = _outside_citations(path.read_text(encoding="utf-8"))
+    assert not found, f"{path.relative_to(ROOT)} cites notes outside the repository: {found}"

@@ -82,7 +82,8 @@ def test_hma_required_iff_flag_off_and_some_group_not_full(config: KVCacheConfig
 
 
 def test_hma_pins() -> None:
-    # Peers' tests (research §4.2 test_is_hma_required): SWA on -> True, SWA disabled -> False, FA only -> False.
+    # Peers' tests (test_is_hma_required; docs/spec/hybrid-admission.md, HMA-1):
+    # SWA on -> True, SWA disabled -> False, FA only -> False.
     assert is_hma_required(config_from_specs([fa(), sw(32)]))
     assert not is_hma_required(config_from_specs([fa(), sw(32)]), disable_hybrid_kv_cache_manager=True)
     assert not is_hma_required(config_from_specs([fa()]))
@@ -613,7 +614,7 @@ def test_skipped_tokens(spec: KVCacheSpec, n: int) -> None:
 
 
 def test_skipped_token_pins() -> None:
-    # vLLM docstrings (research §2.2): W=4, n=7 -> 4; C=8: n=13 -> 8, n=8 -> 8, n=7 -> 0.
+    # vLLM's docstrings (docs/spec/alignment-and-coverage.md, WIN-1): W=4, n=7 -> 4; C=8: n=13 -> 8, n=8 -> 8, n=7 -> 0.
     assert get_num_skipped_tokens(sw(4, 1), num_computed_tokens=7) == 4
     assert [get_num_skipped_tokens(chunked(8), num_computed_tokens=n) for n in (13, 8, 7)] == [8, 8, 0]
 

@@ -1,6 +1,6 @@
 """The process behind one NIXL agent: owns a ``nixl_agent`` and serves its proxy over a pipe.
 
-Theory of operation (research/backends.md section 3):
+Theory of operation (docs/backends/nixl.md, How it is built):
 
 * The parent (:mod:`kvspec.transport.nixl`) starts ``python -m
   kvspec.transport._nixl_worker FD NAME`` with ``UCX_NET_DEVICES=lo`` (and

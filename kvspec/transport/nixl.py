@@ -23,7 +23,7 @@ Theory of operation:
   worker becomes a :class:`kvspec.TransportError`, never a hang; a transfer
   still in flight after ``transfer_timeout`` reports ``FAILED(TIMEOUT)``.
 
-Failure mapping (research/backends.md section 3.4): a descriptor outside
+Failure mapping (docs/backends/nixl.md, Failures): a descriptor outside
 either side's registered regions raises :class:`kvspec.PlanError` at post,
 before NIXL sees it (PLAN-1); an unknown peer raises
 :class:`kvspec.TransportError`; a request NIXL refuses anyway reports
@@ -549,7 +549,7 @@ class NixlBackend:
         env = dict(os.environ)
         package_root = str(Path(__file__).resolve().parents[2])
         env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
-        env["UCX_NET_DEVICES"] = "lo"  # this machine has a non-loopback interface (research/backends.md §0)
+        env["UCX_NET_DEVICES"] = "lo"  # keep UCX on loopback (docs/backends/nixl.md, Environment and options)
         if self._tls is not None:
             env["UCX_TLS"] = self._tls
         env.setdefault("NIXL_LOG_LEVEL", "WARN")  # NIXL logs every agent start at INFO
