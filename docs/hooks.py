@@ -392,17 +392,14 @@ def _clipping_lists(example: Mapping[str, Any]) -> str:
 API_PAGE = "reference/api.md"
 # The order of the API page's sections: the layers, from pure data up (docs/explanation/layers.md).
 API_ORDER = {
-    "kvspec._rules": "Rules",
+    "kvspec._enums": "Enums",
     "kvspec._models": "Models",
-    "kvspec._presets": "Model presets",
     "kvspec._reference": "Reference functions",
+    "kvspec._plan": "Planner",
     "kvspec._messages": "Messages",
     "kvspec._codec": "Codec",
-    "kvspec._schema": "JSON schemas",
     "kvspec._handshake": "Handshake",
     "kvspec._session": "Sessions",
-    "kvspec._plan": "Planner",
-    "kvspec._exchange": "Exchange driver",
     "kvspec._errors": "Errors",
 }
 
