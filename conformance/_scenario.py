@@ -215,7 +215,6 @@ class RequestOutcome:
     posted: bool = False
     releases_sent: int = 0
     releases_received: int = 0
-    invalid_block_ids: BlockIds | None = None
     seconds: float = 0.0
 
 
@@ -835,7 +834,6 @@ class _Driver:
                 posted=s.posted,
                 releases_sent=s.releases_sent,
                 releases_received=s.releases_received,
-                invalid_block_ids=s.consumer_ids if s.c_state == "failed" else None,
                 seconds=max(0.0, s.finished_at - s.started),
             )
             for rid, s in self.states.items()
