@@ -40,7 +40,7 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
-from kvspec._descriptors import DescriptorList, merge_runs
+from kvspec._descriptors import merge_columns
 
 __all__ = [
     "METADATA_MAGIC",
@@ -63,8 +63,6 @@ METADATA_MAGIC = b"KVSPEC-NIXL\x01"
 # Prepared lists cover every block of every region; above this many blocks (both sides together),
 # requests fall back to merged initialize_xfer lists (prep of 32768 blocks takes ~3.4 ms).
 _MAX_PREPPED = 1 << 18
-
-_COLUMNS = ("local_region", "local_offset", "remote_region", "remote_offset", "nbytes")
 
 # Reply kinds the proxy maps onto kvspec errors.
 PLAN = "plan"
@@ -274,11 +272,8 @@ class Worker:
     def merged_descs(self, columns: tuple[Any, ...], peer: str) -> tuple[Any, Any]:
         """Nx3 (address, nbytes, device) lists, rows that continue each other on both sides merged."""
         np = self.np
-        # initialize_xfer does not merge adjacent rows (docs/backends/nixl.md); the shared merge_runs does.
-        merged = merge_runs(
-            DescriptorList.from_columns(**dict(zip(_COLUMNS, (c.tolist() for c in columns), strict=True)))
-        )
-        lr, lo, rr, ro, n = (np.frombuffer(merged.column(name), dtype=np.int64) for name in _COLUMNS)
+        # initialize_xfer does not merge adjacent rows (docs/backends/nixl.md); the shared merge does (PLAN-1).
+        lr, lo, rr, ro, n = merge_columns(*columns)
         zeros = np.zeros(len(n), dtype=np.int64)
         local = np.column_stack((self.region_base[lr] + lo, n, zeros)).astype(np.uint64)
         remote = np.column_stack((self.peers[peer][1][rr] + ro, n, zeros)).astype(np.uint64)

@@ -40,6 +40,7 @@ from typing import Any
 
 import attrs
 
+from kvspec._descriptors import merge_columns
 from kvspec._enums import FailureReason, TransferMode
 from kvspec._errors import BackendUnavailableError, ConfigError, PlanError, TransportError
 from kvspec.transport._base import (
@@ -52,7 +53,6 @@ from kvspec.transport._base import (
     TransferStatus,
     check_descriptors,
     closed_agent_error,
-    merge_runs,
     unknown_handle_error,
     unknown_peer_error,
     unreadable_metadata_error,
@@ -450,7 +450,7 @@ class TorchAgent:
             raise unknown_peer_error(self._name, peer)
         table = check_descriptors(descriptors, local_sizes=self._local_sizes, remote_sizes=self._peer_sizes[peer])
         # Fewer, larger runs mean fewer gloo messages.
-        runs = list(zip(*(merge_runs(table).column(name) for name in _COLUMNS), strict=True))
+        runs = list(zip(*merge_columns(*(table.column(name) for name in _COLUMNS)), strict=True))
         xid: int = self._call("post", mode.value, runs, peer, notification)
         handle = TransferHandle(transfer_id=xid, peer=peer, mode=mode)
         self._handles[xid] = handle
