@@ -323,7 +323,7 @@ def merge_columns(lr: _Column, lo: _Column, rr: _Column, ro: _Column, nbytes: _C
     """:func:`merge_runs` on five columns; numpy arrays (NIXL's worker) take a vectorised path, same result.
 
     Row ``i + 1`` joins row ``i``'s run when both sides stay in the same
-    region and start where row ``i`` ends.
+    region and start where row ``i`` ends (PLAN-1).
     """
     if hasattr(nbytes, "dtype"):  # numpy arrays: one pass per column, no Python loop per row
         np: Any = sys.modules["numpy"]

@@ -106,12 +106,12 @@ class MemoryRegion:
 
 
 def closed_agent_error(agent: str) -> TransportError:
-    """Any call on an agent after :meth:`Transport.close`: ``PEER_DISCONNECTED`` (the agent is gone)."""
+    """Any call on an agent after :meth:`Transport.close`: ``PEER_DISCONNECTED`` (the agent is gone) (FAIL-1)."""
     return TransportError(f"agent {agent!r} is closed", reason=FailureReason.PEER_DISCONNECTED)
 
 
 def unknown_peer_error(agent: str, peer: str) -> TransportError:
-    """A post or notification to a peer never added, removed or gone: ``PEER_DISCONNECTED``."""
+    """A post or notification to a peer never added, removed or gone: ``PEER_DISCONNECTED`` (FAIL-1)."""
     return TransportError(
         f"agent {agent!r}: unknown or disconnected peer {peer!r} (add_remote_agent first)",
         reason=FailureReason.PEER_DISCONNECTED,
@@ -119,12 +119,12 @@ def unknown_peer_error(agent: str, peer: str) -> TransportError:
 
 
 def unknown_handle_error(agent: str, transfer_id: int) -> TransportError:
-    """``check`` of a handle this agent never posted or already released: ``PROTOCOL`` (a caller bug)."""
+    """``check`` of a handle this agent never posted or already released: ``PROTOCOL`` (a caller bug) (FAIL-1)."""
     return TransportError(f"agent {agent!r}: unknown or released handle {transfer_id}", reason=FailureReason.PROTOCOL)
 
 
 def unreadable_metadata_error(agent: str, detail: str) -> TransportError:
-    """``add_remote_agent`` with bytes that are not this backend's metadata: ``PROTOCOL``."""
+    """``add_remote_agent`` with bytes that are not this backend's metadata: ``PROTOCOL`` (FAIL-1)."""
     return TransportError(f"agent {agent!r}: unreadable peer metadata ({detail})", reason=FailureReason.PROTOCOL)
 
 
