@@ -84,7 +84,7 @@ def _run(backend: Backend, mode: TransferMode, requests: list[_Req], plan: Fault
                 regions=p_pool.regions,
                 mode=mode,
                 lease_duration=0.6 * scale,
-                release_grace=0.4 * scale,
+                release_grace=0.3 * scale,
                 drain_timeout=0.2 * scale,
             )
             consumer = ConsumerEndpoint(
