@@ -144,7 +144,8 @@ class Driver:
     pool; ``on_end`` is called once per request when its session is terminal
     and no transfer of it is in flight; ``on_message`` sees every decoded
     control message, for finished requests too; ``fallback_peer`` names the
-    agent to tell when a request has no known peer yet.
+    agent to tell when a request has no known peer yet. ``cancelled_at`` is
+    when the driver last cancelled a transfer in flight (or ``None``).
     """
 
     def __init__(
@@ -167,6 +168,7 @@ class Driver:
         self.fallback_peer = fallback_peer
         self.requests: dict[str, LiveRequest] = {}
         self.faults: list[DriverFault] = []
+        self.cancelled_at: float | None = None
 
     # -- requests
 
@@ -292,6 +294,7 @@ class Driver:
         # (Capabilities.immediate_cancel) counts as drained now; any other is drained
         # when the session's drain timeout fires from tick() (SM-2, the drain rule).
         self._drop_handle(request)
+        self.cancelled_at = self.clock()
         if self.transport.capabilities.immediate_cancel:
             cancelled = request.session.transfer_failed(FailureReason.ABORTED, now=self.clock(), detail="cancelled")
             self.execute(request, cancelled)
