@@ -83,9 +83,9 @@ def _run(backend: Backend, mode: TransferMode, requests: list[_Req], plan: Fault
                 transport=agents[0],
                 regions=p_pool.regions,
                 mode=mode,
-                lease_duration=0.6 * scale,
-                release_grace=0.3 * scale,
-                drain_timeout=0.2 * scale,
+                lease_duration=0.5 * scale,
+                release_grace=0.15 * scale,
+                drain_timeout=0.1 * scale,
             )
             consumer = ConsumerEndpoint(
                 engine_id="consumer",
@@ -94,7 +94,7 @@ def _run(backend: Backend, mode: TransferMode, requests: list[_Req], plan: Fault
                 regions=c_pool.regions,
                 mode=mode,
                 transfer_timeout=0.3 * scale,
-                drain_timeout=0.2 * scale,
+                drain_timeout=0.1 * scale,
             )
             connect(producer, consumer)
             baseline = (producer.allocator.num_free, consumer.allocator.num_free)

@@ -14,7 +14,7 @@ __all__: list[str] = []
 
 CONFIG = make_config(full(4), sw(8, 4), num_blocks=96)
 # Fault cases use short deadlines so that a lost message costs little time; the CLI's --time-scale stretches them.
-DEADLINE, LEASE = 0.3, 0.5
+DEADLINE, LEASE = 0.3, 0.4
 
 
 def _modes(ctx: CaseContext) -> list[str]:
