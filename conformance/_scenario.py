@@ -9,14 +9,19 @@ plays it on a backend:
    logical position) (:mod:`kvspec.testing`).
 2. Each side keeps a free-block list (most recently freed first, so that a
    block freed too early is reused at once and a late write into it is seen).
-3. The producer clips and advertises its blocks; the consumer clips its
-   uncached suffix; the connector under test pairs and plans; the initiator
-   posts (READ: the consumer; WRITE: the producer, with the completion as the
-   post's notification). Control messages travel as transport notifications.
-4. The loop polls both agents until every request is terminal on both sides
-   (consumer LOADED or FAILED, producer RELEASED, EXPIRED or ABORTED), with a
-   hard bound; then it keeps polling a little while so that late writes land.
-5. The moment a consumer sees completion, the request's pages are checked
+3. Each request is one :class:`kvspec.ProducerSession` and one
+   :class:`kvspec.ConsumerSession` (SM-1, SM-2), carried out by two
+   :class:`kvspec._driver.Driver` cores, one per agent: the same code that
+   runs kvspec's exchange endpoints. The connector under test clips, pairs
+   and plans (the connector seam); the scenario's deadline is the consumer's
+   transfer timeout, its lease and drain the sessions' lease and drain.
+4. What is the scenario's own: its data, its fault timing (a consumer abort
+   or the initiator forgetting its peer after so many polls), and the
+   oracle. Polling runs until every request ended on both sides, wave by
+   wave, with a hard bound; then a short quiet period so that late writes
+   land (four drain bounds after the last cancel, where
+   ``Scenario.watch_late_writes`` asks for it).
+5. The moment a consumer is LOADED, the request's pages are checked
    (DONE-1); at the end every page of both pools is checked, and both
    free-block counts must be back to their baseline.
 """

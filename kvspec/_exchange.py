@@ -7,8 +7,10 @@ An endpoint is one engine: a :class:`KVCacheConfig`, a :class:`BlockAllocator`
 over its pool (block 0 is the null block and is never handed out), one
 :class:`Transport` agent with the pool's regions registered, and one sans-IO
 session per request (:class:`ProducerSession` / :class:`ConsumerSession`).
-The endpoint carries out what the sessions ask (post, cancel, send, free) and
-feeds them what happens (transfer status, notifications, time).
+The endpoint is a thin role over the driver core (:mod:`kvspec._driver`),
+which carries out what the sessions ask (send, post, cancel, free) and feeds
+them what happens (transfer status, notifications, time); the endpoint adds
+its block pool, its peers and the connector seam's planning.
 
 1. :func:`connect` is the handshake: both sides' :class:`EngineDescriptor`
    travel through the codec, are checked for compatibility (HS-1) and for

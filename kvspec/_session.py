@@ -7,15 +7,19 @@ One :class:`ProducerSession` and one :class:`ConsumerSession` exist per
 request; a driver keeps them in a dict keyed by ``request_id`` (every message
 of an exchange carries the producer's request id). A session does no I/O and
 reads no clock: the driver feeds it events with the current time ``now`` and
-carries out the returned :class:`Output`:
+carries out the returned :class:`Output`, whose ``actions`` are typed records
+in the order the table row lists them (as h11 returns events):
 
-- ``output.send``: messages to encode (``kvspec.encode``) and send to the peer;
-- ``output.post``: post the transfer now (C's READ, or P's WRITE carrying
-  ``output.notification`` as the post's notification);
-- ``output.cancel``: release (cancel) the in-flight transfer, keep polling it
+- :class:`Send`: a message to encode (``kvspec.encode``) and send to the peer;
+- :class:`Post`: post the transfer now (C's READ, or P's WRITE carrying
+  ``notification``, the Completion, as the post's notification);
+- :class:`Cancel`: release (cancel) the in-flight transfer, keep polling it
   and report its end (``transfer_done``/``transfer_failed``);
-- ``output.free``: block ids that no transfer touches any more: the producer
+- :class:`Free`: block ids that no transfer touches any more: the producer
   returns them to its pool; the consumer may reuse (or recompute into) them.
+
+``output.send``, ``.post``, ``.cancel``, ``.free`` and ``.notification`` are
+views of ``actions``. kvspec's own driver is :mod:`kvspec._driver`.
 
 Every deadline is derived from the lease deadline in the transfer parameters
 and the session's timeouts, so no state waits forever (FAIL-1). A driver
@@ -24,13 +28,16 @@ method also fires the deadlines that are due before it handles its event.
 
 Each role is driven by ONE transition table (:data:`PRODUCER_TRANSITIONS`,
 :data:`CONSUMER_TRANSITIONS`); rows name the modes they apply to, and the
-docs' state diagrams are generated from them (:func:`to_mermaid`). An event
-with no row is ignored (late or duplicate; terminal states are sticky),
-except the cases that are errors: an event the local driver should never have
-produced raises :class:`kvspec.LocalProtocolError`; a message the peer should
-never have sent raises :class:`kvspec.RemoteProtocolError`. Either error
-leaves the session unchanged and its deadlines running, so blocks are still
-freed in bounded time.
+docs' state diagrams are generated from them (:func:`to_mermaid`). Every
+event a role expects and drops (late or duplicate messages, local calls once
+the end is under way; everything in a terminal state, which is sticky) has an
+explicit ignored row. An event with no row at all raises
+:class:`kvspec.LocalProtocolError`; so does any other event the local driver
+should never have produced; a message the peer should never have sent raises
+:class:`kvspec.RemoteProtocolError`. Either error leaves the session
+unchanged and its deadlines running, so blocks are still freed in bounded
+time. The deadlines of each state are tables too (:data:`PRODUCER_DEADLINES`,
+:data:`CONSUMER_DEADLINES`), next to the transitions they fire.
 
 A driver, in short (READ mode)::
 
