@@ -349,7 +349,12 @@ class _Endpoint:
 
 
 class ProducerEndpoint(_Endpoint):
-    """The prefill engine: pins blocks per request and serves READs or posts WRITEs (SM-1)."""
+    """The prefill engine: pins blocks per request and serves READs or posts WRITEs (SM-1).
+
+    ``connector`` is the connector seam it clips and plans through (default
+    :class:`kvspec_conformance.ReferenceConnector`, kvspec's reference
+    functions); ``errors`` lists what went wrong as typed driver faults.
+    """
 
     role = "producer"
 
@@ -463,7 +468,12 @@ class ProducerEndpoint(_Endpoint):
 
 
 class ConsumerEndpoint(_Endpoint):
-    """The decode engine: allocates the uncached suffix, loads it, releases the producer once (SM-2, REL-1)."""
+    """The decode engine: allocates the uncached suffix, loads it, releases the producer once (SM-2, REL-1).
+
+    ``connector`` is the connector seam it clips, pairs and plans through
+    (default: kvspec's reference functions); ``errors`` lists what went wrong
+    as typed driver faults.
+    """
 
     role = "consumer"
 
