@@ -321,12 +321,14 @@ def _sm2_abort(ctx: CaseContext) -> None:
 @case("SM-2", "failed-request-never-loaded", requires=["write", "notifications"])
 def _sm2_failed_sticky(ctx: CaseContext) -> None:
     """A request that timed out stays FAILED when its completion arrives late (terminal states are sticky)."""
-    # WRITE: the completion travels as a notification to the consumer; hold it for 200 polls, past the deadline.
+    # WRITE: the completion travels as a notification to the consumer; hold it for 400 polls (each at least a
+    # 0.5 ms pause): past the deadline even at --time-scale 3, and usually before lease + drain, so that the
+    # late completion meets the FAILING request (and otherwise the FAILED one).
     scenario = Scenario(
         config=CONFIG,
         mode="write",
         requests=[Request(request_id="a", num_tokens=13), *_next_wave("n")],
-        faults=FaultPlan(delay_notifications=1.0, delay_polls=200),
+        faults=FaultPlan(delay_notifications=1.0, delay_polls=400),
         fault_side="consumer",
         deadline=0.05,
         lease=0.3,
