@@ -48,7 +48,10 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
             }
         ),
     ),
-    ("drivers", frozenset({"kvspec._exchange", "kvspec.exchange", "kvspec.testing"})),
+    (
+        "drivers",
+        frozenset({"kvspec._connector", "kvspec._driver", "kvspec._exchange", "kvspec.exchange", "kvspec.testing"}),
+    ),
     ("tools", frozenset({"kvspec.cli", "kvspec.__main__"})),
 )
 LAYER_OF = {module: index for index, (_, modules) in enumerate(LAYERS) for module in modules}
