@@ -167,6 +167,9 @@ class Scenario:
     bytes for that long, so its blocks are reused only after it (SM-2).
     ``handshake_overrides`` replaces fields of the consumer's handshake
     descriptor, e.g. ``(("mode", "write"),)`` or ``(("protocol_version", (2, 0)),)``.
+    ``settle`` keeps both agents polled that long after the last request ended
+    before the oracle reads the pools again, so a stray copy landing late
+    (after DONE, after a release) is seen (DONE-1, SM-2).
     """
 
     config: ConfigSource
@@ -179,6 +182,7 @@ class Scenario:
     lease: float = 2.0
     drain: float = 0.1
     handshake_overrides: tuple[tuple[str, object], ...] = attrs.field(default=(), converter=_to_overrides)
+    settle: float = 0.0
 
     def to_python(self, backend: str = "loopback", connector: str | None = None) -> str:
         """A script that replays this scenario on ``backend`` and prints what the oracle found.
@@ -929,6 +933,8 @@ class _Driver:
         if self.cancelled_at:
             # A cancelled transfer that outlives the drain bound must be seen landing (SM-2).
             settle = max(settle, max(self.cancelled_at) + 4 * self.scenario.drain)
+        # A copy landing again after DONE is seen only if the pools are read after it (DONE-1).
+        settle = max(settle, time.monotonic() + self.scenario.settle)
         polls = 0
         while polls < 20 or time.monotonic() < settle:
             self._poll_once(time.monotonic())

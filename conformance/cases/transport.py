@@ -485,13 +485,18 @@ def _descriptor_bounds(ctx: CaseContext) -> None:
 
 
 def _release_pending(ctx: CaseContext, *, wait_first: float) -> None:
-    """Post a large transfer, see it PENDING, release it; after ``wait_first`` (scaled) no byte may change."""
+    """Post a large transfer per mode, see it PENDING, release it; after ``wait_first`` (scaled) no byte may change.
+
+    READ moves region 0 and WRITE region 1 of each side, so both modes are watched in one settle period.
+    """
     with _pair(ctx, config=LARGE) as pair:
         size = pair.c_pool.regions[0].nbytes
-        for mode in _modes(ctx):
+        released: list[tuple[TransferMode, list[Descriptor]]] = []
+        for region, mode in enumerate(_modes(ctx)):
             rows = [
-                Descriptor(local_region=r, local_offset=o, remote_region=r, remote_offset=o, nbytes=size // 64)
-                for r in range(2)
+                Descriptor(
+                    local_region=region, local_offset=o, remote_region=region, remote_offset=o, nbytes=size // 64
+                )
                 for o in range(0, size, size // 64)
             ]
             _fresh_source(pair, mode, rows, "cancel")
@@ -500,22 +505,27 @@ def _release_pending(ctx: CaseContext, *, wait_first: float) -> None:
             status = initiator.check(handle)
             if status.state is not TransferState.PENDING:
                 raise ctx.fail(
-                    f"SM-2: {mode.value}: a 2 MiB transfer was {_status_text(status)} at its first check; "
+                    f"SM-2: {mode.value}: a 1 MiB transfer was {_status_text(status)} at its first check; "
                     "a backend declaring observable_in_flight must show it PENDING"
                 )
             initiator.release(handle)
-            pair.watch(wait_first)
-            settled = _snapshot(pair.c_pool)
+            released.append((mode, rows))
+        pair.watch(wait_first)
+        settled = _snapshot(pair.c_pool)
+        for mode, rows in released:
             _fresh_source(pair, mode, rows, "after-release")  # a copy still running now carries new bytes
-            pair.watch(SETTLE)
-            changed = _diff(f"{mode.value}: destination after release", _snapshot(pair.c_pool), settled)
-            if changed:
-                when = (
-                    "right after release returned"
-                    if not wait_first
-                    else f"{wait_first * ctx.time_scale:.1f} s after release"
-                )
-                raise ctx.fail(f"SM-2: bytes landed after the transfer was released, watched from {when}: {changed}")
+        pair.watch(SETTLE)
+        changed = _diff("destination after release", _snapshot(pair.c_pool), settled)
+        if changed:
+            when = (
+                "right after release returned"
+                if not wait_first
+                else f"{wait_first * ctx.time_scale:.1f} s after release"
+            )
+            modes = ", ".join(m.value for m, _ in released)
+            raise ctx.fail(
+                f"SM-2: bytes landed after the transfer was released ({modes}; watched from {when}): {changed}"
+            )
 
 
 @case("SM-2", "transport-immediate-cancel", requires=["immediate_cancel", "observable_in_flight"])
