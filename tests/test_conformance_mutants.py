@@ -41,8 +41,9 @@ def test_connector_mutant_fails_its_rule(mutant: type[ReferenceConnector]) -> No
     assert rule in report.failed_rules(), _failures(report)
     assert SCORE[mutant.__name__], f"expected {caught_by} to fail:\n{_failures(report)}"
     failed = [r for r in report.results if r.is_failure and r.rule == rule]
-    # Every failure names what went wrong and carries a reproducer that replays the scenario.
-    assert all(r.reproducer and "run_scenario(" in r.reproducer for r in failed)
+    # Every failure names what went wrong and carries a reproducer that replays the scenario, or the
+    # whole case (a case that calls the connector directly), with the connector under test.
+    assert all(r.reproducer and "ConnectorUnderTest()" in r.reproducer for r in failed)
     # Wrong bytes are a data error, not an early completion: DONE-1 is not blamed for them.
     assert not any("before the data was visible" in r.message for r in failed)
 
