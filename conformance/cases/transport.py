@@ -297,6 +297,7 @@ def _nothing_after_done(ctx: CaseContext) -> None:
 def _many_in_flight(ctx: CaseContext) -> None:
     """48 transfers posted before any is checked all reach DONE with their own bytes, each notification once."""
     notify = ctx.capabilities.notifications
+    expected: dict[str, list[bytes]] = {"producer": [], "consumer": []}
     with _pair(ctx) as pair:
         for mode in _modes(ctx):
             rows = _spread(pair, mode, count=96, nbytes=200)
@@ -316,19 +317,21 @@ def _many_in_flight(ctx: CaseContext) -> None:
                 initiator.release(handle)
             if notify:
                 role = "producer" if mode is TransferMode.READ else "consumer"
+                expected[role] += messages
                 deadline = time.monotonic() + DONE_BOUND * ctx.time_scale
-                while len(pair.inbox[role]) < len(messages) and time.monotonic() < deadline:
+                while len(pair.inbox[role]) < len(expected[role]) and time.monotonic() < deadline:
                     pair.poll()
-                pair.watch(ECHO)
-                got = sorted(n.message for n in pair.inbox[role])
-                pair.inbox[role].clear()
-                if got != sorted(messages):
-                    missing = sorted(set(messages) - set(got))
-                    extra = len(got) - len(set(got))
-                    raise ctx.fail(
-                        f"DONE-1: {mode.value}: 48 notifications posted, {len(got)} received "
-                        f"({extra} duplicates, missing {[m.decode() for m in missing[:4]]})"
-                    )
+                    time.sleep(0.0005)
+        pair.watch(ECHO)  # a duplicate has this long to show up (READ's land at P, WRITE's at C: one watch)
+        for role, messages in expected.items():
+            got = sorted(n.message for n in pair.inbox[role])
+            if got != sorted(messages):
+                missing = sorted(set(messages) - set(got))
+                extra = len(got) - len(set(got))
+                raise ctx.fail(
+                    f"DONE-1: {len(messages)} notifications posted to the {role}, {len(got)} received "
+                    f"({extra} duplicates, missing {[m.decode() for m in missing[:4]]})"
+                )
 
 
 # --------------------------------------------------------------------------- DONE-1 and REL-1: notifications
@@ -337,6 +340,7 @@ def _many_in_flight(ctx: CaseContext) -> None:
 @case("DONE-1", "transport-notification-after-data", requires=["notifications"])
 def _notification_after_data(ctx: CaseContext) -> None:
     """A post's notification reaches the target once, intact, from the initiator, and only after every byte landed."""
+    expected: dict[str, list[tuple[str, bytes]]] = {"producer": [], "consumer": []}
     with _pair(ctx) as pair:
         for mode in _modes(ctx):
             descriptors = _spread(pair, mode, count=24, nbytes=1000)
@@ -350,7 +354,7 @@ def _notification_after_data(ctx: CaseContext) -> None:
             seen_at: list[bytes] | None = None
             while time.monotonic() < deadline and (seen_at is None or status.state is TransferState.PENDING):
                 pair.poll()
-                if seen_at is None and pair.inbox[role]:
+                if seen_at is None and any(n.message == message for n in pair.inbox[role]):
                     seen_at = _snapshot(pair.c_pool)  # what the destination held when the notification arrived
                 if status.state is TransferState.PENDING:
                     status = pair.initiator(mode).check(handle)
@@ -361,17 +365,15 @@ def _notification_after_data(ctx: CaseContext) -> None:
             if early:
                 raise ctx.fail(f"DONE-1: the notification came before the data: {early}")
             pair.initiator(mode).release(handle)
-            pair.watch(ECHO)
-            got = pair.inbox[role]
-            other = pair.inbox["consumer" if role == "producer" else "producer"]
-            sender = pair.initiator(mode).name
-            if [n.message for n in got] != [message] or got[0].peer != sender or other:
+            expected[role] = [(pair.initiator(mode).name, message)]
+        pair.watch(ECHO)  # READ's notification lands at P, WRITE's at C: one watch sees a duplicate of either
+        for role, wanted_notes in expected.items():
+            got = [(n.peer, n.message) for n in pair.inbox[role]]
+            if got != wanted_notes:
                 raise ctx.fail(
-                    f"DONE-1: {mode.value}: expected the notification once, intact, from {sender!r} at the {role} "
-                    f"only; got {[(n.peer, len(n.message), n.message == message) for n in got]} there and "
-                    f"{len(other)} at the initiator"
+                    f"DONE-1: the {role} expected {[(p, len(m)) for p, m in wanted_notes]} (sender, bytes), "
+                    f"once and intact; got {[(p, len(m), (p, m) in wanted_notes) for p, m in got]}"
                 )
-            got.clear()
 
 
 @case("REL-1", "transport-notifications-exactly-once", requires=["notifications"])
@@ -537,7 +539,9 @@ def _immediate_cancel(ctx: CaseContext) -> None:
 @case("SM-2", "transport-release-pending-drains", requires=["observable_in_flight"])
 def _release_drains(ctx: CaseContext) -> None:
     """A released PENDING transfer stops moving bytes within the drain bound (DRAIN, scaled)."""
-    _release_pending(ctx, wait_first=0.0 if ctx.capabilities.immediate_cancel else DRAIN)
+    if ctx.capabilities.immediate_cancel:
+        raise ctx.skip("the backend declares immediate_cancel: SM-2/transport-immediate-cancel holds it to more")
+    _release_pending(ctx, wait_first=DRAIN)
 
 
 # --------------------------------------------------------------------------- FAIL-1: the peer goes away
