@@ -67,10 +67,10 @@ def test_every_descriptor_field_has_a_row_differing_alone() -> None:
 def test_the_reference_check_refuses_exactly_the_rows_that_name_a_field() -> None:
     for _, producer, consumer, field in field_alone_rows():
         if field is None:
-            check_compatibility(producer, consumer)
+            check_compatibility(producer=producer, consumer=consumer)
         else:
             with pytest.raises(IncompatiblePeerError, match=re.escape(field)):
-                check_compatibility(producer, consumer)
+                check_compatibility(producer=producer, consumer=consumer)
 
 
 def test_loopback_passes_the_direct_tier() -> None:
