@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import attrs
 
-from kvspec import FailureReason, KVSpecError, PlanError, TransferMode, TransportError
+from kvspec import FailureReason, KVCacheConfig, KVSpecError, PlanError, TransferMode, TransportError
 from kvspec.testing import PagePool, allocate_pool
 from kvspec.transport import (
     Backend,
@@ -82,15 +82,6 @@ class _Pair:
         """The name under which the initiator of ``mode`` knows its target."""
         return self.producer_name if mode is TransferMode.READ else self.consumer_name
 
-    def regions(self, pool: PagePool) -> list[memoryview]:
-        return [r.buffer for r in pool.regions]
-
-    def destination(self, mode: TransferMode, d: Descriptor) -> memoryview:
-        region, offset = (
-            (d.local_region, d.local_offset) if mode is TransferMode.READ else (d.remote_region, d.remote_offset)
-        )
-        return self.c_pool.regions[region].buffer[offset : offset + d.nbytes]
-
     def source(self, mode: TransferMode, d: Descriptor) -> memoryview:
         region, offset = (
             (d.remote_region, d.remote_offset) if mode is TransferMode.READ else (d.local_region, d.local_offset)
@@ -126,10 +117,7 @@ class _Pair:
 
 
 @contextlib.contextmanager
-def _pair(ctx: CaseContext, *, config: object = CONFIG, backend: Backend | None = None) -> Iterator[_Pair]:
-    from kvspec import KVCacheConfig
-
-    assert isinstance(config, KVCacheConfig)
+def _pair(ctx: CaseContext, *, config: KVCacheConfig = CONFIG, backend: Backend | None = None) -> Iterator[_Pair]:
     backend = backend or ctx.backend
     with allocate_pool(config) as p_pool, allocate_pool(config) as c_pool:
         for pool, side in ((p_pool, "producer"), (c_pool, "consumer")):
