@@ -97,8 +97,10 @@ class _Pair:
     def watch(self, seconds: float) -> None:
         """Keep both agents progressing for ``seconds`` (scaled), so a stray late copy can land."""
         until = time.monotonic() + seconds * self.ctx.time_scale
-        while time.monotonic() < until:
-            self.poll()
+        while True:
+            self.poll()  # last after the period ends, however late a sleep wakes: a copy due by then has landed
+            if time.monotonic() >= until:
+                return
             time.sleep(0.002)
 
     def wait(self, mode: TransferMode, handles: Sequence[TransferHandle], bound: float) -> list[TransferStatus]:
