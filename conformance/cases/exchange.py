@@ -100,9 +100,9 @@ def _run(backend: Backend, mode: TransferMode, requests: list[_Req], plan: Fault
                 transport=agents[0],
                 regions=p_pool.regions,
                 mode=mode,
-                lease_duration=0.6 * scale,
-                release_grace=0.4 * scale,
-                drain_timeout=0.2 * scale,
+                lease_duration=0.5 * scale,
+                release_grace=0.15 * scale,
+                drain_timeout=0.1 * scale,
             )
             consumer = ConsumerEndpoint(
                 engine_id="consumer",
@@ -111,7 +111,7 @@ def _run(backend: Backend, mode: TransferMode, requests: list[_Req], plan: Fault
                 regions=c_pool.regions,
                 mode=mode,
                 transfer_timeout=0.3 * scale,
-                drain_timeout=0.2 * scale,
+                drain_timeout=0.1 * scale,
             )
             connect(producer, consumer)
             baseline = (producer.allocator.num_free, consumer.allocator.num_free)
@@ -193,8 +193,10 @@ def _run(backend: Backend, mode: TransferMode, requests: list[_Req], plan: Fault
             free = (producer.allocator.num_free, consumer.allocator.num_free)
             if free != baseline:
                 problems.append(f"free blocks (producer, consumer) {free}, expected {baseline}: leaked (SM-1, SM-2)")
-            for endpoint in (producer, consumer):
-                problems += [f"{endpoint.engine_id}: {e}" for e in endpoint.errors if "Error" in e and plan is None]
+            if plan is None:
+                # Without injected faults the driver records nothing: every fault is a problem.
+                for endpoint in (producer, consumer):
+                    problems += [f"{endpoint.engine_id}: {fault}" for fault in endpoint.errors]
         finally:
             for agent in agents:
                 agent.close()
