@@ -272,7 +272,7 @@ class SlowCancel(MutantBackend):
 
     agent_class = _SlowCancelAgent
     breaks = "SM-2"
-    caught_by = ("SM-2/transport-immediate-cancel",)
+    caught_by = ("SM-2/transport-release-pending",)
 
 
 class _LateWriteAgent(_EarlyFreeAgent):
