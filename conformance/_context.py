@@ -53,6 +53,7 @@ class CaseContext:
                 deadline=scenario.deadline * self.time_scale,
                 lease=scenario.lease * self.time_scale,
                 drain=scenario.drain * self.time_scale,
+                settle=scenario.settle * self.time_scale,
             )
         kind = type(self.connector)
         connector = None if kind is ReferenceConnector else f"{kind.__module__}:{kind.__qualname__}"

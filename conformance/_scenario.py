@@ -175,6 +175,9 @@ class Scenario:
     ``watch_late_writes`` keeps polling for four drain bounds after the last
     cancelled transfer, so that one that outlives the drain bound is seen
     landing (SM-2); only cases about late writes pay for that quiet period.
+    ``settle`` keeps both agents polled that long after the last request ended
+    before the oracle reads the pools again, so a stray copy landing late
+    (after DONE, after a release) is seen (DONE-1, SM-2).
     """
 
     config: ConfigSource
@@ -188,6 +191,7 @@ class Scenario:
     drain: float = 0.1
     handshake_overrides: tuple[tuple[str, object], ...] = attrs.field(default=(), converter=_to_overrides)
     watch_late_writes: bool = False
+    settle: float = 0.0
 
     def to_python(self, backend: str = "loopback", connector: str | None = None) -> str:
         """A script that replays this scenario on ``backend`` and prints what the oracle found.
@@ -698,6 +702,8 @@ class _Play:
         if cancelled and self.scenario.watch_late_writes:
             # A cancelled transfer that outlives the drain bound must be seen landing (SM-2).
             settle = max(settle, max(cancelled) + 4 * self.scenario.drain)
+        # A copy landing again after DONE is seen only if the pools are read after it (DONE-1).
+        settle = max(settle, time.monotonic() + self.scenario.settle)
         polls = 0
         while polls < 20 or time.monotonic() < settle:
             self._poll_once()

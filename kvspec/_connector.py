@@ -75,7 +75,7 @@ class ReferenceConnector:
         check_hybrid_support(config, mode=mode)
 
     def check_peer(self, producer: EngineDescriptor, consumer: EngineDescriptor) -> None:
-        """``check_compatibility(producer, consumer)`` (HS-1)."""
+        """``check_compatibility(producer=producer, consumer=consumer)`` (HS-1)."""
         check_compatibility(producer=producer, consumer=consumer)
 
     def clip_block_ids(self, config: KVCacheConfig, block_ids: BlockIds) -> BlockIds:

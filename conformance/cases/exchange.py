@@ -6,7 +6,7 @@ import time
 
 import attrs
 
-from kvspec import ConsumerState, TransferMode, TransferParams
+from kvspec import ConsumerState, FailureReason, TransferMode, TransferParams
 from kvspec.exchange import ConsumerEndpoint, ProducerEndpoint, connect
 from kvspec.testing import (
     ExpectedLoad,
@@ -27,6 +27,15 @@ from ..configs import full, make_config, sw
 __all__ = ["run_endpoints"]
 
 CONFIG = make_config(full(4), sw(8, 4), num_blocks=160)
+
+_R = FailureReason
+# What the injected faults (failed and partial posts, dropped, delayed, duplicated notifications) and an abort
+# allow the consumer to report (FAIL-1, "Which reason"): a timeout only in WRITE mode, where C hears of a
+# failure from P's message alone and that message may be dropped.
+_ACCEPTED: dict[TransferMode, frozenset[FailureReason]] = {
+    TransferMode.READ: frozenset({_R.POST_FAILED, _R.PARTIAL_TRANSFER, _R.ABORTED}),
+    TransferMode.WRITE: frozenset({_R.POST_FAILED, _R.PARTIAL_TRANSFER, _R.ABORTED, _R.TIMEOUT, _R.LEASE_EXPIRED}),
+}
 
 
 @attrs.frozen(kw_only=True)
@@ -143,6 +152,11 @@ def _run(backend: Backend, mode: TransferMode, requests: list[_Req], plan: Fault
                             completed_early.append((rid, load, early))
                     elif result.failure is None and result.state is ConsumerState.FAILED:
                         problems.append(f"{rid}: FAILED without a typed reason (FAIL-1)")
+                    elif result.failure is not None and result.failure.reason not in _ACCEPTED[mode]:
+                        wanted = sorted(r.value for r in _ACCEPTED[mode])
+                        problems.append(
+                            f"{rid}: FAILED {result.failure.reason.value}, expected one of {wanted} (FAIL-1)"
+                        )
                 time.sleep(0.0002)
             for rid, load, at_completion in completed_early:
                 still_wrong = {(m.layer, m.block) for m in check_loaded_pages(c_pool, load)}
