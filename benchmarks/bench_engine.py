@@ -325,6 +325,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--no-vllm", action="store_true", help="skip vLLM even when it is importable")
     parser.add_argument("--json", type=Path, default=None, help=f"write the rows here (docs use {DEFAULT_JSON.name})")
     args = parser.parse_args(argv)
+    load = os.getloadavg()[0]
     vllm = None if args.no_vllm else load_vllm()
     tokens = TOKENS[:2] if args.quick else TOKENS
     print(HEADER + (" | vllm c+p us  ratio vllm ids ms  ratio" if vllm else ""))
@@ -342,6 +343,10 @@ def main(argv: Sequence[str] | None = None) -> None:
             "kvspec": kvspec.__version__,
             "vllm": None if vllm is None else vllm.version,
             "goals": GOALS,
+            "note": (
+                f"best of 5 rounds per step; {os.cpu_count()} CPUs, load average {load:.1f} "
+                "when the run started (other jobs share the machine, so absolute times are upper bounds)"
+            ),
             "rows": rows,
         }
         args.json.parent.mkdir(parents=True, exist_ok=True)

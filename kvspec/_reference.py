@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import operator
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, TypeAlias
 
 import attrs
@@ -72,15 +72,6 @@ def _derived_block_ids(groups: Sequence[tuple[int, ...]], null_free: Sequence[bo
     Validation is O(n) per id and would dominate a 128k-token request (benchmarks/bench_engine.py).
     """
     return BlockIds._from_trusted(groups, null_free)
-
-
-def _tail(group: object, n: int) -> object:
-    # The last n ids of one engine group, before any check; n > 0 guards ids[-0:], the whole list (H3).
-    if n <= 0:
-        return group
-    if isinstance(group, Sequence) and not isinstance(group, (str, bytes)):
-        return group[-n:]
-    return group  # not sliceable: BlockIds reports it, or it is converted and clipped below
 
 
 def _check_count(name: str, value: object) -> int:
@@ -193,12 +184,13 @@ def get_exchange_clipped_blocks(block_ids: BlockIdsLike, budgets: Sequence[int])
     groups: list[tuple[int, ...]] = []
     null_free: list[bool] = []
     for g, (group, n) in enumerate(zip(block_ids, budgets, strict=True)):
-        kept = _tail(group, n)
-        first = len(group) - len(kept) if kept is not group else 0  # type: ignore[arg-type]
+        # n > 0 guards Python's ids[-0:], which is the whole list (research H3).
+        kept, first = group, 0
+        if n > 0 and isinstance(group, Iterable) and not isinstance(group, (str, bytes)):
+            whole = group if isinstance(group, Sequence) else tuple(group)
+            kept = whole[-n:]
+            first = len(whole) - len(kept)
         ids_g, free = _checked_group(g, kept, first)
-        if kept is group and n > 0 and len(ids_g) > n:  # an unsliceable group, now a tuple
-            ids_g, first = ids_g[-n:], len(ids_g) - n
-            free = free or NULL_BLOCK_ID not in ids_g
         groups.append(ids_g)
         null_free.append(free)
     return _derived_block_ids(groups, null_free)
