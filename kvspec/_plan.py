@@ -165,9 +165,9 @@ class TransferPlan:
         WRITE: the producer posts, so local = producer and remote = consumer.
         This is the only place the role -> initiator mapping is made (ADM-2).
         The result is packed (:class:`kvspec.transport.DescriptorList`) from the
-        plan's columns, with no object per copy: O(copies), about 0.1 us per
-        copy (0.9 ms for the 8,576 copies of a shuffled 128k-token Gemma 3 27B
-        request, benchmarks/bench_engine.py).
+        plan's columns, with no object per copy: O(copies), about 0.3 us per
+        copy (2.4 ms for the 8,576 copies of a shuffled 128k-token Gemma 3 27B
+        request, 6 us for the 7 of a contiguous one; benchmarks/bench_engine.py).
         """
         p_region, p_offset, c_region, c_offset, nbytes = self._columns
         producer, consumer = (p_region, p_offset), (c_region, c_offset)
@@ -581,8 +581,9 @@ def plan_transfer(
     distinct, the checks are whole-list operations and the copies come from
     one sort of the pairs per group and arithmetic per run of adjacent layers:
     O(n log n) in the pairs plus O(copies), no object per page. At 128k tokens
-    on Gemma 3 27B (8,582 pairs, 62 layers, ``blocks_first``): about 1 ms
-    with contiguous ids, 6 ms with shuffled ids (benchmarks/bench_engine.py).
+    on Gemma 3 27B (8,582 pairs, 62 layers, ``blocks_first``): about 0.4 ms
+    with contiguous ids (7 copies), 6 ms with shuffled ids (8,576 copies), where
+    the page-by-page planner takes 170 and 550 ms (benchmarks/bench_engine.py).
     Otherwise (duplicate ids, a bad id, a shared tensor) it plans page by
     page, O(P log P) in the pages P, and reports the first bad id, page or
     overlap exactly as before.

@@ -245,7 +245,7 @@ def engine_bench_svg(data: dict[str, Any]) -> bytes:
         ax.set_xlabel("context length T (tokens), no prefix hit")
         ax.set_title(model, loc="left", fontsize=9)
         ax.grid(True, which="major", linewidth=0.4, alpha=0.6)
-    axes[0][0].set_ylabel("ms per request (best of 5)")
+    axes[0][0].set_ylabel("ms per request (best of 15)")
     handles, labels = axes[0][0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=2, frameon=False, fontsize=7, bbox_to_anchor=(0.5, -0.28))
     return _save(fig)
