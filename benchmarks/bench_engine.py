@@ -72,9 +72,10 @@ def build_request(model: str, num_tokens: int, allocation: str, seed: int = 0) -
 
     P holds ``cdiv(T, B_g)`` ids per group, then prunes its sliding-window
     groups as vLLM's ``remove_skipped_blocks`` does. C allocates only the
-    blocks a sliding window still needs and holds nulls before them (research
-    §2.4). ``shuffled`` draws ids from a shuffled free list (a pool that has
-    served many requests); ``contiguous`` from a fresh one.
+    blocks a sliding window still needs and holds nulls before them, as vLLM's
+    allocator does for skipped blocks (docs/spec/alignment-and-coverage.md).
+    ``shuffled`` draws ids from a shuffled free list (a pool that has served
+    many requests); ``contiguous`` from a fresh one.
     """
     preset = kvspec.get_preset(model)
     sizing = preset.build_config(num_blocks=2)

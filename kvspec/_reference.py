@@ -188,7 +188,7 @@ def get_exchange_clipped_blocks(block_ids: BlockIdsLike, budgets: Sequence[int])
     groups: list[tuple[int, ...]] = []
     null_free: list[bool] = []
     for g, (group, n) in enumerate(zip(block_ids, budgets, strict=True)):
-        # n > 0 guards Python's ids[-0:], which is the whole list (research H3).
+        # n > 0 guards ids[-0:], the whole list (docs/spec/window-budget-and-clipping.md, CLIP-1).
         kept, first = group, 0
         if n > 0 and isinstance(group, Iterable) and not isinstance(group, (str, bytes)):
             whole = group if isinstance(group, Sequence) else tuple(group)
