@@ -33,6 +33,8 @@ from kvspec import (
     blocks_per_sw,
     compute_transfer_pairs,
     get_exchange_clipped_blocks,
+    get_needed_block_range,
+    get_preset,
     get_pruned_block_ids,
 )
 from kvspec._plan import PageCopy, TransferPlan, _plan_page_by_page, plan_transfer
@@ -358,3 +360,48 @@ def test_pruning_equals_the_walk_back_oracle(model: str, n: int, data: list[int]
     groups = [list(itertools.islice(itertools.cycle(data or [1]), len(data))) for _ in range(config.num_groups)]
     got = get_pruned_block_ids(config, groups, num_computed_tokens=n)
     assert got.to_lists() == oracle_prune(config, groups, n)
+
+
+@pytest.mark.parametrize("allocation", ["contiguous", "shuffled"])
+def test_an_engine_shaped_request_takes_the_fast_path_and_equals_the_page_by_page_plan(
+    allocation: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Full-size Gemma 3 27B (62 layers, blocks_first), 8k tokens, ids as an engine's free list hands them out."""
+    preset = get_preset("gemma-3-27b")
+    config = preset.build_config(num_blocks=4096)
+    rng = random.Random(7)
+    free = list(range(1, config.num_blocks))
+    if allocation == "shuffled":
+        rng.shuffle(free)
+    budgets = blocks_per_sw(config)
+    producer, consumer = [], []
+    for group in config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        total = -(-8192 // spec.block_size)
+        start = get_needed_block_range(spec, num_tokens=8192, prefix_hit_tokens=0).start
+        producer.append([NULL_BLOCK_ID] * start + [free.pop() for _ in range(total - start)])
+        consumer.append([NULL_BLOCK_ID] * start + [free.pop() for _ in range(total - start)])
+    pairs = compute_transfer_pairs(
+        config,
+        num_tokens=8192,
+        prefix_hit_tokens=0,
+        producer_block_ids=get_exchange_clipped_blocks(producer, budgets),
+        consumer_block_ids=get_exchange_clipped_blocks(consumer, budgets),
+    )
+    calls: list[bool] = []
+    fast = plan_module._plan_fast
+
+    def spy(*args: Any) -> TransferPlan | None:
+        result = fast(*args)
+        calls.append(result is not None)
+        return result
+
+    monkeypatch.setattr(plan_module, "_plan_fast", spy)
+    plan = plan_transfer(producer_config=config, consumer_config=config, pairs=pairs)
+    assert calls == [True]
+    assert plan == _plan_page_by_page(config, config, pairs)
+    assert plan.num_pages == sum(
+        len(g.layer_names) * len(ids) for g, ids in zip(config.kv_cache_groups, pairs.consumer_block_ids, strict=True)
+    )
+    if allocation == "contiguous":
+        assert plan.num_descriptors <= 2 * config.num_groups  # a run per group, split at most once by the pool
