@@ -41,7 +41,7 @@ import attrs
 
 import kvspec
 from kvspec import KVCacheConfig, TransferMode
-from kvspec._plan import _plan_page_by_page, blocks_needed_for
+from kvspec._plan import _plan_page_by_page
 
 MODELS = ("gemma-3-27b", "gpt-oss-120b")
 TOKENS = (8 * 1024, 32 * 1024, 128 * 1024)
@@ -79,7 +79,9 @@ def build_request(model: str, num_tokens: int, allocation: str, seed: int = 0) -
     """
     preset = kvspec.get_preset(model)
     sizing = preset.build_config(num_blocks=2)
-    config = preset.build_config(num_blocks=2 * blocks_needed_for(sizing, num_tokens=num_tokens))
+    # Twice what one request's table needs on one side (null block included): a pool with room to spare.
+    needed = 1 + sum(-(-num_tokens // g.kv_cache_spec.block_size) for g in sizing.kv_cache_groups)
+    config = preset.build_config(num_blocks=2 * needed)
     rng = random.Random(seed)
 
     def pool() -> list[int]:
