@@ -374,6 +374,71 @@ def _bytes_table(rows: Sequence[tuple[str, int, int, int]]) -> str:
     return "\n".join(out) + "\n"
 
 
+ENGINE_BENCH = Path(__file__).resolve().parent / "_data" / "engine_bench.json"
+
+
+def load_engine_bench() -> dict[str, Any]:
+    """The rows benchmarks/bench_engine.py wrote (committed, so the docs build never runs the benchmark)."""
+    import json
+
+    data: dict[str, Any] = json.loads(ENGINE_BENCH.read_text(encoding="utf-8"))
+    return data
+
+
+def _engine_bench_table(data: Mapping[str, Any]) -> str:
+    with_vllm = all("vllm_clip_pair_us" in r for r in data["rows"])
+    head = "| Model | Tokens | Ids | Kept | Pairs | Copies | Clip + coverage + pairs | per id | Plan | per page |"
+    rule = "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+    if with_vllm:
+        head += " vLLM clip + pairs | kvspec / vLLM | vLLM desc ids | plan + descriptors / vLLM |"
+        rule += "---:|---:|---:|---:|"
+    out = [head, rule]
+    for r in data["rows"]:
+        line = (
+            f"| {r['model']} | {r['tokens'] // 1024}k {r['allocation']} | {r['ids_in']:,} | {r['ids_kept']:,} "
+            f"| {r['pairs']:,} | {r['descriptors']:,} | {r['reference_us']:,.0f} us "
+            f"| {r['reference_us'] * 1e3 / r['ids_in']:.0f} ns | {r['plan_ms']:.2f} ms "
+            f"| {r['plan_ms'] * 1e6 / max(r['pages'], 1):.0f} ns |"
+        )
+        if with_vllm:
+            plan = r["plan_ms"] + r["descriptors_ms"]
+            line += (
+                f" {r['vllm_clip_pair_us']:,.0f} us | {r['reference_us'] / r['vllm_clip_pair_us']:.0f}x "
+                f"| {r['vllm_desc_ids_ms']:.2f} ms | {plan / r['vllm_desc_ids_ms']:.1f}x |"
+            )
+        out.append(line)
+    env = (
+        f"Python {data['python']} on {data['machine']}, kvspec {data['kvspec']}, vLLM {data['vllm'] or 'not installed'}"
+    )
+    out += ["", f"*{env}; {data.get('note', '')}*"]
+    return "\n".join(out) + "\n"
+
+
+def _engine_bench_goals(data: Mapping[str, Any]) -> str:
+    """Issue 19's goals against the committed run: 128k-token Gemma 3 27B."""
+    goals = data["goals"]
+    rows = {r["allocation"]: r for r in data["rows"] if r["model"] == "gemma-3-27b" and r["tokens"] == 128 * 1024}
+    if set(rows) != {"contiguous", "shuffled"}:
+        raise PluginError(f"{ENGINE_BENCH}: no 128k-token gemma-3-27b rows; rerun benchmarks/bench_engine.py --json")
+
+    def verdict(value: float, goal: float) -> str:
+        return f"{'met' if value < goal else 'missed'}, {value / goal:.0%} of the goal"
+
+    shuffled, contiguous = rows["shuffled"], rows["contiguous"]
+    lines = [
+        f"- clip both sides + coverage + pairs, shuffled ids: **{shuffled['reference_us']:,.0f} us** against "
+        f"{goals['reference_us']:,.0f} us ({verdict(shuffled['reference_us'], goals['reference_us'])}; "
+        "about 19 ms before);",
+        f"- `plan_transfer`, all layers, shuffled ids: **{shuffled['plan_ms']:.1f} ms** against "
+        f"{goals['plan_ms_shuffled']:g} ms ({verdict(shuffled['plan_ms'], goals['plan_ms_shuffled'])}; "
+        f"the page-by-page planner took {shuffled['plan_page_by_page_ms']:,.0f} ms in the same run);",
+        f"- `plan_transfer`, all layers, contiguous ids: **{contiguous['plan_ms']:.2f} ms** against "
+        f"{goals['plan_ms_contiguous']:g} ms ({verdict(contiguous['plan_ms'], goals['plan_ms_contiguous'])}; "
+        f"page by page: {contiguous['plan_page_by_page_ms']:,.0f} ms).",
+    ]
+    return "\n".join(lines) + "\n"
+
+
 def _clipping_lists(example: Mapping[str, Any]) -> str:
     pairs = example["pairs"]
     rows = [
@@ -502,10 +567,14 @@ def on_files(files: Files, config: Any) -> Files:
     rows = figures.bytes_rows()
     _add(files, config, "img/clipping.svg", figures.clipping_svg())
     _add(files, config, "img/bytes.svg", figures.bytes_svg(rows))
+    engine_bench = load_engine_bench()
+    _add(files, config, "img/engine_bench.svg", figures.engine_bench_svg(engine_bench))
 
     snippets: dict[str, str] = {
         "bytes-table": _bytes_table(rows),
         "clipping-lists": _clipping_lists(figures.clipping_example()),
+        "engine-bench-table": _engine_bench_table(engine_bench),
+        "engine-bench-goals": _engine_bench_goals(engine_bench),
     }
     for role in ("producer", "consumer"):
         snippets[f"state-diagram:{role}"] = _fence("mermaid", diagrams.state_diagram(role))
