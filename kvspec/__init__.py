@@ -65,6 +65,23 @@ from kvspec._models import (
     SpecKind,
     TransferMode,
 )
+
+# Offload rules (OFF-1 ... OFF-9): one contiguous block, kept apart for easy merges.
+from kvspec._offload import (
+    LoadSet,
+    OffloadConfig,
+    OffloadKey,
+    StoreSet,
+    get_chunk_sizes,
+    get_load_set,
+    get_offload_hit_tokens,
+    get_offload_keys,
+    get_retained_chunk_starts,
+    get_store_set,
+    get_sub_block_offset,
+    map_sub_blocks,
+    validate_offload_support,
+)
 from kvspec._plan import (
     GroupPlan,
     GroupSummary,
@@ -211,6 +228,20 @@ __all__ = [
     "ProducerResult",
     "connect",
     "run_request",
+    # Offload rules (OFF-1 ... OFF-9).
+    "LoadSet",
+    "OffloadConfig",
+    "OffloadKey",
+    "StoreSet",
+    "get_chunk_sizes",
+    "get_load_set",
+    "get_offload_hit_tokens",
+    "get_offload_keys",
+    "get_retained_chunk_starts",
+    "get_store_set",
+    "get_sub_block_offset",
+    "map_sub_blocks",
+    "validate_offload_support",
     "RULES",
     "Level",
     "Rule",
