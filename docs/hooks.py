@@ -407,6 +407,7 @@ API_ORDER = {
     "kvspec._models": "Models",
     "kvspec._presets": "Model presets",
     "kvspec._reference": "Reference functions",
+    "kvspec._offload": "Offload rules",
     "kvspec._messages": "Messages",
     "kvspec._codec": "Codec",
     "kvspec._schema": "JSON schemas",
@@ -516,6 +517,9 @@ def on_files(files: Files, config: Any) -> Files:
     rows = figures.bytes_rows()
     _add(files, config, "img/clipping.svg", figures.clipping_svg())
     _add(files, config, "img/bytes.svg", figures.bytes_svg(rows))
+    import offload_figure  # docs/_gen is on sys.path once the generators are imported
+
+    _add(files, config, "img/offload.svg", offload_figure.offload_svg())
 
     snippets: dict[str, str] = {
         "bytes-table": _bytes_table(rows),

@@ -20,8 +20,9 @@ data goes in and out as tuples of ints, so test vectors can be written out.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import attrs
 
@@ -52,6 +53,7 @@ __all__ = [
 ]
 
 BlockIdGroups = BlockIds | Sequence[Sequence[int]]
+_T = TypeVar("_T")
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -118,124 +120,143 @@ class OffloadKey:
         return self.block_hash + self.group.to_bytes(4, "big")
 
 
-def _check_same_length(inst: object, fields: dict[str, Sequence[object]]) -> None:
+def _int_pairs(value: Sequence[Sequence[int]]) -> tuple[tuple[int, int], ...]:
+    pairs = []
+    for pair in value:
+        first, stop = pair
+        pairs.append((first, stop))
+    return tuple(pairs)
+
+
+def _check_groups_of(inst: object, fields: dict[str, Sequence[object]]) -> None:
     lengths = {name: len(value) for name, value in fields.items()}
     if len(set(lengths.values())) > 1:
         raise ConfigError(f"{type(inst).__name__}: expected one entry per group in every field, got lengths {lengths}")
 
 
-def _partial_chunks(
-    chunks: tuple[tuple[int, ...], ...], first_block_indices: tuple[int, ...], f: int
-) -> tuple[tuple[int, ...], ...]:
-    # Nulls form a prefix of each group (OFF-3), so only the first chunk of a group can miss sub-blocks.
-    return tuple(
-        (group[0],) if group and first != group[0] * f else ()
-        for group, first in zip(chunks, first_block_indices, strict=True)
+def _check_transfer(inst: _GroupTransfers) -> None:
+    """Shared checks of StoreSet and LoadSet: per-group lengths, chunk ranges, counts without nulls."""
+    name = type(inst).__name__
+    _check_groups_of(
+        inst,
+        {
+            "chunk_ranges": inst.chunk_ranges,
+            "block_ids": inst.block_ids,
+            "first_block_indices": inst.first_block_indices,
+            "num_blocks": inst.num_blocks,
+        },
     )
+    for g, (first, stop) in enumerate(inst.chunk_ranges):
+        if not (_is_int(first) and _is_int(stop) and 0 <= first <= stop):
+            raise ConfigError(
+                f"{name}.chunk_ranges[{g}]: expected (first, stop) with 0 <= first <= stop, got {(first, stop)}"
+            )
+    for g, (count, ids) in enumerate(zip(inst.num_blocks, inst.block_ids, strict=True)):
+        # The count must equal the number of block ids (vLLM's sum(group_sizes) == len(block_ids), #42945).
+        if count != len(ids):
+            raise ConfigError(
+                f"{name}.num_blocks[{g}]: expected {len(ids)} (the blocks, nulls never counted), got {count}"
+            )
+        if NULL_BLOCK_ID in ids:
+            raise ConfigError(f"{name}.block_ids[{g}]: expected no null block id 0, got {list(ids)}")
 
 
 @attrs.frozen(kw_only=True)
-class StoreSet:
+class _GroupTransfers:
+    """What StoreSet and LoadSet share: per group a chunk range, GPU block ids, a first position and a count."""
+
+    blocks_per_chunk: int = attrs.field(validator=_positive)
+    chunk_ranges: tuple[tuple[int, int], ...] = attrs.field(converter=_int_pairs)
+    block_ids: tuple[tuple[int, ...], ...] = attrs.field(converter=_int_tuples)
+    first_block_indices: tuple[int, ...] = attrs.field(converter=_int_tuple)
+    num_blocks: tuple[int, ...] = attrs.field(converter=_int_tuple)
+
+    @property
+    def num_groups(self) -> int:
+        """Number of KV-cache groups."""
+        return len(self.chunk_ranges)
+
+    @property
+    def chunks(self) -> tuple[tuple[int, ...], ...]:
+        """Per group, the chunk indices, ``chunk_ranges`` spelled out."""
+        return tuple(tuple(range(first, stop)) for first, stop in self.chunk_ranges)
+
+    @property
+    def sub_blocks(self) -> tuple[tuple[tuple[int, int], ...], ...]:
+        """Per group, the (chunk entry, sub-block) each GPU block pairs with (OFF-7)."""
+        return tuple(
+            map_sub_blocks(first, count, blocks_per_chunk=self.blocks_per_chunk)
+            for first, count in zip(self.first_block_indices, self.num_blocks, strict=True)
+        )
+
+
+def _trusted(cls: type[_T], **fields: object) -> _T:
+    """Build a StoreSet or LoadSet from values the reference just computed, without checking them again.
+
+    The checks scan every id, which would dominate a 128k-token request
+    (benchmarks/bench_offload.py); public construction always checks.
+    """
+    inst = object.__new__(cls)
+    for name, value in fields.items():
+        object.__setattr__(inst, name, value)
+    return inst
+
+
+@attrs.frozen(kw_only=True)
+class StoreSet(_GroupTransfers):
     """What one store step writes, per group (OFF-3, OFF-4).
 
-    ``chunks[g]`` are the chunk indices offered, ``block_ids[g]`` the GPU
+    ``chunk_ranges[g]`` is ``(first, stop)``: chunks ``first ... stop - 1``
+    are offered (``chunks`` spells them out). ``block_ids[g]`` are the GPU
     source blocks in order (nulls dropped), ``first_block_indices[g]`` the
-    per-group position of the first source block (0 when there is none),
+    per-group position of the first source (0 when there is none),
     ``num_blocks[g]`` their count, which must equal ``len(block_ids[g])``
     (#42945 counted null sub-blocks here), and ``next_chunks[g]`` the first
     chunk the next step may offer.
     """
 
-    blocks_per_chunk: int = attrs.field(validator=_positive)
-    chunks: tuple[tuple[int, ...], ...] = attrs.field(converter=_int_tuples)
-    block_ids: tuple[tuple[int, ...], ...] = attrs.field(converter=_int_tuples)
-    first_block_indices: tuple[int, ...] = attrs.field(converter=_int_tuple)
-    num_blocks: tuple[int, ...] = attrs.field(converter=_int_tuple)
     next_chunks: tuple[int, ...] = attrs.field(converter=_int_tuple)
 
     def __attrs_post_init__(self) -> None:
-        _check_same_length(
-            self,
-            {
-                "chunks": self.chunks,
-                "block_ids": self.block_ids,
-                "first_block_indices": self.first_block_indices,
-                "num_blocks": self.num_blocks,
-                "next_chunks": self.next_chunks,
-            },
-        )
-        for g, (count, ids) in enumerate(zip(self.num_blocks, self.block_ids, strict=True)):
-            # The sum of group sizes must equal the number of source ids (the #42945 assertion).
-            if count != len(ids):
-                raise ConfigError(
-                    f"StoreSet.num_blocks[{g}]: expected {len(ids)} (the source blocks, nulls never counted), "
-                    f"got {count}"
-                )
-            if NULL_BLOCK_ID in ids:
-                raise ConfigError(f"StoreSet.block_ids[{g}]: expected no null block id 0, got {list(ids)}")
-
-    @property
-    def num_groups(self) -> int:
-        """Number of KV-cache groups."""
-        return len(self.chunks)
+        _check_transfer(self)
+        _check_groups_of(self, {"chunk_ranges": self.chunk_ranges, "next_chunks": self.next_chunks})
 
     @property
     def partial_chunks(self) -> tuple[tuple[int, ...], ...]:
-        """Per group, the offered chunks this store writes only in part; never present for a hit (OFF-4)."""
-        return _partial_chunks(self.chunks, self.first_block_indices, self.blocks_per_chunk)
+        """Per group, the offered chunks this store writes only in part; never present for a hit (OFF-4).
+
+        Nulls form a prefix of a group's list (OFF-3), so only the first
+        offered chunk can miss sub-blocks: those before the first source.
+        """
+        f = self.blocks_per_chunk
+        return tuple(
+            (first,) if first < stop and start != first * f else ()
+            for (first, stop), start in zip(self.chunk_ranges, self.first_block_indices, strict=True)
+        )
 
     @property
     def complete_chunks(self) -> tuple[tuple[int, ...], ...]:
         """Per group, the offered chunks whose every sub-block this store writes (OFF-4)."""
         return tuple(
-            tuple(k for k in group if k not in partial)
-            for group, partial in zip(self.chunks, self.partial_chunks, strict=True)
+            tuple(range(first + len(partial), stop))
+            for (first, stop), partial in zip(self.chunk_ranges, self.partial_chunks, strict=True)
         )
 
 
 @attrs.frozen(kw_only=True)
-class LoadSet:
+class LoadSet(_GroupTransfers):
     """What one load restores, per group (OFF-6).
 
-    ``chunks[g]`` are the chunk indices read, ``block_ids[g]`` the GPU
+    ``chunk_ranges[g]`` is ``(first, stop)``: chunks ``first ... stop - 1``
+    are read (``chunks`` spells them out). ``block_ids[g]`` are the GPU
     destination blocks in order, ``first_block_indices[g]`` the per-group
     position ``L`` of the first destination and ``num_blocks[g]`` the count
     ``G - L``. The ``i``-th destination reads the sub-block
     :func:`map_sub_blocks` names (OFF-7).
     """
 
-    blocks_per_chunk: int = attrs.field(validator=_positive)
-    chunks: tuple[tuple[int, ...], ...] = attrs.field(converter=_int_tuples)
-    block_ids: tuple[tuple[int, ...], ...] = attrs.field(converter=_int_tuples)
-    first_block_indices: tuple[int, ...] = attrs.field(converter=_int_tuple)
-    num_blocks: tuple[int, ...] = attrs.field(converter=_int_tuple)
-
     def __attrs_post_init__(self) -> None:
-        _check_same_length(
-            self,
-            {
-                "chunks": self.chunks,
-                "block_ids": self.block_ids,
-                "first_block_indices": self.first_block_indices,
-                "num_blocks": self.num_blocks,
-            },
-        )
-        for g, (count, ids) in enumerate(zip(self.num_blocks, self.block_ids, strict=True)):
-            if count != len(ids):
-                raise ConfigError(f"LoadSet.num_blocks[{g}]: expected {len(ids)} (the destinations), got {count}")
-
-    @property
-    def num_groups(self) -> int:
-        """Number of KV-cache groups."""
-        return len(self.chunks)
-
-    @property
-    def sub_blocks(self) -> tuple[tuple[tuple[int, int], ...], ...]:
-        """Per group, the (chunk entry, sub-block) each destination block reads (OFF-7)."""
-        return tuple(
-            map_sub_blocks(first, count, blocks_per_chunk=self.blocks_per_chunk)
-            for first, count in zip(self.first_block_indices, self.num_blocks, strict=True)
-        )
+        _check_transfer(self)
 
 
 # --------------------------------------------------------------------------- OFF-9 admission
@@ -309,9 +330,9 @@ def _check_groups(name: str, config: KVCacheConfig, value: Sequence[object]) -> 
         raise GroupCountError(f"{name}: expected {config.num_groups} groups (one per KV-cache group), got {len(value)}")
 
 
-def _block_groups(name: str, config: KVCacheConfig, block_ids: BlockIdGroups) -> tuple[tuple[int, ...], ...]:
+def _block_groups(name: str, config: KVCacheConfig, block_ids: BlockIdGroups) -> Sequence[Sequence[int]]:
     # A BlockIds is already validated; plain sequences are taken as they are (the benchmark's 128k lists).
-    groups = block_ids.groups if isinstance(block_ids, BlockIds) else tuple(tuple(ids) for ids in block_ids)
+    groups: Sequence[Sequence[int]] = block_ids.groups if isinstance(block_ids, BlockIds) else block_ids
     _check_groups(name, config, groups)
     return groups
 
@@ -341,12 +362,26 @@ def get_offload_keys(
 # --------------------------------------------------------------------------- OFF-3 store
 
 
-def _leading_nulls(name: str, ids: tuple[int, ...]) -> int:
-    """How many null ids open the list; nulls anywhere else are an error (OFF-3)."""
-    nulls = ids.count(NULL_BLOCK_ID)
-    if nulls and ids[:nulls].count(NULL_BLOCK_ID) != nulls:
-        index = next(i for i in range(nulls, len(ids)) if ids[i] == NULL_BLOCK_ID)
-        raise ConfigError(f"{name}: expected null ids (0) only as a prefix, got 0 at index {index} after a real id")
+def _copy(ids: Sequence[int], start: int, stop: int) -> tuple[int, ...]:
+    """``tuple(ids[start:stop])`` with one copy instead of two where the input allows it."""
+    if isinstance(ids, tuple):
+        return ids[start:stop]
+    if start == 0 and stop == len(ids):
+        return tuple(ids)
+    return tuple(ids[start:stop])
+
+
+def _leading_nulls(name: str, ids: Sequence[int]) -> int:
+    """How many null ids open the list (OFF-3); a real id among them is an error.
+
+    Nulls form a prefix, so a binary search finds its end; only the prefix
+    itself is scanned, and the caller checks the ids it copies.
+    """
+    if not ids or ids[0] != NULL_BLOCK_ID:
+        return 0
+    nulls = bisect.bisect_left(ids, True, key=bool)
+    if list(ids[:nulls]).count(NULL_BLOCK_ID) != nulls:
+        raise ConfigError(f"{name}: expected null ids (0) only as a prefix, got a real id among the first {nulls}")
     return nulls
 
 
@@ -374,7 +409,7 @@ def get_store_set(
     _check_groups("get_store_set.next_chunk", config, next_chunk)
     tokens = _check_int("get_store_set.num_offloadable_tokens", num_offloadable_tokens, minimum=0)
     f = offload.blocks_per_chunk
-    chunks, sources, firsts, nexts = [], [], [], []
+    ranges, sources, firsts, nexts = [], [], [], []
     for g, (ids, size) in enumerate(zip(groups, chunk_sizes, strict=True)):
         start = _check_int(f"get_store_set.next_chunk[{g}]", next_chunk[g], minimum=0)
         stop = tokens // size
@@ -385,20 +420,27 @@ def get_store_set(
             )
         nulls = _leading_nulls(f"get_store_set.block_ids[{g}]", ids)
         # Chunk k's last block k*f + f - 1 is real iff k >= nulls // f (nulls form a prefix).
-        first = max(start, nulls // f)
-        offered = range(first, stop)
-        source = ids[max(nulls, first * f) : stop * f] if offered else ()
-        chunks.append(tuple(offered))
+        first = min(max(start, nulls // f), max(start, stop))
+        first_block = max(nulls, first * f) if first < stop else 0
+        ranges.append((first, max(first, stop)))
+        source = _copy(ids, first_block, stop * f) if first < stop else ()
+        if not all(source):  # a null after a real id (all() is the fastest scan of ints)
+            index = first_block + source.index(NULL_BLOCK_ID)
+            raise ConfigError(
+                f"get_store_set.block_ids[{g}]: expected null ids (0) only as a prefix, got 0 at index {index} "
+                "after a real id"
+            )
         sources.append(source)
-        firsts.append(max(nulls, first * f) if offered else 0)
+        firsts.append(first_block)
         nexts.append(max(start, stop))
-    return StoreSet(
+    return _trusted(
+        StoreSet,
         blocks_per_chunk=f,
-        chunks=chunks,
-        block_ids=sources,
-        first_block_indices=firsts,
-        num_blocks=[len(s) for s in sources],
-        next_chunks=nexts,
+        chunk_ranges=tuple(ranges),
+        block_ids=tuple(sources),
+        first_block_indices=tuple(firsts),
+        num_blocks=tuple(len(source) for source in sources),
+        next_chunks=tuple(nexts),
     )
 
 
@@ -435,9 +477,11 @@ def _first_hit_end(num_tokens: int, *, has_window: bool) -> int:
 def _full_hit_end(present: Sequence[bool], *, end: int, local: int, size: int) -> int:
     """The largest hit end <= end whose chunks from the local hit on are all present."""
     start, stop = local // size, min(_cdiv(end, size), len(present))
-    run = list(present[start:stop])
-    absent = run.index(False) if False in run else len(run)
-    return min(end, (start + absent) * size)
+    try:
+        absent = present.index(False, start, stop)
+    except ValueError:
+        absent = stop
+    return min(end, absent * size)
 
 
 def _window_hit_end(present: Sequence[bool], *, end: int, local: int, size: int, window: int) -> int:
@@ -537,7 +581,7 @@ def get_load_set(
     groups = _block_groups("get_load_set.block_ids", config, block_ids)
     t, local = _check_tokens(config, num_tokens, local_hit_tokens, "get_load_set")
     f = offload.blocks_per_chunk
-    chunks, dests, firsts = [], [], []
+    ranges, dests, firsts = [], [], []
     for g, (ids, size, group) in enumerate(zip(groups, chunk_sizes, config.kv_cache_groups, strict=True)):
         block, window = group.kv_cache_spec.block_size, _window(group.kv_cache_spec)
         stop = _cdiv(t, block)
@@ -547,22 +591,23 @@ def get_load_set(
             raise ConfigError(
                 f"get_load_set.block_ids[{g}]: expected at least {stop} ids for {t} tokens, got {len(ids)}"
             )
-        dest = ids[first:stop]
-        if NULL_BLOCK_ID in dest:
+        dest = _copy(ids, first, stop)
+        if not all(dest):  # a null destination
             position = first + dest.index(NULL_BLOCK_ID)
             raise WindowCoverageError(
                 f"get_load_set.block_ids[{g}][{position}]: expected a real block to restore tokens "
                 f"[{position * block}, {(position + 1) * block}) (OFF-6), got the null block 0"
             )
-        chunks.append(tuple(range(first // f, _cdiv(t, size))) if dest else ())
+        ranges.append((first // f, _cdiv(t, size)) if dest else (0, 0))
         dests.append(dest)
         firsts.append(first)
-    return LoadSet(
+    return _trusted(
+        LoadSet,
         blocks_per_chunk=f,
-        chunks=chunks,
-        block_ids=dests,
-        first_block_indices=firsts,
-        num_blocks=[len(d) for d in dests],
+        chunk_ranges=tuple(ranges),
+        block_ids=tuple(dests),
+        first_block_indices=tuple(firsts),
+        num_blocks=tuple(len(dest) for dest in dests),
     )
 
 

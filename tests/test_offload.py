@@ -321,11 +321,29 @@ def test_store_straddling_chunk_42945() -> None:
     assert store.complete_chunks == ((0, 1, 2), (2,))
 
 
+def test_store_and_load_models_check_themselves() -> None:
+    with pytest.raises(
+        ConfigError, match=r"LoadSet.chunk_ranges\[0\]: expected \(first, stop\) with 0 <= first <= stop"
+    ):
+        LoadSet(blocks_per_chunk=1, chunk_ranges=[(2, 1)], block_ids=[[]], first_block_indices=[0], num_blocks=[0])
+    with pytest.raises(ConfigError, match=r"LoadSet.block_ids\[0\]: expected no null block id 0"):
+        LoadSet(blocks_per_chunk=1, chunk_ranges=[(0, 1)], block_ids=[[0]], first_block_indices=[0], num_blocks=[1])
+    with pytest.raises(ConfigError, match="StoreSet: expected one entry per group in every field"):
+        StoreSet(
+            blocks_per_chunk=1,
+            chunk_ranges=[(0, 1)],
+            block_ids=[[1]],
+            first_block_indices=[0],
+            num_blocks=[1],
+            next_chunks=[1, 1],
+        )
+
+
 def test_store_model_refuses_a_count_with_nulls() -> None:
     with pytest.raises(ConfigError, match=r"StoreSet.num_blocks\[1\]: expected 4 .*got 6"):
         StoreSet(
             blocks_per_chunk=3,
-            chunks=[[0], [1, 2]],
+            chunk_ranges=[(0, 1), (1, 3)],
             block_ids=[[1, 2, 3], [105, 106, 107, 108]],
             first_block_indices=[0, 5],
             num_blocks=[3, 6],
@@ -848,3 +866,10 @@ def test_mutant_null_blocks_counted_is_killed() -> None:
     assert get_store_set(FA_SW, ids, **kwargs).num_blocks == (9, 4)  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match=r"StoreSet.num_blocks\[1\]: expected 4 .*got 6"):
         null_counting_store(FA_SW, ids, **kwargs)
+
+
+def test_store_rejects_a_real_id_inside_the_null_prefix() -> None:
+    with pytest.raises(ConfigError, match=r"expected null ids \(0\) only as a prefix, got a real id among the first 4"):
+        get_store_set(
+            make_config(fa(4)), [[0, 5, 0, 0, 7, 8]], num_offloadable_tokens=24, next_chunk=[0], offload=offload()
+        )
