@@ -873,3 +873,34 @@ def test_store_rejects_a_real_id_inside_the_null_prefix() -> None:
         get_store_set(
             make_config(fa(4)), [[0, 5, 0, 0, 7, 8]], num_offloadable_tokens=24, next_chunk=[0], offload=offload()
         )
+
+
+# --------------------------------------------------------------------------- presets of vLLM's offloading e2e models
+
+
+def test_mamba_130m_preset_is_one_state_group() -> None:
+    config = get_preset("state-spaces/mamba-130m-hf").build_config(num_blocks=4)
+    (group,) = config.kv_cache_groups
+    assert len(group.layer_names) == 24
+    # Conv state (3, 1536) and SSM state (1536, 16) in float32.
+    assert group.kv_cache_spec.page_size_bytes == (3 * 1536 + 1536 * 16) * 4
+    with pytest.raises(UnsupportedHybridError, match=r"group 0 \(kind mamba"):
+        validate_offload_support(config)
+
+
+def test_falcon_h1_preset_pads_attention_to_hold_the_state() -> None:
+    config = get_preset("falcon-h1-0.5b").build_config(num_blocks=4)
+    attention, state = config.kv_cache_groups
+    assert (len(attention.layer_names), len(state.layer_names)) == (36, 36)
+    # State: (3 * 1792 + 24 * 64 * 128) bf16 = 403968 bytes; 512 bytes per attention token -> 789 -> 800 tokens.
+    assert attention.kv_cache_spec.block_size == state.kv_cache_spec.block_size == 800
+    assert attention.kv_cache_spec.page_size_bytes == state.kv_cache_spec.page_size_bytes == 800 * 512
+    assert get_chunk_sizes(config, blocks_per_chunk=1, hash_block_size=16) == (800, 800)
+    with pytest.raises(UnsupportedHybridError, match=r"group 1 \(kind mamba"):
+        validate_offload_support(config)
+
+
+def test_gemma_3_1b_offload_geometry() -> None:
+    # vLLM's e2e test runs gemma-3-1b-it with block_size 48 at B = 16: f = 3, 48-token chunks in all 7 groups.
+    config = get_preset("gemma-3-1b").build_config(num_blocks=4)
+    assert get_chunk_sizes(config, blocks_per_chunk=3, hash_block_size=16) == (48,) * 7
