@@ -112,8 +112,19 @@ class OffloadKey:
     as a 4-byte big-endian unsigned int.
     """
 
-    block_hash: bytes = attrs.field(validator=attrs.validators.instance_of(bytes))
-    group: int = attrs.field(validator=attrs.validators.and_(attrs.validators.instance_of(int), attrs.validators.ge(0)))
+    block_hash: bytes = attrs.field()
+    group: int = attrs.field()
+
+    @block_hash.validator
+    def _check_hash(self, attribute: attrs.Attribute[Any], value: object) -> None:
+        if not isinstance(value, bytes):
+            raise ConfigError(f"OffloadKey.block_hash: expected bytes, got {value!r}")
+
+    @group.validator
+    def _check_group(self, attribute: attrs.Attribute[Any], value: object) -> None:
+        # The wire form carries the group in 4 bytes.
+        if not _is_int(value) or not 0 <= value < 2**32:  # type: ignore[operator]
+            raise ConfigError(f"OffloadKey.group: expected an int in [0, 2**32), got {value!r}")
 
     def to_bytes(self) -> bytes:
         """The hash followed by the group index as 4 big-endian bytes (OFF-2)."""
@@ -122,9 +133,10 @@ class OffloadKey:
 
 def _int_pairs(value: Sequence[Sequence[int]]) -> tuple[tuple[int, int], ...]:
     pairs = []
-    for pair in value:
-        first, stop = pair
-        pairs.append((first, stop))
+    for g, pair in enumerate(value):
+        if len(pair) != 2:
+            raise ConfigError(f"chunk_ranges[{g}]: expected a (first, stop) pair, got {pair!r}")
+        pairs.append((pair[0], pair[1]))
     return tuple(pairs)
 
 

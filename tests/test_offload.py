@@ -224,6 +224,22 @@ def hit_cases(draw: st.DrawFn) -> tuple[KVCacheConfig, OffloadConfig, list[list[
 # --------------------------------------------------------------------------- OFF-1 geometry
 
 
+@given(sizes=st.lists(st.integers(1, 64), min_size=1, max_size=4), f=st.integers(1, 5), h=st.integers(1, 16))
+def test_chunk_sizes_property(sizes: list[int], f: int, h: int) -> None:
+    config = make_config(*(fa(size) for size in sizes))
+    if f > 1 and len(set(sizes)) > 1:
+        with pytest.raises(ConfigError, match="expected 1 when groups differ in block size"):
+            get_chunk_sizes(config, blocks_per_chunk=f, hash_block_size=h)
+    elif any(size % h for size in sizes):
+        with pytest.raises(ConfigError, match="which does not divide group"):
+            get_chunk_sizes(config, blocks_per_chunk=f, hash_block_size=h)
+    else:
+        chunks = get_chunk_sizes(config, blocks_per_chunk=f, hash_block_size=h)
+        # A chunk holds f whole blocks and ends on a hash boundary.
+        assert chunks == tuple(size * f for size in sizes)
+        assert all(c % h == 0 for c in chunks)
+
+
 def test_chunk_sizes_multiply_block_sizes_by_f() -> None:
     config = make_config(fa(4), sw(8, 4))
     assert get_chunk_sizes(config, blocks_per_chunk=3) == (12, 12)
@@ -904,3 +920,10 @@ def test_gemma_3_1b_offload_geometry() -> None:
     # vLLM's e2e test runs gemma-3-1b-it with block_size 48 at B = 16: f = 3, 48-token chunks in all 7 groups.
     config = get_preset("gemma-3-1b").build_config(num_blocks=4)
     assert get_chunk_sizes(config, blocks_per_chunk=3, hash_block_size=16) == (48,) * 7
+
+
+def test_offload_key_fields_are_checked() -> None:
+    with pytest.raises(ConfigError, match=r"OffloadKey\.block_hash: expected bytes, got 'ab'"):
+        OffloadKey(block_hash="ab", group=0)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"OffloadKey.group: expected an int in \[0, 2\*\*32\), got -1"):
+        OffloadKey(block_hash=b"ab", group=-1)
