@@ -261,6 +261,14 @@ def render_catalogue(
     return "\n".join(out) + "\n"
 
 
+def _waiting_note(rule_id: str) -> str:
+    """What a spec section says of a rule that has no conformance case yet."""
+    from kvspec._rules import RULES
+
+    checked_by = next((getattr(r, "checked_by", None) for r in RULES if r.id == rule_id), None)
+    return f"none yet; `{checked_by}` checks the reference meanwhile" if checked_by else "none yet"
+
+
 def link_rule_sections(markdown: str, page: str, by_rule: Mapping[str, Sequence[CaseLike]]) -> str:
     """Below each rule heading of a spec page, list the rule's conformance cases, linked to the catalogue."""
     out = []
@@ -277,7 +285,7 @@ def link_rule_sections(markdown: str, page: str, by_rule: Mapping[str, Sequence[
         rule_id = match["id"]
         seen.add(rule_id)
         target = _rel(page, CATALOGUE)
-        cases = ", ".join(f"`{case.id}`" for case in by_rule[rule_id]) or "none yet (see the catalogue)"
+        cases = ", ".join(f"`{case.id}`" for case in by_rule[rule_id]) or _waiting_note(rule_id)
         out += [
             "",
             f"*Conformance cases* ([catalogue]({target}#{slugify(rule_id, '-')})): {cases}",
