@@ -324,6 +324,28 @@ def test_store_set_matches_the_token_model(
     assert list(store.next_chunks) == [max(n, tokens // s) for n, s in zip(nexts, sizes, strict=True)]
 
 
+@given(case=store_cases(), cuts=st.lists(st.integers(0, 80), max_size=5))
+def test_stores_in_steps_offer_each_chunk_once(
+    case: tuple[KVCacheConfig, OffloadConfig, list[list[int]], int, list[int]], cuts: list[int]
+) -> None:
+    """Running a request step by step offers what one store at the end offers, each chunk once (OFF-3)."""
+    config, off_config, ids, tokens, _ = case
+    start = [0] * config.num_groups
+    whole = get_store_set(config, ids, num_offloadable_tokens=tokens, next_chunk=start, offload=off_config)
+    nexts: Sequence[int] = start
+    chunks: list[list[int]] = [[] for _ in range(config.num_groups)]
+    sources: list[list[int]] = [[] for _ in range(config.num_groups)]
+    for step in [*sorted(c for c in cuts if c <= tokens), tokens]:
+        store = get_store_set(config, ids, num_offloadable_tokens=step, next_chunk=nexts, offload=off_config)
+        for g in range(config.num_groups):
+            chunks[g] += store.chunks[g]
+            sources[g] += store.block_ids[g]
+        nexts = store.next_chunks
+    assert [tuple(c) for c in chunks] == list(whole.chunks)
+    assert [tuple(s) for s in sources] == list(whole.block_ids)
+    assert tuple(nexts) == whole.next_chunks
+
+
 def test_store_straddling_chunk_42945() -> None:
     # Research note R2: f = 3, b = 4, window allocation [0,0,0,0,0,105..109] at O = 40.
     config = make_config(fa(4), sw(8, 4))
