@@ -667,7 +667,7 @@ def get_retained_chunk_starts(
     ``num_computed_tokens`` is ``E = C + hit`` at the request's first lookup.
     Full attention keeps every key (start 0); a window group keeps keys from
     ``max(0, E - W + 1) // C_g`` on, the chunks a hit ending at ``E`` reads,
-    plus every later key. vLLM keeps from ``max(0, E // C_g - cdiv(W, C_g))``,
+    plus every later key. vLLM at #41445 kept keys from ``max(0, E // C_g - cdiv(W, C_g))``,
     never later than this. (OFF-8)
     """
     chunk_sizes = _chunk_sizes(config, offload)
