@@ -34,7 +34,11 @@ from kvspec.transport.loopback import LoopbackBackend
 def test_every_rule_has_a_case_and_every_case_a_known_rule() -> None:
     table = catalogue()
     assert list(table) == [rule.id for rule in RULES]
-    assert all(table[rule.id] for rule in RULES), [r for r, cases in table.items() if not cases]
+    # A rule without a case must name the tests that check it meanwhile (the offload rules, OFF-*).
+    waiting = [rule for rule in RULES if not table[rule.id]]
+    assert all(rule.checked_by for rule in waiting), [rule.id for rule in waiting if not rule.checked_by]
+    root = Path(__file__).resolve().parent.parent
+    assert all((root / str(rule.checked_by)).is_file() for rule in waiting)
     for c in all_cases():
         assert c.id.startswith(c.rule + "/")
         assert c.title
