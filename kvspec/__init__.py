@@ -109,6 +109,9 @@ from kvspec._session import (
     ProducerSession,
     ProducerState,
 )
+from kvspec._vector_cases import write_vectors
+from kvspec._vectors import answer_vector
+from kvspec._vectors_check import CheckReport, check_vectors
 
 __version__ = "0.1.0"
 
@@ -215,4 +218,8 @@ __all__ = [
     "Level",
     "Rule",
     "get_rule",
+    "CheckReport",
+    "answer_vector",
+    "check_vectors",
+    "write_vectors",
 ]

@@ -65,6 +65,7 @@ __all__ = [
     "DEFAULT_SEED",
     "Case",
     "CaseSet",
+    "build_archive",
     "build_vectors",
     "dumps_json",
     "write_vectors",
@@ -1246,3 +1247,24 @@ def write_vectors(
     (folder / "vector.schema.json").write_text(dumps_json(vector_schema()), encoding="utf-8")
     (folder / "answer.schema.json").write_text(dumps_json(answer_schema()), encoding="utf-8")
     return written
+
+
+def build_archive(*, seed: int = DEFAULT_SEED, count: int = DEFAULT_COUNT) -> bytes:
+    """The whole vector set as a reproducible ``.tar.gz`` (fixed times and owners), rooted at ``kvspec-vectors/``."""
+    import gzip
+    import io
+    import tarfile
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp) / "kvspec-vectors"
+        write_vectors(root, seed=seed, count=count)
+        buffer = io.BytesIO()
+        with gzip.GzipFile(fileobj=buffer, mode="wb", mtime=0) as zipped, tarfile.open(fileobj=zipped, mode="w") as tar:
+            for path in sorted(root.rglob("*")):
+                if path.is_file():
+                    data = path.read_bytes()
+                    info = tarfile.TarInfo(path.relative_to(root.parent).as_posix())
+                    info.size, info.mode, info.mtime = len(data), 0o644, 0
+                    tar.addfile(info, io.BytesIO(data))
+        return buffer.getvalue()
