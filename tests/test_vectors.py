@@ -185,7 +185,7 @@ def test_write_replaces_its_own_set_and_refuses_other_folders(tmp_path: Path) ->
     assert sorted(p.name for p in (tmp_path / "set").iterdir() if p.is_dir()) == ["TOK-1"]
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "notes.txt").write_text("mine")
-    with pytest.raises(ConfigError, match="holds no manifest.json"):
+    with pytest.raises(ConfigError, match=r"holds no manifest\.json"):
         write_vectors(tmp_path / "other")
     with pytest.raises(ConfigError, match="rule: expected one of"):
         build_vectors(rule="NOPE-1")
