@@ -328,7 +328,7 @@ def _gen_admission(rng: random.Random) -> dict[str, object]:
 
 
 def _sw1_pins() -> list[Case]:
-    pins = [(32, 16, 3), (128, 16, 9), (2048, 16, 129), (16, 16, 2), (17, 16, 3), (1, 16, 2), (4096, 16, 257)]
+    pins = [(32, 16, 3), (128, 16, 9), (2048, 16, 129), (1024, 16, 65), (16, 16, 2), (17, 16, 3), (1, 16, 2)]
     cases = [
         Case(
             name=f"w{w}_b{b}",
@@ -337,6 +337,13 @@ def _sw1_pins() -> list[Case]:
         )
         for w, b, n in pins
     ]
+    cases.append(
+        Case(
+            name="worked_example",
+            inputs={"config": _worked_config()},
+            description="docs/spec/worked-example.md: SW(W=48) first, then FA: (4, 0)",
+        )
+    )
     cases.append(
         Case(
             name="per_group_block_size",
@@ -353,6 +360,11 @@ def _clip(ids: Sequence[Sequence[int]], budgets: Sequence[int]) -> dict[str, obj
 
 def _clip_pins() -> list[Case]:
     return [
+        Case(
+            name="moriio_example",
+            inputs=_clip([[10, 11, 12, 13, 14], [20, 21, 22, 23, 24]], [0, 3]),
+            description="pinned example (MoRIIO): FA(B=16) + SW(W=32, B=16), budgets (0, 3)",
+        ),
         Case(name="no_budget_identity", inputs=_clip([[1, 2, 3], [4, 5]], [0, 0])),
         Case(name="keep_last_n", inputs=_clip([[1, 2, 3, 4, 5], [6, 7, 8, 9]], [0, 3]), description="last 3 kept"),
         Case(name="shorter_than_budget", inputs=_clip([[1, 2], [3]], [0, 3]), description="all kept"),
@@ -380,6 +392,7 @@ def _token_basis_pins() -> list[Case]:
         Case(name="full_first", inputs={"config": _kinds_config("full", "sw")}),
         Case(name="no_full_attention", inputs={"config": _kinds_config("sw")}, description="null"),
         Case(name="mla", inputs={"config": _kinds_config("sw_mla", "mla")}, description="MLA counts as full"),
+        Case(name="worked_example", inputs={"config": _worked_config()}, description="group 1, block size 16"),
     ]
 
 
@@ -546,6 +559,11 @@ def _prune_pins() -> list[Case]:
             name="group_count_mismatch",
             inputs={"config": config, "block_ids": BlockIds([[1, 2]]), "num_computed_tokens": 16},
         ),
+        Case(
+            name="worked_example",
+            inputs={"config": _worked_config(), "block_ids": _WORKED_TABLE, "num_computed_tokens": 100},
+            description="docs/spec/worked-example.md: the SW group's first 3 blocks become null",
+        ),
     ]
 
 
@@ -553,6 +571,77 @@ def _gen_prune(rng: random.Random) -> dict[str, object]:
     config = _rand_config(rng)
     t = rng.randint(0, 100)
     return {"config": config, "block_ids": _table(config, t, rng), "num_computed_tokens": t + rng.randint(0, 20)}
+
+
+def _worked_config() -> KVCacheConfig:
+    """docs/spec/worked-example.md: one SW group (W=48) listed first, then full attention, B=16."""
+    sw = SlidingWindowSpec(block_size=16, num_kv_heads=1, head_size=2, dtype="bf16", sliding_window=48)
+    fa = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=2, dtype="bf16")
+    return _config([sw, fa], num_blocks=64)
+
+
+_WORKED_TABLE = BlockIds([[11, 12, 13, 14, 15, 16, 17], [21, 22, 23, 24, 25, 26, 27]])
+
+
+def _worked_exchange(num_tokens: int, pruned_with: int) -> dict[str, object]:
+    config = _worked_config()
+    table = BlockIds([g[: -(-num_tokens // 16)] for g in _WORKED_TABLE])
+    producer = get_exchange_clipped_blocks(
+        get_pruned_block_ids(config, table, num_computed_tokens=pruned_with), blocks_per_sw(config)
+    )
+    counts = get_consumer_block_counts(config, num_tokens=num_tokens, prefix_hit_tokens=0)
+    consumer = BlockIds([[41 + i for i in range(counts[0])], [51 + i for i in range(counts[1])]])
+    return {
+        "config": config,
+        "num_tokens": num_tokens,
+        "prefix_hit_tokens": 0,
+        "producer_block_ids": producer,
+        "consumer_block_ids": consumer,
+    }
+
+
+def _worked_pins() -> list[Case]:
+    worked = {
+        "config": _worked_config(),
+        "num_tokens": 100,
+        "prefix_hit_tokens": 32,
+        "producer_block_ids": BlockIds([[14, 15, 16, 17], [21, 22, 23, 24, 25, 26, 27]]),
+        "consumer_block_ids": BlockIds([[41, 42, 43, 44], [51, 52, 53, 54, 55]]),
+    }
+    return [
+        Case(name="worked_example", inputs=worked, description="docs/spec/worked-example.md: T=100, H=32"),
+        Case(
+            name="worked_example_t94_pruned_with_t",
+            inputs=_worked_exchange(94, 94),
+            description="(94 - 48 + 2) % 16 == 0, pruned with T: passes",
+        ),
+        Case(
+            name="worked_example_t94_pruned_with_t_plus_1",
+            inputs=_worked_exchange(94, 95),
+            description="pruned with T + 1 (research H2): WindowCoverageError at logical block 2",
+        ),
+        Case(
+            name="worked_example_t95_pruned_with_t_plus_1",
+            inputs=_worked_exchange(95, 96),
+            description="(95 - 48 + 1) % 16 == 0: the extra null is not needed",
+        ),
+    ]
+
+
+def _null_either_side_pins() -> list[Case]:
+    # W=32, B=16. T=47: (T-W+1) % B == 0, SW needs blocks 1..2, so block 0 may be null on either side.
+    # T=46: (T-W+2) % B == 0, SW needs blocks 0..2: a null at block 0 on either side fails (WIN-1).
+    config = _tokens_config()
+    fa_p, fa_c = [1, 2, 3], [11, 12, 13]
+    cases = []
+    for t in (47, 46):
+        for role, producer, consumer in (
+            ("producer", [fa_p, [0, 5, 6]], [fa_c, [14, 15, 16]]),
+            ("consumer", [fa_p, [4, 5, 6]], [fa_c, [0, 15, 16]]),
+        ):
+            inputs = {"config": config, "num_tokens": t, "prefix_hit_tokens": 0, **_pairs(producer, consumer)}
+            cases.append(Case(name=f"t{t}_null_block0_on_{role}", inputs=inputs, description=f"W=32 B=16 T={t}"))
+    return cases
 
 
 def _tokens_config() -> KVCacheConfig:
@@ -574,6 +663,11 @@ def _consumer_count_pins() -> list[Case]:
         case("full_prefix_hit", 64, 64),
         case("prefix_not_whole_blocks", 64, 8, "H must be a multiple of every block size"),
         case("prefix_above_tokens", 16, 32),
+        Case(
+            name="worked_example",
+            inputs={"config": _worked_config(), "num_tokens": 100, "prefix_hit_tokens": 32},
+            description="docs/spec/worked-example.md: (4, 5)",
+        ),
     ]
 
 
@@ -600,6 +694,7 @@ def _coverage_pins() -> list[Case]:
             inputs={**_exchange(config, 64, 32), "consumer_block_ids": BlockIds([])},
         )
     )
+    cases += _null_either_side_pins() + _worked_pins()
     too_long = _exchange(config, 32, 0)
     too_long["consumer_block_ids"] = BlockIds([[1, 2, 3], [4, 5]])
     cases.append(Case(name="consumer_lists_too_many", inputs=too_long))

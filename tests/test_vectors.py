@@ -286,3 +286,28 @@ def test_check_passes_a_c_implementation_of_two_functions(
     vector["output"]["producer_block_ids"][0] = [1, 2]  # the front-trimmed answer
     path.write_text(json.dumps(vector))
     assert not check_vectors(edited, str(binary), function="align_block_ids").ok
+
+
+def test_worked_example_and_null_either_side_are_pinned() -> None:
+    pairs = _vector("WIN-1", "compute_transfer_pairs", "worked_example")["output"]
+    assert pairs["producer_block_ids"] == [[14, 15, 16, 17], [23, 24, 25, 26, 27]]  # docs/spec/worked-example.md
+    assert pairs["consumer_block_ids"] == [[41, 42, 43, 44], [51, 52, 53, 54, 55]]
+    outcomes = {
+        case: "error" in _vector("WIN-1", "check_window_coverage", case)
+        for case in (
+            "t47_null_block0_on_producer",
+            "t47_null_block0_on_consumer",
+            "t46_null_block0_on_producer",
+            "t46_null_block0_on_consumer",
+            "worked_example_t94_pruned_with_t",
+            "worked_example_t94_pruned_with_t_plus_1",
+        )
+    }
+    assert outcomes == {
+        "t47_null_block0_on_producer": False,
+        "t47_null_block0_on_consumer": False,
+        "t46_null_block0_on_producer": True,
+        "t46_null_block0_on_consumer": True,
+        "worked_example_t94_pruned_with_t": False,
+        "worked_example_t94_pruned_with_t_plus_1": True,
+    }
