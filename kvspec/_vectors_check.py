@@ -341,7 +341,13 @@ def render_report(report: CheckReport, *, root: Path | None = None) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``write``, ``check`` and ``answer`` subcommands of ``kvspec vectors``."""
     sub = parser.add_subparsers(dest="vectors_command", required=True, metavar="ACTION")
-    write = sub.add_parser("write", help="write the vectors as JSON files", description=write_vectors.__doc__)
+    write = sub.add_parser(
+        "write",
+        help="write the vectors as JSON files",
+        description="Write DIR/<rule>/<function>/<case>.json per vector, the JSON Schemas and a manifest. The same "
+        "kvspec version and seed write the same bytes. A folder a previous write filled is replaced; any other "
+        "non-empty folder is refused.",
+    )
     write.add_argument("directory", metavar="DIR", help="where to write DIR/<rule>/<function>/<case>.json")
     write.add_argument("--rule", metavar="ID", help="only this rule's vectors, e.g. WIN-1")
     write.add_argument(
@@ -366,7 +372,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     check.add_argument("directory", metavar="DIR", help="a directory written by `kvspec vectors write`")
     check.add_argument(
-        "--command", required=True, metavar='"PROG ARGS"', help="the implementation, split like a POSIX shell"
+        "--command",
+        dest="implementation",
+        required=True,
+        metavar='"PROG ARGS"',
+        help="the implementation, split like a POSIX shell",
     )
     check.add_argument("--rule", metavar="ID", help="only this rule's vectors")
     check.add_argument("--function", metavar="NAME", help="only this function's vectors")
@@ -400,7 +410,12 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
     if args.vectors_command == "answer":
         return _answer_stream(sys.stdin, out, jsonl=args.jsonl)
     report = check_vectors(
-        args.directory, args.command, rule=args.rule, function=args.function, jsonl=args.jsonl, timeout=args.timeout
+        args.directory,
+        args.implementation,
+        rule=args.rule,
+        function=args.function,
+        jsonl=args.jsonl,
+        timeout=args.timeout,
     )
     out.write(render_report(report, root=Path(args.directory)))
     if args.report:

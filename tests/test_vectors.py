@@ -252,13 +252,14 @@ def test_check_reports_bad_answers_as_failures(vectors_dir: Path, tmp_path: Path
         assert all(problem in o.problem for o in report.outcomes), (command, report.outcomes[0].problem)
 
 
-def test_check_refuses_an_invalid_vector_set(tmp_path: Path) -> None:
+def test_check_refuses_an_invalid_vector_set(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     (tmp_path / "SW-1" / "blocks_per_sw").mkdir(parents=True)
     (tmp_path / "SW-1" / "blocks_per_sw" / "x.json").write_text('{"rule": "SW-1"}')
     with pytest.raises(ConfigError, match="not a valid vector"):
         check_vectors(tmp_path, "true")
     status, _ = _check(str(tmp_path), "--command", "true")
     assert status == 2
+    assert "kvspec vectors: ConfigError: vectors check:" in capsys.readouterr().err
 
 
 def test_check_passes_a_c_implementation_of_two_functions(
