@@ -156,7 +156,8 @@ _MESSAGE_CLASSES = frozenset(MESSAGE_TYPES.values())
 def error_to_json(error: KVSpecError, *, rule: str) -> dict[str, Json]:
     """``{"class", "rule", "message"}`` plus the error's structured details (``field``, ``differences``).
 
-    ``rule`` is the last known rule id the message cites, else the vector's own rule.
+    ``rule`` is the last known rule id the message cites, else the vector's own rule. Written
+    vectors leave the message out: it is informative, and rewording it must not change a vector.
     """
     cited = [r for r in _RULE_ID.findall(str(error)) if r in _KNOWN_RULES]
     out: dict[str, Json] = {"class": type(error).__name__, "rule": cited[-1] if cited else rule}
@@ -347,14 +348,14 @@ def _session_call(session: ProducerSession | ConsumerSession, event: Mapping[str
     raise ConfigError(f"vectors: {type(session).__name__} has no event {call!r}")
 
 
-def _run_events(session: ProducerSession | ConsumerSession, events: Sequence[Mapping[str, Json]], rule: str) -> Json:
+def _run_events(session: ProducerSession | ConsumerSession, events: Sequence[Mapping[str, Json]]) -> Json:
     steps: list[Json] = []
     for event in events:
         step: dict[str, Json] = {}
         try:
             step["output"] = to_json(_session_call(session, event), tagged=True)
         except KVSpecError as error:  # a protocol error leaves the session unchanged (SM-1, SM-2)
-            step["error"] = error_to_json(error, rule=rule)
+            step["error"] = {"class": type(error).__name__}  # compared as part of the output: the class only
         step["state"] = session.state.value
         step["next_deadline"] = session.next_deadline
         if isinstance(session, ConsumerSession):
@@ -365,7 +366,7 @@ def _run_events(session: ProducerSession | ConsumerSession, events: Sequence[Map
 
 def _producer(a: Mapping[str, Any]) -> object:
     session = ProducerSession(params=a["params"], **a["options"])
-    return _run_events(session, a["events"], "SM-1")
+    return _run_events(session, a["events"])
 
 
 def _consumer(a: Mapping[str, Any]) -> object:
@@ -375,7 +376,7 @@ def _consumer(a: Mapping[str, Any]) -> object:
         consumer_block_ids=a["consumer_block_ids"],
         **a["options"],
     )
-    return _run_events(session, a["events"], "SM-2")
+    return _run_events(session, a["events"])
 
 
 def _entry(fn: object, inputs: Mapping[str, Arg], call: Callable[[Mapping[str, Any]], object]) -> VectorFunction:

@@ -199,7 +199,10 @@ def test_generated_vectors_answer_themselves(seed: int, index: int) -> None:
         assert validate_json(vector_schema(), vector) == []
         expected = {k: v for k, v in vector.items() if k in ("output", "error")}
         # The decoded input gives the same answer again: encoding and decoding round-trip.
-        assert answer_vector(json.loads(json.dumps(vector))) == expected
+        answer = answer_vector(json.loads(json.dumps(vector)))
+        if "error" in answer:
+            assert answer["error"].pop("message")  # the answer says why; the vector leaves it out
+        assert answer == expected
 
 
 # --------------------------------------------------------------------------- check
