@@ -316,3 +316,21 @@ def test_worked_example_and_null_either_side_are_pinned() -> None:
         "worked_example_t94_pruned_with_t": False,
         "worked_example_t94_pruned_with_t_plus_1": True,
     }
+
+
+def test_the_docs_attach_the_archive_and_list_every_function(vectors_dir: Path, tmp_path: Path) -> None:
+    import importlib.util
+    import tarfile
+
+    pytest.importorskip("mkdocs")
+    spec = importlib.util.spec_from_file_location("kvspec_docs_hooks_vectors", ROOT / "docs" / "hooks.py")
+    assert spec is not None
+    assert spec.loader is not None
+    hooks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hooks)
+    table = hooks.render_vector_functions()
+    assert all(f"| `{name}` |" in table for name in FUNCTIONS)
+    assert hooks.VECTORS_ARCHIVE == "vectors/kvspec-vectors.tar.gz"
+    with tarfile.open(fileobj=io.BytesIO(build_archive()), mode="r:gz") as tar:
+        tar.extractall(tmp_path, filter="data")
+    assert _tree(tmp_path / "kvspec-vectors") == _tree(vectors_dir)
