@@ -19,8 +19,9 @@ from typing import Any
 
 import attrs
 
-from kvspec._codec import encode
+from kvspec._codec import decode, encode
 from kvspec._errors import ConfigError
+from kvspec._handshake import check_compatibility
 from kvspec._messages import (
     PROTOCOL_VERSION,
     Abort,
@@ -49,15 +50,36 @@ from kvspec._models import (
     SlidingWindowSpec,
     TransferMode,
 )
+from kvspec._plan import blocks_needed_for, plan_transfer, summarize_plan
 from kvspec._reference import (
+    align_block_ids,
     blocks_per_sw,
+    check_window_coverage,
     compute_transfer_pairs,
     get_consumer_block_counts,
     get_exchange_clipped_blocks,
+    get_logical_block_count,
+    get_needed_block_range,
+    get_needed_token_range,
+    get_num_skipped_tokens,
     get_pruned_block_ids,
+    get_token_basis_group,
+    is_full_attention_spec,
+    is_hma_required,
+    validate_hybrid_support,
 )
 from kvspec._rules import RULES
-from kvspec._vectors import FORMAT_VERSION, FUNCTIONS, Json, answer_schema, answer_vector, to_json, vector_schema
+from kvspec._session import ConsumerSession, ProducerSession
+from kvspec._vectors import (
+    FORMAT_VERSION,
+    FUNCTIONS,
+    PUBLIC_NAMES,
+    Json,
+    answer_schema,
+    answer_vector,
+    to_json,
+    vector_schema,
+)
 
 __all__ = [
     "CASE_SETS",
@@ -94,9 +116,14 @@ class CaseSet:
     """The vectors one rule gets for one function: pinned cases and a generator of random ones."""
 
     rule: str
-    function: str
+    fn: object
     pinned: Callable[[], Sequence[Case]]
     generate: Callable[[random.Random], Mapping[str, object]] | None = None
+
+    @property
+    def function(self) -> str:
+        """The function's public name, from :data:`kvspec._vectors.PUBLIC_NAMES` (one line per rename)."""
+        return PUBLIC_NAMES[self.fn]
 
 
 # --------------------------------------------------------------------------- building blocks
@@ -1172,39 +1199,37 @@ def _gen_spec(rng: random.Random) -> Mapping[str, object]:
 CASE_SETS: tuple[CaseSet, ...] = (
     CaseSet(
         rule="HMA-1",
-        function="is_hma_required",
+        fn=is_hma_required,
         pinned=_hma_pins,
         generate=lambda rng: {"config": _rand_config(rng, _KINDS, num_blocks=8), _FLAG: rng.random() < 0.2},
     ),
-    CaseSet(rule="HMA-1", function="is_full_attention_spec", pinned=_full_attention_pins, generate=_gen_spec),
-    CaseSet(rule="ADM-1", function="validate_hybrid_support", pinned=_adm1_pins, generate=_gen_admission),
-    CaseSet(rule="ADM-2", function="validate_hybrid_support", pinned=_adm2_pins, generate=_gen_admission),
-    CaseSet(
-        rule="SW-1", function="blocks_per_sw", pinned=_sw1_pins, generate=_gen_config(("full", "sw", "sw_mla", "mla"))
-    ),
-    CaseSet(rule="CLIP-1", function="get_exchange_clipped_blocks", pinned=_clip_pins, generate=_gen_clip),
-    CaseSet(rule="CLIP-1", function="summarize_plan", pinned=_none, generate=_gen_summary),
-    CaseSet(rule="ALIGN-1", function="align_block_ids", pinned=_align_pins, generate=_gen_align),
-    CaseSet(rule="NULL-1", function="align_block_ids", pinned=_null_pins),
-    CaseSet(rule="NULL-1", function="plan_transfer", pinned=_plan_null_pins),
+    CaseSet(rule="HMA-1", fn=is_full_attention_spec, pinned=_full_attention_pins, generate=_gen_spec),
+    CaseSet(rule="ADM-1", fn=validate_hybrid_support, pinned=_adm1_pins, generate=_gen_admission),
+    CaseSet(rule="ADM-2", fn=validate_hybrid_support, pinned=_adm2_pins, generate=_gen_admission),
+    CaseSet(rule="SW-1", fn=blocks_per_sw, pinned=_sw1_pins, generate=_gen_config(("full", "sw", "sw_mla", "mla"))),
+    CaseSet(rule="CLIP-1", fn=get_exchange_clipped_blocks, pinned=_clip_pins, generate=_gen_clip),
+    CaseSet(rule="CLIP-1", fn=summarize_plan, pinned=_none, generate=_gen_summary),
+    CaseSet(rule="ALIGN-1", fn=align_block_ids, pinned=_align_pins, generate=_gen_align),
+    CaseSet(rule="NULL-1", fn=align_block_ids, pinned=_null_pins),
+    CaseSet(rule="NULL-1", fn=plan_transfer, pinned=_plan_null_pins),
     CaseSet(
         rule="WIN-1",
-        function="get_logical_block_count",
+        fn=get_logical_block_count,
         pinned=_count_pins,
         generate=lambda rng: {"spec": _rand_spec(rng), "num_tokens": rng.randint(0, 100)},
     ),
-    CaseSet(rule="WIN-1", function="get_needed_token_range", pinned=_range_pins, generate=_gen_range),
-    CaseSet(rule="WIN-1", function="get_needed_block_range", pinned=_range_pins, generate=_gen_range),
+    CaseSet(rule="WIN-1", fn=get_needed_token_range, pinned=_range_pins, generate=_gen_range),
+    CaseSet(rule="WIN-1", fn=get_needed_block_range, pinned=_range_pins, generate=_gen_range),
     CaseSet(
         rule="WIN-1",
-        function="get_num_skipped_tokens",
+        fn=get_num_skipped_tokens,
         pinned=_skipped_pins,
         generate=lambda rng: {"spec": _rand_spec(rng, _KINDS), "num_computed_tokens": rng.randint(0, 200)},
     ),
-    CaseSet(rule="WIN-1", function="get_pruned_block_ids", pinned=_prune_pins, generate=_gen_prune),
+    CaseSet(rule="WIN-1", fn=get_pruned_block_ids, pinned=_prune_pins, generate=_gen_prune),
     CaseSet(
         rule="WIN-1",
-        function="get_consumer_block_counts",
+        fn=get_consumer_block_counts,
         pinned=_consumer_count_pins,
         generate=lambda rng: {
             k: v
@@ -1212,26 +1237,26 @@ CASE_SETS: tuple[CaseSet, ...] = (
             if k in ("config", "num_tokens", "prefix_hit_tokens")
         },
     ),
-    CaseSet(rule="WIN-1", function="check_window_coverage", pinned=_coverage_pins, generate=_rand_exchange),
-    CaseSet(rule="WIN-1", function="compute_transfer_pairs", pinned=_coverage_pins, generate=_rand_exchange),
-    CaseSet(rule="TOK-1", function="get_token_basis_group", pinned=_token_basis_pins, generate=_gen_config(_KINDS)),
-    CaseSet(rule="TOK-1", function="TransferParams.from_kv_transfer_params", pinned=_tok_dict_pins),
-    CaseSet(rule="TOK-1", function="TransferParams.to_kv_transfer_params", pinned=_tok_to_dict_pins),
-    CaseSet(rule="HS-1", function="check_compatibility", pinned=_hs_pins, generate=_gen_hs),
-    CaseSet(rule="VER-1", function="encode", pinned=_encode_pins, generate=_gen_encode),
-    CaseSet(rule="VER-1", function="decode", pinned=_decode_pins, generate=_gen_decode),
-    CaseSet(rule="PLAN-1", function="plan_transfer", pinned=_plan_pins, generate=_gen_plan),
+    CaseSet(rule="WIN-1", fn=check_window_coverage, pinned=_coverage_pins, generate=_rand_exchange),
+    CaseSet(rule="WIN-1", fn=compute_transfer_pairs, pinned=_coverage_pins, generate=_rand_exchange),
+    CaseSet(rule="TOK-1", fn=get_token_basis_group, pinned=_token_basis_pins, generate=_gen_config(_KINDS)),
+    CaseSet(rule="TOK-1", fn=TransferParams.from_kv_transfer_params, pinned=_tok_dict_pins),
+    CaseSet(rule="TOK-1", fn=TransferParams.to_kv_transfer_params, pinned=_tok_to_dict_pins),
+    CaseSet(rule="HS-1", fn=check_compatibility, pinned=_hs_pins, generate=_gen_hs),
+    CaseSet(rule="VER-1", fn=encode, pinned=_encode_pins, generate=_gen_encode),
+    CaseSet(rule="VER-1", fn=decode, pinned=_decode_pins, generate=_gen_decode),
+    CaseSet(rule="PLAN-1", fn=plan_transfer, pinned=_plan_pins, generate=_gen_plan),
     CaseSet(
         rule="PLAN-1",
-        function="blocks_needed_for",
+        fn=blocks_needed_for,
         pinned=_none,
         generate=lambda rng: {"config": _rand_config(rng), "num_tokens": rng.randint(0, 500)},
     ),
-    CaseSet(rule="SM-1", function="ProducerSession", pinned=_sm1_pins, generate=_gen_producer),
-    CaseSet(rule="SM-2", function="ConsumerSession", pinned=lambda: _consumer_pins("SM-2"), generate=_gen_consumer),
-    CaseSet(rule="REL-1", function="ConsumerSession", pinned=lambda: _consumer_pins("REL-1")),
-    CaseSet(rule="FAIL-1", function="ConsumerSession", pinned=lambda: _consumer_pins("FAIL-1")),
-    CaseSet(rule="DONE-1", function="ConsumerSession", pinned=lambda: _consumer_pins("DONE-1")),
+    CaseSet(rule="SM-1", fn=ProducerSession, pinned=_sm1_pins, generate=_gen_producer),
+    CaseSet(rule="SM-2", fn=ConsumerSession, pinned=lambda: _consumer_pins("SM-2"), generate=_gen_consumer),
+    CaseSet(rule="REL-1", fn=ConsumerSession, pinned=lambda: _consumer_pins("REL-1")),
+    CaseSet(rule="FAIL-1", fn=ConsumerSession, pinned=lambda: _consumer_pins("FAIL-1")),
+    CaseSet(rule="DONE-1", fn=ConsumerSession, pinned=lambda: _consumer_pins("DONE-1")),
 )
 """Which vectors each rule gets for each function; a new function adds one entry here."""
 
