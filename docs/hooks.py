@@ -543,6 +543,10 @@ def render_cli_page() -> str:
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
             commands += [(f"kvspec {name}", sub) for name, sub in action.choices.items() if name != "conform"]
+    for name, sub in list(commands[1:]):  # one level deeper: `kvspec vectors write`, ...
+        for action in sub._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                commands += [(f"{name} {child}", grandchild) for child, grandchild in action.choices.items()]
     commands.append(("kvspec conform", conform))
     out = [
         "# Command line",
@@ -564,6 +568,24 @@ def render_cli_page() -> str:
         "",
         _fence("console", f"$ kvspec {' '.join(CLI_EXAMPLE)}\n{captured.getvalue()}"),
     ]
+    return "\n".join(out) + "\n"
+
+
+VECTORS_ARCHIVE = "vectors/kvspec-vectors.tar.gz"
+
+
+def render_vector_functions() -> str:
+    """The vector registry as a table: each function, the rules whose vectors call it, its input fields."""
+    from kvspec._vector_cases import CASE_SETS
+    from kvspec._vectors import FUNCTIONS
+
+    rules: dict[str, list[str]] = {}
+    for case_set in CASE_SETS:
+        rules.setdefault(case_set.function, []).append(case_set.rule)
+    out = ["| function | rules | input fields |", "|---|---|---|"]
+    for name, entry in FUNCTIONS.items():
+        fields = ", ".join(f"`{field}`" for field in entry.inputs)
+        out.append(f"| `{name}` | {', '.join(rules.get(name, []))} | {fields} |")
     return "\n".join(out) + "\n"
 
 
@@ -607,7 +629,13 @@ def on_files(files: Files, config: Any) -> Files:
     for name in diagrams.SEQUENCES:
         snippets[f"sequence:{name}"] = _fence("mermaid", diagrams.sequence_diagram(name))
     snippets.update(_raised_by_snippets(errors))
+    snippets["vector-functions"] = render_vector_functions()
     _STATE["snippets"] = snippets
+
+    # The release's test vectors, downloadable from the site (docs/how-to/implement-in-another-language.md).
+    from kvspec._vector_cases import build_archive
+
+    _add(files, config, VECTORS_ARCHIVE, build_archive())
 
     # CHANGELOG.md links into docs/ so that it reads right on a forge; on the site those links are relative.
     changelog = (ROOT / "CHANGELOG.md").read_text(encoding="utf-8").replace("](docs/", "](")

@@ -1,4 +1,4 @@
-"""The ``kvspec`` command line: ``plan`` a preset's transfer, ``conform`` a backend."""
+"""The ``kvspec`` command line: ``plan`` a preset's transfer, ``conform`` a backend, write and check ``vectors``."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any, TextIO
 
+from kvspec import _vectors_check
 from kvspec._enums import TransferMode
 from kvspec._errors import KVSpecError
 from kvspec._models import KVCacheConfig, SlidingWindowSpec
@@ -47,7 +48,7 @@ def _positive_int(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The argument parser with its ``plan`` and ``conform`` subcommands."""
+    """The argument parser with its ``plan``, ``conform`` and ``vectors`` subcommands."""
     parser = argparse.ArgumentParser(prog="kvspec", description="Hybrid KV-cache hand-off: reference and suite.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -100,6 +101,15 @@ def build_parser() -> argparse.ArgumentParser:
     else:  # accept anything, so the handler can say how to install the suite
         conform.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     conform.set_defaults(handler=_run_conform)
+
+    vectors = sub.add_parser(
+        "vectors",
+        help="write language-neutral JSON test vectors, or check another implementation against them",
+        description="Language-neutral JSON test vectors generated from the reference (see the docs page "
+        "'Implementing kvspec in another language').",
+    )
+    _vectors_check.add_arguments(vectors)
+    vectors.set_defaults(handler=_vectors_check.run)
     return parser
 
 

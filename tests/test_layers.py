@@ -52,7 +52,19 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
         "drivers",
         frozenset({"kvspec._connector", "kvspec._driver", "kvspec._exchange", "kvspec.exchange", "kvspec.testing"}),
     ),
-    ("tools", frozenset({"kvspec.cli", "kvspec.__main__"})),
+    (
+        "tools",
+        frozenset(
+            {
+                "kvspec.cli",
+                "kvspec.__main__",
+                "kvspec.vectors",
+                "kvspec._vectors",
+                "kvspec._vector_cases",
+                "kvspec._vectors_check",
+            }
+        ),
+    ),
 )
 LAYER_OF = {module: index for index, (_, modules) in enumerate(LAYERS) for module in modules}
 
