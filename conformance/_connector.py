@@ -54,8 +54,16 @@ class Connector(Protocol):
         prefix_hit_tokens: int,
         producer_block_ids: BlockIds,
         consumer_block_ids: BlockIds,
+        recomputed_tokens: int = 0,
+        producer_block_ends: tuple[int, ...] | None = None,
+        consumer_block_ends: tuple[int, ...] | None = None,
     ) -> PairedBlocks:
-        """Check window coverage, then pair the clipped lists (WIN-1, ALIGN-1, NULL-1)."""
+        """Check window coverage, then pair the clipped lists (WIN-1, ALIGN-1, NULL-1).
+
+        Protocol 1.1: the lists cover ``num_tokens + recomputed_tokens`` tokens
+        (C recomputes the last ones), and each side may say where its list ends.
+        The suite passes these only in the cases that use them.
+        """
         ...
 
     def plan(
@@ -88,6 +96,9 @@ class ReferenceConnector:
         prefix_hit_tokens: int,
         producer_block_ids: BlockIds,
         consumer_block_ids: BlockIds,
+        recomputed_tokens: int = 0,
+        producer_block_ends: tuple[int, ...] | None = None,
+        consumer_block_ends: tuple[int, ...] | None = None,
     ) -> PairedBlocks:
         """``compute_transfer_pairs`` (WIN-1, ALIGN-1, NULL-1)."""
         return compute_transfer_pairs(
@@ -96,6 +107,9 @@ class ReferenceConnector:
             prefix_hit_tokens=prefix_hit_tokens,
             producer_block_ids=producer_block_ids,
             consumer_block_ids=consumer_block_ids,
+            recomputed_tokens=recomputed_tokens,
+            producer_block_ends=producer_block_ends,
+            consumer_block_ends=consumer_block_ends,
         )
 
     def plan(

@@ -81,6 +81,7 @@ __all__ = [
     "Request",
     "RequestOutcome",
     "Scenario",
+    "ScenarioRefused",
     "ScenarioResult",
     "run_scenario",
 ]
@@ -135,6 +136,10 @@ def _optional_ids(value: object) -> BlockIds | None:
     return None if value is None else BlockIds(value)
 
 
+def _optional_ends(value: Iterable[int] | None) -> tuple[int, ...] | None:
+    return None if value is None else tuple(value)
+
+
 @attrs.frozen(kw_only=True)
 class Request:
     """One request of a scenario.
@@ -147,6 +152,13 @@ class Request:
     again before each wave). ``abort_after_polls`` makes the consumer abort
     that many polls after the transfer started; ``disconnect_after_polls``
     makes the initiator forget its peer then (a native peer loss).
+
+    ``recomputed_tokens`` (R) are tokens after the first ``num_tokens`` that
+    both lists cover but C recomputes (vLLM: 1); generated tables are built
+    for ``num_tokens + R`` tokens and pruned with ``num_tokens`` (WIN-1).
+    ``producer_block_ends`` / ``consumer_block_ends`` are the ends each side
+    declares for its list (protocol 1.1, ALIGN-1); ``None`` is a 1.0 side
+    that declares none.
     """
 
     request_id: str
@@ -157,6 +169,14 @@ class Request:
     wave: int = 0
     abort_after_polls: int | None = None
     disconnect_after_polls: int | None = None
+    recomputed_tokens: int = 0
+    producer_block_ends: tuple[int, ...] | None = attrs.field(default=None, converter=_optional_ends)
+    consumer_block_ends: tuple[int, ...] | None = attrs.field(default=None, converter=_optional_ends)
+
+    @property
+    def listed_tokens(self) -> int:
+        """The tokens both lists cover: T plus the recomputed ones (WIN-1)."""
+        return self.num_tokens + self.recomputed_tokens
 
 
 @attrs.frozen(kw_only=True)
@@ -219,6 +239,13 @@ class RequestOutcome:
     seconds: float = 0.0
 
 
+class ScenarioRefused(AssertionError):
+    """A case asked for a request of a scenario the connector refused at admission or handshake.
+
+    An ``AssertionError``, so the suite reports the case FAILED with the refusal text, not as an error.
+    """
+
+
 @attrs.frozen(kw_only=True)
 class ScenarioResult:
     """What the oracle and the driver found. ``ok`` means no page, timing or leak problem."""
@@ -238,7 +265,9 @@ class ScenarioResult:
         return not (self.mismatches or self.early_completions or self.problems)
 
     def outcome(self, request_id: str) -> RequestOutcome:
-        """The outcome of one request."""
+        """The outcome of one request; :class:`ScenarioRefused` if the scenario was refused before it ran."""
+        if request_id not in self.outcomes and self.refused is not None:
+            raise ScenarioRefused(f"request {request_id!r} never ran: the scenario was refused: {self.refused}")
         return self.outcomes[request_id]
 
     def summary(self) -> str:
@@ -300,7 +329,10 @@ def _encode(kind: str, request_id: str, **extra: Any) -> bytes:
     message: Message
     if kind == "offer":
         message = BlockOffer(
-            request_id=request_id, consumer_engine_id="consumer", consumer_block_ids=extra["consumer_block_ids"]
+            request_id=request_id,
+            consumer_engine_id="consumer",
+            consumer_block_ids=extra["consumer_block_ids"],
+            consumer_block_ends=extra.get("consumer_block_ends"),
         )
     elif kind == "complete":
         message = Completion(request_id=request_id, producer_engine_id="producer")
@@ -322,7 +354,9 @@ def _encode(kind: str, request_id: str, **extra: Any) -> bytes:
 def _decode(data: bytes) -> tuple[str, str, dict[str, object]]:
     message = decode(data)
     if isinstance(message, BlockOffer):
-        return "offer", message.request_id, {"consumer_block_ids": message.consumer_block_ids}
+        offer: dict[str, object] = {"consumer_block_ids": message.consumer_block_ids}
+        offer["consumer_block_ends"] = message.consumer_block_ends
+        return "offer", message.request_id, offer
     if isinstance(message, Completion):
         return "complete", message.request_id, {}
     if isinstance(message, Failure):
@@ -431,7 +465,7 @@ class _Driver:
             return spec.producer_block_ids
         groups: list[list[int]] = []
         for group in self.p_config.kv_cache_groups:
-            total = get_logical_block_count(group.kv_cache_spec, spec.num_tokens)
+            total = get_logical_block_count(group.kv_cache_spec, spec.listed_tokens)
             # P has computed every token; vLLM nulls the blocks its window skipped (research §2.3).
             skipped = min(
                 get_num_skipped_tokens(group.kv_cache_spec, spec.num_tokens) // group.kv_cache_spec.block_size, total
@@ -448,13 +482,16 @@ class _Driver:
         if spec.prefix_hit_tokens == spec.num_tokens:
             return BlockIds([])  # full prefix hit: zero groups (CLIP-1)
         counts = get_consumer_block_counts(
-            self.c_config, num_tokens=spec.num_tokens, prefix_hit_tokens=spec.prefix_hit_tokens
+            self.c_config,
+            num_tokens=spec.num_tokens,
+            prefix_hit_tokens=spec.prefix_hit_tokens,
+            recomputed_tokens=spec.recomputed_tokens,
         )
         return BlockIds([[self.c_alloc.allocate() for _ in range(n)] for n in counts])
 
     def _start(self, spec: Request, now: float) -> None:
         p_ids = self._producer_table(spec)
-        fill_producer_pages(self.producer_pool, p_ids, num_tokens=spec.num_tokens, salt=spec.request_id)
+        fill_producer_pages(self.producer_pool, p_ids, num_tokens=spec.listed_tokens, salt=spec.request_id)
         self.producer_expected = self.producer_pool.snapshot()
         c_ids = self._consumer_suffix(spec)
         state = _State(
@@ -481,18 +518,32 @@ class _Driver:
         return ExpectedLoad(
             producer_block_ids=get_exchange_clipped_blocks(state.producer_ids, blocks_per_sw(self.p_config)),
             consumer_block_ids=get_exchange_clipped_blocks(consumer, blocks_per_sw(self.c_config)),
-            num_tokens=state.spec.num_tokens,
+            num_tokens=state.spec.listed_tokens,
             salt=state.spec.request_id,
             loaded=loaded,
         )
 
     def _pairs(self, state: _State) -> PairedBlocks:
+        return self._pair(state, state.consumer_offered, state.spec.consumer_block_ends)
+
+    def _pair(self, state: _State, consumer: BlockIds, consumer_ends: tuple[int, ...] | None) -> PairedBlocks:
+        spec = state.spec
+        # Protocol 1.1 arguments go to the connector only when a request uses them, so a connector
+        # written for 1.0 still runs every case that does not (VER-1).
+        extra: dict[str, Any] = {}
+        if spec.recomputed_tokens:
+            extra["recomputed_tokens"] = spec.recomputed_tokens
+        if spec.producer_block_ends is not None:
+            extra["producer_block_ends"] = spec.producer_block_ends
+        if consumer_ends is not None:
+            extra["consumer_block_ends"] = consumer_ends
         pairs: PairedBlocks = self.connector.pair_block_ids(
             self.p_config,
-            num_tokens=state.spec.num_tokens,
-            prefix_hit_tokens=state.spec.prefix_hit_tokens,
+            num_tokens=spec.num_tokens,
+            prefix_hit_tokens=spec.prefix_hit_tokens,
             producer_block_ids=state.producer_advertised,
-            consumer_block_ids=state.consumer_offered,
+            consumer_block_ids=consumer,
+            **extra,
         )
         return pairs
 
@@ -536,7 +587,12 @@ class _Driver:
         self._send(
             self.consumer,
             self.producer_name,
-            _encode("offer", state.spec.request_id, consumer_block_ids=state.consumer_offered.to_lists()),
+            _encode(
+                "offer",
+                state.spec.request_id,
+                consumer_block_ids=state.consumer_offered.to_lists(),
+                consumer_block_ends=state.spec.consumer_block_ends,
+            ),
         )
 
     def _loaded(self, state: _State, now: float) -> None:
@@ -672,7 +728,8 @@ class _Driver:
                 state.p_confirm_drain = bool(extra.get("abort")) and self.mode is TransferMode.WRITE
                 self._free_producer_when_drained(state, now)
             elif kind == "offer" and state.p_state == "held" and not state.posted:
-                self._producer_write(state, BlockIds(extra["consumer_block_ids"]), now)
+                ends: Any = extra.get("consumer_block_ends")
+                self._producer_write(state, BlockIds(extra["consumer_block_ids"]), ends, now)
         for state in self.states.values():
             if state.p_handle is not None:
                 state.p_polls += 1
@@ -723,17 +780,13 @@ class _Driver:
             # Sent only once P's write no longer moves bytes: C may reuse its blocks (SM-2).
             self._send(self.producer, self.consumer_name, _encode("drained", state.spec.request_id))
 
-    def _producer_write(self, state: _State, offered: BlockIds, now: float) -> None:
+    def _producer_write(
+        self, state: _State, offered: BlockIds, offered_ends: tuple[int, ...] | None, now: float
+    ) -> None:
         request_id = state.spec.request_id
         state.offered_to_producer = offered
         try:
-            pairs = self.connector.pair_block_ids(
-                self.p_config,
-                num_tokens=state.spec.num_tokens,
-                prefix_hit_tokens=state.spec.prefix_hit_tokens,
-                producer_block_ids=state.producer_advertised,
-                consumer_block_ids=offered,
-            )
+            pairs = self._pair(state, offered, offered_ends)
             plan = self.connector.plan(producer_config=self.p_config, consumer_config=self.c_config, pairs=pairs)
         except KVSpecError as exc:
             state.error = type(exc).__name__

@@ -36,6 +36,7 @@ __all__ = [
     "blocks_per_sw",
     "check_window_coverage",
     "compute_transfer_pairs",
+    "get_block_ends",
     "get_consumer_block_counts",
     "get_exchange_clipped_blocks",
     "get_logical_block_count",
@@ -234,13 +235,62 @@ class BlockPairs:
                 yield g, producer_id, consumer_id
 
 
-def align_block_ids(*, producer_block_ids: BlockIdsLike, consumer_block_ids: BlockIdsLike) -> BlockPairs:
-    """Pair C's i-th id with P's id at ``len(P[g]) - len(C[g]) + i``; drop null pairs (ALIGN-1, NULL-1)."""
+def get_block_ends(block_ids: BlockIdsLike, *, first_blocks: Sequence[int] | None = None) -> tuple[int, ...]:
+    """Where each group's list ends: the logical block just past its last entry (ALIGN-1, WIN-1).
+
+    ``block_ids`` is the list as the side built it, before clipping (clipping
+    keeps the tail, so the end is the same after it). A whole block table
+    starts at logical block 0, so its ends are its lengths (P's table, vLLM's
+    request block table); ``first_blocks[g]`` is the logical block of group
+    ``g``'s first entry for a list that starts later (ALIGN-1, WIN-1).
+    """
+    ids = _to_block_ids(block_ids)
+    firsts = [0] * len(ids) if first_blocks is None else list(first_blocks)
+    if len(firsts) != len(ids):
+        raise GroupCountError(f"block ids have {len(ids)} groups, first_blocks {len(firsts)} (ALIGN-1)")
+    pairs = enumerate(zip(firsts, ids, strict=True))
+    return tuple(_check_count(f"first_blocks[{g}]", first) + len(group) for g, (first, group) in pairs)
+
+
+def _check_ends(role: str, ends: Sequence[int] | None, ids: BlockIds) -> tuple[int, ...] | None:
+    """Validate the ends a side declared for its list, or pass None (a 1.0 peer) through (ALIGN-1)."""
+    if ends is None:
+        return None
+    checked = tuple(_check_count(f"{role}_block_ends[{g}]", end) for g, end in enumerate(ends))
+    if len(checked) != len(ids):
+        raise GroupCountError(f"{role} block ids have {len(ids)} groups, its block ends {len(checked)} (ALIGN-1)")
+    for g, (end, group) in enumerate(zip(checked, ids, strict=True)):
+        # A list of n ids ending at logical block `end` starts at end - n, which may not be negative.
+        if len(group) > end:
+            raise BlockAlignmentError(
+                f"group {g}: the {role}'s list holds {len(group)} blocks but says it ends at logical block "
+                f"{end - 1}, before its own length (ALIGN-1)"
+            )
+    return checked
+
+
+def align_block_ids(
+    *,
+    producer_block_ids: BlockIdsLike,
+    consumer_block_ids: BlockIdsLike,
+    producer_block_ends: Sequence[int] | None = None,
+    consumer_block_ends: Sequence[int] | None = None,
+) -> BlockPairs:
+    """Pair C's i-th id with P's id at ``len(P[g]) - len(C[g]) + i``; drop null pairs (ALIGN-1, NULL-1).
+
+    Where both sides say where their lists end (:func:`get_block_ends`, protocol
+    1.1), each group's lists must end at the same logical block: a list
+    shifted by a block (lookahead slots on one side) is refused even when both
+    were clipped to the same length. A side that does not say (``None``, a
+    1.0 peer) is taken to end where the other ends (ALIGN-1, NULL-1).
+    """
     producer, consumer = _to_block_ids(producer_block_ids), _to_block_ids(consumer_block_ids)
     if len(consumer) == 0:
         return BlockPairs(producer_block_ids=[], consumer_block_ids=[])  # full prefix hit (ALIGN-1)
     if len(producer) != len(consumer):
         raise GroupCountError(f"producer has {len(producer)} groups, consumer {len(consumer)} (ALIGN-1)")
+    p_ends = _check_ends("producer", producer_block_ends, producer)
+    c_ends = _check_ends("consumer", consumer_block_ends, consumer)
     pairs_p: list[tuple[int, ...]] = []
     pairs_c: list[tuple[int, ...]] = []
     for g, (p, c) in enumerate(zip(producer, consumer, strict=True)):
@@ -248,6 +298,12 @@ def align_block_ids(*, producer_block_ids: BlockIdsLike, consumer_block_ids: Blo
             raise BlockAlignmentError(
                 f"group {g}: consumer holds {len(c)} blocks, producer offers {len(p)}; "
                 "the consumer may hold at most as many (ALIGN-1)"
+            )
+        # Tail alignment pairs by position only if both lists end at the same logical block.
+        if p_ends is not None and c_ends is not None and p_ends[g] != c_ends[g]:
+            raise BlockAlignmentError(
+                f"group {g}: the producer's list ends at logical block {p_ends[g] - 1}, the consumer's at "
+                f"{c_ends[g] - 1}; both must end at the same block (ALIGN-1)"
             )
         # Tail alignment: C's list is its uncached suffix, so it ends where P's ends (never front-trim).
         tail = p[len(p) - len(c) :]
@@ -320,19 +376,24 @@ def get_pruned_block_ids(config: KVCacheConfig, block_ids: BlockIdsLike, *, num_
     return BlockIds(pruned)
 
 
-def get_consumer_block_counts(config: KVCacheConfig, *, num_tokens: int, prefix_hit_tokens: int) -> tuple[int, ...]:
+def get_consumer_block_counts(
+    config: KVCacheConfig, *, num_tokens: int, prefix_hit_tokens: int, recomputed_tokens: int = 0
+) -> tuple[int, ...]:
     """Real blocks C allocates and offers per group for its uncached suffix, after clipping (WIN-1, CLIP-1).
 
-    Full attention: ``cdiv(T, B) - H / B``. Sliding window: from
+    Full attention: ``cdiv(T + R, B) - H / B``. Sliding window: from
     ``max(H, T - W + 1) // B`` to the last block, capped by the budget (vLLM
     allocates nulls for skipped blocks, research §2.4). Zero when ``H == T``.
+    ``R`` (``recomputed_tokens``) is the trailing tokens C recomputes: its
+    list also holds the blocks they are written to (WIN-1).
     """
     _check_prefix(config, num_tokens, prefix_hit_tokens)
+    listed_tokens = num_tokens + _check_count("recomputed_tokens", recomputed_tokens)
     counts = []
     for group in config.kv_cache_groups:
         spec = group.kv_cache_spec
         needed = get_needed_block_range(spec, num_tokens=num_tokens, prefix_hit_tokens=prefix_hit_tokens)
-        count = get_logical_block_count(spec, num_tokens) - needed.start if needed else 0
+        count = get_logical_block_count(spec, listed_tokens) - needed.start if needed else 0
         budget = _budget(spec)
         counts.append(min(count, budget) if budget else count)
     return tuple(counts)
@@ -353,21 +414,28 @@ def _check_prefix(config: KVCacheConfig, num_tokens: int, prefix_hit_tokens: int
 
 
 def _check_side(
-    role: str, ids: BlockIds, g: int, spec: KVCacheSpec, num_tokens: int, needed: range, limit: int
+    role: str, blocks: tuple[int, ...], g: int, spec: KVCacheSpec, needed: range, *, end: int, total: int, floor: int
 ) -> None:
-    blocks = ids[g]
-    total = get_logical_block_count(spec, num_tokens)
-    if len(blocks) > limit:
+    """One side's list of group g, ending at logical block ``end - 1``, against the blocks it may hold (WIN-1)."""
+    if end > total:
+        # A list that reaches past the request's last block was built for more tokens (or shifted).
         raise BlockAlignmentError(
-            f"group {g}: {role} lists {len(blocks)} blocks, but {num_tokens} tokens leave at most {limit} (WIN-1)"
+            f"group {g}: the {role}'s list ends at logical block {end - 1}, past the request's last block "
+            f"{total - 1} (WIN-1)"
         )
-    first = total - len(blocks)  # the list is tail-aligned to logical block total - 1
+    if len(blocks) > end - floor:
+        raise BlockAlignmentError(
+            f"group {g}: {role} lists {len(blocks)} blocks, but the request leaves at most {end - floor} (WIN-1)"
+        )
+    first = end - len(blocks)  # the logical block of the list's first entry
     if not needed or (
-        needed.start >= first and NULL_BLOCK_ID not in blocks[needed.start - first : needed.stop - first]
+        first <= needed.start
+        and needed.stop <= end
+        and NULL_BLOCK_ID not in blocks[needed.start - first : needed.stop - first]
     ):
         return  # the common case, checked at C speed
     for k in needed:
-        block_id = blocks[k - first] if k >= first else None
+        block_id = blocks[k - first] if first <= k < end else None
         if block_id is None or block_id == NULL_BLOCK_ID:
             found = "no block" if block_id is None else "the null block"
             span = f"tokens [{k * spec.block_size}, {(k + 1) * spec.block_size - 1}]"
@@ -384,16 +452,24 @@ def check_window_coverage(
     prefix_hit_tokens: int,
     producer_block_ids: BlockIdsLike,
     consumer_block_ids: BlockIdsLike,
+    recomputed_tokens: int = 0,
+    producer_block_ends: Sequence[int] | None = None,
+    consumer_block_ends: Sequence[int] | None = None,
 ) -> None:
     """Raise unless every block covering a needed position is real on both sides (WIN-1).
 
-    Each group's list (after clipping) is tail-aligned to logical block
-    ``cdiv(T, B_g) - 1``. ``prefix_hit_tokens`` must be a multiple of every
-    group's block size. A list longer than the blocks its side can hold is a
-    :class:`BlockAlignmentError`. Zero consumer groups (full prefix hit) pass
-    only when nothing is needed.
+    The lists cover ``T + R`` tokens: T whose KV C takes, then
+    ``recomputed_tokens`` (R) that C recomputes (vLLM recomputes the last
+    prompt token: T = N - 1, R = 1, lists built for N). Each group's list
+    (after clipping) ends at logical block ``end - 1``: the end the side
+    declared (:func:`get_block_ends`), or ``cdiv(T + R, B_g)`` when it
+    declared none. ``prefix_hit_tokens`` must be a multiple of every group's
+    block size. A list that ends past ``cdiv(T + R, B_g)`` or starts before
+    logical block 0 (P) or ``H / B_g`` (C) is a :class:`BlockAlignmentError`.
+    Zero consumer groups (full prefix hit) pass only when nothing is needed.
     """
     _check_prefix(config, num_tokens, prefix_hit_tokens)
+    listed_tokens = num_tokens + _check_count("recomputed_tokens", recomputed_tokens)
     producer, consumer = _to_block_ids(producer_block_ids), _to_block_ids(consumer_block_ids)
     specs = [g.kv_cache_spec for g in config.kv_cache_groups]
     needed = [get_needed_block_range(s, num_tokens=num_tokens, prefix_hit_tokens=prefix_hit_tokens) for s in specs]
@@ -408,11 +484,15 @@ def check_window_coverage(
     for role, ids in (("producer", producer), ("consumer", consumer)):
         if len(ids) != len(specs):
             raise GroupCountError(f"{role} block ids have {len(ids)} groups, the config {len(specs)} (WIN-1)")
+    p_ends = _check_ends("producer", producer_block_ends, producer)
+    c_ends = _check_ends("consumer", consumer_block_ends, consumer)
     for g, spec in enumerate(specs):
-        total = get_logical_block_count(spec, num_tokens)
+        total = get_logical_block_count(spec, listed_tokens)
         hit_blocks = prefix_hit_tokens // spec.block_size
-        _check_side("producer", producer, g, spec, num_tokens, needed[g], total)
-        _check_side("consumer", consumer, g, spec, num_tokens, needed[g], total - hit_blocks)
+        p_end = total if p_ends is None else p_ends[g]
+        c_end = total if c_ends is None else c_ends[g]
+        _check_side("producer", producer[g], g, spec, needed[g], end=p_end, total=total, floor=0)
+        _check_side("consumer", consumer[g], g, spec, needed[g], end=c_end, total=total, floor=hit_blocks)
 
 
 def compute_transfer_pairs(
@@ -422,13 +502,27 @@ def compute_transfer_pairs(
     prefix_hit_tokens: int,
     producer_block_ids: BlockIdsLike,
     consumer_block_ids: BlockIdsLike,
+    recomputed_tokens: int = 0,
+    producer_block_ends: Sequence[int] | None = None,
+    consumer_block_ends: Sequence[int] | None = None,
 ) -> BlockPairs:
-    """Check WIN-1 before any byte moves, then pair the lists (WIN-1, ALIGN-1, NULL-1)."""
+    """Check WIN-1 before any byte moves, then pair the lists (WIN-1, ALIGN-1, NULL-1).
+
+    ``recomputed_tokens`` and the block ends are as in :func:`check_window_coverage`.
+    """
     check_window_coverage(
         config,
         num_tokens=num_tokens,
         prefix_hit_tokens=prefix_hit_tokens,
         producer_block_ids=producer_block_ids,
         consumer_block_ids=consumer_block_ids,
+        recomputed_tokens=recomputed_tokens,
+        producer_block_ends=producer_block_ends,
+        consumer_block_ends=consumer_block_ends,
     )
-    return align_block_ids(producer_block_ids=producer_block_ids, consumer_block_ids=consumer_block_ids)
+    return align_block_ids(
+        producer_block_ids=producer_block_ids,
+        consumer_block_ids=consumer_block_ids,
+        producer_block_ends=producer_block_ends,
+        consumer_block_ends=consumer_block_ends,
+    )

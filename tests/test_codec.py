@@ -135,7 +135,7 @@ def test_encoding_is_canonical_json(message: Any) -> None:
 
 def test_release_encoding_is_pinned() -> None:
     # A change to these bytes is a wire change: it needs a protocol version bump (VER-1).
-    expected = b'{"consumer_engine_id":"c","outcome":"loaded","request_id":"r1","type":"release","v":[1,0]}'
+    expected = b'{"consumer_engine_id":"c","outcome":"loaded","request_id":"r1","type":"release","v":[1,1]}'
     assert encode(RELEASE) == expected
 
 
