@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 import attrs
 from kvspec_conformance import ReferenceConnector
 
-from kvspec import BlockIds, KVCacheConfig, TransferMode
+from kvspec import BlockIds, KVCacheConfig, TransferMode, UnsupportedHybridError
 from kvspec._plan import PairedBlocks
 from kvspec._reference import BlockPairs, check_window_coverage
 from kvspec.transport import Backend, Capabilities, Descriptor, MemoryRegion, Notification, TransferHandle
@@ -272,6 +272,9 @@ class FrontTrim(ReferenceConnector):
         prefix_hit_tokens: int,
         producer_block_ids: BlockIds,
         consumer_block_ids: BlockIds,
+        recomputed_tokens: int = 0,
+        producer_block_ends: tuple[int, ...] | None = None,
+        consumer_block_ends: tuple[int, ...] | None = None,
     ) -> PairedBlocks:
         check_window_coverage(
             config,
@@ -279,6 +282,9 @@ class FrontTrim(ReferenceConnector):
             prefix_hit_tokens=prefix_hit_tokens,
             producer_block_ids=producer_block_ids,
             consumer_block_ids=consumer_block_ids,
+            recomputed_tokens=recomputed_tokens,
+            producer_block_ends=producer_block_ends,
+            consumer_block_ends=consumer_block_ends,
         )
         if len(consumer_block_ids) == 0:
             return BlockPairs(producer_block_ids=[], consumer_block_ids=[])
@@ -310,5 +316,94 @@ class NoClipping(ReferenceConnector):
 
 
 CONNECTOR_MUTANTS: tuple[type[ReferenceConnector], ...] = (FrontTrim, ProducerIdsAsConsumerIds, NoClipping)
+
+
+# --------------------------------------------------------------------------- connectors built like vLLM's (issue 12)
+
+
+class VllmLikeConnector(ReferenceConnector):
+    """Pairs the way vLLM 0.33.0's connectors see a request: N-length lists and nothing about where they end.
+
+    vLLM builds both lists for the prompt length N and never states that C
+    recomputes token N - 1, so the window it reasons about is token N's; and a
+    clipped list carries no end, so it pairs by length alone. Everything else
+    is the reference, so only those two habits are judged.
+    """
+
+    def pair_block_ids(
+        self,
+        config: KVCacheConfig,
+        *,
+        num_tokens: int,
+        prefix_hit_tokens: int,
+        producer_block_ids: BlockIds,
+        consumer_block_ids: BlockIds,
+        recomputed_tokens: int = 0,
+        producer_block_ends: tuple[int, ...] | None = None,
+        consumer_block_ends: tuple[int, ...] | None = None,
+    ) -> PairedBlocks:
+        return super().pair_block_ids(
+            config,
+            num_tokens=num_tokens + recomputed_tokens,  # the prompt length N, as vLLM counts it
+            prefix_hit_tokens=prefix_hit_tokens,
+            producer_block_ids=producer_block_ids,
+            consumer_block_ids=consumer_block_ids,
+        )
+
+
+class Kvspec10Connector(ReferenceConnector):
+    """kvspec 0.1.0's reference (protocol 1.0): knows neither the recomputed token nor list ends."""
+
+    def pair_block_ids(
+        self,
+        config: KVCacheConfig,
+        *,
+        num_tokens: int,
+        prefix_hit_tokens: int,
+        producer_block_ids: BlockIds,
+        consumer_block_ids: BlockIds,
+        recomputed_tokens: int = 0,
+        producer_block_ends: tuple[int, ...] | None = None,
+        consumer_block_ends: tuple[int, ...] | None = None,
+    ) -> PairedBlocks:
+        return super().pair_block_ids(
+            config,
+            num_tokens=num_tokens,
+            prefix_hit_tokens=prefix_hit_tokens,
+            producer_block_ids=producer_block_ids,
+            consumer_block_ids=consumer_block_ids,
+        )
+
+
+class Protocol10Connector(ReferenceConnector):
+    """A connector written against the 1.0 seam: ``pair_block_ids`` takes no protocol 1.1 keywords."""
+
+    def pair_block_ids(  # type: ignore[override]
+        self,
+        config: KVCacheConfig,
+        *,
+        num_tokens: int,
+        prefix_hit_tokens: int,
+        producer_block_ids: BlockIds,
+        consumer_block_ids: BlockIds,
+    ) -> PairedBlocks:
+        return super().pair_block_ids(
+            config,
+            num_tokens=num_tokens,
+            prefix_hit_tokens=prefix_hit_tokens,
+            producer_block_ids=producer_block_ids,
+            consumer_block_ids=consumer_block_ids,
+        )
+
+
+REFUSAL = "this connector admits no config here (ADM-1, test refusal)"
+
+
+class RefusingConnector(ReferenceConnector):
+    """Refuses every scenario at admission, as a connector does for a hybrid it does not support."""
+
+    def check_admission(self, config: KVCacheConfig, mode: TransferMode) -> None:
+        raise UnsupportedHybridError(REFUSAL)
+
 
 _: Callable[[], Backend] = LoopbackBackend  # the mutants wrap this reference
