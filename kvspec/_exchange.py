@@ -487,6 +487,10 @@ class ProducerEndpoint(_Endpoint["_ProducerRequest"]):
             request_id=request_id,
             producer_engine_id=self.engine_id,
             producer_block_ids=advertised,
+            # The unclipped table starts at logical block 0 and holds every block of the request (ALIGN-1).
+            producer_block_ends=[
+                get_logical_block_count(g.kv_cache_spec, num_tokens) for g in self.config.kv_cache_groups
+            ],
             num_tokens=num_tokens,
             mode=self.mode,
             now=self.clock(),
@@ -588,7 +592,10 @@ class ProducerEndpoint(_Endpoint["_ProducerRequest"]):
             peer = self._peer(engine_id)
             request.consumer_agent = peer.agent
             pairs = align_block_ids(
-                producer_block_ids=session.params.producer_block_ids, consumer_block_ids=offer.consumer_block_ids
+                producer_block_ids=session.params.producer_block_ids,
+                consumer_block_ids=offer.consumer_block_ids,
+                producer_block_ends=session.params.producer_block_ends,
+                consumer_block_ends=offer.consumer_block_ends,
             )
             plan = plan_transfer(producer_config=self.config, consumer_config=peer.config, pairs=pairs)
             request.handle = self.transport.post(
@@ -671,7 +678,10 @@ class ConsumerEndpoint(_Endpoint["_ConsumerRequest"]):
         else:
             try:
                 counts = get_consumer_block_counts(
-                    self.config, num_tokens=params.num_tokens, prefix_hit_tokens=prefix_hit_tokens
+                    self.config,
+                    num_tokens=params.num_tokens,
+                    prefix_hit_tokens=prefix_hit_tokens,
+                    recomputed_tokens=params.recomputed_tokens,
                 )
                 if prefix_hit_tokens < params.num_tokens:
                     suffix = self.allocator.allocate_groups(counts)
@@ -698,6 +708,8 @@ class ConsumerEndpoint(_Endpoint["_ConsumerRequest"]):
                     prefix_hit_tokens=prefix_hit_tokens,
                     producer_block_ids=params.producer_block_ids,
                     consumer_block_ids=consumer_ids,
+                    recomputed_tokens=params.recomputed_tokens,  # protocol 1.1; 0 from a 1.0 producer
+                    producer_block_ends=params.producer_block_ends,  # None from a 1.0 producer (ALIGN-1)
                 )
                 request.plan = plan_transfer(
                     producer_config=peer.config, consumer_config=self.config, pairs=request.pairs

@@ -449,8 +449,15 @@ class ProducerSession:
         transport_data: TransportData | None = None,
         release_grace: float = DEFAULT_RELEASE_GRACE,
         drain_timeout: float = DEFAULT_DRAIN_TIMEOUT,
+        producer_block_ends: Iterable[int] | None = None,
+        recomputed_tokens: int = 0,
     ) -> ProducerSession:
-        """Pin clipped blocks for a consumer; ``session.params`` is what the router forwards (SM-1)."""
+        """Pin clipped blocks for a consumer; ``session.params`` is what the router forwards (SM-1).
+
+        ``producer_block_ends`` (protocol 1.1) is where each list ends, from the
+        unclipped table (:func:`kvspec.get_block_ends`); ``recomputed_tokens``
+        the tokens after ``num_tokens`` the lists cover but C recomputes (ALIGN-1, WIN-1).
+        """
         _check_duration("ProducerSession.lease_duration", lease_duration)
         params = TransferParams(
             request_id=request_id,
@@ -460,6 +467,8 @@ class ProducerSession:
             mode=mode,
             lease_deadline=float(now) + float(lease_duration),
             transport_data={} if transport_data is None else transport_data,
+            producer_block_ends=None if producer_block_ends is None else tuple(producer_block_ends),
+            recomputed_tokens=recomputed_tokens,
         )
         return cls(params=params, release_grace=release_grace, drain_timeout=drain_timeout)
 
