@@ -491,7 +491,13 @@ class _Driver:
 
     def _start(self, spec: Request, now: float) -> None:
         p_ids = self._producer_table(spec)
-        fill_producer_pages(self.producer_pool, p_ids, num_tokens=spec.listed_tokens, salt=spec.request_id)
+        fill_producer_pages(
+            self.producer_pool,
+            p_ids,
+            num_tokens=spec.listed_tokens,
+            salt=spec.request_id,
+            block_ends=spec.producer_block_ends,  # keyed by true position, so a shifted pairing shows (ALIGN-1)
+        )
         self.producer_expected = self.producer_pool.snapshot()
         c_ids = self._consumer_suffix(spec)
         state = _State(
@@ -521,6 +527,8 @@ class _Driver:
             num_tokens=state.spec.listed_tokens,
             salt=state.spec.request_id,
             loaded=loaded,
+            producer_block_ends=state.spec.producer_block_ends,
+            consumer_block_ends=state.spec.consumer_block_ends,
         )
 
     def _pairs(self, state: _State) -> PairedBlocks:

@@ -53,6 +53,10 @@ def test_a_connector_built_like_vllm_fails_the_window_and_lookahead_cases() -> N
     assert outcome is Outcome.FAILED
     assert "lookahead: expected BlockAlignmentError before any transfer was posted" in message
     assert "posted=True" in message
+    # The oracle keys P's pages by true position, so it sees every page land one block off.
+    assert "pages differ from the oracle" in message
+    assert "expected the page of group 0, layer 'g0.l0', position 2" in message
+    assert "found the page of group 0, layer 'g0.l0', position 3" in message
 
 
 def test_kvspec_1_0_refused_vllm_lists_and_missed_the_shift() -> None:
