@@ -414,18 +414,28 @@ def _check_prefix(config: KVCacheConfig, num_tokens: int, prefix_hit_tokens: int
 
 
 def _check_side(
-    role: str, blocks: tuple[int, ...], g: int, spec: KVCacheSpec, needed: range, *, end: int, total: int, floor: int
+    role: str,
+    blocks: tuple[int, ...],
+    g: int,
+    spec: KVCacheSpec,
+    needed: range,
+    *,
+    end: int,
+    floor: int,
+    listed_tokens: int,
 ) -> None:
     """One side's list of group g, ending at logical block ``end - 1``, against the blocks it may hold (WIN-1)."""
+    total = get_logical_block_count(spec, listed_tokens)
     if end > total:
         # A list that reaches past the request's last block was built for more tokens (or shifted).
         raise BlockAlignmentError(
             f"group {g}: the {role}'s list ends at logical block {end - 1}, past the request's last block "
-            f"{total - 1} (WIN-1)"
+            f"{total - 1} ({listed_tokens} tokens listed) (WIN-1)"
         )
     if len(blocks) > end - floor:
         raise BlockAlignmentError(
-            f"group {g}: {role} lists {len(blocks)} blocks, but the request leaves at most {end - floor} (WIN-1)"
+            f"group {g}: {role} lists {len(blocks)} blocks, but {listed_tokens} tokens leave at most {end - floor} "
+            "(WIN-1)"
         )
     first = end - len(blocks)  # the logical block of the list's first entry
     if not needed or (
@@ -491,8 +501,10 @@ def check_window_coverage(
         hit_blocks = prefix_hit_tokens // spec.block_size
         p_end = total if p_ends is None else p_ends[g]
         c_end = total if c_ends is None else c_ends[g]
-        _check_side("producer", producer[g], g, spec, needed[g], end=p_end, total=total, floor=0)
-        _check_side("consumer", consumer[g], g, spec, needed[g], end=c_end, total=total, floor=hit_blocks)
+        _check_side("producer", producer[g], g, spec, needed[g], end=p_end, floor=0, listed_tokens=listed_tokens)
+        _check_side(
+            "consumer", consumer[g], g, spec, needed[g], end=c_end, floor=hit_blocks, listed_tokens=listed_tokens
+        )
 
 
 def compute_transfer_pairs(
