@@ -180,7 +180,10 @@ def _ends(s: Scenario) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return producer, get_block_ends(s.consumer_block_ids, first_blocks=firsts)
 
 
-def _pair(pairing: Pairing, s: Scenario, producer: BlockIds, *, ends: bool, **extra: object) -> BlockPairs:
+def _pair(
+    pairing: Pairing, s: Scenario, producer: BlockIds, *, ends: bool, producer_ends: tuple[int, ...] | None = None
+) -> BlockPairs:
+    """Pair with both sides' ends declared (``ends``), P's overridden by ``producer_ends`` when given."""
     p_ends, c_ends = _ends(s)
     return pairing(
         s.config,
@@ -189,7 +192,7 @@ def _pair(pairing: Pairing, s: Scenario, producer: BlockIds, *, ends: bool, **ex
         producer_block_ids=producer,
         consumer_block_ids=s.consumer_block_ids,
         recomputed_tokens=s.recomputed_tokens,
-        producer_block_ends=extra.get("producer_block_ends", p_ends if ends else None),  # type: ignore[arg-type]
+        producer_block_ends=(producer_ends or p_ends) if ends else None,
         consumer_block_ends=c_ends if ends and len(s.consumer_block_ids) else None,
     )
 
@@ -257,7 +260,7 @@ def _check_refuses_too_long(pairing: Pairing, s: Scenario, g: int, ends: bool) -
     table = [list(ids) + ([10_000] if i == g else []) for i, ids in enumerate(s.producer_unclipped)]
     too_long_ends = get_block_ends(table)
     with pytest.raises(BlockAlignmentError, match=f"group {g}"):
-        _pair(pairing, s, longer, ends=ends, producer_block_ends=too_long_ends if ends else None)
+        _pair(pairing, s, longer, ends=ends, producer_ends=too_long_ends)
 
 
 @given(scenario=recompute_scenarios(), data=st.data(), ends=st.booleans())
@@ -304,7 +307,7 @@ def _check_shift_refused(pairing: Pairing, s: Scenario, g: int) -> None:
     clipped = get_exchange_clipped_blocks(table, blocks_per_sw(s.config))
     assert len(clipped[g]) == len(s.producer_block_ids[g])  # lengths alone cannot show the shift
     with pytest.raises(BlockAlignmentError, match="group"):
-        _pair(pairing, s, clipped, ends=True, producer_block_ends=get_block_ends(table))
+        _pair(pairing, s, clipped, ends=True, producer_ends=get_block_ends(table))
 
 
 @given(case=shifted_lists())
