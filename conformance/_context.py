@@ -101,6 +101,9 @@ class CaseContext:
         must have stopped them before any byte moved. ``rule`` names the rule
         the case checks, for the message.
         """
+        if result.refused is not None:
+            # A connector that refuses the scenario fails the case with its own words, never a KeyError.
+            raise self.fail(f"{rule}: the scenario was refused before any request ran: {result.refused}")
         problems: list[str] = []
         if result.early_completions:
             problems.append("completion was reported before the data was visible (DONE-1):")

@@ -64,6 +64,7 @@ from kvspec import (
     get_num_skipped_tokens,
     is_hma_required,
 )
+from kvspec._connector import pair_keywords
 from kvspec._driver import Driver, LiveRequest, Operation, reason_of
 from kvspec.presets import get_preset
 from kvspec.testing import (
@@ -86,6 +87,7 @@ __all__ = [
     "Request",
     "RequestOutcome",
     "Scenario",
+    "ScenarioRefused",
     "ScenarioResult",
     "run_scenario",
 ]
@@ -140,6 +142,10 @@ def _optional_ids(value: object) -> BlockIds | None:
     return None if value is None else BlockIds(value)
 
 
+def _optional_ends(value: Iterable[int] | None) -> tuple[int, ...] | None:
+    return None if value is None else tuple(value)
+
+
 @attrs.frozen(kw_only=True)
 class Request:
     """One request of a scenario.
@@ -152,6 +158,13 @@ class Request:
     again before each wave). ``abort_after_polls`` makes the consumer abort
     that many polls after the transfer started; ``disconnect_after_polls``
     makes the initiator forget its peer then (a native peer loss).
+
+    ``recomputed_tokens`` (R) are tokens after the first ``num_tokens`` that
+    both lists cover but C recomputes (vLLM: 1); generated tables are built
+    for ``num_tokens + R`` tokens and pruned with ``num_tokens`` (WIN-1).
+    ``producer_block_ends`` / ``consumer_block_ends`` are the ends each side
+    declares for its list (protocol 1.1, ALIGN-1); ``None`` is a 1.0 side
+    that declares none.
     """
 
     request_id: str
@@ -162,6 +175,14 @@ class Request:
     wave: int = 0
     abort_after_polls: int | None = None
     disconnect_after_polls: int | None = None
+    recomputed_tokens: int = 0
+    producer_block_ends: tuple[int, ...] | None = attrs.field(default=None, converter=_optional_ends)
+    consumer_block_ends: tuple[int, ...] | None = attrs.field(default=None, converter=_optional_ends)
+
+    @property
+    def listed_tokens(self) -> int:
+        """The tokens both lists cover: T plus the recomputed ones (WIN-1)."""
+        return self.num_tokens + self.recomputed_tokens
 
 
 @attrs.frozen(kw_only=True)
@@ -240,6 +261,13 @@ class RequestOutcome:
         return self.consumer_state is ConsumerState.LOADED
 
 
+class ScenarioRefused(AssertionError):
+    """A case asked for a request of a scenario the connector refused at admission or handshake.
+
+    An ``AssertionError``, so the suite reports the case FAILED with the refusal text, not as an error.
+    """
+
+
 @attrs.frozen(kw_only=True)
 class ScenarioResult:
     """What the oracle and the driver found. ``ok`` means no page, timing or leak problem."""
@@ -259,7 +287,9 @@ class ScenarioResult:
         return not (self.mismatches or self.early_completions or self.problems)
 
     def outcome(self, request_id: str) -> RequestOutcome:
-        """The outcome of one request."""
+        """The outcome of one request; :class:`ScenarioRefused` if the scenario was refused before it ran."""
+        if request_id not in self.outcomes and self.refused is not None:
+            raise ScenarioRefused(f"request {request_id!r} never ran: the scenario was refused: {self.refused}")
         return self.outcomes[request_id]
 
     def summary(self) -> str:
@@ -393,7 +423,8 @@ class _Play:
             return spec.producer_block_ids
         groups: list[list[int]] = []
         for group in self.p_config.kv_cache_groups:
-            total = get_logical_block_count(group.kv_cache_spec, num_tokens=spec.num_tokens)
+            # The table covers T + R tokens; it is pruned with the T whose KV C takes (WIN-1).
+            total = get_logical_block_count(group.kv_cache_spec, num_tokens=spec.listed_tokens)
             # P has computed every token; vLLM nulls the blocks its window skipped (docs/spec: WIN-1).
             skipped = min(
                 get_num_skipped_tokens(group.kv_cache_spec, num_computed_tokens=spec.num_tokens)
@@ -412,14 +443,23 @@ class _Play:
         if spec.prefix_hit_tokens == spec.num_tokens:
             return BlockIds([])  # full prefix hit: zero groups (CLIP-1)
         counts = get_consumer_block_counts(
-            self.c_config, num_tokens=spec.num_tokens, prefix_hit_tokens=spec.prefix_hit_tokens
+            self.c_config,
+            num_tokens=spec.num_tokens,
+            prefix_hit_tokens=spec.prefix_hit_tokens,
+            recomputed_tokens=spec.recomputed_tokens,
         )
         return BlockIds([[self.c_alloc.allocate() for _ in range(n)] for n in counts])
 
     def _start(self, spec: Request, now: float) -> None:
         scenario = self.scenario
         p_ids = self._producer_table(spec)
-        fill_producer_pages(self.producer_pool, p_ids, num_tokens=spec.num_tokens, salt=spec.request_id)
+        fill_producer_pages(
+            self.producer_pool,
+            p_ids,
+            num_tokens=spec.listed_tokens,
+            salt=spec.request_id,
+            block_ends=spec.producer_block_ends,  # keyed by true position, so a shifted pairing shows (ALIGN-1)
+        )
         self.producer_expected = self.producer_pool.snapshot()
         c_ids = self._consumer_suffix(spec)
         self.tables[spec.request_id] = _Tables(spec=spec, producer=p_ids, consumer=c_ids, started=now)
@@ -431,6 +471,9 @@ class _Play:
             mode=self.mode,
             now=now,
             lease_duration=scenario.lease,
+            # Protocol 1.1: set only when the request sets them, so they travel through the params dict.
+            producer_block_ends=spec.producer_block_ends,
+            recomputed_tokens=spec.recomputed_tokens,
             # Above the consumer's drain timeout, as the lease rule asks (SM-1).
             release_grace=1.5 * scenario.drain,
             drain_timeout=scenario.drain,
@@ -444,6 +487,7 @@ class _Play:
             consumer_block_ids=self.connector.clip_block_ids(self.c_config, c_ids),
             transfer_timeout=scenario.deadline,
             drain_timeout=scenario.drain,
+            consumer_block_ends=spec.consumer_block_ends,  # a WRITE offer carries them (ALIGN-1)
         )
         request = self.c_driver.add(LiveRequest(session=consumer, peer=self.producer_name))
         self.consumers[spec.request_id] = request
@@ -456,6 +500,13 @@ class _Play:
                     prefix_hit_tokens=spec.prefix_hit_tokens,
                     producer_block_ids=params.producer_block_ids,
                     consumer_block_ids=consumer.consumer_block_ids,
+                    # Protocol 1.1 keywords only when the request uses them, so a 1.0 connector
+                    # still runs every case that does not (VER-1).
+                    **pair_keywords(
+                        recomputed_tokens=params.recomputed_tokens,
+                        producer_block_ends=params.producer_block_ends,
+                        consumer_block_ends=consumer.consumer_block_ends,
+                    ),
                 )
                 request.plan = self.connector.plan(
                     producer_config=self.p_config, consumer_config=self.c_config, pairs=pairs
@@ -470,12 +521,18 @@ class _Play:
 
     def _plan_write(self, request: LiveRequest, offer: BlockOffer) -> TransferPlan:
         spec = self.tables[request.request_id].spec
+        params = request.session.params
         pairs = self.connector.pair_block_ids(
             self.p_config,
             num_tokens=spec.num_tokens,
             prefix_hit_tokens=spec.prefix_hit_tokens,
-            producer_block_ids=request.session.params.producer_block_ids,
+            producer_block_ids=params.producer_block_ids,
             consumer_block_ids=offer.consumer_block_ids,
+            **pair_keywords(
+                recomputed_tokens=params.recomputed_tokens,
+                producer_block_ends=params.producer_block_ends,
+                consumer_block_ends=offer.consumer_block_ends,
+            ),
         )
         return self.connector.plan(producer_config=self.p_config, consumer_config=self.c_config, pairs=pairs)
 
@@ -508,9 +565,12 @@ class _Play:
         return ExpectedLoad(
             producer_block_ids=get_exchange_clipped_blocks(tables.producer, get_blocks_per_sw(self.p_config)),
             consumer_block_ids=get_exchange_clipped_blocks(consumer, get_blocks_per_sw(self.c_config)),
-            num_tokens=tables.spec.num_tokens,
+            num_tokens=tables.spec.listed_tokens,
             salt=request_id,
             loaded=loaded,
+            # Pages are placed by where each list really ends, so a shifted pairing shows (ALIGN-1).
+            producer_block_ends=tables.spec.producer_block_ends,
+            consumer_block_ends=tables.spec.consumer_block_ends,
         )
 
     def _outcome(self, request_id: str) -> RequestOutcome:

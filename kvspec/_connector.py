@@ -7,7 +7,8 @@ connector under test in here.
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from collections.abc import Sequence
+from typing import Any, Protocol, runtime_checkable
 
 from kvspec._enums import TransferMode
 from kvspec._handshake import check_compatibility
@@ -21,7 +22,7 @@ from kvspec._reference import (
     get_exchange_clipped_blocks,
 )
 
-__all__ = ["Connector", "ReferenceConnector"]
+__all__ = ["Connector", "ReferenceConnector", "pair_keywords"]
 
 
 @runtime_checkable
@@ -56,8 +57,16 @@ class Connector(Protocol):
         prefix_hit_tokens: int,
         producer_block_ids: BlockIds,
         consumer_block_ids: BlockIds,
+        recomputed_tokens: int = 0,
+        producer_block_ends: tuple[int, ...] | None = None,
+        consumer_block_ends: tuple[int, ...] | None = None,
     ) -> BlockPairsLike:
-        """Check window coverage, then pair the clipped lists (WIN-1, ALIGN-1, NULL-1)."""
+        """Check window coverage, then pair the clipped lists (WIN-1, ALIGN-1, NULL-1).
+
+        Protocol 1.1: the lists cover ``num_tokens + recomputed_tokens`` tokens
+        (C recomputes the last ones), and each side may say where its list ends.
+        The suite passes these only in the cases that use them.
+        """
         ...
 
     def plan(
@@ -90,6 +99,9 @@ class ReferenceConnector:
         prefix_hit_tokens: int,
         producer_block_ids: BlockIds,
         consumer_block_ids: BlockIds,
+        recomputed_tokens: int = 0,
+        producer_block_ends: tuple[int, ...] | None = None,
+        consumer_block_ends: tuple[int, ...] | None = None,
     ) -> BlockPairsLike:
         """``compute_transfer_pairs`` (WIN-1, ALIGN-1, NULL-1)."""
         return compute_transfer_pairs(
@@ -98,6 +110,9 @@ class ReferenceConnector:
             prefix_hit_tokens=prefix_hit_tokens,
             producer_block_ids=producer_block_ids,
             consumer_block_ids=consumer_block_ids,
+            recomputed_tokens=recomputed_tokens,
+            producer_block_ends=producer_block_ends,
+            consumer_block_ends=consumer_block_ends,
         )
 
     def plan(
@@ -108,3 +123,25 @@ class ReferenceConnector:
 
     def __repr__(self) -> str:
         return "ReferenceConnector()"
+
+
+def pair_keywords(
+    *,
+    recomputed_tokens: int = 0,
+    producer_block_ends: Sequence[int] | None = None,
+    consumer_block_ends: Sequence[int] | None = None,
+) -> dict[str, Any]:
+    """The protocol 1.1 keywords of :meth:`Connector.pair_block_ids` that say something (VER-1, ALIGN-1, WIN-1).
+
+    A connector written for protocol 1.0 takes none of them; passing only the
+    ones that differ from their defaults lets it run every request that does
+    not use them.
+    """
+    extra: dict[str, Any] = {}
+    if recomputed_tokens:
+        extra["recomputed_tokens"] = recomputed_tokens
+    if producer_block_ends is not None:
+        extra["producer_block_ends"] = tuple(producer_block_ends)
+    if consumer_block_ends is not None:
+        extra["consumer_block_ends"] = tuple(consumer_block_ends)
+    return extra

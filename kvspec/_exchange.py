@@ -45,7 +45,7 @@ from collections.abc import Callable, Iterable, Sequence
 import attrs
 
 from kvspec._codec import decode, encode
-from kvspec._connector import Connector, ReferenceConnector
+from kvspec._connector import Connector, ReferenceConnector, pair_keywords
 from kvspec._driver import Driver, DriverFault, LiveRequest, Operation, reason_of
 from kvspec._enums import FailureReason, TransferMode
 from kvspec._errors import (
@@ -401,6 +401,10 @@ class ProducerEndpoint(_Endpoint):
             request_id=request_id,
             producer_engine_id=self.engine_id,
             producer_block_ids=advertised,
+            # The unclipped table starts at logical block 0 and holds every block of the request (ALIGN-1).
+            producer_block_ends=[
+                get_logical_block_count(g.kv_cache_spec, num_tokens=num_tokens) for g in self.config.kv_cache_groups
+            ],
             num_tokens=num_tokens,
             mode=self.mode,
             now=self.clock(),
@@ -446,10 +450,15 @@ class ProducerEndpoint(_Endpoint):
         return self._results.get(request_id)
 
     def _plan_write(self, request: LiveRequest, offer: BlockOffer) -> TransferPlan:
-        # P does not know C's prefix hit: it aligns the offer to the tail of its own list (ALIGN-1).
+        # P does not know C's prefix hit: it aligns the offer to the tail of its own list, and
+        # refuses it if both lists say where they end and the ends differ (ALIGN-1).
         peer = self._peer_by_agent(request.peer or "")
+        params = request.session.params
         pairs = compute_block_pairs(
-            producer_block_ids=request.session.params.producer_block_ids, consumer_block_ids=offer.consumer_block_ids
+            producer_block_ids=params.producer_block_ids,
+            consumer_block_ids=offer.consumer_block_ids,
+            producer_block_ends=params.producer_block_ends,
+            consumer_block_ends=offer.consumer_block_ends,
         )
         return self.connector.plan(producer_config=self.config, consumer_config=peer.config, pairs=pairs)
 
@@ -520,6 +529,7 @@ class ConsumerEndpoint(_Endpoint):
         now = self.clock()
         peer = self._peers.get(params.producer_engine_id)
         consumer_ids = BlockIds([])
+        consumer_ends: tuple[int, ...] | None = None
         check_error: KVSpecError | None = None
         if peer is None:
             check_error = TransportError(
@@ -530,12 +540,21 @@ class ConsumerEndpoint(_Endpoint):
         else:
             try:
                 counts = get_consumer_block_counts(
-                    self.config, num_tokens=params.num_tokens, prefix_hit_tokens=prefix_hit_tokens
+                    self.config,
+                    num_tokens=params.num_tokens,
+                    prefix_hit_tokens=prefix_hit_tokens,
+                    recomputed_tokens=params.recomputed_tokens,
                 )
                 if prefix_hit_tokens < params.num_tokens:
                     suffix = self.allocator.allocate_groups(counts)
                     # The counts are already within budget; clipping again is the CLIP-1 exchange point.
                     consumer_ids = self.connector.clip_block_ids(self.config, suffix)
+                    # C's suffix ends at the request's last block, T + R tokens (ALIGN-1, protocol 1.1).
+                    listed_tokens = params.num_tokens + params.recomputed_tokens
+                    consumer_ends = tuple(
+                        get_logical_block_count(g.kv_cache_spec, num_tokens=listed_tokens)
+                        for g in self.config.kv_cache_groups
+                    )
             except KVSpecError as exc:
                 check_error = exc
         session = ConsumerSession(
@@ -545,6 +564,7 @@ class ConsumerEndpoint(_Endpoint):
             start_margin=self.start_margin,
             transfer_timeout=self.transfer_timeout,
             drain_timeout=self.drain_timeout,
+            consumer_block_ends=consumer_ends,
         )
         request = self.driver.add(LiveRequest(session=session, peer=None if peer is None else peer.agent))
         self._pairs[request_id] = None
@@ -557,6 +577,12 @@ class ConsumerEndpoint(_Endpoint):
                     prefix_hit_tokens=prefix_hit_tokens,
                     producer_block_ids=params.producer_block_ids,
                     consumer_block_ids=consumer_ids,
+                    # Protocol 1.1 keywords only when they say something, so a 1.0 connector still runs (VER-1).
+                    **pair_keywords(
+                        recomputed_tokens=params.recomputed_tokens,
+                        producer_block_ends=params.producer_block_ends,
+                        consumer_block_ends=consumer_ends,
+                    ),
                 )
                 self._pairs[request_id] = BlockPairs(
                     producer_block_ids=pairs.producer_block_ids, consumer_block_ids=pairs.consumer_block_ids

@@ -56,8 +56,13 @@ __all__ = [
     "TransportData",
 ]
 
-PROTOCOL_VERSION: tuple[int, int] = (1, 0)
-"""(major, minor) of the wire protocol; independent of the package version (VER-1)."""
+PROTOCOL_VERSION: tuple[int, int] = (1, 1)
+"""(major, minor) of the wire protocol; independent of the package version (VER-1).
+
+1.1 added where each list ends (``producer_block_ends``, ``consumer_block_ends``)
+and the recomputed tokens (``recomputed_tokens``); a 1.0 peer omits them and
+keeps 1.0's behaviour (ALIGN-1, WIN-1).
+"""
 
 TransportData: TypeAlias = Mapping[str, str | int] | bytes
 """The transport's own addressing data: named values (host, port...) or opaque bytes."""
@@ -151,6 +156,27 @@ def _to_block_ids(value: object) -> object:
 def _version(inst: object, attribute: attrs.Attribute[Any], value: object) -> None:
     if not (isinstance(value, tuple) and len(value) == 2 and all(_is_int(v) and v >= 0 for v in value)):
         raise FieldError(type(inst), attribute.name, "a (major, minor) pair of non-negative ints", value)
+
+
+def _block_ends_of(ids_field: str) -> Any:
+    """Per-group ends of the list in ``ids_field``: one non-negative int per group, none shorter than its list."""
+
+    def check(inst: object, attribute: attrs.Attribute[Any], value: object) -> None:
+        if value is None:
+            return  # a 1.0 peer: where the list ends is not said (ALIGN-1)
+        if not isinstance(value, tuple) or not all(_is_int(v) and v >= 0 for v in value):
+            raise FieldError(type(inst), attribute.name, "a tuple of non-negative ints, or None", value)
+        ids = getattr(inst, ids_field)
+        if not isinstance(ids, BlockIds):
+            return  # that field's own validator names it
+        if len(value) != len(ids):
+            raise FieldError(type(inst), attribute.name, f"one end per group of {ids_field} ({len(ids)})", value)
+        for g, (end, group) in enumerate(zip(value, ids, strict=True)):
+            if end < len(group):
+                expected = f"an end of at least {len(group)} (the length of {ids_field}[{g}])"
+                raise FieldError(type(inst), f"{attribute.name}[{g}]", expected, end)
+
+    return check
 
 
 def _to_tuple(value: object) -> object:
@@ -265,6 +291,8 @@ _KEY_EXPIRY = "remote_blocks_expiry_time"
 _KEY_MODE = "transfer_mode"
 _KEY_VERSION = "kvspec_version"
 _KEY_TRANSPORT_BYTES = "kvspec_transport_data"
+_KEY_BLOCK_ENDS = "kvspec_block_ends"  # protocol 1.1 (ALIGN-1)
+_KEY_RECOMPUTED = "kvspec_recomputed_tokens"  # protocol 1.1 (WIN-1)
 
 TRANSFER_PARAMS_KEYS: frozenset[str] = frozenset(
     {
@@ -278,6 +306,8 @@ TRANSFER_PARAMS_KEYS: frozenset[str] = frozenset(
         _KEY_MODE,
         _KEY_VERSION,
         _KEY_TRANSPORT_BYTES,
+        _KEY_BLOCK_ENDS,
+        _KEY_RECOMPUTED,
     }
 )
 """Keys :meth:`TransferParams.to_kv_transfer_params` owns; transport data may not reuse them."""
@@ -312,6 +342,12 @@ class TransferParams:
 
     ``producer_block_ids`` are already clipped (CLIP-1); ``num_tokens`` is
     explicit and never inferred from a clipped group (TOK-1).
+    ``producer_block_ends`` says where each group's list ends (the logical
+    block just past its last entry, :func:`kvspec.get_block_ends`; ``None``
+    from a 1.0 peer) so the consumer can refuse a shifted list (ALIGN-1).
+    The lists cover ``num_tokens + recomputed_tokens`` tokens: C takes the KV
+    of the first ``num_tokens`` and recomputes the rest (vLLM: 1, the last
+    prompt token; WIN-1).
     ``lease_deadline`` is an absolute time on a clock both engines share
     (SM-1, the lease rule). ``transport_data`` is the transport's addressing data:
     named values travel as top-level keys of the vLLM dict (``remote_host``,
@@ -327,6 +363,10 @@ class TransferParams:
     transport_data: TransportData = attrs.field(
         factory=dict, converter=_to_transport_data, validator=_transport_data, eq=True, hash=False
     )
+    producer_block_ends: tuple[int, ...] | None = attrs.field(
+        default=None, converter=_to_tuple, validator=_block_ends_of("producer_block_ids")
+    )
+    recomputed_tokens: int = attrs.field(default=0, validator=_non_negative_int)
 
     def to_kv_transfer_params(self) -> dict[str, object]:
         """The plain dict vLLM's router carries as ``kv_transfer_params`` to the consumer.
@@ -351,6 +391,11 @@ class TransferParams:
             _KEY_MODE: self.mode.value,
             _KEY_VERSION: f"{PROTOCOL_VERSION[0]}.{PROTOCOL_VERSION[1]}",
         }
+        # 1.1 keys only when they say something, so a 1.0-shaped request stays as it was (VER-1).
+        if self.producer_block_ends is not None:
+            out[_KEY_BLOCK_ENDS] = list(self.producer_block_ends)
+        if self.recomputed_tokens:
+            out[_KEY_RECOMPUTED] = self.recomputed_tokens
         if isinstance(self.transport_data, bytes):
             out[_KEY_TRANSPORT_BYTES] = base64.b64encode(self.transport_data).decode("ascii")
         else:
@@ -390,6 +435,8 @@ class TransferParams:
             mode=_dict_mode(params),
             lease_deadline=_dict_deadline(params),
             transport_data=data,
+            producer_block_ends=_dict_block_ends(params),
+            recomputed_tokens=_dict_recomputed(params),
         )
 
 
@@ -420,6 +467,25 @@ def _dict_block_ids(params: Mapping[str, object]) -> BlockIds:
                 field = f"{_KEY_BLOCK_IDS}[{g}][{i}]"
                 raise MalformedMessageError(f"expected a non-negative int, got {block_id!r}", field=field)
     return BlockIds(groups)
+
+
+def _dict_block_ends(params: Mapping[str, object]) -> tuple[int, ...] | None:
+    if _KEY_BLOCK_ENDS not in params:
+        return None  # a 1.0 producer: where the lists end is not said (ALIGN-1)
+    value = params[_KEY_BLOCK_ENDS]
+    if not isinstance(value, (list, tuple)):
+        raise MalformedMessageError(f"expected a list of per-group ends, got {value!r}", field=_KEY_BLOCK_ENDS)
+    for g, end in enumerate(value):
+        if not _is_int(end) or end < 0:
+            raise MalformedMessageError(f"expected a non-negative int, got {end!r}", field=f"{_KEY_BLOCK_ENDS}[{g}]")
+    return tuple(value)
+
+
+def _dict_recomputed(params: Mapping[str, object]) -> int:
+    if _KEY_RECOMPUTED not in params:
+        return 0  # a 1.0 producer: C recomputes nothing the lists cover (WIN-1)
+    value: int = _need(params, _KEY_RECOMPUTED, int)  # type: ignore[assignment]
+    return value
 
 
 def _dict_mode(params: Mapping[str, object]) -> TransferMode:
@@ -468,12 +534,17 @@ class BlockOffer:
     """The consumer's blocks to write into, WRITE mode only (ADM-2, ALIGN-1).
 
     ``consumer_block_ids`` are C's clipped uncached suffix; P tail-aligns
-    its own ids against them.
+    its own ids against them. ``consumer_block_ends`` says where each
+    group's list ends (``None`` from a 1.0 peer), so P can refuse a list
+    shifted against its own (ALIGN-1).
     """
 
     request_id: str = attrs.field(validator=_non_empty_str)
     consumer_engine_id: str = attrs.field(validator=_non_empty_str)
     consumer_block_ids: BlockIds = attrs.field(converter=_to_block_ids, validator=_instance_of(BlockIds))
+    consumer_block_ends: tuple[int, ...] | None = attrs.field(
+        default=None, converter=_to_tuple, validator=_block_ends_of("consumer_block_ids")
+    )
 
 
 @attrs.frozen(kw_only=True)

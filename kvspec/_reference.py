@@ -40,6 +40,7 @@ __all__ = [
     "check_window_coverage",
     "compute_block_pairs",
     "compute_transfer_pairs",
+    "get_block_ends",
     "get_blocks_per_sw",
     "get_consumer_block_counts",
     "get_exchange_clipped_blocks",
@@ -277,8 +278,54 @@ class BlockPairs:
                 yield g, producer_id, consumer_id
 
 
-def compute_block_pairs(*, producer_block_ids: BlockIdsLike, consumer_block_ids: BlockIdsLike) -> BlockPairs:
+def get_block_ends(block_ids: BlockIdsLike, *, first_blocks: Sequence[int] | None = None) -> tuple[int, ...]:
+    """Where each group's list ends: the logical block just past its last entry (ALIGN-1, WIN-1).
+
+    ``block_ids`` is the list as the side built it, before clipping (clipping
+    keeps the tail, so the end is the same after it). A whole block table
+    starts at logical block 0, so its ends are its lengths (P's table, vLLM's
+    request block table); ``first_blocks[g]`` is the logical block of group
+    ``g``'s first entry for a list that starts later (ALIGN-1, WIN-1).
+    """
+    ids = _to_block_ids(block_ids)
+    firsts = [0] * len(ids) if first_blocks is None else list(first_blocks)
+    if len(firsts) != len(ids):
+        raise GroupCountError(f"block ids have {len(ids)} groups, first_blocks {len(firsts)} (ALIGN-1)")
+    pairs = enumerate(zip(firsts, ids, strict=True))
+    return tuple(_check_count(f"first_blocks[{g}]", first) + len(group) for g, (first, group) in pairs)
+
+
+def _check_ends(role: str, ends: Sequence[int] | None, ids: BlockIds) -> tuple[int, ...] | None:
+    """Validate the ends a side declared for its list, or pass None (a 1.0 peer) through (ALIGN-1)."""
+    if ends is None:
+        return None
+    checked = tuple(_check_count(f"{role}_block_ends[{g}]", end) for g, end in enumerate(ends))
+    if len(checked) != len(ids):
+        raise GroupCountError(f"{role} block ids have {len(ids)} groups, its block ends {len(checked)} (ALIGN-1)")
+    for g, (end, group) in enumerate(zip(checked, ids, strict=True)):
+        # A list of n ids ending at logical block `end` starts at end - n, which may not be negative.
+        if len(group) > end:
+            raise BlockAlignmentError(
+                f"group {g}: the {role}'s list holds {len(group)} blocks but says it ends at logical block "
+                f"{end - 1}, before its own length (ALIGN-1)"
+            )
+    return checked
+
+
+def compute_block_pairs(
+    *,
+    producer_block_ids: BlockIdsLike,
+    consumer_block_ids: BlockIdsLike,
+    producer_block_ends: Sequence[int] | None = None,
+    consumer_block_ends: Sequence[int] | None = None,
+) -> BlockPairs:
     """Pair C's i-th id with P's id at ``len(P[g]) - len(C[g]) + i``; drop null pairs (ALIGN-1, NULL-1).
+
+    Where both sides say where their lists end (:func:`get_block_ends`, protocol
+    1.1), each group's lists must end at the same logical block: a list
+    shifted by a block (lookahead slots on one side) is refused even when both
+    were clipped to the same length. A side that does not say (``None``, a
+    1.0 peer) is taken to end where the other ends.
 
     O(n) in the ids, in slices; a group proven null-free when its ``BlockIds``
     was built is not scanned for nulls again. At 128k tokens on Gemma 3 27B
@@ -289,6 +336,8 @@ def compute_block_pairs(*, producer_block_ids: BlockIdsLike, consumer_block_ids:
         return BlockPairs(producer_block_ids=[], consumer_block_ids=[])  # full prefix hit (ALIGN-1)
     if len(producer) != len(consumer):
         raise GroupCountError(f"producer has {len(producer)} groups, consumer {len(consumer)} (ALIGN-1)")
+    p_ends = _check_ends("producer", producer_block_ends, producer)
+    c_ends = _check_ends("consumer", consumer_block_ends, consumer)
     pairs_p: list[tuple[int, ...]] = []
     pairs_c: list[tuple[int, ...]] = []
     for g, (p, c) in enumerate(zip(producer, consumer, strict=True)):
@@ -296,6 +345,12 @@ def compute_block_pairs(*, producer_block_ids: BlockIdsLike, consumer_block_ids:
             raise BlockAlignmentError(
                 f"group {g}: consumer holds {len(c)} blocks, producer offers {len(p)}; "
                 "the consumer may hold at most as many (ALIGN-1)"
+            )
+        # Tail alignment pairs by position only if both lists end at the same logical block.
+        if p_ends is not None and c_ends is not None and p_ends[g] != c_ends[g]:
+            raise BlockAlignmentError(
+                f"group {g}: the producer's list ends at logical block {p_ends[g] - 1}, the consumer's at "
+                f"{c_ends[g] - 1}; both must end at the same block (ALIGN-1)"
             )
         # Tail alignment: C's list is its uncached suffix, so it ends where P's ends (never front-trim).
         tail = p[len(p) - len(c) :]
@@ -377,19 +432,24 @@ def get_pruned_block_ids(config: KVCacheConfig, block_ids: BlockIdsLike, *, num_
     return _derived_block_ids(pruned)
 
 
-def get_consumer_block_counts(config: KVCacheConfig, *, num_tokens: int, prefix_hit_tokens: int) -> tuple[int, ...]:
+def get_consumer_block_counts(
+    config: KVCacheConfig, *, num_tokens: int, prefix_hit_tokens: int, recomputed_tokens: int = 0
+) -> tuple[int, ...]:
     """Real blocks C allocates and offers per group for its uncached suffix, after clipping (WIN-1, CLIP-1).
 
-    Full attention: ``cdiv(T, B) - H / B``. Sliding window: from
+    Full attention: ``cdiv(T + R, B) - H / B``. Sliding window: from
     ``max(H, T - W + 1) // B`` to the last block, capped by the budget (vLLM
     allocates nulls for skipped blocks; docs/spec/worked-example.md). Zero when ``H == T``.
+    ``R`` (``recomputed_tokens``) is the trailing tokens C recomputes: its
+    list also holds the blocks they are written to (WIN-1).
     """
     _check_prefix(config, num_tokens, prefix_hit_tokens)
+    listed_tokens = num_tokens + _check_count("recomputed_tokens", recomputed_tokens)
     counts = []
     for group in config.kv_cache_groups:
         spec = group.kv_cache_spec
         needed = get_needed_block_range(spec, num_tokens=num_tokens, prefix_hit_tokens=prefix_hit_tokens)
-        count = get_logical_block_count(spec, num_tokens=num_tokens) - needed.start if needed else 0
+        count = get_logical_block_count(spec, num_tokens=listed_tokens) - needed.start if needed else 0
         budget = _budget(spec)
         counts.append(min(count, budget) if budget else count)
     return tuple(counts)
@@ -410,22 +470,39 @@ def _check_prefix(config: KVCacheConfig, num_tokens: int, prefix_hit_tokens: int
 
 
 def _check_side(
-    role: str, ids: BlockIds, g: int, spec: KVCacheSpec, num_tokens: int, needed: range, limit: int
+    role: str,
+    ids: BlockIds,
+    g: int,
+    spec: KVCacheSpec,
+    needed: range,
+    *,
+    end: int,
+    floor: int,
+    listed_tokens: int,
 ) -> None:
+    """One side's list of group g, ending at logical block ``end - 1``, against the blocks it may hold (WIN-1)."""
     blocks = ids[g]
-    total = get_logical_block_count(spec, num_tokens=num_tokens)
-    if len(blocks) > limit:
+    total = get_logical_block_count(spec, num_tokens=listed_tokens)
+    if end > total:
+        # A list that reaches past the request's last block was built for more tokens (or shifted).
         raise BlockAlignmentError(
-            f"group {g}: {role} lists {len(blocks)} blocks, but {num_tokens} tokens leave at most {limit} (WIN-1)"
+            f"group {g}: the {role}'s list ends at logical block {end - 1}, past the request's last block "
+            f"{total - 1} ({listed_tokens} tokens listed) (WIN-1)"
         )
-    first = total - len(blocks)  # the list is tail-aligned to logical block total - 1
+    if len(blocks) > end - floor:
+        raise BlockAlignmentError(
+            f"group {g}: {role} lists {len(blocks)} blocks, but {listed_tokens} tokens leave at most {end - floor} "
+            "(WIN-1)"
+        )
+    first = end - len(blocks)  # the logical block of the list's first entry
     if not needed or (
-        needed.start >= first
+        first <= needed.start
+        and needed.stop <= end
         and (ids._null_free[g] or NULL_BLOCK_ID not in blocks[needed.start - first : needed.stop - first])
     ):
         return  # the common case, checked at C speed
     for k in needed:
-        block_id = blocks[k - first] if k >= first else None
+        block_id = blocks[k - first] if first <= k < end else None
         if block_id is None or block_id == NULL_BLOCK_ID:
             found = "no block" if block_id is None else "the null block"
             span = f"tokens [{k * spec.block_size}, {(k + 1) * spec.block_size - 1}]"
@@ -442,24 +519,50 @@ def check_window_coverage(
     prefix_hit_tokens: int,
     producer_block_ids: BlockIdsLike,
     consumer_block_ids: BlockIdsLike,
+    recomputed_tokens: int = 0,
+    producer_block_ends: Sequence[int] | None = None,
+    consumer_block_ends: Sequence[int] | None = None,
 ) -> None:
     """Raise unless every block covering a needed position is real on both sides (WIN-1).
 
-    Each group's list (after clipping) is tail-aligned to logical block
-    ``cdiv(T, B_g) - 1``. ``prefix_hit_tokens`` must be a multiple of every
-    group's block size. A list longer than the blocks its side can hold is a
-    :class:`BlockAlignmentError`. Zero consumer groups (full prefix hit) pass
-    only when nothing is needed. O(groups) for groups whose ``BlockIds`` proved
-    them null-free, plus one C-speed scan of the needed ids of the others: about
-    20 us at 128k tokens on Gemma 3 27B (ids as the clip returns them) (WIN-1).
+    The lists cover ``T + R`` tokens: T whose KV C takes, then
+    ``recomputed_tokens`` (R) that C recomputes (vLLM recomputes the last
+    prompt token: T = N - 1, R = 1, lists built for N). Each group's list
+    (after clipping) ends at logical block ``end - 1``: the end the side
+    declared (:func:`get_block_ends`), or ``cdiv(T + R, B_g)`` when it
+    declared none. ``prefix_hit_tokens`` must be a multiple of every group's
+    block size. A list that ends past ``cdiv(T + R, B_g)`` or starts before
+    logical block 0 (P) or ``H / B_g`` (C) is a :class:`BlockAlignmentError`.
+    Zero consumer groups (full prefix hit) pass only when nothing is needed.
+    O(groups) for groups whose ``BlockIds`` proved them null-free, plus one
+    C-speed scan of the needed ids of the others: about 20 us at 128k tokens
+    on Gemma 3 27B (ids as the clip returns them) (WIN-1).
     """
     _check_prefix(config, num_tokens, prefix_hit_tokens)
+    listed_tokens = num_tokens + _check_count("recomputed_tokens", recomputed_tokens)
     producer, consumer = _to_block_ids(producer_block_ids), _to_block_ids(consumer_block_ids)
-    _check_coverage(config, num_tokens, prefix_hit_tokens, producer, consumer)
+    _check_coverage(
+        config,
+        num_tokens,
+        prefix_hit_tokens,
+        producer,
+        consumer,
+        listed_tokens=listed_tokens,
+        producer_block_ends=producer_block_ends,
+        consumer_block_ends=consumer_block_ends,
+    )
 
 
 def _check_coverage(
-    config: KVCacheConfig, num_tokens: int, prefix_hit_tokens: int, producer: BlockIds, consumer: BlockIds
+    config: KVCacheConfig,
+    num_tokens: int,
+    prefix_hit_tokens: int,
+    producer: BlockIds,
+    consumer: BlockIds,
+    *,
+    listed_tokens: int,
+    producer_block_ends: Sequence[int] | None,
+    consumer_block_ends: Sequence[int] | None,
 ) -> None:
     specs = [g.kv_cache_spec for g in config.kv_cache_groups]
     needed = [get_needed_block_range(s, num_tokens=num_tokens, prefix_hit_tokens=prefix_hit_tokens) for s in specs]
@@ -474,11 +577,15 @@ def _check_coverage(
     for role, ids in (("producer", producer), ("consumer", consumer)):
         if len(ids) != len(specs):
             raise GroupCountError(f"{role} block ids have {len(ids)} groups, the config {len(specs)} (WIN-1)")
+    p_ends = _check_ends("producer", producer_block_ends, producer)
+    c_ends = _check_ends("consumer", consumer_block_ends, consumer)
     for g, spec in enumerate(specs):
-        total = get_logical_block_count(spec, num_tokens=num_tokens)
+        total = get_logical_block_count(spec, num_tokens=listed_tokens)
         hit_blocks = prefix_hit_tokens // spec.block_size
-        _check_side("producer", producer, g, spec, num_tokens, needed[g], total)
-        _check_side("consumer", consumer, g, spec, num_tokens, needed[g], total - hit_blocks)
+        p_end = total if p_ends is None else p_ends[g]
+        c_end = total if c_ends is None else c_ends[g]
+        _check_side("producer", producer, g, spec, needed[g], end=p_end, floor=0, listed_tokens=listed_tokens)
+        _check_side("consumer", consumer, g, spec, needed[g], end=c_end, floor=hit_blocks, listed_tokens=listed_tokens)
 
 
 def compute_transfer_pairs(
@@ -488,6 +595,9 @@ def compute_transfer_pairs(
     prefix_hit_tokens: int,
     producer_block_ids: BlockIdsLike,
     consumer_block_ids: BlockIdsLike,
+    recomputed_tokens: int = 0,
+    producer_block_ends: Sequence[int] | None = None,
+    consumer_block_ends: Sequence[int] | None = None,
 ) -> BlockPairs:
     """Check WIN-1 before any byte moves, then pair the lists (WIN-1, ALIGN-1, NULL-1).
 
@@ -496,12 +606,38 @@ def compute_transfer_pairs(
     groups proven null-free and one C-speed scan of the needed slice
     otherwise; pairing is O(n) slices. At 128k tokens (Gemma 3 27B, 8,582 ids
     per side, ``BlockIds`` from the clip): about 50 us (measured by
-    benchmarks/bench_engine.py) (WIN-1, ALIGN-1, NULL-1).
+    benchmarks/bench_engine.py). ``recomputed_tokens`` and the block ends
+    are as in :func:`check_window_coverage`; where only one side declares its
+    ends, the other's are the request's last blocks, so a declared end
+    elsewhere is refused (WIN-1, ALIGN-1, NULL-1).
     """
     _check_prefix(config, num_tokens, prefix_hit_tokens)
+    listed_tokens = num_tokens + _check_count("recomputed_tokens", recomputed_tokens)
     producer, consumer = _to_block_ids(producer_block_ids), _to_block_ids(consumer_block_ids)
-    _check_coverage(config, num_tokens, prefix_hit_tokens, producer, consumer)
-    return compute_block_pairs(producer_block_ids=producer, consumer_block_ids=consumer)
+    _check_coverage(
+        config,
+        num_tokens,
+        prefix_hit_tokens,
+        producer,
+        consumer,
+        listed_tokens=listed_tokens,
+        producer_block_ends=producer_block_ends,
+        consumer_block_ends=consumer_block_ends,
+    )
+    if (producer_block_ends is None) != (consumer_block_ends is None):
+        # A side that declares no end sits at the request's last block, as WIN-1 placed it; pairing it
+        # by tail against a list that says it ends elsewhere would pair different positions (ALIGN-1).
+        lasts = tuple(
+            get_logical_block_count(g.kv_cache_spec, num_tokens=listed_tokens) for g in config.kv_cache_groups
+        )
+        producer_block_ends = lasts if producer_block_ends is None else producer_block_ends
+        consumer_block_ends = lasts if consumer_block_ends is None else consumer_block_ends
+    return compute_block_pairs(
+        producer_block_ids=producer,
+        consumer_block_ids=consumer,
+        producer_block_ends=producer_block_ends,
+        consumer_block_ends=consumer_block_ends,
+    )
 
 
 # --------------------------------------------------------------------------- deprecated spellings (removed in 0.3.0)

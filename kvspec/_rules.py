@@ -68,7 +68,8 @@ RULES: tuple[Rule, ...] = (
         title="Tail alignment of block pairs",
         level=Level.MUST,
         summary="Per group len(C) <= len(P) or BlockAlignmentError; C's i-th id pairs with P's id at "
-        "len(P) - len(C) + i; never front-trim.",
+        "len(P) - len(C) + i; never front-trim. Lists that say where they end (protocol 1.1) must end at the "
+        "same logical block.",
     ),
     Rule(
         id="NULL-1",
@@ -81,7 +82,8 @@ RULES: tuple[Rule, ...] = (
         title="Window coverage",
         level=Level.MUST,
         summary="Every block covering a needed position (full attention [H, T-1], sliding window "
-        "[max(H, T-W+1), T-1]) is real on both sides, or WindowCoverageError before any byte moves.",
+        "[max(H, T-W+1), T-1]) is real on both sides, or WindowCoverageError before any byte moves. Lists cover "
+        "T + R tokens when C recomputes R (vLLM: the last prompt token); a list ending past that is refused.",
     ),
     Rule(
         id="TOK-1",

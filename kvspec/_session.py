@@ -679,8 +679,15 @@ class ProducerSession:
         transport_data: TransportData | None = None,
         release_grace: float = DEFAULT_RELEASE_GRACE,
         drain_timeout: float = DEFAULT_DRAIN_TIMEOUT,
+        producer_block_ends: Iterable[int] | None = None,
+        recomputed_tokens: int = 0,
     ) -> ProducerSession:
-        """Pin clipped blocks for a consumer; ``session.params`` is what the router forwards (SM-1)."""
+        """Pin clipped blocks for a consumer; ``session.params`` is what the router forwards (SM-1).
+
+        ``producer_block_ends`` (protocol 1.1) is where each list ends, from the
+        unclipped table (:func:`kvspec.get_block_ends`); ``recomputed_tokens``
+        the tokens after ``num_tokens`` the lists cover but C recomputes (ALIGN-1, WIN-1).
+        """
         _check_duration("ProducerSession.lease_duration", lease_duration)
         params = TransferParams(
             request_id=request_id,
@@ -690,6 +697,8 @@ class ProducerSession:
             mode=mode,
             lease_deadline=float(now) + float(lease_duration),
             transport_data={} if transport_data is None else transport_data,
+            producer_block_ends=None if producer_block_ends is None else tuple(producer_block_ends),
+            recomputed_tokens=recomputed_tokens,
         )
         return cls(params=params, release_grace=release_grace, drain_timeout=drain_timeout)
 
@@ -850,6 +859,9 @@ class ConsumerSession:
     optional bound on the transfer, tighter than the lease. ``drain_timeout``
     bounds the wait for a cancelled transfer to stop; it MUST be at least the
     producer's and below the producer's release grace (SM-1, SM-2: the lease and drain rules).
+    ``consumer_block_ends`` (protocol 1.1) is where each group's list ends
+    (:func:`kvspec.get_block_ends`); the WRITE offer carries it so P can refuse
+    a list shifted against its own (ALIGN-1). ``None`` offers none, as 1.0 did.
     """
 
     def __init__(
@@ -861,6 +873,7 @@ class ConsumerSession:
         start_margin: float = 0.0,
         transfer_timeout: float | None = None,
         drain_timeout: float = DEFAULT_DRAIN_TIMEOUT,
+        consumer_block_ends: Iterable[int] | None = None,
     ) -> None:
         if not isinstance(params, TransferParams):
             raise ConfigError(f"ConsumerSession.params: expected TransferParams, got {params!r}")
@@ -873,6 +886,9 @@ class ConsumerSession:
         self.params = params
         self.consumer_engine_id = consumer_engine_id
         self.consumer_block_ids = BlockIds(consumer_block_ids)
+        self.consumer_block_ends = None if consumer_block_ends is None else tuple(consumer_block_ends)
+        if self.consumer_block_ends is not None:
+            _ = self.offer  # the offer's validator checks the ends against the lists now, not at start (ALIGN-1)
         self.start_margin = float(start_margin)
         self.transfer_timeout = None if transfer_timeout is None else float(transfer_timeout)
         self.drain_timeout = float(drain_timeout)
@@ -922,6 +938,7 @@ class ConsumerSession:
             request_id=self.params.request_id,
             consumer_engine_id=self.consumer_engine_id,
             consumer_block_ids=self.consumer_block_ids,
+            consumer_block_ends=self.consumer_block_ends,
         )
 
     @property

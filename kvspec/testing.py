@@ -230,19 +230,25 @@ def expected_page(
     return _keyed_bytes(size, "page", salt, group, layer_index, position)
 
 
-def logical_positions(config: KVCacheConfig, block_ids: BlockIds, *, num_tokens: int) -> list[list[int]]:
+def logical_positions(
+    config: KVCacheConfig, block_ids: BlockIds, *, num_tokens: int, block_ends: Sequence[int] | None = None
+) -> list[list[int]]:
     """Logical block position of every id: each group's list ends at block ``cdiv(T, B_g) - 1`` (WIN-1).
 
+    ``block_ends`` (protocol 1.1, ALIGN-1) are where the lists say they end
+    instead: group g's last id sits at logical block ``block_ends[g] - 1``.
     An empty ``block_ids`` (zero groups, a full prefix hit) gives ``[]``.
     """
     if len(block_ids) == 0:
         return []
     if len(block_ids) != config.num_groups:
         raise ConfigError(f"logical_positions: expected {config.num_groups} groups, got {len(block_ids)}")
+    if block_ends is not None and len(block_ends) != config.num_groups:
+        raise ConfigError(f"logical_positions: expected {config.num_groups} block ends, got {len(block_ends)}")
     positions: list[list[int]] = []
-    for group, ids in zip(config.kv_cache_groups, block_ids, strict=True):
-        last = -(-num_tokens // group.kv_cache_spec.block_size) - 1
-        positions.append([last - len(ids) + 1 + i for i in range(len(ids))])
+    for g, (group, ids) in enumerate(zip(config.kv_cache_groups, block_ids, strict=True)):
+        end = -(-num_tokens // group.kv_cache_spec.block_size) if block_ends is None else block_ends[g]
+        positions.append([end - len(ids) + i for i in range(len(ids))])
     return positions
 
 
@@ -252,12 +258,16 @@ def fill_producer_pages(
     *,
     num_tokens: int,
     salt: int | str = 0,
+    block_ends: Sequence[int] | None = None,
 ) -> None:
-    """Write :func:`expected_page` into every page of the producer's real blocks (NULL-1: id 0 is skipped)."""
+    """Write :func:`expected_page` into every page of the producer's real blocks (NULL-1: id 0 is skipped).
+
+    Each page is keyed by its id's logical position: by ``block_ends`` where
+    the list says where it ends (protocol 1.1), else at the request's last block.
+    """
     config = pool.config
-    for g, (ids, positions) in enumerate(
-        zip(producer_block_ids, logical_positions(config, producer_block_ids, num_tokens=num_tokens), strict=True)
-    ):
+    positions_of = logical_positions(config, producer_block_ids, num_tokens=num_tokens, block_ends=block_ends)
+    for g, (ids, positions) in enumerate(zip(producer_block_ids, positions_of, strict=True)):
         layers = config.kv_cache_groups[g].layer_names
         for block_id, position in zip(ids, positions, strict=True):
             if block_id == NULL_BLOCK_ID:
@@ -292,7 +302,9 @@ class ExpectedLoad:
     ``consumer_block_ids`` C's uncached suffix (after clipping), both as the
     engines hold them. ``loaded`` is False for a request that failed or was
     aborted: its paired consumer pages may then hold anything (FAIL-1), but
-    nothing else may change.
+    nothing else may change. ``producer_block_ends`` / ``consumer_block_ends``
+    place a list by where it really ends (protocol 1.1); ``None`` places it
+    at the request's last block.
     """
 
     producer_block_ids: BlockIds = attrs.field(converter=BlockIds)
@@ -300,15 +312,18 @@ class ExpectedLoad:
     num_tokens: int
     salt: int | str = 0
     loaded: bool = True
+    producer_block_ends: tuple[int, ...] | None = None
+    consumer_block_ends: tuple[int, ...] | None = None
 
 
 def expected_pairs(config: KVCacheConfig, load: ExpectedLoad) -> list[ExpectedPair]:
     """The pairs the oracle expects, computed independently of kvspec's reference and planner.
 
-    C's i-th id in group g pairs with P's id at ``len(P[g]) - len(C[g]) + i``
-    (tail alignment, ALIGN-1) and covers logical block
-    ``cdiv(T, B_g) - len(C[g]) + i`` (WIN-1); pairs with a null side are
-    dropped (NULL-1). A zero-group consumer list (full prefix hit) expects no copy.
+    Each of C's ids pairs with P's id of the same logical position (WIN-1):
+    each list ends at block ``cdiv(T, B_g) - 1``, or where its ends say. With
+    no ends that is C's i-th id with P's id at ``len(P[g]) - len(C[g]) + i``
+    (tail alignment, ALIGN-1). Pairs with a null or missing side are dropped
+    (NULL-1). A zero-group consumer list (full prefix hit) expects no copy.
     """
     if len(load.consumer_block_ids) == 0:
         return []
@@ -317,12 +332,17 @@ def expected_pairs(config: KVCacheConfig, load: ExpectedLoad) -> list[ExpectedPa
             f"ExpectedLoad: expected {config.num_groups} groups, got producer {len(load.producer_block_ids)} "
             f"and consumer {len(load.consumer_block_ids)}"
         )
-    positions = logical_positions(config, load.consumer_block_ids, num_tokens=load.num_tokens)
+    positions = logical_positions(
+        config, load.consumer_block_ids, num_tokens=load.num_tokens, block_ends=load.consumer_block_ends
+    )
+    producer_positions = logical_positions(
+        config, load.producer_block_ids, num_tokens=load.num_tokens, block_ends=load.producer_block_ends
+    )
     copies: list[ExpectedPair] = []
     for g, (p_ids, c_ids) in enumerate(zip(load.producer_block_ids, load.consumer_block_ids, strict=True)):
-        shift = len(p_ids) - len(c_ids)
+        by_position = dict(zip(producer_positions[g], p_ids, strict=True))
         for i, c_block in enumerate(c_ids):
-            p_block = p_ids[shift + i] if shift + i >= 0 else NULL_BLOCK_ID
+            p_block = by_position.get(positions[g][i], NULL_BLOCK_ID)
             if c_block == NULL_BLOCK_ID or p_block == NULL_BLOCK_ID:
                 continue
             copies.append(
@@ -385,7 +405,9 @@ def _producer_labels(producer: PagePool, before: PoolSnapshot, loads: Sequence[E
     for load in loads:
         if len(load.producer_block_ids) != config.num_groups:
             continue
-        positions = logical_positions(config, load.producer_block_ids, num_tokens=load.num_tokens)
+        positions = logical_positions(
+            config, load.producer_block_ids, num_tokens=load.num_tokens, block_ends=load.producer_block_ends
+        )
         for g, (ids, group_positions) in enumerate(zip(load.producer_block_ids, positions, strict=True)):
             for block, position in zip(ids, group_positions, strict=True):
                 for layer_index, layer in enumerate(config.kv_cache_groups[g].layer_names):

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import attrs
 from kvspec_conformance import ReferenceConnector
 
-from kvspec import BlockIds, DType, EngineDescriptor, FailureReason, KVCacheConfig, TransferMode
+from kvspec import BlockIds, DType, EngineDescriptor, FailureReason, KVCacheConfig, TransferMode, UnsupportedHybridError
 from kvspec._plan import BlockPairsLike
 from kvspec._reference import BlockPairs, check_window_coverage
 from kvspec.transport import Backend, Capabilities, Descriptor, MemoryRegion, Notification, TransferHandle
@@ -378,6 +379,9 @@ class FrontTrim(ReferenceConnector):
         prefix_hit_tokens: int,
         producer_block_ids: BlockIds,
         consumer_block_ids: BlockIds,
+        recomputed_tokens: int = 0,
+        producer_block_ends: tuple[int, ...] | None = None,
+        consumer_block_ends: tuple[int, ...] | None = None,
     ) -> BlockPairsLike:
         check_window_coverage(
             config,
@@ -385,6 +389,9 @@ class FrontTrim(ReferenceConnector):
             prefix_hit_tokens=prefix_hit_tokens,
             producer_block_ids=producer_block_ids,
             consumer_block_ids=consumer_block_ids,
+            recomputed_tokens=recomputed_tokens,
+            producer_block_ends=producer_block_ends,
+            consumer_block_ends=consumer_block_ends,
         )
         if len(consumer_block_ids) == 0:
             return BlockPairs(producer_block_ids=[], consumer_block_ids=[])
@@ -401,8 +408,8 @@ class ProducerIdsAsConsumerIds(ReferenceConnector):
 
     breaks = "ALIGN-1"
 
-    def pair_block_ids(self, config: KVCacheConfig, **kwargs: BlockIds | int) -> BlockPairsLike:
-        pairs = super().pair_block_ids(config, **kwargs)  # type: ignore[arg-type]
+    def pair_block_ids(self, config: KVCacheConfig, **kwargs: Any) -> BlockPairsLike:
+        pairs = super().pair_block_ids(config, **kwargs)
         return BlockPairs(producer_block_ids=pairs.producer_block_ids, consumer_block_ids=pairs.producer_block_ids)
 
 
@@ -444,5 +451,94 @@ CONNECTOR_MUTANTS: tuple[type[ReferenceConnector], ...] = (
 
 # Mutant name -> whether the suite rejected it, filled by tests/test_conformance_mutants.py; the summary prints it.
 SCORE: dict[str, bool] = {}
+
+
+# --------------------------------------------------------------------------- connectors built like vLLM's (issue 12)
+
+
+class VllmLikeConnector(ReferenceConnector):
+    """Pairs the way vLLM 0.33.0's connectors see a request: N-length lists and nothing about where they end.
+
+    vLLM builds both lists for the prompt length N and never states that C
+    recomputes token N - 1, so the window it reasons about is token N's; and a
+    clipped list carries no end, so it pairs by length alone. Everything else
+    is the reference, so only those two habits are judged.
+    """
+
+    def pair_block_ids(
+        self,
+        config: KVCacheConfig,
+        *,
+        num_tokens: int,
+        prefix_hit_tokens: int,
+        producer_block_ids: BlockIds,
+        consumer_block_ids: BlockIds,
+        recomputed_tokens: int = 0,
+        producer_block_ends: tuple[int, ...] | None = None,
+        consumer_block_ends: tuple[int, ...] | None = None,
+    ) -> BlockPairsLike:
+        return super().pair_block_ids(
+            config,
+            num_tokens=num_tokens + recomputed_tokens,  # the prompt length N, as vLLM counts it
+            prefix_hit_tokens=prefix_hit_tokens,
+            producer_block_ids=producer_block_ids,
+            consumer_block_ids=consumer_block_ids,
+        )
+
+
+class Kvspec10Connector(ReferenceConnector):
+    """kvspec 0.1.0's reference (protocol 1.0): knows neither the recomputed token nor list ends."""
+
+    def pair_block_ids(
+        self,
+        config: KVCacheConfig,
+        *,
+        num_tokens: int,
+        prefix_hit_tokens: int,
+        producer_block_ids: BlockIds,
+        consumer_block_ids: BlockIds,
+        recomputed_tokens: int = 0,
+        producer_block_ends: tuple[int, ...] | None = None,
+        consumer_block_ends: tuple[int, ...] | None = None,
+    ) -> BlockPairsLike:
+        return super().pair_block_ids(
+            config,
+            num_tokens=num_tokens,
+            prefix_hit_tokens=prefix_hit_tokens,
+            producer_block_ids=producer_block_ids,
+            consumer_block_ids=consumer_block_ids,
+        )
+
+
+class Protocol10Connector(ReferenceConnector):
+    """A connector written against the 1.0 seam: ``pair_block_ids`` takes no protocol 1.1 keywords."""
+
+    def pair_block_ids(  # type: ignore[override]
+        self,
+        config: KVCacheConfig,
+        *,
+        num_tokens: int,
+        prefix_hit_tokens: int,
+        producer_block_ids: BlockIds,
+        consumer_block_ids: BlockIds,
+    ) -> BlockPairsLike:
+        return super().pair_block_ids(
+            config,
+            num_tokens=num_tokens,
+            prefix_hit_tokens=prefix_hit_tokens,
+            producer_block_ids=producer_block_ids,
+            consumer_block_ids=consumer_block_ids,
+        )
+
+
+REFUSAL = "this connector admits no config here (ADM-1, test refusal)"
+
+
+class RefusingConnector(ReferenceConnector):
+    """Refuses every scenario at admission, as a connector does for a hybrid it does not support."""
+
+    def check_admission(self, config: KVCacheConfig, mode: TransferMode) -> None:
+        raise UnsupportedHybridError(REFUSAL)
+
 
 _: Callable[[], Backend] = LoopbackBackend  # the mutants wrap this reference

@@ -104,26 +104,35 @@ class Scenario:
     producer_unclipped: BlockIds
     producer_block_ids: BlockIds
     consumer_block_ids: BlockIds
+    recomputed_tokens: int = 0
 
 
 def build_scenario(
-    config: KVCacheConfig, num_tokens: int, prefix_hit_tokens: int, *, prune_tokens: int | None = None
+    config: KVCacheConfig,
+    num_tokens: int,
+    prefix_hit_tokens: int,
+    *,
+    prune_tokens: int | None = None,
+    recomputed_tokens: int = 0,
 ) -> Scenario:
     """P holds fresh ids for every logical block, pruned with ``prune_tokens`` (default T) then clipped.
 
-    C holds fresh ids (disjoint from P's) for its uncached, clipped suffix.
+    C holds fresh ids (disjoint from P's) for its uncached, clipped suffix. Both
+    lists cover ``T + recomputed_tokens`` tokens (vLLM: built for N, C recomputes N - 1).
     """
     next_id = 1
     producer = []
     for group in config.kv_cache_groups:
-        count = get_logical_block_count(group.kv_cache_spec, num_tokens=num_tokens)
+        count = get_logical_block_count(group.kv_cache_spec, num_tokens=num_tokens + recomputed_tokens)
         producer.append(list(range(next_id, next_id + count)))
         next_id += count
     pruned = get_pruned_block_ids(
         config, producer, num_computed_tokens=num_tokens if prune_tokens is None else prune_tokens
     )
     budgets = get_blocks_per_sw(config)
-    counts = get_consumer_block_counts(config, num_tokens=num_tokens, prefix_hit_tokens=prefix_hit_tokens)
+    counts = get_consumer_block_counts(
+        config, num_tokens=num_tokens, prefix_hit_tokens=prefix_hit_tokens, recomputed_tokens=recomputed_tokens
+    )
     consumer = []
     for count in counts:
         consumer.append(list(range(next_id, next_id + count)))
@@ -135,6 +144,7 @@ def build_scenario(
         producer_unclipped=pruned,
         producer_block_ids=get_exchange_clipped_blocks(pruned, budgets),
         consumer_block_ids=BlockIds(consumer),
+        recomputed_tokens=recomputed_tokens,
     )
 
 

@@ -77,20 +77,38 @@ engine_descriptors = st.builds(
     tp_size=positive,
     transport_metadata=st.binary(max_size=32),
 )
+
+
+def _with_ends(ids_block: BlockIds) -> st.SearchStrategy[tuple[BlockIds, tuple[int, ...] | None]]:
+    """Block ids and, for protocol 1.1, valid ends (each at least its group's length), or None (1.0)."""
+    ends = st.tuples(*(st.integers(len(g), len(g) + 2**20) for g in ids_block))
+    return st.tuples(st.just(ids_block), st.none() | ends)
+
+
+ids_and_ends = block_ids.flatmap(_with_ends)
 transfer_params = st.builds(
-    TransferParams,
+    lambda ids_ends, **kwargs: TransferParams(
+        producer_block_ids=ids_ends[0], producer_block_ends=ids_ends[1], **kwargs
+    ),
+    ids_ends=ids_and_ends,
     request_id=ids,
     producer_engine_id=ids,
-    producer_block_ids=block_ids,
     num_tokens=st.integers(0, 2**40),
     mode=st.sampled_from(TransferMode),
     lease_deadline=finite,
     transport_data=transport_data,
+    recomputed_tokens=st.integers(0, 3),
+)
+block_offers = st.builds(
+    lambda ids_ends, **kwargs: BlockOffer(consumer_block_ids=ids_ends[0], consumer_block_ends=ids_ends[1], **kwargs),
+    ids_ends=ids_and_ends,
+    request_id=ids,
+    consumer_engine_id=ids,
 )
 messages: st.SearchStrategy[Any] = st.one_of(
     engine_descriptors,
     transfer_params,
-    st.builds(BlockOffer, request_id=ids, consumer_engine_id=ids, consumer_block_ids=block_ids),
+    block_offers,
     st.builds(Completion, request_id=ids, producer_engine_id=ids),
     st.builds(
         Failure,
@@ -136,7 +154,7 @@ def test_encoding_is_canonical_json(message: Any) -> None:
 
 def test_release_encoding_is_pinned() -> None:
     # A change to these bytes is a wire change: it needs a protocol version bump (VER-1).
-    expected = b'{"consumer_engine_id":"c","outcome":"loaded","request_id":"r1","type":"release","v":[1,0]}'
+    expected = b'{"consumer_engine_id":"c","outcome":"loaded","request_id":"r1","type":"release","v":[1,1]}'
     assert encode(RELEASE) == expected
 
 
@@ -396,3 +414,54 @@ def test_schemas_allow_unknown_fields_and_require_fields_without_defaults() -> N
     schema = message_schema("failure")
     assert schema["additionalProperties"] is True
     assert set(schema["required"]) == {"type", "v", "request_id", "producer_engine_id", "reason"}
+
+
+# --------------------------------------------------------------------------- protocol 1.1: list ends, recomputed tokens
+
+
+def test_a_1_0_message_without_the_1_1_fields_decodes_to_their_defaults() -> None:
+    # What a 1.0 peer sends: no ends, no recomputed tokens, "v": [1, 0] (VER-1: older minors decode).
+    offer = {
+        "type": "block_offer",
+        "v": [1, 0],
+        "request_id": "r",
+        "consumer_engine_id": "c",
+        "consumer_block_ids": [[4]],
+    }
+    decoded = decode(json.dumps(offer).encode())
+    assert decoded == BlockOffer(request_id="r", consumer_engine_id="c", consumer_block_ids=[[4]])
+    assert isinstance(decoded, BlockOffer)
+    assert decoded.consumer_block_ends is None
+    params = json.loads(encode(PARAMS))
+    for key in ("producer_block_ends", "recomputed_tokens"):
+        del params[key]
+    params["v"] = [1, 0]
+    old = decode(json.dumps(params).encode())
+    assert isinstance(old, TransferParams)
+    assert (old.producer_block_ends, old.recomputed_tokens) == (None, 0)
+
+
+def test_the_1_1_fields_travel_and_a_1_0_reader_may_ignore_them() -> None:
+    params = attrs.evolve(PARAMS, producer_block_ends=(3, 4), recomputed_tokens=1)
+    body = json.loads(encode(params))
+    assert body["v"] == [1, 1]
+    assert (body["producer_block_ends"], body["recomputed_tokens"]) == ([3, 4], 1)
+    assert decode(encode(params)) == params
+    assert PROTOCOL_VERSION == (1, 1)
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({"consumer_block_ends": [1]}, "consumer_block_ends"),  # one end for two groups
+        ({"consumer_block_ends": [2, -1]}, "consumer_block_ends"),
+        ({"consumer_block_ends": [1, 5]}, "consumer_block_ends[0]"),  # ends before its own length
+        ({"consumer_block_ends": "2,2"}, "consumer_block_ends"),
+    ],
+)
+def test_bad_ends_are_malformed_naming_the_field(body: dict[str, object], field: str) -> None:
+    offer = {"type": "block_offer", "v": [1, 1], "request_id": "r", "consumer_engine_id": "c"}
+    data = json.dumps(offer | {"consumer_block_ids": [[4, 5], [6]]} | body).encode()
+    with pytest.raises(MalformedMessageError, match="consumer_block_ends") as info:
+        decode(data)
+    assert info.value.field == field

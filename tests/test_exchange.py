@@ -383,3 +383,26 @@ def test_a_write_that_ended_is_never_cancelled_by_the_release_that_follows(make_
     assert pair.consumer.driver.cancelled_at is None
     assert not pair.producer.errors
     assert not pair.consumer.errors
+
+
+@pytest.mark.parametrize("mode", MODES, ids=lambda m: m.value)
+def test_the_producer_says_where_its_lists_end_and_a_shifted_list_is_refused(
+    make_pair: object, mode: TransferMode
+) -> None:
+    """Protocol 1.1: P's params carry its lists' ends; a list that claims to end a block later fails ALIGN-1."""
+    pair: Pair = make_pair("gemma-3-1b", mode)  # type: ignore[operator]
+    params = pair.producer.prefill("r", num_tokens=100)
+    groups = pair.producer.config.kv_cache_groups
+    assert params.producer_block_ends == tuple(-(-100 // g.kv_cache_spec.block_size) for g in groups)
+    # As a producer whose table held one lookahead block more would say it: every end one block later.
+    shifted = attrs.evolve(params, producer_block_ends=tuple(end + 1 for end in params.producer_block_ends or ()))
+    free = pair.consumer.num_free_blocks
+    pair.consumer.begin(shifted)
+    result = pair.consumer.result("r")
+    assert result is not None
+    assert result.state is ConsumerState.FAILED
+    assert result.failure is not None
+    assert result.failure.reason is FailureReason.BLOCK_ALIGNMENT
+    assert "past the request's last block" in result.failure.detail
+    assert result.num_bytes == 0
+    assert pair.consumer.num_free_blocks == free

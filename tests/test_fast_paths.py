@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
-from strategies import Scenario, scenarios
+from strategies import Scenario, build_scenario, scenarios
 from test_plan import LAYOUTS, MODELS, Pairs, small_config
 
 import kvspec._plan as plan_module
@@ -27,8 +27,10 @@ from kvspec import (
     BlockIdsLike,
     ConfigError,
     KVCacheConfig,
+    KVCacheSpec,
     KVSpecError,
     PlanError,
+    SlidingWindowSpec,
     TransferMode,
     compute_transfer_pairs,
     get_blocks_per_sw,
@@ -73,6 +75,70 @@ def oracle_pairs(producer: BlockIds, consumer: BlockIds) -> list[list[tuple[int,
         ]
         for p, c in zip(producer, consumer, strict=True)
     ]
+
+
+def oracle_transfer(
+    config: KVCacheConfig,
+    *,
+    num_tokens: int,
+    prefix_hit_tokens: int,
+    recomputed_tokens: int,
+    producer: BlockIds,
+    consumer: BlockIds,
+    producer_ends: Sequence[int] | None,
+    consumer_ends: Sequence[int] | None,
+) -> list[list[tuple[int, int]]] | None:
+    """WIN-1, ALIGN-1 and NULL-1 position by position (protocol 1.1): the pairs, or None where kvspec must refuse.
+
+    Each list covers T + R tokens and ends where its side says, else at the
+    request's last block ``cdiv(T + R, B)``; it may neither end past that block
+    nor start before block 0 (P) or H / B (C), and both lists of a group
+    must end at the same block.
+    Every block holding a needed position (of T, not T + R) is real on both
+    sides; C's id at each position pairs with P's id at the same position.
+    """
+    if len(consumer) == 0:
+        return (
+            []
+            if all(not _needed(g.kv_cache_spec, num_tokens, prefix_hit_tokens) for g in config.kv_cache_groups)
+            else None
+        )
+    pairs: list[list[tuple[int, int]]] = []
+    for g, group in enumerate(config.kv_cache_groups):
+        spec = group.kv_cache_spec
+        b = spec.block_size
+        total = -(-(num_tokens + recomputed_tokens) // b)
+        placed: list[dict[int, int]] = []
+        side_ends: list[int] = []
+        for ids, ends, floor in ((producer[g], producer_ends, 0), (consumer[g], consumer_ends, prefix_hit_tokens // b)):
+            end = total if ends is None else ends[g]
+            if end < 0 or end > total or end - len(ids) < floor:
+                return None
+            placed.append({end - len(ids) + i: block for i, block in enumerate(ids)})
+            side_ends.append(end)
+        if side_ends[0] != side_ends[1]:
+            return None
+        if len(consumer[g]) > len(producer[g]):
+            return None
+        for position in _needed(spec, num_tokens, prefix_hit_tokens):
+            if any(side.get(position // b, NULL_BLOCK_ID) == NULL_BLOCK_ID for side in placed):
+                return None
+        on_p, on_c = placed
+        pairs.append(
+            [
+                (on_p[k], c)
+                for k, c in sorted(on_c.items())
+                if c != NULL_BLOCK_ID and on_p.get(k, NULL_BLOCK_ID) != NULL_BLOCK_ID
+            ]
+        )
+    return pairs
+
+
+def _needed(spec: KVCacheSpec, num_tokens: int, prefix_hit_tokens: int) -> range:
+    # The positions C takes from P: [H, T - 1], or from max(H, T - W + 1) in a window (WIN-1).
+    window = spec.sliding_window if isinstance(spec, SlidingWindowSpec) else None
+    start = prefix_hit_tokens if window is None else max(prefix_hit_tokens, num_tokens - window + 1)
+    return range(start, num_tokens)
 
 
 def oracle_plan(producer: KVCacheConfig, consumer: KVCacheConfig, pairs: Pairs) -> list[PageCopy]:
@@ -161,11 +227,22 @@ def test_clip_of_engine_lists_equals_clip_then_check(groups: list[list[object]],
 # --------------------------------------------------------------------------- WIN-1, ALIGN-1 on engine lists
 
 
-@given(scenario=scenarios(), seed=st.integers(0, 2**16), nulls=st.integers(0, 3))
-def test_pairs_from_engine_lists_equal_the_pair_by_pair_oracle(scenario: Scenario, seed: int, nulls: int) -> None:
-    """Plain lists (what vLLM hands over, ids shuffled, stray nulls) give the pairs and refusals of the oracle."""
+_SHIFTS = (None, -1, 0, 1)
+
+
+@given(scenario=scenarios(), seed=st.integers(0, 2**16), nulls=st.integers(0, 3), recomputed=st.integers(0, 2))
+def test_pairs_from_engine_lists_equal_the_pair_by_pair_oracle(
+    scenario: Scenario, seed: int, nulls: int, recomputed: int
+) -> None:
+    """Plain lists (what vLLM hands over, ids shuffled, stray nulls) give the pairs and refusals of the oracle.
+
+    Protocol 1.1 too: lists built for T + R tokens, with each side's ends
+    undeclared, at the request's last block, or one block off either way
+    (WIN-1, ALIGN-1).
+    """
     rng = random.Random(seed)
     config, t, h = scenario.config, scenario.num_tokens, scenario.prefix_hit_tokens
+    scenario = build_scenario(config, t, h, recomputed_tokens=recomputed)
     # Rename ids through a shuffled pool, and null a few at random: coverage may now fail, as it must.
     pool = list(range(1, 10_000))
     rng.shuffle(pool)
@@ -183,11 +260,22 @@ def test_pairs_from_engine_lists_equal_the_pair_by_pair_oracle(scenario: Scenari
     # The slow way: BlockIds built from the clipped lists with every null re-scanned (no null-free proofs).
     p_slow = BlockIds._from_trusted(p_clipped.groups)
     c_slow = BlockIds._from_trusted(c_clipped.groups)
+    lasts = [-(-(t + recomputed) // g.kv_cache_spec.block_size) for g in config.kv_cache_groups]
 
-    def outcome(p: BlockIdsLike, c: BlockIdsLike) -> object:
+    def ends(shift: int | None) -> tuple[int, ...] | None:
+        return None if shift is None else tuple(max(0, last + shift) for last in lasts)
+
+    def outcome(p: BlockIdsLike, c: BlockIdsLike, p_ends: Sequence[int] | None, c_ends: Sequence[int] | None) -> object:
         try:
             pairs = compute_transfer_pairs(
-                config, num_tokens=t, prefix_hit_tokens=h, producer_block_ids=p, consumer_block_ids=c
+                config,
+                num_tokens=t,
+                prefix_hit_tokens=h,
+                producer_block_ids=p,
+                consumer_block_ids=c,
+                recomputed_tokens=recomputed,
+                producer_block_ends=p_ends,
+                consumer_block_ends=c_ends,
             )
         except KVSpecError as exc:
             return type(exc), str(exc)
@@ -195,11 +283,23 @@ def test_pairs_from_engine_lists_equal_the_pair_by_pair_oracle(scenario: Scenari
             list(zip(*g, strict=True)) for g in zip(pairs.producer_block_ids, pairs.consumer_block_ids, strict=True)
         ]
 
-    fast = outcome(p_clipped, c_clipped)
-    assert fast == outcome(p_slow, c_slow)
-    assert fast == outcome([list(g) for g in p_clipped], [list(g) for g in c_clipped])
-    if isinstance(fast, list):
-        assert fast == oracle_pairs(p_clipped, c_clipped)
+    for p_ends, c_ends in itertools.product(map(ends, _SHIFTS), repeat=2):
+        fast = outcome(p_clipped, c_clipped, p_ends, c_ends)
+        assert fast == outcome(p_slow, c_slow, p_ends, c_ends)
+        assert fast == outcome([list(g) for g in p_clipped], [list(g) for g in c_clipped], p_ends, c_ends)
+        if isinstance(fast, list) and p_ends is None and c_ends is None:
+            assert fast == oracle_pairs(p_clipped, c_clipped)
+        by_position = oracle_transfer(
+            config,
+            num_tokens=t,
+            prefix_hit_tokens=h,
+            recomputed_tokens=recomputed,
+            producer=p_clipped,
+            consumer=c_clipped,
+            producer_ends=p_ends,
+            consumer_ends=c_ends,
+        )
+        assert fast == by_position if by_position is not None else not isinstance(fast, list), (p_ends, c_ends)
 
 
 # --------------------------------------------------------------------------- PLAN-1

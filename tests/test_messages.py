@@ -298,3 +298,57 @@ def test_the_message_catalogue_lists_every_field() -> None:
             assert f"| `{field.name}` |" in section, f"{cls.__name__}.{field.name} is missing from the catalogue"
     for key in TRANSFER_PARAMS_KEYS:
         assert f"`{key}`" in page, f"kv_transfer_params key {key} is missing from the catalogue"
+
+
+# --------------------------------------------------------------------------- protocol 1.1: list ends, recomputed tokens
+
+
+def test_the_1_1_keys_travel_in_kv_transfer_params_only_when_they_say_something() -> None:
+    plain = PARAMS.to_kv_transfer_params()
+    assert "kvspec_block_ends" not in plain
+    assert "kvspec_recomputed_tokens" not in plain
+    assert plain["kvspec_version"] == "1.1"
+    params = attrs.evolve(PARAMS, producer_block_ends=(3, 5), recomputed_tokens=1)
+    d = params.to_kv_transfer_params()
+    assert (d["kvspec_block_ends"], d["kvspec_recomputed_tokens"]) == ([3, 5], 1)
+    assert TransferParams.from_kv_transfer_params(d) == params
+    assert TransferParams.from_kv_transfer_params(json.loads(json.dumps(d))) == params
+
+
+def test_a_1_0_producer_dict_keeps_1_0_behaviour() -> None:
+    # A 1.0 producer's dict: no 1.1 keys, version 1.0. Ends unknown, nothing recomputed (ALIGN-1, WIN-1).
+    d = PARAMS.to_kv_transfer_params() | {"kvspec_version": "1.0"}
+    parsed = TransferParams.from_kv_transfer_params(d)
+    assert (parsed.producer_block_ends, parsed.recomputed_tokens) == (None, 0)
+    assert parsed == PARAMS
+
+
+@pytest.mark.parametrize(
+    ("extra", "field"),
+    [
+        ({"kvspec_block_ends": 3}, "kvspec_block_ends"),
+        ({"kvspec_block_ends": [3, "5"]}, "kvspec_block_ends[1]"),
+        ({"kvspec_block_ends": [3, -1]}, "kvspec_block_ends[1]"),
+        ({"kvspec_recomputed_tokens": -1}, "kvspec_recomputed_tokens"),
+        ({"kvspec_recomputed_tokens": True}, "kvspec_recomputed_tokens"),
+    ],
+)
+def test_bad_1_1_keys_name_the_key(extra: dict[str, object], field: str) -> None:
+    with pytest.raises(MalformedMessageError, match="expected") as info:
+        TransferParams.from_kv_transfer_params(PARAMS.to_kv_transfer_params() | extra)
+    assert info.value.field == field
+
+
+@pytest.mark.parametrize(
+    ("ends", "message"),
+    [
+        ((3,), r"TransferParams.producer_block_ends: expected one end per group of producer_block_ids \(2\)"),
+        ((3, 2), r"TransferParams.producer_block_ends\[1\]: expected an end of at least 3"),
+        ((3, -4), "a tuple of non-negative ints, or None"),
+        ("3,3", "a tuple of non-negative ints, or None"),
+    ],
+)
+def test_ends_must_fit_their_lists(ends: object, message: str) -> None:
+    with pytest.raises(FieldError, match=message):
+        attrs.evolve(PARAMS, producer_block_ends=ends)
+    assert attrs.evolve(PARAMS, producer_block_ends=[3, 3]).producer_block_ends == (3, 3)

@@ -416,7 +416,7 @@ def test_coverage_agrees_with_a_position_by_position_oracle(scenario: Scenario, 
     producer = broken if side == "producer" else s.producer_block_ids
     consumer = broken if side == "consumer" else s.consumer_block_ids
     expected = _oracle_covered(s.config, s.num_tokens, s.prefix_hit_tokens, producer, consumer)
-    kwargs = {"num_tokens": s.num_tokens, "prefix_hit_tokens": s.prefix_hit_tokens}
+    kwargs: dict[str, Any] = {"num_tokens": s.num_tokens, "prefix_hit_tokens": s.prefix_hit_tokens}
     if expected:
         check_window_coverage(s.config, producer_block_ids=producer, consumer_block_ids=consumer, **kwargs)
     else:
@@ -469,7 +469,7 @@ def test_window_boundaries_with_nulls_on_either_side(t: int) -> None:
     assert needed.start == first // 16
     scenario = build_scenario(config, t, 0)
     p, c = scenario.producer_block_ids, scenario.consumer_block_ids
-    kwargs = {"num_tokens": t, "prefix_hit_tokens": 0}
+    kwargs: dict[str, Any] = {"num_tokens": t, "prefix_hit_tokens": 0}
     check_window_coverage(config, producer_block_ids=p, consumer_block_ids=c, **kwargs)
     total = -(-t // 16)
 

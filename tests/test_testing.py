@@ -5,12 +5,21 @@ from __future__ import annotations
 from collections.abc import Iterator
 from multiprocessing import shared_memory
 
+import attrs
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from kvspec_conformance.strategies import configs
 
-from kvspec import BlockIds, FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor, SlidingWindowSpec
+from kvspec import (
+    BlockIds,
+    ConfigError,
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheTensor,
+    SlidingWindowSpec,
+)
 from kvspec.testing import (
     ExpectedLoad,
     MismatchKind,
@@ -100,6 +109,31 @@ def test_positions_are_tail_aligned() -> None:
     assert logical_positions(config, P_IDS, num_tokens=10) == [[0, 1, 2], [1, 2]]
     assert logical_positions(config, C_IDS, num_tokens=10) == [[1, 2], [1, 2]]
     assert logical_positions(config, BlockIds([]), num_tokens=10) == []
+
+
+def test_positions_follow_declared_ends() -> None:
+    # Protocol 1.1: a list that says it ends a block later sits a block later (ALIGN-1).
+    config = make_config()
+    assert logical_positions(config, P_IDS, num_tokens=10, block_ends=(4, 3)) == [[1, 2, 3], [1, 2]]
+    with pytest.raises(ConfigError, match="expected 2 block ends, got 1"):
+        logical_positions(config, P_IDS, num_tokens=10, block_ends=(3,))
+
+
+def test_expected_pairs_pair_by_position_when_a_list_ends_later() -> None:
+    # P's list ends one block past the request (a lookahead block): by position, C's blocks 1..2 take P's
+    # blocks at positions 1..2, which are P's first two ids, not its last two as tail alignment would pair.
+    config = make_config()
+    shifted = ExpectedLoad(
+        producer_block_ids=[[1, 2, 3], [4, 5]],
+        consumer_block_ids=[[7, 8], [9, 10]],
+        num_tokens=10,
+        producer_block_ends=(4, 4),
+    )
+    pairs = [(c.group, c.position, c.producer_block, c.consumer_block) for c in expected_pairs(config, shifted)]
+    assert pairs == [(0, 1, 1, 7), (0, 2, 2, 8), (1, 2, 4, 10)]
+    # Ends that agree with the request's last block change nothing.
+    same = attrs.evolve(LOAD, producer_block_ends=(3, 3), consumer_block_ends=(3, 3))
+    assert expected_pairs(config, same) == expected_pairs(config, LOAD)
 
 
 def test_expected_copies_tail_align_and_drop_nulls() -> None:

@@ -1,5 +1,5 @@
 """The conformance cases; importing this package registers every case."""
 
-from . import data, exchange, handshake, lifecycle, transport
+from . import data, exchange, handshake, lifecycle, positions, transport
 
-__all__ = ["data", "exchange", "handshake", "lifecycle", "transport"]
+__all__ = ["data", "exchange", "handshake", "lifecycle", "positions", "transport"]
