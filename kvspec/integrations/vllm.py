@@ -49,10 +49,14 @@ from kvspec._plan import PairedBlocks, TransferPlan, plan_transfer
 __all__ = [
     "CONNECTORS",
     "VLLM_VERSION",
+    "RawPairs",
     "VllmConnector",
     "from_vllm_kv_cache_config",
     "import_vllm",
     "make_connector",
+    "pair_moriio",
+    "pair_mooncake",
+    "pair_nixl",
     "to_vllm_kv_cache_config",
 ]
 
@@ -260,9 +264,21 @@ def build_vllm_config(
         ),
     )
     if num_lookahead_tokens:
-        # vLLM derives this from a speculative config; the block logic reads only the number.
-        object.__setattr__(vllm_config, "num_lookahead_tokens", num_lookahead_tokens)
+        # vLLM derives the lookahead from a speculative config, which needs a draft model; the
+        # block logic reads only this number, so a subclass answers it and changes nothing else.
+        base = type(vllm_config)
+        vllm_config.__class__ = _lookahead_class(base, num_lookahead_tokens)
     return vllm_config
+
+
+_LOOKAHEAD_CLASSES: dict[tuple[type, int], type] = {}
+
+
+def _lookahead_class(base: type, lookahead: int) -> type:
+    key = (base, lookahead)
+    if key not in _LOOKAHEAD_CLASSES:
+        _LOOKAHEAD_CLASSES[key] = type(base.__name__, (base,), {"num_lookahead_tokens": property(lambda _: lookahead)})
+    return _LOOKAHEAD_CLASSES[key]
 
 
 def _scheduler_class(connector: str) -> Any:
@@ -326,7 +342,11 @@ def _vllm_error(connector: str, exc: Exception) -> BlockAlignmentError:
     return BlockAlignmentError(f"vLLM {connector} refuses to pair (ALIGN-1): {exc}")
 
 
-def pair_moriio(scheduler: Any, producer: Sequence[Sequence[int]], consumer: Sequence[Sequence[int]]) -> BlockPairs:
+RawPairs = tuple[list[list[int]], list[list[int]]]
+"""(producer lists, consumer lists) exactly as a vLLM connector pairs them, null ids included."""
+
+
+def pair_moriio(scheduler: Any, producer: Sequence[Sequence[int]], consumer: Sequence[Sequence[int]]) -> RawPairs:
     """MoRI-IO READ: per group, ``MoRIIOConnectorScheduler._align_read_blocks`` on the clipped lists (ALIGN-1)."""
     local_out: list[list[int]] = []
     remote_out: list[list[int]] = []
@@ -341,10 +361,10 @@ def pair_moriio(scheduler: Any, producer: Sequence[Sequence[int]], consumer: Seq
             raise _vllm_error("moriio", exc) from exc
         local_out.append(list(aligned_local))
         remote_out.append(list(aligned_remote))
-    return _pairs(remote_out, local_out, "moriio")
+    return remote_out, local_out
 
 
-def pair_nixl(producer: Sequence[Sequence[int]], consumer: Sequence[Sequence[int]], *, connector: str) -> BlockPairs:
+def pair_nixl(producer: Sequence[Sequence[int]], consumer: Sequence[Sequence[int]], *, connector: str) -> RawPairs:
     """NIXL: the worker's ``_apply_prefix_caching`` (decode list, prefill list), logical ids (ALIGN-1).
 
     The method reads only ``_has_mamba`` from its worker; a namespace carrying
@@ -358,12 +378,10 @@ def pair_nixl(producer: Sequence[Sequence[int]], consumer: Sequence[Sequence[int
         decode, prefill = worker._apply_prefix_caching(stand_in, _as_lists(consumer), _as_lists(producer), 1, 1)
     except (AssertionError, ValueError) as exc:
         raise _vllm_error(connector, exc) from exc
-    return _pairs(prefill, decode, connector)
+    return _as_lists(prefill), _as_lists(decode)
 
 
-def pair_mooncake(
-    config: Any, producer: Sequence[Sequence[int]], consumer: Sequence[Sequence[int]]
-) -> BlockPairs:
+def pair_mooncake(config: Any, producer: Sequence[Sequence[int]], consumer: Sequence[Sequence[int]]) -> RawPairs:
     """Mooncake: the producer worker's ``_build_transfer_params``, one region per group at base 0 (ALIGN-1).
 
     With a one-byte block every pointer it computes is a block id, so the
@@ -404,7 +422,7 @@ def pair_mooncake(
         group = s // stride
         out_p[group] += range(s % stride, s % stride + n)
         out_c[group] += range(d % stride, d % stride + n)
-    return _pairs(out_p, out_c, "mooncake")
+    return out_p, out_c
 
 
 # --------------------------------------------------------------------------- the Connector seam
@@ -469,10 +487,12 @@ class VllmConnector:
         if len(consumer_block_ids) == 0:
             return BlockPairs(producer_block_ids=[], consumer_block_ids=[])
         if self.name == "moriio":
-            return pair_moriio(self.scheduler(config), producer_block_ids, consumer_block_ids)
-        if self.name == "mooncake":
-            return pair_mooncake(to_vllm_kv_cache_config(config), producer_block_ids, consumer_block_ids)
-        return pair_nixl(producer_block_ids, consumer_block_ids, connector=self.name)
+            raw = pair_moriio(self.scheduler(config), producer_block_ids, consumer_block_ids)
+        elif self.name == "mooncake":
+            raw = pair_mooncake(to_vllm_kv_cache_config(config), producer_block_ids, consumer_block_ids)
+        else:
+            raw = pair_nixl(producer_block_ids, consumer_block_ids, connector=self.name)
+        return _pairs(raw[0], raw[1], self.name)
 
     def plan(
         self, *, producer_config: KVCacheConfig, consumer_config: KVCacheConfig, pairs: PairedBlocks
