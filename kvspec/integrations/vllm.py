@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import logging
 import os
 import types
 from collections.abc import Callable, Sequence
@@ -73,13 +74,18 @@ def import_vllm(module: str = "vllm") -> Any:
     when vLLM is not installed (ADM-1).
     """
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    quiet = "VLLM_LOGGING_LEVEL" not in os.environ
     try:
-        return importlib.import_module(module)
+        imported = importlib.import_module(module)
     except ImportError as exc:
         raise BackendUnavailableError(
             f"kvspec.integrations.vllm needs vllm=={VLLM_VERSION} (pip install 'kvspec[vllm]'; on a CPU-only "
             f"machine see docs/how-to/vllm-connector.md): cannot import {module}: {exc}"
         ) from exc
+    if quiet:
+        # vLLM warns at import about the missing GPU, Triton and RDMA libraries; none concerns block logic.
+        logging.getLogger("vllm").setLevel(logging.ERROR)
+    return imported
 
 
 # --------------------------------------------------------------------------- config translation
@@ -338,8 +344,9 @@ def _pairs(producer: Sequence[Sequence[int]], consumer: Sequence[Sequence[int]],
         raise BlockAlignmentError(f"vLLM {connector} would post these pairs, which kvspec refuses: {exc}") from exc
 
 
-def _vllm_error(connector: str, exc: Exception) -> BlockAlignmentError:
-    return BlockAlignmentError(f"vLLM {connector} refuses to pair (ALIGN-1): {exc}")
+def _vllm_error(connector: str, exc: Exception, where: str) -> BlockAlignmentError:
+    said = str(exc) or "a bare assert, no message"
+    return BlockAlignmentError(f"vLLM {connector} refuses to pair in {where} (ALIGN-1): {type(exc).__name__}: {said}")
 
 
 RawPairs = tuple[list[list[int]], list[list[int]]]
@@ -358,7 +365,7 @@ def pair_moriio(scheduler: Any, producer: Sequence[Sequence[int]], consumer: Seq
                 list(local), list(remote), scheduler._max_decode_tail_blocks
             )
         except ValueError as exc:
-            raise _vllm_error("moriio", exc) from exc
+            raise _vllm_error("moriio", exc, "MoRIIOConnectorScheduler._align_read_blocks") from exc
         local_out.append(list(aligned_local))
         remote_out.append(list(aligned_remote))
     return remote_out, local_out
@@ -377,7 +384,7 @@ def pair_nixl(producer: Sequence[Sequence[int]], consumer: Sequence[Sequence[int
     try:
         decode, prefill = worker._apply_prefix_caching(stand_in, _as_lists(consumer), _as_lists(producer), 1, 1)
     except (AssertionError, ValueError) as exc:
-        raise _vllm_error(connector, exc) from exc
+        raise _vllm_error(connector, exc, "NixlBaseConnectorWorker._apply_prefix_caching") from exc
     return _as_lists(prefill), _as_lists(decode)
 
 
@@ -415,7 +422,9 @@ def pair_mooncake(config: Any, producer: Sequence[Sequence[int]], consumer: Sequ
     coro = worker_cls._build_transfer_params(stand_in, [("r", send)], agent, regions, regions)
     src, dst, lengths, errors, message = asyncio.run(coro)
     if errors:
-        raise BlockAlignmentError(f"vLLM mooncake refuses to pair (ALIGN-1): {message}")
+        raise BlockAlignmentError(
+            f"vLLM mooncake refuses to pair in MooncakeConnectorWorker._build_transfer_params (ALIGN-1): {message}"
+        )
     out_p: list[list[int]] = [[] for _ in producer]
     out_c: list[list[int]] = [[] for _ in producer]
     for s, d, n in zip(src, dst, lengths, strict=True):
