@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import posixpath
 import re
 import sys
@@ -364,6 +365,69 @@ def render_diagrams_page(diagrams: Any) -> str:
     return "\n".join(out) + "\n"
 
 
+VLLM_AUDIT_JSON = ROOT / "docs" / "explanation" / "vllm-audit.json"
+VLLM_FINDINGS_PAGE = "explanation/vllm-findings.md"
+
+
+def vllm_audit_snippets(audit: Mapping[str, Any]) -> dict[str, str]:
+    """Tables for the findings page from the committed ``kvspec vllm-audit --json`` output.
+
+    ``vllm-audit:summary`` is the per-connector table; ``vllm-audit:class:NAME``
+    is one deviation class: counts per connector and the smallest reproducer.
+    """
+    requests, pairs, closed = audit["requests"], audit["pairs"], audit["failed_closed"]
+    by_class: dict[str, list[Mapping[str, Any]]] = {}
+    for item in audit["classes"]:
+        by_class.setdefault(item["class"], []).append(item)
+    summary = [
+        "| Connector | Requests | Pairs posted | Failed closed | Deviation classes (requests) |",
+        "|---|---:|---:|---:|---|",
+    ]
+    for connector, count in requests.items():
+        mine = [c for c in audit["classes"] if c["connector"] == connector]
+        listed = ", ".join(f"[{c['class']}](#{c['class']}) ({c['requests']})" for c in mine) or "none"
+        summary.append(f"| `{connector}` | {count:,} | {pairs[connector]:,} | {closed[connector]:,} | {listed} |")
+    snippets = {"vllm-audit:summary": "\n".join(summary) + "\n"}
+    for name, items in by_class.items():
+        out = [
+            f"Rule **{items[0]['rule']}**. Found at seed {audit['seed']} in vLLM {audit['vllm_version']}:",
+            "",
+            "| Connector | Requests | Findings | Smallest reproducer |",
+            "|---|---:|---:|---|",
+        ]
+        for item in items:
+            r = item["reproducer"]
+            where = f"group {r['group']}: {r['detail']}" + (f"; pair `{r['pair']}`" if r.get("pair") else "")
+            case = (
+                f"`{' + '.join(r['groups'])}`, N={r['num_tokens']}, H={r['prefix_hit_tokens']}, "
+                f"lookahead={r['lookahead']}; {where}"
+            ).replace("|", "\\|")
+            out.append(f"| `{item['connector']}` | {item['requests']} | {item['findings']} | {case} |")
+        first = items[0]["reproducer"]
+        out += [
+            "",
+            f"Lists of the first reproducer (`{items[0]['connector']}`), one per group, long ones shortened:",
+            "",
+            "```text",
+            f"producer {first['producer_list']}",
+            f"consumer {first['consumer_list']}",
+            "```",
+        ]
+        snippets[f"vllm-audit:class:{name}"] = "\n".join(out) + "\n"
+    return snippets
+
+
+def check_vllm_findings_page(markdown: str, audit: Mapping[str, Any]) -> None:
+    """Every class in the committed audit has a section on the findings page, and no section outlives its class."""
+    documented = set(re.findall(r"<!--\s*kvspec:vllm-audit:class:([\w-]+)\s*-->", markdown))
+    found = {c["class"] for c in audit["classes"]}
+    if documented != found:
+        raise PluginError(
+            f"{VLLM_FINDINGS_PAGE}: deviation classes differ from {VLLM_AUDIT_JSON.name}: "
+            f"undocumented {sorted(found - documented)}, no longer found {sorted(documented - found)}"
+        )
+
+
 def _bytes_table(rows: Sequence[tuple[str, int, int, int]]) -> str:
     out = ["| Model | Tokens | Unclipped | Clipped | Saved |", "|---|---:|---:|---:|---:|"]
     for model, tokens, unclipped, clipped in rows:
@@ -518,6 +582,8 @@ def on_files(files: Files, config: Any) -> Files:
     for name in diagrams.SEQUENCES:
         snippets[f"sequence:{name}"] = _fence("mermaid", diagrams.sequence_diagram(name))
     snippets.update(_raised_by_snippets(errors))
+    _STATE["vllm_audit"] = json.loads(VLLM_AUDIT_JSON.read_text(encoding="utf-8"))
+    snippets.update(vllm_audit_snippets(_STATE["vllm_audit"]))
     _STATE["snippets"] = snippets
 
     # CHANGELOG.md links into docs/ so that it reads right on a forge; on the site those links are relative.
@@ -538,6 +604,8 @@ def on_page_markdown(markdown: str, page: Any, config: Any, files: Files) -> str
 
     if src == ERRORS_PAGE:
         check_errors_page(markdown)
+    if src == VLLM_FINDINGS_PAGE:
+        check_vllm_findings_page(markdown, _STATE["vllm_audit"])
     markdown = MARKER.sub(replace, markdown)
     if src.startswith("spec/") and src != CATALOGUE:
         markdown = link_rule_sections(markdown, src, _STATE["by_rule"])

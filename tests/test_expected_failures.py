@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-
-from kvspec import Level
 from kvspec_conformance import run_suite
 from kvspec_conformance._report import CaseResult, Outcome
 from kvspec_conformance._runner import apply_expected_failures, parse_expected_failures
+
+from kvspec import Level
 
 ROOT = Path(__file__).resolve().parent.parent
 TESTS = Path(__file__).resolve().parent
@@ -29,7 +29,9 @@ def _result(outcome: Outcome, case_id: str = CASE) -> CaseResult:
 
 
 def test_parse_reads_lines_comments_and_refuses_unknown_ids() -> None:
-    parsed = parse_expected_failures(["# a comment", "", f"{CASE} = vLLM clips differently", "A/b=x=y"], known=[CASE, "A/b"])
+    parsed = parse_expected_failures(
+        ["# a comment", "", f"{CASE} = vLLM clips differently", "A/b=x=y"], known=[CASE, "A/b"]
+    )
     assert parsed == {CASE: "vLLM clips differently", "A/b": "x=y"}
     with pytest.raises(ValueError, match="no case 'NOPE/x'"):
         parse_expected_failures(["NOPE/x=reason"])

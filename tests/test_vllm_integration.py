@@ -16,6 +16,9 @@ from typing import Any
 import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
+from kvspec_conformance import run_suite
+from kvspec_conformance._report import Outcome
+from kvspec_conformance.configs import GroupShape, chunked, full, make_config, mamba, mla, sw, sw_mla
 
 from kvspec import (
     BlockAlignmentError,
@@ -27,9 +30,6 @@ from kvspec import (
     blocks_per_sw,
     get_exchange_clipped_blocks,
 )
-from kvspec_conformance import run_suite
-from kvspec_conformance._report import Outcome
-from kvspec_conformance.configs import GroupShape, chunked, full, make_config, mamba, mla, sw, sw_mla
 
 ROOT = Path(__file__).resolve().parent.parent
 AUDIT_JSON = ROOT / "docs" / "explanation" / "vllm-audit.json"
@@ -99,7 +99,9 @@ def test_translation_refuses_what_kvspec_does_not_model(vllm: Any) -> None:
     with pytest.raises(ConfigError, match="SinkFullAttentionSpec has no kvspec counterpart"):
         from_vllm_kv_cache_config(_vllm_config(vi.SinkFullAttentionSpec(**common, sink_len=16)))
     with pytest.raises(ConfigError, match="extra_retained_tokens=4"):
-        from_vllm_kv_cache_config(_vllm_config(vi.SlidingWindowSpec(**common, sliding_window=64, extra_retained_tokens=4)))
+        from_vllm_kv_cache_config(
+            _vllm_config(vi.SlidingWindowSpec(**common, sliding_window=64, extra_retained_tokens=4))
+        )
     excluded = _vllm_config(vi.FullAttentionSpec(**common))
     excluded.kv_cache_groups[0] = dataclasses.replace(excluded.kv_cache_groups[0], enable_kv_transfer=False)
     with pytest.raises(ConfigError, match="enable_kv_transfer=False"):
@@ -224,10 +226,8 @@ def test_committed_audit_matches_a_fresh_run(vllm: Any) -> None:
     from kvspec.integrations.vllm_audit import AUDIT_CONNECTORS, run_audit
 
     committed = json.loads(AUDIT_JSON.read_text(encoding="utf-8"))
-    fresh = run_audit(
-        connectors=AUDIT_CONNECTORS, requests=sum(committed["requests"].values()) // 4, seed=committed["seed"]
-    )
+    fresh = run_audit(connectors=AUDIT_CONNECTORS, requests=committed["requests"]["reference"], seed=committed["seed"])
     assert fresh.to_dict() == committed, (
         "docs/explanation/vllm-audit.json is stale: regenerate it with "
-        "bash benchmarks/vllm_audit.sh --write (then update the findings page)\n" + fresh.render()
+        "python benchmarks/bench_vllm_audit.py --write-json (then update the findings page)\n" + fresh.render()
     )

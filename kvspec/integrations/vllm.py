@@ -10,6 +10,7 @@ the matching kvspec error with vLLM's message kept.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import importlib
 import logging
@@ -27,6 +28,7 @@ from kvspec._errors import (
     GroupCountError,
     UnsupportedHybridError,
 )
+from kvspec._handshake import check_compatibility
 from kvspec._models import (
     BlockIds,
     ChunkedLocalAttentionSpec,
@@ -43,9 +45,8 @@ from kvspec._models import (
     SlidingWindowSpec,
     TransferMode,
 )
-from kvspec._handshake import check_compatibility
-from kvspec._reference import BlockPairs
 from kvspec._plan import PairedBlocks, TransferPlan, plan_transfer
+from kvspec._reference import BlockPairs
 
 __all__ = [
     "CONNECTORS",
@@ -82,10 +83,14 @@ def import_vllm(module: str = "vllm") -> Any:
             f"kvspec.integrations.vllm needs vllm=={VLLM_VERSION} (pip install 'kvspec[vllm]'; on a CPU-only "
             f"machine see docs/how-to/vllm-connector.md): cannot import {module}: {exc}"
         ) from exc
-    if quiet:
+    if quiet and not _QUIETED:
         # vLLM warns at import about the missing GPU, Triton and RDMA libraries; none concerns block logic.
         logging.getLogger("vllm").setLevel(logging.ERROR)
+        _QUIETED.append(True)
     return imported
+
+
+_QUIETED: list[bool] = []
 
 
 # --------------------------------------------------------------------------- config translation
@@ -182,6 +187,19 @@ def _from_vllm_spec(spec: Any, where: str) -> KVCacheSpec:
 def to_vllm_kv_cache_config(config: KVCacheConfig) -> Any:
     """The same cache as vLLM's ``KVCacheConfig`` (its own classes), every group transferred (HMA-1)."""
     interface = import_vllm(_INTERFACE)
+    if interface.__name__ == _INTERFACE and config in _TRANSLATED:
+        return copy.deepcopy(_TRANSLATED[config])
+    translated = _translate(interface, config)
+    if len(_TRANSLATED) > 64:
+        _TRANSLATED.clear()
+    _TRANSLATED[config] = translated
+    return copy.deepcopy(translated)
+
+
+_TRANSLATED: dict[KVCacheConfig, Any] = {}
+
+
+def _translate(interface: Any, config: KVCacheConfig) -> Any:
     return interface.KVCacheConfig(
         num_blocks=config.num_blocks,
         kv_cache_tensors=[
@@ -313,7 +331,7 @@ def build_scheduler(
     num_lookahead_tokens: int = 0,
     engine_id: str = "kvspec",
 ) -> Any:
-    """vLLM's connector scheduler for ``config``, by its own ``__init__``; its refusal is UnsupportedHybridError (ADM-1)."""
+    """vLLM's connector scheduler for ``config``, by its own ``__init__``; refusal: UnsupportedHybridError (ADM-1)."""
     cls = _scheduler_class(connector)
     vllm_config = build_vllm_config(
         connector,
@@ -416,8 +434,11 @@ def pair_mooncake(config: Any, producer: Sequence[Sequence[int]], consumer: Sequ
     ]
     send = types.SimpleNamespace(local_block_ids=_as_lists(producer))
     agent = types.SimpleNamespace(
-        req_blocks={"r": (None, _as_lists(consumer))}, remote_hostname="127.0.0.1", remote_port=0,
-        remote_tp_rank=0, remote_tp_size=1,
+        req_blocks={"r": (None, _as_lists(consumer))},
+        remote_hostname="127.0.0.1",
+        remote_port=0,
+        remote_tp_rank=0,
+        remote_tp_size=1,
     )
     coro = worker_cls._build_transfer_params(stand_in, [("r", send)], agent, regions, regions)
     src, dst, lengths, errors, message = asyncio.run(coro)

@@ -25,7 +25,6 @@ the connector's: the oracle must then find nothing.
 
 from __future__ import annotations
 
-import itertools
 import json
 import random
 import time
@@ -57,7 +56,6 @@ from kvspec.integrations.vllm import (
     VLLM_VERSION,
     build_scheduler,
     import_vllm,
-    pair_moriio,
     pair_mooncake,
     pair_nixl,
     to_vllm_kv_cache_config,
@@ -222,7 +220,9 @@ def generate_cases(count: int, seed: int) -> list[AuditCase]:
         if rng.random() < 0.35 and n > block_size:
             cached = rng.randint(1, (n - 1) // block_size) * block_size
         lookahead = rng.choice((0, 0, 0, 1, 2, 3, 4, 7))
-        cases.append(AuditCase(index=index, groups=groups, num_tokens=n, cached_prefix_tokens=cached, lookahead=lookahead))
+        cases.append(
+            AuditCase(index=index, groups=groups, num_tokens=n, cached_prefix_tokens=cached, lookahead=lookahead)
+        )
     return cases
 
 
@@ -332,8 +332,8 @@ def _drive(case: AuditCase, connector: str, config: KVCacheConfig, engines: tupl
     block_size = case.groups[0].block_size
     n = case.num_tokens
     rid = f"req{case.index}"
-    rng = random.Random(case.index)
-    tokens = [rng.randrange(1, 30_000) for _ in range(n)]
+    # Distinct tokens per request: the only prefix hit is the one the case asks for.
+    tokens = list(range(1 + case.index * (_MAX_TOKENS + 1), 1 + case.index * (_MAX_TOKENS + 1) + n))
     name = "nixl" if connector == "reference" else connector
     producer_sched = build_scheduler(
         name, config, role="kv_producer", mode=TransferMode.READ, num_lookahead_tokens=case.lookahead
@@ -358,7 +358,9 @@ def _drive(case: AuditCase, connector: str, config: KVCacheConfig, engines: tupl
         processed_computed_tokens=max(0, p_req.num_computed_tokens - p_req.num_in_flight_tokens),
         num_prompt_tokens=p_req.num_prompt_tokens,
     )
-    p_blocks = p_manager.get_block_ids_for_computed_tokens(request_id=rid, num_computed_tokens=p_req.num_computed_tokens)
+    p_blocks = p_manager.get_block_ids_for_computed_tokens(
+        request_id=rid, num_computed_tokens=p_req.num_computed_tokens
+    )
     producer_table = _tuples(p_manager.get_block_ids(rid))
     _, returned = producer_sched.request_finished(p_req, p_blocks)
     if connector == "mooncake":
@@ -436,7 +438,9 @@ def _drive(case: AuditCase, connector: str, config: KVCacheConfig, engines: tupl
 _Lists = tuple[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]]
 
 
-def _zip_pairs(producer: Sequence[Sequence[int]], consumer: Sequence[Sequence[int]]) -> tuple[tuple[tuple[int, int], ...], ...]:
+def _zip_pairs(
+    producer: Sequence[Sequence[int]], consumer: Sequence[Sequence[int]]
+) -> tuple[tuple[tuple[int, int], ...], ...]:
     return tuple(tuple(zip(p, c, strict=True)) for p, c in zip(producer, consumer, strict=True))
 
 
@@ -458,7 +462,10 @@ def _pair(
         table = manager.get_block_ids(rid)
         budgets = blocks_per_sw(config)
         producer = get_exchange_clipped_blocks(
-            [g[: -(-num_tokens // s.kv_cache_spec.block_size)] for g, s in zip(remote, config.kv_cache_groups, strict=True)],
+            [
+                g[: -(-num_tokens // s.kv_cache_spec.block_size)]
+                for g, s in zip(remote, config.kv_cache_groups, strict=True)
+            ],
             budgets,
         )
         consumer = get_exchange_clipped_blocks(
@@ -471,7 +478,11 @@ def _pair(
         if hit >= num_tokens:
             return (_tuples(producer), ()), ()
         paired = compute_transfer_pairs(
-            config, num_tokens=num_tokens, prefix_hit_tokens=hit, producer_block_ids=producer, consumer_block_ids=consumer
+            config,
+            num_tokens=num_tokens,
+            prefix_hit_tokens=hit,
+            producer_block_ids=producer,
+            consumer_block_ids=consumer,
         )
         return (_tuples(producer), _tuples(consumer)), _zip_pairs(paired.producer_block_ids, paired.consumer_block_ids)
     scheduler.update_state_after_alloc(request, blocks, external)
@@ -557,11 +568,13 @@ def check_drive(config: KVCacheConfig, drive: _Drive) -> list[Finding]:
                         Finding(
                             deviation="writes-cached-prefix",
                             group=g,
-                            detail=f"consumer block {c} is logical {lc}, inside the {drive.prefix_hit_tokens}-token hit",
+                            detail=f"consumer block {c} is logical {lc}, in the hit",
                             pair=(p, c),
                         )
                     )
-        needed = get_needed_block_range(spec, num_tokens=drive.first_computed, prefix_hit_tokens=drive.prefix_hit_tokens)
+        needed = get_needed_block_range(
+            spec, num_tokens=drive.first_computed, prefix_hit_tokens=drive.prefix_hit_tokens
+        )
         held = drive.prefix_hit_tokens // spec.block_size
         for k in needed:
             if k < held:
@@ -603,7 +616,9 @@ def check_kvspec(config: KVCacheConfig, drive: _Drive, findings: Sequence[Findin
             return []
         return [Finding(deviation="kvspec-refuses-correct-lists", group=-1, detail=f"{type(exc).__name__}: {exc}")]
     if wrong:
-        return [Finding(deviation="kvspec-accepts-wrong-lists", group=-1, detail="check_window_coverage and pairing pass")]
+        return [
+            Finding(deviation="kvspec-accepts-wrong-lists", group=-1, detail="check_window_coverage and pairing pass")
+        ]
     return []
 
 
@@ -746,16 +761,13 @@ def run_audit(
     pairs = {name: 0 for name in connectors}
     closed = {name: 0 for name in connectors}
     found: dict[tuple[str, str], list[tuple[AuditCase, _Drive, Finding, int]]] = {}
-    engines: dict[tuple[tuple[GroupShape, ...], str], tuple[KVCacheConfig, tuple[_Engine, _Engine]]] = {}
     for step, case in enumerate(cases):
+        block_size = case.groups[0].block_size
+        # Pools sized to the request, so building vLLM's managers costs in proportion to it.
+        per_group = -(-(case.num_tokens + case.lookahead) // block_size) + 4
+        config = _config(case.groups, len(case.groups) * per_group + 16)
         for name in connectors:
-            key = (case.groups, name)
-            if key not in engines:
-                blocks = len(case.groups) * (-(-(_MAX_TOKENS + 4096) // case.groups[0].block_size)) + 64
-                config = _config(case.groups, blocks)
-                engines = {k: v for k, v in engines.items() if k[0] == case.groups}  # keep memory flat
-                engines[key] = (config, (_engine(config, case.groups[0].block_size), _engine(config, case.groups[0].block_size)))
-            config, pair_of_engines = engines[key]
+            pair_of_engines = (_engine(config, block_size), _engine(config, block_size))
             drive = _drive(case, name, config, pair_of_engines)
             counts[name] += 1
             pairs[name] += sum(len(g) for g in drive.pairs or ())
