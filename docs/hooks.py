@@ -417,8 +417,41 @@ def vllm_audit_snippets(audit: Mapping[str, Any]) -> dict[str, str]:
     return snippets
 
 
+VLLM_EXPECTED = ROOT / "docs" / "explanation" / "vllm-expected"
+
+
+def vllm_expected_failures() -> dict[str, dict[str, str]]:
+    """Connector name -> {case id: reason}, from the committed ``--expect-fail-file`` lists."""
+    from kvspec_conformance._runner import parse_expected_failures
+
+    return {
+        path.stem: parse_expected_failures(path.read_text(encoding="utf-8").splitlines())
+        for path in sorted(VLLM_EXPECTED.glob("*.txt"))
+    }
+
+
+def vllm_expected_table(expected: Mapping[str, Mapping[str, str]]) -> str:
+    """One table of every failing case per connector, with its reason and a link to the section explaining it."""
+    out = ["| Connector | Failing case | Reason |", "|---|---|---|"]
+    for connector, cases in expected.items():
+        for case_id, reason in cases.items():
+            text, _, anchor = reason.rpartition(" (#")
+            link = f"[{text}](#{anchor.rstrip(')')})" if anchor else reason
+            out.append(f"| `vllm:{connector}` | `{case_id}` | {link} |")
+    return "\n".join(out) + "\n"
+
+
 def check_vllm_findings_page(markdown: str, audit: Mapping[str, Any]) -> None:
-    """Every class in the committed audit has a section on the findings page, and no section outlives its class."""
+    """Every audit class and every expected failure has its section on the findings page, and nothing stale stays."""
+    headings = {slugify(m.group(1).strip(), "-") for m in re.finditer(r"^#{2,4}\s+(.+)$", markdown, re.MULTILINE)}
+    for connector, cases in vllm_expected_failures().items():
+        for case_id, reason in cases.items():
+            anchor = reason.rpartition(" (#")[2].rstrip(")")
+            if anchor not in headings:
+                raise PluginError(
+                    f"{VLLM_FINDINGS_PAGE}: vllm-expected/{connector}.txt explains {case_id} with #{anchor}, "
+                    f"which is no section of the page"
+                )
     documented = set(re.findall(r"<!--\s*kvspec:vllm-audit:class:([\w-]+)\s*-->", markdown))
     found = {c["class"] for c in audit["classes"]}
     if documented != found:
@@ -584,6 +617,7 @@ def on_files(files: Files, config: Any) -> Files:
     snippets.update(_raised_by_snippets(errors))
     _STATE["vllm_audit"] = json.loads(VLLM_AUDIT_JSON.read_text(encoding="utf-8"))
     snippets.update(vllm_audit_snippets(_STATE["vllm_audit"]))
+    snippets["vllm-expected:tables"] = vllm_expected_table(vllm_expected_failures())
     _STATE["snippets"] = snippets
 
     # CHANGELOG.md links into docs/ so that it reads right on a forge; on the site those links are relative.

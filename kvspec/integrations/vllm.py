@@ -53,6 +53,8 @@ __all__ = [
     "VLLM_VERSION",
     "RawPairs",
     "VllmConnector",
+    "build_scheduler",
+    "build_vllm_config",
     "from_vllm_kv_cache_config",
     "import_vllm",
     "make_connector",

@@ -66,7 +66,12 @@ __all__ = [
     "DEVIATIONS",
     "AuditCase",
     "AuditReport",
+    "ClassResult",
     "Deviation",
+    "Finding",
+    "GroupShape",
+    "check_drive",
+    "check_kvspec",
     "generate_cases",
     "run_audit",
 ]
