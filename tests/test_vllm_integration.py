@@ -31,6 +31,8 @@ from kvspec import (
     get_exchange_clipped_blocks,
 )
 
+pytestmark = pytest.mark.vllm
+
 ROOT = Path(__file__).resolve().parent.parent
 AUDIT_JSON = ROOT / "docs" / "explanation" / "vllm-audit.json"
 
@@ -231,3 +233,20 @@ def test_committed_audit_matches_a_fresh_run(vllm: Any) -> None:
         "docs/explanation/vllm-audit.json is stale: regenerate it with "
         "python benchmarks/bench_vllm_audit.py --write-json (then update the findings page)\n" + fresh.render()
     )
+
+
+@pytest.mark.parametrize("name", ["mooncake"])
+def test_every_failing_case_is_a_documented_expected_failure(vllm: Any, name: str) -> None:
+    """The whole suite against vLLM's connector: no error, and every failure is one the findings page explains."""
+    listed = ROOT / "docs" / "explanation" / "vllm-expected" / f"{name}.txt"
+    out = subprocess.run(
+        [sys.executable, "-m", "kvspec", "conform", "loopback", "--connector", f"vllm:{name}", "-q"]
+        + ["--expect-fail-file", str(listed)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=os.environ,
+        timeout=900,
+    )
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
+    assert " 0 failed, 0 errors" in out.stdout

@@ -4,3 +4,5 @@
 vLLM's own connector code under the conformance suite and the audit.
 ``import kvspec`` never imports an engine.
 """
+
+__all__: list[str] = []
