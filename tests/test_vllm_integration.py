@@ -240,8 +240,18 @@ def test_every_failing_case_is_a_documented_expected_failure(vllm: Any, name: st
     """The whole suite against vLLM's connector: no error, and every failure is one the findings page explains."""
     listed = ROOT / "docs" / "explanation" / "vllm-expected" / f"{name}.txt"
     out = subprocess.run(
-        [sys.executable, "-m", "kvspec", "conform", "loopback", "--connector", f"vllm:{name}", "-q"]
-        + ["--expect-fail-file", str(listed)],
+        [
+            sys.executable,
+            "-m",
+            "kvspec",
+            "conform",
+            "loopback",
+            "--connector",
+            f"vllm:{name}",
+            "-q",
+            "--expect-fail-file",
+            str(listed),
+        ],
         capture_output=True,
         text=True,
         cwd=ROOT,
