@@ -514,8 +514,16 @@ class VllmConnector:
         prefix_hit_tokens: int,
         producer_block_ids: BlockIds,
         consumer_block_ids: BlockIds,
+        recomputed_tokens: int = 0,
+        producer_block_ends: tuple[int, ...] | None = None,
+        consumer_block_ends: tuple[int, ...] | None = None,
     ) -> PairedBlocks:
-        """vLLM's own pairing of the clipped lists; no WIN-1 check, as in vLLM (ALIGN-1, NULL-1)."""
+        """vLLM's own pairing of the clipped lists; no WIN-1 check, as in vLLM (ALIGN-1, NULL-1).
+
+        vLLM's lists say nothing of where they end, so the protocol 1.1
+        arguments (``recomputed_tokens``, the block ends) are accepted and, as
+        vLLM would, not used.
+        """
         if len(consumer_block_ids) == 0:
             return BlockPairs(producer_block_ids=[], consumer_block_ids=[])
         if self.name == "moriio":
