@@ -554,5 +554,12 @@ def make_connector(name: str) -> VllmConnector:
     """The adapter for ``vllm:NAME``; checks that vLLM imports (ADM-1)."""
     if name not in CONNECTORS:
         raise ConfigError(f"vLLM connector: expected one of {sorted(CONNECTORS)}, got {name!r}")
+    # Import everything now: importing vLLM takes seconds, which no scenario deadline should pay.
     import_vllm(_INTERFACE)
+    import_vllm("vllm.config")
+    _scheduler_class(name)
+    if name == "mooncake":
+        import_vllm("vllm.distributed.kv_transfer.kv_connector.v1.mooncake.mooncake_connector")
+    elif name != "moriio":
+        import_vllm("vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker")
     return VllmConnector(name)
