@@ -260,3 +260,45 @@ def test_every_failing_case_is_a_documented_expected_failure(vllm: Any, name: st
     )
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
     assert " 0 failed, 0 errors" in out.stdout
+
+
+def _case(groups: str, num_tokens: int, lookahead: int = 0, cached: int = 0) -> Any:
+    from kvspec.integrations.vllm_audit import AuditCase
+    from kvspec.integrations.vllm_audit import GroupShape as Shape
+
+    shapes = []
+    for text in groups.split("+"):
+        kind, _, size = text.strip().partition("/B")
+        shapes.append(Shape(block_size=int(size), window=0 if kind == "full" else int(kind[2:])))
+    return AuditCase(
+        index=0, groups=tuple(shapes), num_tokens=num_tokens, cached_prefix_tokens=cached, lookahead=lookahead
+    )
+
+
+# The smallest reproducers the audit reported (seed 11), pinned: vLLM's own code must keep showing each.
+PINNED = [
+    ("nixl", "full/B16 + sw32/B16 + sw256/B16", 63, 7, "needed-block-null-on-consumer"),
+    ("mooncake", "full/B16 + sw32/B16 + sw256/B16", 63, 7, "needed-block-null-on-consumer"),
+    ("moriio", "full/B16 + sw48/B16 + sw4080/B16", 61, 7, "shifted-pair"),
+    ("moriio", "full/B16 + sw48/B16 + sw4080/B16", 61, 7, "needed-block-not-transferred"),
+    ("moriio", "full/B32 + sw96/B32", 224, 2, "reads-null-block"),
+    ("moriio", "full/B16 + sw65/B16", 95, 1, "writes-null-block"),
+]
+
+
+@pytest.mark.parametrize(("connector", "groups", "num_tokens", "lookahead", "deviation"), PINNED)
+def test_pinned_reproducers(
+    vllm: Any, connector: str, groups: str, num_tokens: int, lookahead: int, deviation: str
+) -> None:
+    from kvspec.integrations.vllm_audit import audit_case
+
+    case = _case(groups, num_tokens, lookahead)
+    _, findings = audit_case(case, connector)
+    assert deviation in {f.deviation for f in findings}
+    # kvspec's own functions on the same vLLM tables: no deviation (at most a refusal before posting).
+    _, reference = audit_case(case, "reference")
+    assert reference == [], reference
+    # One token fewer and the window boundary (N - W + 1) % B == 0 is gone: so is the NIXL and Mooncake class.
+    if deviation == "needed-block-null-on-consumer":
+        _, fewer = audit_case(_case(groups, num_tokens - 1, lookahead), connector)
+        assert deviation not in {f.deviation for f in fewer}

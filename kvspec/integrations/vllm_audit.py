@@ -70,6 +70,7 @@ __all__ = [
     "Deviation",
     "Finding",
     "GroupShape",
+    "audit_case",
     "check_drive",
     "check_kvspec",
     "generate_cases",
@@ -745,6 +746,17 @@ def _size(case: AuditCase) -> tuple[int, int, int]:
     return (case.num_tokens, case.lookahead, case.index)
 
 
+def audit_case(case: AuditCase, connector: str) -> tuple[_Drive, list[Finding]]:
+    """Drive one request through ``connector`` and vLLM's own managers; every finding of the oracle (WIN-1)."""
+    block_size = case.groups[0].block_size
+    # Pools sized to the request, so building vLLM's managers costs in proportion to it.
+    per_group = -(-(case.num_tokens + case.lookahead) // block_size) + 4
+    config = _config(case.groups, len(case.groups) * per_group + 16)
+    drive = _drive(case, connector, config, (_engine(config, block_size), _engine(config, block_size)))
+    findings = check_drive(config, drive)
+    return drive, findings + check_kvspec(config, drive, findings)
+
+
 def run_audit(
     *,
     connectors: Sequence[str] = ("moriio", "nixl", "mooncake"),
@@ -767,18 +779,11 @@ def run_audit(
     closed = {name: 0 for name in connectors}
     found: dict[tuple[str, str], list[tuple[AuditCase, _Drive, Finding, int]]] = {}
     for step, case in enumerate(cases):
-        block_size = case.groups[0].block_size
-        # Pools sized to the request, so building vLLM's managers costs in proportion to it.
-        per_group = -(-(case.num_tokens + case.lookahead) // block_size) + 4
-        config = _config(case.groups, len(case.groups) * per_group + 16)
         for name in connectors:
-            pair_of_engines = (_engine(config, block_size), _engine(config, block_size))
-            drive = _drive(case, name, config, pair_of_engines)
+            drive, findings = audit_case(case, name)
             counts[name] += 1
             pairs[name] += sum(len(g) for g in drive.pairs or ())
             closed[name] += drive.failed_closed is not None
-            findings = check_drive(config, drive)
-            findings += check_kvspec(config, drive, findings)
             by_class: dict[str, list[Finding]] = {}
             for f in findings:
                 by_class.setdefault(f.deviation, []).append(f)
