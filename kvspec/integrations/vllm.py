@@ -51,6 +51,10 @@ from kvspec._reference import BlockPairs
 __all__ = [
     "CONNECTORS",
     "VLLM_VERSION",
+    "MooncakeConnector",
+    "MoriioConnector",
+    "NixlConnector",
+    "NixlPushConnector",
     "RawPairs",
     "VllmConnector",
     "build_scheduler",
@@ -464,7 +468,9 @@ def pair_mooncake(config: Any, producer: Sequence[Sequence[int]], consumer: Sequ
 class VllmConnector:
     """A ``kvspec_conformance.Connector`` whose admission, clipping and pairing are vLLM's own code.
 
-    ``name`` is one of :data:`CONNECTORS`. Admission builds the connector's
+    ``name`` is one of :data:`CONNECTORS`; :func:`make_connector` returns the
+    subclass named for it (``NixlConnector``, ...), which a reproducer can
+    build with no argument. Admission builds the connector's
     consumer-side scheduler with vLLM's constructor (MoRI-IO in the suite's
     mode); clipping calls its ``get_exchange_clipped_blocks`` (Mooncake:
     ``get_sw_clipped_blocks``); pairing calls the method named in
@@ -541,6 +547,41 @@ class VllmConnector:
         return plan_transfer(producer_config=producer_config, consumer_config=consumer_config, pairs=pairs)
 
 
+class MoriioConnector(VllmConnector):
+    """``vllm:moriio``: MoRI-IO's scheduler decides admission (READ or WRITE) and pairs (ALIGN-1)."""
+
+    def __init__(self) -> None:
+        super().__init__("moriio")
+
+
+class NixlConnector(VllmConnector):
+    """``vllm:nixl``: the NIXL pull scheduler and worker pairing (ALIGN-1)."""
+
+    def __init__(self) -> None:
+        super().__init__("nixl")
+
+
+class NixlPushConnector(VllmConnector):
+    """``vllm:nixl-push``: the NIXL push scheduler and worker pairing (ALIGN-1)."""
+
+    def __init__(self) -> None:
+        super().__init__("nixl-push")
+
+
+class MooncakeConnector(VllmConnector):
+    """``vllm:mooncake``: the Mooncake scheduler and its sender's pairing (ALIGN-1)."""
+
+    def __init__(self) -> None:
+        super().__init__("mooncake")
+
+
+_CLASSES: dict[str, Callable[[], VllmConnector]] = {
+    "moriio": MoriioConnector,
+    "nixl": NixlConnector,
+    "nixl-push": NixlPushConnector,
+    "mooncake": MooncakeConnector,
+}
+
 CONNECTORS: dict[str, str] = {
     "moriio": "MoRIIOConnectorScheduler (READ and WRITE admission); pairing _align_read_blocks",
     "nixl": "NixlPullConnectorScheduler; pairing NixlBaseConnectorWorker._apply_prefix_caching",
@@ -562,4 +603,4 @@ def make_connector(name: str) -> VllmConnector:
         import_vllm("vllm.distributed.kv_transfer.kv_connector.v1.mooncake.mooncake_connector")
     elif name != "moriio":
         import_vllm("vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker")
-    return VllmConnector(name)
+    return _CLASSES[name]()
