@@ -263,6 +263,13 @@ def from_vllm_kv_cache_config(vllm_config: Any) -> KVCacheConfig:
 
 
 _MAX_MODEL_LEN = 262_144
+# The kv_connector name vLLM's config takes for each short name.
+_KV_CONNECTOR_CLASS = {
+    "moriio": "MoRIIOConnector",
+    "nixl": "NixlConnector",
+    "nixl-push": "NixlConnector",
+    "mooncake": "MooncakeConnector",
+}
 
 
 def build_vllm_config(
@@ -280,13 +287,11 @@ def build_vllm_config(
         extra = {"handshake_port": 0, "notify_port": 0}
         if mode is TransferMode.READ:
             extra["read_mode"] = True
-    names = {"moriio": "MoRIIOConnector", "nixl": "NixlConnector", "nixl-push": "NixlConnector"}
-    names["mooncake"] = "MooncakeConnector"
     if connector == "nixl-push":
         extra["push_mode"] = True
     vllm_config = config.VllmConfig(
         kv_transfer_config=config.KVTransferConfig(
-            kv_connector=names[connector], kv_role=role, kv_connector_extra_config=extra
+            kv_connector=_KV_CONNECTOR_CLASS[connector], kv_role=role, kv_connector_extra_config=extra
         ),
         cache_config=config.CacheConfig(block_size=block_size),
         scheduler_config=config.SchedulerConfig(
