@@ -166,15 +166,21 @@ def test_pairing_calls_vllm_and_keeps_its_message(vllm: Any) -> None:
             consumer_block_ids=BlockIds([[13, 14, 15], [13, 14, 15]]),
         )
         assert pairs.producer_block_ids == BlockIds([[3, 4, 5], [3, 4, 5]])
-    longer = {"producer_block_ids": BlockIds([[1, 2]]), "consumer_block_ids": BlockIds([[5, 6, 7, 8]])}
     one = _config(full(16))
+    producer, consumer = BlockIds([[1, 2]]), BlockIds([[5, 6, 7, 8]])  # the consumer holds more than offered
+
+    def pair(connector: Any) -> Any:
+        return connector.pair_block_ids(
+            one, num_tokens=64, prefix_hit_tokens=0, producer_block_ids=producer, consumer_block_ids=consumer
+        )
+
     with pytest.raises(BlockAlignmentError, match=r"_apply_prefix_caching \(ALIGN-1\): AssertionError"):
-        nixl.pair_block_ids(one, num_tokens=64, prefix_hit_tokens=0, **longer)
+        pair(nixl)
     moriio.check_admission(one, TransferMode.READ)
     with pytest.raises(BlockAlignmentError, match="exceed prefill block ids beyond the allowed local tail"):
-        moriio.pair_block_ids(one, num_tokens=64, prefix_hit_tokens=0, **longer)
+        pair(moriio)
     with pytest.raises(BlockAlignmentError, match="P num blocks less than D"):
-        mooncake.pair_block_ids(one, num_tokens=64, prefix_hit_tokens=0, **longer)
+        pair(mooncake)
     # vLLM pairs a pruned producer entry as it is; kvspec's pair type refuses the null block (NULL-1).
     with pytest.raises(BlockAlignmentError, match="null block id 0"):
         nixl.pair_block_ids(
