@@ -1,8 +1,9 @@
 """Loopback throughput as a ratio of a plain memoryview copy, and the bytes clipping saves.
 
 Run: ``.venv/bin/python benchmarks/bench_loopback.py [--reps N]``. Prints tables; asserts nothing
-about time (STYLE habit 10). The machine is shared and noisy (research backends.md section 0), so each
-figure is the median of ``--reps`` repetitions, and both sides of a ratio are measured alternately.
+about time (timing lives in benchmarks, never in tests). The machine is shared and noisy
+(docs/backends/index.md), so each figure is the median of ``--reps`` repetitions, and both sides of a
+ratio are measured alternately.
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ import statistics
 import time
 from collections.abc import Callable
 
-from kvspec import TransferMode, get_preset
-from kvspec._plan import blocks_needed_for, summarize_plan
+from kvspec import TransferMode
+from kvspec._summary import blocks_needed_for, summarize_plan
+from kvspec.presets import get_preset
 from kvspec.transport import Descriptor, MemoryRegion, TransferState
 from kvspec.transport.loopback import LoopbackBackend
 
@@ -22,7 +24,7 @@ __all__: list[str] = []
 
 KIB = 1024
 MIB = 1024 * KIB
-# (page size, blocks moved): 1000 non-contiguous blocks, fewer at 2 MiB (research backends.md section 0).
+# (page size, blocks moved): 1000 non-contiguous blocks, fewer at 2 MiB (docs/backends/index.md).
 CASES = ((16 * KIB, 1000), (64 * KIB, 1000), (2 * MIB, 128))
 
 
@@ -48,7 +50,7 @@ def bench_copy(page: int, count: int, reps: int) -> dict[str, float]:
     consumer.register_memory([MemoryRegion(buffer=memoryview(dst))])
     peer = consumer.add_remote_agent(producer.get_agent_metadata())
     rng = random.Random(1)
-    # Random ids on each side, chosen independently: nothing merges (research backends.md "rand").
+    # Random ids on each side, chosen independently: nothing merges ("rand" in docs/backends/index.md).
     src_ids, dst_ids = rng.sample(range(num_blocks), count), rng.sample(range(num_blocks), count)
     descriptors = [
         Descriptor(local_region=0, local_offset=d * page, remote_region=0, remote_offset=s * page, nbytes=page)

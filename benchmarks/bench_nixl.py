@@ -7,7 +7,7 @@ Usage::
     .venv/bin/python benchmarks/bench_nixl.py --tls tcp       # UCX_TLS=tcp instead of the default (CMA)
     .venv/bin/python benchmarks/bench_nixl.py --configs in-process --sizes 16k
 
-Workload (research/backends.md section 0): a pool of ``--pool-mib`` MiB per side
+Workload (docs/backends/nixl.md, Measured): a pool of ``--pool-mib`` MiB per side
 split into blocks of B bytes; one request moves K = min(1000, N/2) blocks
 (K = 128 at 2 MiB with a 512 MiB pool) from producer ids to different consumer
 ids. ``rand``: K random ids on each side, chosen independently; ``runs16``:

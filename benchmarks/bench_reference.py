@@ -7,15 +7,15 @@ import time
 
 from kvspec import (
     BlockIds,
-    align_block_ids,
-    blocks_per_sw,
     check_window_coverage,
+    compute_block_pairs,
+    get_blocks_per_sw,
     get_consumer_block_counts,
     get_exchange_clipped_blocks,
     get_logical_block_count,
-    get_preset,
     get_pruned_block_ids,
 )
+from kvspec.presets import get_preset
 
 TARGET_US = 1000.0
 
@@ -26,7 +26,7 @@ def build_request(num_tokens: int, prefix_hit_tokens: int) -> tuple[object, Bloc
     next_id = 1
     producer = []
     for group in config.kv_cache_groups:
-        count = get_logical_block_count(group.kv_cache_spec, num_tokens)
+        count = get_logical_block_count(group.kv_cache_spec, num_tokens=num_tokens)
         producer.append(list(range(next_id, next_id + count)))
         next_id += count
     pruned = get_pruned_block_ids(config, producer, num_computed_tokens=num_tokens)
@@ -46,7 +46,7 @@ def main() -> None:
     args = parser.parse_args()
 
     config, producer_unclipped, consumer = build_request(args.tokens, args.prefix_hit)
-    budgets = blocks_per_sw(config)  # computed once per engine, not per request
+    budgets = get_blocks_per_sw(config)  # computed once per engine, not per request
 
     def one_request() -> int:
         producer = get_exchange_clipped_blocks(producer_unclipped, budgets)  # P before advertising (CLIP-1)
@@ -57,7 +57,7 @@ def main() -> None:
             producer_block_ids=producer,
             consumer_block_ids=consumer,
         )
-        return align_block_ids(producer_block_ids=producer, consumer_block_ids=consumer).num_pairs
+        return compute_block_pairs(producer_block_ids=producer, consumer_block_ids=consumer).num_pairs
 
     pairs = one_request()
     best = float("inf")

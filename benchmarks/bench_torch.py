@@ -2,7 +2,7 @@
 
 Run: ``.venv/bin/python benchmarks/bench_torch.py [--sizes 64K,2M] [--blocks 1000] [--reps 5]``
 
-Workload (research/backends.md §1): one pool of ``--pool`` bytes per side, cut
+Workload (docs/backends/torch.md, Measured): one pool of ``--pool`` bytes per side, cut
 into pages of B bytes; one request moves K = min(--blocks, pool/B/2) pages
 from random producer ids to different random consumer ids (``rand``). For
 2 MiB pages and a 512 MiB pool that is 128 pages (256 MiB); pass

@@ -8,7 +8,8 @@ from typing import TYPE_CHECKING
 
 import attrs
 
-from kvspec import RULES, Level, TransferMode, get_rule
+from kvspec import TransferMode
+from kvspec.rules import RULES, Level, get_rule
 from kvspec.transport import Capabilities
 
 if TYPE_CHECKING:
@@ -122,7 +123,7 @@ def _load_cases() -> None:
 
 
 def all_cases() -> tuple[Case, ...]:
-    """Every registered case, ordered by rule (as in DESIGN.md) then id."""
+    """Every registered case, ordered by rule (as in docs/spec/index.md) then id."""
     _load_cases()
     order = {rule.id: index for index, rule in enumerate(RULES)}
     return tuple(sorted(_REGISTRY.values(), key=lambda c: (order[c.rule], c.id)))
@@ -154,7 +155,7 @@ def missing_capabilities(case: Case, capabilities: Capabilities) -> list[str]:
 
 
 def catalogue() -> dict[str, list[Case]]:
-    """Rule id -> its cases, for every rule (in DESIGN.md order); raises if a case cites an unknown rule.
+    """Rule id -> its cases, for every rule (in docs/spec/index.md order); raises if a case cites an unknown rule.
 
     The docs build renders this and fails when a rule has no case.
     """

@@ -6,17 +6,17 @@ from typing import Protocol, runtime_checkable
 
 from kvspec import (
     BlockIds,
+    BlockPairsLike,
     EngineDescriptor,
     KVCacheConfig,
-    PairedBlocks,
     TransferMode,
     TransferPlan,
-    blocks_per_sw,
     check_compatibility,
+    check_hybrid_support,
     compute_transfer_pairs,
+    get_blocks_per_sw,
     get_exchange_clipped_blocks,
     plan_transfer,
-    validate_hybrid_support,
 )
 
 __all__ = ["Connector", "ReferenceConnector"]
@@ -54,12 +54,12 @@ class Connector(Protocol):
         prefix_hit_tokens: int,
         producer_block_ids: BlockIds,
         consumer_block_ids: BlockIds,
-    ) -> PairedBlocks:
+    ) -> BlockPairsLike:
         """Check window coverage, then pair the clipped lists (WIN-1, ALIGN-1, NULL-1)."""
         ...
 
     def plan(
-        self, *, producer_config: KVCacheConfig, consumer_config: KVCacheConfig, pairs: PairedBlocks
+        self, *, producer_config: KVCacheConfig, consumer_config: KVCacheConfig, pairs: BlockPairsLike
     ) -> TransferPlan:
         """Turn pairs into byte copies (PLAN-1)."""
         ...
@@ -69,16 +69,16 @@ class ReferenceConnector:
     """The connector logic of the specification itself: kvspec's reference functions."""
 
     def check_admission(self, config: KVCacheConfig, mode: TransferMode) -> None:
-        """``validate_hybrid_support(config, mode)`` (ADM-1, ADM-2)."""
-        validate_hybrid_support(config, mode)
+        """``check_hybrid_support(config, mode=mode)`` (ADM-1, ADM-2)."""
+        check_hybrid_support(config, mode=mode)
 
     def check_peer(self, producer: EngineDescriptor, consumer: EngineDescriptor) -> None:
-        """``check_compatibility(producer, consumer)`` (HS-1)."""
-        check_compatibility(producer, consumer)
+        """``check_compatibility(producer=producer, consumer=consumer)`` (HS-1)."""
+        check_compatibility(producer=producer, consumer=consumer)
 
     def clip_block_ids(self, config: KVCacheConfig, block_ids: BlockIds) -> BlockIds:
-        """``get_exchange_clipped_blocks(block_ids, blocks_per_sw(config))`` (CLIP-1)."""
-        return get_exchange_clipped_blocks(block_ids, blocks_per_sw(config))
+        """``get_exchange_clipped_blocks(block_ids, get_blocks_per_sw(config))`` (CLIP-1)."""
+        return get_exchange_clipped_blocks(block_ids, get_blocks_per_sw(config))
 
     def pair_block_ids(
         self,
@@ -88,7 +88,7 @@ class ReferenceConnector:
         prefix_hit_tokens: int,
         producer_block_ids: BlockIds,
         consumer_block_ids: BlockIds,
-    ) -> PairedBlocks:
+    ) -> BlockPairsLike:
         """``compute_transfer_pairs`` (WIN-1, ALIGN-1, NULL-1)."""
         return compute_transfer_pairs(
             config,
@@ -99,7 +99,7 @@ class ReferenceConnector:
         )
 
     def plan(
-        self, *, producer_config: KVCacheConfig, consumer_config: KVCacheConfig, pairs: PairedBlocks
+        self, *, producer_config: KVCacheConfig, consumer_config: KVCacheConfig, pairs: BlockPairsLike
     ) -> TransferPlan:
         """``plan_transfer`` (PLAN-1)."""
         return plan_transfer(producer_config=producer_config, consumer_config=consumer_config, pairs=pairs)

@@ -12,7 +12,7 @@ from xml.etree import ElementTree as ET
 
 import attrs
 
-from kvspec import RULES, Level
+from kvspec.rules import RULES, Level
 
 __all__ = ["CaseResult", "Outcome", "Report"]
 
@@ -92,7 +92,7 @@ class Report:
         return found
 
     def by_rule(self) -> dict[str, list[CaseResult]]:
-        """Results grouped by rule, in DESIGN.md order; rules with no selected case are left out."""
+        """Results grouped by rule in the order of docs/spec/index.md; rules with no selected case are left out."""
         table: dict[str, list[CaseResult]] = {rule.id: [] for rule in RULES}
         for result in self.results:
             table.setdefault(result.rule, []).append(result)

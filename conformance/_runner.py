@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 import attrs
 
 import kvspec
-from kvspec import Level
+from kvspec.rules import Level
 from kvspec.transport import Backend, load_backend
 
 from ._cases import Case, CaseFailure, CaseSkip, missing_capabilities, select_cases

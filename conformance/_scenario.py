@@ -35,6 +35,7 @@ from kvspec import (
     Abort,
     BlockIds,
     BlockOffer,
+    BlockPairsLike,
     Completion,
     EngineDescriptor,
     Failure,
@@ -44,23 +45,22 @@ from kvspec import (
     KVSpecError,
     MalformedMessageError,
     Message,
-    PairedBlocks,
     PlanError,
     Release,
     ReleaseOutcome,
     TransferMode,
     TransportError,
     UnsupportedVersionError,
-    blocks_per_sw,
     decode,
     encode,
+    get_blocks_per_sw,
     get_consumer_block_counts,
     get_exchange_clipped_blocks,
     get_logical_block_count,
     get_num_skipped_tokens,
-    get_preset,
     is_hma_required,
 )
+from kvspec.presets import get_preset
 from kvspec.testing import (
     ExpectedLoad,
     PageMismatch,
@@ -215,7 +215,6 @@ class RequestOutcome:
     posted: bool = False
     releases_sent: int = 0
     releases_received: int = 0
-    invalid_block_ids: BlockIds | None = None
     seconds: float = 0.0
 
 
@@ -431,10 +430,13 @@ class _Driver:
             return spec.producer_block_ids
         groups: list[list[int]] = []
         for group in self.p_config.kv_cache_groups:
-            total = get_logical_block_count(group.kv_cache_spec, spec.num_tokens)
-            # P has computed every token; vLLM nulls the blocks its window skipped (research §2.3).
+            total = get_logical_block_count(group.kv_cache_spec, num_tokens=spec.num_tokens)
+            # P has computed every token; vLLM nulls the blocks its window skipped
+            # (docs/spec/alignment-and-coverage.md, WIN-1).
             skipped = min(
-                get_num_skipped_tokens(group.kv_cache_spec, spec.num_tokens) // group.kv_cache_spec.block_size, total
+                get_num_skipped_tokens(group.kv_cache_spec, num_computed_tokens=spec.num_tokens)
+                // group.kv_cache_spec.block_size,
+                total,
             )
             groups.append([NULL_BLOCK_ID] * skipped + [self.p_alloc.allocate() for _ in range(total - skipped)])
         return BlockIds(groups)
@@ -479,15 +481,15 @@ class _Driver:
         # The oracle's expectation comes from the reference, never from the connector under test.
         consumer = BlockIds([]) if state.moved_nothing else state.consumer_ids
         return ExpectedLoad(
-            producer_block_ids=get_exchange_clipped_blocks(state.producer_ids, blocks_per_sw(self.p_config)),
-            consumer_block_ids=get_exchange_clipped_blocks(consumer, blocks_per_sw(self.c_config)),
+            producer_block_ids=get_exchange_clipped_blocks(state.producer_ids, get_blocks_per_sw(self.p_config)),
+            consumer_block_ids=get_exchange_clipped_blocks(consumer, get_blocks_per_sw(self.c_config)),
             num_tokens=state.spec.num_tokens,
             salt=state.spec.request_id,
             loaded=loaded,
         )
 
-    def _pairs(self, state: _State) -> PairedBlocks:
-        pairs: PairedBlocks = self.connector.pair_block_ids(
+    def _pairs(self, state: _State) -> BlockPairsLike:
+        pairs: BlockPairsLike = self.connector.pair_block_ids(
             self.p_config,
             num_tokens=state.spec.num_tokens,
             prefix_hit_tokens=state.spec.prefix_hit_tokens,
@@ -832,7 +834,6 @@ class _Driver:
                 posted=s.posted,
                 releases_sent=s.releases_sent,
                 releases_received=s.releases_received,
-                invalid_block_ids=s.consumer_ids if s.c_state == "failed" else None,
                 seconds=max(0.0, s.finished_at - s.started),
             )
             for rid, s in self.states.items()

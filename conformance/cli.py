@@ -10,7 +10,8 @@ from typing import TextIO
 
 import attrs
 
-from kvspec import RULES, KVSpecError, Level
+from kvspec import KVSpecError
+from kvspec.rules import RULES, Level
 from kvspec.transport import load_backend
 
 from ._cases import select_cases

@@ -474,7 +474,7 @@ def _bytes_table(rows: Sequence[tuple[str, int, int, int]]) -> str:
 def _clipping_lists(example: Mapping[str, Any]) -> str:
     pairs = example["pairs"]
     rows = [
-        ("`blocks_per_sw(config)`", [example["budgets"][0]], [example["budgets"][1]]),
+        ("`get_blocks_per_sw(config)`", [example["budgets"][0]], [example["budgets"][1]]),
         ("P's block table", example["table"][0], example["table"][1]),
         ("P advertises (clipped)", example["advertised"][0], example["advertised"][1]),
         ("C offers (uncached suffix, clipped)", example["offered"][0], example["offered"][1]),
@@ -487,19 +487,16 @@ def _clipping_lists(example: Mapping[str, Any]) -> str:
 
 
 API_PAGE = "reference/api.md"
-# The order of the API page's sections: the layers, from pure data up (DESIGN.md section 2).
+# The order of the API page's sections: the layers, from pure data up (docs/explanation/layers.md).
 API_ORDER = {
-    "kvspec._rules": "Rules",
+    "kvspec._enums": "Enums",
     "kvspec._models": "Models",
-    "kvspec._presets": "Model presets",
     "kvspec._reference": "Reference functions",
+    "kvspec._plan": "Planner",
     "kvspec._messages": "Messages",
     "kvspec._codec": "Codec",
-    "kvspec._schema": "JSON schemas",
     "kvspec._handshake": "Handshake",
     "kvspec._session": "Sessions",
-    "kvspec._plan": "Planner",
-    "kvspec._exchange": "Exchange driver",
     "kvspec._errors": "Errors",
 }
 

@@ -1,33 +1,48 @@
-"""kvspec: the executable reference specification for hybrid KV-cache hand-off between engines."""
+"""kvspec: the executable reference specification for hybrid KV-cache hand-off between engines.
 
+The top level is the specification itself: the models of a KV cache, the
+reference functions of each rule, the planner, the sans-IO sessions, the
+messages and their codec, and the errors. Tools built on it live in named
+submodules (docs/explanation/layers.md):
+
+- :mod:`kvspec.exchange`: drivers that run a request over a transport.
+- :mod:`kvspec.transport`: the Transport interface and its backends.
+- :mod:`kvspec.presets`: KV-cache configs of real models.
+- :mod:`kvspec.rules`: the rule registry (ids, titles, levels).
+- :mod:`kvspec.schema`: JSON Schemas of the messages.
+- :mod:`kvspec.summary`: what a request would move, with and without clipping.
+- :mod:`kvspec.testing`: pools, keyed pages and the page oracle.
+"""
+
+# The spec-layer submodules load with the spec (the redundant aliases mark them as re-exported).
+from typing import TYPE_CHECKING
+
+from kvspec import presets as presets
+from kvspec import rules as rules
+from kvspec import schema as schema
+from kvspec import summary as summary
 from kvspec._codec import decode, encode
+from kvspec._deprecation import moved_names
+from kvspec._enums import FailureReason, TransferMode
 from kvspec._errors import (
     BackendUnavailableError,
     BlockAlignmentError,
     ConfigError,
+    FieldError,
     GroupCountError,
     IncompatiblePeerError,
     KVSpecError,
     LocalProtocolError,
     MalformedMessageError,
+    OutOfBlocksError,
     PlanError,
     ProtocolError,
     RemoteProtocolError,
     TransportError,
+    UnknownRuleError,
     UnsupportedHybridError,
     UnsupportedVersionError,
     WindowCoverageError,
-)
-from kvspec._exchange import (
-    BlockAllocator,
-    ConsumerEndpoint,
-    ConsumerResult,
-    ExchangeResult,
-    OutOfBlocksError,
-    ProducerEndpoint,
-    ProducerResult,
-    connect,
-    run_request,
 )
 from kvspec._handshake import check_compatibility
 from kvspec._messages import (
@@ -51,7 +66,6 @@ from kvspec._models import (
     ChunkedLocalAttentionSpec,
     CrossAttentionSpec,
     DType,
-    FailureReason,
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
@@ -63,28 +77,17 @@ from kvspec._models import (
     SlidingWindowMLASpec,
     SlidingWindowSpec,
     SpecKind,
-    TransferMode,
 )
-from kvspec._plan import (
-    GroupPlan,
-    GroupSummary,
-    PageCopy,
-    PairedBlocks,
-    PlanSummary,
-    TransferPlan,
-    blocks_needed_for,
-    plan_transfer,
-    summarize_plan,
-)
-from kvspec._presets import ModelPreset, get_preset, list_presets
+from kvspec._plan import BlockPairsLike, GroupPlan, PageCopy, TransferPlan, plan_transfer
 from kvspec._reference import (
     BlockIdsLike,
     BlockPairs,
     TokenBasis,
-    align_block_ids,
-    blocks_per_sw,
+    check_hybrid_support,
     check_window_coverage,
+    compute_block_pairs,
     compute_transfer_pairs,
+    get_blocks_per_sw,
     get_consumer_block_counts,
     get_exchange_clipped_blocks,
     get_logical_block_count,
@@ -95,10 +98,7 @@ from kvspec._reference import (
     get_token_basis_group,
     is_full_attention_spec,
     is_hma_required,
-    validate_hybrid_support,
 )
-from kvspec._rules import RULES, Level, Rule, get_rule
-from kvspec._schema import message_schemas
 from kvspec._session import (
     ConsumerEvent,
     ConsumerSession,
@@ -114,17 +114,33 @@ __version__ = "0.1.0"
 
 __all__ = [
     "NULL_BLOCK_ID",
+    "PROTOCOL_VERSION",
+    "Abort",
     "AttentionSpec",
     "BackendUnavailableError",
     "BlockAlignmentError",
     "BlockIds",
+    "BlockIdsLike",
+    "BlockOffer",
+    "BlockPairs",
+    "BlockPairsLike",
     "ChunkedLocalAttentionSpec",
+    "Completion",
     "ConfigError",
+    "ConsumerEvent",
+    "ConsumerSession",
+    "ConsumerState",
     "CrossAttentionSpec",
     "DType",
+    "EngineDescriptor",
+    "Failure",
+    "FailureInfo",
     "FailureReason",
+    "FieldError",
     "FullAttentionSpec",
     "GroupCountError",
+    "GroupDescriptor",
+    "GroupPlan",
     "IncompatiblePeerError",
     "KVCacheConfig",
     "KVCacheGroupSpec",
@@ -136,28 +152,40 @@ __all__ = [
     "MLAAttentionSpec",
     "MalformedMessageError",
     "MambaSpec",
-    "ModelPreset",
+    "Message",
+    "OutOfBlocksError",
+    "Output",
+    "PageCopy",
     "PlanError",
+    "ProducerEvent",
+    "ProducerSession",
+    "ProducerState",
     "ProtocolError",
+    "Release",
+    "ReleaseOutcome",
     "RemoteProtocolError",
     "SlidingWindowMLASpec",
     "SlidingWindowSpec",
     "SpecKind",
+    "TokenBasis",
     "TransferMode",
+    "TransferParams",
+    "TransferPlan",
+    "TransportData",
     "TransportError",
+    "UnknownRuleError",
     "UnsupportedHybridError",
     "UnsupportedVersionError",
     "WindowCoverageError",
     "__version__",
-    "get_preset",
-    "list_presets",
-    "BlockIdsLike",
-    "BlockPairs",
-    "TokenBasis",
-    "align_block_ids",
-    "blocks_per_sw",
+    "check_compatibility",
+    "check_hybrid_support",
     "check_window_coverage",
+    "compute_block_pairs",
     "compute_transfer_pairs",
+    "decode",
+    "encode",
+    "get_blocks_per_sw",
     "get_consumer_block_counts",
     "get_exchange_clipped_blocks",
     "get_logical_block_count",
@@ -168,51 +196,46 @@ __all__ = [
     "get_token_basis_group",
     "is_full_attention_spec",
     "is_hma_required",
-    "validate_hybrid_support",
-    "PROTOCOL_VERSION",
-    "Abort",
-    "BlockOffer",
-    "Completion",
-    "ConsumerEvent",
-    "ConsumerSession",
-    "ConsumerState",
-    "EngineDescriptor",
-    "Failure",
-    "FailureInfo",
-    "GroupDescriptor",
-    "Message",
-    "Output",
-    "ProducerEvent",
-    "ProducerSession",
-    "ProducerState",
-    "Release",
-    "ReleaseOutcome",
-    "TransferParams",
-    "TransportData",
-    "check_compatibility",
-    "decode",
-    "encode",
-    "message_schemas",
-    "GroupPlan",
-    "GroupSummary",
-    "PageCopy",
-    "PairedBlocks",
-    "PlanSummary",
-    "TransferPlan",
-    "blocks_needed_for",
     "plan_transfer",
-    "summarize_plan",
-    "BlockAllocator",
-    "ConsumerEndpoint",
-    "ConsumerResult",
-    "ExchangeResult",
-    "OutOfBlocksError",
-    "ProducerEndpoint",
-    "ProducerResult",
-    "connect",
-    "run_request",
-    "RULES",
-    "Level",
-    "Rule",
-    "get_rule",
 ]
+
+# Names that moved to a submodule or were renamed in 0.2.0: they still work, with a
+# DeprecationWarning, until 0.3.0 (CHANGELOG.md lists each one).
+_MOVED: dict[str, tuple[str, str, str]] = {
+    **{
+        name: ("kvspec._exchange", name, f"kvspec.exchange.{name}")
+        for name in (
+            "BlockAllocator",
+            "ConsumerEndpoint",
+            "ConsumerResult",
+            "ExchangeResult",
+            "ProducerEndpoint",
+            "ProducerResult",
+            "connect",
+            "run_request",
+        )
+    },
+    **{
+        name: ("kvspec._presets", name, f"kvspec.presets.{name}")
+        for name in ("ModelPreset", "get_preset", "list_presets")
+    },
+    **{name: ("kvspec._rules", name, f"kvspec.rules.{name}") for name in ("RULES", "Level", "Rule", "get_rule")},
+    **{
+        name: ("kvspec._summary", name, f"kvspec.summary.{name}")
+        for name in ("GroupSummary", "PlanSummary", "blocks_needed_for", "summarize_plan")
+    },
+    "message_schemas": ("kvspec._schema", "message_schemas", "kvspec.schema.message_schemas"),
+    "PairedBlocks": ("kvspec._plan", "BlockPairsLike", "kvspec.BlockPairsLike"),
+    "blocks_per_sw": ("kvspec._reference", "get_blocks_per_sw", "kvspec.get_blocks_per_sw"),
+    "align_block_ids": ("kvspec._reference", "compute_block_pairs", "kvspec.compute_block_pairs"),
+    "validate_hybrid_support": (
+        "kvspec._reference",
+        "validate_hybrid_support",
+        "kvspec.check_hybrid_support(config, mode=...)",
+    ),
+}
+
+# kvspec.exchange, kvspec.transport and kvspec.testing load on first use: the spec never imports them.
+# Hidden from type checkers, so that a misspelt name stays an error there; old names are flagged too.
+if not TYPE_CHECKING:
+    __getattr__ = moved_names("kvspec", _MOVED, lazy_submodules=("exchange", "testing", "transport"))

@@ -32,7 +32,7 @@ from typing import Any, Union
 
 import attrs
 
-from kvspec._errors import ConfigError, KVSpecError, MalformedMessageError, UnsupportedVersionError
+from kvspec._errors import ConfigError, FieldError, KVSpecError, MalformedMessageError, UnsupportedVersionError
 from kvspec._messages import (
     PROTOCOL_VERSION,
     Abort,
@@ -40,7 +40,6 @@ from kvspec._messages import (
     Completion,
     EngineDescriptor,
     Failure,
-    FieldError,
     Message,
     Release,
     TransferParams,

@@ -4,19 +4,24 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+from kvspec._enums import FailureReason
+
 __all__ = [
     "BackendUnavailableError",
     "BlockAlignmentError",
     "ConfigError",
+    "FieldError",
     "GroupCountError",
     "IncompatiblePeerError",
     "KVSpecError",
     "LocalProtocolError",
     "MalformedMessageError",
+    "OutOfBlocksError",
     "PlanError",
     "ProtocolError",
     "RemoteProtocolError",
     "TransportError",
+    "UnknownRuleError",
     "UnsupportedHybridError",
     "UnsupportedVersionError",
     "WindowCoverageError",
@@ -32,6 +37,14 @@ class ConfigError(KVSpecError, ValueError, TypeError):
 
     The message names the class, the field, what was expected and what was found.
     """
+
+
+class FieldError(ConfigError):
+    """A message field failed validation; ``field`` names it, so the codec can say where (VER-1)."""
+
+    def __init__(self, cls: type, field: str, expected: str, found: object) -> None:
+        self.field = field
+        super().__init__(f"{cls.__name__}.{field}: expected {expected}, got {found!r}")
 
 
 class UnsupportedHybridError(KVSpecError, NotImplementedError):
@@ -97,13 +110,32 @@ class MalformedMessageError(KVSpecError, ValueError):
 class TransportError(KVSpecError, RuntimeError):
     """A backend could not post, move or report a transfer.
 
-    ``reason`` is the typed :class:`kvspec.FailureReason` value name so that
-    callers can branch on it without parsing the message.
+    ``reason`` is a :class:`kvspec.FailureReason`, so that callers branch on it
+    without parsing the message; every backend gives the same reason for the
+    same event (docs/reference/transport.md, FAIL-1). A reason passed as its
+    string value is converted; an unknown one is a :class:`ConfigError`.
     """
 
-    def __init__(self, message: str, *, reason: str = "transfer_error") -> None:
-        self.reason = reason
+    def __init__(self, message: str, *, reason: FailureReason | str = FailureReason.TRANSFER_ERROR) -> None:
+        try:
+            self.reason: FailureReason = FailureReason(reason)
+        except ValueError:
+            raise ConfigError(
+                f"TransportError.reason: expected one of {[r.value for r in FailureReason]}, got {reason!r}"
+            ) from None
         super().__init__(message)
+
+
+class OutOfBlocksError(KVSpecError, RuntimeError):
+    """An allocator has fewer free blocks than a request needs; nothing was allocated."""
+
+
+class UnknownRuleError(KVSpecError, KeyError):
+    """A rule id that the specification does not define; the message lists the known ids."""
+
+    def __str__(self) -> str:
+        # KeyError's str() is the repr of its argument; show the message as written.
+        return str(self.args[0]) if self.args else ""
 
 
 class BackendUnavailableError(KVSpecError, ImportError):

@@ -44,6 +44,7 @@ from typing import Generic, Protocol, TypeVar
 import attrs
 
 from kvspec._codec import decode, encode
+from kvspec._enums import FailureReason, TransferMode
 from kvspec._errors import (
     BlockAlignmentError,
     ConfigError,
@@ -51,6 +52,7 @@ from kvspec._errors import (
     IncompatiblePeerError,
     KVSpecError,
     LocalProtocolError,
+    OutOfBlocksError,
     PlanError,
     ProtocolError,
     TransportError,
@@ -58,19 +60,19 @@ from kvspec._errors import (
 )
 from kvspec._handshake import check_compatibility
 from kvspec._messages import BlockOffer, EngineDescriptor, Message, ReleaseOutcome, TransferParams
-from kvspec._models import NULL_BLOCK_ID, BlockIds, FailureReason, KVCacheConfig, TransferMode
+from kvspec._models import NULL_BLOCK_ID, BlockIds, KVCacheConfig
 from kvspec._plan import TransferPlan, plan_transfer
 from kvspec._reference import (
     BlockPairs,
-    align_block_ids,
-    blocks_per_sw,
+    check_hybrid_support,
+    compute_block_pairs,
     compute_transfer_pairs,
+    get_blocks_per_sw,
     get_consumer_block_counts,
     get_exchange_clipped_blocks,
     get_logical_block_count,
     get_pruned_block_ids,
     is_hma_required,
-    validate_hybrid_support,
 )
 from kvspec._session import (
     DEFAULT_DRAIN_TIMEOUT,
@@ -85,12 +87,11 @@ from kvspec._session import (
 from kvspec.transport._base import MemoryRegion, TransferHandle, TransferState, Transport
 
 __all__ = [
+    "DEFAULT_LEASE_DURATION",
     "BlockAllocator",
     "ConsumerEndpoint",
     "ConsumerResult",
     "ExchangeResult",
-    "DEFAULT_LEASE_DURATION",
-    "OutOfBlocksError",
     "ProducerEndpoint",
     "ProducerResult",
     "connect",
@@ -101,10 +102,6 @@ Clock = Callable[[], float]
 
 DEFAULT_LEASE_DURATION = 30.0
 """Seconds a producer pins a request's blocks for its consumer (SM-1)."""
-
-
-class OutOfBlocksError(KVSpecError, RuntimeError):
-    """The allocator has fewer free blocks than a request needs; nothing was allocated."""
 
 
 # --------------------------------------------------------------------------- blocks
@@ -504,10 +501,10 @@ class ProducerEndpoint(_Endpoint["_ProducerRequest"]):
         ``remove_skipped_blocks`` leaves them; only the other positions get
         real blocks, so the pool never needs the whole unpruned table.
         """
-        totals = [get_logical_block_count(g.kv_cache_spec, num_tokens) for g in self.config.kv_cache_groups]
+        totals = [get_logical_block_count(g.kv_cache_spec, num_tokens=num_tokens) for g in self.config.kv_cache_groups]
         shape = get_exchange_clipped_blocks(
             get_pruned_block_ids(self.config, BlockIds([[1] * n for n in totals]), num_computed_tokens=num_tokens),
-            blocks_per_sw(self.config),
+            get_blocks_per_sw(self.config),
         )
         real = self.allocator.allocate_groups([sum(1 for b in group if b != NULL_BLOCK_ID) for group in shape])
         table = []
@@ -587,7 +584,7 @@ class ProducerEndpoint(_Endpoint["_ProducerRequest"]):
             engine_id = offer.consumer_engine_id
             peer = self._peer(engine_id)
             request.consumer_agent = peer.agent
-            pairs = align_block_ids(
+            pairs = compute_block_pairs(
                 producer_block_ids=session.params.producer_block_ids, consumer_block_ids=offer.consumer_block_ids
             )
             plan = plan_transfer(producer_config=self.config, consumer_config=peer.config, pairs=pairs)
@@ -676,7 +673,7 @@ class ConsumerEndpoint(_Endpoint["_ConsumerRequest"]):
                 if prefix_hit_tokens < params.num_tokens:
                     suffix = self.allocator.allocate_groups(counts)
                     # The counts are already within budget; clipping again is the CLIP-1 exchange point.
-                    consumer_ids = get_exchange_clipped_blocks(suffix, blocks_per_sw(self.config))
+                    consumer_ids = get_exchange_clipped_blocks(suffix, get_blocks_per_sw(self.config))
             except KVSpecError as exc:
                 check_error = exc
         session = ConsumerSession(
@@ -805,10 +802,10 @@ def connect(producer: ProducerEndpoint, consumer: ConsumerEndpoint) -> None:
     """
     producer_desc = _through_codec(producer.describe())
     consumer_desc = _through_codec(consumer.describe())
-    check_compatibility(producer_desc, consumer_desc)
+    check_compatibility(producer=producer_desc, consumer=consumer_desc)
     for endpoint in (producer, consumer):
         if endpoint.hma_enabled:
-            validate_hybrid_support(endpoint.config, endpoint.mode)
+            check_hybrid_support(endpoint.config, mode=endpoint.mode)
     producer.add_peer(consumer_desc, consumer.config)
     consumer.add_peer(producer_desc, producer.config)
 

@@ -9,6 +9,7 @@ mismatch never surfaces mid-transfer.
 
 from __future__ import annotations
 
+from kvspec._deprecation import keyword_only
 from kvspec._errors import ConfigError, IncompatiblePeerError
 from kvspec._messages import EngineDescriptor, GroupDescriptor
 
@@ -64,7 +65,8 @@ def get_differences(producer: EngineDescriptor, consumer: EngineDescriptor) -> d
     return diffs
 
 
-def check_compatibility(producer: EngineDescriptor, consumer: EngineDescriptor) -> None:
+@keyword_only(0, "producer", "consumer")
+def check_compatibility(*, producer: EngineDescriptor, consumer: EngineDescriptor) -> None:
     """Raise :class:`kvspec.IncompatiblePeerError` listing every difference, or return None (HS-1).
 
     Peers must agree on the protocol major version, mode, HMA flag, TP size,

@@ -30,15 +30,14 @@ from typing import Any, TypeAlias
 
 import attrs
 
-from kvspec._errors import ConfigError, MalformedMessageError, UnsupportedVersionError
+from kvspec._enums import FailureReason, TransferMode
+from kvspec._errors import ConfigError, FieldError, MalformedMessageError, UnsupportedVersionError
 from kvspec._models import (
     AttentionSpec,
     BlockIds,
-    FailureReason,
     KVCacheConfig,
     KVCacheGroupSpec,
     SpecKind,
-    TransferMode,
 )
 
 __all__ = [
@@ -49,7 +48,6 @@ __all__ = [
     "Completion",
     "EngineDescriptor",
     "Failure",
-    "FieldError",
     "GroupDescriptor",
     "Message",
     "Release",
@@ -75,14 +73,6 @@ class ReleaseOutcome(str, enum.Enum):
 
 
 # --------------------------------------------------------------------------- validators
-
-
-class FieldError(ConfigError):
-    """A message field failed validation; ``field`` names it (for the codec's errors)."""
-
-    def __init__(self, cls: type, field: str, expected: str, found: object) -> None:
-        self.field = field
-        super().__init__(f"{cls.__name__}.{field}: expected {expected}, got {found!r}")
 
 
 def _is_int(value: object) -> bool:
@@ -264,7 +254,7 @@ class EngineDescriptor:
 
 # --------------------------------------------------------------------------- transfer parameters
 
-# vLLM's kv_transfer_params keys (research: vllm_semantics.md section 3.5), plus kvspec's own.
+# vLLM's kv_transfer_params keys, plus kvspec's own (docs/spec/protocol-messages.md, kv_transfer_params).
 _KEY_DO_REMOTE_PREFILL = "do_remote_prefill"
 _KEY_DO_REMOTE_DECODE = "do_remote_decode"
 _KEY_REQUEST_ID = "remote_request_id"

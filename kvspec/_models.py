@@ -9,6 +9,7 @@ from typing import Any, ClassVar, overload
 
 import attrs
 
+from kvspec._enums import FailureReason, TransferMode
 from kvspec._errors import ConfigError
 
 __all__ = [
@@ -48,30 +49,6 @@ class SpecKind(str, enum.Enum):
     MAMBA = "mamba"
     CROSS_ATTENTION = "cross_attention"
     UNKNOWN = "unknown"
-
-
-class TransferMode(str, enum.Enum):
-    """Who moves the bytes: the consumer pulls (READ) or the producer pushes (WRITE) (ADM-2)."""
-
-    READ = "read"
-    WRITE = "write"
-
-
-class FailureReason(str, enum.Enum):
-    """Why a request ended FAILED (FAIL-1); every failure carries one."""
-
-    TIMEOUT = "timeout"
-    LEASE_EXPIRED = "lease_expired"
-    PEER_DISCONNECTED = "peer_disconnected"
-    POST_FAILED = "post_failed"
-    TRANSFER_ERROR = "transfer_error"
-    PARTIAL_TRANSFER = "partial_transfer"
-    INTEGRITY = "integrity"
-    WINDOW_COVERAGE = "window_coverage"
-    BLOCK_ALIGNMENT = "block_alignment"
-    INCOMPATIBLE_PEER = "incompatible_peer"
-    ABORTED = "aborted"
-    PROTOCOL = "protocol"
 
 
 # --------------------------------------------------------------------------- validators

@@ -81,11 +81,6 @@ class ModelPreset:
         """Decoder layers that hold KV cache or state."""
         return len(self.layer_specs)
 
-    @property
-    def kinds(self) -> tuple[str, ...]:
-        """The distinct spec kinds, in order of first appearance."""
-        return tuple(dict.fromkeys(spec.kind.value for spec in self.layer_specs))
-
     def get_group_layout(self) -> list[list[int]]:
         """Layer indices of each group, as vLLM groups them."""
         return _group_layers(_unify_page_sizes(list(self.layer_specs), _B))
@@ -162,7 +157,7 @@ def _unify_page_sizes(specs: list[KVCacheSpec], block_size: int) -> list[KVCache
     page ratio (vLLM's ``unify_kv_cache_spec_page_size``; Gemma 4's global
     layers get twice the block size). Mamba hybrids grow the attention block
     size until one attention page holds the Mamba state, rounded up to a
-    multiple of 16, then pad the Mamba page to it (research §1, vLLM's hybrid
+    multiple of 16, then pad the Mamba page to it (docs/spec/memory-layout.md, Presets; vLLM's hybrid
     allocator notes).
     """
     mamba = [s for s in specs if isinstance(s, MambaSpec)]

@@ -7,6 +7,8 @@ from typing import Any, TypeAlias
 
 import attrs
 
+from kvspec._deprecation import keyword_only, warn_renamed
+from kvspec._enums import TransferMode
 from kvspec._errors import (
     BlockAlignmentError,
     ConfigError,
@@ -25,17 +27,17 @@ from kvspec._models import (
     KVCacheSpec,
     MambaSpec,
     SlidingWindowSpec,
-    TransferMode,
 )
 
 __all__ = [
     "BlockIdsLike",
     "BlockPairs",
     "TokenBasis",
-    "align_block_ids",
-    "blocks_per_sw",
+    "check_hybrid_support",
     "check_window_coverage",
+    "compute_block_pairs",
     "compute_transfer_pairs",
+    "get_blocks_per_sw",
     "get_consumer_block_counts",
     "get_exchange_clipped_blocks",
     "get_logical_block_count",
@@ -46,7 +48,6 @@ __all__ = [
     "get_token_basis_group",
     "is_full_attention_spec",
     "is_hma_required",
-    "validate_hybrid_support",
 ]
 
 BlockIdsLike: TypeAlias = "BlockIds | Sequence[Sequence[int]]"
@@ -102,10 +103,10 @@ def _is_admitted_under_hma(spec: KVCacheSpec) -> bool:
     return isinstance(spec, (FullAttentionSpec, SlidingWindowSpec))
 
 
-def validate_hybrid_support(
+def check_hybrid_support(
     config: KVCacheConfig,
-    mode: TransferMode | str,
     *,
+    mode: TransferMode | str,
     read_only_hma: bool = False,
     disable_hybrid_kv_cache_manager: bool = False,
 ) -> None:
@@ -157,7 +158,7 @@ def _budget(spec: KVCacheSpec) -> int:
     return 0
 
 
-def blocks_per_sw(config: KVCacheConfig) -> tuple[int, ...]:
+def get_blocks_per_sw(config: KVCacheConfig) -> tuple[int, ...]:
     """Per-group budget: ``cdiv(W_g, B_g) + 1`` for sliding-window groups, 0 otherwise (SW-1)."""
     return tuple(_budget(g.kv_cache_spec) for g in config.kv_cache_groups)
 
@@ -173,7 +174,7 @@ def get_exchange_clipped_blocks(block_ids: BlockIdsLike, budgets: Sequence[int])
         _check_count(f"budgets[{g}]", n)
     if not any(budgets):
         return ids
-    # n > 0 guards Python's ids[-0:], which is the whole list (research H3).
+    # n > 0 guards Python's ids[-0:], which is the whole list (docs/spec/window-budget-and-clipping.md, CLIP-1).
     return _derived_block_ids([group[-n:] if n > 0 else group for group, n in zip(ids, budgets, strict=True)])
 
 
@@ -234,7 +235,7 @@ class BlockPairs:
                 yield g, producer_id, consumer_id
 
 
-def align_block_ids(*, producer_block_ids: BlockIdsLike, consumer_block_ids: BlockIdsLike) -> BlockPairs:
+def compute_block_pairs(*, producer_block_ids: BlockIdsLike, consumer_block_ids: BlockIdsLike) -> BlockPairs:
     """Pair C's i-th id with P's id at ``len(P[g]) - len(C[g]) + i``; drop null pairs (ALIGN-1, NULL-1)."""
     producer, consumer = _to_block_ids(producer_block_ids), _to_block_ids(consumer_block_ids)
     if len(consumer) == 0:
@@ -262,7 +263,8 @@ def align_block_ids(*, producer_block_ids: BlockIdsLike, consumer_block_ids: Blo
 # --------------------------------------------------------------------------- WIN-1 and engine helpers
 
 
-def get_logical_block_count(spec: KVCacheSpec, num_tokens: int) -> int:
+@keyword_only(1, "num_tokens")
+def get_logical_block_count(spec: KVCacheSpec, *, num_tokens: int) -> int:
     """Blocks that ``num_tokens`` tokens span in a group: ``cdiv(T, B_g)`` (WIN-1)."""
     return _cdiv(_check_count("num_tokens", num_tokens), spec.block_size)
 
@@ -284,8 +286,9 @@ def get_needed_block_range(spec: KVCacheSpec, *, num_tokens: int, prefix_hit_tok
     return range(tokens.start // spec.block_size, (tokens.stop - 1) // spec.block_size + 1)
 
 
-def get_num_skipped_tokens(spec: KVCacheSpec, num_computed_tokens: int) -> int:
-    """Leading tokens a group no longer needs (vLLM ``get_num_skipped_tokens``, research §2.2) (WIN-1)."""
+@keyword_only(1, "num_computed_tokens")
+def get_num_skipped_tokens(spec: KVCacheSpec, *, num_computed_tokens: int) -> int:
+    """Leading tokens a group no longer needs, as vLLM's ``get_num_skipped_tokens`` counts them (WIN-1)."""
     n = _check_count("num_computed_tokens", num_computed_tokens)
     if isinstance(spec, SlidingWindowSpec):
         return max(0, n - spec.sliding_window + 1)
@@ -300,9 +303,10 @@ def get_pruned_block_ids(config: KVCacheConfig, block_ids: BlockIdsLike, *, num_
     """Null the whole blocks a group skips, as vLLM's ``remove_skipped_blocks`` does (WIN-1).
 
     Per group, ``k = min(skipped // B_g, len)`` leading blocks become id 0,
-    walking back from ``k - 1`` and stopping at the first null (research §2.3).
+    walking back from ``k - 1`` and stopping at the first null
+    (docs/spec/alignment-and-coverage.md, WIN-1 Boundaries).
     Pruning with more tokens than C will use (vLLM's ``request.num_tokens``,
-    research H2) can null a block WIN-1 needs; :func:`check_window_coverage`
+    docs/spec/worked-example.md) can null a block WIN-1 needs; :func:`check_window_coverage`
     catches it.
     """
     ids = _to_block_ids(block_ids)
@@ -311,7 +315,7 @@ def get_pruned_block_ids(config: KVCacheConfig, block_ids: BlockIdsLike, *, num_
     pruned: list[list[int]] = []
     for group, spec in zip(ids, (g.kv_cache_spec for g in config.kv_cache_groups), strict=True):
         blocks = list(group)
-        k = min(get_num_skipped_tokens(spec, num_computed_tokens) // spec.block_size, len(blocks))
+        k = min(get_num_skipped_tokens(spec, num_computed_tokens=num_computed_tokens) // spec.block_size, len(blocks))
         for i in range(k - 1, -1, -1):
             if blocks[i] == NULL_BLOCK_ID:
                 break
@@ -325,14 +329,14 @@ def get_consumer_block_counts(config: KVCacheConfig, *, num_tokens: int, prefix_
 
     Full attention: ``cdiv(T, B) - H / B``. Sliding window: from
     ``max(H, T - W + 1) // B`` to the last block, capped by the budget (vLLM
-    allocates nulls for skipped blocks, research §2.4). Zero when ``H == T``.
+    allocates nulls for skipped blocks; docs/spec/worked-example.md). Zero when ``H == T``.
     """
     _check_prefix(config, num_tokens, prefix_hit_tokens)
     counts = []
     for group in config.kv_cache_groups:
         spec = group.kv_cache_spec
         needed = get_needed_block_range(spec, num_tokens=num_tokens, prefix_hit_tokens=prefix_hit_tokens)
-        count = get_logical_block_count(spec, num_tokens) - needed.start if needed else 0
+        count = get_logical_block_count(spec, num_tokens=num_tokens) - needed.start if needed else 0
         budget = _budget(spec)
         counts.append(min(count, budget) if budget else count)
     return tuple(counts)
@@ -356,7 +360,7 @@ def _check_side(
     role: str, ids: BlockIds, g: int, spec: KVCacheSpec, num_tokens: int, needed: range, limit: int
 ) -> None:
     blocks = ids[g]
-    total = get_logical_block_count(spec, num_tokens)
+    total = get_logical_block_count(spec, num_tokens=num_tokens)
     if len(blocks) > limit:
         raise BlockAlignmentError(
             f"group {g}: {role} lists {len(blocks)} blocks, but {num_tokens} tokens leave at most {limit} (WIN-1)"
@@ -409,7 +413,7 @@ def check_window_coverage(
         if len(ids) != len(specs):
             raise GroupCountError(f"{role} block ids have {len(ids)} groups, the config {len(specs)} (WIN-1)")
     for g, spec in enumerate(specs):
-        total = get_logical_block_count(spec, num_tokens)
+        total = get_logical_block_count(spec, num_tokens=num_tokens)
         hit_blocks = prefix_hit_tokens // spec.block_size
         _check_side("producer", producer, g, spec, num_tokens, needed[g], total)
         _check_side("consumer", consumer, g, spec, num_tokens, needed[g], total - hit_blocks)
@@ -431,4 +435,21 @@ def compute_transfer_pairs(
         producer_block_ids=producer_block_ids,
         consumer_block_ids=consumer_block_ids,
     )
-    return align_block_ids(producer_block_ids=producer_block_ids, consumer_block_ids=consumer_block_ids)
+    return compute_block_pairs(producer_block_ids=producer_block_ids, consumer_block_ids=consumer_block_ids)
+
+
+# --------------------------------------------------------------------------- deprecated spellings (removed in 0.3.0)
+
+
+def validate_hybrid_support(
+    config: KVCacheConfig,
+    mode: TransferMode | str,
+    *,
+    read_only_hma: bool = False,
+    disable_hybrid_kv_cache_manager: bool = False,
+) -> None:
+    """Deprecated: :func:`check_hybrid_support`, which takes ``mode`` by keyword (ADM-1, ADM-2)."""
+    warn_renamed("kvspec.validate_hybrid_support(config, mode)", "kvspec.check_hybrid_support(config, mode=mode)")
+    check_hybrid_support(
+        config, mode=mode, read_only_hma=read_only_hma, disable_hybrid_kv_cache_manager=disable_hybrid_kv_cache_manager
+    )

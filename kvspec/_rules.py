@@ -6,6 +6,8 @@ import enum
 
 import attrs
 
+from kvspec._errors import UnknownRuleError
+
 __all__ = ["RULES", "Level", "Rule", "get_rule"]
 
 
@@ -18,7 +20,7 @@ class Level(str, enum.Enum):
 
 @attrs.frozen(kw_only=True)
 class Rule:
-    """One rule of DESIGN.md section 3; docs and conformance cases cite it by ``id``."""
+    """One rule of the specification (docs/spec/); docs and conformance cases cite it by ``id``."""
 
     id: str
     title: str
@@ -145,8 +147,8 @@ _BY_ID = {rule.id: rule for rule in RULES}
 
 
 def get_rule(rule_id: str) -> Rule:
-    """The rule with this id; raises ``KeyError`` naming the known ids."""
+    """The rule with this id; raises :class:`kvspec.UnknownRuleError` (a ``KeyError``) naming the known ids."""
     try:
         return _BY_ID[rule_id]
     except KeyError:
-        raise KeyError(f"unknown rule {rule_id!r}; known: {', '.join(_BY_ID)}") from None
+        raise UnknownRuleError(f"unknown rule {rule_id!r}; known: {', '.join(_BY_ID)}") from None

@@ -66,6 +66,7 @@ from typing import Any, Generic, Literal, TypeVar
 
 import attrs
 
+from kvspec._enums import FailureReason, TransferMode
 from kvspec._errors import ConfigError, LocalProtocolError, RemoteProtocolError
 from kvspec._messages import (
     Abort,
@@ -78,7 +79,7 @@ from kvspec._messages import (
     TransferParams,
     TransportData,
 )
-from kvspec._models import NULL_BLOCK_ID, BlockIds, FailureReason, TransferMode
+from kvspec._models import NULL_BLOCK_ID, BlockIds
 
 __all__ = [
     "CONSUMER_TRANSITIONS",

@@ -9,11 +9,11 @@ import sys
 from collections.abc import Sequence
 from typing import Any, TextIO
 
+from kvspec._enums import TransferMode
 from kvspec._errors import KVSpecError
-from kvspec._models import TransferMode
-from kvspec._plan import PlanSummary, blocks_needed_for, summarize_plan
 from kvspec._presets import get_preset, list_presets
-from kvspec._reference import validate_hybrid_support
+from kvspec._reference import check_hybrid_support
+from kvspec._summary import PlanSummary, blocks_needed_for, summarize_plan
 
 __all__ = ["build_parser", "main", "plan_summary_to_dict"]
 
@@ -185,7 +185,7 @@ def _run_plan(args: argparse.Namespace, out: TextIO) -> int:
     preset = get_preset(args.model)
     mode = TransferMode(args.mode)
     sizing = preset.build_config(num_blocks=2, block_size=args.block_size, layout=args.layout)
-    validate_hybrid_support(sizing, mode)
+    check_hybrid_support(sizing, mode=mode)
     config = preset.build_config(
         num_blocks=blocks_needed_for(sizing, num_tokens=args.tokens), block_size=args.block_size, layout=args.layout
     )

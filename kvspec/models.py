@@ -1,5 +1,13 @@
-"""Model presets: KV-cache configs of real models, by Hugging Face repo id or alias."""
+"""Deprecated: the model presets moved to :mod:`kvspec.presets` (this name clashed with the KV-cache models)."""
 
-from kvspec._presets import Layout, ModelPreset, get_preset, list_presets
+from typing import TYPE_CHECKING
 
-__all__ = ["Layout", "ModelPreset", "get_preset", "list_presets"]
+from kvspec._deprecation import moved_names
+
+__all__ = ["Layout", "ModelPreset", "get_preset", "list_presets"]  # noqa: F822  # served by __getattr__
+
+if not TYPE_CHECKING:  # hidden from type checkers, which then flag the old names
+    __getattr__ = moved_names(
+        "kvspec.models",
+        {name: ("kvspec._presets", name, f"kvspec.presets.{name}") for name in __all__},
+    )

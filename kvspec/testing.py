@@ -2,7 +2,7 @@
 
 This module is public and supported: the conformance suite is built on it and
 connector authors may use it in their own tests. The oracle reads both pools
-directly and never trusts what a backend reports (DESIGN.md section 4).
+directly and never trusts what a backend reports (docs/explanation/suite-limits.md).
 
 Theory of operation:
 
@@ -32,25 +32,27 @@ import secrets
 from collections.abc import Iterator, Sequence
 from multiprocessing import shared_memory
 from types import TracebackType
+from typing import TYPE_CHECKING
 
 import attrs
 
+from kvspec._deprecation import moved_names
 from kvspec._errors import ConfigError
 from kvspec._models import NULL_BLOCK_ID, BlockIds, KVCacheConfig
 from kvspec.transport._base import MemoryRegion
 
 __all__ = [
     "ExpectedLoad",
+    "ExpectedPair",
     "MismatchKind",
-    "PageCopy",
     "PageMismatch",
     "PagePool",
     "PoolSnapshot",
     "allocate_pool",
     "check_loaded_pages",
     "check_pools",
-    "expected_copies",
     "expected_page",
+    "expected_pairs",
     "fill_background",
     "fill_producer_pages",
     "format_mismatches",
@@ -270,8 +272,11 @@ def fill_producer_pages(
 
 
 @attrs.frozen(kw_only=True)
-class PageCopy:
-    """One block pair the transfer must move: every layer of ``group`` (ALIGN-1, PLAN-1)."""
+class ExpectedPair:
+    """One block pair the transfer must move: every layer of ``group`` (ALIGN-1, PLAN-1).
+
+    Not to be confused with :class:`kvspec.PageCopy`, the planner's byte-range copy.
+    """
 
     group: int
     position: int
@@ -297,7 +302,7 @@ class ExpectedLoad:
     loaded: bool = True
 
 
-def expected_copies(config: KVCacheConfig, load: ExpectedLoad) -> list[PageCopy]:
+def expected_pairs(config: KVCacheConfig, load: ExpectedLoad) -> list[ExpectedPair]:
     """The pairs the oracle expects, computed independently of kvspec's reference and planner.
 
     C's i-th id in group g pairs with P's id at ``len(P[g]) - len(C[g]) + i``
@@ -313,14 +318,16 @@ def expected_copies(config: KVCacheConfig, load: ExpectedLoad) -> list[PageCopy]
             f"and consumer {len(load.consumer_block_ids)}"
         )
     positions = logical_positions(config, load.consumer_block_ids, num_tokens=load.num_tokens)
-    copies: list[PageCopy] = []
+    copies: list[ExpectedPair] = []
     for g, (p_ids, c_ids) in enumerate(zip(load.producer_block_ids, load.consumer_block_ids, strict=True)):
         shift = len(p_ids) - len(c_ids)
         for i, c_block in enumerate(c_ids):
             p_block = p_ids[shift + i] if shift + i >= 0 else NULL_BLOCK_ID
             if c_block == NULL_BLOCK_ID or p_block == NULL_BLOCK_ID:
                 continue
-            copies.append(PageCopy(group=g, position=positions[g][i], producer_block=p_block, consumer_block=c_block))
+            copies.append(
+                ExpectedPair(group=g, position=positions[g][i], producer_block=p_block, consumer_block=c_block)
+            )
     return copies
 
 
@@ -336,7 +343,7 @@ class MismatchKind(str, enum.Enum):
 
 @attrs.frozen(kw_only=True)
 class PageMismatch:
-    """One page (or byte range) that differs from the oracle's expectation (DESIGN.md section 4)."""
+    """One page (or byte range) that differs from the oracle's expectation (docs/explanation/suite-limits.md)."""
 
     side: str  # "producer" or "consumer"
     kind: MismatchKind
@@ -402,7 +409,7 @@ def _expected_pages(
     expected: dict[tuple[int, int], tuple[bytes, str]] = {}
     undefined: dict[tuple[int, int], int] = {}
     for load in loads:
-        for copy in expected_copies(config, load):
+        for copy in expected_pairs(config, load):
             for layer_index, layer in enumerate(config.kv_cache_groups[copy.group].layer_names):
                 key = config.page_offset(layer, copy.consumer_block)
                 expected.pop(key, None)
@@ -423,7 +430,7 @@ def check_loaded_pages(consumer: PagePool, load: ExpectedLoad) -> list[PageMisma
     config = consumer.config
     expected, _ = _expected_pages(config, [attrs.evolve(load, loaded=True)])
     found: list[PageMismatch] = []
-    for copy in expected_copies(config, load):
+    for copy in expected_pairs(config, load):
         for layer in config.kv_cache_groups[copy.group].layer_names:
             tensor_index, offset = config.page_offset(layer, copy.consumer_block)
             page, desc = expected[(tensor_index, offset)]
@@ -557,3 +564,14 @@ def _locate_changes(config: KVCacheConfig, index: int, old: bytes, now: bytes, s
             )
         )
     return found
+
+
+# Renamed in 0.2.0; the old names work, with a DeprecationWarning, until 0.3.0.
+if not TYPE_CHECKING:  # hidden from type checkers, which then flag the old names
+    __getattr__ = moved_names(
+        "kvspec.testing",
+        {
+            "PageCopy": ("kvspec.testing", "ExpectedPair", "kvspec.testing.ExpectedPair"),
+            "expected_copies": ("kvspec.testing", "expected_pairs", "kvspec.testing.expected_pairs"),
+        },
+    )

@@ -15,7 +15,7 @@ import attrs
 from kvspec_conformance import ReferenceConnector
 
 from kvspec import BlockIds, KVCacheConfig, TransferMode
-from kvspec._plan import PairedBlocks
+from kvspec._plan import BlockPairsLike
 from kvspec._reference import BlockPairs, check_window_coverage
 from kvspec.transport import Backend, Capabilities, Descriptor, MemoryRegion, Notification, TransferHandle
 from kvspec.transport._base import TransferState, TransferStatus, Transport
@@ -272,7 +272,7 @@ class FrontTrim(ReferenceConnector):
         prefix_hit_tokens: int,
         producer_block_ids: BlockIds,
         consumer_block_ids: BlockIds,
-    ) -> PairedBlocks:
+    ) -> BlockPairsLike:
         check_window_coverage(
             config,
             num_tokens=num_tokens,
@@ -295,7 +295,7 @@ class ProducerIdsAsConsumerIds(ReferenceConnector):
 
     breaks = "ALIGN-1"
 
-    def pair_block_ids(self, config: KVCacheConfig, **kwargs: BlockIds | int) -> PairedBlocks:  # type: ignore[override]
+    def pair_block_ids(self, config: KVCacheConfig, **kwargs: BlockIds | int) -> BlockPairsLike:
         pairs = super().pair_block_ids(config, **kwargs)  # type: ignore[arg-type]
         return BlockPairs(producer_block_ids=pairs.producer_block_ids, consumer_block_ids=pairs.producer_block_ids)
 

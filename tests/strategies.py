@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import attrs
 from hypothesis import strategies as st
@@ -20,7 +21,7 @@ from kvspec import (
     MLAAttentionSpec,
     SlidingWindowMLASpec,
     SlidingWindowSpec,
-    blocks_per_sw,
+    get_blocks_per_sw,
     get_consumer_block_counts,
     get_exchange_clipped_blocks,
     get_logical_block_count,
@@ -37,7 +38,12 @@ windows = st.integers(min_value=1, max_value=200)
 def specs(draw: st.DrawFn, kind: str, block_size: int | None = None) -> KVCacheSpec:
     """One tiny spec of ``kind`` (pages of a few bytes)."""
     b = draw(block_sizes) if block_size is None else block_size
-    common = {"block_size": b, "num_kv_heads": 1, "head_size": draw(st.integers(1, 4)), "dtype": "float16"}
+    common: dict[str, Any] = {
+        "block_size": b,
+        "num_kv_heads": 1,
+        "head_size": draw(st.integers(1, 4)),
+        "dtype": "float16",
+    }
     if kind == "full":
         return FullAttentionSpec(**common)
     if kind == "mla":
@@ -110,13 +116,13 @@ def build_scenario(
     next_id = 1
     producer = []
     for group in config.kv_cache_groups:
-        count = get_logical_block_count(group.kv_cache_spec, num_tokens)
+        count = get_logical_block_count(group.kv_cache_spec, num_tokens=num_tokens)
         producer.append(list(range(next_id, next_id + count)))
         next_id += count
     pruned = get_pruned_block_ids(
         config, producer, num_computed_tokens=num_tokens if prune_tokens is None else prune_tokens
     )
-    budgets = blocks_per_sw(config)
+    budgets = get_blocks_per_sw(config)
     counts = get_consumer_block_counts(config, num_tokens=num_tokens, prefix_hit_tokens=prefix_hit_tokens)
     consumer = []
     for count in counts:

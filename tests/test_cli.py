@@ -11,8 +11,8 @@ import types
 
 import pytest
 
-from kvspec import get_preset
 from kvspec.cli import main
+from kvspec.presets import get_preset
 
 
 def run(*argv: str) -> tuple[int, str]:
@@ -79,7 +79,7 @@ def test_errors_exit_2_with_a_named_error(
 
 
 def test_bad_arguments_are_usage_errors() -> None:
-    with pytest.raises(SystemExit) as info:
+    with pytest.raises(SystemExit, match=r"^2$") as info:  # argparse exits with status 2
         run("plan", "gemma-3-27b", "--tokens", "-3")
     assert info.value.code == 2
 

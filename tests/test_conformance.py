@@ -39,7 +39,7 @@ def test_every_rule_has_a_case_and_every_case_a_known_rule() -> None:
 def test_case_ids_are_unique_and_registration_rejects_bad_ones() -> None:
     ids = [c.id for c in all_cases()]
     assert len(ids) == len(set(ids))
-    with pytest.raises(KeyError):
+    with pytest.raises(KeyError, match=r"unknown rule 'NOPE-1'; known: HMA-1"):
         case("NOPE-1", "x")
     with pytest.raises(ValueError, match="slug"):
         case("CLIP-1", "Bad Slug")

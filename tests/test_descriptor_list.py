@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import itertools
 import struct
 import sys
+from collections.abc import Sequence
 
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 from transport_helpers import desc
 
-from kvspec import ConfigError, TransferMode
+from kvspec import ConfigError, PlanError, TransferMode
+from kvspec._descriptors import merge_columns
 from kvspec._plan import PageCopy, TransferPlan
-from kvspec.transport import Descriptor, DescriptorList
+from kvspec.transport import Descriptor, DescriptorList, check_descriptors, merge_runs
 
 FIELDS = ("local_region", "local_offset", "remote_region", "remote_offset", "nbytes")
 INT64 = st.integers(-(2**63), 2**63 - 1)
@@ -72,12 +75,12 @@ def test_index_out_of_range_raises_index_error() -> None:
     packed = DescriptorList([desc(0, 0, 0, 0, 8)])
     with pytest.raises(IndexError, match="out of range for 1"):
         packed[1]
-    with pytest.raises(IndexError):
+    with pytest.raises(IndexError, match=r"DescriptorList index -2 out of range for 1 descriptors"):
         packed[-2]
 
 
 def test_it_is_not_hashable_since_it_equals_lists() -> None:
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match=r"unhashable type: 'DescriptorList'"):
         hash(DescriptorList())
 
 
@@ -185,3 +188,76 @@ def test_a_plan_hands_backends_a_packed_list() -> None:
     assert read == [desc(1, 64, 0, 0, 32), desc(0, 0, 1, 96, 16)]
     assert plan.to_descriptors(TransferMode.WRITE) == [desc(0, 0, 1, 64, 32), desc(1, 96, 0, 0, 16)]
     assert read.total_bytes == plan.total_bytes
+
+
+# --------------------------------------------------------------------------- the shared bounds check and run merge
+
+# Pages of 16 bytes in two regions, often adjacent, so that runs form.
+adjacent_rows = st.lists(
+    st.tuples(st.integers(0, 1), st.integers(0, 7), st.integers(0, 1), st.integers(0, 7), st.integers(1, 2)),
+    max_size=40,
+).map(lambda rows: [desc(lr, lo * 16, rr, ro * 16, n * 16) for lr, lo, rr, ro, n in rows])
+
+
+def _expand(runs: Sequence[Descriptor]) -> list[tuple[int, int, int, int]]:
+    """Every 16-byte page a list moves, as (local region, local offset, remote region, remote offset)."""
+    return [
+        (d.local_region, d.local_offset + k, d.remote_region, d.remote_offset + k)
+        for d in runs
+        for k in range(0, d.nbytes, 16)
+    ]
+
+
+@given(adjacent_rows)
+@example([desc(0, 0, 0, 0, 16), desc(0, 16, 0, 16, 16), desc(1, 32, 0, 32, 16)])  # same offsets, another region
+@example([desc(0, 0, 0, 0, 16), desc(0, 16, 0, 48, 16)])  # adjacent on one side only
+def test_merge_runs_moves_the_same_pages_in_maximal_runs(rows: list[Descriptor]) -> None:
+    merged = merge_runs(rows)
+    assert _expand(merged) == _expand(rows)
+    assert merged.total_bytes == sum(d.nbytes for d in rows)
+    for a, b in itertools.pairwise(merged):  # no two neighbours could merge further
+        continues = (
+            a.local_region == b.local_region
+            and a.remote_region == b.remote_region
+            and a.local_offset + a.nbytes == b.local_offset
+            and a.remote_offset + a.nbytes == b.remote_offset
+        )
+        assert not continues, (a, b)
+
+
+def test_merge_runs_would_fail_a_merge_that_ignores_the_region() -> None:
+    # The mutant: merging on offsets alone joins rows of different regions.
+    rows = [desc(0, 0, 0, 0, 16), desc(1, 16, 0, 16, 16)]
+    wrong = [desc(0, 0, 0, 0, 32)]
+    assert _expand(merge_runs(rows)) == _expand(rows)
+    assert _expand(wrong) != _expand(rows)
+
+
+@given(adjacent_rows)
+def test_the_numpy_merge_is_the_same_function(rows: list[Descriptor]) -> None:
+    np = pytest.importorskip("numpy")
+    columns = [[getattr(d, name) for d in rows] for name in FIELDS]
+    plain = merge_columns(*columns)
+    vectorised = merge_columns(*(np.array(column, dtype=np.int64) for column in columns))
+    assert [list(c) for c in plain] == [c.tolist() for c in vectorised]
+
+
+@given(st.lists(descriptors, max_size=20), st.lists(st.integers(1, 1 << 21), min_size=1, max_size=4))
+def test_check_descriptors_refuses_exactly_the_rows_outside(items: list[Descriptor], sizes: list[int]) -> None:
+    def inside(d: Descriptor) -> bool:
+        return all(
+            0 <= region < len(sizes) and offset >= 0 and offset + d.nbytes <= sizes[region]
+            for region, offset in ((d.local_region, d.local_offset), (d.remote_region, d.remote_offset))
+        )
+
+    bad = [i for i, d in enumerate(items) if not inside(d)]
+    if bad:
+        with pytest.raises(PlanError, match=rf"^descriptor {bad[0]}: "):
+            check_descriptors(items, local_sizes=sizes, remote_sizes=sizes)
+    else:
+        assert check_descriptors(items, local_sizes=sizes, remote_sizes=sizes) == items
+
+
+def test_check_descriptors_refuses_what_is_not_a_descriptor() -> None:
+    with pytest.raises(PlanError, match=r"expected Descriptor items"):
+        check_descriptors([(0, 0, 0, 0, 16)], local_sizes=[64], remote_sizes=[64])  # type: ignore[list-item]

@@ -10,23 +10,19 @@ import pytest
 
 from kvspec import (
     BlockIds,
+    ConsumerState,
     FailureReason,
     IncompatiblePeerError,
     KVCacheConfig,
-    TransferMode,
-    UnsupportedHybridError,
-    get_preset,
-)
-from kvspec._exchange import (
-    BlockAllocator,
-    ConsumerEndpoint,
+    LocalProtocolError,
     OutOfBlocksError,
-    ProducerEndpoint,
-    connect,
-    run_request,
+    ProducerState,
+    TransferMode,
+    TransferParams,
+    UnsupportedHybridError,
 )
-from kvspec._messages import TransferParams
-from kvspec._session import ConsumerState, ProducerState
+from kvspec.exchange import BlockAllocator, ConsumerEndpoint, ProducerEndpoint, connect, run_request
+from kvspec.presets import get_preset
 from kvspec.testing import (
     ExpectedLoad,
     PagePool,
@@ -211,7 +207,7 @@ def test_window_coverage_failure_before_any_byte(make_pair: object, mode: Transf
 
 def test_out_of_blocks_fails_typed(make_pair: object) -> None:
     pair = make_pair("llama-3.1-8b", TransferMode.READ, num_blocks=12)  # type: ignore[operator]
-    with pytest.raises(OutOfBlocksError):
+    with pytest.raises(OutOfBlocksError, match=r"need 40 blocks, 11 free of 11"):
         pair.producer.prefill("huge", num_tokens=16 * 40)
     assert pair.producer.num_free_blocks == 11
 
@@ -276,7 +272,7 @@ def test_incompatible_peers_refused_at_handshake() -> None:
             engine_id="C", config=gpt, transport=backend.create_agent("c"), regions=c_pool.regions,
             mode=TransferMode.WRITE,
         )  # fmt: skip
-        with pytest.raises(IncompatiblePeerError) as info:
+        with pytest.raises(IncompatiblePeerError, match=r"mode: producer='read' consumer='write'") as info:
             connect(producer, consumer)
         assert "mode" in info.value.differences
         backend.close()
@@ -294,7 +290,7 @@ def test_unsupported_hybrid_refused_at_handshake() -> None:
             engine_id="C", config=config, transport=backend.create_agent("c"), regions=c_pool.regions,
             mode=TransferMode.READ,
         )  # fmt: skip
-        with pytest.raises(UnsupportedHybridError):
+        with pytest.raises(UnsupportedHybridError, match=r"Mamba / linear-attention state is not exchanged in v1"):
             connect(producer, consumer)
         backend.close()
 
@@ -304,11 +300,11 @@ def test_allocator_never_hands_out_the_null_block() -> None:
     ids = allocator.allocate(4)
     assert sorted(ids) == [1, 2, 3, 4]
     assert allocator.num_free == 0
-    with pytest.raises(OutOfBlocksError):
+    with pytest.raises(OutOfBlocksError, match=r"need 1 blocks, 0 free of 4"):
         allocator.allocate(1)
     allocator.free([0, *ids])
     assert allocator.num_free == 4
-    with pytest.raises(Exception, match="freed twice"):
+    with pytest.raises(LocalProtocolError, match="freed twice"):
         allocator.free([1])
     assert list(itertools.islice(iter(allocator.allocate(2)), 2)) == [1, 2]
 

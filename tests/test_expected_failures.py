@@ -15,7 +15,7 @@ from kvspec_conformance import run_suite
 from kvspec_conformance._report import CaseResult, Outcome
 from kvspec_conformance._runner import apply_expected_failures, parse_expected_failures
 
-from kvspec import Level
+from kvspec.rules import Level
 
 ROOT = Path(__file__).resolve().parent.parent
 TESTS = Path(__file__).resolve().parent

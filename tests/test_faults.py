@@ -7,9 +7,10 @@ from collections.abc import Iterator
 import attrs
 import pytest
 
-from kvspec import BlockIds, ConfigError, FailureReason, KVCacheConfig, TransferMode, TransportError, get_preset
+from kvspec import BlockIds, ConfigError, FailureReason, KVCacheConfig, TransferMode, TransportError
 from kvspec._exchange import ConsumerEndpoint, ProducerEndpoint, connect, run_request
 from kvspec._session import ConsumerState, ProducerState
+from kvspec.presets import get_preset
 from kvspec.testing import (
     ExpectedLoad,
     PagePool,
@@ -299,9 +300,9 @@ def test_disconnect_refuses_posts_and_sends_until_re_added() -> None:
     status = c.check(handle)
     assert status.state is TransferState.FAILED
     assert status.reason is FailureReason.PEER_DISCONNECTED
-    with pytest.raises(TransportError):
+    with pytest.raises(TransportError, match=r"fault injector: peer 'd' disconnected"):
         c.post(TransferMode.WRITE, [desc], peer="d")
-    with pytest.raises(TransportError):
+    with pytest.raises(TransportError, match=r"fault injector: peer 'd' disconnected"):
         c.send_notification("d", b"x")
     c.add_remote_agent(d.get_agent_metadata())
     c.send_notification("d", b"back")
@@ -311,9 +312,9 @@ def test_disconnect_refuses_posts_and_sends_until_re_added() -> None:
 
 
 def test_bad_plans_are_refused() -> None:
-    with pytest.raises(ConfigError):
+    with pytest.raises(ConfigError, match=r"drop_notifications: expected a probability in \[0, 1\], got 1\.5"):
         FaultPlan(drop_notifications=1.5)
-    with pytest.raises(ConfigError):
+    with pytest.raises(ConfigError, match=r"FaultPlan\.delay_polls: expected a non-negative int, got -1"):
         FaultPlan(delay_polls=-1)
     assert FaultPlan(agents="x").applies_to("x")
     assert not FaultPlan(agents=["x"]).applies_to("y")

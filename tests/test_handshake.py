@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import attrs
 import pytest
@@ -17,9 +18,9 @@ from kvspec import (
     SpecKind,
     TransferMode,
     check_compatibility,
-    get_preset,
 )
 from kvspec._handshake import GROUP_FIELDS, get_differences
+from kvspec.presets import get_preset
 
 SW = GroupDescriptor(
     kind=SpecKind.SLIDING_WINDOW,
@@ -53,7 +54,7 @@ CONSUMER = attrs.evolve(PRODUCER, engine_id="decode-0", num_blocks=3000, transpo
 Edit = Callable[[EngineDescriptor], EngineDescriptor]
 
 
-def _group(index: int, **changes: object) -> Edit:
+def _group(index: int, **changes: Any) -> Edit:
     def edit(d: EngineDescriptor) -> EngineDescriptor:
         groups = list(d.groups)
         groups[index] = attrs.evolve(groups[index], **changes)
@@ -93,7 +94,7 @@ MISMATCHES: list[tuple[str, Edit, str, tuple[object, object]]] = [
 
 
 def test_identical_descriptors_are_compatible() -> None:
-    assert check_compatibility(PRODUCER, CONSUMER) is None
+    assert check_compatibility(producer=PRODUCER, consumer=CONSUMER) is None
 
 
 def test_engine_id_blocks_metadata_and_minor_version_may_differ() -> None:
@@ -107,8 +108,8 @@ def test_engine_id_blocks_metadata_and_minor_version_may_differ() -> None:
 def test_each_mismatch_is_rejected_naming_the_field(
     name: str, edit: Edit, field: str, values: tuple[object, object]
 ) -> None:
-    with pytest.raises(IncompatiblePeerError) as info:
-        check_compatibility(PRODUCER, edit(CONSUMER))
+    with pytest.raises(IncompatiblePeerError, match=r"incompatible peers \(HS-1\): ") as info:
+        check_compatibility(producer=PRODUCER, consumer=edit(CONSUMER))
     assert field in info.value.differences, info.value.differences
     assert info.value.differences[field] == values
     assert field in str(info.value)  # the message alone tells an operator what to fix
@@ -152,7 +153,7 @@ def test_descriptors_from_two_engines_with_the_same_model_agree() -> None:
         mode=TransferMode.READ,
         hma_enabled=True,
     )
-    check_compatibility(producer, consumer)
+    check_compatibility(producer=producer, consumer=consumer)
     # A different block size on one side (a block-size ratio) is out of v1 and rejected the same way (HS-1).
     other = EngineDescriptor.from_config(
         engine_id="c",
@@ -160,11 +161,11 @@ def test_descriptors_from_two_engines_with_the_same_model_agree() -> None:
         mode=TransferMode.READ,
         hma_enabled=True,
     )
-    with pytest.raises(IncompatiblePeerError) as info:
-        check_compatibility(producer, other)
+    with pytest.raises(IncompatiblePeerError, match=r"groups\[0\]\.block_size: producer=16 consumer=32") as info:
+        check_compatibility(producer=producer, consumer=other)
     assert {f for f in info.value.differences if f.endswith(".block_size")}
 
 
 def test_non_descriptors_are_refused() -> None:
-    with pytest.raises(ConfigError):
-        check_compatibility(PRODUCER, {"engine_id": "c"})  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"check_compatibility: expected the consumer's EngineDescriptor"):
+        check_compatibility(producer=PRODUCER, consumer={"engine_id": "c"})  # type: ignore[arg-type]

@@ -133,7 +133,7 @@ def test_descriptor_outside_registered_memory_is_refused_before_anything_moves(
 
 def test_unknown_peer_and_closed_agent(backend: LoopbackBackend) -> None:
     producer, consumer, _, _ = pair(backend)
-    with pytest.raises(TransportError) as info:
+    with pytest.raises(TransportError, match=r"unknown or disconnected peer 'nobody'") as info:
         consumer.post(TransferMode.READ, [desc(0, 0, 0, 0, 8)], peer="nobody")
     assert info.value.reason == FailureReason.PEER_DISCONNECTED.value
     handle = consumer.post(TransferMode.READ, [desc(0, 0, 0, 0, 8)], peer="producer")
@@ -141,9 +141,9 @@ def test_unknown_peer_and_closed_agent(backend: LoopbackBackend) -> None:
     status = consumer.check(handle)
     assert status.state is TransferState.FAILED
     assert status.reason is FailureReason.PEER_DISCONNECTED
-    with pytest.raises(TransportError):
+    with pytest.raises(TransportError, match=r"unknown or disconnected peer 'producer'"):
         consumer.send_notification("producer", b"x")
-    with pytest.raises(TransportError):
+    with pytest.raises(TransportError, match=r"agent 'producer' is closed"):
         producer.get_notifications()
 
 
@@ -152,7 +152,7 @@ def test_remove_remote_agent_fails_in_flight_and_refuses_new_posts(backend: Loop
     handle = consumer.post(TransferMode.READ, [desc(0, 0, 0, 0, 8)], peer="producer")
     consumer.remove_remote_agent("producer")
     assert consumer.check(handle).reason is FailureReason.PEER_DISCONNECTED
-    with pytest.raises(TransportError):
+    with pytest.raises(TransportError, match=r"unknown or disconnected peer 'producer'"):
         consumer.post(TransferMode.READ, [desc(0, 0, 0, 0, 8)], peer="producer")
 
 
@@ -163,7 +163,7 @@ def test_release_pending_cancels(backend: LoopbackBackend) -> None:
     for _ in range(3):
         assert producer.get_notifications() == []
     assert c_mem[0] == bytearray(1024)
-    with pytest.raises(TransportError):
+    with pytest.raises(TransportError, match=r"unknown or released handle 1"):
         consumer.check(handle)
 
 
@@ -171,18 +171,18 @@ def test_metadata_from_another_backend_is_refused(backend: LoopbackBackend) -> N
     other = LoopbackBackend()
     stranger = other.create_agent("producer")
     consumer = backend.create_agent("consumer")
-    with pytest.raises(TransportError):
+    with pytest.raises(TransportError, match=r"peer 'producer' is not reachable from this backend"):
         consumer.add_remote_agent(stranger.get_agent_metadata())
-    with pytest.raises(TransportError):
+    with pytest.raises(TransportError, match=r"unreadable peer metadata"):
         consumer.add_remote_agent(b"not json")
     other.close()
 
 
 def test_duplicate_agent_names_and_bad_options(backend: LoopbackBackend) -> None:
     backend.create_agent("x")
-    with pytest.raises(TransportError):
+    with pytest.raises(TransportError, match=r"an agent named 'x' already exists"):
         backend.create_agent("x")
-    with pytest.raises(ConfigError):
+    with pytest.raises(ConfigError, match=r"LoopbackBackend\.chunk_bytes: expected a positive int, got 0"):
         LoopbackBackend(chunk_bytes=0)
 
 

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from kvspec import BlockIds, KVCacheConfig, PlanError, TransferMode
 from kvspec._plan import PageCopy, TransferPlan, plan_transfer
-from kvspec._presets import get_preset
+from kvspec.presets import Layout, get_preset
 
 LAYOUTS = ("blocks_first", "layers_first", "per_layer", "shared")
 # Presets with several groups and different kinds; shrunk to a few KiB per pool.
@@ -26,10 +26,10 @@ class Pairs:
     consumer_block_ids: BlockIds
 
 
-def small_config(model: str, layout: str, num_blocks: int) -> KVCacheConfig:
+def small_config(model: str, layout: Layout, num_blocks: int) -> KVCacheConfig:
     return get_preset(model).build_config(
         num_blocks=num_blocks, layout=layout, max_layers_per_group=2, head_size_divisor=64, block_size=2
-    )  # type: ignore[arg-type]
+    )
 
 
 def random_pairs(rng: random.Random, producer: KVCacheConfig, consumer: KVCacheConfig, fill: float) -> Pairs:
@@ -118,8 +118,8 @@ def unmerged_pages(producer: KVCacheConfig, consumer: KVCacheConfig, pairs: Pair
 )  # fmt: skip
 def test_plan_moves_exactly_the_paired_pages(
     model: str,
-    producer_layout: str,
-    consumer_layout: str,
+    producer_layout: Layout,
+    consumer_layout: Layout,
     producer_blocks: int,
     consumer_blocks: int,
     density: float,

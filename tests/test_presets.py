@@ -12,14 +12,12 @@ from kvspec import (
     SlidingWindowSpec,
     TokenBasis,
     UnsupportedHybridError,
-    blocks_per_sw,
-    get_preset,
+    check_hybrid_support,
+    get_blocks_per_sw,
     get_token_basis_group,
     is_hma_required,
-    list_presets,
-    validate_hybrid_support,
 )
-from kvspec.models import ModelPreset
+from kvspec.presets import ModelPreset, get_preset, list_presets
 
 TINY = {"num_blocks": 3, "max_layers_per_group": 2, "head_size_divisor": 64}
 LAYOUTS = ["blocks_first", "layers_first", "per_layer", "shared"]
@@ -72,17 +70,18 @@ def test_every_preset_builds_in_every_layout(preset: ModelPreset, layout: str) -
 
 def test_gemma3_27b_groups_as_vllm_does() -> None:
     preset = get_preset("gemma-3-27b")
-    # 62 layers, every 6th global: 52 SW + 10 FA; group size 10; SW groups first, FA last (research §9.1).
+    # 62 layers, every 6th global: 52 SW + 10 FA; group size 10; SW groups first, FA last
+    # (docs/spec/memory-layout.md, Presets).
     assert [len(g) for g in preset.get_group_layout()] == [10, 10, 10, 10, 10, 2, 10]
     assert preset.get_group_layout()[-1] == [5, 11, 17, 23, 29, 35, 41, 47, 53, 59]
     config = preset.build_config(num_blocks=2, head_size_divisor=128)
     kinds = [type(g.kv_cache_spec) for g in config.kv_cache_groups]
     assert kinds == [SlidingWindowSpec] * 6 + [FullAttentionSpec]
-    assert blocks_per_sw(config) == (65,) * 6 + (0,)
+    assert get_blocks_per_sw(config) == (65,) * 6 + (0,)
     assert is_hma_required(config)
     assert get_token_basis_group(config) == TokenBasis(group_index=6, block_size=16)
-    validate_hybrid_support(config, "read")
-    validate_hybrid_support(config, "write")
+    check_hybrid_support(config, mode="read")
+    check_hybrid_support(config, mode="write")
 
 
 def test_gemma3_27b_page_size_at_full_size() -> None:
@@ -95,7 +94,7 @@ def test_gpt_oss_is_one_sw_and_one_fa_group(alias: str, layers: int) -> None:
     preset = get_preset(alias)
     assert [len(g) for g in preset.get_group_layout()] == [layers, layers]
     config = preset.build_config(num_blocks=2, max_layers_per_group=1)
-    assert blocks_per_sw(config) == (9, 0)  # W=128, B=16 -> 9 (SW-1)
+    assert get_blocks_per_sw(config) == (9, 0)  # W=128, B=16 -> 9 (SW-1)
     assert get_token_basis_group(config) == TokenBasis(group_index=1, block_size=16)
 
 
@@ -112,13 +111,13 @@ def test_full_attention_only_models_never_need_hma() -> None:
         config = get_preset(alias).build_config(**TINY)  # type: ignore[arg-type]
         assert config.num_groups == 1
         assert not is_hma_required(config)
-        validate_hybrid_support(config, "write", read_only_hma=True)
+        check_hybrid_support(config, mode="write", read_only_hma=True)
 
 
 def test_mistral_sliding_window_only_is_hybrid() -> None:
     config = get_preset("mistral-7b").build_config(**TINY)  # type: ignore[arg-type]
     assert is_hma_required(config)
-    assert blocks_per_sw(config) == (4096 // 16 + 1,)
+    assert get_blocks_per_sw(config) == (4096 // 16 + 1,)
     assert get_token_basis_group(config) is None
 
 
@@ -126,14 +125,14 @@ def test_llama4_and_qwen3_next_are_rejected_under_hma() -> None:
     scout = get_preset("llama-4-scout").build_config(**TINY)  # type: ignore[arg-type]
     assert any(isinstance(g.kv_cache_spec, ChunkedLocalAttentionSpec) for g in scout.kv_cache_groups)
     with pytest.raises(UnsupportedHybridError, match="chunked_local"):
-        validate_hybrid_support(scout, "read")
-    validate_hybrid_support(scout, "read", disable_hybrid_kv_cache_manager=True)
+        check_hybrid_support(scout, mode="read")
+    check_hybrid_support(scout, mode="read", disable_hybrid_kv_cache_manager=True)
     qwen = get_preset("qwen3-next-80b").build_config(num_blocks=2, max_layers_per_group=1)
     assert any(isinstance(g.kv_cache_spec, MambaSpec) for g in qwen.kv_cache_groups)
     assert len({g.kv_cache_spec.page_size_bytes for g in qwen.kv_cache_groups}) == 1  # padded to one page
     for flag in (False, True):
         with pytest.raises(UnsupportedHybridError, match="mamba"):
-            validate_hybrid_support(qwen, "read", disable_hybrid_kv_cache_manager=flag)
+            check_hybrid_support(qwen, mode="read", disable_hybrid_kv_cache_manager=flag)
 
 
 def test_layouts_follow_the_page_address_rule() -> None:
@@ -165,5 +164,5 @@ def test_overrides() -> None:
     small = preset.build_config(num_blocks=2, block_size=4, max_layers_per_group=1)
     assert {g.kv_cache_spec.block_size for g in small.kv_cache_groups} == {4}
     for bad in ({"num_blocks": 0}, {"num_blocks": 2, "layout": "rows"}, {"num_blocks": 2, "max_layers_per_group": 0}):
-        with pytest.raises(ConfigError):
-            preset.build_config(**bad)  # type: ignore[arg-type]
+        with pytest.raises(ConfigError, match=r"ModelPreset\.build_config\."):
+            preset.build_config(**bad)

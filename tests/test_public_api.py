@@ -5,6 +5,8 @@ from __future__ import annotations
 import ast
 import importlib
 import importlib.metadata
+import inspect
+import re
 from pathlib import Path
 
 import pytest
@@ -26,7 +28,13 @@ def _module_files() -> list[tuple[str, Path]]:
 
 
 MODULES = _module_files()
-PUBLIC_MODULES = [name for name, _ in MODULES if not any(part.startswith("_") for part in name.split("."))]
+# kvspec.models only serves deprecated names (tests/test_deprecations.py covers it).
+DEPRECATED_MODULES = {"kvspec.models"}
+PUBLIC_MODULES = [
+    name
+    for name, _ in MODULES
+    if not any(part.startswith("_") for part in name.split(".")) and name not in DEPRECATED_MODULES
+]
 
 
 @pytest.mark.parametrize(("name", "path"), MODULES, ids=[name for name, _ in MODULES])
@@ -64,7 +72,20 @@ def test_every_exported_name_exists(name: str) -> None:
     assert not missing, f"{name}.__all__ names what {name} does not define: {missing}"
 
 
-@pytest.mark.parametrize("name", ["kvspec", "kvspec.transport", "kvspec_conformance"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "kvspec",
+        "kvspec.exchange",
+        "kvspec.presets",
+        "kvspec.rules",
+        "kvspec.schema",
+        "kvspec.summary",
+        "kvspec.testing",
+        "kvspec.transport",
+        "kvspec_conformance",
+    ],
+)
 def test_package_exports_are_public_and_documented(name: str) -> None:
     module = importlib.import_module(name)
     for attr in module.__all__:
@@ -72,7 +93,7 @@ def test_package_exports_are_public_and_documented(name: str) -> None:
             continue
         assert not attr.startswith("_"), f"{name}.__all__ exports private name {attr!r}"
         value = getattr(module, attr)
-        if callable(value):
+        if inspect.isclass(value) or inspect.isfunction(value):
             assert (value.__doc__ or "").strip(), f"{name}.{attr} has no docstring"
 
 
@@ -80,3 +101,45 @@ def test_version_is_the_package_version() -> None:
     import kvspec
 
     assert kvspec.__version__ == importlib.metadata.version("kvspec")
+
+
+def test_top_level_is_the_spec_and_tools_live_in_submodules() -> None:
+    import kvspec
+
+    # Drivers, presets, the rule registry, schemas and plan reporting are not top-level names any more.
+    tools = {"ProducerEndpoint", "run_request", "get_preset", "RULES", "get_rule", "message_schemas", "summarize_plan"}
+    assert not tools & set(kvspec.__all__)
+    assert kvspec.__all__ == sorted(kvspec.__all__, key=lambda n: (not n.isupper(), not n[:1].isupper(), n))
+
+
+# Code cites the repository's own docs (docs/spec/...), never notes that live outside it.
+_OUTSIDE = re.compile(r"\bresearch\b[^\n]*(§|section|\.md)|shared/research|DESIGN\.md|STYLE habit|\bresearch [A-Z]\d")
+
+
+def _outside_citations(text: str) -> list[str]:
+    return [line.strip() for line in text.splitlines() if _OUTSIDE.search(line)]
+
+
+def test_the_citation_check_catches_a_note_outside_the_repository() -> None:
+    assert _outside_citations("x = 1  # vLLM nulls skipped blocks (research §2.3).") != []
+    assert _outside_citations('"""Workload (shared/research/backends.md section 0)."""') != []
+    assert _outside_citations("# (docs/spec/alignment-and-coverage.md, WIN-1)") == []
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        *sorted(
+            p
+            for folder in ("kvspec", "conformance", "tests", "benchmarks", "docs/_gen")
+            for p in (ROOT / folder).rglob("*.py")
+        ),
+        ROOT / "docs" / "hooks.py",
+    ],
+    ids=str,
+)
+def test_code_cites_only_the_repository(path: Path) -> None:
+    if path.name == "test_public_api.py":
+        return  # this file spells the forbidden patterns out
+    found = _outside_citations(path.read_text(encoding="utf-8"))
+    assert not found, f"{path.relative_to(ROOT)} cites notes outside the repository: {found}"

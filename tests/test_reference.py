@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 from hypothesis import assume, example, given
@@ -39,10 +40,11 @@ from kvspec import (
     TransferMode,
     UnsupportedHybridError,
     WindowCoverageError,
-    align_block_ids,
-    blocks_per_sw,
+    check_hybrid_support,
     check_window_coverage,
+    compute_block_pairs,
     compute_transfer_pairs,
+    get_blocks_per_sw,
     get_consumer_block_counts,
     get_exchange_clipped_blocks,
     get_needed_block_range,
@@ -51,7 +53,6 @@ from kvspec import (
     get_pruned_block_ids,
     get_token_basis_group,
     is_hma_required,
-    validate_hybrid_support,
 )
 
 
@@ -81,7 +82,8 @@ def test_hma_required_iff_flag_off_and_some_group_not_full(config: KVCacheConfig
 
 
 def test_hma_pins() -> None:
-    # Peers' tests (research §4.2 test_is_hma_required): SWA on -> True, SWA disabled -> False, FA only -> False.
+    # Peers' tests (test_is_hma_required; docs/spec/hybrid-admission.md, HMA-1):
+    # SWA on -> True, SWA disabled -> False, FA only -> False.
     assert is_hma_required(config_from_specs([fa(), sw(32)]))
     assert not is_hma_required(config_from_specs([fa(), sw(32)]), disable_hybrid_kv_cache_manager=True)
     assert not is_hma_required(config_from_specs([fa()]))
@@ -111,47 +113,47 @@ def test_admission_fails_closed(config: KVCacheConfig, mode: TransferMode, read_
     refused = hma and any(not isinstance(s, (FullAttentionSpec, SlidingWindowSpec)) for s in spec_list)
     write_refused = hma and read_only and mode is TransferMode.WRITE
     if has_mamba or refused or write_refused:
-        with pytest.raises(UnsupportedHybridError) as info:
-            validate_hybrid_support(config, mode, read_only_hma=read_only, disable_hybrid_kv_cache_manager=flag)
+        with pytest.raises(UnsupportedHybridError, match=r"\(ADM-[12]\)") as info:
+            check_hybrid_support(config, mode=mode, read_only_hma=read_only, disable_hybrid_kv_cache_manager=flag)
         assert isinstance(info.value, NotImplementedError)
         assert "--disable-hybrid-kv-cache-manager" in str(info.value)
     else:
-        validate_hybrid_support(config, mode, read_only_hma=read_only, disable_hybrid_kv_cache_manager=flag)
+        check_hybrid_support(config, mode=mode, read_only_hma=read_only, disable_hybrid_kv_cache_manager=flag)
 
 
 def test_chunked_local_is_rejected_naming_group_layers_kind_and_remedy() -> None:
     # Peer pin: FA + ChunkedLocal(chunk=32) raises (MoRIIO test_non_sliding_window_hybrid_is_rejected).
     config = config_from_specs([fa(), chunked(32)])
     with pytest.raises(UnsupportedHybridError, match="group 1") as info:
-        validate_hybrid_support(config, "read")
+        check_hybrid_support(config, mode="read")
     message = str(info.value)
     assert "layer.1" in message
     assert "chunked_local" in message
     assert "--disable-hybrid-kv-cache-manager" in message
     assert "layer.0" not in message  # the admitted group is not blamed
-    validate_hybrid_support(config, "read", disable_hybrid_kv_cache_manager=True)
+    check_hybrid_support(config, mode="read", disable_hybrid_kv_cache_manager=True)
 
 
 def test_mamba_is_rejected_with_or_without_the_flag() -> None:
     config = config_from_specs([fa(), mamba()])
     for flag in (False, True):
         with pytest.raises(UnsupportedHybridError, match=r"group 1.*mamba"):
-            validate_hybrid_support(config, TransferMode.READ, disable_hybrid_kv_cache_manager=flag)
+            check_hybrid_support(config, mode=TransferMode.READ, disable_hybrid_kv_cache_manager=flag)
 
 
 def test_write_under_hma_is_rejected_only_for_read_only_connectors() -> None:
     # Peer pin: MoRIIO test_hybrid_write_mode_rejected (ADM-2).
     config = config_from_specs([fa(), sw(32)])
-    validate_hybrid_support(config, "write")
-    validate_hybrid_support(config, "read", read_only_hma=True)
+    check_hybrid_support(config, mode="write")
+    check_hybrid_support(config, mode="read", read_only_hma=True)
     with pytest.raises(UnsupportedHybridError, match="READ mode"):
-        validate_hybrid_support(config, "write", read_only_hma=True)
-    validate_hybrid_support(config, "write", read_only_hma=True, disable_hybrid_kv_cache_manager=True)
+        check_hybrid_support(config, mode="write", read_only_hma=True)
+    check_hybrid_support(config, mode="write", read_only_hma=True, disable_hybrid_kv_cache_manager=True)
 
 
 def test_unknown_mode_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match="mode"):
-        validate_hybrid_support(config_from_specs([fa()]), "push")
+        check_hybrid_support(config_from_specs([fa()]), mode="push")
 
 
 # --------------------------------------------------------------------------- SW-1
@@ -159,7 +161,7 @@ def test_unknown_mode_is_a_config_error() -> None:
 
 @given(config=configs(kinds=ALL_KINDS))
 def test_blocks_per_sw_formula(config: KVCacheConfig) -> None:
-    budgets = blocks_per_sw(config)
+    budgets = get_blocks_per_sw(config)
     assert len(budgets) == config.num_groups
     for budget, group in zip(budgets, config.kv_cache_groups, strict=True):
         spec = group.kv_cache_spec
@@ -184,13 +186,13 @@ def test_blocks_per_sw_formula(config: KVCacheConfig) -> None:
     ],
 )
 def test_blocks_per_sw_pins(window: int, block_size: int, expected: int) -> None:
-    assert blocks_per_sw(config_from_specs([fa(block_size), sw(window, block_size)])) == (0, expected)
+    assert get_blocks_per_sw(config_from_specs([fa(block_size), sw(window, block_size)])) == (0, expected)
 
 
 def test_blocks_per_sw_counts_sw_mla_and_not_mla() -> None:
     swmla = SlidingWindowMLASpec(block_size=16, num_kv_heads=1, head_size=8, dtype="bf16", sliding_window=128)
     mla = MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=8, dtype="bf16")
-    assert blocks_per_sw(config_from_specs([mla, swmla, chunked()])) == (0, 9, 0)
+    assert get_blocks_per_sw(config_from_specs([mla, swmla, chunked()])) == (0, 9, 0)
 
 
 # --------------------------------------------------------------------------- CLIP-1
@@ -224,7 +226,7 @@ def test_clip_keeps_each_budgeted_tail(case: tuple[BlockIds, list[int]]) -> None
 def test_clip_pins() -> None:
     # MoRIIO peer pin: W=32, B=16 -> budget 3; [20..24] -> [22, 23, 24]; the FA group keeps all five.
     config = config_from_specs([fa(), sw(32)])
-    clipped = get_exchange_clipped_blocks([[10, 11, 12, 13, 14], [20, 21, 22, 23, 24]], blocks_per_sw(config))
+    clipped = get_exchange_clipped_blocks([[10, 11, 12, 13, 14], [20, 21, 22, 23, 24]], get_blocks_per_sw(config))
     assert clipped == BlockIds([[10, 11, 12, 13, 14], [22, 23, 24]])
     # HMA not required: identity ([[1..5]] -> [[1..5]]).
     assert get_exchange_clipped_blocks([[1, 2, 3, 4, 5]], (0,)) == BlockIds([[1, 2, 3, 4, 5]])
@@ -238,7 +240,7 @@ def test_clip_zero_groups_stay_zero_groups() -> None:
 def test_clip_group_count_mismatch_is_an_error() -> None:
     with pytest.raises(GroupCountError, match="2 groups"):
         get_exchange_clipped_blocks([[1], [2]], (0, 3, 3))
-    with pytest.raises(GroupCountError):
+    with pytest.raises(GroupCountError, match=r"block ids have 2 groups, budgets have 1 \(CLIP-1\)"):
         get_exchange_clipped_blocks([[1], [2]], (0,))
 
 
@@ -264,7 +266,7 @@ def producer_and_consumer(draw: st.DrawFn) -> tuple[BlockIds, BlockIds]:
 @example(case=(BlockIds([[5, 6]]), BlockIds([[]])))
 def test_align_pairs_tails_and_drops_nulls(case: tuple[BlockIds, BlockIds]) -> None:
     producer, consumer = case
-    pairs = align_block_ids(producer_block_ids=producer, consumer_block_ids=consumer)
+    pairs = compute_block_pairs(producer_block_ids=producer, consumer_block_ids=consumer)
     assert pairs.num_groups == len(consumer)
     for g, (p, c) in enumerate(zip(producer, consumer, strict=True)):
         expected = [
@@ -279,18 +281,20 @@ def test_align_pairs_tails_and_drops_nulls(case: tuple[BlockIds, BlockIds]) -> N
     assert pairs.num_pairs == sum(len(g) for g in pairs.consumer_block_ids)
     assert len(list(pairs.iter_pairs())) == pairs.num_pairs
     # Aligning the pairs again changes nothing.
-    again = align_block_ids(producer_block_ids=pairs.producer_block_ids, consumer_block_ids=pairs.consumer_block_ids)
+    again = compute_block_pairs(
+        producer_block_ids=pairs.producer_block_ids, consumer_block_ids=pairs.consumer_block_ids
+    )
     assert again == pairs
 
 
 def test_tail_alignment_after_a_partial_prefix_hit() -> None:
     # C hit its first 3 blocks locally, so its list is the uncached suffix: the last 2 of P's 5.
-    pairs = align_block_ids(producer_block_ids=[[11, 12, 13, 14, 15]], consumer_block_ids=[[91, 92]])
+    pairs = compute_block_pairs(producer_block_ids=[[11, 12, 13, 14, 15]], consumer_block_ids=[[91, 92]])
     assert list(pairs.iter_pairs()) == [(0, 14, 91), (0, 15, 92)]
 
 
 def test_align_handles_groups_independently() -> None:
-    pairs = align_block_ids(
+    pairs = compute_block_pairs(
         producer_block_ids=[[1, 2, 3, 4, 5], [0, 0, 8, 9]], consumer_block_ids=[[21, 22, 23], [31, 32, 33]]
     )
     assert pairs.producer_block_ids == BlockIds([[3, 4, 5], [8, 9]])
@@ -301,29 +305,29 @@ def test_align_handles_groups_independently() -> None:
 def test_consumer_longer_than_producer_is_rejected(producer: BlockIds, extra: int) -> None:
     consumer = [list(producer[0]), [1] * (len(producer[1]) + extra)]
     with pytest.raises(BlockAlignmentError, match="group 1"):
-        align_block_ids(producer_block_ids=producer, consumer_block_ids=consumer)
+        compute_block_pairs(producer_block_ids=producer, consumer_block_ids=consumer)
 
 
 def test_empty_consumer_list_yields_no_pairs() -> None:
-    pairs = align_block_ids(producer_block_ids=[[1, 2], [3]], consumer_block_ids=[])
+    pairs = compute_block_pairs(producer_block_ids=[[1, 2], [3]], consumer_block_ids=[])
     assert pairs.num_groups == 0
     assert pairs.num_pairs == 0
     assert list(pairs.iter_pairs()) == []
     # Empty per-group lists keep the groups but pair nothing.
-    assert align_block_ids(producer_block_ids=[[1, 2], [3]], consumer_block_ids=[[], []]).num_pairs == 0
+    assert compute_block_pairs(producer_block_ids=[[1, 2], [3]], consumer_block_ids=[[], []]).num_pairs == 0
 
 
 def test_align_group_count_mismatch() -> None:
-    with pytest.raises(GroupCountError):
-        align_block_ids(producer_block_ids=[[1, 2]], consumer_block_ids=[[1], [2]])
+    with pytest.raises(GroupCountError, match=r"producer has 1 groups, consumer 2 \(ALIGN-1\)"):
+        compute_block_pairs(producer_block_ids=[[1, 2]], consumer_block_ids=[[1], [2]])
 
 
 def test_block_pairs_validates_itself() -> None:
     with pytest.raises(BlockAlignmentError, match="NULL-1"):
         BlockPairs(producer_block_ids=[[0]], consumer_block_ids=[[5]])
-    with pytest.raises(BlockAlignmentError):
+    with pytest.raises(BlockAlignmentError, match=r"BlockPairs: group 0 pairs 2 producer with 1 consumer ids"):
         BlockPairs(producer_block_ids=[[1, 2]], consumer_block_ids=[[5]])
-    with pytest.raises(GroupCountError):
+    with pytest.raises(GroupCountError, match=r"BlockPairs: 1 producer groups, 2 consumer groups \(ALIGN-1\)"):
         BlockPairs(producer_block_ids=[[1]], consumer_block_ids=[[5], [6]])
     assert BlockPairs(producer_block_ids=[], consumer_block_ids=[]).num_groups == 0
 
@@ -439,7 +443,7 @@ def test_producer_pruned_with_one_token_too_many_is_caught(
     scenario = build_scenario(config, t, h, prune_tokens=t + 1)
     first_needed = t - window + 1
     hazard = (t - window + 2) > 0 and (t - window + 2) % block_size == 0 and h <= first_needed
-    kwargs = {
+    kwargs: dict[str, Any] = {
         "num_tokens": t,
         "prefix_hit_tokens": h,
         "producer_block_ids": scenario.producer_block_ids,
@@ -587,7 +591,7 @@ def test_missing_full_attention_block_is_reported() -> None:
 
 def test_coverage_group_count_mismatch() -> None:
     config = config_from_specs([fa(), sw(32)])
-    with pytest.raises(GroupCountError):
+    with pytest.raises(GroupCountError, match=r"producer block ids have 1 groups, the config 2 \(WIN-1\)"):
         check_window_coverage(
             config, num_tokens=16, prefix_hit_tokens=0, producer_block_ids=[[1]], consumer_block_ids=[[2], [3]]
         )
@@ -598,7 +602,7 @@ def test_coverage_group_count_mismatch() -> None:
 
 @given(spec=st.sampled_from(["full", "sw", "chunked", "mamba"]).flatmap(specs), n=st.integers(0, 500))
 def test_skipped_tokens(spec: KVCacheSpec, n: int) -> None:
-    skipped = get_num_skipped_tokens(spec, n)
+    skipped = get_num_skipped_tokens(spec, num_computed_tokens=n)
     if isinstance(spec, SlidingWindowSpec):
         assert skipped == max(0, n - spec.sliding_window + 1)
     elif isinstance(spec, ChunkedLocalAttentionSpec):
@@ -610,9 +614,9 @@ def test_skipped_tokens(spec: KVCacheSpec, n: int) -> None:
 
 
 def test_skipped_token_pins() -> None:
-    # vLLM docstrings (research §2.2): W=4, n=7 -> 4; C=8: n=13 -> 8, n=8 -> 8, n=7 -> 0.
-    assert get_num_skipped_tokens(sw(4, 1), 7) == 4
-    assert [get_num_skipped_tokens(chunked(8), n) for n in (13, 8, 7)] == [8, 8, 0]
+    # vLLM's docstrings (docs/spec/alignment-and-coverage.md, WIN-1): W=4, n=7 -> 4; C=8: n=13 -> 8, n=8 -> 8, n=7 -> 0.
+    assert get_num_skipped_tokens(sw(4, 1), num_computed_tokens=7) == 4
+    assert [get_num_skipped_tokens(chunked(8), num_computed_tokens=n) for n in (13, 8, 7)] == [8, 8, 0]
 
 
 @given(config=configs(kinds=("full", "sw", "chunked")), n=st.integers(0, 300), data=st.data())
@@ -621,7 +625,7 @@ def test_pruning_nulls_only_whole_skipped_leading_blocks(config: KVCacheConfig, 
     pruned = get_pruned_block_ids(config, ids, num_computed_tokens=n)
     for before, after, group in zip(ids, pruned, config.kv_cache_groups, strict=True):
         spec = group.kv_cache_spec
-        k = min(get_num_skipped_tokens(spec, n) // spec.block_size, len(before))
+        k = min(get_num_skipped_tokens(spec, num_computed_tokens=n) // spec.block_size, len(before))
         assert after == (NULL_BLOCK_ID,) * k + tuple(before[k:])
     assert get_pruned_block_ids(config, pruned, num_computed_tokens=n) == pruned
 
@@ -642,13 +646,13 @@ def test_consumer_block_counts_match_what_is_needed(scenario: Scenario) -> None:
         spec = group.kv_cache_spec
         needed = get_needed_block_range(spec, num_tokens=s.num_tokens, prefix_hit_tokens=s.prefix_hit_tokens)
         assert count == len(needed)  # C allocates exactly what WIN-1 needs from its first needed block on
-        budget = blocks_per_sw(config_from_specs([spec]))[0]
+        budget = get_blocks_per_sw(config_from_specs([spec]))[0]
         if budget:
             assert count <= budget
 
 
 def test_gemma3_27b_128k_request() -> None:
-    from kvspec import get_preset
+    from kvspec.presets import get_preset
 
     config = get_preset("gemma-3-27b").build_config(num_blocks=2, max_layers_per_group=1, head_size_divisor=128)
     t = 128 * 1024
@@ -675,8 +679,8 @@ def test_worked_example_in_the_spec() -> None:
     """docs/spec/worked-example.md: every number on that page."""
     config = config_from_specs([sw(48), fa()])
     assert is_hma_required(config)
-    validate_hybrid_support(config, "write")
-    assert blocks_per_sw(config) == (4, 0)
+    check_hybrid_support(config, mode="write")
+    assert get_blocks_per_sw(config) == (4, 0)
     assert get_token_basis_group(config) == TokenBasis(group_index=1, block_size=16)
     sw_spec, fa_spec = (g.kv_cache_spec for g in config.kv_cache_groups)
     assert get_needed_token_range(sw_spec, num_tokens=100, prefix_hit_tokens=32) == range(53, 100)
@@ -685,7 +689,7 @@ def test_worked_example_in_the_spec() -> None:
     held = [[11, 12, 13, 14, 15, 16, 17], [21, 22, 23, 24, 25, 26, 27]]
     pruned = get_pruned_block_ids(config, held, num_computed_tokens=100)
     assert pruned == BlockIds([[0, 0, 0, 14, 15, 16, 17], [21, 22, 23, 24, 25, 26, 27]])
-    producer = get_exchange_clipped_blocks(pruned, blocks_per_sw(config))
+    producer = get_exchange_clipped_blocks(pruned, get_blocks_per_sw(config))
     assert producer == BlockIds([[14, 15, 16, 17], [21, 22, 23, 24, 25, 26, 27]])
     assert get_consumer_block_counts(config, num_tokens=100, prefix_hit_tokens=32) == (4, 5)
     consumer = [[41, 42, 43, 44], [51, 52, 53, 54, 55]]

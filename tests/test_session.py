@@ -93,9 +93,9 @@ def test_read_happy_path() -> None:
     out = consumer.transfer_done(now=2.0)
     release = _one(out, Release)
     assert out.free is None  # a LOADED consumer keeps its blocks: they now hold the KV
-    assert consumer.state is ConsumerState.LOADED
+    assert consumer.state is ConsumerState.LOADED  # type: ignore[comparison-overlap]
     assert consumer.release == release
-    out = producer.receive(release, now=2.5)  # type: ignore[arg-type]
+    out = producer.receive(release, now=2.5)
     assert out.free == PRODUCER_FREED
     assert producer.state is ProducerState.RELEASED
 
@@ -104,7 +104,7 @@ def test_write_happy_path() -> None:
     producer, consumer = _pair(WRITE)
     offer = _one(consumer.start(now=1.0), BlockOffer)
     assert offer == BlockOffer(request_id="r1", consumer_engine_id="C", consumer_block_ids=C_IDS)
-    out = producer.receive(offer, now=1.5)  # type: ignore[arg-type]
+    out = producer.receive(offer, now=1.5)
     assert out.post
     assert out.notification == Completion(request_id="r1", producer_engine_id="P")
     assert producer.offer == offer
@@ -127,7 +127,7 @@ def test_full_prefix_hit_only_releases(mode: TransferMode, ids: object) -> None:
     release = _one(out, Release)
     assert release == Release(request_id="r1", consumer_engine_id="C", outcome=ReleaseOutcome.PREFIX_HIT)
     assert consumer.state is ConsumerState.LOADED
-    assert producer.receive(release, now=1.1).free == PRODUCER_FREED  # type: ignore[arg-type]
+    assert producer.receive(release, now=1.1).free == PRODUCER_FREED
 
 
 # --------------------------------------------------------------------------- leases and deadlines (SM-1)
@@ -166,10 +166,10 @@ def test_read_consumer_cancels_at_the_lease_and_releases_after_the_drain() -> No
     assert consumer.state is ConsumerState.FAILING
     # The read is still draining: a DONE now does not make it LOADED.
     out = consumer.transfer_done(now=LEASE + 0.5)
-    assert consumer.state is ConsumerState.FAILED
+    assert consumer.state is ConsumerState.FAILED  # type: ignore[comparison-overlap]
     assert out.free == CONSUMER_FREED
     release = _one(out, Release)
-    assert producer.receive(release, now=LEASE + 0.6).free == PRODUCER_FREED  # type: ignore[arg-type]
+    assert producer.receive(release, now=LEASE + 0.6).free == PRODUCER_FREED
     assert producer.state is ProducerState.RELEASED
 
 
@@ -203,7 +203,7 @@ def test_write_producer_cancels_a_write_at_the_lease_and_frees_after_the_drain()
     _one(out, Abort)
     assert consumer.state is ConsumerState.FAILING
     out = consumer.receive(failure, now=LEASE + DRAIN)  # type: ignore[arg-type]
-    assert consumer.state is ConsumerState.FAILED
+    assert consumer.state is ConsumerState.FAILED  # type: ignore[comparison-overlap]
     assert out.free == CONSUMER_FREED
 
 
@@ -235,9 +235,9 @@ def test_write_consumer_abort_waits_for_the_producer_drain_confirmation() -> Non
     confirmation = _one(out, Abort)
     out = consumer.receive(confirmation, now=2.6)  # type: ignore[arg-type]
     assert out.free == CONSUMER_FREED
-    assert consumer.state is ConsumerState.ABORTED
-    assert _one(out, Release).outcome is ReleaseOutcome.ABORTED  # type: ignore[attr-defined]
-    assert producer.receive(consumer.release, now=2.7).ignored  # type: ignore[arg-type]
+    assert consumer.state is ConsumerState.ABORTED  # type: ignore[comparison-overlap]
+    assert _one(out, Release).outcome is ReleaseOutcome.ABORTED
+    assert producer.receive(consumer.release, now=2.7).ignored
 
 
 def test_write_consumer_quarantine_without_confirmation_lasts_until_lease_plus_drain() -> None:
@@ -278,7 +278,7 @@ def test_producer_abort_keeps_blocks_until_the_release(mode: TransferMode) -> No
     assert out.free == CONSUMER_FREED
     out = producer.receive(_one(out, Release), now=1.2)  # type: ignore[arg-type]
     assert out.free == PRODUCER_FREED
-    assert producer.state is ProducerState.ABORTED
+    assert producer.state is ProducerState.ABORTED  # type: ignore[comparison-overlap]
 
 
 def test_read_producer_abort_without_a_release_frees_after_lease_plus_grace() -> None:
@@ -325,7 +325,7 @@ def test_duplicate_and_late_messages_are_ignored() -> None:
     release = _one(consumer.receive(producer.completion, now=1.5), Release)
     assert consumer.receive(producer.completion, now=1.6).ignored
     assert producer.receive(release, now=1.7).free == PRODUCER_FREED  # type: ignore[arg-type]
-    assert producer.receive(release, now=1.8).ignored  # REL-1: repeats are no-ops
+    assert producer.receive(release, now=1.8).ignored  # type: ignore[arg-type]  # REL-1: repeats are no-ops
     assert producer.abort(now=1.9).ignored
     assert producer.tick(now=100.0).ignored
     assert consumer.abort(now=100.0).ignored
@@ -338,13 +338,13 @@ def test_remote_protocol_errors_leave_the_session_unchanged() -> None:
         producer.receive(other, now=1.0)  # no offers in READ mode
     with pytest.raises(RemoteProtocolError, match="r2"):
         producer.receive(Release(request_id="r2", consumer_engine_id="C", outcome=ReleaseOutcome.LOADED), now=1.0)
-    with pytest.raises(RemoteProtocolError):
+    with pytest.raises(RemoteProtocolError, match=r"a producer does not accept Completion from a consumer"):
         producer.receive(Completion(request_id="r1", producer_engine_id="P"), now=1.0)  # wrong direction
     with pytest.raises(RemoteProtocolError, match="WRITE"):
         consumer.receive(Completion(request_id="r1", producer_engine_id="P"), now=1.0)
     with pytest.raises(RemoteProtocolError, match="Q"):
         consumer.receive(Completion(request_id="r1", producer_engine_id="Q"), now=1.0)
-    with pytest.raises(RemoteProtocolError):
+    with pytest.raises(RemoteProtocolError, match=r"a consumer does not accept BlockOffer from a producer"):
         consumer.receive(other, now=1.0)
     assert producer.state is ProducerState.HELD
     assert consumer.state is ConsumerState.ALLOCATED
@@ -361,14 +361,14 @@ def test_a_conflicting_second_offer_is_a_remote_error() -> None:
 
 def test_local_protocol_errors() -> None:
     producer, consumer = _pair(READ)
-    with pytest.raises(LocalProtocolError):
+    with pytest.raises(LocalProtocolError, match=r"consumer request 'r1' has no posted transfer to report on"):
         consumer.transfer_done(now=1.0)  # nothing posted yet
-    with pytest.raises(LocalProtocolError):
+    with pytest.raises(LocalProtocolError, match=r"producer request 'r1' has no posted transfer to report on"):
         producer.transfer_done(now=1.0)  # P never transfers in READ mode
     consumer.start(now=1.0)
     with pytest.raises(LocalProtocolError, match="already started"):
         consumer.start(now=1.1)
-    with pytest.raises(LocalProtocolError):
+    with pytest.raises(LocalProtocolError, match=r"transfer_failed: expected a FailureReason, got 'timeout'"):
         consumer.transfer_failed("timeout", now=1.2)  # type: ignore[arg-type]
     assert consumer.state is ConsumerState.LOADING
 
@@ -382,7 +382,7 @@ def test_local_protocol_errors() -> None:
     ],
 )
 def test_bad_producer_settings(kwargs: dict[str, float], name: str) -> None:
-    settings: dict[str, object] = {"lease_duration": LEASE} | kwargs
+    settings: dict[str, float] = {"lease_duration": LEASE} | kwargs
     with pytest.raises(ConfigError, match=name):
         ProducerSession.create(
             request_id="r",
@@ -450,5 +450,5 @@ def test_mermaid_diagrams_cover_every_row() -> None:
                 mode in row.modes for row in table
             )
         assert to_markdown(role).count("\n") == len(table) + 2  # type: ignore[arg-type]
-    with pytest.raises(ConfigError):
+    with pytest.raises(ConfigError, match=r"role: expected 'producer' or 'consumer', got 'router'"):
         to_mermaid("router")  # type: ignore[arg-type]

@@ -238,7 +238,7 @@ class Exchange(RuleBasedStateMachine):
         params = decode(encode(producer.params))  # through the router, as bytes
         assert params == producer.params
         consumer = ConsumerSession(
-            params=params,  # type: ignore[arg-type]
+            params=params,
             consumer_engine_id="C",
             consumer_block_ids=BlockIds([]) if prefix_hit else C_IDS,
             start_margin=start_margin,
@@ -367,4 +367,4 @@ class Exchange(RuleBasedStateMachine):
 
 # Interleavings of several requests need a few hundred runs; twice the profile's budget stays within seconds.
 TestExchange = Exchange.TestCase
-TestExchange.settings = settings(settings.default, max_examples=2 * settings.default.max_examples)
+TestExchange.settings = settings(settings.default, max_examples=2 * settings().max_examples)

@@ -14,11 +14,12 @@ from kvspec import BlockIds, FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec,
 from kvspec.testing import (
     ExpectedLoad,
     MismatchKind,
+    PageMismatch,
     PagePool,
     allocate_pool,
     check_pools,
-    expected_copies,
     expected_page,
+    expected_pairs,
     fill_background,
     fill_producer_pages,
     logical_positions,
@@ -70,7 +71,9 @@ def copy_pages(producer: PagePool, consumer: PagePool, pairs: list[tuple[int, in
 GOOD = [(0, 2, 7), (0, 3, 8), (1, 4, 9), (1, 5, 10)]
 
 
-def run(producer: PagePool, consumer: PagePool, pairs: list[tuple[int, int, int]], load: ExpectedLoad = LOAD) -> list:
+def run(
+    producer: PagePool, consumer: PagePool, pairs: list[tuple[int, int, int]], load: ExpectedLoad = LOAD
+) -> list[PageMismatch]:
     fill_producer_pages(producer, load.producer_block_ids, num_tokens=load.num_tokens, salt=load.salt)
     p0, c0 = producer.snapshot(), consumer.snapshot()
     copy_pages(producer, consumer, pairs)
@@ -88,7 +91,7 @@ def test_shared_pool_is_attachable_and_unlinked() -> None:
     other.close()
     pool.close()
     pool.close()  # idempotent
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(FileNotFoundError, match=r"No such file or directory"):
         shared_memory.SharedMemory(name=name)
 
 
@@ -102,10 +105,10 @@ def test_positions_are_tail_aligned() -> None:
 def test_expected_copies_tail_align_and_drop_nulls() -> None:
     config = make_config()
     load = ExpectedLoad(producer_block_ids=[[1, 2, 3], [0, 5]], consumer_block_ids=[[7, 8], [9, 10]], num_tokens=10)
-    pairs = [(c.group, c.position, c.producer_block, c.consumer_block) for c in expected_copies(config, load)]
+    pairs = [(c.group, c.position, c.producer_block, c.consumer_block) for c in expected_pairs(config, load)]
     assert pairs == [(0, 1, 2, 7), (0, 2, 3, 8), (1, 2, 5, 10)]
     full_hit = ExpectedLoad(producer_block_ids=P_IDS, consumer_block_ids=[], num_tokens=10)
-    assert expected_copies(config, full_hit) == []
+    assert expected_pairs(config, full_hit) == []
 
 
 def test_keys_differ_by_every_part() -> None:
@@ -199,7 +202,7 @@ def test_oracle_accepts_a_correct_copy_and_catches_any_flipped_byte(config: KVCa
         fill_producer_pages(producer, load.producer_block_ids, num_tokens=load.num_tokens, salt=load.salt)
         p0, c0 = producer.snapshot(), consumer.snapshot()
         # An independent copy of what the transfer must do: every layer's page of every tail-aligned pair.
-        for copy in expected_copies(config, load):
+        for copy in expected_pairs(config, load):
             for layer in config.kv_cache_groups[copy.group].layer_names:
                 consumer.page(layer, copy.consumer_block)[:] = producer.page(layer, copy.producer_block)
         assert (

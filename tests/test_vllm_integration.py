@@ -27,7 +27,7 @@ from kvspec import (
     KVCacheConfig,
     TransferMode,
     UnsupportedHybridError,
-    blocks_per_sw,
+    get_blocks_per_sw,
     get_exchange_clipped_blocks,
 )
 
@@ -148,7 +148,9 @@ def test_clipping_agrees_with_clip_1(vllm: Any, name: str, blocks: int, window: 
 
     config = _config(full(block_size), sw(window, block_size))
     ids = BlockIds([list(range(1, blocks + 1)), list(range(1000, 1000 + blocks))])
-    assert make_connector(name).clip_block_ids(config, ids) == get_exchange_clipped_blocks(ids, blocks_per_sw(config))
+    assert make_connector(name).clip_block_ids(config, ids) == get_exchange_clipped_blocks(
+        ids, get_blocks_per_sw(config)
+    )
 
 
 def test_pairing_calls_vllm_and_keeps_its_message(vllm: Any) -> None:

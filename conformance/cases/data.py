@@ -5,7 +5,8 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvspec import FailureReason, TransferMode, list_presets, validate_hybrid_support
+from kvspec import FailureReason, TransferMode, check_hybrid_support
+from kvspec.presets import list_presets
 
 from .._cases import case
 from .._context import CaseContext
@@ -337,7 +338,7 @@ def _adm_refused(ctx: CaseContext) -> None:
 @case("ADM-2", "both-modes-under-hma")
 def _adm_both_modes(ctx: CaseContext) -> None:
     """READ and WRITE both move a hybrid model's blocks correctly (each mode the backend declares)."""
-    validate_hybrid_support(FA_SW, TransferMode.READ)
+    check_hybrid_support(FA_SW, mode=TransferMode.READ)
     requests = [Request(request_id=f"t{t}", num_tokens=t, prefix_hit_tokens=h) for t, h in ((11, 0), (26, 8))]
     _all_loaded(ctx, Scenario(config=FA_SW, requests=requests), "ADM-2")
 
@@ -399,7 +400,7 @@ def _plan_presets(ctx: CaseContext) -> None:
     for preset in list_presets():
         config = PresetConfig(name=preset.alias, num_blocks=192, max_layers_per_group=1, head_size_divisor=32)
         try:
-            validate_hybrid_support(config.build(), TransferMode.READ)
+            check_hybrid_support(config.build(), mode=TransferMode.READ)
         except Exception:
             result = ctx.run(Scenario(config=config, requests=[Request(request_id="r", num_tokens=40)]))
             if result.refused is None:

@@ -6,7 +6,8 @@ import time
 
 import attrs
 
-from kvspec import ConsumerEndpoint, ConsumerState, ProducerEndpoint, TransferMode, TransferParams, connect
+from kvspec import ConsumerState, TransferMode, TransferParams
+from kvspec.exchange import ConsumerEndpoint, ProducerEndpoint, connect
 from kvspec.testing import (
     ExpectedLoad,
     PageMismatch,

@@ -14,7 +14,7 @@ from matplotlib.patches import FancyArrowPatch, Rectangle
 from matplotlib.ticker import FuncFormatter
 
 import kvspec
-from kvspec._plan import blocks_needed_for, summarize_plan
+from kvspec._summary import blocks_needed_for, summarize_plan
 
 __all__ = ["BYTES_MODELS", "BYTES_TOKENS", "bytes_rows", "bytes_svg", "clipping_example", "clipping_svg"]
 
@@ -57,10 +57,10 @@ def _example_config() -> kvspec.KVCacheConfig:
 def clipping_example(num_tokens: int = 100, prefix_hit_tokens: int = 32) -> dict[str, Any]:
     """Every list of the two-group example, computed by the reference functions."""
     config = _example_config()
-    totals = [kvspec.get_logical_block_count(g.kv_cache_spec, num_tokens) for g in config.kv_cache_groups]
+    totals = [kvspec.get_logical_block_count(g.kv_cache_spec, num_tokens=num_tokens) for g in config.kv_cache_groups]
     # P's block table after prefill: fresh ids per group.
     table = kvspec.BlockIds([range(1 + 10 * g, 1 + 10 * g + n) for g, n in enumerate(totals)])
-    budgets = kvspec.blocks_per_sw(config)
+    budgets = kvspec.get_blocks_per_sw(config)
     advertised = kvspec.get_exchange_clipped_blocks(table, budgets)  # CLIP-1 on P
     counts = kvspec.get_consumer_block_counts(config, num_tokens=num_tokens, prefix_hit_tokens=prefix_hit_tokens)
     offered = kvspec.BlockIds([range(31 + 10 * g, 31 + 10 * g + n) for g, n in enumerate(counts)])

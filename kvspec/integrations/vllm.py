@@ -45,7 +45,7 @@ from kvspec._models import (
     SlidingWindowSpec,
     TransferMode,
 )
-from kvspec._plan import PairedBlocks, TransferPlan, plan_transfer
+from kvspec._plan import BlockPairsLike, TransferPlan, plan_transfer
 from kvspec._reference import BlockPairs
 
 __all__ = [
@@ -62,8 +62,8 @@ __all__ = [
     "from_vllm_kv_cache_config",
     "import_vllm",
     "make_connector",
-    "pair_moriio",
     "pair_mooncake",
+    "pair_moriio",
     "pair_nixl",
     "to_vllm_kv_cache_config",
 ]
@@ -503,7 +503,7 @@ class VllmConnector:
 
     def check_peer(self, producer: Any, consumer: Any) -> None:
         """kvspec's ``check_compatibility``: vLLM's handshake validation lives in its workers (HS-1)."""
-        check_compatibility(producer, consumer)
+        check_compatibility(producer=producer, consumer=consumer)
 
     def clip_block_ids(self, config: KVCacheConfig, block_ids: BlockIds) -> BlockIds:
         """vLLM's own clipping of one side's list (CLIP-1)."""
@@ -528,7 +528,7 @@ class VllmConnector:
         recomputed_tokens: int = 0,
         producer_block_ends: tuple[int, ...] | None = None,
         consumer_block_ends: tuple[int, ...] | None = None,
-    ) -> PairedBlocks:
+    ) -> BlockPairsLike:
         """vLLM's own pairing of the clipped lists; no WIN-1 check, as in vLLM (ALIGN-1, NULL-1).
 
         vLLM's lists say nothing of where they end, so the protocol 1.1
@@ -546,7 +546,7 @@ class VllmConnector:
         return _pairs(raw[0], raw[1], self.name)
 
     def plan(
-        self, *, producer_config: KVCacheConfig, consumer_config: KVCacheConfig, pairs: PairedBlocks
+        self, *, producer_config: KVCacheConfig, consumer_config: KVCacheConfig, pairs: BlockPairsLike
     ) -> TransferPlan:
         """kvspec's ``plan_transfer``: vLLM computes byte offsets in its workers (PLAN-1)."""
         return plan_transfer(producer_config=producer_config, consumer_config=consumer_config, pairs=pairs)

@@ -46,9 +46,9 @@ from kvspec._models import (
     TransferMode,
 )
 from kvspec._reference import (
-    blocks_per_sw,
     check_window_coverage,
     compute_transfer_pairs,
+    get_blocks_per_sw,
     get_exchange_clipped_blocks,
     get_needed_block_range,
 )
@@ -466,7 +466,7 @@ def _pair(
     blocks = manager.get_blocks(rid)
     if connector == "reference":
         table = manager.get_block_ids(rid)
-        budgets = blocks_per_sw(config)
+        budgets = get_blocks_per_sw(config)
         producer = get_exchange_clipped_blocks(
             [
                 g[: -(-num_tokens // s.kv_cache_spec.block_size)]

@@ -12,6 +12,8 @@ from kvspec.transport._base import (
     TransferState,
     TransferStatus,
     Transport,
+    check_descriptors,
+    merge_runs,
 )
 from kvspec.transport._registry import BUILTIN_BACKENDS, load_backend
 from kvspec.transport.faults import FaultInjector, FaultPlan, FaultyBackend, InjectedFault
@@ -36,5 +38,7 @@ __all__ = [
     "TransferState",
     "TransferStatus",
     "Transport",
+    "check_descriptors",
     "load_backend",
+    "merge_runs",
 ]

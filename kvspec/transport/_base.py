@@ -3,18 +3,14 @@
 from __future__ import annotations
 
 import enum
-import operator
-import struct
-import sys
-from array import array
-from collections.abc import Iterable, Iterator, Sequence
-from operator import attrgetter
-from typing import Protocol, overload, runtime_checkable
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
 
 import attrs
 
-from kvspec._errors import ConfigError
-from kvspec._models import FailureReason, TransferMode
+from kvspec._descriptors import Descriptor, DescriptorBounds, DescriptorList, check_descriptors, merge_runs
+from kvspec._enums import FailureReason, TransferMode
+from kvspec._errors import ConfigError, TransportError
 
 __all__ = [
     "Capabilities",
@@ -23,10 +19,16 @@ __all__ = [
     "DescriptorList",
     "MemoryRegion",
     "Notification",
-    "Transport",
     "TransferHandle",
     "TransferState",
     "TransferStatus",
+    "Transport",
+    "check_descriptors",
+    "closed_agent_error",
+    "merge_runs",
+    "unknown_handle_error",
+    "unknown_peer_error",
+    "unreadable_metadata_error",
 ]
 
 
@@ -54,10 +56,6 @@ class TransferStatus:
     def __attrs_post_init__(self) -> None:
         if (self.state is TransferState.FAILED) != (self.reason is not None):
             raise ConfigError(f"TransferStatus.reason: expected a reason exactly when FAILED, got {self.reason!r}")
-
-
-PENDING = TransferStatus(state=TransferState.PENDING)
-DONE = TransferStatus(state=TransferState.DONE)
 
 
 @attrs.frozen(kw_only=True)
@@ -102,212 +100,32 @@ class MemoryRegion:
         return self.buffer.nbytes
 
 
-@attrs.frozen(kw_only=True)
-class Descriptor:
-    """One contiguous copy between the initiator's region and the peer's region.
-
-    ``local_*`` is on the agent that posts; ``remote_*`` on the peer. For READ
-    bytes go remote -> local, for WRITE local -> remote. Region indexes are
-    registration order on each side.
-    """
-
-    local_region: int
-    local_offset: int
-    remote_region: int
-    remote_offset: int
-    nbytes: int
+# --------------------------------------------------------------------------- one reason per event
+# Every backend raises these for these events, so a driver sees one FailureReason per event whatever
+# the backend (docs/reference/transport.md, "Errors and reasons"; FAIL-1).
 
 
-@attrs.frozen(kw_only=True)
-class DescriptorBounds:
-    """The extremes of a :class:`DescriptorList`, computed once when it is built.
-
-    They let a backend prove that every descriptor falls inside the registered
-    regions (PLAN-1) without looking at each one: :meth:`fits` answers from
-    six numbers. When it answers ``False``, the list may still be valid (the
-    regions differ in size) and the backend checks it row by row.
-    """
-
-    count: int  # descriptors in the list
-    smallest: int  # the smallest value of any field of any descriptor
-    smallest_nbytes: int
-    largest_nbytes: int
-    regions: tuple[int, int]  # the largest local and remote region index
-    ends: tuple[int, int]  # the largest local and remote offset + nbytes
-
-    def fits(self, local_sizes: Sequence[int], remote_sizes: Sequence[int]) -> bool:
-        """Whether every descriptor lies inside the smallest region on each side (so inside its own)."""
-        return not self.count or (
-            self.smallest >= 0
-            and self.smallest_nbytes > 0
-            and self.regions[0] < len(local_sizes)
-            and self.regions[1] < len(remote_sizes)
-            and self.ends[0] <= min(local_sizes)
-            and self.ends[1] <= min(remote_sizes)
-        )
+def closed_agent_error(agent: str) -> TransportError:
+    """Any call on an agent after :meth:`Transport.close`: ``PEER_DISCONNECTED`` (the agent is gone) (FAIL-1)."""
+    return TransportError(f"agent {agent!r} is closed", reason=FailureReason.PEER_DISCONNECTED)
 
 
-_COLUMNS = ("local_region", "local_offset", "remote_region", "remote_offset", "nbytes")
-_GETTERS = tuple(map(attrgetter, _COLUMNS))
+def unknown_peer_error(agent: str, peer: str) -> TransportError:
+    """A post or notification to a peer never added, removed or gone: ``PEER_DISCONNECTED`` (FAIL-1)."""
+    return TransportError(
+        f"agent {agent!r}: unknown or disconnected peer {peer!r} (add_remote_agent first)",
+        reason=FailureReason.PEER_DISCONNECTED,
+    )
 
 
-class DescriptorList(Sequence[Descriptor]):
-    """An immutable list of descriptors packed as five int64 columns.
+def unknown_handle_error(agent: str, transfer_id: int) -> TransportError:
+    """``check`` of a handle this agent never posted or already released: ``PROTOCOL`` (a caller bug) (FAIL-1)."""
+    return TransportError(f"agent {agent!r}: unknown or released handle {transfer_id}", reason=FailureReason.PROTOCOL)
 
-    It is a ``Sequence[Descriptor]``, so every backend can take it where it
-    takes a list of :class:`Descriptor`; indexing builds a ``Descriptor`` on
-    demand. A backend that ships descriptors to another process or to a native
-    library reads the columns instead, with no per-descriptor work:
-    :meth:`to_bytes` gives ``local_region, local_offset, remote_region,
-    remote_offset, nbytes`` as little-endian int64, one column after the
-    other. :meth:`kvspec.TransferPlan.to_descriptors` returns one.
 
-    >>> d = DescriptorList.from_columns(
-    ...     local_region=[0, 0], local_offset=[0, 4096],
-    ...     remote_region=[1, 1], remote_offset=[8192, 0],
-    ...     nbytes=[4096, 4096],
-    ... )
-    >>> len(d), d[1].remote_offset, d.total_bytes
-    (2, 0, 8192)
-    """
-
-    __slots__ = ("_bounds", "_count", "_data")
-    _data: array[int]
-    _count: int
-    _bounds: DescriptorBounds
-
-    def __init__(self, descriptors: Iterable[Descriptor] = ()) -> None:
-        """Pack ``descriptors`` (any iterable of :class:`Descriptor`)."""
-        if isinstance(descriptors, DescriptorList):
-            self._data, self._count, self._bounds = descriptors._data, descriptors._count, descriptors._bounds
-            return
-        rows = descriptors if isinstance(descriptors, Sequence) else list(descriptors)
-        try:
-            # One C-level pass per field: the cheapest way found to unpack objects (~0.25 us each).
-            self._init([list(map(getter, rows)) for getter in _GETTERS])
-        except AttributeError:
-            bad = next(row for row in rows if not isinstance(row, Descriptor))
-            raise ConfigError(f"DescriptorList: expected Descriptor items, got {bad!r}") from None
-
-    @classmethod
-    def of(cls, descriptors: Sequence[Descriptor]) -> DescriptorList:
-        """``descriptors`` itself when it is a DescriptorList, else a packed copy (what backends call)."""
-        return descriptors if isinstance(descriptors, DescriptorList) else cls(descriptors)
-
-    @classmethod
-    def from_columns(
-        cls,
-        *,
-        local_region: Sequence[int],
-        local_offset: Sequence[int],
-        remote_region: Sequence[int],
-        remote_offset: Sequence[int],
-        nbytes: Sequence[int],
-    ) -> DescriptorList:
-        """Build from one sequence of ints per :class:`Descriptor` field, all of the same length."""
-        self = cls.__new__(cls)
-        self._init([local_region, local_offset, remote_region, remote_offset, nbytes])
-        return self
-
-    def _init(self, columns: list[Sequence[int]]) -> None:
-        count = len(columns[0])
-        data = array("q")
-        layout = f"={count}q"  # struct packs a list of ints ~4x faster than array.extend
-        for name, column in zip(_COLUMNS, columns, strict=True):
-            if len(column) != count:
-                raise ConfigError(
-                    f"DescriptorList.{name}: expected {count} values (as many as local_region), got {len(column)}"
-                )
-            try:
-                data.frombytes(struct.pack(layout, *column))
-            except struct.error as exc:
-                raise ConfigError(f"DescriptorList.{name}: expected 64-bit signed ints ({exc})") from None
-        self._data, self._count = data, count
-        if not count:
-            self._bounds = DescriptorBounds(
-                count=0, smallest=0, smallest_nbytes=0, largest_nbytes=0, regions=(-1, -1), ends=(0, 0)
-            )
-            return
-        local_region, local_offset, remote_region, remote_offset, nbytes = columns
-        self._bounds = DescriptorBounds(
-            count=count,
-            smallest=min(map(min, columns)),
-            smallest_nbytes=min(nbytes),
-            largest_nbytes=max(nbytes),
-            regions=(max(local_region), max(remote_region)),
-            ends=(max(map(operator.add, local_offset, nbytes)), max(map(operator.add, remote_offset, nbytes))),
-        )
-
-    def __len__(self) -> int:
-        return self._count
-
-    @overload
-    def __getitem__(self, index: int) -> Descriptor: ...
-
-    @overload
-    def __getitem__(self, index: slice) -> DescriptorList: ...
-
-    def __getitem__(self, index: int | slice) -> Descriptor | DescriptorList:
-        if isinstance(index, slice):
-            return DescriptorList.from_columns(**{name: self.column(name)[index] for name in _COLUMNS})
-        count = self._count
-        if not -count <= index < count:
-            raise IndexError(f"DescriptorList index {index} out of range for {count} descriptors")
-        return self._row(index % count)
-
-    def __iter__(self) -> Iterator[Descriptor]:
-        return map(self._row, range(self._count))
-
-    def _row(self, index: int) -> Descriptor:
-        data, count = self._data, self._count
-        return Descriptor(
-            local_region=data[index],
-            local_offset=data[count + index],
-            remote_region=data[2 * count + index],
-            remote_offset=data[3 * count + index],
-            nbytes=data[4 * count + index],
-        )
-
-    def __eq__(self, other: object) -> bool:
-        if isinstance(other, DescriptorList):
-            return self._data == other._data
-        if isinstance(other, Sequence) and not isinstance(other, (str, bytes)):
-            return len(other) == self._count and all(a == b for a, b in zip(self, other, strict=True))
-        return NotImplemented
-
-    __hash__ = None  # type: ignore[assignment]  # compares equal to lists, which do not hash
-
-    def __repr__(self) -> str:
-        return f"DescriptorList({list(self)!r})"
-
-    def column(self, name: str) -> array[int]:
-        """A copy of one field's values, in order (``name`` is a :class:`Descriptor` field)."""
-        if name not in _COLUMNS:
-            raise ConfigError(f"DescriptorList.column: expected one of {', '.join(_COLUMNS)}, got {name!r}")
-        start = _COLUMNS.index(name) * self._count
-        return self._data[start : start + self._count]
-
-    @property
-    def total_bytes(self) -> int:
-        """The bytes every descriptor moves, together."""
-        return sum(self._data[4 * self._count :])
-
-    @property
-    def bounds(self) -> DescriptorBounds:
-        """The list's extremes, computed when it was built (see :class:`DescriptorBounds`)."""
-        return self._bounds
-
-    def view(self) -> memoryview:
-        """The five columns as one read-only memoryview of native-endian int64, without a copy."""
-        return memoryview(self._data).toreadonly()
-
-    def to_bytes(self) -> bytes:
-        """The five columns as little-endian int64, one after the other (``5 * len(self) * 8`` bytes)."""
-        if sys.byteorder == "little":
-            return self._data.tobytes()
-        swapped = array("q", self._data)
-        swapped.byteswap()
-        return swapped.tobytes()
+def unreadable_metadata_error(agent: str, detail: str) -> TransportError:
+    """``add_remote_agent`` with bytes that are not this backend's metadata: ``PROTOCOL`` (FAIL-1)."""
+    return TransportError(f"agent {agent!r}: unreadable peer metadata ({detail})", reason=FailureReason.PROTOCOL)
 
 
 @attrs.frozen(kw_only=True)

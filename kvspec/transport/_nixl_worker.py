@@ -1,6 +1,6 @@
 """The process behind one NIXL agent: owns a ``nixl_agent`` and serves its proxy over a pipe.
 
-Theory of operation (research/backends.md section 3):
+Theory of operation (docs/backends/nixl.md, How it is built):
 
 * The parent (:mod:`kvspec.transport.nixl`) starts ``python -m
   kvspec.transport._nixl_worker FD NAME`` with ``UCX_NET_DEVICES=lo`` (and
@@ -40,13 +40,14 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
+from kvspec._descriptors import merge_columns
+
 __all__ = [
     "METADATA_MAGIC",
     "NIXL_MODULES",
     "RequestError",
     "Worker",
     "answer",
-    "check_columns",
     "handle",
     "main",
     "pack_metadata",
@@ -103,32 +104,6 @@ def unpack_metadata(blob: bytes) -> tuple[str, list[tuple[int, int]], bytes]:
 def unpack_columns(np: Any, packed: bytes | memoryview) -> Any:
     """A 5 x N int64 array: ``local_region, local_offset, remote_region, remote_offset, nbytes`` rows."""
     return np.frombuffer(packed, dtype="<i8").reshape(5, -1)
-
-
-def check_columns(np: Any, columns: Any, local_sizes: Any, remote_sizes: Any) -> None:
-    """Raise a PLAN ``RequestError`` naming the first descriptor outside either side's regions (PLAN-1).
-
-    Row by row: the proxy calls it only when the list's bounds did not already prove every row inside.
-    """
-    lr, lo, rr, ro, n = columns
-    num_local, num_remote = len(local_sizes), len(remote_sizes)
-    bad_region = (lr < 0) | (lr >= num_local) | (rr < 0) | (rr >= num_remote)
-    if bad_region.any():
-        i = int(np.flatnonzero(bad_region)[0])
-        raise RequestError(
-            PLAN,
-            f"descriptor {i}: region local={int(lr[i])} remote={int(rr[i])} not registered "
-            f"(local has {num_local}, remote has {num_remote})",
-        )
-    lsize, rsize = local_sizes[lr], remote_sizes[rr]
-    bad_range = (n <= 0) | (lo < 0) | (ro < 0) | (n > lsize) | (n > rsize) | (lo > lsize - n) | (ro > rsize - n)
-    if bad_range.any():
-        i = int(np.flatnonzero(bad_range)[0])
-        raise RequestError(
-            PLAN,
-            f"descriptor {i}: local [{int(lo[i])}, {int(lo[i]) + int(n[i])}) of {int(lsize[i])} / remote "
-            f"[{int(ro[i])}, {int(ro[i]) + int(n[i])}) of {int(rsize[i])} bytes out of range",
-        )
 
 
 def _import_nixl() -> tuple[Any, Any]:
@@ -286,27 +261,22 @@ class Worker:
         peer = self.peers.get(name)
         if peer is None:
             raise RequestError(
-                TRANSPORT, f"agent {self.name!r}: unknown peer {name!r} (add_remote_agent first)", "peer_disconnected"
+                TRANSPORT,
+                f"agent {self.name!r}: unknown or disconnected peer {name!r} (add_remote_agent first)",
+                "peer_disconnected",
             )
         return peer
 
     # -- transfers
 
     def merged_descs(self, columns: tuple[Any, ...], peer: str) -> tuple[Any, Any]:
-        """Nx3 (address, nbytes, device) lists with rows adjacent on both sides merged."""
+        """Nx3 (address, nbytes, device) lists, rows that continue each other on both sides merged."""
         np = self.np
-        lr, lo, rr, ro, n = columns
-        la = self.region_base[lr] + lo
-        ra = self.peers[peer][1][rr] + ro
-        # initialize_xfer does not merge (research/backends.md §3.2 item 4); merging here gives it the same gain.
-        follows = (
-            (lr[1:] == lr[:-1]) & (rr[1:] == rr[:-1]) & (la[1:] == la[:-1] + n[:-1]) & (ra[1:] == ra[:-1] + n[:-1])
-        )
-        starts = np.concatenate((np.zeros(1, dtype=np.int64), np.flatnonzero(~follows) + 1))
-        lengths = np.add.reduceat(n, starts)
-        zeros = np.zeros(len(starts), dtype=np.int64)
-        local = np.column_stack((la[starts], lengths, zeros)).astype(np.uint64)
-        remote = np.column_stack((ra[starts], lengths, zeros)).astype(np.uint64)
+        # initialize_xfer does not merge adjacent rows (docs/backends/nixl.md); the shared merge does (PLAN-1).
+        lr, lo, rr, ro, n = merge_columns(*columns)
+        zeros = np.zeros(len(n), dtype=np.int64)
+        local = np.column_stack((self.region_base[lr] + lo, n, zeros)).astype(np.uint64)
+        remote = np.column_stack((self.peers[peer][1][rr] + ro, n, zeros)).astype(np.uint64)
         return local, remote
 
     def prepped(self, columns: Any, peer: str, size: int) -> tuple[Any, Any, Any, Any] | None:

@@ -17,7 +17,7 @@ Theory of operation (one worker per agent, started by
 - Data moves with ``send``/``recv`` on that group, straight from and into
   views of the shared pools; runs of many small pages are packed into a few
   large messages through a small ring of staging buffers, because gloo's
-  cost per message dominates small pages (research/backends.md §4).
+  cost per message dominates small pages (docs/backends/torch.md, Measured).
 - READ: the initiator asks the peer to send, then posts its receives. WRITE:
   the initiator asks the peer to receive, then sends; the peer acknowledges
   once every byte is in its pool, and only then queues the post's
@@ -319,7 +319,7 @@ class _Worker:
             for peer in self.peers.values():
                 if peer.name == name:
                     return peer
-        raise _Failure("peer_disconnected", f"unknown peer {name!r}: add_remote_agent its metadata first")
+        raise _Failure("peer_disconnected", f"unknown or disconnected peer {name!r} (add_remote_agent first)")
 
     def _current(self, peer: _Peer) -> bool:
         """Whether ``peer`` is this life's live entry (messages from older pairings are ignored)."""

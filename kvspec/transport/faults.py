@@ -8,8 +8,8 @@ from typing import Any
 
 import attrs
 
+from kvspec._enums import FailureReason, TransferMode
 from kvspec._errors import ConfigError, TransportError
-from kvspec._models import FailureReason, TransferMode
 from kvspec.transport._base import (
     Backend,
     Capabilities,

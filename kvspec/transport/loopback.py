@@ -11,8 +11,8 @@ from collections.abc import Sequence
 
 import attrs
 
+from kvspec._enums import FailureReason, TransferMode
 from kvspec._errors import ConfigError, PlanError, TransportError
-from kvspec._models import FailureReason, TransferMode
 from kvspec.transport._base import (
     Capabilities,
     Descriptor,
@@ -21,11 +21,17 @@ from kvspec.transport._base import (
     TransferHandle,
     TransferState,
     TransferStatus,
+    check_descriptors,
+    closed_agent_error,
+    unknown_handle_error,
+    unknown_peer_error,
+    unreadable_metadata_error,
 )
 
 __all__ = ["LoopbackAgent", "LoopbackBackend"]
 
 _METADATA_KIND = "kvspec-loopback"
+_COLUMNS = ("local_region", "local_offset", "remote_region", "remote_offset", "nbytes")
 _DEFAULT_CHUNK_BYTES = 64 * 1024 * 1024
 
 # (destination region, destination offset, source region, source offset, nbytes), already checked.
@@ -149,9 +155,7 @@ class LoopbackAgent:
 
     def _check_open(self) -> None:
         if self._closed:
-            raise TransportError(
-                f"loopback agent {self._name!r} is closed", reason=FailureReason.PEER_DISCONNECTED.value
-            )
+            raise closed_agent_error(self._name)
 
     # -- memory and peers
 
@@ -189,12 +193,12 @@ class LoopbackAgent:
                     raise TypeError(meta["kind"])
                 fabric, name = meta["fabric"], meta["name"]
             except (ValueError, TypeError, KeyError) as exc:
-                raise TransportError(f"loopback: unreadable peer metadata ({exc!r})", reason="protocol") from None
+                raise unreadable_metadata_error(self._name, repr(exc)) from None
             peer = self._fabric.agents.get(name)
             if fabric != self._fabric.fabric_id or peer is None or peer.closed:
                 raise TransportError(
                     f"loopback: peer {name!r} is not reachable from this backend",
-                    reason=FailureReason.PEER_DISCONNECTED.value,
+                    reason=FailureReason.PEER_DISCONNECTED,
                 )
             self._peers[name] = peer
             return str(name)
@@ -216,53 +220,23 @@ class LoopbackAgent:
     def _peer(self, peer: str) -> LoopbackAgent:
         target = self._peers.get(peer)
         if target is None or target.closed:
-            raise TransportError(
-                f"loopback agent {self._name!r}: unknown or disconnected peer {peer!r}",
-                reason=FailureReason.PEER_DISCONNECTED.value,
-            )
+            raise unknown_peer_error(self._name, peer)
         return target
 
     # -- transfers
 
     def _bind(self, mode: TransferMode, descriptors: Sequence[Descriptor], target: LoopbackAgent) -> list[_Copy]:
-        """Check every descriptor against both sides' regions; return (destination, source) copies."""
+        """Check every descriptor against both sides' regions (PLAN-1); return (destination, source) copies."""
         local_regions, remote_regions = self._regions, target._regions
-        local_sizes = [r.nbytes for r in local_regions]
-        remote_sizes = [r.nbytes for r in remote_regions]
-        num_local, num_remote = len(local_sizes), len(remote_sizes)
-        read = mode is TransferMode.READ
-        copies: list[_Copy] = []
-        append = copies.append
-        for d in descriptors:
-            lr, lo, rr, ro, n = d.local_region, d.local_offset, d.remote_region, d.remote_offset, d.nbytes
-            # Nothing a peer sends may steer a copy outside registered memory (PLAN-1).
-            if (
-                not (0 <= lr < num_local and 0 <= rr < num_remote)
-                or n <= 0
-                or lo < 0
-                or ro < 0
-                or lo + n > local_sizes[lr]
-                or ro + n > remote_sizes[rr]
-            ):
-                raise PlanError(self._describe_bad(len(copies), d, local_sizes, remote_sizes))
-            if read:
-                append((local_regions[lr], lo, remote_regions[rr], ro, n))
-            else:
-                append((remote_regions[rr], ro, local_regions[lr], lo, n))
-        return copies
-
-    @staticmethod
-    def _describe_bad(index: int, d: Descriptor, local_sizes: list[int], remote_sizes: list[int]) -> str:
-        if not (0 <= d.local_region < len(local_sizes) and 0 <= d.remote_region < len(remote_sizes)):
-            return (
-                f"descriptor {index}: region local={d.local_region} remote={d.remote_region} not registered "
-                f"(local has {len(local_sizes)}, remote has {len(remote_sizes)})"
-            )
-        lo, ro, n = d.local_offset, d.remote_offset, d.nbytes
-        return (
-            f"descriptor {index}: local [{lo}, {lo + n}) of {local_sizes[d.local_region]} bytes / "
-            f"remote [{ro}, {ro + n}) of {remote_sizes[d.remote_region]} bytes is empty or out of range"
+        table = check_descriptors(
+            descriptors,
+            local_sizes=[r.nbytes for r in local_regions],
+            remote_sizes=[r.nbytes for r in remote_regions],
         )
+        columns = zip(*(table.column(name) for name in _COLUMNS), strict=True)
+        if mode is TransferMode.READ:
+            return [(local_regions[lr], lo, remote_regions[rr], ro, n) for lr, lo, rr, ro, n in columns]
+        return [(remote_regions[rr], ro, local_regions[lr], lo, n) for lr, lo, rr, ro, n in columns]
 
     def post(
         self,
@@ -291,7 +265,7 @@ class LoopbackAgent:
             self._check_open()
             transfer = self._transfers.get(handle.transfer_id)
             if transfer is None:
-                raise TransportError(f"loopback agent {self._name!r}: unknown or released handle {handle.transfer_id}")
+                raise unknown_handle_error(self._name, handle.transfer_id)
             if transfer.status.state is TransferState.PENDING:
                 self._fabric.progress(self)
             return transfer.status
@@ -392,7 +366,7 @@ class LoopbackBackend:
         with self._fabric.lock:
             existing = self._fabric.agents.get(name)
             if existing is not None and not existing.closed:
-                raise TransportError(f"loopback: an agent named {name!r} already exists", reason="protocol")
+                raise TransportError(f"loopback: an agent named {name!r} already exists", reason=FailureReason.PROTOCOL)
             agent = LoopbackAgent(name, self._fabric)
             self._fabric.agents[name] = agent
             self._agents.append(agent)

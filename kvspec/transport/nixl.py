@@ -23,7 +23,7 @@ Theory of operation:
   worker becomes a :class:`kvspec.TransportError`, never a hang; a transfer
   still in flight after ``transfer_timeout`` reports ``FAILED(TIMEOUT)``.
 
-Failure mapping (research/backends.md section 3.4): a descriptor outside
+Failure mapping (docs/backends/nixl.md, Failures): a descriptor outside
 either side's registered regions raises :class:`kvspec.PlanError` at post,
 before NIXL sees it (PLAN-1); an unknown peer raises
 :class:`kvspec.TransportError`; a request NIXL refuses anyway reports
@@ -48,18 +48,21 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any, cast
 
+from kvspec._enums import FailureReason, TransferMode
 from kvspec._errors import BackendUnavailableError, ConfigError, PlanError, TransportError
-from kvspec._models import FailureReason, TransferMode
 from kvspec.transport import _nixl_worker
 from kvspec.transport._base import (
     Capabilities,
     Descriptor,
-    DescriptorList,
     MemoryRegion,
     Notification,
     TransferHandle,
     TransferState,
     TransferStatus,
+    check_descriptors,
+    closed_agent_error,
+    unknown_handle_error,
+    unknown_peer_error,
 )
 
 __all__ = ["INSTALL_HINT", "NixlAgent", "NixlBackend", "find_nixl"]
@@ -175,11 +178,9 @@ class NixlAgent:
     def _call(self, op: str, *args: object, timeout: float | None = None) -> object:
         with self._lock:
             if self._closed:
-                raise TransportError(
-                    f"nixl agent {self._name!r} is closed", reason=FailureReason.PEER_DISCONNECTED.value
-                )
+                raise closed_agent_error(self._name)
             if self._broken is not None:
-                raise TransportError(self._broken, reason=FailureReason.TRANSFER_ERROR.value)
+                raise TransportError(self._broken, reason=FailureReason.TRANSFER_ERROR)
             queued, self._queued = self._queued, {}
             request: tuple[object, ...] = ("batch", list(queued.values()), (op, *args)) if queued else (op, *args)
             if self._worker is not None:
@@ -207,11 +208,11 @@ class NixlAgent:
             self._conn.send(request)
             if not self._conn.poll(limit):
                 self._break(f"nixl agent {self._name!r}: no answer to {op!r} within {limit} s; worker stopped")
-                raise TransportError(self._broken or "", reason=FailureReason.TIMEOUT.value)
+                raise TransportError(self._broken or "", reason=FailureReason.TIMEOUT)
             return self._conn.recv()
         except (EOFError, OSError):
             self._break(f"nixl agent {self._name!r}: worker process exited (code {self._process.poll()})")
-            raise TransportError(self._broken or "", reason=FailureReason.TRANSFER_ERROR.value) from None
+            raise TransportError(self._broken or "", reason=FailureReason.TRANSFER_ERROR) from None
 
     def _settle(self, transfer_id: int, reply: tuple[Any, ...]) -> None:
         """Apply a post's reply: an ended request (nothing to move) or one NIXL refused is final."""
@@ -288,34 +289,20 @@ class NixlAgent:
         """
         if not isinstance(mode, TransferMode):
             raise PlanError(f"post: expected a TransferMode, got {mode!r}")
-        try:
-            # A DescriptorList (what TransferPlan.to_descriptors returns) is already packed.
-            table = DescriptorList.of(descriptors)
-            # In process the worker reads the list's own buffer; a pipe needs bytes.
-            packed = table.view() if self._worker is not None and sys.byteorder == "little" else table.to_bytes()
-        except ConfigError as exc:
-            raise PlanError(f"post: descriptors must be Descriptor objects with 64-bit int fields ({exc})") from None
+        if self._closed:
+            raise closed_agent_error(self._name)
         remote_sizes = self._peer_sizes.get(peer)
         if remote_sizes is None:
-            raise TransportError(
-                f"agent {self._name!r}: unknown peer {peer!r} (add_remote_agent first)",
-                reason=FailureReason.PEER_DISCONNECTED.value,
-            )
-        # PLAN-1: the list's bounds settle the usual case at once; otherwise look row by row.
-        if not table.bounds.fits(self._local_sizes, remote_sizes):
-            np = self._np
-            local, remote = np.array(self._local_sizes, dtype=np.int64), np.array(remote_sizes, dtype=np.int64)
-            try:
-                _nixl_worker.check_columns(np, _nixl_worker.unpack_columns(np, packed), local, remote)
-            except _nixl_worker.RequestError as exc:
-                raise PlanError(str(exc)) from None
+            raise unknown_peer_error(self._name, peer)
+        # A DescriptorList (what TransferPlan.to_descriptors returns) is already packed (PLAN-1).
+        table = check_descriptors(descriptors, local_sizes=self._local_sizes, remote_sizes=remote_sizes)
+        # In process the worker reads the list's own buffer; a pipe needs bytes.
+        packed = table.view() if self._worker is not None and sys.byteorder == "little" else table.to_bytes()
         op = "READ" if mode is TransferMode.READ else "WRITE"
         message = None if notification is None else bytes(notification)
         with self._lock:
             if self._closed:
-                raise TransportError(
-                    f"nixl agent {self._name!r} is closed", reason=FailureReason.PEER_DISCONNECTED.value
-                )
+                raise closed_agent_error(self._name)
             transfer_id = next(self._ids)
             # Checked here already, so the request can travel with the next call (the first check,
             # usually): one round trip per request, and nothing moves before it is polled.
@@ -327,11 +314,13 @@ class NixlAgent:
 
     def check(self, handle: TransferHandle) -> TransferStatus:
         """Report PENDING, DONE or FAILED with a reason; a dead worker reports FAILED, never hangs."""
+        if self._closed:
+            raise closed_agent_error(self._name)
         final = self._final.get(handle.transfer_id)
         if final is not None:
             return final
         if handle.transfer_id not in self._handles:
-            raise TransportError(f"nixl agent {self._name!r}: unknown or released handle {handle.transfer_id}")
+            raise unknown_handle_error(self._name, handle.transfer_id)
         try:
             reply = self._call("check", handle.transfer_id)
         except TransportError as exc:
@@ -361,6 +350,10 @@ class NixlAgent:
 
     def send_notification(self, peer: str, message: bytes) -> None:
         """Send ``message`` to ``peer`` without data."""
+        if self._closed:
+            raise closed_agent_error(self._name)
+        if peer not in self._peer_sizes:
+            raise unknown_peer_error(self._name, peer)
         self._call("notify", peer, bytes(message))
 
     def get_notifications(self) -> Sequence[Notification]:
@@ -556,7 +549,7 @@ class NixlBackend:
         env = dict(os.environ)
         package_root = str(Path(__file__).resolve().parents[2])
         env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
-        env["UCX_NET_DEVICES"] = "lo"  # this machine has a non-loopback interface (research/backends.md §0)
+        env["UCX_NET_DEVICES"] = "lo"  # keep UCX on loopback (docs/backends/nixl.md, Environment and options)
         if self._tls is not None:
             env["UCX_TLS"] = self._tls
         env.setdefault("NIXL_LOG_LEVEL", "WARN")  # NIXL logs every agent start at INFO
@@ -569,7 +562,7 @@ class NixlBackend:
             raise ConfigError(f"NixlBackend.create_agent: expected a non-empty name, got {name!r}")
         for agent in self._agents:
             if agent.name == name and not agent.closed:
-                raise TransportError(f"nixl: an agent named {name!r} already exists", reason="protocol")
+                raise TransportError(f"nixl: an agent named {name!r} already exists", reason=FailureReason.PROTOCOL)
         if name == self._in_process:
             return self._local_agent(name)
         while self._idle:

@@ -40,10 +40,10 @@ from typing import Any
 
 import attrs
 
+from kvspec._descriptors import merge_columns
+from kvspec._enums import FailureReason, TransferMode
 from kvspec._errors import BackendUnavailableError, ConfigError, PlanError, TransportError
-from kvspec._models import FailureReason, TransferMode
 from kvspec.transport._base import (
-    PENDING,
     Capabilities,
     Descriptor,
     MemoryRegion,
@@ -51,9 +51,17 @@ from kvspec.transport._base import (
     TransferHandle,
     TransferState,
     TransferStatus,
+    check_descriptors,
+    closed_agent_error,
+    unknown_handle_error,
+    unknown_peer_error,
+    unreadable_metadata_error,
 )
 
 __all__ = ["TorchAgent", "TorchDistributedBackend"]
+
+_PENDING = TransferStatus(state=TransferState.PENDING)
+_COLUMNS = ("local_region", "local_offset", "remote_region", "remote_offset", "nbytes")
 
 INSTALL_HINT = (
     "the 'torch' backend needs PyTorch: pip install 'kvspec[torch]' "
@@ -322,7 +330,7 @@ class TorchAgent:
         try:
             return self._peer_pids[peer]
         except KeyError:
-            raise TransportError(f"agent {self._name!r}: unknown peer {peer!r}", reason="post_failed") from None
+            raise unknown_peer_error(self._name, peer) from None
 
     @property
     def alive(self) -> bool:
@@ -347,14 +355,14 @@ class TorchAgent:
 
     def _break(self, why: str) -> Any:
         self._broken = f"agent {self._name!r}: {why}"
-        raise TransportError(self._broken, reason=FailureReason.TRANSFER_ERROR.value)
+        raise TransportError(self._broken, reason=FailureReason.TRANSFER_ERROR)
 
     def _call(self, op: str, *args: Any, timeout_s: float | None = None) -> Any:
         """One request, one reply; raises TransportError if the worker is gone or silent."""
         if self._closed:
-            raise TransportError(f"agent {self._name!r} is closed", reason=FailureReason.POST_FAILED.value)
+            raise closed_agent_error(self._name)
         if self._broken is not None:
-            raise TransportError(self._broken, reason=FailureReason.TRANSFER_ERROR.value)
+            raise TransportError(self._broken, reason=FailureReason.TRANSFER_ERROR)
         with self._lock:
             self._wait_started()
             try:
@@ -369,7 +377,7 @@ class TorchAgent:
         _, reason, detail = reply
         if reason in {r.value for r in FailureReason}:
             raise TransportError(f"agent {self._name!r}: {detail}", reason=reason)
-        raise TransportError(f"agent {self._name!r}: {detail}", reason=FailureReason.POST_FAILED.value)
+        raise TransportError(f"agent {self._name!r}: {detail}", reason=FailureReason.POST_FAILED)
 
     def call_in_worker(self, fn: Callable[..., Any], *args: Any, timeout_s: float | None = None) -> Any:
         """Run ``fn(worker, *args)`` in the worker process (benchmarks and tests; ``fn`` must pickle)."""
@@ -403,10 +411,7 @@ class TorchAgent:
             sizes = [int(n) for n in meta["regions"]]
             pid = int(meta["pid"])
         except (ValueError, KeyError, TypeError) as exc:
-            raise TransportError(
-                f"agent {self._name!r}: not torch-backend agent metadata ({exc})",
-                reason=FailureReason.POST_FAILED.value,
-            ) from None
+            raise unreadable_metadata_error(self._name, f"not torch-backend agent metadata: {exc}") from None
         name: str = self._call("add_peer", metadata)
         self._peer_sizes[name] = sizes
         self._peer_pids[name] = pid
@@ -437,13 +442,15 @@ class TorchAgent:
         notification: bytes | None = None,
     ) -> TransferHandle:
         """Validate every descriptor (PLAN-1), coalesce adjacent ones, start the transfer in the worker."""
+        if not isinstance(mode, TransferMode):
+            raise PlanError(f"post: expected a TransferMode, got {mode!r}")
+        if self._closed:
+            raise closed_agent_error(self._name)
         if peer not in self._peer_sizes:
-            raise TransportError(
-                f"agent {self._name!r}: unknown peer {peer!r}; add_remote_agent its metadata first",
-                reason=FailureReason.PEER_DISCONNECTED.value,
-            )
-        mode = TransferMode(mode)
-        runs = _coalesce(_validate(descriptors, local_sizes=self._local_sizes, remote_sizes=self._peer_sizes[peer]))
+            raise unknown_peer_error(self._name, peer)
+        table = check_descriptors(descriptors, local_sizes=self._local_sizes, remote_sizes=self._peer_sizes[peer])
+        # Fewer, larger runs mean fewer gloo messages.
+        runs = list(zip(*merge_columns(*(table.column(name) for name in _COLUMNS)), strict=True))
         xid: int = self._call("post", mode.value, runs, peer, notification)
         handle = TransferHandle(transfer_id=xid, peer=peer, mode=mode)
         self._handles[xid] = handle
@@ -451,10 +458,7 @@ class TorchAgent:
 
     def _own(self, handle: TransferHandle) -> int:
         if self._handles.get(handle.transfer_id) is not handle:
-            raise TransportError(
-                f"agent {self._name!r}: handle {handle.transfer_id} was not posted here or is released",
-                reason=FailureReason.POST_FAILED.value,
-            )
+            raise unknown_handle_error(self._name, handle.transfer_id)
         return handle.transfer_id
 
     def _drain(self, wait_s: float = 0.0) -> None:
@@ -494,9 +498,9 @@ class TorchAgent:
         The first check starts the transfer and answers PENDING; later ones read
         the outcomes the worker pushes, without a round trip.
         """
-        xid = self._own(handle)
         if self._closed:
-            raise TransportError(f"agent {self._name!r} is closed", reason=FailureReason.PEER_DISCONNECTED.value)
+            raise closed_agent_error(self._name)
+        xid = self._own(handle)
         if xid not in self._started:
             self._started.add(xid)
             try:
@@ -507,7 +511,7 @@ class TorchAgent:
                 return self._worker_gone(str(exc))
             self._drain()
             status = self._status.get(xid)
-            return status if status is not None and status.state is TransferState.FAILED else PENDING
+            return status if status is not None and status.state is TransferState.FAILED else _PENDING
         # Polled again right away: wait a little for an event instead of spinning a core.
         tight = time.monotonic() - self._last_check.get(xid, 0.0) < self._check_wait_s
         self._drain(self._check_wait_s if tight and xid not in self._status else 0.0)
@@ -517,7 +521,7 @@ class TorchAgent:
             if self._events_dead or not self._process.is_alive():
                 self._broken = self._broken or f"agent {self._name!r}: worker process died"
                 return self._worker_gone(self._broken)
-            return PENDING
+            return _PENDING
         if status.state is TransferState.DONE:
             self._reported.add(xid)
         return status
@@ -535,16 +539,16 @@ class TorchAgent:
 
     def send_notification(self, peer: str, message: bytes) -> None:
         """Send ``message`` over the control connection to ``peer``."""
+        if self._closed:
+            raise closed_agent_error(self._name)
         if peer not in self._peer_sizes:
-            raise TransportError(
-                f"agent {self._name!r}: unknown peer {peer!r}", reason=FailureReason.PEER_DISCONNECTED.value
-            )
+            raise unknown_peer_error(self._name, peer)
         self._call("notify", peer, bytes(message))
 
     def get_notifications(self) -> list[Notification]:
         """What peers sent, in arrival order (pushed by the worker as it arrives; no round trip)."""
         if self._closed:
-            raise TransportError(f"agent {self._name!r} is closed", reason=FailureReason.PEER_DISCONNECTED.value)
+            raise closed_agent_error(self._name)
         self._drain()
         drained, self._inbox = self._inbox, []
         return drained
@@ -593,47 +597,3 @@ def _kill(process: BaseProcess) -> None:
     if process.pid is not None and not process.is_alive():
         for path in glob.glob(os.path.join(tempfile.gettempdir(), f"kvspec-torch-{process.pid}-*")):
             shutil.rmtree(path, ignore_errors=True)
-
-
-# --------------------------------------------------------------------------- descriptors
-
-
-def _validate(
-    descriptors: Sequence[Descriptor], *, local_sizes: Sequence[int], remote_sizes: Sequence[int]
-) -> list[Descriptor]:
-    """Check every descriptor against both sides' registered regions before anything moves (PLAN-1)."""
-    checked: list[Descriptor] = []
-    for index, d in enumerate(descriptors):
-        if d.nbytes <= 0:
-            raise PlanError(f"descriptor {index}: expected nbytes > 0, got {d.nbytes}")
-        for side, region, offset, sizes in (
-            ("local", d.local_region, d.local_offset, local_sizes),
-            ("remote", d.remote_region, d.remote_offset, remote_sizes),
-        ):
-            if not 0 <= region < len(sizes):
-                raise PlanError(f"descriptor {index}: {side} region {region} is not registered ({len(sizes)} regions)")
-            if offset < 0 or offset + d.nbytes > sizes[region]:
-                raise PlanError(
-                    f"descriptor {index}: {side} bytes [{offset}, {offset + d.nbytes}) fall outside "
-                    f"region {region} of {sizes[region]} bytes"
-                )
-        checked.append(d)
-    return checked
-
-
-def _coalesce(descriptors: Sequence[Descriptor]) -> list[tuple[int, int, int, int, int]]:
-    """Merge descriptors that continue the previous one on both sides into one run (fewer gloo messages)."""
-    runs: list[list[int]] = []
-    for d in descriptors:
-        if runs:
-            last = runs[-1]
-            if (
-                last[0] == d.local_region
-                and last[2] == d.remote_region
-                and last[1] + last[4] == d.local_offset
-                and last[3] + last[4] == d.remote_offset
-            ):
-                last[4] += d.nbytes
-                continue
-        runs.append([d.local_region, d.local_offset, d.remote_region, d.remote_offset, d.nbytes])
-    return [(a, b, c, e, n) for a, b, c, e, n in runs]
