@@ -49,6 +49,7 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
         ),
     ),
     ("drivers", frozenset({"kvspec._exchange", "kvspec.exchange", "kvspec.testing"})),
+    ("integrations", frozenset({"kvspec.integrations", "kvspec.integrations.vllm", "kvspec.integrations.vllm_audit"})),
     ("tools", frozenset({"kvspec.cli", "kvspec.__main__"})),
 )
 LAYER_OF = {module: index for index, (_, modules) in enumerate(LAYERS) for module in modules}
