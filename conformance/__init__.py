@@ -18,7 +18,7 @@ from ._runner import run_case, run_suite
 from ._scenario import PresetConfig, Request, RequestOutcome, Scenario, ScenarioResult, run_scenario
 
 if TYPE_CHECKING:
-    from .pytest_plugin import BackendSuite
+    from .pytest_plugin import BackendSuite, case_test_name
 
 __all__ = [
     "CAPABILITIES",
@@ -40,6 +40,7 @@ __all__ = [
     "ScenarioResult",
     "all_cases",
     "case",
+    "case_test_name",
     "catalogue",
     "run_case",
     "run_scenario",
@@ -50,8 +51,8 @@ __all__ = [
 
 def __getattr__(name: str) -> object:
     # BackendSuite needs pytest; import it only when asked for.
-    if name == "BackendSuite":
-        from .pytest_plugin import BackendSuite
+    if name in ("BackendSuite", "case_test_name"):
+        from . import pytest_plugin
 
-        return BackendSuite
+        return getattr(pytest_plugin, name)
     raise AttributeError(f"module 'kvspec_conformance' has no attribute {name!r}")

@@ -37,6 +37,7 @@ CAPABILITIES: dict[str, Callable[[Capabilities], bool]] = {
     "cross_process": lambda c: c.cross_process,
     "integrity": lambda c: c.integrity,
     "observable_in_flight": lambda c: c.observable_in_flight,
+    "immediate_cancel": lambda c: c.immediate_cancel,
 }
 
 _SLUG = re.compile(r"^[a-z0-9][a-z0-9-]*$")

@@ -8,20 +8,18 @@ from typing import TypeVar
 import attrs
 from hypothesis import HealthCheck, Phase, settings
 
-from kvspec import FailureReason
+from kvspec import ConsumerState, FailureReason
 from kvspec.transport import Backend, Capabilities
 
 from ._cases import CaseFailure, CaseSkip
 from ._connector import Connector, ReferenceConnector
-from ._scenario import ScenarioResult, run_scenario
+from ._scenario import Scenario, ScenarioResult, run_scenario
 
 __all__ = ["DEFAULT_MAX_EXAMPLES", "CaseContext"]
 
 DEFAULT_MAX_EXAMPLES = 15
 
 F = TypeVar("F", bound=Callable[..., object])
-
-_Scenario = object  # the Scenario type, kept loose to avoid an import cycle in annotations
 
 
 @attrs.define(kw_only=True)
@@ -47,17 +45,15 @@ class CaseContext:
         """The backend's declared capabilities."""
         return self.backend.capabilities
 
-    def run(self, scenario: _Scenario) -> ScenarioResult:
+    def run(self, scenario: Scenario) -> ScenarioResult:
         """Play a scenario on the backend under test and remember it as the reproducer."""
-        from ._scenario import Scenario
-
-        assert isinstance(scenario, Scenario)
         if self.time_scale != 1.0:
             scenario = attrs.evolve(
                 scenario,
                 deadline=scenario.deadline * self.time_scale,
                 lease=scenario.lease * self.time_scale,
                 drain=scenario.drain * self.time_scale,
+                settle=scenario.settle * self.time_scale,
             )
         kind = type(self.connector)
         connector = None if kind is ReferenceConnector else f"{kind.__module__}:{kind.__qualname__}"
@@ -100,7 +96,8 @@ class CaseContext:
         """Check a result: oracle clean, the named requests LOADED or FAILED (with a reason), REL-1 and SM-1 held.
 
         ``failed`` maps request ids to the accepted reason(s), or ``None`` for
-        any reason; ``errors`` maps request ids to the kvspec error type that
+        any reason (an ABORTED request counts as failed, reason ``aborted``);
+        ``errors`` maps request ids to the kvspec error type that
         must have stopped them before any byte moved. ``rule`` names the rule
         the case checks, for the message.
         """
@@ -116,15 +113,16 @@ class CaseContext:
         problems += list(result.problems)
         for rid in loaded:
             o = result.outcome(rid)
-            if o.consumer_state != "loaded":
+            if not o.loaded:
                 problems.append(
-                    f"{rid}: expected LOADED, got {o.consumer_state.upper()} "
+                    f"{rid}: expected LOADED, got {o.consumer_state.name} "
                     f"(reason {o.reason.value if o.reason else None}, error {o.error}, {o.detail})"
                 )
         for rid, accepted in (failed or {}).items():
             o = result.outcome(rid)
-            if o.consumer_state != "failed":
-                problems.append(f"{rid}: expected FAILED, got {o.consumer_state.upper()} (FAIL-1)")
+            # An abort is a failure with reason ABORTED (SM-2); both end with blocks that hold no KV.
+            if o.consumer_state not in (ConsumerState.FAILED, ConsumerState.ABORTED):
+                problems.append(f"{rid}: expected FAILED, got {o.consumer_state.name} (FAIL-1)")
                 continue
             if o.reason is None:
                 problems.append(f"{rid}: FAILED without a typed reason (FAIL-1)")
@@ -138,14 +136,16 @@ class CaseContext:
             if o.error != error or o.posted:
                 problems.append(
                     f"{rid}: expected {error} before any transfer was posted, got error {o.error}, "
-                    f"posted={o.posted}, state {o.consumer_state}"
+                    f"posted={o.posted}, state {o.consumer_state.name}"
                 )
         for o in result.outcomes.values():
             if o.releases_sent != 1:
                 problems.append(
                     f"{o.request_id}: the consumer sent {o.releases_sent} releases, expected exactly 1 (REL-1)"
                 )
-            if o.producer_state == "held":
-                problems.append(f"{o.request_id}: the producer still holds its blocks (SM-1)")
+            if not o.producer_state.is_terminal:
+                problems.append(
+                    f"{o.request_id}: the producer still holds its blocks in {o.producer_state.name} (SM-1)"
+                )
         if problems:
             raise self.fail(f"{rule}: " + "\n".join(problems) + "\n\nscenario result:\n" + result.summary())

@@ -43,9 +43,17 @@ def run_case(case: Case, context: CaseContext) -> CaseResult:
         return result(Outcome.SKIPPED, f"backend lacks capability {', '.join(missing)}")
     context.last_reproducer = None
     # Cases that drive the transport directly have no scenario; they replay as the one case.
+    kind = type(context.connector)
+    imports, connector = "", ""
+    if kind is not ReferenceConnector:  # the connector under test plays the case too
+        imports, connector = (
+            f"from {kind.__module__} import {kind.__qualname__} as ConnectorUnderTest\n",
+            ", connector=ConnectorUnderTest()",
+        )
     whole_case = (
-        "from kvspec_conformance import run_suite\n\n"
-        f"run_suite({context.backend_spec!r}, rules=[{case.id!r}], max_examples={context.max_examples}).print()\n"
+        f"from kvspec_conformance import run_suite\n{imports}\n"
+        f"run_suite({context.backend_spec!r}, rules=[{case.id!r}], "
+        f"max_examples={context.max_examples}{connector}).print()\n"
     )
     try:
         case.func(context)

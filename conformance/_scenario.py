@@ -9,14 +9,19 @@ plays it on a backend:
    logical position) (:mod:`kvspec.testing`).
 2. Each side keeps a free-block list (most recently freed first, so that a
    block freed too early is reused at once and a late write into it is seen).
-3. The producer clips and advertises its blocks; the consumer clips its
-   uncached suffix; the connector under test pairs and plans; the initiator
-   posts (READ: the consumer; WRITE: the producer, with the completion as the
-   post's notification). Control messages travel as transport notifications.
-4. The loop polls both agents until every request is terminal on both sides
-   (consumer LOADED or FAILED, producer RELEASED, EXPIRED or ABORTED), with a
-   hard bound; then it keeps polling a little while so that late writes land.
-5. The moment a consumer sees completion, the request's pages are checked
+3. Each request is one :class:`kvspec.ProducerSession` and one
+   :class:`kvspec.ConsumerSession` (SM-1, SM-2), carried out by two
+   :class:`kvspec._driver.Driver` cores, one per agent: the same code that
+   runs kvspec's exchange endpoints. The connector under test clips, pairs
+   and plans (the connector seam); the scenario's deadline is the consumer's
+   transfer timeout, its lease and drain the sessions' lease and drain.
+4. What is the scenario's own: its data, its fault timing (a consumer abort
+   or the initiator forgetting its peer after so many polls), and the
+   oracle. Polling runs until every request ended on both sides, wave by
+   wave, with a hard bound; then a short quiet period so that late writes
+   land (four drain bounds after the last cancel, where
+   ``Scenario.watch_late_writes`` asks for it).
+5. The moment a consumer is LOADED, the request's pages are checked
    (DONE-1); at the end every page of both pools is checked, and both
    free-block counts must be back to their baseline.
 """
@@ -32,24 +37,23 @@ import attrs
 
 from kvspec import (
     NULL_BLOCK_ID,
-    Abort,
     BlockIds,
     BlockOffer,
-    BlockPairsLike,
-    Completion,
+    ConsumerSession,
+    ConsumerState,
     EngineDescriptor,
-    Failure,
     FailureReason,
     IncompatiblePeerError,
     KVCacheConfig,
     KVSpecError,
     MalformedMessageError,
     Message,
-    PlanError,
+    ProducerSession,
+    ProducerState,
     Release,
-    ReleaseOutcome,
     TransferMode,
-    TransportError,
+    TransferParams,
+    TransferPlan,
     UnsupportedVersionError,
     decode,
     encode,
@@ -60,6 +64,7 @@ from kvspec import (
     get_num_skipped_tokens,
     is_hma_required,
 )
+from kvspec._driver import Driver, LiveRequest, Operation, reason_of
 from kvspec.presets import get_preset
 from kvspec.testing import (
     ExpectedLoad,
@@ -72,7 +77,7 @@ from kvspec.testing import (
     fill_producer_pages,
     format_mismatches,
 )
-from kvspec.transport import Backend, FaultInjector, FaultPlan, InjectedFault, TransferHandle, TransferState, Transport
+from kvspec.transport import Backend, FaultInjector, FaultPlan, InjectedFault, Transport
 
 from ._connector import Connector, ReferenceConnector
 
@@ -167,6 +172,12 @@ class Scenario:
     bytes for that long, so its blocks are reused only after it (SM-2).
     ``handshake_overrides`` replaces fields of the consumer's handshake
     descriptor, e.g. ``(("mode", "write"),)`` or ``(("protocol_version", (2, 0)),)``.
+    ``watch_late_writes`` keeps polling for four drain bounds after the last
+    cancelled transfer, so that one that outlives the drain bound is seen
+    landing (SM-2); only cases about late writes pay for that quiet period.
+    ``settle`` keeps both agents polled that long after the last request ended
+    before the oracle reads the pools again, so a stray copy landing late
+    (after DONE, after a release) is seen (DONE-1, SM-2).
     """
 
     config: ConfigSource
@@ -179,6 +190,8 @@ class Scenario:
     lease: float = 2.0
     drain: float = 0.1
     handshake_overrides: tuple[tuple[str, object], ...] = attrs.field(default=(), converter=_to_overrides)
+    watch_late_writes: bool = False
+    settle: float = 0.0
 
     def to_python(self, backend: str = "loopback", connector: str | None = None) -> str:
         """A script that replays this scenario on ``backend`` and prints what the oracle found.
@@ -204,18 +217,27 @@ class Scenario:
 
 @attrs.frozen(kw_only=True)
 class RequestOutcome:
-    """How one request ended on both sides, as the scenario driver observed it."""
+    """How one request ended on both sides, as the sessions the scenario drove ended it.
+
+    ``error`` names the kvspec error that stopped the request before any byte
+    moved; ``posted`` is true once a transport accepted a post for it.
+    """
 
     request_id: str
-    consumer_state: str  # "loaded" or "failed"
-    producer_state: str  # "released", "expired", "aborted" or "held"
+    consumer_state: ConsumerState
+    producer_state: ProducerState
     reason: FailureReason | None = None
-    error: str | None = None  # the kvspec error type raised before any byte moved
+    error: str | None = None
     detail: str = ""
     posted: bool = False
     releases_sent: int = 0
     releases_received: int = 0
     seconds: float = 0.0
+
+    @property
+    def loaded(self) -> bool:
+        """True when the consumer ended LOADED."""
+        return self.consumer_state is ConsumerState.LOADED
 
 
 @attrs.frozen(kw_only=True)
@@ -249,7 +271,7 @@ class ScenarioResult:
             why = f" reason={o.reason.value}" if o.reason else ""
             err = f" error={o.error}" if o.error else ""
             lines.append(
-                f"  {o.request_id}: consumer {o.consumer_state}, producer {o.producer_state}{why}{err}, "
+                f"  {o.request_id}: consumer {o.consumer_state.value}, producer {o.producer_state.value}{why}{err}, "
                 f"releases sent {o.releases_sent} received {o.releases_received}"
             )
         if self.early_completions:
@@ -265,7 +287,7 @@ class ScenarioResult:
         return "\n".join(lines)
 
 
-# --------------------------------------------------------------------------- the driver
+# --------------------------------------------------------------------------- playing a scenario
 
 
 class _Allocator:
@@ -284,119 +306,40 @@ class _Allocator:
             raise _ScenarioError("the scenario ran out of free blocks; give the config more num_blocks")
         return self.free.pop()
 
-    def release(self, ids: Iterable[int]) -> None:
-        for block_id in ids:
-            if block_id != NULL_BLOCK_ID and block_id not in self.free:
-                self.free.append(block_id)
+    def release(self, block_ids: BlockIds) -> None:
+        for ids in block_ids:
+            for block_id in ids:
+                if block_id != NULL_BLOCK_ID and block_id not in self.free:
+                    self.free.append(block_id)
 
 
 class _ScenarioError(Exception):
     """The scenario itself is inconsistent (not a backend failure)."""
 
 
-def _encode(kind: str, request_id: str, **extra: Any) -> bytes:
-    """Control messages are real protocol messages in kvspec's wire codec (VER-1)."""
-    message: Message
-    if kind == "offer":
-        message = BlockOffer(
-            request_id=request_id, consumer_engine_id="consumer", consumer_block_ids=extra["consumer_block_ids"]
-        )
-    elif kind == "complete":
-        message = Completion(request_id=request_id, producer_engine_id="producer")
-    elif kind == "failed":
-        message = Failure(
-            request_id=request_id,
-            producer_engine_id="producer",
-            reason=FailureReason(extra["reason"]),
-            failed_consumer_block_ids=BlockIds([]) if extra.get("moved_nothing") else extra["consumer_block_ids"],
-            detail=str(extra.get("detail", "")),
-        )
-    elif kind == "release":
-        message = Release(request_id=request_id, consumer_engine_id="consumer", outcome=extra["outcome"])
-    else:  # "drained": P confirms no write of its touches C's blocks any more
-        message = Abort(request_id=request_id, engine_id="producer", detail="drained")
-    return encode(message)
-
-
-def _decode(data: bytes) -> tuple[str, str, dict[str, object]]:
-    message = decode(data)
-    if isinstance(message, BlockOffer):
-        return "offer", message.request_id, {"consumer_block_ids": message.consumer_block_ids}
-    if isinstance(message, Completion):
-        return "complete", message.request_id, {}
-    if isinstance(message, Failure):
-        moved_nothing = len(message.failed_consumer_block_ids) == 0
-        extra: dict[str, object] = {
-            "reason": message.reason.value,
-            "detail": message.detail,
-            "moved_nothing": moved_nothing,
-        }
-        return "failed", message.request_id, extra
-    if isinstance(message, Release):
-        abort = message.outcome in (ReleaseOutcome.FAILED, ReleaseOutcome.ABORTED)
-        return "release", message.request_id, {"abort": abort}
-    if isinstance(message, Abort):
-        return "drained", message.request_id, {}
-    raise MalformedMessageError(f"unexpected {type(message).__name__} among the control messages")
+# Errors that stop a request before any byte moves, as RequestOutcome.error names them.
+_STOPPED_BEFORE_MOVING = (Operation.CHECK, Operation.PLAN, Operation.POST)
 
 
 @attrs.define(eq=False)
-class _State:
-    """Driver bookkeeping of one request, on both sides."""
+class _Tables:
+    """The block tables of one request before clipping: what each side's pool lends it."""
 
     spec: Request
-    producer_ids: BlockIds  # P's table, before clipping
-    producer_advertised: BlockIds  # after clipping (CLIP-1)
-    consumer_ids: BlockIds  # C's uncached suffix, before clipping
-    consumer_offered: BlockIds  # after clipping
+    producer: BlockIds
+    consumer: BlockIds
     started: float
-    c_state: str = "allocated"  # allocated, loading, loaded, failed
-    p_state: str = "held"  # held, released, expired, aborted
-    reason: FailureReason | None = None
-    error: str | None = None
-    detail: str = ""
-    moved_nothing: bool = False  # failed before any post: no consumer byte may change
-    posted: bool = False
-    c_handle: TransferHandle | None = None  # READ
-    p_handle: TransferHandle | None = None  # WRITE
-    polls: int = 0
-    p_polls: int = 0
-    c_deadline: float = 0.0
-    p_deadline: float = 0.0
-    c_blocks_held: bool = True
-    c_quarantine_until: float | None = None
-    c_drain_until: float | None = None  # C cancelled its read: blocks wait for the drain bound
-    p_drain_until: float | None = None  # P cancelled its write: blocks (and its confirmation) wait for it
-    p_blocks_held: bool = True
-    p_confirm_drain: bool = False
-    releases_sent: int = 0
-    releases_received: int = 0
-    finished_at: float = 0.0
-    offered_to_producer: BlockIds = attrs.field(factory=lambda: BlockIds([]))
-
-    @property
-    def c_terminal(self) -> bool:
-        return self.c_state in ("loaded", "failed")
-
-    @property
-    def p_terminal(self) -> bool:
-        return self.p_state in ("released", "expired", "aborted") and self.p_handle is None
-
-    @property
-    def settled(self) -> bool:
-        """Both sides ended and every block is back (or held by a loaded request)."""
-        c_done = self.c_terminal and (self.c_state == "loaded" or not self.c_blocks_held)
-        return c_done and self.p_terminal and not self.p_blocks_held
+    ended: float | None = None
 
 
-def _reason(value: str | None, default: FailureReason) -> FailureReason:
-    try:
-        return FailureReason(value) if value else default
-    except ValueError:
-        return default
+class _Play:
+    """Plays one scenario: two driver cores (kvspec._driver) over the backend's agents, then the oracle.
 
+    Only scenario data, fault timing and the oracle live here; the request
+    lifecycle is the sessions', carried out by the same driver core as the
+    exchange endpoints.
+    """
 
-class _Driver:
     def __init__(self, scenario: Scenario, backend: Backend, connector: Connector) -> None:
         self.scenario = scenario
         self.backend = backend
@@ -404,9 +347,11 @@ class _Driver:
         self.mode = TransferMode(scenario.mode)
         self.p_config = _build(scenario.config)
         self.c_config = _build(scenario.consumer_config) if scenario.consumer_config is not None else self.p_config
-        self.states: dict[str, _State] = {}
-        self.loads: list[ExpectedLoad] = []
-        self.early: list[str] = []
+        self.tables: dict[str, _Tables] = {}
+        self.producers: dict[str, LiveRequest] = {}
+        self.consumers: dict[str, LiveRequest] = {}
+        self.received: dict[str, int] = {}
+        self.polls: dict[str, int] = {}
         self.completed_early: list[tuple[str, ExpectedLoad, list[PageMismatch]]] = []
         self.problems: list[str] = []
         self.injectors: list[FaultInjector] = []
@@ -422,6 +367,24 @@ class _Driver:
             return injector
         return agent
 
+    def _drivers(self) -> None:
+        self.p_alloc = _Allocator(self.p_config.num_blocks)
+        self.c_alloc = _Allocator(self.c_config.num_blocks)
+        self.p_driver = Driver(
+            transport=self.producer,
+            clock=time.monotonic,
+            on_free=lambda request, _: self.p_alloc.release(self.tables[request.request_id].producer),
+            on_end=lambda request: None,
+            plan_write=self._plan_write,
+            on_message=self._on_producer_message,
+        )
+        self.c_driver = Driver(
+            transport=self.consumer,
+            clock=time.monotonic,
+            on_free=self._free_consumer,
+            on_end=self._consumer_ended,
+        )
+
     def _producer_table(self, spec: Request) -> BlockIds:
         if spec.producer_block_ids is not None:
             for ids in spec.producer_block_ids:
@@ -431,8 +394,7 @@ class _Driver:
         groups: list[list[int]] = []
         for group in self.p_config.kv_cache_groups:
             total = get_logical_block_count(group.kv_cache_spec, num_tokens=spec.num_tokens)
-            # P has computed every token; vLLM nulls the blocks its window skipped
-            # (docs/spec/alignment-and-coverage.md, WIN-1).
+            # P has computed every token; vLLM nulls the blocks its window skipped (docs/spec: WIN-1).
             skipped = min(
                 get_num_skipped_tokens(group.kv_cache_spec, num_computed_tokens=spec.num_tokens)
                 // group.kv_cache_spec.block_size,
@@ -455,314 +417,131 @@ class _Driver:
         return BlockIds([[self.c_alloc.allocate() for _ in range(n)] for n in counts])
 
     def _start(self, spec: Request, now: float) -> None:
+        scenario = self.scenario
         p_ids = self._producer_table(spec)
         fill_producer_pages(self.producer_pool, p_ids, num_tokens=spec.num_tokens, salt=spec.request_id)
         self.producer_expected = self.producer_pool.snapshot()
         c_ids = self._consumer_suffix(spec)
-        state = _State(
-            spec=spec,
-            producer_ids=p_ids,
-            producer_advertised=self.connector.clip_block_ids(self.p_config, p_ids),
-            consumer_ids=c_ids,
-            consumer_offered=self.connector.clip_block_ids(self.c_config, c_ids),
-            started=now,
-            c_deadline=now + self.scenario.deadline,
-            p_deadline=now + self.scenario.lease,
+        self.tables[spec.request_id] = _Tables(spec=spec, producer=p_ids, consumer=c_ids, started=now)
+        producer = ProducerSession.create(
+            request_id=spec.request_id,
+            producer_engine_id="producer",
+            producer_block_ids=self.connector.clip_block_ids(self.p_config, p_ids),
+            num_tokens=spec.num_tokens,
+            mode=self.mode,
+            now=now,
+            lease_duration=scenario.lease,
+            # Above the consumer's drain timeout, as the lease rule asks (SM-1).
+            release_grace=1.5 * scenario.drain,
+            drain_timeout=scenario.drain,
         )
-        self.states[spec.request_id] = state
-        if self.mode is TransferMode.READ:
-            self._consumer_read(state, now)
-        else:
-            self._consumer_offer(state)
+        self.producers[spec.request_id] = self.p_driver.add(LiveRequest(session=producer, peer=self.consumer_name))
+        # The parameters reach the consumer as vLLM's dict, through the router.
+        params = TransferParams.from_kv_transfer_params(producer.params.to_kv_transfer_params())
+        consumer = ConsumerSession(
+            params=params,
+            consumer_engine_id="consumer",
+            consumer_block_ids=self.connector.clip_block_ids(self.c_config, c_ids),
+            transfer_timeout=scenario.deadline,
+            drain_timeout=scenario.drain,
+        )
+        request = self.c_driver.add(LiveRequest(session=consumer, peer=self.producer_name))
+        self.consumers[spec.request_id] = request
+        if not consumer.is_prefix_hit:
+            try:
+                # WIN-1 and ALIGN-1 before any byte moves; then every byte is planned (PLAN-1).
+                pairs = self.connector.pair_block_ids(
+                    self.p_config,
+                    num_tokens=spec.num_tokens,
+                    prefix_hit_tokens=spec.prefix_hit_tokens,
+                    producer_block_ids=params.producer_block_ids,
+                    consumer_block_ids=consumer.consumer_block_ids,
+                )
+                request.plan = self.connector.plan(
+                    producer_config=self.p_config, consumer_config=self.c_config, pairs=pairs
+                )
+            except KVSpecError as exc:
+                self.c_driver.fault(Operation.CHECK, exc, spec.request_id)
+                self.c_driver.execute(request, consumer.fail(reason_of(exc), now=now, detail=str(exc)))
+                return
+        self.c_driver.execute(request, consumer.start(now=now))
 
-    # -- consumer side
+    # -- the role hooks
 
-    def _expected(self, state: _State, loaded: bool) -> ExpectedLoad:
+    def _plan_write(self, request: LiveRequest, offer: BlockOffer) -> TransferPlan:
+        spec = self.tables[request.request_id].spec
+        pairs = self.connector.pair_block_ids(
+            self.p_config,
+            num_tokens=spec.num_tokens,
+            prefix_hit_tokens=spec.prefix_hit_tokens,
+            producer_block_ids=request.session.params.producer_block_ids,
+            consumer_block_ids=offer.consumer_block_ids,
+        )
+        return self.connector.plan(producer_config=self.p_config, consumer_config=self.c_config, pairs=pairs)
+
+    def _on_producer_message(self, request_id: str, peer: str, message: Message) -> None:
+        if isinstance(message, Release):
+            self.received[request_id] = self.received.get(request_id, 0) + 1
+
+    def _free_consumer(self, request: LiveRequest, block_ids: BlockIds) -> None:
+        self.c_alloc.release(self.tables[request.request_id].consumer)
+
+    def _consumer_ended(self, request: LiveRequest) -> None:
+        tables = self.tables[request.request_id]
+        tables.ended = time.monotonic()
+        if request.session.state is ConsumerState.LOADED:
+            expected = self._expected(request.request_id, loaded=True)
+            found = check_loaded_pages(self.consumer_pool, expected)
+            if found:
+                # Judged at the end: a page right by then landed late (DONE-1); one still wrong is a data error.
+                self.completed_early.append((request.request_id, expected, found))
+
+    # -- the oracle's view
+
+    def _moved_nothing(self, request_id: str) -> bool:
+        return not (self.consumers[request_id].posted or self.producers[request_id].posted)
+
+    def _expected(self, request_id: str, *, loaded: bool) -> ExpectedLoad:
         # The oracle's expectation comes from the reference, never from the connector under test.
-        consumer = BlockIds([]) if state.moved_nothing else state.consumer_ids
+        tables = self.tables[request_id]
+        consumer = BlockIds([]) if not loaded and self._moved_nothing(request_id) else tables.consumer
         return ExpectedLoad(
-            producer_block_ids=get_exchange_clipped_blocks(state.producer_ids, get_blocks_per_sw(self.p_config)),
+            producer_block_ids=get_exchange_clipped_blocks(tables.producer, get_blocks_per_sw(self.p_config)),
             consumer_block_ids=get_exchange_clipped_blocks(consumer, get_blocks_per_sw(self.c_config)),
-            num_tokens=state.spec.num_tokens,
-            salt=state.spec.request_id,
+            num_tokens=tables.spec.num_tokens,
+            salt=request_id,
             loaded=loaded,
         )
 
-    def _pairs(self, state: _State) -> BlockPairsLike:
-        pairs: BlockPairsLike = self.connector.pair_block_ids(
-            self.p_config,
-            num_tokens=state.spec.num_tokens,
-            prefix_hit_tokens=state.spec.prefix_hit_tokens,
-            producer_block_ids=state.producer_advertised,
-            consumer_block_ids=state.consumer_offered,
+    def _outcome(self, request_id: str) -> RequestOutcome:
+        consumer = self.consumers[request_id].session
+        producer = self.producers[request_id].session
+        if not isinstance(consumer, ConsumerSession) or not isinstance(producer, ProducerSession):
+            raise _ScenarioError("a driver swapped its sessions")  # pragma: no cover - built above
+        reason: FailureReason | None = None
+        detail = ""
+        if consumer.failure is not None:
+            reason, detail = consumer.failure.reason, consumer.failure.detail
+        elif consumer.state is ConsumerState.ABORTED:
+            reason, detail = FailureReason.ABORTED, "aborted by the consumer"
+        stopped = [
+            f.error
+            for f in (*self.c_driver.faults, *self.p_driver.faults)
+            if f.request_id == request_id and f.operation in _STOPPED_BEFORE_MOVING
+        ]
+        tables = self.tables[request_id]
+        return RequestOutcome(
+            request_id=request_id,
+            consumer_state=consumer.state,
+            producer_state=producer.state,
+            reason=reason,
+            error=type(stopped[0]).__name__ if stopped else None,
+            detail=detail,
+            posted=not self._moved_nothing(request_id),
+            releases_sent=0 if consumer.release is None else 1,
+            releases_received=self.received.get(request_id, 0),
+            seconds=0.0 if tables.ended is None else max(0.0, tables.ended - tables.started),
         )
-        return pairs
-
-    def _consumer_read(self, state: _State, now: float) -> None:
-        try:
-            pairs = self._pairs(state)
-            plan = self.connector.plan(producer_config=self.p_config, consumer_config=self.c_config, pairs=pairs)
-        except KVSpecError as exc:
-            self._fail_before_post(state, exc, now)
-            return
-        if plan.num_descriptors == 0:
-            self._loaded(state, now)
-            return
-        try:
-            state.c_handle = self.consumer.post(
-                TransferMode.READ, plan.to_descriptors(TransferMode.READ), peer=self.producer_name
-            )
-        except (TransportError, PlanError) as exc:
-            state.moved_nothing = True
-            self._consumer_failed(
-                state, _reason(getattr(exc, "reason", None), FailureReason.POST_FAILED), str(exc), now
-            )
-            state.error = type(exc).__name__
-            return
-        state.posted = True
-        state.c_state = "loading"
-
-    def _fail_before_post(self, state: _State, exc: KVSpecError, now: float) -> None:
-        name = type(exc).__name__
-        reason = {
-            "WindowCoverageError": FailureReason.WINDOW_COVERAGE,
-            "BlockAlignmentError": FailureReason.BLOCK_ALIGNMENT,
-            "GroupCountError": FailureReason.BLOCK_ALIGNMENT,
-        }.get(name, FailureReason.PROTOCOL)
-        state.moved_nothing = True
-        state.error = name
-        self._consumer_failed(state, reason, str(exc), now)
-
-    def _consumer_offer(self, state: _State) -> None:
-        state.c_state = "loading"
-        self._send(
-            self.consumer,
-            self.producer_name,
-            _encode("offer", state.spec.request_id, consumer_block_ids=state.consumer_offered.to_lists()),
-        )
-
-    def _loaded(self, state: _State, now: float) -> None:
-        expected = self._expected(state, loaded=True)
-        found = check_loaded_pages(self.consumer_pool, expected)
-        if found:
-            # Judged at the end: a page right by then landed late (DONE-1); one still wrong is a data error.
-            self.completed_early.append((state.spec.request_id, expected, found))
-        state.c_state = "loaded"
-        state.finished_at = now
-        self.loads.append(expected)
-        self._send_release(state)
-
-    def _consumer_failed(self, state: _State, reason: FailureReason, detail: str, now: float) -> None:
-        if state.c_terminal:
-            return
-        state.c_state = "failed"
-        state.reason = reason
-        state.detail = detail
-        state.finished_at = now
-        self.loads.append(self._expected(state, loaded=False))
-        self._send_release(state)
-        if state.c_drain_until is not None:
-            state.c_quarantine_until = state.c_drain_until  # our cancelled read may still land (SM-2)
-        elif self.mode is TransferMode.READ or state.moved_nothing:
-            self._free_consumer(state)  # our read ended (DONE or FAILED) or was never posted
-        else:
-            # A WRITE into our blocks may still be in flight: keep them until P says it drained, or its lease ends.
-            state.c_quarantine_until = state.started + self.scenario.lease + self.scenario.deadline
-
-    def _cancel_read(self, state: _State, now: float) -> None:
-        assert state.c_handle is not None
-        self.consumer.release(state.c_handle)
-        state.c_handle = None
-        state.c_drain_until = now + self.scenario.drain
-        self.cancelled_at.append(now)
-
-    def _free_consumer(self, state: _State) -> None:
-        if state.c_blocks_held:
-            state.c_blocks_held = False
-            state.c_quarantine_until = None
-            self.c_alloc.release(b for ids in state.consumer_ids for b in ids)
-
-    def _send_release(self, state: _State) -> None:
-        state.releases_sent += 1
-        if state.c_state == "loaded":
-            outcome = ReleaseOutcome.PREFIX_HIT if len(state.consumer_offered) == 0 else ReleaseOutcome.LOADED
-        else:
-            outcome = ReleaseOutcome.ABORTED if state.reason is FailureReason.ABORTED else ReleaseOutcome.FAILED
-        self._send(self.consumer, self.producer_name, _encode("release", state.spec.request_id, outcome=outcome))
-
-    def _send(self, agent: Transport, peer: str, message: bytes) -> None:
-        try:
-            agent.send_notification(peer, message)
-        except TransportError as exc:
-            # A lost control message must end in a deadline, never a hang (FAIL-1).
-            self.lost_sends.append(f"{agent.name} -> {peer}: {exc}")
-
-    def _poll_consumer(self, now: float) -> None:
-        for note in self.consumer.get_notifications():
-            try:
-                kind, request_id, extra = _decode(note.message)
-            except KVSpecError as exc:
-                self.problems.append(f"consumer got an undecodable notification ({exc}) (VER-1)")
-                continue
-            state = self.states.get(request_id)
-            if state is None:
-                continue
-            if kind == "complete" and state.c_state == "loading":
-                self._loaded(state, now)
-            elif kind == "failed" and state.c_state == "loading":
-                state.moved_nothing = bool(extra.get("moved_nothing"))
-                self._consumer_failed(
-                    state,
-                    _reason(str(extra.get("reason")), FailureReason.TRANSFER_ERROR),
-                    str(extra.get("detail")),
-                    now,
-                )
-                if not state.moved_nothing:
-                    self._free_consumer(state)  # P reports failure only after its transfer drained
-            elif kind == "drained":
-                self._free_consumer(state)
-        for state in self.states.values():
-            if state.c_state == "loading" and state.c_handle is not None:
-                state.polls += 1
-                spec = state.spec
-                if spec.disconnect_after_polls is not None and state.polls == spec.disconnect_after_polls + 1:
-                    self.consumer.remove_remote_agent(self.producer_name)  # the backend's own peer loss
-                if spec.abort_after_polls is not None and state.polls > spec.abort_after_polls:
-                    # Abort while LOADING: release cancels; the blocks wait for the drain bound (SM-2).
-                    self._cancel_read(state, now)
-                    self._consumer_failed(state, FailureReason.ABORTED, "aborted by the consumer", now)
-                    continue
-                status = self.consumer.check(state.c_handle)
-                if status.state is TransferState.DONE:
-                    self.consumer.release(state.c_handle)
-                    state.c_handle = None
-                    self._loaded(state, now)
-                elif status.state is TransferState.FAILED:
-                    self.consumer.release(state.c_handle)
-                    state.c_handle = None
-                    self._consumer_failed(state, status.reason or FailureReason.TRANSFER_ERROR, status.detail, now)
-            elif state.c_state == "loading" and self.mode is TransferMode.WRITE:
-                state.polls += 1
-                if state.spec.abort_after_polls is not None and state.polls > state.spec.abort_after_polls:
-                    self._consumer_failed(state, FailureReason.ABORTED, "aborted by the consumer", now)
-            if state.c_state == "loading" and now > state.c_deadline:
-                if state.c_handle is not None:
-                    self._cancel_read(state, now)
-                self._consumer_failed(state, FailureReason.TIMEOUT, "no completion before the deadline", now)
-            if state.c_quarantine_until is not None and now > state.c_quarantine_until:
-                self._free_consumer(state)
-
-    # -- producer side
-
-    def _poll_producer(self, now: float) -> None:
-        for note in self.producer.get_notifications():
-            try:
-                kind, request_id, extra = _decode(note.message)
-            except KVSpecError as exc:
-                self.problems.append(f"producer got an undecodable notification ({exc}) (VER-1)")
-                continue
-            state = self.states.get(request_id)
-            if state is None:
-                continue
-            if kind == "release":
-                state.releases_received += 1
-                if state.p_state != "held":
-                    continue  # terminal states are sticky; repeats are no-ops (SM-1, REL-1)
-                aborting = state.p_handle is not None
-                self._cancel_write(state, now)
-                state.p_state = "aborted" if aborting and extra.get("abort") else "released"
-                state.p_confirm_drain = bool(extra.get("abort")) and self.mode is TransferMode.WRITE
-                self._free_producer_when_drained(state, now)
-            elif kind == "offer" and state.p_state == "held" and not state.posted:
-                self._producer_write(state, BlockIds(extra["consumer_block_ids"]), now)
-        for state in self.states.values():
-            if state.p_handle is not None:
-                state.p_polls += 1
-                if (
-                    state.spec.disconnect_after_polls is not None
-                    and state.p_polls == state.spec.disconnect_after_polls + 1
-                ):
-                    self.producer.remove_remote_agent(self.consumer_name)  # the backend's own peer loss
-                status = self.producer.check(state.p_handle)
-                if status.state is TransferState.DONE:
-                    self.producer.release(state.p_handle)
-                    state.p_handle = None
-                elif status.state is TransferState.FAILED:
-                    self.producer.release(state.p_handle)
-                    state.p_handle = None
-                    reason = status.reason or FailureReason.TRANSFER_ERROR
-                    self._send(
-                        self.producer,
-                        self.consumer_name,
-                        _encode(
-                            "failed",
-                            state.spec.request_id,
-                            reason=reason.value,
-                            detail=status.detail,
-                            consumer_block_ids=state.offered_to_producer,
-                        ),
-                    )
-            if state.p_state == "held" and now > state.p_deadline:
-                self._cancel_write(state, now)  # never free blocks with a transfer in flight (SM-1)
-                state.p_state = "expired"
-            self._free_producer_when_drained(state, now)
-
-    def _cancel_write(self, state: _State, now: float) -> None:
-        if state.p_handle is not None:
-            self.producer.release(state.p_handle)
-            state.p_handle = None
-            state.p_drain_until = now + self.scenario.drain
-            self.cancelled_at.append(now)
-
-    def _free_producer_when_drained(self, state: _State, now: float) -> None:
-        if state.p_state == "held" or not state.p_blocks_held:
-            return
-        if state.p_drain_until is not None and now <= state.p_drain_until:
-            return  # a cancelled write may still move bytes (SM-1)
-        state.p_blocks_held = False
-        self.p_alloc.release(b for ids in state.producer_ids for b in ids)
-        if state.p_confirm_drain:
-            # Sent only once P's write no longer moves bytes: C may reuse its blocks (SM-2).
-            self._send(self.producer, self.consumer_name, _encode("drained", state.spec.request_id))
-
-    def _producer_write(self, state: _State, offered: BlockIds, now: float) -> None:
-        request_id = state.spec.request_id
-        state.offered_to_producer = offered
-        try:
-            pairs = self.connector.pair_block_ids(
-                self.p_config,
-                num_tokens=state.spec.num_tokens,
-                prefix_hit_tokens=state.spec.prefix_hit_tokens,
-                producer_block_ids=state.producer_advertised,
-                consumer_block_ids=offered,
-            )
-            plan = self.connector.plan(producer_config=self.p_config, consumer_config=self.c_config, pairs=pairs)
-        except KVSpecError as exc:
-            state.error = type(exc).__name__
-            reason = {
-                "WindowCoverageError": FailureReason.WINDOW_COVERAGE,
-                "BlockAlignmentError": FailureReason.BLOCK_ALIGNMENT,
-                "GroupCountError": FailureReason.BLOCK_ALIGNMENT,
-            }.get(state.error, FailureReason.PROTOCOL)
-            message = _encode("failed", request_id, reason=reason.value, detail=str(exc), moved_nothing=True)
-            self._send(self.producer, self.consumer_name, message)
-            return
-        state.posted = True
-        if plan.num_descriptors == 0:
-            self._send(self.producer, self.consumer_name, _encode("complete", request_id))
-            return
-        try:
-            state.p_handle = self.producer.post(
-                TransferMode.WRITE,
-                plan.to_descriptors(TransferMode.WRITE),
-                peer=self.consumer_name,
-                notification=_encode("complete", request_id),
-            )
-        except (TransportError, PlanError) as exc:
-            state.error = type(exc).__name__
-            reason = _reason(getattr(exc, "reason", None), FailureReason.POST_FAILED)
-            message = _encode("failed", request_id, reason=reason.value, detail=str(exc), moved_nothing=True)
-            self._send(self.producer, self.consumer_name, message)
 
     # -- the run
 
@@ -781,10 +560,6 @@ class _Driver:
                 seconds=time.monotonic() - started,
                 refused=f"{type(exc).__name__}: {exc}",
             )
-        self.lost_sends: list[str] = []
-        self.cancelled_at: list[float] = []
-        self.p_alloc = _Allocator(self.p_config.num_blocks)
-        self.c_alloc = _Allocator(self.c_config.num_blocks)
         with allocate_pool(self.p_config) as producer_pool, allocate_pool(self.c_config) as consumer_pool:
             self.producer_pool, self.consumer_pool = producer_pool, consumer_pool
             fill_background(producer_pool, seed="producer")
@@ -793,6 +568,7 @@ class _Driver:
             consumer_before = consumer_pool.snapshot()
             self.producer = self._agent("producer")
             self.consumer = self._agent("consumer")
+            self._drivers()
             refused: str | None = None
             try:
                 try:
@@ -801,13 +577,17 @@ class _Driver:
                     refused = f"{type(exc).__name__}: {exc}"
                 else:
                     self._loop(started)
-                self._judge_early_completions()
+                early = self._judge_early_completions()
+                loads = [
+                    self._expected(rid, loaded=self.consumers[rid].session.state is ConsumerState.LOADED)
+                    for rid in self.tables
+                ]
                 mismatches = check_pools(
                     producer=producer_pool,
                     consumer=consumer_pool,
                     producer_before=self.producer_expected,
                     consumer_before=consumer_before,
-                    loads=self.loads,
+                    loads=loads,
                 )
             finally:
                 for agent in (self.consumer, self.producer):
@@ -815,50 +595,39 @@ class _Driver:
                         agent.close()
                     except KVSpecError as exc:
                         self.problems.append(f"closing {agent.name}: {exc}")
-        for state in self.states.values():
-            self._free_consumer(state)  # the engine finishes every request
+        for rid, request in self.consumers.items():
+            if not request.freed:
+                self.c_alloc.release(self.tables[rid].consumer)  # the engine finishes every request
         if len(self.c_alloc.free) != self.c_alloc.baseline:
             self.problems.append(f"consumer free blocks {len(self.c_alloc.free)}, baseline {self.c_alloc.baseline}")
         if len(self.p_alloc.free) != self.p_alloc.baseline:
             self.problems.append(
                 f"producer free blocks {len(self.p_alloc.free)}, baseline {self.p_alloc.baseline} (leaked, SM-1)"
             )
-        outcomes = {
-            rid: RequestOutcome(
-                request_id=rid,
-                consumer_state=s.c_state,
-                producer_state=s.p_state,
-                reason=s.reason,
-                error=s.error,
-                detail=s.detail,
-                posted=s.posted,
-                releases_sent=s.releases_sent,
-                releases_received=s.releases_received,
-                seconds=max(0.0, s.finished_at - s.started),
-            )
-            for rid, s in self.states.items()
-        }
-        injected = tuple(f for injector in self.injectors for f in injector.injected)
+        faults = [*self.c_driver.faults, *self.p_driver.faults]
+        self.problems += [f"undecodable notification: {f} (VER-1)" for f in faults if f.operation is Operation.DECODE]
         return ScenarioResult(
             refused=refused,
-            outcomes=outcomes,
+            outcomes={rid: self._outcome(rid) for rid in self.tables},
             mismatches=tuple(mismatches),
-            early_completions=tuple(self.early),
+            early_completions=tuple(early),
             problems=tuple(self.problems),
-            injected=injected,
-            lost_messages=tuple(self.lost_sends),
+            injected=tuple(f for injector in self.injectors for f in injector.injected),
+            lost_messages=tuple(str(f) for f in faults if f.operation is Operation.SEND),
             seconds=time.monotonic() - started,
         )
 
-    def _judge_early_completions(self) -> None:
+    def _judge_early_completions(self) -> list[str]:
+        early = []
         for request_id, load, at_completion in self.completed_early:
             still_wrong = {(m.layer, m.block) for m in check_loaded_pages(self.consumer_pool, load)}
             late = [m for m in at_completion if (m.layer, m.block) not in still_wrong]
             if late:
-                self.early.append(
+                early.append(
                     f"{request_id}: reported complete while {len(late)} paired pages had not landed yet, "
                     f"e.g. group {late[0].group}, layer {late[0].layer!r}, block {late[0].block}"
                 )
+        return early
 
     def _connect(self, producer_pool: PagePool, consumer_pool: PagePool) -> None:
         self.producer.register_memory(producer_pool.regions)
@@ -892,13 +661,19 @@ class _Driver:
             wire = json.dumps(data, sort_keys=True).encode()
         received_by_producer = decode(wire)
         received_by_consumer = decode(encode(producer))
-        assert isinstance(received_by_producer, EngineDescriptor)
-        assert isinstance(received_by_consumer, EngineDescriptor)
+        if not isinstance(received_by_producer, EngineDescriptor) or not isinstance(
+            received_by_consumer, EngineDescriptor
+        ):
+            raise MalformedMessageError("a handshake descriptor decoded as another message")
         self.connector.check_peer(received_by_consumer, received_by_producer)
 
     def _handshake(self) -> None:
         self.producer_name = self.consumer.add_remote_agent(self.producer.get_agent_metadata())
         self.consumer_name = self.producer.add_remote_agent(self.consumer.get_agent_metadata())
+
+    def _settled(self) -> bool:
+        """Every request ended on both sides, with every block back (or held by a loaded request)."""
+        return not self.c_driver.requests and not self.p_driver.requests
 
     def _loop(self, started: float) -> None:
         waves = sorted({r.wave for r in self.scenario.requests})
@@ -913,44 +688,63 @@ class _Driver:
             for spec in specs:
                 self._start(spec, now)
             # The next wave starts once blocks are back, so it reuses what the last one freed.
-            self._drive(hard_stop, until=lambda: all(s.settled for s in self.states.values()))
-            if time.monotonic() > hard_stop:
-                stuck = [rid for rid, s in self.states.items() if not s.settled]
+            self._drive(hard_stop)
+            if not self._settled():
+                stuck = sorted({*self.c_driver.requests, *self.p_driver.requests})
                 self.problems.append(f"requests {stuck} did not end within the deadlines (FAIL-1)")
                 return
-        # Let quarantined blocks come back, then keep polling a little so that late writes land and are seen.
-        self._drive(hard_stop, until=lambda: all(s.c_quarantine_until is None for s in self.states.values()))
-        held = [rid for rid, s in self.states.items() if s.c_quarantine_until is not None]
-        if held:
-            self.problems.append(f"consumer blocks of {held} never came back (SM-2)")
+        # Keep polling a little so that late writes land and are seen.
         settle = time.monotonic() + 0.01
         if self.completed_early:
             # Give data that trailed a completion time to land, so it is judged late, not wrong (DONE-1).
             settle += min(0.2, self.scenario.deadline)
-        if self.cancelled_at:
+        cancelled = [t for t in (self.c_driver.cancelled_at, self.p_driver.cancelled_at) if t is not None]
+        if cancelled and self.scenario.watch_late_writes:
             # A cancelled transfer that outlives the drain bound must be seen landing (SM-2).
-            settle = max(settle, max(self.cancelled_at) + 4 * self.scenario.drain)
+            settle = max(settle, max(cancelled) + 4 * self.scenario.drain)
+        # A copy landing again after DONE is seen only if the pools are read after it (DONE-1).
+        settle = max(settle, time.monotonic() + self.scenario.settle)
         polls = 0
         while polls < 20 or time.monotonic() < settle:
-            self._poll_once(time.monotonic())
+            self._poll_once()
             polls += 1
             if polls > 20:
                 time.sleep(0.001)
 
-    def _drive(self, hard_stop: float, *, until: Callable[[], bool]) -> None:
+    def _drive(self, hard_stop: float) -> None:
         idle = 0
-        while not until():
-            now = time.monotonic()
-            if now > hard_stop:
-                return
-            self._poll_once(now)
+        while not self._settled() and time.monotonic() <= hard_stop:
+            self._poll_once()
             idle += 1
             if idle > 10:
                 time.sleep(0.0005)  # cross-process backends progress in their own processes
 
-    def _poll_once(self, now: float) -> None:
-        self._poll_consumer(now)
-        self._poll_producer(now)
+    def _poll_once(self) -> None:
+        self._inject_timed_faults()
+        self.c_driver.poll()
+        self.p_driver.poll()
+
+    def _inject_timed_faults(self) -> None:
+        """The scenario's own fault timing: a consumer abort, or the initiator forgetting its peer (SM-2, FAIL-1)."""
+        initiator, peer = (
+            (self.c_driver, self.producer_name)
+            if self.mode is TransferMode.READ
+            else (self.p_driver, self.consumer_name)
+        )
+        for request_id, tables in self.tables.items():
+            spec = tables.spec
+            consumer = self.consumers[request_id]
+            session = consumer.session
+            if spec.abort_after_polls is not None and session.state is ConsumerState.LOADING:
+                polls = self.polls[request_id] = self.polls.get(request_id, 0) + 1
+                if polls > spec.abort_after_polls and isinstance(session, ConsumerSession):
+                    self.c_driver.execute(consumer, session.abort(now=time.monotonic()))
+            posted = initiator.requests.get(request_id)
+            if spec.disconnect_after_polls is not None and posted is not None and posted.handle is not None:
+                key = "disconnect:" + request_id
+                polls = self.polls[key] = self.polls.get(key, 0) + 1
+                if polls == spec.disconnect_after_polls + 1:
+                    initiator.transport.remove_remote_agent(peer)  # the backend's own peer loss
 
 
 def _resolve_backend(backend: Backend | str) -> tuple[Backend, bool]:
@@ -974,7 +768,7 @@ def run_scenario(
     """
     resolved, owned = _resolve_backend(backend)
     try:
-        return _Driver(scenario, resolved, connector or ReferenceConnector()).run()
+        return _Play(scenario, resolved, connector or ReferenceConnector()).run()
     finally:
         if owned:
             resolved.close()

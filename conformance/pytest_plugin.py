@@ -10,27 +10,39 @@ Example, in your project's ``tests/test_kvspec_conformance.py``::
         rules = None            # or ["CLIP-1", "WIN-1"]
         levels = None           # or ["MUST"]
         max_examples = 15
+        xfail_cases = {"FAIL-1/lost-notification": "our notifications are never lost (issue 12)"}
 
-Every case becomes one test, named by its case id; a case whose capability the
+Every case is one test method, named from its case id by :func:`case_test_name`
+(``CLIP-1/sw-tail-keeps-last-n`` is ``test_clip_1_sw_tail_keeps_last_n``), as
+zarr's store tests are: a subclass marks one known failure with
+``xfail_cases``, or overrides that one method. A case whose capability the
 backend lacks is skipped with the reason; a failure shows the reproducer.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+import re
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import ClassVar
 
 import pytest
 
 from kvspec.transport import Backend
 
-from ._cases import Case, select_cases
+from ._cases import Case, all_cases, select_cases
 from ._connector import Connector, ReferenceConnector
 from ._context import DEFAULT_MAX_EXAMPLES, CaseContext
 from ._report import Outcome
 from ._runner import run_case
 
-__all__ = ["BackendSuite"]
+__all__ = ["BackendSuite", "case_test_name"]
+
+CaseTest = Callable[["BackendSuite", CaseContext], None]
+
+
+def case_test_name(case_id: str) -> str:
+    """The name of the test method that runs ``case_id``: ``"CLIP-1/sw-tail"`` -> ``"test_clip_1_sw_tail"``."""
+    return "test_" + re.sub(r"[^a-z0-9]+", "_", case_id.lower()).strip("_")
 
 
 def _spec_of(factory: Callable[[], Backend]) -> str:
@@ -40,8 +52,30 @@ def _spec_of(factory: Callable[[], Backend]) -> str:
     return f"{module}:{name}"
 
 
+def _case_test(case: Case) -> CaseTest:
+    def test(self: BackendSuite, kvspec_context: CaseContext) -> None:
+        self.check_case(case, kvspec_context)
+
+    test.__name__ = test.__qualname__ = case_test_name(case.id)
+    test.__doc__ = f"[{case.level.value}] {case.id}: {case.title}"
+    test.kvspec_case = case  # type: ignore[attr-defined]
+    return test
+
+
+def _is_generated(value: object) -> bool:
+    return callable(value) and hasattr(value, "kvspec_case")
+
+
 class BackendSuite:
-    """Base class: set ``backend_factory`` (a zero-argument callable returning a Backend)."""
+    """Base class: set ``backend_factory`` (a zero-argument callable returning a Backend).
+
+    ``rules`` and ``levels`` select cases as ``kvspec conform --rule/--level``
+    do; the others' methods are removed from the subclass. ``xfail_cases``
+    maps case ids to the reason each is a known failure (strict: a case that
+    starts passing fails the run, so the entry is removed once fixed). To
+    replace one case, define its method (see :func:`case_test_name`); to wrap
+    every case, override :meth:`check_case`.
+    """
 
     backend_factory: ClassVar[Callable[[], Backend]]
     connector_factory: ClassVar[Callable[[], Connector] | None] = None
@@ -50,11 +84,28 @@ class BackendSuite:
     max_examples: ClassVar[int] = DEFAULT_MAX_EXAMPLES
     time_scale: ClassVar[float] = 1.0
     shrink: ClassVar[bool] = False
+    xfail_cases: ClassVar[Mapping[str, str]] = {}
 
-    def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
-        if "kvspec_case" in metafunc.fixturenames:
-            cases = select_cases(rules=self.rules, levels=self.levels)
-            metafunc.parametrize("kvspec_case", cases, ids=[c.id for c in cases])
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        known = {c.id: c for c in all_cases()}
+        unknown = sorted(set(cls.xfail_cases) - set(known))
+        if unknown:
+            raise ValueError(f"{cls.__name__}.xfail_cases: unknown case ids {unknown}")
+        selected = {c.id for c in select_cases(rules=cls.rules, levels=cls.levels)}
+        for case_id, case in known.items():
+            name = case_test_name(case_id)
+            current = getattr(cls, name, None)
+            if current is not None and not _is_generated(current):
+                continue  # this class (or a parent) replaced the case with its own test
+            if case_id not in selected:
+                setattr(cls, name, None)  # not a test of this class: pytest collects only callables
+                continue
+            test = _case_test(case)
+            reason = cls.xfail_cases.get(case_id)
+            if reason is not None:
+                test = pytest.mark.xfail(reason=reason, strict=True)(test)
+            setattr(cls, name, test)
 
     @pytest.fixture(scope="class")
     @classmethod
@@ -75,9 +126,9 @@ class BackendSuite:
         finally:
             backend.close()
 
-    def test_conformance(self, kvspec_case: Case, kvspec_context: CaseContext) -> None:
-        """One conformance case against this class's backend."""
-        result = run_case(kvspec_case, kvspec_context)
+    def check_case(self, case: Case, context: CaseContext) -> None:
+        """Run one case against this class's backend: skip with the reason, or fail with the reproducer."""
+        result = run_case(case, context)
         if result.outcome is Outcome.SKIPPED:
             pytest.skip(result.message)
         if result.is_failure:
@@ -85,3 +136,15 @@ class BackendSuite:
             if result.reproducer:
                 text += f"\n\nReproducer (paste into python):\n\n{result.reproducer}"
             pytest.fail(text, pytrace=False)
+
+
+def _check_names() -> None:
+    names = [case_test_name(c.id) for c in all_cases()]
+    if len(set(names)) != len(names):  # pragma: no cover - guards the registry
+        raise ValueError("two case ids map to one test method name")
+
+
+_check_names()
+for _case in all_cases():
+    setattr(BackendSuite, case_test_name(_case.id), _case_test(_case))
+del _case

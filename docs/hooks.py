@@ -146,7 +146,13 @@ def check_catalogue(rules: Sequence[RuleLike], cases: Sequence[CaseLike]) -> dic
             problems.append(f"case {case.id} cites unknown rule {case.rule!r}")
         else:
             by_rule[case.rule].append(case)
-    problems += [f"rule {rule_id} has no conformance case" for rule_id, found in by_rule.items() if not found]
+    # A rule may wait for its suite cases only when it names the tests that check it meanwhile (OFF-*).
+    waiting = {rule.id for rule in rules if getattr(rule, "checked_by", None)}
+    problems += [
+        f"rule {rule_id} has no conformance case"
+        for rule_id, found in by_rule.items()
+        if not found and rule_id not in waiting
+    ]
     if problems:
         raise CatalogueError("rule catalogue: " + "; ".join(problems))
     return by_rule
@@ -227,7 +233,8 @@ def render_catalogue(
         "Generated at build time from the rule list (`kvspec._rules.RULES`) and the conformance",
         "suite's registry (`kvspec_conformance.catalogue()`). **The docs build fails** when a rule",
         "has no conformance case or a case cites an unknown rule, so this page cannot list a rule",
-        "that nothing checks.",
+        "that nothing checks. The offload rules (OFF-*) have no suite case yet; each names the",
+        "tests that check the reference meanwhile.",
         "",
         f"{len(rules)} rules, {total} cases. Run one rule's cases with",
         "`kvspec conform BACKEND --rule CLIP-1`.",
@@ -244,11 +251,23 @@ def render_catalogue(
         if rule.id in sections:
             page, anchor = sections[rule.id]
             out += ["", f"Normative text: [{rule.id} in the spec]({_rel(CATALOGUE, page)}#{anchor})."]
+        checked_by = getattr(rule, "checked_by", None)
+        if checked_by and not by_rule[rule.id]:
+            out += ["", f"No conformance case yet; checked by `{checked_by}`."]
+            continue
         out += ["", "| Case | Level | Needs | Checks |", "|---|---|---|---|"]
         for case in by_rule[rule.id]:
             needs = ", ".join(sorted(case.requires)) or "-"
             out.append(f"| `{case.id}` | {_level(case.level)} | {needs} | {case.title} |")
     return "\n".join(out) + "\n"
+
+
+def _waiting_note(rule_id: str) -> str:
+    """What a spec section says of a rule that has no conformance case yet."""
+    from kvspec._rules import RULES
+
+    checked_by = next((getattr(r, "checked_by", None) for r in RULES if r.id == rule_id), None)
+    return f"none yet; `{checked_by}` checks the reference meanwhile" if checked_by else "none yet"
 
 
 def link_rule_sections(markdown: str, page: str, by_rule: Mapping[str, Sequence[CaseLike]]) -> str:
@@ -267,7 +286,7 @@ def link_rule_sections(markdown: str, page: str, by_rule: Mapping[str, Sequence[
         rule_id = match["id"]
         seen.add(rule_id)
         target = _rel(page, CATALOGUE)
-        cases = ", ".join(f"`{case.id}`" for case in by_rule[rule_id])
+        cases = ", ".join(f"`{case.id}`" for case in by_rule[rule_id]) or _waiting_note(rule_id)
         out += [
             "",
             f"*Conformance cases* ([catalogue]({target}#{slugify(rule_id, '-')})): {cases}",
@@ -471,6 +490,71 @@ def _bytes_table(rows: Sequence[tuple[str, int, int, int]]) -> str:
     return "\n".join(out) + "\n"
 
 
+ENGINE_BENCH = Path(__file__).resolve().parent / "_data" / "engine_bench.json"
+
+
+def load_engine_bench() -> dict[str, Any]:
+    """The rows benchmarks/bench_engine.py wrote (committed, so the docs build never runs the benchmark)."""
+    import json
+
+    data: dict[str, Any] = json.loads(ENGINE_BENCH.read_text(encoding="utf-8"))
+    return data
+
+
+def _engine_bench_table(data: Mapping[str, Any]) -> str:
+    with_vllm = all("vllm_clip_pair_us" in r for r in data["rows"])
+    head = "| Model | Tokens | Ids | Kept | Pairs | Copies | Clip + coverage + pairs | per id | Plan | per page |"
+    rule = "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+    if with_vllm:
+        head += " vLLM clip + pairs | kvspec / vLLM | vLLM desc ids | plan + descriptors / vLLM |"
+        rule += "---:|---:|---:|---:|"
+    out = [head, rule]
+    for r in data["rows"]:
+        line = (
+            f"| {r['model']} | {r['tokens'] // 1024}k {r['allocation']} | {r['ids_in']:,} | {r['ids_kept']:,} "
+            f"| {r['pairs']:,} | {r['descriptors']:,} | {r['reference_us']:,.0f} us "
+            f"| {r['reference_us'] * 1e3 / r['ids_in']:.0f} ns | {r['plan_ms']:.2f} ms "
+            f"| {r['plan_ms'] * 1e6 / max(r['pages'], 1):.0f} ns |"
+        )
+        if with_vllm:
+            plan = r["plan_ms"] + r["descriptors_ms"]
+            line += (
+                f" {r['vllm_clip_pair_us']:,.0f} us | {r['reference_us'] / r['vllm_clip_pair_us']:.0f}x "
+                f"| {r['vllm_desc_ids_ms']:.2f} ms | {plan / r['vllm_desc_ids_ms']:.1f}x |"
+            )
+        out.append(line)
+    env = (
+        f"Python {data['python']} on {data['machine']}, kvspec {data['kvspec']}, vLLM {data['vllm'] or 'not installed'}"
+    )
+    out += ["", f"*{env}; {data.get('note', '')}*"]
+    return "\n".join(out) + "\n"
+
+
+def _engine_bench_goals(data: Mapping[str, Any]) -> str:
+    """Issue 19's goals against the committed run: 128k-token Gemma 3 27B."""
+    goals = data["goals"]
+    rows = {r["allocation"]: r for r in data["rows"] if r["model"] == "gemma-3-27b" and r["tokens"] == 128 * 1024}
+    if set(rows) != {"contiguous", "shuffled"}:
+        raise PluginError(f"{ENGINE_BENCH}: no 128k-token gemma-3-27b rows; rerun benchmarks/bench_engine.py --json")
+
+    def verdict(value: float, goal: float) -> str:
+        return f"{'met' if value < goal else 'missed'}, {value / goal:.0%} of the goal"
+
+    shuffled, contiguous = rows["shuffled"], rows["contiguous"]
+    lines = [
+        f"- clip both sides + coverage + pairs, shuffled ids: **{shuffled['reference_us']:,.0f} us** against "
+        f"{goals['reference_us']:,.0f} us ({verdict(shuffled['reference_us'], goals['reference_us'])}; "
+        "about 19 ms before);",
+        f"- `plan_transfer`, all layers, shuffled ids: **{shuffled['plan_ms']:.1f} ms** against "
+        f"{goals['plan_ms_shuffled']:g} ms ({verdict(shuffled['plan_ms'], goals['plan_ms_shuffled'])}; "
+        f"the page-by-page planner took {shuffled['plan_page_by_page_ms']:,.0f} ms in the same run);",
+        f"- `plan_transfer`, all layers, contiguous ids: **{contiguous['plan_ms']:.2f} ms** against "
+        f"{goals['plan_ms_contiguous']:g} ms ({verdict(contiguous['plan_ms'], goals['plan_ms_contiguous'])}; "
+        f"page by page: {contiguous['plan_page_by_page_ms']:,.0f} ms).",
+    ]
+    return "\n".join(lines) + "\n"
+
+
 def _clipping_lists(example: Mapping[str, Any]) -> str:
     pairs = example["pairs"]
     rows = [
@@ -493,6 +577,7 @@ API_ORDER = {
     "kvspec._models": "Models",
     "kvspec._reference": "Reference functions",
     "kvspec._plan": "Planner",
+    "kvspec._offload": "Offload rules",
     "kvspec._messages": "Messages",
     "kvspec._codec": "Codec",
     "kvspec._handshake": "Handshake",
@@ -555,6 +640,10 @@ def render_cli_page() -> str:
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
             commands += [(f"kvspec {name}", sub) for name, sub in action.choices.items() if name != "conform"]
+    for name, sub in list(commands[1:]):  # one level deeper: `kvspec vectors write`, ...
+        for action in sub._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                commands += [(f"{name} {child}", grandchild) for child, grandchild in action.choices.items()]
     commands.append(("kvspec conform", conform))
     out = [
         "# Command line",
@@ -579,6 +668,24 @@ def render_cli_page() -> str:
     return "\n".join(out) + "\n"
 
 
+VECTORS_ARCHIVE = "vectors/kvspec-vectors.tar.gz"
+
+
+def render_vector_functions() -> str:
+    """The vector registry as a table: each function, the rules whose vectors call it, its input fields."""
+    from kvspec._vector_cases import CASE_SETS
+    from kvspec._vectors import FUNCTIONS
+
+    rules: dict[str, list[str]] = {}
+    for case_set in CASE_SETS:
+        rules.setdefault(case_set.function, []).append(case_set.rule)
+    out = ["| function | rules | input fields |", "|---|---|---|"]
+    for name, entry in FUNCTIONS.items():
+        fields = ", ".join(f"`{field}`" for field in entry.inputs)
+        out.append(f"| `{name}` | {', '.join(rules.get(name, []))} | {fields} |")
+    return "\n".join(out) + "\n"
+
+
 def on_files(files: Files, config: Any) -> Files:
     spec_pages = {
         f.src_uri: Path(f.abs_src_path).read_text(encoding="utf-8")
@@ -599,10 +706,17 @@ def on_files(files: Files, config: Any) -> Files:
     rows = figures.bytes_rows()
     _add(files, config, "img/clipping.svg", figures.clipping_svg())
     _add(files, config, "img/bytes.svg", figures.bytes_svg(rows))
+    engine_bench = load_engine_bench()
+    _add(files, config, "img/engine_bench.svg", figures.engine_bench_svg(engine_bench))
+    import offload_figure  # docs/_gen is on sys.path once the generators are imported
+
+    _add(files, config, "img/offload.svg", offload_figure.offload_svg())
 
     snippets: dict[str, str] = {
         "bytes-table": _bytes_table(rows),
         "clipping-lists": _clipping_lists(figures.clipping_example()),
+        "engine-bench-table": _engine_bench_table(engine_bench),
+        "engine-bench-goals": _engine_bench_goals(engine_bench),
     }
     for role in ("producer", "consumer"):
         snippets[f"state-diagram:{role}"] = _fence("mermaid", diagrams.state_diagram(role))
@@ -615,7 +729,13 @@ def on_files(files: Files, config: Any) -> Files:
     _STATE["vllm_audit"] = json.loads(VLLM_AUDIT_JSON.read_text(encoding="utf-8"))
     snippets.update(vllm_audit_snippets(_STATE["vllm_audit"]))
     snippets["vllm-expected:tables"] = vllm_expected_table(vllm_expected_failures())
+    snippets["vector-functions"] = render_vector_functions()
     _STATE["snippets"] = snippets
+
+    # The release's test vectors, downloadable from the site (docs/how-to/implement-in-another-language.md).
+    from kvspec._vector_cases import build_archive
+
+    _add(files, config, VECTORS_ARCHIVE, build_archive())
 
     # CHANGELOG.md links into docs/ so that it reads right on a forge; on the site those links are relative.
     changelog = (ROOT / "CHANGELOG.md").read_text(encoding="utf-8").replace("](docs/", "](")

@@ -7,8 +7,10 @@ An endpoint is one engine: a :class:`KVCacheConfig`, a :class:`BlockAllocator`
 over its pool (block 0 is the null block and is never handed out), one
 :class:`Transport` agent with the pool's regions registered, and one sans-IO
 session per request (:class:`ProducerSession` / :class:`ConsumerSession`).
-The endpoint carries out what the sessions ask (post, cancel, send, free) and
-feeds them what happens (transfer status, notifications, time).
+The endpoint is a thin role over the driver core (:mod:`kvspec._driver`),
+which carries out what the sessions ask (send, post, cancel, free) and feeds
+them what happens (transfer status, notifications, time); the endpoint adds
+its block pool, its peers and the connector seam's planning.
 
 1. :func:`connect` is the handshake: both sides' :class:`EngineDescriptor`
    travel through the codec, are checked for compatibility (HS-1) and for
@@ -39,37 +41,31 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import Generic, Protocol, TypeVar
 
 import attrs
 
 from kvspec._codec import decode, encode
+from kvspec._connector import Connector, ReferenceConnector
+from kvspec._driver import Driver, DriverFault, LiveRequest, Operation, reason_of
 from kvspec._enums import FailureReason, TransferMode
 from kvspec._errors import (
-    BlockAlignmentError,
     ConfigError,
-    GroupCountError,
     IncompatiblePeerError,
     KVSpecError,
     LocalProtocolError,
     OutOfBlocksError,
     PlanError,
-    ProtocolError,
     TransportError,
-    WindowCoverageError,
 )
 from kvspec._handshake import check_compatibility
-from kvspec._messages import BlockOffer, EngineDescriptor, Message, ReleaseOutcome, TransferParams
+from kvspec._messages import BlockOffer, EngineDescriptor, ReleaseOutcome, TransferParams
 from kvspec._models import NULL_BLOCK_ID, BlockIds, KVCacheConfig
-from kvspec._plan import TransferPlan, plan_transfer
+from kvspec._plan import TransferPlan
 from kvspec._reference import (
     BlockPairs,
     check_hybrid_support,
     compute_block_pairs,
-    compute_transfer_pairs,
-    get_blocks_per_sw,
     get_consumer_block_counts,
-    get_exchange_clipped_blocks,
     get_logical_block_count,
     get_pruned_block_ids,
     is_hma_required,
@@ -80,11 +76,10 @@ from kvspec._session import (
     ConsumerSession,
     ConsumerState,
     FailureInfo,
-    Output,
     ProducerSession,
     ProducerState,
 )
-from kvspec.transport._base import MemoryRegion, TransferHandle, TransferState, Transport
+from kvspec.transport._base import MemoryRegion, Transport
 
 __all__ = [
     "DEFAULT_LEASE_DURATION",
@@ -208,22 +203,6 @@ class ExchangeResult:
 # --------------------------------------------------------------------------- endpoints
 
 
-def _reason_of(error: Exception) -> FailureReason:
-    """The typed failure reason of a check or transport error (FAIL-1)."""
-    if isinstance(error, WindowCoverageError):
-        return FailureReason.WINDOW_COVERAGE
-    if isinstance(error, (BlockAlignmentError, GroupCountError)):
-        return FailureReason.BLOCK_ALIGNMENT
-    if isinstance(error, TransportError):
-        try:
-            return FailureReason(error.reason)
-        except ValueError:
-            return FailureReason.POST_FAILED
-    if isinstance(error, IncompatiblePeerError):
-        return FailureReason.INCOMPATIBLE_PEER
-    return FailureReason.PROTOCOL
-
-
 @attrs.define(eq=False)
 class _Peer:
     engine_id: str
@@ -232,36 +211,10 @@ class _Peer:
     descriptor: EngineDescriptor
 
 
-class _TransferSession(Protocol):
-    @property
-    def params(self) -> TransferParams: ...
-
-    def receive(self, message: Message, *, now: float) -> Output: ...
-
-    def tick(self, *, now: float) -> Output: ...
-
-    def transfer_done(self, *, now: float) -> Output: ...
-
-    def transfer_failed(self, reason: FailureReason, *, now: float, detail: str = "") -> Output: ...
-
-
-class _Posted(Protocol):
-    """What both roles' request records share: a session and at most one posted transfer."""
-
-    handle: TransferHandle | None
-
-    @property
-    def session(self) -> _TransferSession: ...
-
-
-_R = TypeVar("_R", bound=_Posted)
-
-
-class _Endpoint(Generic[_R]):
-    """What both roles share: config, allocator, transport, peers, clock, error log."""
+class _Endpoint:
+    """What both roles share: config, allocator, transport, peers, clock, and the driver core."""
 
     role = "engine"
-    _requests: dict[str, _R]
 
     def __init__(
         self,
@@ -274,6 +227,7 @@ class _Endpoint(Generic[_R]):
         clock: Clock = time.monotonic,
         disable_hybrid_kv_cache_manager: bool = False,
         on_free: Callable[[list[int]], None] | None = None,
+        connector: Connector | None = None,
     ) -> None:
         if not isinstance(engine_id, str) or not engine_id:
             raise ConfigError(f"{type(self).__name__}.engine_id: expected a non-empty str, got {engine_id!r}")
@@ -290,15 +244,35 @@ class _Endpoint(Generic[_R]):
                 )
         self.engine_id = engine_id
         self.config = config
-        self.transport = transport
         self.mode = TransferMode(mode)
         self.clock = clock
+        self.connector: Connector = ReferenceConnector() if connector is None else connector
         self.hma_enabled = is_hma_required(config, disable_hybrid_kv_cache_manager=disable_hybrid_kv_cache_manager)
         self.allocator = BlockAllocator(config.num_blocks, on_free=on_free)
-        self.errors: list[str] = []
         self._peers: dict[str, _Peer] = {}
-        self._agents: dict[str, str] = {}
+        self.driver = Driver(
+            transport=transport,
+            clock=clock,
+            on_free=self._on_free,
+            on_end=self._on_end,
+            plan_write=self._plan_write,
+            fallback_peer=self._only_peer,
+        )
         transport.register_memory(regions)
+
+    @property
+    def transport(self) -> Transport:
+        """This engine's transport agent (the driver's)."""
+        return self.driver.transport
+
+    @transport.setter
+    def transport(self, transport: Transport) -> None:
+        self.driver.transport = transport
+
+    @property
+    def errors(self) -> list[DriverFault]:
+        """What went wrong while driving, as typed records (FAIL-1)."""
+        return self.driver.faults
 
     # -- handshake
 
@@ -323,120 +297,61 @@ class _Endpoint(Generic[_R]):
         self._peers[descriptor.engine_id] = _Peer(
             engine_id=descriptor.engine_id, agent=agent, config=config, descriptor=descriptor
         )
-        self._agents[agent] = descriptor.engine_id
         return agent
 
-    def _peer(self, engine_id: str) -> _Peer:
-        peer = self._peers.get(engine_id)
-        if peer is None:
-            raise TransportError(
-                f"{self.role} {self.engine_id!r}: no handshake with engine {engine_id!r}",
-                reason=FailureReason.PEER_DISCONNECTED.value,
-            )
-        return peer
+    def _only_peer(self) -> str | None:
+        # The consumer has not spoken yet (a READ lease ran out first): tell the one peer, if there is one.
+        if len(self._peers) == 1:
+            (peer,) = self._peers.values()
+            return peer.agent
+        return None
+
+    def _peer_by_agent(self, agent: str) -> _Peer:
+        for peer in self._peers.values():
+            if peer.agent == agent:
+                return peer
+        raise TransportError(
+            f"{self.role} {self.engine_id!r}: no handshake with agent {agent!r}",
+            reason=FailureReason.PEER_DISCONNECTED.value,
+        )
 
     @property
     def num_free_blocks(self) -> int:
         """Free blocks in this engine's pool (the null block excluded)."""
         return self.allocator.num_free
 
-    def _send(self, agent: str, messages: Sequence[Message]) -> bool:
-        """Send control messages as codec bytes; False (and logged) when the peer is unreachable."""
-        ok = True
-        for message in messages:
-            try:
-                self.transport.send_notification(agent, encode(message))
-            except TransportError as exc:
-                self.errors.append(f"send {type(message).__name__} to {agent!r}: {exc}")
-                ok = False
-        return ok
-
-    def _receive(self) -> list[tuple[str, Message]]:
-        """Drain and decode notifications; undecodable ones are logged and dropped (VER-1)."""
-        try:
-            notes = self.transport.get_notifications()
-        except TransportError as exc:
-            self.errors.append(f"get_notifications: {exc}")
-            return []
-        messages = []
-        for note in notes:
-            try:
-                messages.append((note.peer, decode(note.message)))
-            except KVSpecError as exc:
-                self.errors.append(f"undecodable notification from {note.peer!r}: {exc}")
-        return messages
-
-    # -- transfers (both roles)
+    @property
+    def active_requests(self) -> tuple[str, ...]:
+        """Requests not yet ended on this side."""
+        return tuple(self.driver.requests)
 
     def poll(self) -> None:
         """Progress transfers, handle notifications, fire deadlines."""
-        for request in list(self._requests.values()):
-            if request.handle is not None:
-                self._check_transfer(request)
-        for agent, message in self._receive():
-            target = self._requests.get(getattr(message, "request_id", ""))
-            if target is None:
-                continue  # late or duplicate message for a finished request: ignored (SM-1, SM-2)
-            self._on_message(agent, target)
-            try:
-                out = target.session.receive(message, now=self.clock())
-            except ProtocolError as exc:
-                self.errors.append(f"request {target.session.params.request_id!r}: {exc}")
-                continue
-            self._carry_out(target, out)
-        for request in list(self._requests.values()):
-            self._carry_out(request, request.session.tick(now=self.clock()))
-
-    def _on_message(self, agent: str, request: _R) -> None:
-        """Hook: a control message for ``request`` arrived from ``agent``."""
-
-    def _check_transfer(self, request: _R) -> None:
-        """Poll a posted transfer and feed its end to the session (DONE-1, FAIL-1)."""
-        if request.handle is None:  # pragma: no cover - poll checks only posted requests
-            return
-        try:
-            status = self.transport.check(request.handle)
-        except TransportError as exc:
-            self._drop_handle(request)
-            failed = request.session.transfer_failed(_reason_of(exc), now=self.clock(), detail=str(exc))
-            self._carry_out(request, failed)
-            return
-        if status.state is TransferState.PENDING:
-            return
-        self._drop_handle(request)
-        session = request.session
-        if status.state is TransferState.DONE:
-            self._carry_out(request, session.transfer_done(now=self.clock()))
-        else:
-            reason = status.reason or FailureReason.TRANSFER_ERROR
-            self._carry_out(request, session.transfer_failed(reason, now=self.clock(), detail=status.detail))
-
-    def _drop_handle(self, request: _R) -> None:
-        if request.handle is not None:
-            handle, request.handle = request.handle, None
-            try:
-                self.transport.release(handle)
-            except TransportError as exc:
-                self.errors.append(f"release handle: {exc}")
-
-    def _carry_out(self, request: _R, out: Output) -> None:
-        raise NotImplementedError
+        self.driver.poll()
 
     def close(self) -> None:
         """Close the transport agent."""
         self.transport.close()
 
+    # -- role hooks for the driver
 
-@attrs.define(eq=False)
-class _ProducerRequest:
-    session: ProducerSession
-    consumer_agent: str | None = None
-    handle: TransferHandle | None = None
-    table: BlockIds = attrs.field(factory=lambda: BlockIds([]))
+    def _on_free(self, request: LiveRequest, block_ids: BlockIds) -> None:
+        self.allocator.free_groups(block_ids)
+
+    def _on_end(self, request: LiveRequest) -> None:
+        raise NotImplementedError
+
+    def _plan_write(self, request: LiveRequest, offer: BlockOffer) -> TransferPlan:
+        raise LocalProtocolError(f"a {self.role} never plans a write")
 
 
-class ProducerEndpoint(_Endpoint["_ProducerRequest"]):
-    """The prefill engine: pins blocks per request and serves READs or posts WRITEs (SM-1)."""
+class ProducerEndpoint(_Endpoint):
+    """The prefill engine: pins blocks per request and serves READs or posts WRITEs (SM-1).
+
+    ``connector`` is the connector seam it clips and plans through (default
+    :class:`kvspec_conformance.ReferenceConnector`, kvspec's reference
+    functions); ``errors`` lists what went wrong as typed driver faults.
+    """
 
     role = "producer"
 
@@ -451,6 +366,7 @@ class ProducerEndpoint(_Endpoint["_ProducerRequest"]):
         clock: Clock = time.monotonic,
         disable_hybrid_kv_cache_manager: bool = False,
         on_free: Callable[[list[int]], None] | None = None,
+        connector: Connector | None = None,
         lease_duration: float = DEFAULT_LEASE_DURATION,
         release_grace: float = DEFAULT_RELEASE_GRACE,
         drain_timeout: float = DEFAULT_DRAIN_TIMEOUT,
@@ -464,11 +380,12 @@ class ProducerEndpoint(_Endpoint["_ProducerRequest"]):
             clock=clock,
             disable_hybrid_kv_cache_manager=disable_hybrid_kv_cache_manager,
             on_free=on_free,
+            connector=connector,
         )
         self.lease_duration = lease_duration
         self.release_grace = release_grace
         self.drain_timeout = drain_timeout
-        self._requests: dict[str, _ProducerRequest] = {}
+        self._tables: dict[str, BlockIds] = {}
         self._results: dict[str, ProducerResult] = {}
 
     def prefill(self, request_id: str, *, num_tokens: int) -> TransferParams:
@@ -477,7 +394,7 @@ class ProducerEndpoint(_Endpoint["_ProducerRequest"]):
         The caller fills the pages of :meth:`block_table` before the consumer
         begins (the prefill's output).
         """
-        if request_id in self._requests or request_id in self._results:
+        if request_id in self.driver.requests or request_id in self._results:
             raise LocalProtocolError(f"producer request {request_id!r} already exists")
         advertised = self._allocate_table(num_tokens)
         session = ProducerSession.create(
@@ -491,7 +408,8 @@ class ProducerEndpoint(_Endpoint["_ProducerRequest"]):
             release_grace=self.release_grace,
             drain_timeout=self.drain_timeout,
         )
-        self._requests[request_id] = _ProducerRequest(session=session, table=advertised)
+        self.driver.add(LiveRequest(session=session))
+        self._tables[request_id] = advertised
         return session.params
 
     def _allocate_table(self, num_tokens: int) -> BlockIds:
@@ -502,9 +420,9 @@ class ProducerEndpoint(_Endpoint["_ProducerRequest"]):
         real blocks, so the pool never needs the whole unpruned table.
         """
         totals = [get_logical_block_count(g.kv_cache_spec, num_tokens=num_tokens) for g in self.config.kv_cache_groups]
-        shape = get_exchange_clipped_blocks(
+        shape = self.connector.clip_block_ids(
+            self.config,
             get_pruned_block_ids(self.config, BlockIds([[1] * n for n in totals]), num_computed_tokens=num_tokens),
-            get_blocks_per_sw(self.config),
         )
         real = self.allocator.allocate_groups([sum(1 for b in group if b != NULL_BLOCK_ID) for group in shape])
         table = []
@@ -515,102 +433,44 @@ class ProducerEndpoint(_Endpoint["_ProducerRequest"]):
 
     def block_table(self, request_id: str) -> BlockIds:
         """The advertised (pruned, clipped) block ids of a live request."""
-        return self._requests[request_id].table
+        return self._tables[request_id]
 
     def abort(self, request_id: str) -> None:
         """The producer engine gives up on a request (SM-1)."""
-        request = self._requests.get(request_id)
-        if request is not None:
-            self._carry_out(request, request.session.abort(now=self.clock()))
+        request = self.driver.requests.get(request_id)
+        if request is not None and isinstance(request.session, ProducerSession):
+            self.driver.execute(request, request.session.abort(now=self.clock()))
 
     def result(self, request_id: str) -> ProducerResult | None:
         """The outcome of a finished request, or None while it is live."""
         return self._results.get(request_id)
 
-    @property
-    def active_requests(self) -> tuple[str, ...]:
-        """Requests whose blocks are still pinned."""
-        return tuple(self._requests)
+    def _plan_write(self, request: LiveRequest, offer: BlockOffer) -> TransferPlan:
+        # P does not know C's prefix hit: it aligns the offer to the tail of its own list (ALIGN-1).
+        peer = self._peer_by_agent(request.peer or "")
+        pairs = compute_block_pairs(
+            producer_block_ids=request.session.params.producer_block_ids, consumer_block_ids=offer.consumer_block_ids
+        )
+        return self.connector.plan(producer_config=self.config, consumer_config=peer.config, pairs=pairs)
 
-    def _on_message(self, agent: str, request: _ProducerRequest) -> None:
-        if request.consumer_agent is None:
-            request.consumer_agent = agent  # WRITE: where to send the Completion and failures
-
-    def _carry_out(self, request: _ProducerRequest, out: Output) -> None:
+    def _on_end(self, request: LiveRequest) -> None:
         session = request.session
-        if out.cancel and request.handle is not None:
-            # Releasing a pending transfer cancels it. Only a backend that stops at once
-            # (Capabilities.immediate_cancel) counts as drained now; any other is drained
-            # when the session's drain timeout fires from tick() (SM-2, protocol-lifecycle).
-            self._drop_handle(request)
-            if self.transport.capabilities.immediate_cancel:
-                cancelled = session.transfer_failed(FailureReason.ABORTED, now=self.clock(), detail="cancelled")
-                self._carry_out(request, cancelled)
-        if out.post:
-            self._post_write(request, out)
-        if out.send and request.consumer_agent is not None:
-            self._send(request.consumer_agent, out.send)
-        elif out.send:
-            self._send_to_engine(request, out.send)
-        if out.free is not None:
-            if request.handle is not None:
-                raise LocalProtocolError(f"producer request {session.params.request_id!r}: free while writing")
-            self.allocator.free_groups(out.free)
-        if session.is_terminal and session.params.request_id in self._requests:
-            del self._requests[session.params.request_id]
-            self._results[session.params.request_id] = ProducerResult(
-                request_id=session.params.request_id,
-                mode=session.mode,
-                state=session.state,
-                producer_block_ids=session.params.producer_block_ids,
-            )
-
-    def _send_to_engine(self, request: _ProducerRequest, messages: Sequence[Message]) -> None:
-        # The consumer has not spoken yet (READ lease ran out first): tell the one peer, if there is one.
-        if len(self._peers) == 1:
-            (peer,) = self._peers.values()
-            self._send(peer.agent, messages)
-            return
-        request_id = request.session.params.request_id
-        self.errors.append(f"request {request_id!r}: no known consumer for {len(messages)} messages")
-
-    def _post_write(self, request: _ProducerRequest, out: Output) -> None:
-        session = request.session
-        offer = session.offer
-        notification = out.notification
-        try:
-            if offer is None or notification is None:
-                raise LocalProtocolError("a write is posted only for an offer, with its Completion")
-            engine_id = offer.consumer_engine_id
-            peer = self._peer(engine_id)
-            request.consumer_agent = peer.agent
-            pairs = compute_block_pairs(
-                producer_block_ids=session.params.producer_block_ids, consumer_block_ids=offer.consumer_block_ids
-            )
-            plan = plan_transfer(producer_config=self.config, consumer_config=peer.config, pairs=pairs)
-            request.handle = self.transport.post(
-                TransferMode.WRITE,
-                plan.to_descriptors(TransferMode.WRITE),
-                peer=peer.agent,
-                notification=encode(notification),
-            )
-        except KVSpecError as exc:
-            self.errors.append(f"request {session.params.request_id!r}: write not posted: {exc}")
-            self._carry_out(request, session.transfer_failed(_reason_of(exc), now=self.clock(), detail=str(exc)))
+        self._tables.pop(request.request_id, None)
+        self._results[request.request_id] = ProducerResult(
+            request_id=request.request_id,
+            mode=session.mode,
+            state=ProducerState(session.state),
+            producer_block_ids=session.params.producer_block_ids,
+        )
 
 
-@attrs.define(eq=False)
-class _ConsumerRequest:
-    session: ConsumerSession
-    producer_agent: str
-    pairs: BlockPairs | None = None
-    plan: TransferPlan | None = None
-    handle: TransferHandle | None = None
-    freed: bool = False
+class ConsumerEndpoint(_Endpoint):
+    """The decode engine: allocates the uncached suffix, loads it, releases the producer once (SM-2, REL-1).
 
-
-class ConsumerEndpoint(_Endpoint["_ConsumerRequest"]):
-    """The decode engine: allocates the uncached suffix, loads it, releases the producer once (SM-2, REL-1)."""
+    ``connector`` is the connector seam it clips, pairs and plans through
+    (default: kvspec's reference functions); ``errors`` lists what went wrong
+    as typed driver faults.
+    """
 
     role = "consumer"
 
@@ -625,6 +485,7 @@ class ConsumerEndpoint(_Endpoint["_ConsumerRequest"]):
         clock: Clock = time.monotonic,
         disable_hybrid_kv_cache_manager: bool = False,
         on_free: Callable[[list[int]], None] | None = None,
+        connector: Connector | None = None,
         transfer_timeout: float | None = None,
         drain_timeout: float = DEFAULT_DRAIN_TIMEOUT,
         start_margin: float = 0.0,
@@ -638,11 +499,12 @@ class ConsumerEndpoint(_Endpoint["_ConsumerRequest"]):
             clock=clock,
             disable_hybrid_kv_cache_manager=disable_hybrid_kv_cache_manager,
             on_free=on_free,
+            connector=connector,
         )
         self.transfer_timeout = transfer_timeout
         self.drain_timeout = drain_timeout
         self.start_margin = start_margin
-        self._requests: dict[str, _ConsumerRequest] = {}
+        self._pairs: dict[str, BlockPairs | None] = {}
         self._results: dict[str, ConsumerResult] = {}
         self._loaded: dict[str, BlockIds] = {}
 
@@ -653,7 +515,7 @@ class ConsumerEndpoint(_Endpoint["_ConsumerRequest"]):
         any byte moves; a full prefix hit only releases the producer (REL-1).
         """
         request_id = params.request_id
-        if request_id in self._requests or request_id in self._results:
+        if request_id in self.driver.requests or request_id in self._results:
             raise LocalProtocolError(f"consumer request {request_id!r} already exists")
         now = self.clock()
         peer = self._peers.get(params.producer_engine_id)
@@ -673,7 +535,7 @@ class ConsumerEndpoint(_Endpoint["_ConsumerRequest"]):
                 if prefix_hit_tokens < params.num_tokens:
                     suffix = self.allocator.allocate_groups(counts)
                     # The counts are already within budget; clipping again is the CLIP-1 exchange point.
-                    consumer_ids = get_exchange_clipped_blocks(suffix, get_blocks_per_sw(self.config))
+                    consumer_ids = self.connector.clip_block_ids(self.config, suffix)
             except KVSpecError as exc:
                 check_error = exc
         session = ConsumerSession(
@@ -684,34 +546,37 @@ class ConsumerEndpoint(_Endpoint["_ConsumerRequest"]):
             transfer_timeout=self.transfer_timeout,
             drain_timeout=self.drain_timeout,
         )
-        request = _ConsumerRequest(session=session, producer_agent="" if peer is None else peer.agent)
-        self._requests[request_id] = request
+        request = self.driver.add(LiveRequest(session=session, peer=None if peer is None else peer.agent))
+        self._pairs[request_id] = None
         if check_error is None and peer is not None and len(consumer_ids):
             try:
                 # WIN-1 and ALIGN-1 before any byte moves; then every byte is planned (PLAN-1).
-                request.pairs = compute_transfer_pairs(
+                pairs = self.connector.pair_block_ids(
                     self.config,
                     num_tokens=params.num_tokens,
                     prefix_hit_tokens=prefix_hit_tokens,
                     producer_block_ids=params.producer_block_ids,
                     consumer_block_ids=consumer_ids,
                 )
-                request.plan = plan_transfer(
-                    producer_config=peer.config, consumer_config=self.config, pairs=request.pairs
+                self._pairs[request_id] = BlockPairs(
+                    producer_block_ids=pairs.producer_block_ids, consumer_block_ids=pairs.consumer_block_ids
+                )
+                request.plan = self.connector.plan(
+                    producer_config=peer.config, consumer_config=self.config, pairs=pairs
                 )
             except KVSpecError as exc:
                 check_error = exc
         if check_error is not None:
-            self.errors.append(f"request {request_id!r}: {type(check_error).__name__}: {check_error}")
-            self._carry_out(request, session.fail(_reason_of(check_error), now=now, detail=str(check_error)))
+            self.driver.fault(Operation.CHECK, check_error, request_id)
+            self.driver.execute(request, session.fail(reason_of(check_error), now=now, detail=str(check_error)))
             return
-        self._carry_out(request, session.start(now=now))
+        self.driver.execute(request, session.start(now=now))
 
     def abort(self, request_id: str) -> None:
         """The consumer engine gives up; blocks wait for the drain before reuse (SM-2)."""
-        request = self._requests.get(request_id)
-        if request is not None:
-            self._carry_out(request, request.session.abort(now=self.clock()))
+        request = self.driver.requests.get(request_id)
+        if request is not None and isinstance(request.session, ConsumerSession):
+            self.driver.execute(request, request.session.abort(now=self.clock()))
 
     def finish(self, request_id: str) -> None:
         """The request's decode ended: return its loaded blocks to the pool."""
@@ -723,39 +588,11 @@ class ConsumerEndpoint(_Endpoint["_ConsumerRequest"]):
         """The outcome of a finished request, or None while it is live."""
         return self._results.get(request_id)
 
-    @property
-    def active_requests(self) -> tuple[str, ...]:
-        """Requests not yet LOADED, FAILED or ABORTED."""
-        return tuple(self._requests)
-
-    def _carry_out(self, request: _ConsumerRequest, out: Output) -> None:
+    def _on_end(self, request: LiveRequest) -> None:
         session = request.session
-        if out.cancel and request.handle is not None:
-            # Releasing a pending read cancels it; drained now only if the backend stops
-            # at once, else when the session's drain timeout fires (SM-2).
-            self._drop_handle(request)
-            if self.transport.capabilities.immediate_cancel:
-                out = out + session.transfer_failed(FailureReason.ABORTED, now=self.clock(), detail="cancelled")
-        if out.post:
-            self._post_read(request)
-        if out.send:
-            sent = self._send(request.producer_agent, out.send)
-            if not sent and any(isinstance(m, BlockOffer) for m in out.send):
-                self._carry_out(
-                    request, session.fail(FailureReason.PEER_DISCONNECTED, now=self.clock(), detail="offer not sent")
-                )
-        if out.free is not None and not request.freed:
-            if request.handle is not None:
-                raise LocalProtocolError(f"consumer request {session.params.request_id!r}: free while reading")
-            request.freed = True
-            self.allocator.free_groups(out.free)
-        if session.is_terminal and session.params.request_id in self._requests:
-            self._finish_request(request)
-
-    def _finish_request(self, request: _ConsumerRequest) -> None:
-        session = request.session
-        request_id = session.params.request_id
-        del self._requests[request_id]
+        if not isinstance(session, ConsumerSession):  # pragma: no cover - a consumer drives consumer sessions
+            raise LocalProtocolError("a consumer endpoint ended a producer session")
+        request_id = request.request_id
         if session.state is ConsumerState.LOADED and not request.freed:
             self._loaded[request_id] = session.consumer_block_ids
         self._results[request_id] = ConsumerResult(
@@ -764,23 +601,11 @@ class ConsumerEndpoint(_Endpoint["_ConsumerRequest"]):
             state=session.state,
             consumer_block_ids=session.consumer_block_ids,
             producer_block_ids=session.params.producer_block_ids,
-            pairs=request.pairs,
+            pairs=self._pairs.pop(request_id, None),
             num_bytes=0 if request.plan is None else request.plan.total_bytes,
             failure=session.failure,
             release=None if session.release is None else session.release.outcome,
         )
-
-    def _post_read(self, request: _ConsumerRequest) -> None:
-        session = request.session
-        try:
-            if request.plan is None:
-                raise LocalProtocolError("a read is posted only for a planned request")
-            request.handle = self.transport.post(
-                TransferMode.READ, request.plan.to_descriptors(TransferMode.READ), peer=request.producer_agent
-            )
-        except KVSpecError as exc:
-            self.errors.append(f"request {session.params.request_id!r}: read not posted: {exc}")
-            self._carry_out(request, session.transfer_failed(_reason_of(exc), now=self.clock(), detail=str(exc)))
 
 
 # --------------------------------------------------------------------------- one call

@@ -161,6 +161,9 @@ def _unify_page_sizes(specs: list[KVCacheSpec], block_size: int) -> list[KVCache
     allocator notes).
     """
     mamba = [s for s in specs if isinstance(s, MambaSpec)]
+    if mamba and len(mamba) == len(specs):
+        # A pure state model (mamba-130m) has one page size already; there is no attention block to grow.
+        return list(specs)
     if mamba:
         state = max(s.page_size_bytes for s in mamba)
         attention = [s for s in specs if not isinstance(s, MambaSpec)]
@@ -415,6 +418,55 @@ _QWEN3_NEXT = ModelPreset(
     description="36 Gated-DeltaNet (Mamba-like state) + 12 full-attention layers: never admitted (ADM-1).",
 )
 
+
+def _mamba1_state(hidden: int, expand: int, state: int, conv_kernel: int, dtype: str) -> MambaSpec:
+    # Mamba-1 at TP 1: conv state (kernel - 1, inner), SSM state (inner, state), inner = expand * hidden.
+    inner = expand * hidden
+    return MambaSpec(
+        block_size=_B, shapes=[(conv_kernel - 1, inner), (inner, state)], dtypes=[dtype, dtype], mamba_type="mamba1"
+    )
+
+
+_MAMBA_130M = ModelPreset(
+    hf_id="state-spaces/mamba-130m-hf",
+    alias="mamba-130m",
+    source=(
+        "https://huggingface.co/state-spaces/mamba-130m-hf/blob/main/config.json (hidden_size 768, "
+        "num_hidden_layers 24, state_size 16, conv_kernel 4, expand 2; the same d_model, n_layer, d_state and "
+        "d_conv as state-spaces/mamba-130m). The state dtype is taken as float32, the checkpoint's, an "
+        "assumption not checked against the file. One of vLLM's offloading e2e models (research note on offloading)."
+    ),
+    layer_specs=[_mamba1_state(768, 2, 16, 4, "float32")] * 24,
+    description="24 Mamba-1 layers: one state group; refused by the exchange (ADM-1) and by offload (OFF-9).",
+)
+
+
+def _falcon_h1_mamba() -> MambaSpec:
+    # Mamba-2 at TP 1: conv state (kernel - 1, heads * head_dim + 2 * groups * state), SSM (heads, head_dim, state).
+    heads, head_dim, state, groups = 24, 64, 128, 1
+    return MambaSpec(
+        block_size=_B,
+        shapes=[(3, heads * head_dim + 2 * groups * state), (heads, head_dim, state)],
+        dtypes=["bfloat16", "bfloat16"],
+        mamba_type="mamba2",
+    )
+
+
+_FALCON_H1_05B = ModelPreset(
+    hf_id="tiiuae/Falcon-H1-0.5B-Instruct",
+    alias="falcon-h1-0.5b",
+    source=(
+        "https://huggingface.co/docs/transformers/model_doc/falcon_h1 (H1 0.5B: depth 36, dim 1024, 8 attention "
+        "heads, 2 KV heads, 24 Mamba heads, head dims 64 / 64, d_state 128); every layer runs attention and a "
+        "Mamba-2 mixer side by side. mamba_n_groups 1 and a conv kernel of 4 are the config defaults, assumed "
+        "here, as is bfloat16. vLLM pads the attention block size so one page holds the state, so the two groups "
+        "share one block size and offload runs with blocks_per_chunk 1 (research note on offloading)."
+    ),
+    layer_specs=[spec for _ in range(36) for spec in (_full(2, 64), _falcon_h1_mamba())],
+    description="36 attention + 36 Mamba-2 mixers (one of each per decoder layer; listed as 72 entries): "
+    "an attention group and a state group; refused by the exchange (ADM-1) and by offload (OFF-9).",
+)
+
 _PRESETS: tuple[ModelPreset, ...] = (
     _GEMMA3_27B,
     _GEMMA3_1B,
@@ -426,6 +478,8 @@ _PRESETS: tuple[ModelPreset, ...] = (
     _DEEPSEEK_V2_LITE,
     _LLAMA4_SCOUT,
     _QWEN3_NEXT,
+    _MAMBA_130M,
+    _FALCON_H1_05B,
 )
 
 _BY_NAME: dict[str, ModelPreset] = {key.lower(): preset for preset in _PRESETS for key in (preset.hf_id, preset.alias)}

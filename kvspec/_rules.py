@@ -26,6 +26,8 @@ class Rule:
     title: str
     level: Level
     summary: str
+    checked_by: str | None = None
+    """For a rule no conformance case checks yet: the test module that checks the reference (OFF-*)."""
 
 
 RULES: tuple[Rule, ...] = (
@@ -140,6 +142,84 @@ RULES: tuple[Rule, ...] = (
         level=Level.MUST,
         summary="Page of layer l for block b starts at offset + l*layer_stride + b*block_stride; the plan moves "
         "exactly the bytes of the pairs, merging contiguous runs.",
+    ),
+)
+
+# The offload path (docs/spec/offload.md). Its conformance scenarios (a GPU pool and a chunk pool under
+# the oracle) are not written yet; until they are, the reference's own tests check these rules.
+_OFFLOAD_TESTS = "tests/test_offload.py"
+
+RULES += (
+    Rule(
+        id="OFF-1",
+        title="Chunk geometry",
+        level=Level.MUST,
+        summary="C_g = B_g * f tokens per chunk; f > 1 only when every group has one block size; the hash block "
+        "size divides every B_g; ConfigError naming the group otherwise.",
+        checked_by=_OFFLOAD_TESTS,
+    ),
+    Rule(
+        id="OFF-2",
+        title="Offload keys",
+        level=Level.MUST,
+        summary="Group g has len(hashes) // (C_g / h) keys; key k is the hash at index (k+1)*C_g/h - 1 with g.",
+        checked_by=_OFFLOAD_TESTS,
+    ),
+    Rule(
+        id="OFF-3",
+        title="Store set",
+        level=Level.MUST,
+        summary="Chunks [next_g, O // C_g) whose last GPU block is real; sources are their real blocks, the count "
+        "never includes a null (#42945); windows are not clipped when storing.",
+        checked_by=_OFFLOAD_TESTS,
+    ),
+    Rule(
+        id="OFF-4",
+        title="Partial chunks are never present",
+        level=Level.MUST,
+        summary="A chunk a store writes only in part (leading null sub-blocks) never counts as present for a hit, "
+        "so no load reads a sub-block that was never written.",
+        checked_by=_OFFLOAD_TESTS,
+    ),
+    Rule(
+        id="OFF-5",
+        title="Hit length",
+        level=Level.MUST,
+        summary="Hit end starts at N (N - 1 with a window group), at most keys * C_g; full attention needs a "
+        "prefix run, a window the chunks over [max(C, M-W+1), M-1]; re-check until stable; 0 below one chunk.",
+        checked_by=_OFFLOAD_TESTS,
+    ),
+    Rule(
+        id="OFF-6",
+        title="Load set",
+        level=Level.MUST,
+        summary="Per group GPU [L, G) from chunks [L // f, cdiv(T, C_g)), G = cdiv(T, B), L = C // B or "
+        "max(C, T-W+1) // B for a window, so G - L <= cdiv(W + B - 1, B) (#48959); destinations are real.",
+        checked_by=_OFFLOAD_TESTS,
+    ),
+    Rule(
+        id="OFF-7",
+        title="Sub-block map and address",
+        level=Level.MUST,
+        summary="Block i of a group starting at L pairs with chunk entry (s+i) // f, sub-block (s+i) % f, s = L % f "
+        "(never -L % f); sub-block s of chunk row c starts at c*f*page + s*page.",
+        checked_by=_OFFLOAD_TESTS,
+    ),
+    Rule(
+        id="OFF-8",
+        title="Retention (touch)",
+        level=Level.SHOULD,
+        summary="A request keeps alive every full-attention key and each window group's keys from "
+        "max(0, E - W + 1) // C_g on, E = C + hit at its first lookup.",
+        checked_by=_OFFLOAD_TESTS,
+    ),
+    Rule(
+        id="OFF-9",
+        title="Offload admits attention groups only",
+        level=Level.MUST,
+        summary="Full attention (incl. MLA) and sliding window (incl. SW-MLA) only; Mamba / linear state, "
+        "chunked-local, cross attention and unknown kinds raise UnsupportedHybridError.",
+        checked_by=_OFFLOAD_TESTS,
     ),
 )
 

@@ -7,15 +7,19 @@ One :class:`ProducerSession` and one :class:`ConsumerSession` exist per
 request; a driver keeps them in a dict keyed by ``request_id`` (every message
 of an exchange carries the producer's request id). A session does no I/O and
 reads no clock: the driver feeds it events with the current time ``now`` and
-carries out the returned :class:`Output`:
+carries out the returned :class:`Output`, whose ``actions`` are typed records
+in the order the table row lists them (as h11 returns events):
 
-- ``output.send``: messages to encode (``kvspec.encode``) and send to the peer;
-- ``output.post``: post the transfer now (C's READ, or P's WRITE carrying
-  ``output.notification`` as the post's notification);
-- ``output.cancel``: release (cancel) the in-flight transfer, keep polling it
+- :class:`Send`: a message to encode (``kvspec.encode``) and send to the peer;
+- :class:`Post`: post the transfer now (C's READ, or P's WRITE carrying
+  ``notification``, the Completion, as the post's notification);
+- :class:`Cancel`: release (cancel) the in-flight transfer, keep polling it
   and report its end (``transfer_done``/``transfer_failed``);
-- ``output.free``: block ids that no transfer touches any more: the producer
+- :class:`Free`: block ids that no transfer touches any more: the producer
   returns them to its pool; the consumer may reuse (or recompute into) them.
+
+``output.send``, ``.post``, ``.cancel``, ``.free`` and ``.notification`` are
+views of ``actions``. kvspec's own driver is :mod:`kvspec._driver`.
 
 Every deadline is derived from the lease deadline in the transfer parameters
 and the session's timeouts, so no state waits forever (FAIL-1). A driver
@@ -24,13 +28,16 @@ method also fires the deadlines that are due before it handles its event.
 
 Each role is driven by ONE transition table (:data:`PRODUCER_TRANSITIONS`,
 :data:`CONSUMER_TRANSITIONS`); rows name the modes they apply to, and the
-docs' state diagrams are generated from them (:func:`to_mermaid`). An event
-with no row is ignored (late or duplicate; terminal states are sticky),
-except the cases that are errors: an event the local driver should never have
-produced raises :class:`kvspec.LocalProtocolError`; a message the peer should
-never have sent raises :class:`kvspec.RemoteProtocolError`. Either error
-leaves the session unchanged and its deadlines running, so blocks are still
-freed in bounded time.
+docs' state diagrams are generated from them (:func:`to_mermaid`). Every
+event a role expects and drops (late or duplicate messages, local calls once
+the end is under way; everything in a terminal state, which is sticky) has an
+explicit ignored row. An event with no row at all raises
+:class:`kvspec.LocalProtocolError`; so does any other event the local driver
+should never have produced; a message the peer should never have sent raises
+:class:`kvspec.RemoteProtocolError`. Either error leaves the session
+unchanged and its deadlines running, so blocks are still freed in bounded
+time. The deadlines of each state are tables too (:data:`PRODUCER_DEADLINES`,
+:data:`CONSUMER_DEADLINES`), next to the transitions they fire.
 
 A driver, in short (READ mode)::
 
@@ -82,19 +89,27 @@ from kvspec._messages import (
 from kvspec._models import NULL_BLOCK_ID, BlockIds
 
 __all__ = [
+    "CONSUMER_DEADLINES",
     "CONSUMER_TRANSITIONS",
     "DEFAULT_DRAIN_TIMEOUT",
     "DEFAULT_RELEASE_GRACE",
+    "PRODUCER_DEADLINES",
     "PRODUCER_TRANSITIONS",
     "Action",
+    "Cancel",
     "ConsumerEvent",
     "ConsumerSession",
     "ConsumerState",
+    "Deadline",
+    "Effect",
     "FailureInfo",
+    "Free",
     "Output",
+    "Post",
     "ProducerEvent",
     "ProducerSession",
     "ProducerState",
+    "Send",
     "Step",
     "Transition",
     "to_markdown",
@@ -130,7 +145,8 @@ class ProducerState(str, enum.Enum):
         return self in _PRODUCER_TERMINAL
 
 
-_PRODUCER_TERMINAL = frozenset({ProducerState.RELEASED, ProducerState.EXPIRED, ProducerState.ABORTED})
+_PRODUCER_TERMINAL_ORDER = (ProducerState.RELEASED, ProducerState.EXPIRED, ProducerState.ABORTED)
+_PRODUCER_TERMINAL = frozenset(_PRODUCER_TERMINAL_ORDER)
 
 
 class ProducerEvent(str, enum.Enum):
@@ -163,7 +179,8 @@ class ConsumerState(str, enum.Enum):
         return self in _CONSUMER_TERMINAL
 
 
-_CONSUMER_TERMINAL = frozenset({ConsumerState.LOADED, ConsumerState.FAILED, ConsumerState.ABORTED})
+_CONSUMER_TERMINAL_ORDER = (ConsumerState.LOADED, ConsumerState.FAILED, ConsumerState.ABORTED)
+_CONSUMER_TERMINAL = frozenset(_CONSUMER_TERMINAL_ORDER)
 
 
 class ConsumerEvent(str, enum.Enum):
@@ -204,13 +221,20 @@ _WRITE = frozenset({TransferMode.WRITE})
 
 @attrs.frozen(kw_only=True)
 class Transition(Generic[S, E]):
-    """One row of a role's transition table: in ``modes``, ``source`` --``event``--> ``target``."""
+    """One row of a role's transition table: in ``modes``, ``source`` --``event``--> ``target``.
+
+    An ``ignored`` row names an event the role expects and drops in that state
+    (a late or duplicate message, a local call after the end): it changes
+    nothing and asks for nothing. An event with no row at all is a driver bug
+    and raises :class:`kvspec.LocalProtocolError`.
+    """
 
     source: S
     event: E
     target: S
     actions: tuple[Action, ...] = ()
     modes: frozenset[TransferMode] = _BOTH
+    ignored: bool = False
 
 
 def _rows(
@@ -221,6 +245,14 @@ def _rows(
         for event in events if isinstance(events, tuple) else (events,):
             out.append(Transition(source=source, event=event, target=target, actions=actions, modes=modes))
     return out
+
+
+def _ignore(states: Iterable[S], modes: frozenset[TransferMode], *events: E) -> list[Transition[S, E]]:
+    return [
+        Transition(source=state, event=event, target=state, modes=modes, ignored=True)
+        for state in states
+        for event in events
+    ]
 
 
 P, PE, A = ProducerState, ProducerEvent, Action
@@ -273,8 +305,27 @@ PRODUCER_TRANSITIONS: tuple[Transition[ProducerState, ProducerEvent], ...] = tup
         _WRITE,
         ((PE.TRANSFER_DONE, PE.TRANSFER_FAILED, PE.DRAIN_TIMEOUT), P.EXPIRED, (A.FREE, A.SEND_FAILURE)),
     )
+    # Ignored: late and duplicate consumer messages, a local abort once the end is under way,
+    # a second report of a write already reported. Terminal states are sticky (SM-1, REL-1).
+    + _ignore((P.HELD,), _READ, PE.PEER_ABORT)
+    + _ignore((P.WRITING,), _WRITE, PE.OFFER)
+    + _ignore((P.WRITTEN,), _WRITE, PE.OFFER, PE.PEER_ABORT, PE.TRANSFER_DONE, PE.TRANSFER_FAILED)
+    + _ignore((P.ABORTING,), _READ, PE.PEER_ABORT, PE.ABORT)
+    + _ignore((P.ABORTING,), _WRITE, PE.OFFER, PE.PEER_ABORT, PE.ABORT)
+    + _ignore((P.CANCELLING, P.EXPIRING), _WRITE, PE.RELEASE, PE.OFFER, PE.PEER_ABORT, PE.ABORT)
+    + _ignore(_PRODUCER_TERMINAL_ORDER, _READ, PE.RELEASE, PE.PEER_ABORT, PE.ABORT)
+    + _ignore(
+        _PRODUCER_TERMINAL_ORDER,
+        _WRITE,
+        PE.RELEASE,
+        PE.OFFER,
+        PE.PEER_ABORT,
+        PE.ABORT,
+        PE.TRANSFER_DONE,
+        PE.TRANSFER_FAILED,
+    )
 )
-"""The producer's transition table (SM-1)."""
+"""The producer's transition table (SM-1), ignored events included."""
 
 C, CE = ConsumerState, ConsumerEvent
 _END = (A.FREE, A.SEND_RELEASE)
@@ -315,10 +366,93 @@ CONSUMER_TRANSITIONS: tuple[Transition[ConsumerState, ConsumerEvent], ...] = tup
     + _rows(C.ABORTING, _READ, ((CE.TRANSFER_DONE, CE.TRANSFER_FAILED), C.ABORTED, _END))
     + _rows(C.ABORTING, _WRITE, ((CE.COMPLETION, CE.FAILURE, CE.PEER_ABORT), C.ABORTED, _END))
     + _rows(C.ABORTING, _BOTH, (CE.DRAIN_TIMEOUT, C.ABORTED, _END))
+    # Ignored: late and duplicate producer messages, local calls once the end is under way,
+    # a second report of a read already reported. Terminal states are sticky (SM-2, REL-1).
+    + _ignore((C.ALLOCATED,), _WRITE, CE.COMPLETION)
+    + _ignore((C.FAILING, C.ABORTING), _READ, CE.FAILURE, CE.PEER_ABORT, CE.ABORT, CE.FAIL)
+    + _ignore((C.FAILING, C.ABORTING), _WRITE, CE.ABORT, CE.FAIL)
+    + _ignore(
+        _CONSUMER_TERMINAL_ORDER,
+        _READ,
+        CE.START,
+        CE.PREFIX_HIT,
+        CE.TRANSFER_DONE,
+        CE.TRANSFER_FAILED,
+        CE.FAILURE,
+        CE.PEER_ABORT,
+        CE.ABORT,
+        CE.FAIL,
+    )
+    + _ignore(
+        _CONSUMER_TERMINAL_ORDER,
+        _WRITE,
+        CE.START,
+        CE.PREFIX_HIT,
+        CE.COMPLETION,
+        CE.FAILURE,
+        CE.PEER_ABORT,
+        CE.ABORT,
+        CE.FAIL,
+    )
 )
-"""The consumer's transition table (SM-2)."""
+"""The consumer's transition table (SM-2), ignored events included."""
 
-del P, PE, C, CE, A
+
+Anchor = Literal["lease", "entered", "started"]
+
+
+@attrs.frozen(kw_only=True)
+class Deadline(Generic[S, E]):
+    """In ``state`` (in ``modes``), ``event`` fires at ``anchor`` plus (or, ``minus``, less) a setting (FAIL-1).
+
+    ``anchor``: the lease deadline of the transfer parameters, the time the
+    state was entered, or the time the consumer started; ``setting`` names
+    the session's duration (``release_grace``, ``drain_timeout``,
+    ``start_margin``, ``transfer_timeout``; a setting that is ``None`` turns
+    the row off). The earliest row of a state wins, the first on a tie.
+    """
+
+    state: S
+    event: E
+    anchor: Anchor
+    setting: str | None = None
+    minus: bool = False
+    reason: FailureReason | None = None
+    modes: frozenset[TransferMode] = _BOTH
+
+
+PRODUCER_DEADLINES: tuple[Deadline[ProducerState, ProducerEvent], ...] = (
+    # SM-1, the lease rule: in READ, C's read may still be cancelling at the lease; P waits the grace.
+    Deadline(state=P.HELD, event=PE.LEASE_EXPIRED, anchor="lease", setting="release_grace", modes=_READ),
+    # WRITE: P never posts, and cancels its write, at the lease (SM-2, the drain rule).
+    Deadline(state=P.HELD, event=PE.LEASE_EXPIRED, anchor="lease", modes=_WRITE),
+    Deadline(state=P.WRITING, event=PE.LEASE_EXPIRED, anchor="lease", modes=_WRITE),
+    Deadline(state=P.WRITTEN, event=PE.LEASE_EXPIRED, anchor="lease", setting="release_grace", modes=_WRITE),
+    Deadline(state=P.ABORTING, event=PE.LEASE_EXPIRED, anchor="lease", setting="release_grace"),
+    Deadline(state=P.CANCELLING, event=PE.DRAIN_TIMEOUT, anchor="entered", setting="drain_timeout", modes=_WRITE),
+    Deadline(state=P.EXPIRING, event=PE.DRAIN_TIMEOUT, anchor="entered", setting="drain_timeout", modes=_WRITE),
+)
+"""When each non-terminal producer state gives up waiting (SM-1, FAIL-1)."""
+
+_LEASE = FailureReason.LEASE_EXPIRED
+
+CONSUMER_DEADLINES: tuple[Deadline[ConsumerState, ConsumerEvent], ...] = (
+    # SM-1, the lease rule: never start a transfer that could outlive P's pin.
+    Deadline(state=C.ALLOCATED, event=CE.TIMEOUT, anchor="lease", setting="start_margin", minus=True, reason=_LEASE),
+    Deadline(state=C.LOADING, event=CE.TIMEOUT, anchor="lease", reason=_LEASE),
+    Deadline(
+        state=C.LOADING, event=CE.TIMEOUT, anchor="started", setting="transfer_timeout", reason=FailureReason.TIMEOUT
+    ),
+    # READ: C's own cancelled read stops within the drain bound.
+    Deadline(state=C.FAILING, event=CE.DRAIN_TIMEOUT, anchor="entered", setting="drain_timeout", modes=_READ),
+    Deadline(state=C.ABORTING, event=CE.DRAIN_TIMEOUT, anchor="entered", setting="drain_timeout", modes=_READ),
+    # WRITE, SM-2 the drain rule: P cancels its write by the lease deadline and it stops within the drain bound.
+    Deadline(state=C.FAILING, event=CE.DRAIN_TIMEOUT, anchor="lease", setting="drain_timeout", modes=_WRITE),
+    Deadline(state=C.ABORTING, event=CE.DRAIN_TIMEOUT, anchor="lease", setting="drain_timeout", modes=_WRITE),
+)
+"""When each non-terminal consumer state gives up waiting (SM-2, FAIL-1)."""
+
+del P, PE, C, CE, A, _LEASE
 
 
 def _index(
@@ -338,6 +472,52 @@ _PRODUCER_INDEX = _index(PRODUCER_TRANSITIONS)
 _CONSUMER_INDEX = _index(CONSUMER_TRANSITIONS)
 
 
+def _deadline_index(
+    rows: Iterable[Deadline[S, E]],
+) -> dict[tuple[TransferMode, S], tuple[Deadline[S, E], ...]]:
+    index: dict[tuple[TransferMode, S], list[Deadline[S, E]]] = {}
+    for deadline in rows:
+        for mode in deadline.modes:
+            index.setdefault((mode, deadline.state), []).append(deadline)
+    return {key: tuple(found) for key, found in index.items()}
+
+
+_PRODUCER_DUE = _deadline_index(PRODUCER_DEADLINES)
+_CONSUMER_DUE = _deadline_index(CONSUMER_DEADLINES)
+
+
+def _next_due(
+    rows: Sequence[Deadline[S, E]], session: object, anchors: Mapping[str, float]
+) -> tuple[float, Deadline[S, E]] | None:
+    best: tuple[float, Deadline[S, E]] | None = None
+    for row in rows:
+        value = 0.0 if row.setting is None else getattr(session, row.setting)
+        if value is None:
+            continue
+        at = anchors[row.anchor] + (-value if row.minus else value)
+        if best is None or at < best[0]:
+            best = (at, row)
+    return best
+
+
+def _row(
+    index: Mapping[tuple[TransferMode, S, E], Transition[S, E]],
+    role: str,
+    request_id: str,
+    mode: TransferMode,
+    state: S,
+    event: E,
+) -> Transition[S, E]:
+    row = index.get((mode, state, event))
+    if row is None:
+        # No row, not even an ignored one: the local driver produced an event this state cannot have.
+        raise LocalProtocolError(
+            f"{role} request {request_id!r}: event {event.value!r} has no row in state {state.value} "
+            f"({mode.value} mode)"
+        )
+    return row
+
+
 # --------------------------------------------------------------------------- outputs
 
 
@@ -352,32 +532,82 @@ class Step:
 
 
 @attrs.frozen(kw_only=True)
-class Output:
-    """What the driver must do after one call; empty when the event was ignored."""
+class Send:
+    """Encode ``message`` (``kvspec.encode``) and send it to the peer as a notification."""
 
-    send: tuple[Message, ...] = ()
-    free: BlockIds | None = None
-    post: bool = False
-    cancel: bool = False
+    message: Message
+
+
+@attrs.frozen(kw_only=True)
+class Post:
+    """Post the request's transfer now: C's READ, or P's WRITE carrying ``notification`` (DONE-1)."""
+
     notification: Completion | None = None
+
+
+@attrs.frozen(kw_only=True)
+class Cancel:
+    """Release (cancel) the transfer in flight; report its end, or let the drain timeout fire (SM-2)."""
+
+
+@attrs.frozen(kw_only=True)
+class Free:
+    """Blocks no transfer touches any more: P returns them to its pool; C may reuse them (SM-1, SM-2)."""
+
+    block_ids: BlockIds
+
+
+Effect = Send | Post | Cancel | Free
+"""One thing a session asks its driver to do; :attr:`Output.actions` lists them in table order."""
+
+
+@attrs.frozen(kw_only=True)
+class Output:
+    """What the driver must do after one call, in order; empty when the event was ignored.
+
+    ``actions`` is the ordered tuple of :data:`Effect` records, in the order
+    the transition table lists them (h11 style); a driver carries them out one
+    by one. ``send``, ``free``, ``post``, ``cancel`` and ``notification`` are
+    views of ``actions`` for callers that only ask one question.
+    """
+
+    actions: tuple[Effect, ...] = ()
     steps: tuple[Step, ...] = ()
 
     def __add__(self, other: Output) -> Output:
         if self.free is not None and other.free is not None:  # pragma: no cover - terminal states free once
             raise LocalProtocolError("one call freed blocks twice")
-        return Output(
-            send=self.send + other.send,
-            free=self.free if other.free is None else other.free,
-            post=self.post or other.post,
-            cancel=self.cancel or other.cancel,
-            notification=self.notification or other.notification,
-            steps=self.steps + other.steps,
-        )
+        return Output(actions=self.actions + other.actions, steps=self.steps + other.steps)
 
     @property
     def ignored(self) -> bool:
         """True when no transition was taken."""
         return not self.steps
+
+    @property
+    def send(self) -> tuple[Message, ...]:
+        """The messages to send, in order."""
+        return tuple(a.message for a in self.actions if isinstance(a, Send))
+
+    @property
+    def free(self) -> BlockIds | None:
+        """The block ids to free, if this call freed any."""
+        return next((a.block_ids for a in self.actions if isinstance(a, Free)), None)
+
+    @property
+    def post(self) -> bool:
+        """True when the transfer must be posted now."""
+        return any(isinstance(a, Post) for a in self.actions)
+
+    @property
+    def cancel(self) -> bool:
+        """True when the transfer in flight must be cancelled."""
+        return any(isinstance(a, Cancel) for a in self.actions)
+
+    @property
+    def notification(self) -> Completion | None:
+        """The Completion a WRITE carries as its post's notification (DONE-1)."""
+        return next((a.notification for a in self.actions if isinstance(a, Post)), None)
 
 
 _NOTHING = Output()
@@ -434,7 +664,6 @@ class ProducerSession:
         self._entered_at = -math.inf
         self._offer: BlockOffer | None = None
         self._posted = False
-        self._released_by: Release | None = None
 
     @classmethod
     def create(
@@ -554,18 +783,9 @@ class ProducerSession:
             )
 
     def _due(self) -> tuple[float, ProducerEvent] | None:
-        lease = self.params.lease_deadline
-        state = self._state
-        if state is ProducerState.HELD:
-            grace = self.release_grace if self.mode is TransferMode.READ else 0.0
-            return lease + grace, ProducerEvent.LEASE_EXPIRED
-        if state is ProducerState.WRITING:
-            return lease, ProducerEvent.LEASE_EXPIRED
-        if state in (ProducerState.WRITTEN, ProducerState.ABORTING):
-            return lease + self.release_grace, ProducerEvent.LEASE_EXPIRED
-        if state in (ProducerState.CANCELLING, ProducerState.EXPIRING):
-            return self._entered_at + self.drain_timeout, ProducerEvent.DRAIN_TIMEOUT
-        return None
+        rows = _PRODUCER_DUE.get((self.mode, self._state), ())
+        due = _next_due(rows, self, {"lease": self.params.lease_deadline, "entered": self._entered_at})
+        return None if due is None else (due[0], due[1].event)
 
     def _advance(self, now: float) -> Output:
         out = _NOTHING
@@ -581,27 +801,24 @@ class ProducerSession:
     def _fire(
         self, event: ProducerEvent, now: float, *, reason: FailureReason | None = None, detail: str = ""
     ) -> Output:
-        row = _PRODUCER_INDEX.get((self.mode, self._state, event))
-        if row is None:
+        row = _row(_PRODUCER_INDEX, "producer", self.params.request_id, self.mode, self._state, event)
+        if row.ignored:
             return _NOTHING
         source, self._state, self._entered_at = self._state, row.target, now
-        out = Output(steps=(Step(source=source, event=event, target=row.target, now=now),))
-        for action in row.actions:
-            out = out + self._act(action, reason=reason, detail=detail)
-        return out
+        actions = tuple(self._act(action, reason=reason, detail=detail) for action in row.actions)
+        return Output(actions=actions, steps=(Step(source=source, event=event, target=row.target, now=now),))
 
-    def _act(self, action: Action, *, reason: FailureReason | None, detail: str) -> Output:
+    def _act(self, action: Action, *, reason: FailureReason | None, detail: str) -> Effect:
         params = self.params
         if action is Action.FREE:
-            return Output(free=_non_null(params.producer_block_ids))
+            return Free(block_ids=_non_null(params.producer_block_ids))
         if action is Action.POST:
             self._posted = True
-            return Output(post=True, notification=self.completion)
+            return Post(notification=self.completion)
         if action is Action.CANCEL:
-            return Output(cancel=True)
+            return Cancel()
         if action is Action.SEND_ABORT:
-            abort = Abort(request_id=params.request_id, engine_id=params.producer_engine_id, detail=detail)
-            return Output(send=(abort,))
+            return Send(message=Abort(request_id=params.request_id, engine_id=params.producer_engine_id, detail=detail))
         if action is Action.SEND_FAILURE:
             if self._state is ProducerState.EXPIRED or reason is None:
                 reason = FailureReason.LEASE_EXPIRED
@@ -613,7 +830,7 @@ class ProducerSession:
                 failed_consumer_block_ids=failed,
                 detail=detail,
             )
-            return Output(send=(message,))
+            return Send(message=message)
         raise LocalProtocolError(f"producer cannot perform {action}")  # pragma: no cover - table guard
 
     def __repr__(self) -> str:
@@ -786,21 +1003,9 @@ class ConsumerSession:
             )
 
     def _due(self) -> tuple[float, ConsumerEvent, FailureReason | None] | None:
-        lease = self.params.lease_deadline
-        state = self._state
-        if state is ConsumerState.ALLOCATED:
-            # SM-1, the lease rule: never start a transfer that could outlive P's pin.
-            return lease - self.start_margin, ConsumerEvent.TIMEOUT, FailureReason.LEASE_EXPIRED
-        if state is ConsumerState.LOADING:
-            if self.transfer_timeout is not None and self._started_at + self.transfer_timeout < lease:
-                return self._started_at + self.transfer_timeout, ConsumerEvent.TIMEOUT, FailureReason.TIMEOUT
-            return lease, ConsumerEvent.TIMEOUT, FailureReason.LEASE_EXPIRED
-        if state in (ConsumerState.FAILING, ConsumerState.ABORTING):
-            if self.mode is TransferMode.READ:
-                return self._entered_at + self.drain_timeout, ConsumerEvent.DRAIN_TIMEOUT, None
-            # SM-2, the drain rule: P cancels its write by the lease deadline and it stops within the drain bound.
-            return lease + self.drain_timeout, ConsumerEvent.DRAIN_TIMEOUT, None
-        return None
+        anchors = {"lease": self.params.lease_deadline, "entered": self._entered_at, "started": self._started_at}
+        due = _next_due(_CONSUMER_DUE.get((self.mode, self._state), ()), self, anchors)
+        return None if due is None else (due[0], due[1].event, due[1].reason)
 
     def _advance(self, now: float) -> Output:
         out = _NOTHING
@@ -828,8 +1033,8 @@ class ConsumerSession:
         detail: str = "",
         failed: BlockIds | None = None,
     ) -> Output:
-        row = _CONSUMER_INDEX.get((self.mode, self._state, event))
-        if row is None:
+        row = _row(_CONSUMER_INDEX, "consumer", self.params.request_id, self.mode, self._state, event)
+        if row.ignored:
             return _NOTHING
         source, self._state, self._entered_at = self._state, row.target, now
         if row.target in (ConsumerState.FAILING, ConsumerState.FAILED) and self._failure is None:
@@ -838,24 +1043,22 @@ class ConsumerSession:
                 failed_consumer_block_ids=self.consumer_block_ids if failed is None else failed,
                 detail=detail,
             )
-        out = Output(steps=(Step(source=source, event=event, target=row.target, now=now),))
-        for action in row.actions:
-            out = out + self._act(action, event=event)
-        return out
+        actions = tuple(self._act(action, event=event) for action in row.actions)
+        return Output(actions=actions, steps=(Step(source=source, event=event, target=row.target, now=now),))
 
-    def _act(self, action: Action, *, event: ConsumerEvent) -> Output:
+    def _act(self, action: Action, *, event: ConsumerEvent) -> Effect:
         params = self.params
         if action is Action.FREE:
-            return Output(free=_non_null(self.consumer_block_ids))
+            return Free(block_ids=_non_null(self.consumer_block_ids))
         if action is Action.POST:
             self._posted = True
-            return Output(post=True)
+            return Post()
         if action is Action.CANCEL:
-            return Output(cancel=True)
+            return Cancel()
         if action is Action.SEND_OFFER:
-            return Output(send=(self.offer,))
+            return Send(message=self.offer)
         if action is Action.SEND_ABORT:
-            return Output(send=(Abort(request_id=params.request_id, engine_id=self.consumer_engine_id),))
+            return Send(message=Abort(request_id=params.request_id, engine_id=self.consumer_engine_id))
         if action is Action.SEND_RELEASE:
             if self._release is not None:  # pragma: no cover - terminal states are entered once
                 raise LocalProtocolError("a second release for one consumer request (REL-1)")
@@ -864,7 +1067,7 @@ class ConsumerSession:
                 consumer_engine_id=self.consumer_engine_id,
                 outcome=_OUTCOMES[self._state] if event is not ConsumerEvent.PREFIX_HIT else ReleaseOutcome.PREFIX_HIT,
             )
-            return Output(send=(self._release,))
+            return Send(message=self._release)
         raise LocalProtocolError(f"consumer cannot perform {action}")  # pragma: no cover - table guard
 
     def __repr__(self) -> str:
@@ -903,7 +1106,7 @@ def _label(row: Transition[Any, Any], mode: TransferMode | None) -> str:
 def to_mermaid(role: Role, mode: TransferMode | None = None) -> str:
     """A mermaid ``stateDiagram-v2`` of one role's transition table, for one mode or both (SM-1, SM-2)."""
     table = _table(role)
-    rows = [row for row in table if mode is None or mode in row.modes]
+    rows = [row for row in table if not row.ignored and (mode is None or mode in row.modes)]
     initial = table[0].source
     lines = ["stateDiagram-v2", f"    [*] --> {initial.name}"]
     for row in rows:
@@ -914,9 +1117,9 @@ def to_mermaid(role: Role, mode: TransferMode | None = None) -> str:
 
 
 def to_markdown(role: Role) -> str:
-    """The transition table of one role as a markdown table (SM-1, SM-2)."""
+    """The transition table of one role as a markdown table, ignored events left out (SM-1, SM-2)."""
     lines = ["| state | event | modes | next state | actions |", "|---|---|---|---|---|"]
-    for row in _table(role):
+    for row in (r for r in _table(role) if not r.ignored):
         modes = "both" if row.modes == _BOTH else "/".join(sorted(m.value for m in row.modes))
         actions = ", ".join(f"`{a.value}`" for a in row.actions) or "-"
         lines.append(f"| {row.source.name} | `{row.event.value}` | {modes} | {row.target.name} | {actions} |")

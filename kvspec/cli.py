@@ -1,4 +1,4 @@
-"""The ``kvspec`` command line: ``plan`` a preset's transfer, ``conform`` a backend, ``vllm-audit`` vLLM."""
+"""The ``kvspec`` command line: ``plan`` a preset's transfer, ``conform`` a backend, ``vectors``, ``vllm-audit``."""
 
 from __future__ import annotations
 
@@ -9,13 +9,23 @@ import sys
 from collections.abc import Sequence
 from typing import Any, TextIO
 
+from kvspec import _vectors_check
 from kvspec._enums import TransferMode
 from kvspec._errors import KVSpecError
+from kvspec._models import KVCacheConfig, SlidingWindowSpec
+from kvspec._offload import (
+    OffloadConfig,
+    check_offload_support,
+    get_chunk_sizes,
+    get_load_set,
+    get_offload_hit_tokens,
+    get_store_set,
+)
 from kvspec._presets import get_preset, list_presets
 from kvspec._reference import check_hybrid_support
 from kvspec._summary import PlanSummary, blocks_needed_for, summarize_plan
 
-__all__ = ["build_parser", "main", "plan_summary_to_dict"]
+__all__ = ["build_parser", "main", "offload_summary", "plan_summary_to_dict"]
 
 _LAYOUTS = ("blocks_first", "layers_first", "per_layer", "shared")
 
@@ -38,7 +48,7 @@ def _positive_int(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The argument parser with its ``plan`` and ``conform`` subcommands."""
+    """The argument parser with its ``plan``, ``conform`` and ``vectors`` subcommands."""
     parser = argparse.ArgumentParser(prog="kvspec", description="Hybrid KV-cache hand-off: reference and suite.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -65,6 +75,19 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--block-size", type=_positive_int, default=16, help="block size of every group (default 16)")
     plan.add_argument("--layout", choices=_LAYOUTS, default="blocks_first", help="memory layout of the pools")
     plan.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    plan.add_argument(
+        "--offload",
+        action="store_true",
+        help="show the offload path instead (OFF-1 ... OFF-9): per group, chunks and bytes one request stores, "
+        "and what a later request of the same tokens loads on a full hit",
+    )
+    plan.add_argument(
+        "--blocks-per-chunk",
+        type=_positive_int,
+        default=1,
+        metavar="F",
+        help="with --offload: GPU blocks per chunk (vLLM's blocks_per_chunk; default 1)",
+    )
     plan.set_defaults(handler=_run_plan)
 
     conform = sub.add_parser(
@@ -78,6 +101,15 @@ def build_parser() -> argparse.ArgumentParser:
     else:  # accept anything, so the handler can say how to install the suite
         conform.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     conform.set_defaults(handler=_run_conform)
+
+    vectors = sub.add_parser(
+        "vectors",
+        help="write language-neutral JSON test vectors, or check another implementation against them",
+        description="Language-neutral JSON test vectors generated from the reference (see the docs page "
+        "'Implementing kvspec in another language').",
+    )
+    _vectors_check.add_arguments(vectors)
+    vectors.set_defaults(handler=_vectors_check.run)
 
     audit = sub.add_parser(
         "vllm-audit",
@@ -181,8 +213,132 @@ def _print_table(model: str, summary: PlanSummary, out: TextIO) -> None:
     )
 
 
+def _gpu_block_ids(config: KVCacheConfig, num_tokens: int) -> list[list[int]]:
+    """Fresh ids for a request of ``num_tokens``; window groups start with vLLM's null prefix (OFF-6)."""
+    ids, next_id = [], 1
+    for group in config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        count = -(-num_tokens // spec.block_size)
+        nulls = (
+            max(0, num_tokens - spec.sliding_window + 1) // spec.block_size
+            if isinstance(spec, SlidingWindowSpec)
+            else 0
+        )
+        ids.append([0] * nulls + list(range(next_id, next_id + count - nulls)))
+        next_id += count
+    return ids
+
+
+def offload_summary(config: KVCacheConfig, *, num_tokens: int, offload: OffloadConfig) -> dict[str, Any]:
+    """Per group: chunks and bytes one fresh request of ``num_tokens`` stores, and a full hit of the same tokens loads.
+
+    The store runs once at the end of the request (O = N, nothing stored yet);
+    the hit is a later request with the same N tokens, nothing on its GPU and
+    every complete chunk present (OFF-3, OFF-5, OFF-6).
+    """
+    check_offload_support(config)
+    sizes = get_chunk_sizes(config, blocks_per_chunk=offload.blocks_per_chunk, hash_block_size=offload.hash_block_size)
+    stored_ids = [list(range(1, 1 + -(-num_tokens // g.kv_cache_spec.block_size))) for g in config.kv_cache_groups]
+    store = get_store_set(
+        config, stored_ids, num_offloadable_tokens=num_tokens, next_chunk=[0] * config.num_groups, offload=offload
+    )
+    present = [[True] * (num_tokens // size) for size in sizes]
+    hit = get_offload_hit_tokens(config, present, num_tokens=num_tokens, local_hit_tokens=0, offload=offload)
+    load = get_load_set(config, _gpu_block_ids(config, hit), num_tokens=hit, local_hit_tokens=0, offload=offload)
+    groups = []
+    for g, group in enumerate(config.kv_cache_groups):
+        spec = group.kv_cache_spec
+        block_bytes = spec.page_size_bytes * len(group.layer_names)
+        groups.append(
+            {
+                "group": g,
+                "kind": spec.kind.value,
+                "block_size": spec.block_size,
+                "sliding_window": spec.sliding_window if isinstance(spec, SlidingWindowSpec) else None,
+                "num_layers": len(group.layer_names),
+                "chunk_tokens": sizes[g],
+                "chunk_bytes": block_bytes * offload.blocks_per_chunk,
+                "chunks_stored": len(store.chunks[g]),
+                "bytes_stored": store.num_blocks[g] * block_bytes,
+                "chunks_loaded": len(load.chunks[g]),
+                "blocks_loaded": load.num_blocks[g],
+                "bytes_loaded": load.num_blocks[g] * block_bytes,
+            }
+        )
+    return {
+        "num_tokens": num_tokens,
+        "blocks_per_chunk": offload.blocks_per_chunk,
+        "hash_block_size": offload.hash_block_size,
+        "hit_tokens": hit,
+        "groups": groups,
+        "total": {
+            "bytes_stored": sum(row["bytes_stored"] for row in groups),
+            "bytes_loaded": sum(row["bytes_loaded"] for row in groups),
+        },
+    }
+
+
+def _print_offload(model: str, summary: dict[str, Any], out: TextIO) -> None:
+    header = (
+        "group",
+        "kind",
+        "window",
+        "layers",
+        "chunk",
+        "stored",
+        "stored bytes",
+        "loaded",
+        "blocks",
+        "loaded bytes",
+    )
+    rows = [
+        (
+            str(g["group"]),
+            g["kind"],
+            "-" if g["sliding_window"] is None else str(g["sliding_window"]),
+            str(g["num_layers"]),
+            f"{g['chunk_tokens']} tok",
+            str(g["chunks_stored"]),
+            _human(g["bytes_stored"]),
+            str(g["chunks_loaded"]),
+            str(g["blocks_loaded"]),
+            _human(g["bytes_loaded"]),
+        )
+        for g in summary["groups"]
+    ]
+    total = summary["total"]
+    last = ("total", "", "", "", "", "", _human(total["bytes_stored"]), "", "", _human(total["bytes_loaded"]))
+    widths = [max(len(r[i]) for r in (header, *rows, last)) for i in range(len(header))]
+    print(
+        f"{model}: offload of {summary['num_tokens']} tokens, f={summary['blocks_per_chunk']} "
+        f"(hash block {summary['hash_block_size']}); a full hit loads {summary['hit_tokens']} tokens",
+        file=out,
+    )
+    for row in (header, *rows, last):
+        print("  ".join(cell.rjust(w) for cell, w in zip(row, widths, strict=True)), file=out)
+    if total["bytes_stored"]:
+        print(
+            f"a full hit reads {total['bytes_loaded'] / total['bytes_stored']:.1%} of what the request stored", file=out
+        )
+
+
+def _run_offload_plan(args: argparse.Namespace, preset: Any, out: TextIO) -> int:
+    config = preset.build_config(num_blocks=2, block_size=args.block_size, layout=args.layout)
+    hash_block = min(g.kv_cache_spec.block_size for g in config.kv_cache_groups)
+    offload = OffloadConfig(blocks_per_chunk=args.blocks_per_chunk, hash_block_size=hash_block)
+    summary = offload_summary(config, num_tokens=args.tokens, offload=offload)
+    if args.json:
+        json.dump({"model": preset.hf_id, **summary}, out, indent=2)
+        print(file=out)
+    else:
+        _print_offload(preset.hf_id, summary, out)
+    return 0
+
+
 def _run_plan(args: argparse.Namespace, out: TextIO) -> int:
     preset = get_preset(args.model)
+    if args.offload:
+        return _run_offload_plan(args, preset, out)
     mode = TransferMode(args.mode)
     sizing = preset.build_config(num_blocks=2, block_size=args.block_size, layout=args.layout)
     check_hybrid_support(sizing, mode=mode)

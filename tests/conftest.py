@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import sys
 from collections.abc import Callable
 from types import ModuleType
 
@@ -77,3 +78,13 @@ def require_module(request: pytest.FixtureRequest) -> Callable[..., ModuleType]:
 def require_backend_module(config: pytest.Config, module: str, extra: str | None = None) -> ModuleType:
     """Same as the ``require_module`` fixture, for module-level or class-level use via ``pytestconfig``."""
     return _require(config, module, extra or module.split(".")[0])
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """Print the mutation score when the mutant tests ran: "N mutants, N rejected"."""
+    mutants = sys.modules.get("mutants")
+    score: dict[str, bool] = getattr(mutants, "SCORE", {})
+    if score:
+        survivors = sorted(name for name, rejected in score.items() if not rejected)
+        line = f"{len(score)} mutants, {len(score) - len(survivors)} rejected"
+        terminalreporter.write_sep("-", line + (f" (survived: {', '.join(survivors)})" if survivors else ""))

@@ -14,14 +14,14 @@ from collections.abc import Callable, Sequence
 import attrs
 from kvspec_conformance import ReferenceConnector
 
-from kvspec import BlockIds, KVCacheConfig, TransferMode
+from kvspec import BlockIds, DType, EngineDescriptor, FailureReason, KVCacheConfig, TransferMode
 from kvspec._plan import BlockPairsLike
 from kvspec._reference import BlockPairs, check_window_coverage
 from kvspec.transport import Backend, Capabilities, Descriptor, MemoryRegion, Notification, TransferHandle
 from kvspec.transport._base import TransferState, TransferStatus, Transport
 from kvspec.transport.loopback import LoopbackBackend
 
-__all__ = ["BACKEND_MUTANTS", "CONNECTOR_MUTANTS", "MutantBackend"]
+__all__ = ["BACKEND_MUTANTS", "CONNECTOR_MUTANTS", "SCORE", "MutantBackend"]
 
 
 class _Agent:
@@ -80,6 +80,7 @@ class MutantBackend:
 
     agent_class: type[_Agent] = _Agent
     breaks: str = ""
+    caught_by: tuple[str, ...] = ()  # cases that must fail, besides the rule as a whole
 
     def __init__(self) -> None:
         # Small chunks keep transfers in flight over several polls, so "early" is observable.
@@ -253,7 +254,112 @@ class EarlyFree(MutantBackend):
     breaks = "SM-2"
 
 
-BACKEND_MUTANTS: tuple[type[MutantBackend], ...] = (EarlyCompletion, FailedAsDone, NeverNotifies, WrongLayer, EarlyFree)
+class _SlowCancelAgent(_EarlyFreeAgent):
+    """Lands a released transfer's bytes 50 ms after release: inside any drain bound, yet it claims immediate_cancel."""
+
+    delay = 0.05
+
+    def release(self, handle: TransferHandle) -> None:
+        if handle.transfer_id in self.pending:
+            mode, descriptors, peer = self.posted[handle.transfer_id]
+            lands_at = time.monotonic() + self.delay
+            self.zombies.append(_Zombie(mode=mode, descriptors=descriptors, peer=peer, lands_at=lands_at))
+        self.inner.release(handle)
+
+
+class SlowCancel(MutantBackend):
+    """Declares immediate_cancel, but bytes of a released transfer still land after release returns."""
+
+    agent_class = _SlowCancelAgent
+    breaks = "SM-2"
+    caught_by = ("SM-2/transport-release-pending",)
+
+
+class _LateWriteAgent(_EarlyFreeAgent):
+    """Copies every finished transfer again half a second after it reported DONE (a stray retry)."""
+
+    def check(self, handle: TransferHandle) -> TransferStatus:
+        status = super().check(handle)
+        if status.state is TransferState.DONE and handle.transfer_id in self.posted:
+            mode, descriptors, peer = self.posted.pop(handle.transfer_id)
+            lands_at = time.monotonic() + 0.5
+            self.zombies.append(_Zombie(mode=mode, descriptors=descriptors, peer=peer, lands_at=lands_at))
+        return status
+
+    def release(self, handle: TransferHandle) -> None:
+        self.inner.release(handle)  # cancels as loopback does: only the late copy after DONE is wrong
+
+
+class LateWrite(MutantBackend):
+    """A transfer's bytes land again half a second after DONE."""
+
+    agent_class = _LateWriteAgent
+    breaks = "DONE-1"
+    caught_by = ("DONE-1/transport-nothing-lands-after-done", "SM-1/producer-blocks-reused-after-release")
+
+
+class _DeafAgent(_Agent):
+    """Never notices that its peer went away: a transfer failed by peer loss stays PENDING."""
+
+    def check(self, handle: TransferHandle) -> TransferStatus:
+        status = self.inner.check(handle)
+        if status.reason is FailureReason.PEER_DISCONNECTED:
+            return TransferStatus(state=TransferState.PENDING)
+        return status
+
+
+class DeafToPeerLoss(MutantBackend):
+    """A dead peer is never noticed; the transfer stays PENDING until the caller's own deadline."""
+
+    agent_class = _DeafAgent
+    breaks = "FAIL-1"
+    caught_by = ("FAIL-1/transport-peer-loss",)
+
+
+class _TimeoutAgent(_Agent):
+    def check(self, handle: TransferHandle) -> TransferStatus:
+        status = self.inner.check(handle)
+        if status.reason is FailureReason.PEER_DISCONNECTED:
+            return TransferStatus(state=TransferState.FAILED, reason=FailureReason.TIMEOUT, detail="timed out")
+        return status
+
+
+class TimeoutForPeerLoss(MutantBackend):
+    """Reports a lost peer as a timeout, which hides why the transfer failed."""
+
+    agent_class = _TimeoutAgent
+    breaks = "FAIL-1"
+    caught_by = ("FAIL-1/transport-peer-loss", "FAIL-1/peer-lost-mid-transfer")
+
+
+class _WriteMisreportAgent(_Agent):
+    def check(self, handle: TransferHandle) -> TransferStatus:
+        status = self.inner.check(handle)
+        if handle.mode is TransferMode.WRITE and status.state is TransferState.FAILED:
+            return TransferStatus(state=TransferState.FAILED, reason=FailureReason.TRANSFER_ERROR, detail="write error")
+        return status
+
+
+class WriteMisreports(MutantBackend):
+    """In WRITE mode every failure is reported as a generic transfer error (READ is right)."""
+
+    agent_class = _WriteMisreportAgent
+    breaks = "FAIL-1"
+    caught_by = ("FAIL-1/transport-peer-loss",)
+
+
+BACKEND_MUTANTS: tuple[type[MutantBackend], ...] = (
+    EarlyCompletion,
+    FailedAsDone,
+    NeverNotifies,
+    WrongLayer,
+    EarlyFree,
+    SlowCancel,
+    LateWrite,
+    DeafToPeerLoss,
+    TimeoutForPeerLoss,
+    WriteMisreports,
+)
 
 
 # --------------------------------------------------------------------------- connector mutants
@@ -309,6 +415,34 @@ class NoClipping(ReferenceConnector):
         return block_ids
 
 
-CONNECTOR_MUTANTS: tuple[type[ReferenceConnector], ...] = (FrontTrim, ProducerIdsAsConsumerIds, NoClipping)
+def _width_class(descriptor: EngineDescriptor) -> EngineDescriptor:
+    # Every dtype replaced by one name per width: what a check comparing item sizes sees.
+    by_width = {1: "int8", 2: "float16", 4: "float32"}
+    groups = tuple(
+        g if g.dtype is None else attrs.evolve(g, dtype=by_width[DType.from_name(g.dtype).itemsize])
+        for g in descriptor.groups
+    )
+    return attrs.evolve(descriptor, groups=groups)
+
+
+class WidthOnlyHandshake(ReferenceConnector):
+    """Compares dtypes by width only, so float16 meets bfloat16 (and int8 meets fp8) unrefused."""
+
+    breaks = "HS-1"
+    caught_by = ("HS-1/every-field-alone",)
+
+    def check_peer(self, producer: EngineDescriptor, consumer: EngineDescriptor) -> None:
+        super().check_peer(_width_class(producer), _width_class(consumer))
+
+
+CONNECTOR_MUTANTS: tuple[type[ReferenceConnector], ...] = (
+    FrontTrim,
+    ProducerIdsAsConsumerIds,
+    NoClipping,
+    WidthOnlyHandshake,
+)
+
+# Mutant name -> whether the suite rejected it, filled by tests/test_conformance_mutants.py; the summary prints it.
+SCORE: dict[str, bool] = {}
 
 _: Callable[[], Backend] = LoopbackBackend  # the mutants wrap this reference

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from kvspec_conformance import ReferenceConnector, Report, run_suite
-from mutants import BACKEND_MUTANTS, CONNECTOR_MUTANTS, MutantBackend
+from mutants import BACKEND_MUTANTS, CONNECTOR_MUTANTS, SCORE, MutantBackend
 
 from kvspec.transport.loopback import LoopbackBackend
 
@@ -13,25 +13,37 @@ def _failures(report: Report) -> str:
     return "\n".join(f"{r.case_id}: {r.outcome.value}: {r.message[:200]}" for r in report.results)
 
 
+def _rejected(report: Report, rule: str, caught_by: tuple[str, ...]) -> bool:
+    """The mutant fails its rule, and every case named to catch it fails (not errors): what the score counts."""
+    failed = {r.case_id for r in report.results if r.outcome.value == "failed"}
+    return rule in report.failed_rules() and set(caught_by) <= failed
+
+
 @pytest.mark.parametrize("mutant", BACKEND_MUTANTS, ids=lambda m: m.__name__)
 def test_backend_mutant_fails_its_rule(mutant: type[MutantBackend]) -> None:
     backend = mutant()
     try:
-        report = run_suite(backend, rules=[mutant.breaks], max_examples=5)
+        report = run_suite(backend, rules=[mutant.breaks, *mutant.caught_by], max_examples=5)
     finally:
         backend.close()
+    SCORE[mutant.__name__] = _rejected(report, mutant.breaks, mutant.caught_by)
     assert mutant.breaks in report.failed_rules(), _failures(report)
+    assert SCORE[mutant.__name__], f"expected {mutant.caught_by} to fail:\n{_failures(report)}"
     assert not report.passed
 
 
 @pytest.mark.parametrize("mutant", CONNECTOR_MUTANTS, ids=lambda m: m.__name__)
 def test_connector_mutant_fails_its_rule(mutant: type[ReferenceConnector]) -> None:
-    rule = mutant.breaks  # type: ignore[attr-defined]
+    rule: str = mutant.breaks  # type: ignore[attr-defined]
+    caught_by: tuple[str, ...] = getattr(mutant, "caught_by", ())
     report = run_suite(LoopbackBackend(), rules=[rule], connector=mutant(), max_examples=5)
+    SCORE[mutant.__name__] = _rejected(report, rule, caught_by)
     assert rule in report.failed_rules(), _failures(report)
+    assert SCORE[mutant.__name__], f"expected {caught_by} to fail:\n{_failures(report)}"
     failed = [r for r in report.results if r.is_failure and r.rule == rule]
-    # Every failure names what went wrong and carries a reproducer that replays the scenario.
-    assert all(r.reproducer and "run_scenario(" in r.reproducer for r in failed)
+    # Every failure names what went wrong and carries a reproducer that replays the scenario, or the
+    # whole case (a case that calls the connector directly), with the connector under test.
+    assert all(r.reproducer and "ConnectorUnderTest()" in r.reproducer for r in failed)
     # Wrong bytes are a data error, not an early completion: DONE-1 is not blamed for them.
     assert not any("before the data was visible" in r.message for r in failed)
 

@@ -315,3 +315,21 @@ def test_the_build_stops_on_a_case_citing_an_unknown_rule(monkeypatch: pytest.Mo
     monkeypatch.setattr(kvspec_conformance, "catalogue", lambda: {**real, "CLIP-1": [*real["CLIP-1"], stray]})
     with pytest.raises(hooks.CatalogueError, match="case CLIP-9/stray cites unknown rule 'CLIP-9'"):
         hooks.on_files(Files([]), config)
+
+
+@attrs.frozen(kw_only=True)
+class _WaitingRule:
+    id: str
+    checked_by: str | None
+    title: str = "t"
+    summary: str = "s"
+    level: str = "MUST"
+
+
+def test_catalogue_lets_a_rule_wait_only_when_it_names_its_tests() -> None:
+    hooks = _load_hooks()
+    cases = [_Case(id="CLIP-1/a", rule="CLIP-1")]
+    by_rule = hooks.check_catalogue([_Rule(id="CLIP-1"), _WaitingRule(id="OFF-1", checked_by="tests/x.py")], cases)
+    assert by_rule["OFF-1"] == []
+    with pytest.raises(hooks.CatalogueError, match="rule OFF-2 has no conformance case"):
+        hooks.check_catalogue([_Rule(id="CLIP-1"), _WaitingRule(id="OFF-2", checked_by=None)], cases)

@@ -370,3 +370,16 @@ def test_abort_waits_out_the_drain_when_cancel_is_not_immediate(make_pair: objec
     result = pair.consumer.result("a")
     assert result is not None
     assert result.state is ConsumerState.ABORTED
+
+
+def test_a_write_that_ended_is_never_cancelled_by_the_release_that_follows(make_pair: object) -> None:
+    """The driver polls transfers before notifications: the release finds the write WRITTEN, not WRITING (SM-1)."""
+    pair: Pair = make_pair("gemma-3-1b", TransferMode.WRITE)  # type: ignore[operator]
+    for index in range(3):
+        result = run_request(pair.producer, pair.consumer, request_id=f"w{index}", num_tokens=40 + index)
+        assert result.consumer.state is ConsumerState.LOADED
+        assert result.producer.state is ProducerState.RELEASED
+    assert pair.producer.driver.cancelled_at is None
+    assert pair.consumer.driver.cancelled_at is None
+    assert not pair.producer.errors
+    assert not pair.consumer.errors

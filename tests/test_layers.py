@@ -25,7 +25,7 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
     ("base", frozenset({"kvspec._enums", "kvspec._deprecation"})),
     ("errors", frozenset({"kvspec._errors"})),
     ("data", frozenset({"kvspec._models", "kvspec._descriptors", "kvspec._rules"})),
-    ("rules", frozenset({"kvspec._reference", "kvspec._messages", "kvspec._presets"})),
+    ("rules", frozenset({"kvspec._reference", "kvspec._offload", "kvspec._messages", "kvspec._presets"})),
     ("protocol", frozenset({"kvspec._plan", "kvspec._codec", "kvspec._handshake", "kvspec._session"})),
     ("reports", frozenset({"kvspec._schema", "kvspec._summary"})),
     (
@@ -48,9 +48,24 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
             }
         ),
     ),
-    ("drivers", frozenset({"kvspec._exchange", "kvspec.exchange", "kvspec.testing"})),
+    (
+        "drivers",
+        frozenset({"kvspec._connector", "kvspec._driver", "kvspec._exchange", "kvspec.exchange", "kvspec.testing"}),
+    ),
     ("integrations", frozenset({"kvspec.integrations", "kvspec.integrations.vllm", "kvspec.integrations.vllm_audit"})),
-    ("tools", frozenset({"kvspec.cli", "kvspec.__main__"})),
+    (
+        "tools",
+        frozenset(
+            {
+                "kvspec.cli",
+                "kvspec.__main__",
+                "kvspec.vectors",
+                "kvspec._vectors",
+                "kvspec._vector_cases",
+                "kvspec._vectors_check",
+            }
+        ),
+    ),
 )
 LAYER_OF = {module: index for index, (_, modules) in enumerate(LAYERS) for module in modules}
 

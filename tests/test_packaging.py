@@ -24,9 +24,13 @@ for module in (kvspec, kvspec_conformance):
     assert prefix in where.parents, f"{module.__name__} imported from {where}, not from {prefix}"
     assert (where.parent / "py.typed").is_file(), f"{module.__name__} ships no py.typed"
 assert kvspec.__version__ == importlib.metadata.version("kvspec"), kvspec.__version__
-# The suite works from the installed package: every rule has its cases (the case modules were shipped).
+# The suite works from the installed package: every rule has its cases (the case modules were shipped),
+# except rules that wait for suite cases and name the tests that check them meanwhile (OFF-*).
 table = kvspec_conformance.catalogue()
-assert table and all(table.values()), {rule: len(cases) for rule, cases in table.items()}
+waiting = {rule.id for rule in kvspec.RULES if rule.checked_by}
+assert table and all(cases for rule, cases in table.items() if rule not in waiting), {
+    rule: len(cases) for rule, cases in table.items()
+}
 print("ok", kvspec.__version__)
 """
 

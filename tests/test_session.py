@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import pytest
 
 from kvspec import (
@@ -25,12 +28,18 @@ from kvspec import (
     encode,
 )
 from kvspec._session import (
+    CONSUMER_DEADLINES,
     CONSUMER_TRANSITIONS,
+    PRODUCER_DEADLINES,
     PRODUCER_TRANSITIONS,
     Action,
     ConsumerEvent,
+    Free,
     Output,
+    Post,
     ProducerEvent,
+    Send,
+    Transition,
     to_markdown,
     to_mermaid,
 )
@@ -408,14 +417,28 @@ def test_bad_consumer_settings() -> None:
 # --------------------------------------------------------------------------- the tables
 
 
+def _taken(table: Sequence[Transition[Any, Any]]) -> list[Transition[Any, Any]]:
+    return [row for row in table if not row.ignored]
+
+
+def test_ignored_rows_change_nothing_and_ask_for_nothing() -> None:
+    rows: tuple[Transition[Any, Any], ...] = (*PRODUCER_TRANSITIONS, *CONSUMER_TRANSITIONS)
+    for row in rows:
+        if row.ignored:
+            assert row.target is row.source, row
+            assert not row.actions, row
+    # Terminal states are sticky: they have ignored rows only.
+    assert all(row.ignored for row in rows if row.source.is_terminal)
+
+
 def test_producer_frees_exactly_on_entering_a_terminal_state() -> None:
-    for row in PRODUCER_TRANSITIONS:
+    for row in _taken(PRODUCER_TRANSITIONS):
         assert (Action.FREE in row.actions) == row.target.is_terminal, row
         assert not row.source.is_terminal, row  # terminal states are sticky
 
 
 def test_consumer_releases_exactly_on_entering_a_terminal_state() -> None:
-    for row in CONSUMER_TRANSITIONS:
+    for row in _taken(CONSUMER_TRANSITIONS):
         assert (Action.SEND_RELEASE in row.actions) == row.target.is_terminal, row
         # Blocks become reusable only in FAILED/ABORTED; a LOADED request keeps them.
         assert (Action.FREE in row.actions) == (row.target in (ConsumerState.FAILED, ConsumerState.ABORTED)), row
@@ -423,19 +446,54 @@ def test_consumer_releases_exactly_on_entering_a_terminal_state() -> None:
 
 
 def test_every_non_terminal_state_has_a_deadline_in_every_mode() -> None:
-    # FAIL-1: no state waits forever; each one leaves on a time event in each mode it can be reached in.
-    for table, events in (
-        (PRODUCER_TRANSITIONS, {ProducerEvent.LEASE_EXPIRED, ProducerEvent.DRAIN_TIMEOUT}),
-        (CONSUMER_TRANSITIONS, {ConsumerEvent.TIMEOUT, ConsumerEvent.DRAIN_TIMEOUT}),
+    # FAIL-1: no state waits forever; each one leaves on a time event in each mode it can be reached in,
+    # and that event has a row of the deadline table next to the transition table, and back.
+    for table, deadlines, events in (
+        (PRODUCER_TRANSITIONS, PRODUCER_DEADLINES, {ProducerEvent.LEASE_EXPIRED, ProducerEvent.DRAIN_TIMEOUT}),
+        (CONSUMER_TRANSITIONS, CONSUMER_DEADLINES, {ConsumerEvent.TIMEOUT, ConsumerEvent.DRAIN_TIMEOUT}),
     ):
         for mode in (READ, WRITE):
-            rows = [r for r in table if mode in r.modes]
+            rows = [r for r in _taken(table) if mode in r.modes]
             reachable = {rows[0].source} | {r.target for r in rows}
             for state in reachable:
                 if state.is_terminal:
                     continue
-                timed = [r for r in rows if r.source is state and r.event in events]
+                timed = {r.event for r in rows if r.source is state and r.event in events}
+                due = {d.event for d in deadlines if d.state is state and mode in d.modes}
                 assert timed, f"{mode.value}: {state} has no deadline"
+                assert due == timed, f"{mode.value}: {state}: deadline table {due}, transitions {timed}"
+
+
+def test_an_event_without_a_row_is_a_local_protocol_error() -> None:
+    producer, consumer = _pair(WRITE)
+    consumer.start(now=1.0)
+    with pytest.raises(LocalProtocolError, match="event 'prefix_hit' has no row in state loading"):
+        consumer._fire(ConsumerEvent.PREFIX_HIT, 1.1)
+    with pytest.raises(LocalProtocolError, match="event 'drain_timeout' has no row in state held"):
+        producer._fire(ProducerEvent.DRAIN_TIMEOUT, 1.1)
+    assert consumer.state is ConsumerState.LOADING
+    assert producer.state is ProducerState.HELD
+
+
+def test_output_actions_come_in_table_order() -> None:
+    producer, consumer = _pair(WRITE)
+    assert producer.abort(now=1.0).actions == (Send(message=Abort(request_id="r1", engine_id="P")),)
+    release = Release(request_id="r1", consumer_engine_id="C", outcome=ReleaseOutcome.FAILED)
+    assert producer.receive(release, now=1.1).actions == (Free(block_ids=PRODUCER_FREED),)
+    consumer.start(now=1.0)
+    assert consumer.fail(FailureReason.TIMEOUT, now=2.0).actions == (
+        Send(message=Abort(request_id="r1", engine_id="C")),
+    )
+    out = consumer.receive(Abort(request_id="r1", engine_id="P", detail="drained"), now=2.1)
+    # FAILING -> FAILED asks for (FREE, SEND_RELEASE), in the table's order (SM-2, REL-1).
+    assert [type(a) for a in out.actions] == [Free, Send]
+    assert out.free == CONSUMER_FREED
+    assert out.send == (consumer.release,)
+    offer = BlockOffer(request_id="r1", consumer_engine_id="C", consumer_block_ids=C_IDS)
+    assert _pair(WRITE)[0].receive(offer, now=1.0).actions == (
+        Post(notification=Completion(request_id="r1", producer_engine_id="P")),
+    )
+    assert _pair(READ)[1].start(now=1.0).actions == (Post(),)
 
 
 def test_mermaid_diagrams_cover_every_row() -> None:
@@ -443,12 +501,12 @@ def test_mermaid_diagrams_cover_every_row() -> None:
         text = to_mermaid(role)  # type: ignore[arg-type]
         assert text.startswith("stateDiagram-v2\n")
         lines = [line for line in text.splitlines() if "-->" in line and "[*]" not in line]
-        assert len(lines) == len(table)
+        assert len(lines) == len(_taken(table))
         for mode in (READ, WRITE):
             per_mode = to_mermaid(role, mode)  # type: ignore[arg-type]
             assert sum("-->" in line and "[*]" not in line for line in per_mode.splitlines()) == sum(
-                mode in row.modes for row in table
+                mode in row.modes for row in _taken(table)
             )
-        assert to_markdown(role).count("\n") == len(table) + 2  # type: ignore[arg-type]
+        assert to_markdown(role).count("\n") == len(_taken(table)) + 2  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match=r"role: expected 'producer' or 'consumer', got 'router'"):
         to_mermaid("router")  # type: ignore[arg-type]

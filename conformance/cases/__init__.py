@@ -1,5 +1,5 @@
 """The conformance cases; importing this package registers every case."""
 
-from . import data, exchange, handshake, lifecycle
+from . import data, exchange, handshake, lifecycle, transport
 
-__all__ = ["data", "exchange", "handshake", "lifecycle"]
+__all__ = ["data", "exchange", "handshake", "lifecycle", "transport"]

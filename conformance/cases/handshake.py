@@ -2,7 +2,29 @@
 
 from __future__ import annotations
 
-from kvspec import PROTOCOL_VERSION, Completion, KVCacheConfig, KVSpecError, Release, ReleaseOutcome, decode, encode
+import itertools
+from typing import Any
+
+import attrs
+
+from kvspec import (
+    PROTOCOL_VERSION,
+    Completion,
+    EngineDescriptor,
+    GroupDescriptor,
+    IncompatiblePeerError,
+    KVCacheConfig,
+    KVSpecError,
+    Release,
+    ReleaseOutcome,
+    SpecKind,
+    TransferMode,
+    UnsupportedVersionError,
+    decode,
+    encode,
+    is_hma_required,
+)
+from kvspec._models import _DTYPE_SIZES  # every dtype DType knows, with its width (no public list yet)
 
 from .._cases import case
 from .._context import CaseContext
@@ -15,7 +37,6 @@ BASE = make_config(full(4), sw(8, 4), num_blocks=32)
 
 
 def _renamed(config: KVCacheConfig) -> KVCacheConfig:
-    import attrs
 
     group = config.kv_cache_groups[1]
     tensor = config.kv_cache_tensors[1]
@@ -70,10 +91,140 @@ def _hs_table(ctx: CaseContext) -> None:
         raise ctx.fail("HS-1: " + "\n".join(problems))
 
 
+# --------------------------------------------------------------------------- one field at a time
+
+
+def _base_descriptor() -> EngineDescriptor:
+    return EngineDescriptor.from_config(
+        engine_id="producer",
+        config=BASE,
+        mode=TransferMode.READ,
+        hma_enabled=is_hma_required(BASE),
+        transport_metadata=b"producer-agent",
+    )
+
+
+def equal_width_dtype_pairs() -> list[tuple[str, str]]:
+    """Every pair of distinct dtypes :class:`kvspec.DType` knows whose items have the same width (HS-1)."""
+    return [(a, b) for a, b in itertools.combinations(sorted(_DTYPE_SIZES), 2) if _DTYPE_SIZES[a] == _DTYPE_SIZES[b]]
+
+
+def _group_row(index: int, **changes: object) -> EngineDescriptor:
+    base = _base_descriptor()
+    groups = list(base.groups)
+    groups[index] = attrs.evolve(groups[index], **changes)  # type: ignore[arg-type]
+    return attrs.evolve(base, groups=tuple(groups))
+
+
+Row = tuple[str, EngineDescriptor, EngineDescriptor, str | None]
+
+
+def field_alone_rows() -> list[Row]:
+    """(row, producer, consumer differing in one field only, the field reported or None where HS-1 allows it).
+
+    Rows that only change a field the peers may disagree on (minor version,
+    engine id, block count, transport metadata) expect the pair accepted.
+    Group fields change in group 1 (the sliding-window group) unless the field
+    only exists on another kind.
+    """
+    base = _base_descriptor()
+    major, minor = base.protocol_version
+    sw_group = base.groups[1]
+    rows: list[Any] = [
+        ("protocol major", attrs.evolve(base, protocol_version=(major + 1, 0)), "protocol_version.major"),
+        ("protocol minor", attrs.evolve(base, protocol_version=(major, minor + 1)), None),
+        ("engine id", attrs.evolve(base, engine_id="consumer"), None),
+        ("mode", attrs.evolve(base, mode=TransferMode.WRITE), "mode"),
+        ("HMA flag", attrs.evolve(base, hma_enabled=not base.hma_enabled), "hma_enabled"),
+        ("group count", attrs.evolve(base, groups=base.groups[:1]), "num_groups"),
+        ("group order", attrs.evolve(base, groups=base.groups[::-1]), "groups.order"),
+        ("block count", attrs.evolve(base, num_blocks=base.num_blocks * 2), None),
+        ("TP size", attrs.evolve(base, tp_size=2), "tp_size"),
+        ("transport metadata", attrs.evolve(base, transport_metadata=b"consumer-agent"), None),
+        ("kind", _group_row(1, kind=SpecKind.SLIDING_WINDOW_MLA), "groups[1].kind"),
+        ("block size", _group_row(1, block_size=sw_group.block_size * 2), "groups[1].block_size"),
+        (
+            "sliding window",
+            _group_row(1, sliding_window=(sw_group.sliding_window or 0) + 4),
+            "groups[1].sliding_window",
+        ),
+        ("chunk size", _group_row(0, attention_chunk_size=8), "groups[0].attention_chunk_size"),
+        ("KV heads", _group_row(1, num_kv_heads=(sw_group.num_kv_heads or 1) * 2), "groups[1].num_kv_heads"),
+        ("head size", _group_row(1, head_size=(sw_group.head_size or 1) * 2), "groups[1].head_size"),
+        ("page size", _group_row(1, page_size_bytes=sw_group.page_size_bytes * 2), "groups[1].page_size_bytes"),
+        (
+            "layer names",
+            _group_row(1, layer_names=(*sw_group.layer_names[:-1], "other." + sw_group.layer_names[-1])),
+            "groups[1].layer_names",
+        ),
+    ]
+    rows = [(name, base, consumer, field) for name, consumer, field in rows]
+    for a, b in equal_width_dtype_pairs():
+        rows.append((f"dtype {a} vs {b}", _group_row(1, dtype=a), _group_row(1, dtype=b), "groups[1].dtype"))
+    return rows
+
+
+# Rows that move whole groups: every per-group field differs with them, and HS-1 lists them all.
+_WHOLE_GROUPS = ("num_groups", "groups.order")
+
+
+def _covered_fields() -> set[str]:
+    return {f.name for f in attrs.fields(EngineDescriptor)} | {
+        f"groups.{f.name}" for f in attrs.fields(GroupDescriptor)
+    }
+
+
+def _row_fields(rows: list[Row]) -> set[str]:
+    found: set[str] = set()
+    for _, base, consumer, _ in rows:
+        for field in attrs.fields(EngineDescriptor):
+            if getattr(consumer, field.name) != getattr(base, field.name):
+                found.add(field.name)
+        for p, c in zip(base.groups, consumer.groups, strict=False):
+            found |= {
+                f"groups.{f.name}" for f in attrs.fields(GroupDescriptor) if getattr(p, f.name) != getattr(c, f.name)
+            }
+    return found
+
+
+@case("HS-1", "every-field-alone")
+def _hs_field_alone(ctx: CaseContext) -> None:
+    """Each descriptor field differing alone is refused naming that field only, or accepted where HS-1 allows it.
+
+    Every field of EngineDescriptor and GroupDescriptor has a row, and the
+    dtype rows pair every two dtypes of equal width (same page size), so a
+    check that compares only widths or page sizes is caught.
+    """
+    rows = field_alone_rows()
+    missing = _covered_fields() - _row_fields(rows)
+    if missing:
+        raise ctx.fail(f"HS-1: the table has no row for {sorted(missing)}")
+    problems = []
+    for name, producer, consumer, field in rows:
+        try:
+            ctx.connector.check_peer(producer, consumer)
+        except (IncompatiblePeerError, UnsupportedVersionError) as exc:
+            if field is None:
+                problems.append(f"{name}: HS-1 lets this field differ, but the pair was refused: {exc}")
+            elif isinstance(exc, IncompatiblePeerError) and field not in exc.differences:
+                problems.append(f"{name}: expected {field!r} in differences, got {sorted(exc.differences)}")
+            elif isinstance(exc, IncompatiblePeerError) and field not in _WHOLE_GROUPS and len(exc.differences) != 1:
+                # One field differs, so one is reported: a second one means the check compares something else.
+                problems.append(f"{name}: expected only {field!r} in differences, got {sorted(exc.differences)}")
+            elif field not in str(exc):
+                problems.append(f"{name}: the error does not name {field!r}: {exc}")
+        except KVSpecError as exc:
+            problems.append(f"{name}: expected IncompatiblePeerError, got {type(exc).__name__}: {exc}")
+        else:
+            if field is not None:
+                problems.append(f"{name}: accepted, but {field} differs (HS-1)")
+    if problems:
+        raise ctx.fail("HS-1: " + "\n".join(problems))
+
+
 @case("HS-1", "dtype-and-heads-mismatch")
 def _hs_dtype(ctx: CaseContext) -> None:
     """A different KV dtype or head count is refused at handshake with both values."""
-    import attrs
 
     for field, value in (("dtype", "float16"), ("num_kv_heads", 2), ("head_size", 4)):
         group = BASE.kv_cache_groups[0]

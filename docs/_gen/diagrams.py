@@ -38,8 +38,21 @@ def state_diagram(role: _session.Role, mode: kvspec.TransferMode | None = None) 
 
 
 def transition_table(role: _session.Role) -> str:
-    """The role's transition table as Markdown."""
-    return _session.to_markdown(role)
+    """The role's transition table as Markdown, then the events each state ignores by an explicit row."""
+    table = _session.PRODUCER_TRANSITIONS if role == "producer" else _session.CONSUMER_TRANSITIONS
+    ignored: dict[str, list[str]] = {}
+    for row in table:
+        if row.ignored:
+            modes = "" if len(row.modes) == 2 else f" ({'/'.join(sorted(m.value for m in row.modes))})"
+            ignored.setdefault(row.source.name, []).append(f"`{row.event.value}`{modes}")
+    lines = [f"- {state}: {', '.join(events)}" for state, events in ignored.items()]
+    return (
+        _session.to_markdown(role)
+        + "\nIgnored by an explicit row (no change, no action; any event with no row at all raises"
+        + " `LocalProtocolError`):\n\n"
+        + "\n".join(lines)
+        + "\n"
+    )
 
 
 class _Recorder:
@@ -62,15 +75,19 @@ class _Recorder:
         peer = "C" if who == "P" else "P"
         for step in out.steps:
             self.say(f"Note over {who}: {step.source.name} → {step.target.name} ({step.event.value})")
-        if out.post:
-            extra = f" + {type(out.notification).__name__} as its notification" if out.notification else ""
-            self.say(f"{who}->>T: post {self.mode.value.upper()} descriptors{extra}")
-        if out.cancel:
-            self.say(f"{who}->>T: cancel the transfer, keep polling until it ends")
-        for message in out.send:
-            self.say(f"{who}-){peer}: {type(message).__name__} (encoded, sent as a transport notification)")
-        if out.free is not None:
-            self.say(f"Note over {who}: blocks {out.free.to_lists()} may be reused")
+        # The actions in the order the table lists them, as a driver carries them out.
+        for action in out.actions:
+            if isinstance(action, _session.Post):
+                note = action.notification
+                extra = f" + {type(note).__name__} as its notification" if note is not None else ""
+                self.say(f"{who}->>T: post {self.mode.value.upper()} descriptors{extra}")
+            elif isinstance(action, _session.Cancel):
+                self.say(f"{who}->>T: cancel the transfer, keep polling until it ends")
+            elif isinstance(action, _session.Send):
+                name = type(action.message).__name__
+                self.say(f"{who}-){peer}: {name} (encoded, sent as a transport notification)")
+            else:
+                self.say(f"Note over {who}: blocks {action.block_ids.to_lists()} may be reused")
 
     def text(self) -> str:
         return "\n".join(self.lines) + "\n"

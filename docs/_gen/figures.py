@@ -16,7 +16,15 @@ from matplotlib.ticker import FuncFormatter
 import kvspec
 from kvspec._summary import blocks_needed_for, summarize_plan
 
-__all__ = ["BYTES_MODELS", "BYTES_TOKENS", "bytes_rows", "bytes_svg", "clipping_example", "clipping_svg"]
+__all__ = [
+    "BYTES_MODELS",
+    "BYTES_TOKENS",
+    "bytes_rows",
+    "bytes_svg",
+    "clipping_example",
+    "clipping_svg",
+    "engine_bench_svg",
+]
 
 # Stable output: the same SVG bytes on every build.
 matplotlib.rcParams["svg.hashsalt"] = "kvspec"
@@ -193,4 +201,51 @@ def bytes_svg(rows: list[tuple[str, int, int, int]]) -> bytes:
     ax.grid(True, which="major", linewidth=0.4, alpha=0.6)
     ax.legend(frameon=False, fontsize=8)
     ax.set_title("KV bytes P hands to C, bf16, block size 16 (kvspec plan)", loc="left", fontsize=9)
+    return _save(fig)
+
+
+# --------------------------------------------------------------------------- what an engine pays (bench_engine.py)
+
+
+def engine_bench_svg(data: dict[str, Any]) -> bytes:
+    """Per-request time against context length, kvspec and vLLM 0.33, from benchmarks/bench_engine.py's JSON."""
+    rows = data["rows"]
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    fig, axes = plt.subplots(1, len(models), figsize=(9.0, 4.0), sharey=True, squeeze=False)
+    series = [
+        ("reference_us", 1e-3, "-", "#4c72b0", "kvspec: clip both + coverage + pairs"),
+        ("plan_ms", 1.0, "-", "#dd8452", "kvspec: plan_transfer, all layers"),
+        ("descriptors_ms", 1.0, "-", "#8c8c8c", "kvspec: to_descriptors"),
+        ("vllm_clip_pair_us", 1e-3, "--", "#4c72b0", "vLLM 0.33: clip (MoRI-IO) + pairing (NIXL)"),
+        ("vllm_desc_ids_ms", 1.0, "--", "#dd8452", "vLLM 0.33: NIXL descriptor ids"),
+    ]
+    for ax, model in zip(axes[0], models, strict=True):
+        for allocation, marker in (("contiguous", "o"), ("shuffled", "s")):
+            mine = [r for r in rows if r["model"] == model and r["allocation"] == allocation]
+            tokens = [r["tokens"] for r in mine]
+            for key, scale, style, colour, label in series:
+                if not all(key in r for r in mine):
+                    continue
+                ax.plot(
+                    tokens,
+                    [r[key] * scale for r in mine],
+                    style,
+                    color=colour,
+                    marker=marker,
+                    ms=3.5,
+                    alpha=1.0 if allocation == "shuffled" else 0.55,
+                    label=f"{label}, {allocation}",
+                )
+        ax.axhline(1.0, color="#4c72b0", linewidth=0.6, linestyle=":")
+        ax.axhline(20.0, color="#dd8452", linewidth=0.6, linestyle=":")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v / 1024:g}k"))
+        ax.set_xticks(sorted({r["tokens"] for r in rows}))
+        ax.set_xlabel("context length T (tokens), no prefix hit")
+        ax.set_title(model, loc="left", fontsize=9)
+        ax.grid(True, which="major", linewidth=0.4, alpha=0.6)
+    axes[0][0].set_ylabel("ms per request (best of 15)")
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=2, frameon=False, fontsize=7, bbox_to_anchor=(0.5, -0.28))
     return _save(fig)

@@ -1,0 +1,1393 @@
+"""The vector cases: hand-picked pins and boundaries per rule, seeded generated ones, and the writer.
+
+Each :class:`CaseSet` says which vectors one rule gets for one function: its
+pinned cases (every value and boundary the spec names) and a generator of
+random inputs. Inputs are kvspec values; :func:`build_vectors` encodes them,
+decodes them back (so the decoder is exercised) and asks the reference for
+the expected answer. ``random.Random`` is seeded from the seed, rule and
+function, so the same kvspec version and seed write the same bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from kvspec._codec import decode, encode
+from kvspec._errors import ConfigError
+from kvspec._handshake import check_compatibility
+from kvspec._messages import (
+    PROTOCOL_VERSION,
+    Abort,
+    BlockOffer,
+    Completion,
+    EngineDescriptor,
+    Failure,
+    GroupDescriptor,
+    Release,
+    ReleaseOutcome,
+    TransferParams,
+)
+from kvspec._models import (
+    BlockIds,
+    ChunkedLocalAttentionSpec,
+    CrossAttentionSpec,
+    FailureReason,
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheSpec,
+    KVCacheTensor,
+    MambaSpec,
+    MLAAttentionSpec,
+    SlidingWindowMLASpec,
+    SlidingWindowSpec,
+    TransferMode,
+)
+from kvspec._plan import plan_transfer
+from kvspec._reference import (
+    check_hybrid_support,
+    check_window_coverage,
+    compute_block_pairs,
+    compute_transfer_pairs,
+    get_blocks_per_sw,
+    get_consumer_block_counts,
+    get_exchange_clipped_blocks,
+    get_logical_block_count,
+    get_needed_block_range,
+    get_needed_token_range,
+    get_num_skipped_tokens,
+    get_pruned_block_ids,
+    get_token_basis_group,
+    is_full_attention_spec,
+    is_hma_required,
+)
+from kvspec._rules import RULES
+from kvspec._session import ConsumerSession, ProducerSession
+from kvspec._summary import blocks_needed_for, summarize_plan
+from kvspec._vectors import (
+    FORMAT_VERSION,
+    FUNCTIONS,
+    PUBLIC_NAMES,
+    Json,
+    answer_schema,
+    answer_vector,
+    to_json,
+    vector_schema,
+)
+
+__all__ = [
+    "CASE_SETS",
+    "DEFAULT_COUNT",
+    "DEFAULT_SEED",
+    "Case",
+    "CaseSet",
+    "build_archive",
+    "build_vectors",
+    "dumps_json",
+    "write_vectors",
+]
+
+DEFAULT_COUNT = 4
+"""Generated vectors per (rule, function) when ``--count`` is not given."""
+
+DEFAULT_SEED = 0
+"""Seed when ``--seed`` is not given."""
+
+MANIFEST = "manifest.json"
+
+
+@attrs.frozen(kw_only=True)
+class Case:
+    """One vector's name, its inputs as kvspec values, and an optional one-line description."""
+
+    name: str
+    inputs: Mapping[str, object]
+    description: str = ""
+
+
+@attrs.frozen(kw_only=True)
+class CaseSet:
+    """The vectors one rule gets for one function: pinned cases and a generator of random ones."""
+
+    rule: str
+    fn: object
+    pinned: Callable[[], Sequence[Case]]
+    generate: Callable[[random.Random], Mapping[str, object]] | None = None
+
+    @property
+    def function(self) -> str:
+        """The function's public name, from :data:`kvspec._vectors.PUBLIC_NAMES` (one line per rename)."""
+        return PUBLIC_NAMES[self.fn]
+
+
+# --------------------------------------------------------------------------- building blocks
+
+
+def _full(block_size: int = 16, **kw: Any) -> FullAttentionSpec:
+    return FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=4, dtype="float16", **kw)
+
+
+def _sw(window: int, block_size: int = 16) -> SlidingWindowSpec:
+    return SlidingWindowSpec(block_size=block_size, num_kv_heads=1, head_size=4, dtype="float16", sliding_window=window)
+
+
+def _config(
+    specs: Sequence[KVCacheSpec], *, num_blocks: int = 64, layers: int = 1, layout: str = "blocks_first"
+) -> KVCacheConfig:
+    """One tensor per group: ``blocks_first`` (a block's pages of every layer adjacent) or ``layers_first``."""
+    groups, tensors = [], []
+    for g, spec in enumerate(specs):
+        names = [f"layers.{g}.{i}" for i in range(layers)]
+        page = spec.page_size_bytes
+        if layout == "blocks_first":
+            tensor = KVCacheTensor(
+                size=num_blocks * layers * page, layers=names, layer_stride=page, block_stride=layers * page
+            )
+        else:
+            tensor = KVCacheTensor(
+                size=num_blocks * layers * page, layers=names, layer_stride=num_blocks * page, block_stride=page
+            )
+        tensors.append(tensor)
+        groups.append(KVCacheGroupSpec(layer_names=names, kv_cache_spec=spec))
+    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=tensors, kv_cache_groups=groups)
+
+
+_KINDS = ("full", "mla", "sw", "sw_mla", "chunked", "cross", "mamba", "unknown")
+
+
+def _rand_spec(rng: random.Random, kinds: Sequence[str] = ("full", "sw")) -> KVCacheSpec:
+    block = rng.choice([4, 8, 16])
+    common: dict[str, Any] = {
+        "block_size": block,
+        "num_kv_heads": rng.choice([1, 2]),
+        "head_size": rng.choice([4, 8]),
+        "dtype": rng.choice(["float16", "bfloat16", "float32", "fp8"]),
+    }
+    window = rng.choice([block, 2 * block, 3 * block - 1, rng.randint(1, 5 * block)])
+    kind = rng.choice(kinds)
+    if kind == "full":
+        return FullAttentionSpec(**common)
+    if kind == "mla":
+        return MLAAttentionSpec(**common)
+    if kind == "sw":
+        return SlidingWindowSpec(**common, sliding_window=window)
+    if kind == "sw_mla":
+        return SlidingWindowMLASpec(**common, sliding_window=window)
+    if kind == "chunked":
+        return ChunkedLocalAttentionSpec(**common, attention_chunk_size=window)
+    if kind == "cross":
+        return CrossAttentionSpec(**common)
+    if kind == "mamba":
+        return MambaSpec(block_size=block, shapes=[[2, rng.choice([2, 4])]], dtypes=["float32"])
+    return KVCacheSpec(block_size=block, page_size_padded=64)
+
+
+def _rand_config(rng: random.Random, kinds: Sequence[str] = ("full", "sw"), *, num_blocks: int = 64) -> KVCacheConfig:
+    specs = [_rand_spec(rng, kinds) for _ in range(rng.randint(1, 3))]
+    return _config(
+        specs, num_blocks=num_blocks, layers=rng.randint(1, 2), layout=rng.choice(["blocks_first", "layers_first"])
+    )
+
+
+def _rand_ids(rng: random.Random, groups: int, *, most: int = 6, null: float = 0.0) -> list[list[int]]:
+    return [
+        [0 if rng.random() < null else rng.randint(1, 60) for _ in range(rng.randint(0, most))] for _ in range(groups)
+    ]
+
+
+def _table(config: KVCacheConfig, num_tokens: int, rng: random.Random | None = None) -> BlockIds:
+    """A full block table for ``num_tokens``, ids distinct across groups (shuffled when ``rng`` is given)."""
+    counts = [-(-num_tokens // g.kv_cache_spec.block_size) for g in config.kv_cache_groups]
+    pool = list(range(1, config.num_blocks))
+    if rng is not None:
+        rng.shuffle(pool)
+    groups, start = [], 0
+    for n in counts:
+        groups.append(pool[start : start + n])
+        start += n
+    return BlockIds(groups)
+
+
+def _exchange(
+    config: KVCacheConfig, num_tokens: int, prefix_hit: int, rng: random.Random | None = None
+) -> dict[str, object]:
+    """What a sound exchange passes: P's pruned, clipped table and C's clipped uncached suffix (WIN-1, CLIP-1)."""
+    producer = get_exchange_clipped_blocks(
+        get_pruned_block_ids(config, _table(config, num_tokens, rng), num_computed_tokens=num_tokens),
+        get_blocks_per_sw(config),
+    )
+    counts = get_consumer_block_counts(config, num_tokens=num_tokens, prefix_hit_tokens=prefix_hit)
+    pool = list(range(1, config.num_blocks))
+    if rng is not None:
+        rng.shuffle(pool)
+    consumer, start = [], 0
+    for n in counts:
+        consumer.append(pool[start : start + n])
+        start += n
+    return {
+        "config": config,
+        "num_tokens": num_tokens,
+        "prefix_hit_tokens": prefix_hit,
+        "producer_block_ids": producer,
+        "consumer_block_ids": BlockIds(consumer) if prefix_hit < num_tokens else BlockIds([]),
+    }
+
+
+def _rand_exchange(rng: random.Random, *, mutate: bool = True) -> dict[str, object]:
+    config = _rand_config(rng, num_blocks=128)
+    block = max(g.kv_cache_spec.block_size for g in config.kv_cache_groups)
+    lcm = 16  # every generated block size divides 16, so H stays whole blocks in every group
+    num_tokens = rng.randint(1, 6 * block)
+    prefix_hit = rng.randint(0, num_tokens // lcm) * lcm
+    case = _exchange(config, num_tokens, prefix_hit, rng)
+    if mutate and rng.random() < 0.4:
+        role = rng.choice(["producer_block_ids", "consumer_block_ids"])
+        ids = [list(g) for g in case[role]]  # type: ignore[attr-defined]
+        nonempty = [g for g in ids if g]
+        if nonempty:
+            group = rng.choice(nonempty)
+            if rng.random() < 0.5:
+                group[rng.randrange(len(group))] = 0  # a null where a block may be needed (WIN-1)
+            else:
+                del group[0]  # one block short
+            case[role] = BlockIds(ids)
+    return case
+
+
+# --------------------------------------------------------------------------- HMA-1, ADM-1, ADM-2
+
+_FLAG = "disable_hybrid_kv_cache_manager"
+
+
+def _kinds_config(*kinds: str) -> KVCacheConfig:
+    rng = random.Random(0)  # fixed shapes for pinned cases
+    specs = []
+    for kind in kinds:
+        spec = _rand_spec(rng, (kind,))
+        specs.append(_sw(32) if kind == "sw" else _full() if kind == "full" else spec)
+    return _config(specs, num_blocks=8)
+
+
+def _hma_pins() -> list[Case]:
+    def case(name: str, kinds: Sequence[str], flag: bool, description: str) -> Case:
+        return Case(name=name, inputs={"config": _kinds_config(*kinds), _FLAG: flag}, description=description)
+
+    fa_window = _config([_full(sliding_window=32)], num_blocks=8)
+    return [
+        case("full_only", ["full"], False, "only full attention: HMA not required"),
+        case("mla_only", ["mla"], False, "MLA counts as full attention"),
+        case("sliding_only", ["sw"], False, "a model whose only group is sliding window is hybrid"),
+        case("full_and_sliding", ["sw", "full"], False, "Gemma-like: hybrid"),
+        case("full_and_sliding_flag_off", ["sw", "full"], True, "the flag turns HMA off"),
+        case("sliding_mla", ["full", "sw_mla"], False, "SW-MLA is not full attention"),
+        case("mamba_hybrid", ["full", "mamba"], False, "Mamba is not full attention"),
+        Case(
+            name="full_with_window_hma_off_form",
+            inputs={"config": fa_window, _FLAG: False},
+            description="vLLM's HMA-off form: a full-attention spec with a window set is full attention",
+        ),
+    ]
+
+
+def _full_attention_pins() -> list[Case]:
+    rng = random.Random(0)
+    cases = [Case(name=f"kind_{kind}", inputs={"spec": _rand_spec(rng, (kind,))}) for kind in _KINDS]
+    cases.append(Case(name="full_with_window", inputs={"spec": _full(sliding_window=32)}))
+    return cases
+
+
+def _admission(
+    kinds: Sequence[str], mode: str = "read", read_only: bool = False, flag: bool = False
+) -> dict[str, object]:
+    return {"config": _kinds_config(*kinds), "mode": mode, "read_only_hma": read_only, _FLAG: flag}
+
+
+def _adm1_pins() -> list[Case]:
+    return [
+        Case(name="full_and_sliding", inputs=_admission(["full", "sw"]), description="admitted"),
+        Case(name="mla_and_sliding_mla", inputs=_admission(["mla", "sw_mla"]), description="admitted"),
+        Case(name="chunked_local", inputs=_admission(["full", "chunked"]), description="refused under HMA"),
+        Case(
+            name="chunked_local_flag", inputs=_admission(["full", "chunked"], flag=True), description="flag: admitted"
+        ),
+        Case(name="cross_attention", inputs=_admission(["sw", "cross"]), description="refused under HMA"),
+        Case(name="unknown_kind", inputs=_admission(["sw", "unknown"]), description="unknown kinds fail closed"),
+        Case(name="mamba", inputs=_admission(["full", "mamba"]), description="Mamba refused"),
+        Case(
+            name="mamba_flag", inputs=_admission(["full", "mamba"], flag=True), description="Mamba refused, flag or not"
+        ),
+        Case(name="full_only_chunked_free", inputs=_admission(["full"]), description="no HMA: nothing to refuse"),
+    ]
+
+
+def _adm2_pins() -> list[Case]:
+    return [
+        Case(name="read_hma", inputs=_admission(["full", "sw"], "read")),
+        Case(name="write_hma", inputs=_admission(["full", "sw"], "write"), description="WRITE is specified under HMA"),
+        Case(name="read_only_connector_read", inputs=_admission(["full", "sw"], "read", read_only=True)),
+        Case(
+            name="read_only_connector_write",
+            inputs=_admission(["full", "sw"], "write", read_only=True),
+            description="MoRIIO's policy: WRITE with HMA refused",
+        ),
+        Case(name="read_only_connector_write_flag", inputs=_admission(["full", "sw"], "write", True, True)),
+        Case(name="read_only_connector_write_no_hma", inputs=_admission(["full"], "write", read_only=True)),
+        Case(name="bad_mode", inputs=_admission(["full", "sw"], "push"), description="not a TransferMode value"),
+    ]
+
+
+def _gen_admission(rng: random.Random) -> dict[str, object]:
+    return {
+        "config": _rand_config(rng, _KINDS, num_blocks=8),
+        "mode": rng.choice(["read", "write"]),
+        "read_only_hma": rng.random() < 0.3,
+        _FLAG: rng.random() < 0.2,
+    }
+
+
+# --------------------------------------------------------------------------- SW-1, CLIP-1, TOK-1
+
+
+def _sw1_pins() -> list[Case]:
+    pins = [(32, 16, 3), (128, 16, 9), (2048, 16, 129), (1024, 16, 65), (16, 16, 2), (17, 16, 3), (1, 16, 2)]
+    cases = [
+        Case(
+            name=f"w{w}_b{b}",
+            inputs={"config": _config([_sw(w, b)], num_blocks=4)},
+            description=f"pinned: cdiv({w}, {b}) + 1 = {n}",
+        )
+        for w, b, n in pins
+    ]
+    cases.append(
+        Case(
+            name="worked_example",
+            inputs={"config": _worked_config()},
+            description="docs/spec/worked-example.md: SW(W=48) first, then FA: (4, 0)",
+        )
+    )
+    cases.append(
+        Case(
+            name="per_group_block_size",
+            inputs={"config": _config([_sw(32, 8), _full(16), _sw(128, 32)], num_blocks=4)},
+            description="each group with its own block size; full attention 0",
+        )
+    )
+    return cases
+
+
+def _clip(ids: Sequence[Sequence[int]], budgets: Sequence[int]) -> dict[str, object]:
+    return {"block_ids": BlockIds(ids), "budgets": tuple(budgets)}
+
+
+def _clip_pins() -> list[Case]:
+    return [
+        Case(
+            name="moriio_example",
+            inputs=_clip([[10, 11, 12, 13, 14], [20, 21, 22, 23, 24]], [0, 3]),
+            description="pinned example (MoRIIO): FA(B=16) + SW(W=32, B=16), budgets (0, 3)",
+        ),
+        Case(name="no_budget_identity", inputs=_clip([[1, 2, 3], [4, 5]], [0, 0])),
+        Case(name="keep_last_n", inputs=_clip([[1, 2, 3, 4, 5], [6, 7, 8, 9]], [0, 3]), description="last 3 kept"),
+        Case(name="shorter_than_budget", inputs=_clip([[1, 2], [3]], [0, 3]), description="all kept"),
+        Case(name="zero_groups_stay_zero", inputs=_clip([], [0, 3]), description="full prefix hit"),
+        Case(
+            name="zero_budget_is_not_minus_zero",
+            inputs=_clip([[1, 2, 3], [4, 5, 6]], [2, 0]),
+            description="budget 0 keeps the whole group (Python's ids[-0:] pitfall, research H3)",
+        ),
+        Case(name="empty_group", inputs=_clip([[], [1, 2]], [3, 0])),
+        Case(name="group_count_mismatch", inputs=_clip([[1], [2], [3]], [0, 3])),
+        Case(name="negative_budget", inputs=_clip([[1, 2], [3]], [0, -1])),
+    ]
+
+
+def _gen_clip(rng: random.Random) -> dict[str, object]:
+    groups = rng.randint(0, 3)
+    budgets = [rng.choice([0, 0, 1, 2, 3, 9]) for _ in range(groups if rng.random() < 0.9 else groups + 1)]
+    return _clip(_rand_ids(rng, groups, most=10), budgets)
+
+
+def _token_basis_pins() -> list[Case]:
+    return [
+        Case(name="sliding_first", inputs={"config": _kinds_config("sw", "full")}, description="Gemma order: index 1"),
+        Case(name="full_first", inputs={"config": _kinds_config("full", "sw")}),
+        Case(name="no_full_attention", inputs={"config": _kinds_config("sw")}, description="null"),
+        Case(name="mla", inputs={"config": _kinds_config("sw_mla", "mla")}, description="MLA counts as full"),
+        Case(name="worked_example", inputs={"config": _worked_config()}, description="group 1, block size 16"),
+    ]
+
+
+def _params(**overrides: Any) -> TransferParams:
+    fields: dict[str, Any] = {
+        "request_id": "req-1",
+        "producer_engine_id": "P",
+        "producer_block_ids": [[1, 2, 3], [4, 5]],
+        "num_tokens": 40,
+        "mode": TransferMode.READ,
+        "lease_deadline": 30.0,
+        "transport_data": {"remote_host": "127.0.0.1", "remote_port": 5600},
+    }
+    fields.update(overrides)
+    return TransferParams(**fields)
+
+
+def _tok_dict_pins() -> list[Case]:
+    good = _params().to_kv_transfer_params()
+    bad_version = {**good, "kvspec_version": "2.0"}
+    no_tokens = {k: v for k, v in good.items() if k != "remote_num_tokens"}
+    return [
+        Case(name="explicit_num_tokens", inputs={"kv_transfer_params": good}, description="TOK-1: T travels"),
+        Case(name="missing_num_tokens", inputs={"kv_transfer_params": no_tokens}, description="never inferred"),
+        Case(name="push_alias", inputs={"kv_transfer_params": {**good, "transfer_mode": "push"}}),
+        Case(name="other_major", inputs={"kv_transfer_params": bad_version}),
+        Case(name="flat_block_list", inputs={"kv_transfer_params": {**good, "remote_block_ids": [1, 2, 3]}}),
+    ]
+
+
+def _tok_to_dict_pins() -> list[Case]:
+    return [
+        Case(name="named_transport", inputs={"message": _params()}),
+        Case(name="opaque_transport", inputs={"message": _params(transport_data=b"\x00agent")}),
+    ]
+
+
+# --------------------------------------------------------------------------- ALIGN-1, NULL-1
+
+
+def _pairs(p: Sequence[Sequence[int]], c: Sequence[Sequence[int]]) -> dict[str, object]:
+    return {"producer_block_ids": BlockIds(p), "consumer_block_ids": BlockIds(c)}
+
+
+def _align_pins() -> list[Case]:
+    return [
+        Case(
+            name="tail_alignment",
+            inputs=_pairs([[1, 2, 3, 4], [5, 6, 7]], [[11, 12], [13, 14, 15]]),
+            description="C's i-th id pairs with P's id at len(P) - len(C) + i; never front-trim",
+        ),
+        Case(name="equal_lengths", inputs=_pairs([[1, 2], [3]], [[4, 5], [6]])),
+        Case(name="consumer_longer", inputs=_pairs([[1, 2], [3]], [[4, 5, 6], [7]])),
+        Case(name="group_count_mismatch", inputs=_pairs([[1, 2], [3]], [[4]])),
+        Case(name="zero_consumer_groups", inputs=_pairs([[1, 2], [3]], []), description="full prefix hit"),
+        Case(name="empty_consumer_group", inputs=_pairs([[1, 2], [3]], [[], [9]])),
+    ]
+
+
+def _null_pins() -> list[Case]:
+    return [
+        Case(
+            name="pruned_producer_ids_dropped",
+            inputs=_pairs([[0, 0, 3, 4]], [[11, 12, 13]]),
+            description="a pair with a null producer side is dropped",
+        ),
+        Case(name="null_consumer_id_dropped", inputs=_pairs([[1, 2, 3]], [[0, 12, 13]])),
+        Case(name="all_null", inputs=_pairs([[0, 0], [5]], [[0, 7], [8]])),
+    ]
+
+
+def _gen_align(rng: random.Random) -> dict[str, object]:
+    groups = rng.randint(1, 3)
+    producer = _rand_ids(rng, groups, most=8, null=0.15)
+    consumer = []
+    for g in producer:
+        n = rng.randint(0, len(g) + (1 if rng.random() < 0.15 else 0))
+        consumer.append([0 if rng.random() < 0.1 else rng.randint(1, 60) for _ in range(n)])
+    if rng.random() < 0.1:
+        consumer = consumer[:-1] if rng.random() < 0.5 else []
+    return _pairs(producer, consumer)
+
+
+def _plan_null_pins() -> list[Case]:
+    config = _config([_full(), _sw(32)], num_blocks=16)
+    return [
+        Case(
+            name="null_block_in_a_pair",
+            inputs={"producer_config": config, "consumer_config": config, **_pairs([[1, 2], [0]], [[3, 4], [5]])},
+            description="the planner refuses a null id in a pair",
+        )
+    ]
+
+
+# --------------------------------------------------------------------------- WIN-1
+
+
+def _spec_tokens(spec: KVCacheSpec, t: int, h: int = 0) -> dict[str, object]:
+    return {"spec": spec, "num_tokens": t, "prefix_hit_tokens": h}
+
+
+def _window_boundaries() -> list[tuple[str, int]]:
+    # W=32, B=16: (T-W+1) % B == 0 at T=47, 63; (T-W+2) % B == 0 at T=46, 62 (WIN-1 names both).
+    return [("t_minus_w_plus_1_on_boundary", 47), ("t_minus_w_plus_2_on_boundary", 46), ("t_one_block", 16)]
+
+
+def _range_pins() -> list[Case]:
+    sw = _sw(32)
+    cases = [
+        Case(name=name, inputs=_spec_tokens(sw, t), description=f"W=32 B=16 T={t}") for name, t in _window_boundaries()
+    ]
+    cases += [
+        Case(name="full_attention_from_prefix", inputs=_spec_tokens(_full(), 64, 32)),
+        Case(name="prefix_hit_inside_window", inputs=_spec_tokens(sw, 64, 48)),
+        Case(name="full_prefix_hit", inputs=_spec_tokens(sw, 64, 64)),
+        Case(name="window_longer_than_request", inputs=_spec_tokens(_sw(128), 40)),
+        Case(name="zero_tokens", inputs=_spec_tokens(_full(), 0)),
+    ]
+    return cases
+
+
+def _gen_range(rng: random.Random) -> dict[str, object]:
+    spec = _rand_spec(rng)
+    t = rng.randint(0, 8 * spec.block_size)
+    return _spec_tokens(spec, t, rng.randint(0, t))
+
+
+def _count_pins() -> list[Case]:
+    return [
+        Case(name="exact_blocks", inputs={"spec": _full(), "num_tokens": 32}),
+        Case(name="partial_block", inputs={"spec": _full(), "num_tokens": 33}),
+        Case(name="zero", inputs={"spec": _full(), "num_tokens": 0}),
+        Case(name="negative", inputs={"spec": _full(), "num_tokens": -1}),
+    ]
+
+
+def _skipped_pins() -> list[Case]:
+    chunked = ChunkedLocalAttentionSpec(
+        block_size=16, num_kv_heads=1, head_size=4, dtype="fp16", attention_chunk_size=64
+    )
+    mamba = MambaSpec(block_size=16, shapes=[[2, 2]], dtypes=["float32"])
+    return [
+        Case(name="sliding_w32_n47", inputs={"spec": _sw(32), "num_computed_tokens": 47}),
+        Case(name="sliding_w32_n31", inputs={"spec": _sw(32), "num_computed_tokens": 31}),
+        Case(name="full_attention", inputs={"spec": _full(), "num_computed_tokens": 100}),
+        Case(name="chunked_local", inputs={"spec": chunked, "num_computed_tokens": 130}),
+        Case(name="mamba", inputs={"spec": mamba, "num_computed_tokens": 10}),
+    ]
+
+
+def _prune_pins() -> list[Case]:
+    config = _config([_full(), _sw(32)], num_blocks=16)
+    return [
+        Case(
+            name="sliding_prunes_leading_blocks",
+            inputs={"config": config, "block_ids": BlockIds([[1, 2, 3, 4], [5, 6, 7, 8]]), "num_computed_tokens": 64},
+            description="skipped 33 tokens: 2 whole blocks become null",
+        ),
+        Case(
+            name="stops_at_existing_null",
+            inputs={"config": config, "block_ids": BlockIds([[1, 2, 3, 4], [0, 6, 7, 8]]), "num_computed_tokens": 80},
+        ),
+        Case(
+            name="group_count_mismatch",
+            inputs={"config": config, "block_ids": BlockIds([[1, 2]]), "num_computed_tokens": 16},
+        ),
+        Case(
+            name="worked_example",
+            inputs={"config": _worked_config(), "block_ids": _WORKED_TABLE, "num_computed_tokens": 100},
+            description="docs/spec/worked-example.md: the SW group's first 3 blocks become null",
+        ),
+    ]
+
+
+def _gen_prune(rng: random.Random) -> dict[str, object]:
+    config = _rand_config(rng)
+    t = rng.randint(0, 100)
+    return {"config": config, "block_ids": _table(config, t, rng), "num_computed_tokens": t + rng.randint(0, 20)}
+
+
+def _worked_config() -> KVCacheConfig:
+    """docs/spec/worked-example.md: one SW group (W=48) listed first, then full attention, B=16."""
+    sw = SlidingWindowSpec(block_size=16, num_kv_heads=1, head_size=2, dtype="bf16", sliding_window=48)
+    fa = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=2, dtype="bf16")
+    return _config([sw, fa], num_blocks=64)
+
+
+_WORKED_TABLE = BlockIds([[11, 12, 13, 14, 15, 16, 17], [21, 22, 23, 24, 25, 26, 27]])
+
+
+def _worked_exchange(num_tokens: int, pruned_with: int) -> dict[str, object]:
+    config = _worked_config()
+    table = BlockIds([g[: -(-num_tokens // 16)] for g in _WORKED_TABLE])
+    producer = get_exchange_clipped_blocks(
+        get_pruned_block_ids(config, table, num_computed_tokens=pruned_with), get_blocks_per_sw(config)
+    )
+    counts = get_consumer_block_counts(config, num_tokens=num_tokens, prefix_hit_tokens=0)
+    consumer = BlockIds([[41 + i for i in range(counts[0])], [51 + i for i in range(counts[1])]])
+    return {
+        "config": config,
+        "num_tokens": num_tokens,
+        "prefix_hit_tokens": 0,
+        "producer_block_ids": producer,
+        "consumer_block_ids": consumer,
+    }
+
+
+def _worked_pins() -> list[Case]:
+    worked = {
+        "config": _worked_config(),
+        "num_tokens": 100,
+        "prefix_hit_tokens": 32,
+        "producer_block_ids": BlockIds([[14, 15, 16, 17], [21, 22, 23, 24, 25, 26, 27]]),
+        "consumer_block_ids": BlockIds([[41, 42, 43, 44], [51, 52, 53, 54, 55]]),
+    }
+    return [
+        Case(name="worked_example", inputs=worked, description="docs/spec/worked-example.md: T=100, H=32"),
+        Case(
+            name="worked_example_t94_pruned_with_t",
+            inputs=_worked_exchange(94, 94),
+            description="(94 - 48 + 2) % 16 == 0, pruned with T: passes",
+        ),
+        Case(
+            name="worked_example_t94_pruned_with_t_plus_1",
+            inputs=_worked_exchange(94, 95),
+            description="pruned with T + 1 (research H2): WindowCoverageError at logical block 2",
+        ),
+        Case(
+            name="worked_example_t95_pruned_with_t_plus_1",
+            inputs=_worked_exchange(95, 96),
+            description="(95 - 48 + 1) % 16 == 0: the extra null is not needed",
+        ),
+    ]
+
+
+def _null_either_side_pins() -> list[Case]:
+    # W=32, B=16. T=47: (T-W+1) % B == 0, SW needs blocks 1..2, so block 0 may be null on either side.
+    # T=46: (T-W+2) % B == 0, SW needs blocks 0..2: a null at block 0 on either side fails (WIN-1).
+    config = _tokens_config()
+    fa_p, fa_c = [1, 2, 3], [11, 12, 13]
+    cases = []
+    for t in (47, 46):
+        for role, producer, consumer in (
+            ("producer", [fa_p, [0, 5, 6]], [fa_c, [14, 15, 16]]),
+            ("consumer", [fa_p, [4, 5, 6]], [fa_c, [0, 15, 16]]),
+        ):
+            inputs = {"config": config, "num_tokens": t, "prefix_hit_tokens": 0, **_pairs(producer, consumer)}
+            cases.append(Case(name=f"t{t}_null_block0_on_{role}", inputs=inputs, description=f"W=32 B=16 T={t}"))
+    return cases
+
+
+def _tokens_config() -> KVCacheConfig:
+    return _config([_full(), _sw(32)], num_blocks=64)
+
+
+def _consumer_count_pins() -> list[Case]:
+    config = _tokens_config()
+
+    def case(name: str, t: int, h: int, description: str = "") -> Case:
+        return Case(
+            name=name, inputs={"config": config, "num_tokens": t, "prefix_hit_tokens": h}, description=description
+        )
+
+    return [
+        case("t_minus_w_plus_1_on_boundary", 47, 0, "W=32 B=16 T=47"),
+        case("t_minus_w_plus_2_on_boundary", 46, 0, "W=32 B=16 T=46"),
+        case("prefix_hit_in_window", 64, 48),
+        case("full_prefix_hit", 64, 64),
+        case("prefix_not_whole_blocks", 64, 8, "H must be a multiple of every block size"),
+        case("prefix_above_tokens", 16, 32),
+        Case(
+            name="worked_example",
+            inputs={"config": _worked_config(), "num_tokens": 100, "prefix_hit_tokens": 32},
+            description="docs/spec/worked-example.md: (4, 5)",
+        ),
+    ]
+
+
+def _coverage_pins() -> list[Case]:
+    config = _tokens_config()
+    cases = [
+        Case(name=name, inputs=_exchange(config, t, 0), description=f"sound exchange, W=32 B=16 T={t}")
+        for name, t in _window_boundaries()
+    ]
+    short = _exchange(config, 64, 0)
+    short["producer_block_ids"] = BlockIds([list(short["producer_block_ids"][0]), [0, 9, 10]])  # type: ignore[index]
+    cases.append(Case(name="needed_block_null_on_producer", inputs=short, description="WindowCoverageError"))
+    # Pruning with more tokens than C uses nulls a block C still needs (research H2).
+    overpruned = _exchange(config, 47, 0)
+    overpruned["producer_block_ids"] = get_exchange_clipped_blocks(
+        get_pruned_block_ids(config, _table(config, 47), num_computed_tokens=48 + 16), get_blocks_per_sw(config)
+    )
+    cases.append(Case(name="pruned_with_too_many_tokens", inputs=overpruned, description="research H2"))
+    hit = _exchange(config, 64, 64)
+    cases.append(Case(name="full_prefix_hit_zero_groups", inputs=hit))
+    cases.append(
+        Case(
+            name="zero_groups_but_blocks_needed",
+            inputs={**_exchange(config, 64, 32), "consumer_block_ids": BlockIds([])},
+        )
+    )
+    cases += _null_either_side_pins() + _worked_pins()
+    too_long = _exchange(config, 32, 0)
+    too_long["consumer_block_ids"] = BlockIds([[1, 2, 3], [4, 5]])
+    cases.append(Case(name="consumer_lists_too_many", inputs=too_long))
+    return cases
+
+
+def _plan_pins() -> list[Case]:
+    config = _config([_full(), _sw(32)], num_blocks=16, layers=2)
+    other = _config([_full(), _sw(32)], num_blocks=16, layers=2, layout="layers_first")
+
+    def case(
+        name: str, consumer_config: KVCacheConfig, p: Sequence[Sequence[int]], c: Sequence[Sequence[int]], d: str = ""
+    ) -> Case:
+        return Case(
+            name=name,
+            inputs={"producer_config": config, "consumer_config": consumer_config, **_pairs(p, c)},
+            description=d,
+        )
+
+    return [
+        case("contiguous_runs_merge", config, [[1, 2, 3], [4, 5]], [[6, 7, 8], [9, 10]], "merged on both sides"),
+        case("fragmented", config, [[3, 1, 7], [4, 12]], [[2, 9, 5], [11, 6]]),
+        case("other_layout_on_consumer", other, [[1, 2], [3]], [[1, 2], [3]], "layers_first consumer"),
+        case("zero_groups", config, [], [], "full prefix hit: empty plan"),
+        case("block_outside_pool", config, [[1, 16], [3]], [[2, 3], [4]], "id 16 of 16 blocks"),
+        case("duplicate_consumer_id", config, [[1, 2], [3]], [[5, 5], [6]], "two copies onto one page"),
+        case("group_count_mismatch", config, [[1], [2]], [[1]], ""),
+    ]
+
+
+def _gen_plan(rng: random.Random) -> dict[str, object]:
+    case = _rand_exchange(rng, mutate=False)
+    config: KVCacheConfig = case["config"]  # type: ignore[assignment]
+    pairs = compute_transfer_pairs(**case)  # type: ignore[arg-type]
+    other = _config(
+        [g.kv_cache_spec for g in config.kv_cache_groups],
+        num_blocks=config.num_blocks,
+        layers=len(config.kv_cache_groups[0].layer_names),
+        layout=rng.choice(["blocks_first", "layers_first"]),
+    )
+    return {
+        "producer_config": config,
+        "consumer_config": other,
+        "producer_block_ids": pairs.producer_block_ids,
+        "consumer_block_ids": pairs.consumer_block_ids,
+    }
+
+
+def _gen_summary(rng: random.Random) -> dict[str, object]:
+    case = _rand_exchange(rng, mutate=False)
+    return {
+        "config": case["config"],
+        "num_tokens": case["num_tokens"],
+        "prefix_hit_tokens": case["prefix_hit_tokens"],
+        "mode": rng.choice(["read", "write"]),
+    }
+
+
+# --------------------------------------------------------------------------- HS-1
+
+
+def _descriptor(config: KVCacheConfig, **overrides: Any) -> EngineDescriptor:
+    base = EngineDescriptor.from_config(engine_id="P", config=config, mode=TransferMode.READ, hma_enabled=True)
+    return attrs.evolve(base, **overrides)
+
+
+def _group(descriptor: EngineDescriptor, index: int, **overrides: Any) -> EngineDescriptor:
+    groups = list(descriptor.groups)
+    groups[index] = attrs.evolve(groups[index], **overrides)
+    return attrs.evolve(descriptor, groups=tuple(groups))
+
+
+def _hs_pins() -> list[Case]:
+    producer = _descriptor(_config([_sw(32), _full()], num_blocks=32))
+    consumer = attrs.evolve(producer, engine_id="C", num_blocks=64, transport_metadata=b"agent-c")
+
+    def case(name: str, c: EngineDescriptor, description: str = "") -> Case:
+        return Case(name=name, inputs={"producer": producer, "consumer": c}, description=description)
+
+    return [
+        case("compatible", consumer, "engine id, pool size and transport metadata may differ"),
+        case(
+            "block_size_differs",
+            _group(consumer, 0, block_size=32, page_size_bytes=2048),
+            "block-size ratios: out of v1",
+        ),
+        case("group_order_swapped", attrs.evolve(consumer, groups=consumer.groups[::-1])),
+        case("other_major", attrs.evolve(consumer, protocol_version=(2, 0))),
+        case("newer_minor", attrs.evolve(consumer, protocol_version=(1, 7)), "minors are compatible"),
+        case("tp_size_differs", attrs.evolve(consumer, tp_size=2), "heterogeneous TP: out of v1"),
+        case("mode_and_hma_differ", attrs.evolve(consumer, mode=TransferMode.WRITE, hma_enabled=False)),
+        case("group_count_differs", attrs.evolve(consumer, groups=consumer.groups[:1])),
+        case("window_and_dtype_differ", _group(consumer, 0, sliding_window=64, dtype="bfloat16")),
+    ]
+
+
+_GROUP_MUTATIONS: tuple[tuple[str, Callable[[random.Random, GroupDescriptor], object]], ...] = (
+    ("block_size", lambda rng, g: g.block_size * 2),
+    ("num_kv_heads", lambda rng, g: (g.num_kv_heads or 1) + 1),
+    ("head_size", lambda rng, g: (g.head_size or 1) * 2),
+    ("dtype", lambda rng, g: "float32" if g.dtype != "float32" else "float16"),
+    ("page_size_bytes", lambda rng, g: g.page_size_bytes + 16),
+    ("layer_names", lambda rng, g: (*g.layer_names, "extra.layer")),
+)
+
+
+def _gen_hs(rng: random.Random) -> dict[str, object]:
+    producer = _descriptor(_rand_config(rng, num_blocks=16))
+    consumer = attrs.evolve(producer, engine_id="C")
+    for _ in range(rng.randint(0, 2)):
+        index = rng.randrange(len(consumer.groups))
+        name, change = rng.choice(_GROUP_MUTATIONS)
+        consumer = _group(consumer, index, **{name: change(rng, consumer.groups[index])})
+    if rng.random() < 0.2:
+        consumer = attrs.evolve(consumer, tp_size=rng.choice([2, 4]))
+    return {"producer": producer, "consumer": consumer}
+
+
+# --------------------------------------------------------------------------- VER-1
+
+
+def _messages() -> list[tuple[str, object]]:
+    params = _params()
+    return [
+        ("engine_descriptor", _descriptor(_config([_sw(32), _full()], num_blocks=32), transport_metadata=b"meta")),
+        ("transfer_params", params),
+        ("transfer_params_opaque_transport", _params(transport_data=b"\x01\x02", mode=TransferMode.WRITE)),
+        ("block_offer", BlockOffer(request_id="req-1", consumer_engine_id="C", consumer_block_ids=[[7, 8], [9]])),
+        ("completion", Completion(request_id="req-1", producer_engine_id="P")),
+        (
+            "failure",
+            Failure(
+                request_id="req-1",
+                producer_engine_id="P",
+                reason=FailureReason.LEASE_EXPIRED,
+                failed_consumer_block_ids=[[7], [9]],
+                detail="lease ran out",
+            ),
+        ),
+        ("release", Release(request_id="req-1", consumer_engine_id="C", outcome=ReleaseOutcome.PREFIX_HIT)),
+        ("abort", Abort(request_id="req-1", engine_id="C")),
+    ]
+
+
+def _encode_pins() -> list[Case]:
+    return [Case(name=name, inputs={"message": message}) for name, message in _messages()]
+
+
+def _text(obj: object) -> bytes:
+    return json.dumps(obj, separators=(",", ":")).encode("utf-8")
+
+
+def _decode_pins() -> list[Case]:
+    def case(name: str, data: bytes, description: str = "") -> Case:
+        return Case(name=name, inputs={"bytes": data}, description=description)
+
+    release = json.loads(encode(Release(request_id="r", consumer_engine_id="C", outcome=ReleaseOutcome.LOADED)))
+    cases = [case(f"valid_{name}", encode(message)) for name, message in _messages()]  # type: ignore[arg-type]
+    return [
+        *cases,
+        case("newer_minor_unknown_field", _text({**release, "v": [PROTOCOL_VERSION[0], 9], "extra": 1}), "ignored"),
+        case("other_major", _text({**release, "v": [PROTOCOL_VERSION[0] + 1, 0]})),
+        case("missing_field", _text({k: v for k, v in release.items() if k != "outcome"})),
+        case("mistyped_field", _text({**release, "request_id": 7})),
+        case("unknown_enum_value", _text({**release, "outcome": "exploded"})),
+        case("empty_request_id", _text({**release, "request_id": ""})),
+        case("unknown_type", _text({**release, "type": "teleport"})),
+        case("missing_version", _text({k: v for k, v in release.items() if k != "v"})),
+        case("not_json", b"{not json"),
+        case("not_an_object", b"[1,2,3]"),
+        case("not_utf8", b"\xff\xfe\x00"),
+        case("empty", b""),
+        case("negative_block_id", _text({**json.loads(encode(_messages()[3][1])), "consumer_block_ids": [[-1]]})),  # type: ignore[arg-type]
+        case("bad_base64", _text({**json.loads(encode(_messages()[0][1])), "transport_metadata": "***"})),  # type: ignore[arg-type]
+        case("nan_deadline", b'{"type":"transfer_params","v":[1,0],"lease_deadline":NaN}'),
+    ]
+
+
+def _gen_message(rng: random.Random) -> object:
+    ids = BlockIds(_rand_ids(rng, rng.randint(1, 3), most=4))
+    request = f"req-{rng.randint(0, 999)}"
+    choice = rng.randrange(5)
+    if choice == 0:
+        return _params(
+            request_id=request,
+            producer_block_ids=ids,
+            num_tokens=rng.randint(0, 9999),
+            lease_deadline=rng.randint(0, 10**6) / 8,
+            mode=rng.choice(list(TransferMode)),
+        )
+    if choice == 1:
+        return BlockOffer(request_id=request, consumer_engine_id="C", consumer_block_ids=ids)
+    if choice == 2:
+        return Failure(
+            request_id=request,
+            producer_engine_id="P",
+            reason=rng.choice(list(FailureReason)),
+            failed_consumer_block_ids=ids,
+        )
+    if choice == 3:
+        return Release(request_id=request, consumer_engine_id="C", outcome=rng.choice(list(ReleaseOutcome)))
+    return _descriptor(_rand_config(rng, num_blocks=16), transport_metadata=rng.randbytes(rng.randint(0, 6)))
+
+
+def _gen_encode(rng: random.Random) -> dict[str, object]:
+    return {"message": _gen_message(rng)}
+
+
+def _gen_decode(rng: random.Random) -> dict[str, object]:
+    data = bytearray(encode(_gen_message(rng)))  # type: ignore[arg-type]
+    if rng.random() < 0.6:
+        for _ in range(rng.randint(1, 3)):  # a corrupted byte string: decode raises a kvspec error or decodes
+            data[rng.randrange(len(data))] = rng.choice(b'{}[]",:0123456789aez\x00\xff')
+    return {"bytes": bytes(data)}
+
+
+# --------------------------------------------------------------------------- sessions
+
+_LEASE = 30.0
+
+
+def _event(call: str, now: float, **extra: object) -> dict[str, object]:
+    return {"call": call, "now": now, **extra}
+
+
+def _msg(message: object) -> dict[str, object]:
+    return {"message": message}
+
+
+def _producer_case(name: str, mode: TransferMode, events: list[dict[str, object]], description: str = "") -> Case:
+    return Case(
+        name=name,
+        inputs={
+            "params": _params(mode=mode, lease_deadline=_LEASE),
+            "options": {"release_grace": 10.0, "drain_timeout": 5.0},
+            "events": events,
+        },
+        description=description,
+    )
+
+
+def _consumer_case(
+    name: str,
+    mode: TransferMode,
+    events: list[dict[str, object]],
+    description: str = "",
+    *,
+    ids: Sequence[Sequence[int]] = ((7, 8), (9,)),
+) -> Case:
+    return Case(
+        name=name,
+        inputs={
+            "params": _params(mode=mode, lease_deadline=_LEASE),
+            "consumer_engine_id": "C",
+            "consumer_block_ids": BlockIds(ids),
+            "options": {"start_margin": 1.0, "transfer_timeout": 20.0, "drain_timeout": 5.0},
+            "events": events,
+        },
+        description=description,
+    )
+
+
+READ, WRITE = TransferMode.READ, TransferMode.WRITE
+_RELEASE = Release(request_id="req-1", consumer_engine_id="C", outcome=ReleaseOutcome.LOADED)
+_OFFER = BlockOffer(request_id="req-1", consumer_engine_id="C", consumer_block_ids=[[7, 8], [9]])
+_C_ABORT = Abort(request_id="req-1", engine_id="C")
+_P_ABORT = Abort(request_id="req-1", engine_id="P")
+_COMPLETION = Completion(request_id="req-1", producer_engine_id="P")
+_FAILURE = Failure(request_id="req-1", producer_engine_id="P", reason=FailureReason.TRANSFER_ERROR)
+
+
+def _sm1_pins() -> list[Case]:
+    return [
+        _producer_case("read_released", READ, [_event("receive", 1.0, **_msg(_RELEASE))]),
+        _producer_case(
+            "read_duplicate_release",
+            READ,
+            [_event("receive", 1.0, **_msg(_RELEASE)), _event("receive", 2.0, **_msg(_RELEASE))],
+            "terminal states are sticky",
+        ),
+        _producer_case(
+            "read_lease_plus_grace", READ, [_event("tick", 39.9), _event("tick", 40.0)], "expires at lease + grace"
+        ),
+        _producer_case("read_offer_is_remote_error", READ, [_event("receive", 1.0, **_msg(_OFFER))]),
+        _producer_case("read_transfer_report_is_local_error", READ, [_event("transfer_done", 1.0)]),
+        _producer_case(
+            "write_offer_write_release",
+            WRITE,
+            [
+                _event("receive", 1.0, **_msg(_OFFER)),
+                _event("transfer_done", 2.0),
+                _event("receive", 3.0, **_msg(_RELEASE)),
+            ],
+        ),
+        _producer_case(
+            "write_abort_while_writing",
+            WRITE,
+            [
+                _event("receive", 1.0, **_msg(_OFFER)),
+                _event("abort", 2.0),
+                _event("tick", 6.9),
+                _event("transfer_done", 7.0),
+            ],
+            "blocks freed only once the write drained",
+        ),
+        _producer_case(
+            "write_lease_expires_while_writing",
+            WRITE,
+            [_event("receive", 1.0, **_msg(_OFFER)), _event("tick", 30.0), _event("tick", 35.0)],
+        ),
+        _producer_case(
+            "write_failed",
+            WRITE,
+            [
+                _event("receive", 1.0, **_msg(_OFFER)),
+                _event("transfer_failed", 2.0, reason="transfer_error", detail="link down"),
+                _event("receive", 3.0, **_msg(_RELEASE)),
+            ],
+            "FAIL-1: a Failure with C's blocks",
+        ),
+        _producer_case(
+            "write_second_different_offer",
+            WRITE,
+            [
+                _event("receive", 1.0, **_msg(_OFFER)),
+                _event("receive", 1.5, **_msg(attrs.evolve(_OFFER, consumer_block_ids=[[1], [2]]))),
+            ],
+        ),
+        _producer_case(
+            "wrong_request_id", READ, [_event("receive", 1.0, **_msg(attrs.evolve(_RELEASE, request_id="other")))]
+        ),
+        _producer_case("peer_abort_before_offer", WRITE, [_event("receive", 1.0, **_msg(_C_ABORT))]),
+    ]
+
+
+def _consumer_pins(rule: str) -> list[Case]:
+    start = _event("start", 0.0)
+    if rule == "SM-2":
+        return [
+            _consumer_case("read_loaded", READ, [start, _event("transfer_done", 1.0)]),
+            _consumer_case("write_loaded", WRITE, [start, _event("receive", 1.0, **_msg(_COMPLETION))]),
+            _consumer_case(
+                "read_abort_drains",
+                READ,
+                [start, _event("abort", 1.0), _event("tick", 5.9), _event("transfer_done", 6.0)],
+                "blocks reused only after the drain",
+            ),
+            _consumer_case("read_abort_drain_timeout", READ, [start, _event("abort", 1.0), _event("tick", 6.0)]),
+            _consumer_case(
+                "write_abort_waits_for_producer",
+                WRITE,
+                [start, _event("abort", 1.0), _event("receive", 2.0, **_msg(_P_ABORT))],
+            ),
+            _consumer_case("start_twice", READ, [start, _event("start", 1.0)]),
+            _consumer_case("completion_in_read", READ, [start, _event("receive", 1.0, **_msg(_COMPLETION))]),
+        ]
+    if rule == "REL-1":
+        return [
+            _consumer_case(
+                "prefix_hit_releases_at_once", READ, [start], "zero groups: one release, outcome prefix_hit", ids=()
+            ),
+            _consumer_case("null_only_is_prefix_hit", WRITE, [start], ids=((0,), (0,))),
+            _consumer_case(
+                "loaded_then_late_signals",
+                READ,
+                [start, _event("transfer_done", 1.0), _event("abort", 2.0), _event("tick", 100.0)],
+                "exactly one release",
+            ),
+            _consumer_case(
+                "failed_releases_once",
+                WRITE,
+                [start, _event("receive", 1.0, **_msg(_FAILURE)), _event("receive", 2.0, **_msg(_P_ABORT))],
+            ),
+            _consumer_case("aborted_before_start", READ, [_event("abort", 0.5)]),
+        ]
+    if rule == "FAIL-1":
+        return [
+            _consumer_case(
+                "read_transfer_failed", READ, [start, _event("transfer_failed", 1.0, reason="partial_transfer")]
+            ),
+            _consumer_case(
+                "read_transfer_timeout",
+                READ,
+                [start, _event("tick", 20.0), _event("transfer_failed", 21.0, reason="transfer_error")],
+                "timeout cancels, then drains",
+            ),
+            _consumer_case("write_lease_runs_out", WRITE, [start, _event("tick", 30.0), _event("tick", 35.0)]),
+            _consumer_case(
+                "never_started_past_start_margin", READ, [_event("tick", 29.0)], "start_margin before the lease"
+            ),
+            _consumer_case(
+                "failure_names_failed_blocks",
+                WRITE,
+                [start, _event("receive", 1.0, **_msg(attrs.evolve(_FAILURE, failed_consumer_block_ids=[[8], []])))],
+            ),
+            _consumer_case(
+                "local_fail_while_loading",
+                READ,
+                [start, _event("fail", 1.0, reason="window_coverage", detail="block 3"), _event("transfer_done", 2.0)],
+            ),
+        ]
+    # DONE-1: LOADED only once every paired byte is readable.
+    return [
+        _consumer_case(
+            "write_transfer_done_is_local_error",
+            WRITE,
+            [start, _event("transfer_done", 1.0)],
+            "C posts nothing in WRITE",
+        ),
+        _consumer_case("read_report_before_post", READ, [_event("transfer_done", 0.5)]),
+        _consumer_case(
+            "write_loaded_only_on_completion",
+            WRITE,
+            [start, _event("tick", 10.0), _event("receive", 11.0, **_msg(_COMPLETION))],
+        ),
+    ]
+
+
+_P_CALLS = ("release", "offer", "peer_abort", "abort", "transfer_done", "transfer_failed", "tick")
+_C_CALLS = ("start", "transfer_done", "transfer_failed", "completion", "failure", "peer_abort", "abort", "fail", "tick")
+
+
+def _rand_now(rng: random.Random, now: float) -> float:
+    return now + rng.choice([0.0, 0.5, 2.0, 5.0, 12.0])
+
+
+def _gen_producer(rng: random.Random) -> dict[str, object]:
+    mode = rng.choice([READ, WRITE])
+    events, now = [], 0.0
+    for _ in range(rng.randint(1, 6)):
+        now = _rand_now(rng, now)
+        call = rng.choice(_P_CALLS)
+        if call in ("release", "offer", "peer_abort"):
+            message = {"release": _RELEASE, "offer": _OFFER, "peer_abort": _C_ABORT}[call]
+            events.append(_event("receive", now, **_msg(message)))
+        elif call == "transfer_failed":
+            events.append(_event(call, now, reason=rng.choice(list(FailureReason)).value))
+        else:
+            events.append(_event(call, now))
+    return dict(_producer_case("g", mode, events).inputs)
+
+
+def _gen_consumer(rng: random.Random) -> dict[str, object]:
+    mode = rng.choice([READ, WRITE])
+    events, now = [], 0.0
+    for _ in range(rng.randint(1, 6)):
+        now = _rand_now(rng, now)
+        call = rng.choice(_C_CALLS)
+        if call in ("completion", "failure", "peer_abort"):
+            message = {"completion": _COMPLETION, "failure": _FAILURE, "peer_abort": _P_ABORT}[call]
+            events.append(_event("receive", now, **_msg(message)))
+        elif call in ("transfer_failed", "fail"):
+            events.append(_event(call, now, reason=rng.choice(list(FailureReason)).value))
+        else:
+            events.append(_event(call, now))
+    ids = () if rng.random() < 0.1 else ((7, 8), (9,))
+    return dict(_consumer_case("g", mode, events, ids=ids).inputs)
+
+
+# --------------------------------------------------------------------------- the case sets
+
+
+def _none() -> list[Case]:
+    return []
+
+
+def _gen_config(kinds: Sequence[str]) -> Callable[[random.Random], Mapping[str, object]]:
+    return lambda rng: {"config": _rand_config(rng, kinds, num_blocks=8)}
+
+
+def _gen_spec(rng: random.Random) -> Mapping[str, object]:
+    return {"spec": _rand_spec(rng, _KINDS)}
+
+
+CASE_SETS: tuple[CaseSet, ...] = (
+    CaseSet(
+        rule="HMA-1",
+        fn=is_hma_required,
+        pinned=_hma_pins,
+        generate=lambda rng: {"config": _rand_config(rng, _KINDS, num_blocks=8), _FLAG: rng.random() < 0.2},
+    ),
+    CaseSet(rule="HMA-1", fn=is_full_attention_spec, pinned=_full_attention_pins, generate=_gen_spec),
+    CaseSet(rule="ADM-1", fn=check_hybrid_support, pinned=_adm1_pins, generate=_gen_admission),
+    CaseSet(rule="ADM-2", fn=check_hybrid_support, pinned=_adm2_pins, generate=_gen_admission),
+    CaseSet(rule="SW-1", fn=get_blocks_per_sw, pinned=_sw1_pins, generate=_gen_config(("full", "sw", "sw_mla", "mla"))),
+    CaseSet(rule="CLIP-1", fn=get_exchange_clipped_blocks, pinned=_clip_pins, generate=_gen_clip),
+    CaseSet(rule="CLIP-1", fn=summarize_plan, pinned=_none, generate=_gen_summary),
+    CaseSet(rule="ALIGN-1", fn=compute_block_pairs, pinned=_align_pins, generate=_gen_align),
+    CaseSet(rule="NULL-1", fn=compute_block_pairs, pinned=_null_pins),
+    CaseSet(rule="NULL-1", fn=plan_transfer, pinned=_plan_null_pins),
+    CaseSet(
+        rule="WIN-1",
+        fn=get_logical_block_count,
+        pinned=_count_pins,
+        generate=lambda rng: {"spec": _rand_spec(rng), "num_tokens": rng.randint(0, 100)},
+    ),
+    CaseSet(rule="WIN-1", fn=get_needed_token_range, pinned=_range_pins, generate=_gen_range),
+    CaseSet(rule="WIN-1", fn=get_needed_block_range, pinned=_range_pins, generate=_gen_range),
+    CaseSet(
+        rule="WIN-1",
+        fn=get_num_skipped_tokens,
+        pinned=_skipped_pins,
+        generate=lambda rng: {"spec": _rand_spec(rng, _KINDS), "num_computed_tokens": rng.randint(0, 200)},
+    ),
+    CaseSet(rule="WIN-1", fn=get_pruned_block_ids, pinned=_prune_pins, generate=_gen_prune),
+    CaseSet(
+        rule="WIN-1",
+        fn=get_consumer_block_counts,
+        pinned=_consumer_count_pins,
+        generate=lambda rng: {
+            k: v
+            for k, v in _rand_exchange(rng, mutate=False).items()
+            if k in ("config", "num_tokens", "prefix_hit_tokens")
+        },
+    ),
+    CaseSet(rule="WIN-1", fn=check_window_coverage, pinned=_coverage_pins, generate=_rand_exchange),
+    CaseSet(rule="WIN-1", fn=compute_transfer_pairs, pinned=_coverage_pins, generate=_rand_exchange),
+    CaseSet(rule="TOK-1", fn=get_token_basis_group, pinned=_token_basis_pins, generate=_gen_config(_KINDS)),
+    CaseSet(rule="TOK-1", fn=TransferParams.from_kv_transfer_params, pinned=_tok_dict_pins),
+    CaseSet(rule="TOK-1", fn=TransferParams.to_kv_transfer_params, pinned=_tok_to_dict_pins),
+    CaseSet(rule="HS-1", fn=check_compatibility, pinned=_hs_pins, generate=_gen_hs),
+    CaseSet(rule="VER-1", fn=encode, pinned=_encode_pins, generate=_gen_encode),
+    CaseSet(rule="VER-1", fn=decode, pinned=_decode_pins, generate=_gen_decode),
+    CaseSet(rule="PLAN-1", fn=plan_transfer, pinned=_plan_pins, generate=_gen_plan),
+    CaseSet(
+        rule="PLAN-1",
+        fn=blocks_needed_for,
+        pinned=_none,
+        generate=lambda rng: {"config": _rand_config(rng), "num_tokens": rng.randint(0, 500)},
+    ),
+    CaseSet(rule="SM-1", fn=ProducerSession, pinned=_sm1_pins, generate=_gen_producer),
+    CaseSet(rule="SM-2", fn=ConsumerSession, pinned=lambda: _consumer_pins("SM-2"), generate=_gen_consumer),
+    CaseSet(rule="REL-1", fn=ConsumerSession, pinned=lambda: _consumer_pins("REL-1")),
+    CaseSet(rule="FAIL-1", fn=ConsumerSession, pinned=lambda: _consumer_pins("FAIL-1")),
+    CaseSet(rule="DONE-1", fn=ConsumerSession, pinned=lambda: _consumer_pins("DONE-1")),
+)
+"""Which vectors each rule gets for each function; a new function adds one entry here."""
+
+
+# --------------------------------------------------------------------------- building and writing
+
+
+def _vector(case_set: CaseSet, name: str, inputs: Mapping[str, object], description: str) -> dict[str, Json]:
+    encoded = {key: to_json(value) for key, value in inputs.items()}
+    vector: dict[str, Json] = {"rule": case_set.rule, "function": case_set.function, "case": name}
+    if description:
+        vector["description"] = description
+    vector["input"] = encoded
+    vector.update(answer_vector(vector))  # the reference computes the expected answer
+    if "error" in vector:
+        del vector["error"]["message"]  # informative only; a reworded message must not change the vector
+    if "unsupported" in vector:
+        raise ConfigError(f"vectors: no registry entry for {case_set.function!r}")
+    return vector
+
+
+def _iter_cases(case_set: CaseSet, *, seed: int, count: int) -> Iterator[tuple[str, Mapping[str, object], str]]:
+    for case in case_set.pinned():
+        yield case.name, case.inputs, case.description
+    if case_set.generate is not None:
+        rng = random.Random(f"{seed}/{case_set.rule}/{case_set.function}")
+        for i in range(count):
+            yield f"generated_{i:03d}", case_set.generate(rng), ""
+
+
+def build_vectors(
+    *, seed: int = DEFAULT_SEED, count: int = DEFAULT_COUNT, rule: str | None = None
+) -> list[dict[str, Json]]:
+    """Every vector, pinned and generated, in case-set order (the whole spec, or one rule)."""
+    known = {r.id for r in RULES}
+    if rule is not None and rule not in known:
+        raise ConfigError(f"vectors: rule: expected one of {sorted(known)}, got {rule!r}")
+    vectors = []
+    for case_set in CASE_SETS:
+        if rule is not None and case_set.rule != rule:
+            continue
+        if case_set.function not in FUNCTIONS:  # pragma: no cover - guards the tables
+            raise ConfigError(f"vectors: case set for unknown function {case_set.function!r}")
+        vectors += [_vector(case_set, *case) for case in _iter_cases(case_set, seed=seed, count=count)]
+    return vectors
+
+
+def _dump(value: Json, indent: int) -> str:
+    pad = "  " * indent
+    if isinstance(value, dict) and value:
+        items = [f"{pad}  {json.dumps(k)}: {_dump(v, indent + 1)}" for k, v in sorted(value.items())]
+        return "{\n" + ",\n".join(items) + f"\n{pad}}}"
+    if isinstance(value, list) and any(isinstance(v, (dict, list)) and v for v in value):
+        if all(isinstance(v, list) and not any(isinstance(x, (dict, list)) for x in v) for v in value):
+            return json.dumps(value, separators=(", ", ": "))  # block ids stay on one line
+        return "[\n" + ",\n".join(f"{pad}  {_dump(v, indent + 1)}" for v in value) + f"\n{pad}]"
+    return json.dumps(value, sort_keys=True, ensure_ascii=True, allow_nan=False, separators=(", ", ": "))
+
+
+def dumps_json(value: Json) -> str:
+    """Stable, readable JSON text: sorted keys, two-space indent, flat lists on one line, ASCII, final newline."""
+    return _dump(value, 0) + "\n"
+
+
+def _clear(directory: Path) -> None:
+    if not directory.exists():
+        return
+    entries = list(directory.iterdir())
+    if entries and not (directory / MANIFEST).exists():
+        raise ConfigError(f"vectors write: {directory} is not empty and holds no {MANIFEST}; refusing to write there")
+    for entry in entries:
+        # Only what a previous write left: rule folders, the manifest and the schemas.
+        if entry.is_dir() and entry.name in {r.id for r in RULES}:
+            shutil.rmtree(entry)
+        elif entry.suffix == ".json":
+            entry.unlink()
+
+
+def write_vectors(
+    directory: str | Path, *, seed: int = DEFAULT_SEED, count: int = DEFAULT_COUNT, rule: str | None = None
+) -> list[Path]:
+    """Write ``DIR/<rule>/<function>/<case>.json`` per vector, the schemas and a manifest; return the vector paths.
+
+    A directory a previous write filled is replaced; any other non-empty directory is refused.
+    """
+    from kvspec import __version__
+
+    folder = Path(directory)
+    vectors = build_vectors(seed=seed, count=count, rule=rule)
+    _clear(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    written, counts = [], {}  # type: ignore[var-annotated]
+    for vector in vectors:
+        path = folder / vector["rule"] / vector["function"] / f"{vector['case']}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(dumps_json(vector), encoding="utf-8")
+        written.append(path)
+        per_rule = counts.setdefault(vector["rule"], {})
+        per_rule[vector["function"]] = per_rule.get(vector["function"], 0) + 1
+    manifest = {
+        "format": FORMAT_VERSION,
+        "kvspec_version": __version__,
+        "protocol_version": list(PROTOCOL_VERSION),
+        "seed": seed,
+        "count": count,
+        "rule": rule,
+        "vectors": counts,
+    }
+    (folder / MANIFEST).write_text(dumps_json(manifest), encoding="utf-8")
+    (folder / "vector.schema.json").write_text(dumps_json(vector_schema()), encoding="utf-8")
+    (folder / "answer.schema.json").write_text(dumps_json(answer_schema()), encoding="utf-8")
+    return written
+
+
+def build_archive(*, seed: int = DEFAULT_SEED, count: int = DEFAULT_COUNT) -> bytes:
+    """The whole vector set as a reproducible ``.tar.gz`` (fixed times and owners), rooted at ``kvspec-vectors/``."""
+    import gzip
+    import io
+    import tarfile
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp) / "kvspec-vectors"
+        write_vectors(root, seed=seed, count=count)
+        buffer = io.BytesIO()
+        with gzip.GzipFile(fileobj=buffer, mode="wb", mtime=0) as zipped, tarfile.open(fileobj=zipped, mode="w") as tar:
+            for path in sorted(root.rglob("*")):
+                if path.is_file():
+                    data = path.read_bytes()
+                    info = tarfile.TarInfo(path.relative_to(root.parent).as_posix())
+                    info.size, info.mode, info.mtime = len(data), 0o644, 0
+                    tar.addfile(info, io.BytesIO(data))
+        return buffer.getvalue()
