@@ -18,12 +18,18 @@ __all__ = ["CaseResult", "Outcome", "Report"]
 
 
 class Outcome(str, enum.Enum):
-    """How one case ended. ``ERROR`` is a crash of the suite or backend outside any assertion."""
+    """How one case ended. ``ERROR`` is a crash of the suite or backend outside any assertion.
+
+    ``EXPECTED_FAILURE`` is a case that failed as the user declared it would
+    (``--expect-fail CASE_ID=REASON``); it fails no run. A declared case that
+    passes is turned into ``FAILED``, so a fixed deviation is noticed.
+    """
 
     PASSED = "passed"
     FAILED = "failed"
     SKIPPED = "skipped"
     ERROR = "error"
+    EXPECTED_FAILURE = "expected failure"
 
 
 @attrs.frozen(kw_only=True)
@@ -129,7 +135,7 @@ class Report:
             tests=str(len(self.results)),
             failures=str(sum(r.outcome is Outcome.FAILED for r in self.results)),
             errors=str(sum(r.outcome is Outcome.ERROR for r in self.results)),
-            skipped=str(sum(r.outcome is Outcome.SKIPPED for r in self.results)),
+            skipped=str(sum(r.outcome in (Outcome.SKIPPED, Outcome.EXPECTED_FAILURE) for r in self.results)),
             time=f"{self.seconds:.3f}",
         )
         for rule, results in self.by_rule().items():
@@ -140,7 +146,7 @@ class Report:
                 tests=str(len(results)),
                 failures=str(sum(r.outcome is Outcome.FAILED for r in results)),
                 errors=str(sum(r.outcome is Outcome.ERROR for r in results)),
-                skipped=str(sum(r.outcome is Outcome.SKIPPED for r in results)),
+                skipped=str(sum(r.outcome in (Outcome.SKIPPED, Outcome.EXPECTED_FAILURE) for r in results)),
                 time=f"{sum(r.seconds for r in results):.3f}",
             )
             for result in results:
@@ -151,7 +157,7 @@ class Report:
                     name=f"{result.case_id} [{result.level.value}]",
                     time=f"{result.seconds:.3f}",
                 )
-                if result.outcome is Outcome.SKIPPED:
+                if result.outcome in (Outcome.SKIPPED, Outcome.EXPECTED_FAILURE):
                     ET.SubElement(testcase, "skipped", message=result.message)
                 elif result.is_failure:
                     tag = "failure" if result.outcome is Outcome.FAILED else "error"
@@ -169,7 +175,7 @@ class Report:
     def render(self, *, verbose: bool = False) -> str:
         """The terminal report: a table by rule, then every failure with its reproducer."""
         lines = [f"kvspec conformance: backend {self.backend!r}, kvspec {self.kvspec_version}", ""]
-        header = f"{'rule':<8} {'status':<7} {'pass':>4} {'fail':>4} {'skip':>4}  notes"
+        header = f"{'rule':<8} {'status':<7} {'pass':>4} {'fail':>4} {'skip':>4} {'xfail':>5}  notes"
         lines += [header, "-" * len(header)]
         for rule, results in self.by_rule().items():
             notes = sorted({r.message for r in results if r.outcome is Outcome.SKIPPED})
@@ -179,7 +185,8 @@ class Report:
                 f"{rule:<8} {_rule_status(results):<7} "
                 f"{sum(r.outcome is Outcome.PASSED for r in results):>4} "
                 f"{sum(r.is_failure for r in results):>4} "
-                f"{sum(r.outcome is Outcome.SKIPPED for r in results):>4}  {_clip(note, 70)}"
+                f"{sum(r.outcome is Outcome.SKIPPED for r in results):>4} "
+                f"{sum(r.outcome is Outcome.EXPECTED_FAILURE for r in results):>5}  {_clip(note, 70)}"
             )
         if verbose:
             lines += ["", "cases:"]
@@ -193,10 +200,14 @@ class Report:
                 lines += ["", "Reproducer (paste into python):", "", result.reproducer.rstrip()]
         counts = self.counts()
         verdict = "PASSED" if self.passed else "FAILED (a MUST case failed)"
+        expected = [r for r in self.results if r.outcome is Outcome.EXPECTED_FAILURE]
+        if expected:
+            lines += ["", "expected failures:"]
+            lines += [f"  {r.case_id}: {_clip(r.message.splitlines()[0], 90)}" for r in expected]
         lines += [
             "",
             f"{verdict}: {counts['passed']} passed, {counts['failed']} failed, {counts['error']} errors, "
-            f"{counts['skipped']} skipped in {self.seconds:.1f}s",
+            f"{counts['skipped']} skipped, {counts['expected failure']} expected failures in {self.seconds:.1f}s",
         ]
         return "\n".join(lines) + "\n"
 
@@ -210,6 +221,8 @@ def _rule_status(results: Sequence[CaseResult]) -> str:
         return "FAIL"
     if all(r.outcome is Outcome.SKIPPED for r in results):
         return "SKIP"
+    if any(r.outcome is Outcome.EXPECTED_FAILURE for r in results):
+        return "XFAIL"
     return "PASS"
 
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import time
 import traceback
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+
+import attrs
 
 import kvspec
 from kvspec.rules import Level
@@ -15,7 +17,7 @@ from ._connector import Connector, ReferenceConnector
 from ._context import DEFAULT_MAX_EXAMPLES, CaseContext
 from ._report import CaseResult, Outcome, Report
 
-__all__ = ["run_case", "run_suite"]
+__all__ = ["apply_expected_failures", "parse_expected_failures", "run_case", "run_suite"]
 
 Progress = Callable[[int, int, CaseResult], None]
 
@@ -68,6 +70,51 @@ def run_case(case: Case, context: CaseContext) -> CaseResult:
     return result(Outcome.PASSED)
 
 
+def parse_expected_failures(lines: Iterable[str], *, known: Iterable[str] | None = None) -> dict[str, str]:
+    """``CASE_ID=REASON`` lines (blank lines and ``#`` comments skipped) as a dict; unknown ids refused.
+
+    Raises ``ValueError`` for a line without ``=`` or a reason, or a case id
+    not in ``known`` (every registered case when ``None``).
+    """
+    ids = set(known) if known is not None else {c.id for c in select_cases()}
+    expected: dict[str, str] = {}
+    for raw in lines:
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        case_id, sep, reason = line.partition("=")
+        case_id, reason = case_id.strip(), reason.strip()
+        if not sep or not case_id or not reason:
+            raise ValueError(f"expected failure: expected CASE_ID=REASON, got {line!r}")
+        if case_id not in ids:
+            raise ValueError(f"expected failure: no case {case_id!r}; list them with kvspec conform --list")
+        expected[case_id] = reason
+    return expected
+
+
+def apply_expected_failures(result: CaseResult, expected: Mapping[str, str]) -> CaseResult:
+    """A declared case that failed becomes EXPECTED_FAILURE; one that passed becomes FAILED.
+
+    Errors and skips are left as they are: a crash is never expected, and a
+    skipped case says nothing about the deviation.
+    """
+    reason = expected.get(result.case_id)
+    if reason is None:
+        return result
+    if result.outcome is Outcome.FAILED:
+        return attrs.evolve(result, outcome=Outcome.EXPECTED_FAILURE, message=f"expected: {reason}\n{result.message}")
+    if result.outcome is Outcome.PASSED:
+        return attrs.evolve(
+            result,
+            outcome=Outcome.FAILED,
+            message=(
+                f"{result.case_id} was expected to fail ({reason}) but passed: the deviation is gone, "
+                "remove its expected failure"
+            ),
+        )
+    return result
+
+
 def run_suite(
     backend: Backend | str = "loopback",
     *,
@@ -79,12 +126,15 @@ def run_suite(
     shrink: bool = False,
     progress: Progress | None = None,
     cases: Sequence[Case] | None = None,
+    expected_failures: Mapping[str, str] | None = None,
 ) -> Report:
     """Run the conformance suite and return its report.
 
     ``backend`` is a Backend or a name for :func:`kvspec.transport.load_backend`
     (built-in, entry point in ``kvspec.backends``, or ``"module:factory"``).
     ``rules`` selects rule ids or case-id prefixes; ``levels`` MUST and/or SHOULD.
+    ``expected_failures`` maps case ids to the reason they are known to fail
+    (see :func:`apply_expected_failures`).
     """
     started = time.perf_counter()
     spec = backend if isinstance(backend, str) else f"{type(backend).__module__}:{type(backend).__name__}"
@@ -101,7 +151,7 @@ def run_suite(
     results: list[CaseResult] = []
     try:
         for index, case in enumerate(chosen):
-            outcome = run_case(case, context)
+            outcome = apply_expected_failures(run_case(case, context), expected_failures or {})
             results.append(outcome)
             if progress is not None:
                 progress(index + 1, len(chosen), outcome)

@@ -18,7 +18,7 @@ from ._cases import select_cases
 from ._connector import Connector
 from ._context import DEFAULT_MAX_EXAMPLES
 from ._report import CaseResult, Outcome
-from ._runner import run_suite
+from ._runner import parse_expected_failures, run_suite
 
 __all__ = ["add_arguments", "main", "run"]
 
@@ -75,7 +75,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--connector",
         metavar="MODULE:FACTORY",
-        help="check your own connector logic (clip, pair, plan, admission, handshake) instead of kvspec's reference",
+        help="check your own connector logic (clip, pair, plan, admission, handshake) instead of kvspec's reference; "
+        "vllm:moriio, vllm:nixl, vllm:nixl-push or vllm:mooncake run vLLM's own (needs kvspec[vllm])",
+    )
+    parser.add_argument(
+        "--expect-fail",
+        action="append",
+        default=[],
+        metavar="CASE_ID=REASON",
+        help="a case known to fail, with the reason: reported as an expected failure, "
+        "and as a failure once it passes; repeatable",
+    )
+    parser.add_argument(
+        "--expect-fail-file",
+        metavar="PATH",
+        help="a file of CASE_ID=REASON lines (# comments allowed), as --expect-fail",
     )
     parser.add_argument("--json", metavar="PATH", help="write the report as JSON")
     parser.add_argument("--junit", metavar="PATH", help="write the report as JUnit XML")
@@ -113,6 +127,13 @@ def _options(values: Sequence[str]) -> dict[str, object]:
 def _load_connector(path: str) -> Connector:
     import importlib
 
+    if path.startswith("vllm:"):
+        from kvspec.integrations.vllm import make_connector
+
+        try:
+            return make_connector(path.partition(":")[2])
+        except KVSpecError as exc:
+            raise SystemExit(f"kvspec conform: --connector {path}: {exc}") from exc
     module_name, _, attr = path.partition(":")
     if not module_name or not attr:
         raise SystemExit(f"kvspec conform: --connector expects 'module:factory', got {path!r}")
@@ -131,7 +152,13 @@ class _Progress:
         self.tty = stream.isatty()
 
     def __call__(self, index: int, total: int, result: CaseResult) -> None:
-        mark = {Outcome.PASSED: ".", Outcome.SKIPPED: "s", Outcome.FAILED: "F", Outcome.ERROR: "E"}[result.outcome]
+        mark = {
+            Outcome.PASSED: ".",
+            Outcome.SKIPPED: "s",
+            Outcome.FAILED: "F",
+            Outcome.ERROR: "E",
+            Outcome.EXPECTED_FAILURE: "x",
+        }[result.outcome]
         if self.tty:
             line = f"[{index}/{total}] {mark} {result.case_id} ({result.seconds:.2f}s)"
             self.stream.write("\r\x1b[2K" + line[:100])
@@ -164,6 +191,19 @@ def run(args: argparse.Namespace) -> int:
     except (KVSpecError, ImportError) as exc:
         print(f"kvspec conform: cannot load backend {args.backend!r}: {exc}", file=sys.stderr)
         return 2
+    lines = list(args.expect_fail)
+    if args.expect_fail_file:
+        try:
+            with open(args.expect_fail_file, encoding="utf-8") as handle:
+                lines += handle.read().splitlines()
+        except OSError as exc:
+            print(f"kvspec conform: --expect-fail-file: {exc}", file=sys.stderr)
+            return 2
+    try:
+        expected = parse_expected_failures(lines)
+    except ValueError as exc:
+        print(f"kvspec conform: {exc}", file=sys.stderr)
+        return 2
     connector = _load_connector(args.connector) if args.connector else None
     progress = None if args.quiet else _Progress(sys.stderr)
     try:
@@ -175,6 +215,7 @@ def run(args: argparse.Namespace) -> int:
             time_scale=args.time_scale,
             shrink=args.shrink,
             progress=progress,
+            expected_failures=expected,
         )
     finally:
         backend.close()

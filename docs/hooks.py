@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import posixpath
 import re
 import sys
@@ -383,6 +384,102 @@ def render_diagrams_page(diagrams: Any) -> str:
     return "\n".join(out) + "\n"
 
 
+VLLM_AUDIT_JSON = ROOT / "docs" / "explanation" / "vllm-audit.json"
+VLLM_FINDINGS_PAGE = "explanation/vllm-findings.md"
+
+
+def vllm_audit_snippets(audit: Mapping[str, Any]) -> dict[str, str]:
+    """Tables for the findings page from the committed ``kvspec vllm-audit --json`` output.
+
+    ``vllm-audit:summary`` is the per-connector table; ``vllm-audit:class:NAME``
+    is one deviation class: counts per connector and the smallest reproducer.
+    """
+    requests, pairs, closed = audit["requests"], audit["pairs"], audit["failed_closed"]
+    by_class: dict[str, list[Mapping[str, Any]]] = {}
+    for item in audit["classes"]:
+        by_class.setdefault(item["class"], []).append(item)
+    summary = [
+        "| Connector | Requests | Pairs posted | Failed closed | Deviation classes (requests) |",
+        "|---|---:|---:|---:|---|",
+    ]
+    for connector, count in requests.items():
+        mine = [c for c in audit["classes"] if c["connector"] == connector]
+        listed = ", ".join(f"[{c['class']}](#{c['class']}) ({c['requests']})" for c in mine) or "none"
+        summary.append(f"| `{connector}` | {count:,} | {pairs[connector]:,} | {closed[connector]:,} | {listed} |")
+    snippets = {"vllm-audit:summary": "\n".join(summary) + "\n"}
+    for name, items in by_class.items():
+        out = [
+            f"Rule **{items[0]['rule']}**. Found at seed {audit['seed']} in vLLM {audit['vllm_version']}:",
+            "",
+            "| Connector | Requests | Findings | Smallest reproducer |",
+            "|---|---:|---:|---|",
+        ]
+        for item in items:
+            r = item["reproducer"]
+            where = f"group {r['group']}: {r['detail']}" + (f"; pair `{r['pair']}`" if r.get("pair") else "")
+            case = (
+                f"`{' + '.join(r['groups'])}`, N={r['num_tokens']}, H={r['prefix_hit_tokens']}, "
+                f"lookahead={r['lookahead']}; {where}"
+            ).replace("|", "\\|")
+            out.append(f"| `{item['connector']}` | {item['requests']} | {item['findings']} | {case} |")
+        first = items[0]["reproducer"]
+        out += [
+            "",
+            f"Lists of the first reproducer (`{items[0]['connector']}`), one per group, long ones shortened:",
+            "",
+            "```text",
+            f"producer {first['producer_list']}",
+            f"consumer {first['consumer_list']}",
+            "```",
+        ]
+        snippets[f"vllm-audit:class:{name}"] = "\n".join(out) + "\n"
+    return snippets
+
+
+VLLM_EXPECTED = ROOT / "docs" / "explanation" / "vllm-expected"
+
+
+def vllm_expected_failures() -> dict[str, dict[str, str]]:
+    """Connector name -> {case id: reason}, from the committed ``--expect-fail-file`` lists."""
+    from kvspec_conformance._runner import parse_expected_failures
+
+    return {
+        path.stem: parse_expected_failures(path.read_text(encoding="utf-8").splitlines())
+        for path in sorted(VLLM_EXPECTED.glob("*.txt"))
+    }
+
+
+def vllm_expected_table(expected: Mapping[str, Mapping[str, str]]) -> str:
+    """One table of every failing case per connector, with its reason and a link to the section explaining it."""
+    out = ["| Connector | Failing case | Reason |", "|---|---|---|"]
+    for connector, cases in expected.items():
+        for case_id, reason in cases.items():
+            text, _, anchor = reason.rpartition(" (#")
+            link = f"[{text}](#{anchor.rstrip(')')})" if anchor else reason
+            out.append(f"| `vllm:{connector}` | `{case_id}` | {link} |")
+    return "\n".join(out) + "\n"
+
+
+def check_vllm_findings_page(markdown: str, audit: Mapping[str, Any]) -> None:
+    """Every audit class and every expected failure has its section on the findings page, and nothing stale stays."""
+    headings = {slugify(m.group(1).strip(), "-") for m in re.finditer(r"^#{2,4}\s+(.+)$", markdown, re.MULTILINE)}
+    for connector, cases in vllm_expected_failures().items():
+        for case_id, reason in cases.items():
+            anchor = reason.rpartition(" (#")[2].rstrip(")")
+            if anchor not in headings:
+                raise PluginError(
+                    f"{VLLM_FINDINGS_PAGE}: vllm-expected/{connector}.txt explains {case_id} with #{anchor}, "
+                    f"which is no section of the page"
+                )
+    documented = set(re.findall(r"<!--\s*kvspec:vllm-audit:class:([\w-]+)\s*-->", markdown))
+    found = {c["class"] for c in audit["classes"]}
+    if documented != found:
+        raise PluginError(
+            f"{VLLM_FINDINGS_PAGE}: deviation classes differ from {VLLM_AUDIT_JSON.name}: "
+            f"undocumented {sorted(found - documented)}, no longer found {sorted(documented - found)}"
+        )
+
+
 def _bytes_table(rows: Sequence[tuple[str, int, int, int]]) -> str:
     out = ["| Model | Tokens | Unclipped | Clipped | Saved |", "|---|---:|---:|---:|---:|"]
     for model, tokens, unclipped, clipped in rows:
@@ -629,6 +726,9 @@ def on_files(files: Files, config: Any) -> Files:
     for name in diagrams.SEQUENCES:
         snippets[f"sequence:{name}"] = _fence("mermaid", diagrams.sequence_diagram(name))
     snippets.update(_raised_by_snippets(errors))
+    _STATE["vllm_audit"] = json.loads(VLLM_AUDIT_JSON.read_text(encoding="utf-8"))
+    snippets.update(vllm_audit_snippets(_STATE["vllm_audit"]))
+    snippets["vllm-expected:tables"] = vllm_expected_table(vllm_expected_failures())
     snippets["vector-functions"] = render_vector_functions()
     _STATE["snippets"] = snippets
 
@@ -655,6 +755,8 @@ def on_page_markdown(markdown: str, page: Any, config: Any, files: Files) -> str
 
     if src == ERRORS_PAGE:
         check_errors_page(markdown)
+    if src == VLLM_FINDINGS_PAGE:
+        check_vllm_findings_page(markdown, _STATE["vllm_audit"])
     markdown = MARKER.sub(replace, markdown)
     if src.startswith("spec/") and src != CATALOGUE:
         markdown = link_rule_sections(markdown, src, _STATE["by_rule"])

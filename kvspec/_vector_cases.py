@@ -10,6 +10,7 @@ function, so the same kvspec version and seed write the same bytes.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 import shutil
@@ -49,6 +50,18 @@ from kvspec._models import (
     SlidingWindowMLASpec,
     SlidingWindowSpec,
     TransferMode,
+)
+from kvspec._offload import (
+    OffloadConfig,
+    check_offload_support,
+    get_chunk_sizes,
+    get_load_set,
+    get_offload_hit_tokens,
+    get_offload_keys,
+    get_retained_chunk_starts,
+    get_store_set,
+    get_sub_block_offset,
+    map_sub_blocks,
 )
 from kvspec._plan import plan_transfer
 from kvspec._reference import (
@@ -400,7 +413,7 @@ def _clip_pins() -> list[Case]:
         Case(
             name="zero_budget_is_not_minus_zero",
             inputs=_clip([[1, 2, 3], [4, 5, 6]], [2, 0]),
-            description="budget 0 keeps the whole group (Python's ids[-0:] pitfall, research H3)",
+            description="budget 0 keeps the whole group (ids[-0:] pitfall, docs/spec/window-budget-and-clipping.md)",
         ),
         Case(name="empty_group", inputs=_clip([[], [1, 2]], [3, 0])),
         Case(name="group_count_mismatch", inputs=_clip([[1], [2], [3]], [0, 3])),
@@ -646,7 +659,7 @@ def _worked_pins() -> list[Case]:
         Case(
             name="worked_example_t94_pruned_with_t_plus_1",
             inputs=_worked_exchange(94, 95),
-            description="pruned with T + 1 (research H2): WindowCoverageError at logical block 2",
+            description="pruned with T + 1 (docs/spec/alignment-and-coverage.md): WindowCoverageError at block 2",
         ),
         Case(
             name="worked_example_t95_pruned_with_t_plus_1",
@@ -708,12 +721,18 @@ def _coverage_pins() -> list[Case]:
     short = _exchange(config, 64, 0)
     short["producer_block_ids"] = BlockIds([list(short["producer_block_ids"][0]), [0, 9, 10]])  # type: ignore[index]
     cases.append(Case(name="needed_block_null_on_producer", inputs=short, description="WindowCoverageError"))
-    # Pruning with more tokens than C uses nulls a block C still needs (research H2).
+    # Pruning with more tokens than C uses nulls a block C still needs (docs/spec/alignment-and-coverage.md).
     overpruned = _exchange(config, 47, 0)
     overpruned["producer_block_ids"] = get_exchange_clipped_blocks(
         get_pruned_block_ids(config, _table(config, 47), num_computed_tokens=48 + 16), get_blocks_per_sw(config)
     )
-    cases.append(Case(name="pruned_with_too_many_tokens", inputs=overpruned, description="research H2"))
+    cases.append(
+        Case(
+            name="pruned_with_too_many_tokens",
+            inputs=overpruned,
+            description="pruned with T + 17 (docs/spec/alignment-and-coverage.md)",
+        )
+    )
     hit = _exchange(config, 64, 64)
     cases.append(Case(name="full_prefix_hit_zero_groups", inputs=hit))
     cases.append(
@@ -1185,6 +1204,383 @@ def _gen_consumer(rng: random.Random) -> dict[str, object]:
 # --------------------------------------------------------------------------- the case sets
 
 
+# --------------------------------------------------------------------------- OFF-1 ... OFF-9 (docs/spec/offload.md)
+
+
+def _offload(f: int, h: int = 4) -> OffloadConfig:
+    return OffloadConfig(blocks_per_chunk=f, hash_block_size=h)
+
+
+def _fa_sw(block: int = 4, window: int = 8) -> KVCacheConfig:
+    """Full attention plus a window group, one block size (the vLLM HMA tests' B=4, W=8)."""
+    return _config([_full(block), _sw(window, block)], num_blocks=64)
+
+
+def _b12_b16() -> KVCacheConfig:
+    """Two full-attention groups of block sizes 12 and 16 (page-size unification), so f=1."""
+    return _config([_full(12), _full(16)], num_blocks=64)
+
+
+def _mamba_config() -> KVCacheConfig:
+    return _config([_full(16), MambaSpec(block_size=16, shapes=[[2, 2]], dtypes=["float32"])], num_blocks=8)
+
+
+def _hashes(count: int) -> list[bytes]:
+    return [hashlib.sha256(str(i).encode("ascii")).digest()[:8] for i in range(count)]
+
+
+def _rand_offload_setup(rng: random.Random) -> tuple[KVCacheConfig, OffloadConfig]:
+    """Full and window groups of one block size (any f), or of mixed sizes (f=1); h divides every size."""
+    same = rng.random() < 0.7
+    block = rng.choice([4, 8, 16])
+    specs: list[KVCacheSpec] = []
+    for _ in range(rng.randint(1, 3)):
+        b = block if same else rng.choice([4, 8, 16])
+        specs.append(_full(b) if rng.random() < 0.5 else _sw(rng.randint(1, 6 * b), b))
+    sizes = {spec.block_size for spec in specs}
+    f = rng.randint(1, 4) if len(sizes) == 1 else 1
+    h = rng.choice([d for d in (1, 2, 4) if all(size % d == 0 for size in sizes)])
+    return _config(specs, num_blocks=64), _offload(f, h)
+
+
+def _local_hit(rng: random.Random, config: KVCacheConfig, num_tokens: int) -> int:
+    step = max(g.kv_cache_spec.block_size for g in config.kv_cache_groups)  # sizes 4, 8, 16 divide the largest
+    return rng.randint(0, num_tokens // step) * step
+
+
+def _off9_pins() -> list[Case]:
+    def case(name: str, kinds: Sequence[str], description: str = "") -> Case:
+        return Case(name=name, inputs={"config": _kinds_config(*kinds)}, description=description)
+
+    return [
+        case("full_and_window", ["full", "sw"]),
+        case("mla_and_sw_mla", ["mla", "sw_mla"], "MLA is full attention, SW-MLA a window"),
+        case("mamba_refused", ["full", "mamba"], "UnsupportedHybridError: vLLM admits Mamba as a one-chunk window"),
+        case("chunked_local_refused", ["full", "chunked"]),
+        case("cross_attention_refused", ["cross"]),
+        case("unknown_kind_refused", ["unknown"]),
+    ]
+
+
+def _off1_pins() -> list[Case]:
+    def case(name: str, config: KVCacheConfig, f: int, h: int | None, description: str = "") -> Case:
+        inputs = {"config": config, "blocks_per_chunk": f, "hash_block_size": h}
+        return Case(name=name, inputs=inputs, description=description)
+
+    return [
+        case("f3_b4", _fa_sw(), 3, 4, "C_g = 12 for both groups"),
+        case("mixed_block_sizes_f1", _b12_b16(), 1, 4, "B = (12, 16): chunk 2 ends at 36 and 48"),
+        case("mixed_block_sizes_f2_refused", _b12_b16(), 2, None, "f > 1 needs one block size: ConfigError"),
+        case("hash_size_not_dividing", _b12_b16(), 1, 8, "h = 8 does not divide 12: ConfigError"),
+        case("f0_refused", _fa_sw(), 0, None),
+    ]
+
+
+def _gen_chunk_sizes(rng: random.Random) -> dict[str, object]:
+    config, offload = _rand_offload_setup(rng)
+    f = offload.blocks_per_chunk if rng.random() < 0.7 else rng.randint(1, 4)
+    h = rng.choice([None, offload.hash_block_size, 3])
+    return {"config": config, "blocks_per_chunk": f, "hash_block_size": h}
+
+
+def _off2_pins() -> list[Case]:
+    def case(name: str, config: KVCacheConfig, count: int, offload: OffloadConfig, description: str = "") -> Case:
+        return Case(
+            name=name,
+            inputs={"config": config, "block_hashes": _hashes(count), "offload": offload},
+            description=description,
+        )
+
+    return [
+        case("b12_b16_six_hashes", _b12_b16(), 6, _offload(1), "25 tokens: group 0 hashes 2, 5; group 1 hash 3"),
+        case("b12_b16_shared_hash", _b12_b16(), 12, _offload(1), "48 tokens: both groups' last key is hash 11"),
+        case("f3_b4", _fa_sw(), 10, _offload(3), "3 hashes per chunk: keys at hashes 2, 5, 8"),
+        case("no_complete_chunk", _fa_sw(), 2, _offload(3)),
+    ]
+
+
+def _gen_keys(rng: random.Random) -> dict[str, object]:
+    config, offload = _rand_offload_setup(rng)
+    return {"config": config, "block_hashes": _hashes(rng.randint(0, 40)), "offload": offload}
+
+
+def _store(
+    config: KVCacheConfig, ids: Sequence[Sequence[int]], tokens: int, next_chunk: Sequence[int], f: int
+) -> dict[str, object]:
+    return {
+        "config": config,
+        "block_ids": BlockIds(ids),
+        "num_offloadable_tokens": tokens,
+        "next_chunk": list(next_chunk),
+        "offload": _offload(f),
+    }
+
+
+_ISSUE_42945 = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [0, 0, 0, 0, 0, 105, 106, 107, 108, 109]]
+
+
+def _off3_pins() -> list[Case]:
+    config = _fa_sw()
+    cases = [
+        Case(
+            name="hma_prompt_12",
+            inputs=_store(config, [[1, 2, 3], [4, 5, 6]], 12, [0, 0], 1),
+            description="B=4 W=8 f=1: chunks 0-2 of both groups",
+        ),
+        Case(
+            name="hma_then_15_decoded",
+            inputs=_store(config, [[1, 2, 3, 7, 8, 9, 10], [4, 5, 6, 11, 12, 13, 14]], 27, [3, 3], 1),
+            description="O=27: chunks 3-5 of both groups",
+        ),
+        Case(
+            name="issue_42945_count_without_nulls",
+            inputs=_store(config, _ISSUE_42945, 40, [0, 0], 3),
+            description="#42945: window chunks 1, 2; sources 105-108 from index 5; count 4, not 6",
+        ),
+        Case(
+            name="null_after_real_id",
+            inputs=_store(config, [[1, 2, 3], [4, 0, 6]], 12, [0, 0], 1),
+            description="nulls only open a list: ConfigError",
+        ),
+        Case(
+            name="too_few_ids",
+            inputs=_store(config, [[1, 2], [4, 5, 6]], 12, [0, 0], 1),
+        ),
+        Case(
+            name="mixed_block_sizes_f2",
+            inputs=_store(_b12_b16(), [[1, 2], [3, 4]], 24, [0, 0], 2),
+            description="f > 1 with B = (12, 16): ConfigError",
+        ),
+    ]
+    # h=4, B=(12, 16), f=1 (vLLM HMA test): one request's steps at O = 25, 32, 36, 48, 96, each from the last.
+    b12_b16, next_chunk = _b12_b16(), [0, 0]
+    for tokens in (25, 32, 36, 48, 96):
+        ids = [list(range(1, 9)), list(range(11, 17))]
+        inputs = _store(b12_b16, ids, tokens, next_chunk, 1)
+        cases.append(Case(name=f"b12_b16_step_o{tokens}", inputs=inputs, description="vLLM HMA test steps"))
+        next_chunk = list(
+            get_store_set(
+                b12_b16, ids, num_offloadable_tokens=tokens, next_chunk=next_chunk, offload=_offload(1)
+            ).next_chunks
+        )
+    return cases
+
+
+def _off4_store_pins() -> list[Case]:
+    return [
+        Case(
+            name="leading_nulls_leave_chunk_partial",
+            inputs=_store(_fa_sw(), _ISSUE_42945, 40, [0, 0], 3),
+            description="f=3: window chunk 1 is written from sub-block 2 only, so it is partial",
+        ),
+        Case(
+            name="f1_never_partial",
+            inputs=_store(_fa_sw(), [[1, 2, 3, 4], [0, 0, 7, 8]], 16, [0, 0], 1),
+        ),
+    ]
+
+
+def _gen_store(rng: random.Random) -> dict[str, object]:
+    config, offload = _rand_offload_setup(rng)
+    f, tokens = offload.blocks_per_chunk, rng.randint(0, 80)
+    ids, start, next_chunk = [], 1, []
+    for group in config.kv_cache_groups:
+        size = group.kv_cache_spec.block_size
+        count = max(-(-tokens // size), tokens // (size * f) * f) + rng.choice([0, 0, 1])
+        nulls = rng.randint(0, count) if isinstance(group.kv_cache_spec, SlidingWindowSpec) else 0
+        ids.append([0] * nulls + list(range(start, start + count - nulls)))
+        start += count
+        next_chunk.append(rng.randint(0, tokens // (size * f) + 1))
+    return {
+        "config": config,
+        "block_ids": BlockIds(ids),
+        "num_offloadable_tokens": tokens,
+        "next_chunk": next_chunk,
+        "offload": offload,
+    }
+
+
+def _hit(config: KVCacheConfig, present: Sequence[Sequence[bool]], n: int, c: int, f: int = 1) -> dict[str, object]:
+    return {"config": config, "present": present, "num_tokens": n, "local_hit_tokens": c, "offload": _offload(f)}
+
+
+def _off5_pins() -> list[Case]:
+    config, b12_b16, t, x = _fa_sw(), _b12_b16(), True, False
+    mixed = _config([_full(12), _sw(16, 16)], num_blocks=64)
+    return [
+        Case(name="hma_n13", inputs=_hit(config, [[t] * 3, [t] * 3], 13, 0), description="B=4 W=8: hit 12"),
+        Case(name="hma_n17_c12", inputs=_hit(config, [[t] * 4, [t] * 4], 17, 12), description="hit 4"),
+        Case(name="hma_n12_last_token_recomputed", inputs=_hit(config, [[t] * 3, [t] * 3], 12, 0), description="11"),
+        Case(
+            name="window_gap",
+            inputs=_hit(config, [[t] * 6, [t, t, t, x, t, x]], 25, 0),
+            description="window chunks {0, 1, 2, 4} of 6: hit 12",
+        ),
+        Case(name="b12_b16_n48", inputs=_hit(b12_b16, [[t] * 4, [t] * 3], 48, 0), description="hit 48"),
+        Case(
+            name="b12_b16_n85_c48",
+            inputs=_hit(b12_b16, [[t] * 7, [t] * 5], 85, 48),
+            description="M = min(85, 7*12, 5*16) = 80: hit 32",
+        ),
+        Case(
+            name="window_off_the_chunk_grid",
+            inputs=_hit(mixed, [[t, t, t], [t, x, t]], 48, 0),
+            description="B=12 full, W=16 B=16 window chunks {0, 2}: M=36 needs chunks 1 and 2, hit 16",
+        ),
+        Case(name="mamba_refused", inputs=_hit(_mamba_config(), [[t], [t]], 20, 0), description="OFF-9 first"),
+        Case(name="too_many_keys", inputs=_hit(config, [[t] * 4, [t] * 4], 13, 0), description="ConfigError"),
+    ]
+
+
+def _off4_hit_pins() -> list[Case]:
+    config, t, x = _fa_sw(), True, False
+    return [
+        Case(
+            name="partial_chunk_is_not_present",
+            inputs=_hit(config, [[t, t], [x, x]], 25, 0, 3),
+            description="f=3 B=4 W=8: R1 wrote window chunk 1 in part, so it is absent and the hit is 0",
+        ),
+        Case(
+            name="partial_chunk_counted_present",
+            inputs=_hit(config, [[t, t], [x, t]], 25, 0, 3),
+            description="what a pool that reports the partial chunk answers: 24, reading an unwritten sub-block",
+        ),
+    ]
+
+
+def _gen_hit(rng: random.Random) -> dict[str, object]:
+    config, offload = _rand_offload_setup(rng)
+    if rng.random() < 0.1:
+        config = _rand_config(rng, _KINDS)
+    n = rng.randint(0, 200)
+    sizes = [g.kv_cache_spec.block_size * offload.blocks_per_chunk for g in config.kv_cache_groups]
+    absent = rng.choice([0.0, 0.1, 0.3])
+    present = [
+        [rng.random() >= absent for _ in range(n // size - rng.choice([0, 0, 1]) * (n >= size))] for size in sizes
+    ]
+    return {
+        "config": config,
+        "present": present,
+        "num_tokens": n,
+        "local_hit_tokens": _local_hit(rng, config, n),
+        "offload": offload,
+    }
+
+
+def _load(config: KVCacheConfig, ids: Sequence[Sequence[int]], t: int, c: int, f: int = 1) -> dict[str, object]:
+    return {
+        "config": config,
+        "block_ids": BlockIds(ids),
+        "num_tokens": t,
+        "local_hit_tokens": c,
+        "offload": _offload(f),
+    }
+
+
+def _off6_pins() -> list[Case]:
+    config, b12_b16 = _fa_sw(), _b12_b16()
+    window = _config([_sw(4096, 32)], num_blocks=4096)
+    issue_48959 = [[0] * 2934 + list(range(1, 130))]
+    return [
+        Case(name="hma_t12", inputs=_load(config, [[1, 2, 3], [4, 5, 6]], 12, 0), description="(0,0..2) (1,1..2)"),
+        Case(name="hma_t16_c12", inputs=_load(config, [[1, 2, 3, 4], [0, 0, 7, 8]], 16, 12), description="(0,3) (1,3)"),
+        Case(name="b12_b16_t48", inputs=_load(b12_b16, [[1, 2, 3, 4], [5, 6, 7]], 48, 0)),
+        Case(
+            name="b12_b16_t80_c48",
+            inputs=_load(b12_b16, [list(range(1, 8)), list(range(11, 16))], 80, 48),
+            description="chunk 6 (tokens 72-83) whole",
+        ),
+        Case(
+            name="issue_48959_needs_129_blocks",
+            inputs=_load(window, issue_48959, 98012, 0, 8),
+            description="#48959: W=4096 B=32 f=8 T=98012: L=2934, G=3063, 129 blocks, not 128",
+        ),
+        Case(
+            name="f3_first_index_4",
+            inputs=_load(_config([_full(4)], num_blocks=16), [list(range(1, 10))], 36, 16, 3),
+            description="f=3, L=4: chunks 1-2, the first read from sub-block 1",
+        ),
+        Case(
+            name="null_destination",
+            inputs=_load(config, [[1, 2, 3, 4], [0, 0, 0, 8]], 16, 0),
+            description="window block 2 is needed: WindowCoverageError",
+        ),
+        Case(name="mamba_refused", inputs=_load(_mamba_config(), [[1, 2], [3]], 20, 0)),
+    ]
+
+
+def _gen_load(rng: random.Random) -> dict[str, object]:
+    config, offload = _rand_offload_setup(rng)
+    t = rng.randint(0, 80)
+    c = _local_hit(rng, config, t)
+    ids, start = [], 1
+    for group in config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        count = -(-t // spec.block_size)
+        first = c if not isinstance(spec, SlidingWindowSpec) else max(c, t - spec.sliding_window + 1)
+        nulls = min(first // spec.block_size, count)
+        if rng.random() < 0.15:
+            nulls = min(nulls + 1, count)  # one null too many: WindowCoverageError
+        ids.append([0] * nulls + list(range(start, start + count - nulls)))
+        start += count
+    return {"config": config, "block_ids": BlockIds(ids), "num_tokens": t, "local_hit_tokens": c, "offload": offload}
+
+
+def _off7_map_pins() -> list[Case]:
+    def case(name: str, first: int, n: int, f: int, description: str = "") -> Case:
+        inputs = {"first_block_index": first, "num_blocks": n, "blocks_per_chunk": f}
+        return Case(name=name, inputs=inputs, description=description)
+
+    return [
+        case("f3_first_4", 4, 5, 3, "skip 4 % 3 = 1, not -4 % 3 = 2: chunks K1, K2 into GPU blocks 4-8"),
+        case("f3_first_3", 3, 3, 3, "the forms agree on a multiple of 3"),
+        case("f2_first_1", 1, 3, 2),
+        case("f1", 5, 2, 1),
+        case("no_blocks", 4, 0, 3),
+        case("negative_first", -1, 2, 3),
+    ]
+
+
+def _off7_offset_pins() -> list[Case]:
+    def case(name: str, row: int, sub: int, page: int, f: int) -> Case:
+        inputs = {"chunk_row": row, "sub_block": sub, "page_size": page, "blocks_per_chunk": f}
+        return Case(name=name, inputs=inputs)
+
+    return [
+        case("row2_sub1_f3", 2, 1, 256, 3),
+        case("row0_sub0", 0, 0, 512, 4),
+        case("sub_block_past_chunk", 1, 3, 256, 3),
+    ]
+
+
+def _gen_offset(rng: random.Random) -> dict[str, object]:
+    f = rng.randint(1, 4)
+    sub_block = rng.randint(0, f)  # f itself is one past the chunk: ConfigError
+    return {
+        "chunk_row": rng.randint(0, 10),
+        "sub_block": sub_block,
+        "page_size": rng.choice([256, 4096]),
+        "blocks_per_chunk": f,
+    }
+
+
+def _off8_pins() -> list[Case]:
+    def case(name: str, config: KVCacheConfig, e: int, f: int, description: str = "") -> Case:
+        inputs = {"config": config, "num_computed_tokens": e, "offload": _offload(f)}
+        return Case(name=name, inputs=inputs, description=description)
+
+    return [
+        case("hma_e12", _fa_sw(), 12, 1, "B=4 W=8: full attention from key 0, the window from key 1"),
+        case("f3_e40", _fa_sw(), 40, 3),
+        case("nothing_computed", _fa_sw(), 0, 1),
+    ]
+
+
+def _gen_retained(rng: random.Random) -> dict[str, object]:
+    config, offload = _rand_offload_setup(rng)
+    return {"config": config, "num_computed_tokens": rng.randint(0, 200), "offload": offload}
+
+
 def _none() -> list[Case]:
     return []
 
@@ -1258,6 +1654,31 @@ CASE_SETS: tuple[CaseSet, ...] = (
     CaseSet(rule="REL-1", fn=ConsumerSession, pinned=lambda: _consumer_pins("REL-1")),
     CaseSet(rule="FAIL-1", fn=ConsumerSession, pinned=lambda: _consumer_pins("FAIL-1")),
     CaseSet(rule="DONE-1", fn=ConsumerSession, pinned=lambda: _consumer_pins("DONE-1")),
+    CaseSet(rule="OFF-1", fn=get_chunk_sizes, pinned=_off1_pins, generate=_gen_chunk_sizes),
+    CaseSet(rule="OFF-2", fn=get_offload_keys, pinned=_off2_pins, generate=_gen_keys),
+    CaseSet(rule="OFF-3", fn=get_store_set, pinned=_off3_pins, generate=_gen_store),
+    CaseSet(rule="OFF-4", fn=get_store_set, pinned=_off4_store_pins),
+    CaseSet(rule="OFF-4", fn=get_offload_hit_tokens, pinned=_off4_hit_pins),
+    CaseSet(rule="OFF-5", fn=get_offload_hit_tokens, pinned=_off5_pins, generate=_gen_hit),
+    CaseSet(rule="OFF-6", fn=get_load_set, pinned=_off6_pins, generate=_gen_load),
+    CaseSet(
+        rule="OFF-7",
+        fn=map_sub_blocks,
+        pinned=_off7_map_pins,
+        generate=lambda rng: {
+            "first_block_index": rng.randint(0, 20),
+            "num_blocks": rng.randint(0, 10),
+            "blocks_per_chunk": rng.randint(1, 4),
+        },
+    ),
+    CaseSet(
+        rule="OFF-7",
+        fn=get_sub_block_offset,
+        pinned=_off7_offset_pins,
+        generate=_gen_offset,
+    ),
+    CaseSet(rule="OFF-8", fn=get_retained_chunk_starts, pinned=_off8_pins, generate=_gen_retained),
+    CaseSet(rule="OFF-9", fn=check_offload_support, pinned=_off9_pins, generate=_gen_config(_KINDS)),
 )
 """Which vectors each rule gets for each function; a new function adds one entry here."""
 

@@ -53,7 +53,21 @@ from kvspec._models import (
     SpecKind,
     TransferMode,
 )
-from kvspec._plan import plan_transfer
+from kvspec._offload import (
+    OffloadConfig,
+    OffloadKey,
+    StoreSet,
+    check_offload_support,
+    get_chunk_sizes,
+    get_load_set,
+    get_offload_hit_tokens,
+    get_offload_keys,
+    get_retained_chunk_starts,
+    get_store_set,
+    get_sub_block_offset,
+    map_sub_blocks,
+)
+from kvspec._plan import TransferPlan, plan_transfer
 from kvspec._reference import (
     check_hybrid_support,
     check_window_coverage,
@@ -72,7 +86,7 @@ from kvspec._reference import (
     is_hma_required,
 )
 from kvspec._rules import RULES
-from kvspec._session import ConsumerSession, ProducerSession
+from kvspec._session import ConsumerSession, Output, ProducerSession
 from kvspec._summary import blocks_needed_for, summarize_plan
 
 __all__ = [
@@ -113,16 +127,20 @@ def _spec_to_json(spec: KVCacheSpec) -> dict[str, Json]:
     return {"kind": spec.kind.value, **body, "page_size_bytes": spec.page_size_bytes}
 
 
-def to_json(value: object, *, tagged: bool = False) -> Json:
+def to_json(value: object) -> Json:
     """The language-neutral JSON value of a kvspec value, derived from its type.
 
     ``None``, bools, ints, floats and strings are themselves; enums their
     value; :class:`BlockIds` a list of per-group lists; a ``range`` the object
     ``{"start", "stop"}`` (half open); bytes base64; protocol messages their
     canonical wire object; specs their fields plus ``kind`` and
-    ``page_size_bytes``; other attrs classes their init fields (plus
-    ``"type"``, the snake-case class name, when ``tagged``); tuples and lists
-    lists; mappings objects.
+    ``page_size_bytes``; a :class:`TransferPlan` its ``copies`` and ``groups``;
+    a session :class:`Output` its ``actions`` in order, each tagged with
+    ``"type"`` (``send``, ``post``, ``cancel``, ``free``), and its ``steps``;
+    an :class:`OffloadKey` its fields plus ``bytes``, its wire form; a
+    :class:`StoreSet` its fields plus ``partial_chunks`` and
+    ``complete_chunks`` (OFF-4); other attrs classes their init fields; tuples
+    and lists lists; mappings objects.
     """
     if value is None or isinstance(value, (bool, int, str, float)):
         return value
@@ -140,15 +158,52 @@ def to_json(value: object, *, tagged: bool = False) -> Json:
         return json.loads(encode(value))  # type: ignore[arg-type]
     if isinstance(value, KVCacheSpec):
         return _spec_to_json(value)
+    special = _SPECIAL.get(type(value))
+    if special is not None:
+        return special(value)
     kind: Any = type(value)
     if attrs.has(kind):
-        body = {f.name: to_json(getattr(value, f.name), tagged=tagged) for f in attrs.fields(kind) if f.init}
-        return {"type": _snake(type(value).__name__), **body} if tagged else body
+        return _fields(value)
     if isinstance(value, Mapping):
-        return {str(k): to_json(v, tagged=tagged) for k, v in value.items()}
+        return {str(k): to_json(v) for k, v in value.items()}
     if isinstance(value, (tuple, list)):
-        return [to_json(v, tagged=tagged) for v in value]
+        return [to_json(v) for v in value]
     raise ConfigError(f"vectors: no JSON encoding for {type(value).__name__}")
+
+
+def _fields(value: Any) -> dict[str, Json]:
+    return {f.name: to_json(getattr(value, f.name)) for f in attrs.fields(type(value)) if f.init}
+
+
+def _plan_to_json(plan: Any) -> Json:
+    # The plan holds columns; the vectors keep the language-neutral list of copies (PLAN-1).
+    return {"copies": to_json(plan.copies), "groups": to_json(plan.groups)}
+
+
+def _output_to_json(output: Any) -> Json:
+    # The actions in the order the driver must carry them out, each tagged with its type (SM-1, SM-2).
+    actions = [{"type": _snake(type(a).__name__), **_fields(a)} for a in output.actions]
+    return {"actions": actions, "steps": [_fields(step) for step in output.steps]}
+
+
+def _key_to_json(key: Any) -> Json:
+    return {**_fields(key), "bytes": to_json(key.to_bytes())}  # the wire form carries the group (OFF-2)
+
+
+def _store_set_to_json(store: Any) -> Json:
+    return {
+        **_fields(store),
+        "partial_chunks": to_json(store.partial_chunks),
+        "complete_chunks": to_json(store.complete_chunks),
+    }
+
+
+_SPECIAL: Mapping[type, Callable[[Any], Json]] = {
+    TransferPlan: _plan_to_json,
+    Output: _output_to_json,
+    OffloadKey: _key_to_json,
+    StoreSet: _store_set_to_json,
+}
 
 
 _MESSAGE_CLASSES = frozenset(MESSAGE_TYPES.values())
@@ -254,6 +309,13 @@ MESSAGE = Arg(decode=_decode_message, schema=_ref("message"))
 DESCRIPTOR = Arg(decode=_decode_descriptor, schema=_ref("message"))
 BYTES = Arg(decode=lambda text: base64.b64decode(text, validate=True), schema={"type": "string"})
 EVENTS = Arg(schema={"type": "array", "items": _ref("event")})
+OPTIONAL_INT = Arg(schema={"type": ["integer", "null"]})
+HASHES = Arg(
+    decode=lambda texts: [base64.b64decode(text, validate=True) for text in texts],
+    schema={"type": "array", "items": {"type": "string"}, "description": "block hashes, base64"},
+)
+PRESENT = Arg(schema={"type": "array", "items": {"type": "array", "items": {"type": "boolean"}}})
+OFFLOAD = Arg(decode=lambda body: OffloadConfig(**_object(body, "offload")), schema=_ref("offload"))
 
 
 # --------------------------------------------------------------------------- the registry
@@ -304,6 +366,15 @@ PUBLIC_NAMES: Mapping[object, str] = {
     check_compatibility: "check_compatibility",
     ProducerSession: "ProducerSession",
     ConsumerSession: "ConsumerSession",
+    check_offload_support: "check_offload_support",
+    get_chunk_sizes: "get_chunk_sizes",
+    get_offload_keys: "get_offload_keys",
+    get_store_set: "get_store_set",
+    get_offload_hit_tokens: "get_offload_hit_tokens",
+    get_load_set: "get_load_set",
+    map_sub_blocks: "map_sub_blocks",
+    get_sub_block_offset: "get_sub_block_offset",
+    get_retained_chunk_starts: "get_retained_chunk_starts",
 }
 
 
@@ -354,7 +425,7 @@ def _run_events(session: ProducerSession | ConsumerSession, events: Sequence[Map
     for event in events:
         step: dict[str, Json] = {}
         try:
-            step["output"] = to_json(_session_call(session, event), tagged=True)
+            step["output"] = to_json(_session_call(session, event))
         except KVSpecError as error:  # a protocol error leaves the session unchanged (SM-1, SM-2)
             step["error"] = {"class": type(error).__name__}  # compared as part of the output: the class only
         step["state"] = session.state.value
@@ -491,6 +562,78 @@ _ENTRIES: tuple[VectorFunction, ...] = (
         },
         _consumer,
     ),
+    # OFF-1 ... OFF-9: offloading chunks to a slower tier
+    _entry(check_offload_support, {"config": CONFIG}, lambda a: check_offload_support(a["config"])),
+    _entry(
+        get_chunk_sizes,
+        {"config": CONFIG, "blocks_per_chunk": INT, "hash_block_size": OPTIONAL_INT},
+        lambda a: get_chunk_sizes(
+            a["config"], blocks_per_chunk=a["blocks_per_chunk"], hash_block_size=a["hash_block_size"]
+        ),
+    ),
+    _entry(
+        get_offload_keys,
+        {"config": CONFIG, "block_hashes": HASHES, "offload": OFFLOAD},
+        lambda a: get_offload_keys(a["config"], a["block_hashes"], offload=a["offload"]),
+    ),
+    _entry(
+        get_store_set,
+        {
+            "config": CONFIG,
+            "block_ids": BLOCK_IDS,
+            "num_offloadable_tokens": INT,
+            "next_chunk": INTS,
+            "offload": OFFLOAD,
+        },
+        lambda a: get_store_set(
+            a["config"],
+            a["block_ids"],
+            num_offloadable_tokens=a["num_offloadable_tokens"],
+            next_chunk=a["next_chunk"],
+            offload=a["offload"],
+        ),
+    ),
+    _entry(
+        get_offload_hit_tokens,
+        {"config": CONFIG, "present": PRESENT, "num_tokens": INT, "local_hit_tokens": INT, "offload": OFFLOAD},
+        lambda a: get_offload_hit_tokens(
+            a["config"],
+            a["present"],
+            num_tokens=a["num_tokens"],
+            local_hit_tokens=a["local_hit_tokens"],
+            offload=a["offload"],
+        ),
+    ),
+    _entry(
+        get_load_set,
+        {"config": CONFIG, "block_ids": BLOCK_IDS, "num_tokens": INT, "local_hit_tokens": INT, "offload": OFFLOAD},
+        lambda a: get_load_set(
+            a["config"],
+            a["block_ids"],
+            num_tokens=a["num_tokens"],
+            local_hit_tokens=a["local_hit_tokens"],
+            offload=a["offload"],
+        ),
+    ),
+    _entry(
+        map_sub_blocks,
+        {"first_block_index": INT, "num_blocks": INT, "blocks_per_chunk": INT},
+        lambda a: map_sub_blocks(a["first_block_index"], a["num_blocks"], blocks_per_chunk=a["blocks_per_chunk"]),
+    ),
+    _entry(
+        get_sub_block_offset,
+        {"chunk_row": INT, "sub_block": INT, "page_size": INT, "blocks_per_chunk": INT},
+        lambda a: get_sub_block_offset(
+            a["chunk_row"], a["sub_block"], page_size=a["page_size"], blocks_per_chunk=a["blocks_per_chunk"]
+        ),
+    ),
+    _entry(
+        get_retained_chunk_starts,
+        {"config": CONFIG, "num_computed_tokens": INT, "offload": OFFLOAD},
+        lambda a: get_retained_chunk_starts(
+            a["config"], num_computed_tokens=a["num_computed_tokens"], offload=a["offload"]
+        ),
+    ),
 )
 
 FUNCTIONS: Mapping[str, VectorFunction] = {entry.name: entry for entry in _ENTRIES}
@@ -613,6 +756,16 @@ _DEFS: dict[str, Json] = {
         },
         "required": ["call", "now"],
         "additionalProperties": False,
+    },
+    "offload": {
+        "type": "object",
+        "properties": {
+            "blocks_per_chunk": {"type": "integer", "minimum": 1},
+            "hash_block_size": {"type": "integer", "minimum": 1},
+        },
+        "required": ["blocks_per_chunk", "hash_block_size"],
+        "additionalProperties": False,
+        "description": "OffloadConfig: f GPU blocks per chunk, keys from hashes of h tokens (OFF-1)",
     },
     "error": _ERROR_SCHEMA,
 }

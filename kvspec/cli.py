@@ -1,4 +1,4 @@
-"""The ``kvspec`` command line: ``plan`` a preset's transfer, ``conform`` a backend, write and check ``vectors``."""
+"""The ``kvspec`` command line: ``plan`` a preset's transfer, ``conform`` a backend, ``vectors``, ``vllm-audit``."""
 
 from __future__ import annotations
 
@@ -110,6 +110,26 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _vectors_check.add_arguments(vectors)
     vectors.set_defaults(handler=_vectors_check.run)
+
+    audit = sub.add_parser(
+        "vllm-audit",
+        help="drive random P/D requests through vLLM's own managers and connectors, report each deviation",
+        description=(
+            "Whole requests through vLLM 0.33.0's KVCacheManagers and each connector's scheduler hooks, in "
+            "vLLM's scheduler order; every pair the connector would post is checked by logical position "
+            "(ALIGN-1, NULL-1, WIN-1). Needs kvspec[vllm]. 'reference' runs kvspec's own functions instead."
+        ),
+    )
+    audit.add_argument(
+        "--connector",
+        action="append",
+        choices=["moriio", "nixl", "mooncake", "reference"],
+        help="connector to drive; repeatable (default: moriio, nixl, mooncake)",
+    )
+    audit.add_argument("--requests", type=_positive_int, default=200, metavar="N", help="random requests (default 200)")
+    audit.add_argument("--seed", type=_non_negative_int, default=11, metavar="S", help="random seed (default 11)")
+    audit.add_argument("--json", metavar="PATH", help="also write the report as JSON (the findings page reads it)")
+    audit.set_defaults(handler=_run_vllm_audit)
     return parser
 
 
@@ -354,6 +374,22 @@ def _run_conform(args: argparse.Namespace, out: TextIO) -> int:
         )
         return 2
     return int(suite_cli.run(args) or 0)
+
+
+def _run_vllm_audit(args: argparse.Namespace, out: TextIO) -> int:
+    from kvspec.integrations.vllm_audit import run_audit
+
+    try:
+        report = run_audit(
+            connectors=args.connector or ("moriio", "nixl", "mooncake"), requests=args.requests, seed=args.seed
+        )
+    except KVSpecError as exc:
+        print(f"kvspec vllm-audit: {exc}", file=sys.stderr)
+        return 2
+    out.write(report.render())
+    if args.json:
+        report.write_json(args.json)
+    return 0
 
 
 def main(argv: Sequence[str] | None = None, *, out: TextIO | None = None) -> int:

@@ -52,6 +52,7 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
         "drivers",
         frozenset({"kvspec._connector", "kvspec._driver", "kvspec._exchange", "kvspec.exchange", "kvspec.testing"}),
     ),
+    ("integrations", frozenset({"kvspec.integrations", "kvspec.integrations.vllm", "kvspec.integrations.vllm_audit"})),
     (
         "tools",
         frozenset(

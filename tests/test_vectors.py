@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import io
 import json
 import shlex
@@ -107,9 +108,13 @@ def test_errors_name_their_class_and_rule() -> None:
 def test_sessions_record_every_step() -> None:
     vector = _vector("REL-1", "ConsumerSession", "loaded_then_late_signals")
     steps = vector["output"]["steps"]
-    releases = [m for s in steps if "output" in s for m in s["output"]["send"] if m["type"] == "release"]
+    actions = [a for s in steps if "output" in s for a in s["output"]["actions"]]
+    releases = [a["message"] for a in actions if a["type"] == "send" and a["message"]["type"] == "release"]
     assert [r["outcome"] for r in releases] == ["loaded"]  # exactly one release (REL-1)
     assert [s["state"] for s in steps] == ["loading", "loaded", "loaded", "loaded"]
+    # The actions keep the order a driver carries them out in, each tagged with its type: free before the release.
+    first = _vector("REL-1", "ConsumerSession", "aborted_before_start")["output"]["steps"][0]["output"]["actions"]
+    assert [a["type"] for a in first] == ["free", "send"]
     error_step = _vector("DONE-1", "ConsumerSession", "write_transfer_done_is_local_error")["output"]["steps"][1]
     assert error_step["error"]["class"] == "LocalProtocolError"
 
@@ -127,6 +132,27 @@ def test_plan_vectors_carry_the_byte_copies() -> None:
     assert sum(c["nbytes"] for c in plan["copies"]) == sum(
         g["num_pairs"] * g["num_layers"] * g["page_size"] for g in plan["groups"]
     )
+
+
+def test_offload_pins_from_the_spec() -> None:
+    # docs/spec/offload.md: #48959 (W=4096 B=32 f=8 T=98012 needs 129 blocks, not 128).
+    load = _vector("OFF-6", "get_load_set", "issue_48959_needs_129_blocks")["output"]
+    assert (load["first_block_indices"], load["num_blocks"]) == ([2934], [129])
+    # #42945: the count never includes the null sub-blocks; the first window chunk is written in part (OFF-4).
+    store = _vector("OFF-3", "get_store_set", "issue_42945_count_without_nulls")["output"]
+    assert (store["block_ids"][1], store["num_blocks"][1], store["partial_chunks"]) == (
+        [105, 106, 107, 108],
+        4,
+        [[], [1]],
+    )
+    # f=3, first index 4: skip 4 % 3 = 1, never -4 % 3 = 2 (OFF-7).
+    assert _vector("OFF-7", "map_sub_blocks", "f3_first_4")["output"] == [[0, 1], [0, 2], [1, 0], [1, 1], [1, 2]]
+    assert _vector("OFF-4", "get_offload_hit_tokens", "partial_chunk_is_not_present")["output"] == 0
+    assert _vector("OFF-5", "get_offload_hit_tokens", "window_off_the_chunk_grid")["output"] == 16
+    key = _vector("OFF-2", "get_offload_keys", "b12_b16_shared_hash")["output"][1][2]
+    assert base64.b64decode(key["bytes"]) == base64.b64decode(key["block_hash"]) + bytes([0, 0, 0, 1])
+    assert _vector("OFF-9", "check_offload_support", "mamba_refused")["error"]["class"] == "UnsupportedHybridError"
+    assert _vector("OFF-1", "get_chunk_sizes", "mixed_block_sizes_f2_refused")["error"]["class"] == "ConfigError"
 
 
 # --------------------------------------------------------------------------- schema
@@ -236,7 +262,11 @@ def test_check_fails_a_wrong_implementation_naming_its_vectors(vectors_dir: Path
     report = check_vectors(vectors_dir, command, jsonl=True)
     failing = {(o.vector["rule"], o.vector["function"]) for o in report.outcomes if o.status == "failed"}
     # Front-trimming breaks tail alignment and which pairs the null drop hits; no +1 breaks every SW-1 budget.
-    assert failing == {("ALIGN-1", "compute_block_pairs"), ("NULL-1", "compute_block_pairs"), ("SW-1", "get_blocks_per_sw")}
+    assert failing == {
+        ("ALIGN-1", "compute_block_pairs"),
+        ("NULL-1", "compute_block_pairs"),
+        ("SW-1", "get_blocks_per_sw"),
+    }
     names = {o.path.name for o in report.outcomes if o.status == "failed"}
     assert {"tail_alignment.json", "pruned_producer_ids_dropped.json", "w32_b16.json"} <= names
     status, text = _check(str(vectors_dir), "--jsonl", "--command", command)

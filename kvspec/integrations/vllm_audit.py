@@ -1,0 +1,815 @@
+"""Whole P/D requests through vLLM's own KVCacheManagers and connector hooks, checked by kvspec's oracle.
+
+The Connector seam sees the lists a scenario hands it. Real lists come from
+vLLM's managers: the producer's table after its sliding-window pruning, the
+consumer's table after prefix hits and lookahead slots. This driver builds
+both engines' ``KVCacheManager`` (vLLM's, with its pruning) and each
+connector's scheduler, and calls them in the order vLLM's scheduler does:
+
+- producer: ``on_new_request``, ``get_computed_blocks``,
+  ``get_num_new_matched_tokens``, ``allocate_slots`` in chunks, then
+  ``remove_skipped_blocks`` and ``get_block_ids_for_computed_tokens`` as
+  ``_connector_finished`` does, and the connector's ``request_finished``;
+- consumer: ``on_new_request``, ``get_computed_blocks``, the connector's
+  ``get_num_new_matched_tokens``, ``allocate_slots`` (lookahead slots only
+  for a synchronous load, as vLLM's scheduler does), the connector's
+  ``update_state_after_alloc``, and the connector's pairing.
+
+Both full block tables map every logical block to an id, so each pair the
+connector would post is checked by position: a pair must join the same
+logical block on both sides (ALIGN-1), never the null block (NULL-1), and
+every block the consumer's first computed token attends must arrive or be
+held (WIN-1). With ``connector="reference"`` kvspec's own functions replace
+the connector's: the oracle must then find nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from kvspec._errors import KVSpecError
+from kvspec._models import (
+    NULL_BLOCK_ID,
+    BlockIds,
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheTensor,
+    SlidingWindowSpec,
+    TransferMode,
+)
+from kvspec._reference import (
+    check_window_coverage,
+    compute_transfer_pairs,
+    get_blocks_per_sw,
+    get_exchange_clipped_blocks,
+    get_needed_block_range,
+)
+from kvspec.integrations.vllm import (
+    VLLM_VERSION,
+    build_scheduler,
+    import_vllm,
+    pair_mooncake,
+    pair_nixl,
+    to_vllm_kv_cache_config,
+)
+
+__all__ = [
+    "AUDIT_CONNECTORS",
+    "DEVIATIONS",
+    "AuditCase",
+    "AuditReport",
+    "ClassResult",
+    "Deviation",
+    "Finding",
+    "GroupShape",
+    "audit_case",
+    "check_drive",
+    "check_kvspec",
+    "generate_cases",
+    "run_audit",
+]
+
+AUDIT_CONNECTORS = ("moriio", "nixl", "mooncake", "reference")
+"""Connectors the audit drives; ``reference`` is kvspec's own functions on the same vLLM tables."""
+
+
+@attrs.frozen(kw_only=True)
+class Deviation:
+    """A class of deviation: its id, the rule it breaks, and what it does to the request."""
+
+    id: str
+    rule: str
+    title: str
+    consequence: str
+
+
+DEVIATIONS: dict[str, Deviation] = {
+    d.id: d
+    for d in (
+        Deviation(
+            id="reads-null-block",
+            rule="NULL-1",
+            title="a pair reads the producer's null block into a block the consumer attends",
+            consequence="wrong KV read: the consumer attends the null block's bytes",
+        ),
+        Deviation(
+            id="writes-null-block",
+            rule="NULL-1",
+            title="a pair writes into the consumer's null block",
+            consequence="the shared null block is overwritten",
+        ),
+        Deviation(
+            id="shifted-pair",
+            rule="ALIGN-1",
+            title="a pair joins different logical blocks on the two sides",
+            consequence="wrong KV read: a block holds its neighbour's tokens",
+        ),
+        Deviation(
+            id="writes-cached-prefix",
+            rule="WIN-1",
+            title="a pair writes into a block the consumer already holds from its prefix cache",
+            consequence="prefix cache rewritten in place: blocks other requests share receive the producer's bytes",
+        ),
+        Deviation(
+            id="needed-block-null-on-consumer",
+            rule="WIN-1",
+            title="a block the recomputed token attends is the null block on the consumer",
+            consequence="wrong KV read: the attended block was never allocated",
+        ),
+        Deviation(
+            id="needed-block-not-transferred",
+            rule="WIN-1",
+            title="a block the recomputed token attends is neither held nor transferred",
+            consequence="wrong KV read: the block keeps whatever it held before",
+        ),
+        Deviation(
+            id="refused",
+            rule="FAIL-1",
+            title="the connector raises while handling a request the engines admitted",
+            consequence="request refused",
+        ),
+        Deviation(
+            id="kvspec-refuses-correct-lists",
+            rule="WIN-1",
+            title="kvspec's check_window_coverage refuses lists the oracle finds correct",
+            consequence="kvspec strictness: a correct connector would fail the suite",
+        ),
+        Deviation(
+            id="kvspec-accepts-wrong-lists",
+            rule="ALIGN-1",
+            title="kvspec's compute_transfer_pairs accepts lists whose pairs the oracle finds wrong",
+            consequence="kvspec blind spot: a wrong connector would pass the suite",
+        ),
+    )
+}
+
+
+# --------------------------------------------------------------------------- random cases
+
+
+@attrs.frozen(kw_only=True)
+class GroupShape:
+    """One group of an audit config: full attention, or a sliding window of ``window`` tokens."""
+
+    block_size: int
+    window: int = 0
+
+    def describe(self) -> str:
+        """``full/B16`` or ``sw128/B16``."""
+        return f"sw{self.window}/B{self.block_size}" if self.window else f"full/B{self.block_size}"
+
+
+@attrs.frozen(kw_only=True)
+class AuditCase:
+    """One request: the config's groups, N prompt tokens, a cached prefix offered to C, lookahead slots."""
+
+    index: int
+    groups: tuple[GroupShape, ...]
+    num_tokens: int
+    cached_prefix_tokens: int
+    lookahead: int
+
+    def to_dict(self) -> dict[str, object]:
+        """JSON-ready."""
+        return {
+            "groups": [g.describe() for g in self.groups],
+            "num_tokens": self.num_tokens,
+            "cached_prefix_tokens": self.cached_prefix_tokens,
+            "lookahead": self.lookahead,
+        }
+
+
+_BLOCK_SIZES = (16, 32, 64)
+_MAX_TOKENS = 200_000
+
+
+def _window(rng: random.Random, block_size: int) -> int:
+    base = rng.choice((32, 64, 128, 256, 512, 1024, 2048, 4096, rng.randint(32, 4096)))
+    return max(32, min(4096, base + rng.choice((0, 0, 1, -1, block_size, -block_size))))
+
+
+def _num_tokens(rng: random.Random, block_size: int, windows: Sequence[int]) -> int:
+    roll = rng.random()
+    if roll < 0.15:
+        n = rng.randint(1, 4 * block_size)
+    elif roll < 0.5 and windows:
+        # Land on a WIN-1 boundary: (N - W + 1) % B == 0 or its neighbours.
+        w = rng.choice(windows)
+        k = rng.randint(1, 64 if rng.random() < 0.7 else max(1, (_MAX_TOKENS - w) // block_size))
+        n = k * block_size + w - 1 + rng.choice((0, 0, 1, -1, 2))
+    elif roll < 0.7:
+        # (N - 1) % B == 0: the consumer's recomputed token starts a block.
+        n = rng.randint(1, 400) * block_size + 1
+    else:
+        n = int(2 ** rng.uniform(4, 17.6))
+    return max(1, min(_MAX_TOKENS, n))
+
+
+def generate_cases(count: int, seed: int) -> list[AuditCase]:
+    """``count`` random requests on random hybrid configs, reproducible from ``seed`` (WIN-1)."""
+    rng = random.Random(seed)
+    cases = []
+    for index in range(count):
+        block_size = rng.choice(_BLOCK_SIZES)
+        windows = sorted({_window(rng, block_size) for _ in range(rng.choice((1, 1, 2)))})
+        groups = (GroupShape(block_size=block_size), *(GroupShape(block_size=block_size, window=w) for w in windows))
+        n = _num_tokens(rng, block_size, windows)
+        cached = 0
+        if rng.random() < 0.35 and n > block_size:
+            cached = rng.randint(1, (n - 1) // block_size) * block_size
+        lookahead = rng.choice((0, 0, 0, 1, 2, 3, 4, 7))
+        cases.append(
+            AuditCase(index=index, groups=groups, num_tokens=n, cached_prefix_tokens=cached, lookahead=lookahead)
+        )
+    return cases
+
+
+def _config(groups: Sequence[GroupShape], num_blocks: int) -> KVCacheConfig:
+    # One byte per head element and one layer per group: pages are tiny, only block ids matter here.
+    specs = [
+        SlidingWindowSpec(block_size=g.block_size, num_kv_heads=1, head_size=2, dtype="int8", sliding_window=g.window)
+        if g.window
+        else FullAttentionSpec(block_size=g.block_size, num_kv_heads=1, head_size=2, dtype="int8")
+        for g in groups
+    ]
+    page = max(s.page_size_bytes for s in specs)
+    names = [f"g{i}" for i in range(len(groups))]
+    return KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[
+            KVCacheTensor(size=num_blocks * page, layers=[n], layer_stride=0, block_stride=page) for n in names
+        ],
+        kv_cache_groups=[KVCacheGroupSpec(layer_names=[n], kv_cache_spec=s) for n, s in zip(names, specs, strict=True)],
+    )
+
+
+# --------------------------------------------------------------------------- the drive
+
+
+@attrs.define
+class _Engine:
+    """One engine: vLLM's KVCacheManager over the config, and its block hasher."""
+
+    manager: Any
+    hasher: Any
+
+
+def _engine(config: KVCacheConfig, block_size: int) -> _Engine:
+    kv_cache_manager = import_vllm("vllm.v1.core.kv_cache_manager")
+    utils = import_vllm("vllm.v1.core.kv_cache_utils")
+    hashing = import_vllm("vllm.utils.hashing")
+    utils.init_none_hash(hashing.sha256)
+    manager = kv_cache_manager.KVCacheManager(
+        to_vllm_kv_cache_config(config),
+        max_model_len=_MAX_TOKENS + 4096,
+        scheduler_block_size=block_size,
+        hash_block_size=block_size,
+        enable_caching=True,
+    )
+    return _Engine(manager=manager, hasher=utils.get_request_block_hasher(block_size, hashing.sha256))
+
+
+def _request(engine: _Engine, request_id: str, tokens: list[int], params: dict[str, Any] | None) -> Any:
+    request_module = import_vllm("vllm.v1.request")
+    sampling = import_vllm("vllm.sampling_params")
+    extra = {"kv_transfer_params": params} if params is not None else None
+    return request_module.Request(
+        request_id=request_id,
+        prompt_token_ids=list(tokens),
+        sampling_params=sampling.SamplingParams(max_tokens=1, extra_args=extra),
+        pooling_params=None,
+        block_hasher=engine.hasher,
+    )
+
+
+_CHUNK = 8192
+
+
+def _prefill(engine: _Engine, request: Any, lookahead: int, start: int = 0) -> None:
+    """Compute the prompt in chunks, as the scheduler's prefill steps do."""
+    done = start
+    n = request.num_tokens
+    while done < n:
+        step = min(_CHUNK, n - done)
+        blocks = engine.manager.allocate_slots(request, step, num_lookahead_tokens=lookahead)
+        if blocks is None:
+            raise RuntimeError(f"vLLM's KVCacheManager has no room for {n} tokens")
+        done += step
+        request.num_computed_tokens = done
+
+
+def _warm_prefix(engine: _Engine, tokens: list[int], request_id: str) -> None:
+    """Run a request over ``tokens`` and free it, so its blocks stay in the prefix cache."""
+    request = _request(engine, request_id, tokens, None)
+    _prefill(engine, request, 0)
+    engine.manager.free(request)
+
+
+@attrs.frozen(kw_only=True)
+class _Drive:
+    """What one request left behind: both tables, the pairs, and the lists kvspec would see."""
+
+    num_tokens: int
+    prefix_hit_tokens: int
+    first_computed: int
+    producer_table: tuple[tuple[int, ...], ...]
+    consumer_table: tuple[tuple[int, ...], ...]
+    producer_list: tuple[tuple[int, ...], ...]
+    consumer_list: tuple[tuple[int, ...], ...]
+    pairs: tuple[tuple[tuple[int, int], ...], ...] | None
+    refusal: str | None = None
+    failed_closed: str | None = None
+
+
+def _tuples(groups: Iterable[Iterable[int]]) -> tuple[tuple[int, ...], ...]:
+    return tuple(tuple(g) for g in groups)
+
+
+def _drive(case: AuditCase, connector: str, config: KVCacheConfig, engines: tuple[_Engine, _Engine]) -> _Drive:
+    producer_engine, consumer_engine = engines
+    block_size = case.groups[0].block_size
+    n = case.num_tokens
+    rid = f"req{case.index}"
+    # Distinct tokens per request: the only prefix hit is the one the case asks for.
+    tokens = list(range(1 + case.index * (_MAX_TOKENS + 1), 1 + case.index * (_MAX_TOKENS + 1) + n))
+    name = "nixl" if connector == "reference" else connector
+    producer_sched = build_scheduler(
+        name, config, role="kv_producer", mode=TransferMode.READ, num_lookahead_tokens=case.lookahead
+    )
+    consumer_sched = build_scheduler(
+        name, config, role="kv_consumer", mode=TransferMode.READ, num_lookahead_tokens=case.lookahead
+    )
+    # -- producer: the prefill leg
+    p_params: dict[str, Any] = {"do_remote_decode": True, "transfer_id": rid}
+    p_req = _request(producer_engine, rid, tokens, p_params)
+    if hasattr(producer_sched, "on_new_request"):
+        producer_sched.on_new_request(p_req)
+    p_manager = producer_engine.manager
+    _, p_hit, *_ = p_manager.get_computed_blocks(p_req)
+    producer_sched.get_num_new_matched_tokens(p_req, p_hit)
+    _prefill(producer_engine, p_req, case.lookahead)
+    request_status = import_vllm("vllm.v1.request").RequestStatus
+    p_req.append_output_token_ids(7)
+    p_req.status = request_status.FINISHED_LENGTH_CAPPED
+    p_manager.remove_skipped_blocks(
+        request_id=rid,
+        processed_computed_tokens=max(0, p_req.num_computed_tokens - p_req.num_in_flight_tokens),
+        num_prompt_tokens=p_req.num_prompt_tokens,
+    )
+    p_blocks = p_manager.get_block_ids_for_computed_tokens(
+        request_id=rid, num_computed_tokens=p_req.num_computed_tokens
+    )
+    producer_table = _tuples(p_manager.get_block_ids(rid))
+    _, returned = producer_sched.request_finished(p_req, p_blocks)
+    if connector == "mooncake":
+        remote_ids = _tuples(producer_sched._reqs_need_send[rid][1])
+    elif connector == "reference":
+        remote_ids = _tuples(p_blocks)
+    else:
+        remote_ids = _tuples(returned["remote_block_ids"])
+    p_manager.free(p_req)
+    # -- consumer: the decode leg
+    if case.cached_prefix_tokens:
+        _warm_prefix(consumer_engine, tokens[: case.cached_prefix_tokens + block_size // 2], rid + "-warm")
+    c_params: dict[str, Any] = {
+        "do_remote_prefill": True,
+        "remote_block_ids": [list(g) for g in remote_ids],
+        "remote_engine_id": "producer",
+        "remote_request_id": rid,
+        "remote_host": "127.0.0.1",
+        "remote_port": 0,
+        "remote_bootstrap_addr": "127.0.0.1:0",
+        "transfer_id": rid,
+    }
+    c_req = _request(consumer_engine, rid, tokens, c_params)
+    if hasattr(consumer_sched, "on_new_request"):
+        consumer_sched.on_new_request(c_req)
+    c_manager = consumer_engine.manager
+    computed_blocks, hit, *_ = c_manager.get_computed_blocks(c_req)
+    if connector == "reference":
+        # kvspec's convention: C loads T = N - 1 tokens synchronously and computes token N - 1.
+        external, load_async = max(0, n - 1 - hit), False
+    else:
+        external, load_async = consumer_sched.get_num_new_matched_tokens(c_req, hit)
+    new_tokens = 0 if load_async else n - hit - external
+    blocks = c_manager.allocate_slots(
+        c_req,
+        new_tokens,
+        num_new_computed_tokens=hit,
+        new_computed_blocks=computed_blocks,
+        num_lookahead_tokens=0 if load_async else case.lookahead,
+        num_external_computed_tokens=external,
+        delay_cache_blocks=load_async,
+    )
+    if blocks is None:
+        raise RuntimeError(f"vLLM's KVCacheManager has no room for {n} tokens")
+    consumer_table = _tuples(c_manager.get_block_ids(rid))
+    loaded = hit + external
+    first = min(loaded, n - 1)  # NIXL and Mooncake roll a full load back to N - 1
+    refusal = failed_closed = None
+    pairs: tuple[tuple[tuple[int, int], ...], ...] | None = None
+    lists: tuple[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]] = (remote_ids, ())
+    try:
+        lists, pairs = _pair(connector, config, consumer_sched, c_manager, c_req, remote_ids, external, n - 1, hit)
+    except KVSpecError as exc:
+        if connector != "reference":
+            raise
+        # kvspec refuses before any byte moves, with a typed reason: the outcome WIN-1 prescribes.
+        failed_closed, pairs = f"{type(exc).__name__}: {exc}", ()
+    except (ValueError, AssertionError, RuntimeError, KeyError) as exc:
+        refusal = f"{type(exc).__name__}: {exc}"
+    c_manager.free(c_req)
+    return _Drive(
+        num_tokens=n,
+        prefix_hit_tokens=hit,
+        first_computed=first,
+        producer_table=producer_table,
+        consumer_table=consumer_table,
+        producer_list=lists[0],
+        consumer_list=lists[1],
+        pairs=pairs,
+        refusal=refusal,
+        failed_closed=failed_closed,
+    )
+
+
+_Lists = tuple[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]]
+
+
+def _zip_pairs(
+    producer: Sequence[Sequence[int]], consumer: Sequence[Sequence[int]]
+) -> tuple[tuple[tuple[int, int], ...], ...]:
+    return tuple(tuple(zip(p, c, strict=True)) for p, c in zip(producer, consumer, strict=True))
+
+
+def _pair(
+    connector: str,
+    config: KVCacheConfig,
+    scheduler: Any,
+    manager: Any,
+    request: Any,
+    remote: tuple[tuple[int, ...], ...],
+    external: int,
+    num_tokens: int,
+    hit: int,
+) -> tuple[_Lists, tuple[tuple[tuple[int, int], ...], ...]]:
+    """The lists kvspec would be shown and the pairs the connector would post, from its own code."""
+    rid = request.request_id
+    blocks = manager.get_blocks(rid)
+    if connector == "reference":
+        table = manager.get_block_ids(rid)
+        budgets = get_blocks_per_sw(config)
+        producer = get_exchange_clipped_blocks(
+            [
+                g[: -(-num_tokens // s.kv_cache_spec.block_size)]
+                for g, s in zip(remote, config.kv_cache_groups, strict=True)
+            ],
+            budgets,
+        )
+        consumer = get_exchange_clipped_blocks(
+            [
+                t[hit // s.kv_cache_spec.block_size : -(-num_tokens // s.kv_cache_spec.block_size)]
+                for t, s in zip(table, config.kv_cache_groups, strict=True)
+            ],
+            budgets,
+        )
+        if hit >= num_tokens:
+            return (_tuples(producer), ()), ()
+        paired = compute_transfer_pairs(
+            config,
+            num_tokens=num_tokens,
+            prefix_hit_tokens=hit,
+            producer_block_ids=producer,
+            consumer_block_ids=consumer,
+        )
+        return (_tuples(producer), _tuples(consumer)), _zip_pairs(paired.producer_block_ids, paired.consumer_block_ids)
+    scheduler.update_state_after_alloc(request, blocks, external)
+    if connector == "moriio":
+        _, local = scheduler._reqs_need_recv[rid]
+        saved = scheduler._req_kv_params.get(rid, {})
+        aligned_remote = saved.get("remote_block_ids", remote) if external > 0 else [[] for _ in remote]
+        # MoRI-IO's consumer list is its whole table, prefix hit included; kvspec is shown the
+        # uncached suffix of the aligned lists (its convention), the pairs are MoRI-IO's own.
+        table = manager.get_block_ids(rid)
+        held = [set(t[: hit // s.kv_cache_spec.block_size]) for t, s in zip(table, config.kv_cache_groups, strict=True)]
+        keep = [
+            [(p, c) for p, c in zip(r, loc, strict=True) if c not in h or c == NULL_BLOCK_ID]
+            for r, loc, h in zip(aligned_remote, local, held, strict=True)
+        ]
+        shown = (_tuples([p for p, _ in k] for k in keep), _tuples([c for _, c in k] for k in keep))
+        return shown, _zip_pairs(aligned_remote, local)
+    if connector == "nixl":
+        local = scheduler._reqs_need_recv[rid][1]
+        if not any(local):
+            return (remote, _tuples(local)), tuple(() for _ in remote)
+        p, c = pair_nixl(remote, local, connector="nixl")
+        return (remote, _tuples(local)), _zip_pairs(p, c)
+    local = scheduler._reqs_need_recv[rid][1]
+    if not local or not any(local):
+        return (remote, _tuples(local)), tuple(() for _ in remote)
+    p, c = pair_mooncake(to_vllm_kv_cache_config(config), remote, local)
+    return (remote, _tuples(local)), _zip_pairs(p, c)
+
+
+# --------------------------------------------------------------------------- the oracle
+
+
+@attrs.frozen(kw_only=True)
+class Finding:
+    """One deviation of one request: its class, and the evidence (group, pair, logical blocks)."""
+
+    deviation: str
+    group: int
+    detail: str
+    pair: tuple[int, int] | None = None
+
+
+def _logical(table: Sequence[int]) -> dict[int, int]:
+    return {block_id: index for index, block_id in enumerate(table) if block_id != NULL_BLOCK_ID}
+
+
+def check_drive(config: KVCacheConfig, drive: _Drive) -> list[Finding]:
+    """Every way the pairs of ``drive`` break ALIGN-1, NULL-1 or WIN-1, judged by logical position (WIN-1)."""
+    if drive.refusal is not None or drive.pairs is None:
+        return [Finding(deviation="refused", group=-1, detail=drive.refusal or "no pairs")]
+    if drive.failed_closed is not None:
+        return []
+    findings: list[Finding] = []
+    for g, group in enumerate(config.kv_cache_groups):
+        spec = group.kv_cache_spec
+        p_table, c_table = drive.producer_table[g], drive.consumer_table[g]
+        p_index, c_index = _logical(p_table), _logical(c_table)
+        pairs = drive.pairs[g] if g < len(drive.pairs) else ()
+        arrives: dict[int, tuple[int, int]] = {}
+        for p, c in pairs:
+            if c == NULL_BLOCK_ID:
+                findings.append(Finding(deviation="writes-null-block", group=g, detail="consumer id 0", pair=(p, c)))
+                continue
+            lc = c_index.get(c)
+            if p == NULL_BLOCK_ID:
+                arrives[lc if lc is not None else -1] = (p, c)
+                continue
+            lp = p_index.get(p)
+            if lp != lc:
+                findings.append(
+                    Finding(
+                        deviation="shifted-pair",
+                        group=g,
+                        detail=f"producer block {p} is logical {lp}, consumer block {c} is logical {lc}",
+                        pair=(p, c),
+                    )
+                )
+            if lc is not None:
+                arrives[lc] = (p, c)
+                if lc < drive.prefix_hit_tokens // spec.block_size:
+                    findings.append(
+                        Finding(
+                            deviation="writes-cached-prefix",
+                            group=g,
+                            detail=f"consumer block {c} is logical {lc}, in the hit",
+                            pair=(p, c),
+                        )
+                    )
+        needed = get_needed_block_range(
+            spec, num_tokens=drive.first_computed, prefix_hit_tokens=drive.prefix_hit_tokens
+        )
+        held = drive.prefix_hit_tokens // spec.block_size
+        for k in needed:
+            if k < held:
+                continue
+            span = f"logical block {k} (tokens {k * spec.block_size}..{(k + 1) * spec.block_size - 1})"
+            if k >= len(c_table) or c_table[k] == NULL_BLOCK_ID:
+                findings.append(Finding(deviation="needed-block-null-on-consumer", group=g, detail=span))
+            elif k not in arrives:
+                findings.append(Finding(deviation="needed-block-not-transferred", group=g, detail=span))
+            elif arrives[k][0] == NULL_BLOCK_ID:
+                findings.append(
+                    Finding(deviation="reads-null-block", group=g, detail=span + " is read from id 0", pair=arrives[k])
+                )
+    return findings
+
+
+def check_kvspec(config: KVCacheConfig, drive: _Drive, findings: Sequence[Finding]) -> list[Finding]:
+    """Does kvspec's own check agree with the oracle on the lists the connector paired (WIN-1, ALIGN-1)?"""
+    if drive.refusal is not None or drive.failed_closed is not None or not any(drive.consumer_list):
+        return []
+    wrong = any(f.deviation in ("shifted-pair", "reads-null-block") for f in findings)
+    try:
+        check_window_coverage(
+            config,
+            num_tokens=drive.first_computed,
+            prefix_hit_tokens=drive.prefix_hit_tokens,
+            producer_block_ids=BlockIds(drive.producer_list),
+            consumer_block_ids=BlockIds(drive.consumer_list),
+        )
+        compute_transfer_pairs(
+            config,
+            num_tokens=drive.first_computed,
+            prefix_hit_tokens=drive.prefix_hit_tokens,
+            producer_block_ids=BlockIds(drive.producer_list),
+            consumer_block_ids=BlockIds(drive.consumer_list),
+        )
+    except KVSpecError as exc:
+        if findings:
+            return []
+        return [Finding(deviation="kvspec-refuses-correct-lists", group=-1, detail=f"{type(exc).__name__}: {exc}")]
+    if wrong:
+        return [
+            Finding(deviation="kvspec-accepts-wrong-lists", group=-1, detail="check_window_coverage and pairing pass")
+        ]
+    return []
+
+
+# --------------------------------------------------------------------------- the report
+
+
+@attrs.frozen(kw_only=True)
+class ClassResult:
+    """One deviation class on one connector: how many requests, how many bad pairs, the smallest reproducer."""
+
+    connector: str
+    deviation: str
+    requests: int
+    findings: int
+    reproducer: dict[str, object]
+
+    def to_dict(self) -> dict[str, object]:
+        """JSON-ready."""
+        d = DEVIATIONS[self.deviation]
+        return {
+            "connector": self.connector,
+            "class": self.deviation,
+            "rule": d.rule,
+            "title": d.title,
+            "consequence": d.consequence,
+            "requests": self.requests,
+            "findings": self.findings,
+            "reproducer": self.reproducer,
+        }
+
+
+@attrs.frozen(kw_only=True)
+class AuditReport:
+    """What ``kvspec vllm-audit`` found: per connector, requests checked, pairs posted, and each deviation class."""
+
+    seed: int
+    vllm_version: str
+    requests: dict[str, int]
+    pairs: dict[str, int]
+    failed_closed: dict[str, int]
+    classes: tuple[ClassResult, ...]
+    seconds: float
+
+    def deviations(self, connector: str | None = None) -> int:
+        """Requests with a deviation, over the classes kvspec counts as such (not its own strictness)."""
+        return sum(
+            c.requests
+            for c in self.classes
+            if (connector is None or c.connector == connector) and not c.deviation.startswith("kvspec-")
+        )
+
+    def to_dict(self) -> dict[str, object]:
+        """The committed JSON's content; ``seconds`` is left out so a rerun at the same seed matches."""
+        return {
+            "vllm_version": self.vllm_version,
+            "seed": self.seed,
+            "requests": self.requests,
+            "pairs": self.pairs,
+            "failed_closed": self.failed_closed,
+            "classes": [c.to_dict() for c in self.classes],
+        }
+
+    def write_json(self, path: str | Path) -> None:
+        """Write :meth:`to_dict` as indented JSON."""
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n", encoding="utf-8")
+
+    def render(self) -> str:
+        """The terminal table, then the smallest reproducer of each class."""
+        lines = [f"kvspec vllm-audit: vLLM {self.vllm_version}, seed {self.seed}, {self.seconds:.1f}s", ""]
+        header = (
+            f"{'connector':<10} {'requests':>8} {'pairs':>9} {'refused':>7}  "
+            f"{'deviation class':<30} {'rule':<8} {'requests':>8} {'pairs':>7}"
+        )
+        lines += [header, "-" * len(header)]
+        for connector, count in self.requests.items():
+            mine = [c for c in self.classes if c.connector == connector]
+            first = f"{connector:<10} {count:>8} {self.pairs[connector]:>9} {self.failed_closed[connector]:>7}  "
+            if not mine:
+                lines.append(first + "no deviation")
+            for i, c in enumerate(mine):
+                prefix = first if i == 0 else " " * len(first)
+                rule = DEVIATIONS[c.deviation].rule
+                lines.append(prefix + f"{c.deviation:<30} {rule:<8} {c.requests:>8} {c.findings:>7}")
+        for c in self.classes:
+            r = c.reproducer
+            lines += [
+                "",
+                f"{c.connector} {c.deviation} ({DEVIATIONS[c.deviation].rule}): {DEVIATIONS[c.deviation].title}",
+                f"  config {r['groups']}, N={r['num_tokens']}, H={r['prefix_hit_tokens']}, "
+                f"lookahead={r['lookahead']}, first computed token {r['first_computed']}",
+                f"  group {r['group']}: {r['detail']}" + (f", pair {r['pair']}" if r.get("pair") else ""),
+                f"  producer list {r['producer_list']}",
+                f"  consumer list {r['consumer_list']}",
+            ]
+        return "\n".join(lines) + "\n"
+
+
+def _clip_list(groups: Sequence[Sequence[int]], limit: int = 12) -> list[list[int] | str]:
+    out: list[list[int] | str] = []
+    for g in groups:
+        out.append(list(g) if len(g) <= limit else f"{len(g)} ids ending {list(g[-limit:])}")
+    return out
+
+
+def _reproducer(case: AuditCase, drive: _Drive, finding: Finding) -> dict[str, object]:
+    return {
+        **case.to_dict(),
+        "prefix_hit_tokens": drive.prefix_hit_tokens,
+        "first_computed": drive.first_computed,
+        "group": finding.group,
+        "detail": finding.detail.splitlines()[0][:300],
+        "pair": list(finding.pair) if finding.pair else None,
+        "producer_list": _clip_list(drive.producer_list),
+        "consumer_list": _clip_list(drive.consumer_list),
+    }
+
+
+def _size(case: AuditCase) -> tuple[int, int, int]:
+    return (case.num_tokens, case.lookahead, case.index)
+
+
+def audit_case(case: AuditCase, connector: str) -> tuple[_Drive, list[Finding]]:
+    """Drive one request through ``connector`` and vLLM's own managers; every finding of the oracle (WIN-1)."""
+    block_size = case.groups[0].block_size
+    # Pools sized to the request, so building vLLM's managers costs in proportion to it.
+    per_group = -(-(case.num_tokens + case.lookahead) // block_size) + 4
+    config = _config(case.groups, len(case.groups) * per_group + 16)
+    drive = _drive(case, connector, config, (_engine(config, block_size), _engine(config, block_size)))
+    findings = check_drive(config, drive)
+    return drive, findings + check_kvspec(config, drive, findings)
+
+
+def run_audit(
+    *,
+    connectors: Sequence[str] = ("moriio", "nixl", "mooncake"),
+    requests: int = 100,
+    seed: int = 0,
+    progress: Callable[[int, int], None] | None = None,
+) -> AuditReport:
+    """Drive ``requests`` random requests through each connector and vLLM's managers; classify every deviation (WIN-1).
+
+    The same requests go through every connector. ``"reference"`` runs
+    kvspec's own clipping and pairing on the same vLLM tables.
+    """
+    for name in connectors:
+        if name not in AUDIT_CONNECTORS:
+            raise ValueError(f"vllm-audit: connector expected one of {list(AUDIT_CONNECTORS)}, got {name!r}")
+    started = time.perf_counter()
+    cases = generate_cases(requests, seed)
+    counts = {name: 0 for name in connectors}
+    pairs = {name: 0 for name in connectors}
+    closed = {name: 0 for name in connectors}
+    found: dict[tuple[str, str], list[tuple[AuditCase, _Drive, Finding, int]]] = {}
+    for step, case in enumerate(cases):
+        for name in connectors:
+            drive, findings = audit_case(case, name)
+            counts[name] += 1
+            pairs[name] += sum(len(g) for g in drive.pairs or ())
+            closed[name] += drive.failed_closed is not None
+            by_class: dict[str, list[Finding]] = {}
+            for f in findings:
+                by_class.setdefault(f.deviation, []).append(f)
+            for deviation, items in by_class.items():
+                found.setdefault((name, deviation), []).append((case, drive, items[0], len(items)))
+        if progress is not None:
+            progress(step + 1, len(cases))
+    order = {d: i for i, d in enumerate(DEVIATIONS)}
+    classes = []
+    for (name, deviation), hits in sorted(found.items(), key=lambda kv: (connectors.index(kv[0][0]), order[kv[0][1]])):
+        case, drive, finding, _ = min(hits, key=lambda h: _size(h[0]))
+        classes.append(
+            ClassResult(
+                connector=name,
+                deviation=deviation,
+                requests=len(hits),
+                findings=sum(h[3] for h in hits),
+                reproducer=_reproducer(case, drive, finding),
+            )
+        )
+    return AuditReport(
+        seed=seed,
+        vllm_version=VLLM_VERSION,
+        requests=counts,
+        pairs=pairs,
+        failed_closed=closed,
+        classes=tuple(classes),
+        seconds=time.perf_counter() - started,
+    )

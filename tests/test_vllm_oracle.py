@@ -1,0 +1,93 @@
+"""The audit's positional oracle can fail: hand-made tables and pairs, no vLLM needed."""
+
+from __future__ import annotations
+
+import attrs
+
+from kvspec import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor, SlidingWindowSpec
+from kvspec.integrations.vllm_audit import DEVIATIONS, _Drive, check_drive, check_kvspec, generate_cases
+
+B = 16
+W = 32
+
+
+def _config() -> KVCacheConfig:
+    full = FullAttentionSpec(block_size=B, num_kv_heads=1, head_size=2, dtype="int8")
+    window = SlidingWindowSpec(block_size=B, num_kv_heads=1, head_size=2, dtype="int8", sliding_window=W)
+    tensors = [KVCacheTensor(size=64 * 64, layers=[n], layer_stride=0, block_stride=64) for n in ("a", "b")]
+    return KVCacheConfig(
+        num_blocks=64,
+        kv_cache_tensors=tensors,
+        kv_cache_groups=[
+            KVCacheGroupSpec(layer_names=["a"], kv_cache_spec=full),
+            KVCacheGroupSpec(layer_names=["b"], kv_cache_spec=window),
+        ],
+    )
+
+
+# N = 80 tokens, C computes token 79 first, no prefix hit: full needs blocks 0..4, the window [48, 78] blocks 3..4.
+P_TABLE = ((1, 2, 3, 4, 5), (0, 0, 0, 9, 10))
+C_TABLE = ((21, 22, 23, 24, 25), (0, 0, 0, 29, 30))
+GOOD = _Drive(
+    num_tokens=80,
+    prefix_hit_tokens=0,
+    first_computed=79,
+    producer_table=P_TABLE,
+    consumer_table=C_TABLE,
+    producer_list=((1, 2, 3, 4, 5), (0, 9, 10)),
+    consumer_list=((21, 22, 23, 24, 25), (0, 29, 30)),
+    pairs=(((1, 21), (2, 22), (3, 23), (4, 24), (5, 25)), ((9, 29), (10, 30))),
+)
+
+
+def _classes(drive: _Drive) -> set[str]:
+    return {f.deviation for f in check_drive(_config(), drive)}
+
+
+def test_correct_pairs_pass() -> None:
+    assert check_drive(_config(), GOOD) == []
+    assert check_kvspec(_config(), GOOD, []) == []
+
+
+def test_each_class_is_found() -> None:
+    shifted = attrs.evolve(GOOD, pairs=(GOOD.pairs[0], ((9, 30), (0, 29))))  # type: ignore[index]
+    assert _classes(shifted) == {"shifted-pair", "reads-null-block"}
+    missing = attrs.evolve(GOOD, pairs=(GOOD.pairs[0][:-1], GOOD.pairs[1]))  # type: ignore[index]
+    assert _classes(missing) == {"needed-block-not-transferred"}
+    nulled = attrs.evolve(GOOD, consumer_table=(C_TABLE[0], (0, 0, 0, 0, 30)), pairs=(GOOD.pairs[0], ((10, 30),)))  # type: ignore[index]
+    assert _classes(nulled) == {"needed-block-null-on-consumer"}
+    into_null = attrs.evolve(GOOD, pairs=(GOOD.pairs[0], ((0, 0), (9, 29), (10, 30))))  # type: ignore[index]
+    assert _classes(into_null) == {"writes-null-block"}
+    cached = attrs.evolve(GOOD, prefix_hit_tokens=32)
+    assert _classes(cached) == {"writes-cached-prefix"}
+    refused = attrs.evolve(GOOD, pairs=None, refusal="ValueError: no")
+    assert _classes(refused) == {"refused"}
+    assert _classes(attrs.evolve(GOOD, failed_closed="WindowCoverageError: ...")) == set()
+
+
+def test_kvspec_disagreements_are_named() -> None:
+    # The window lists shifted by one block: same length, so today's tail alignment accepts them.
+    shifted = attrs.evolve(
+        GOOD,
+        consumer_table=(C_TABLE[0] + (26,), (0, 0, 0, 29, 30, 31)),
+        consumer_list=((21, 22, 23, 24, 25), (29, 30, 31)),
+        pairs=(GOOD.pairs[0], ((0, 29), (9, 30), (10, 31))),  # type: ignore[index]
+    )
+    findings = check_drive(_config(), shifted)
+    assert {f.deviation for f in findings} >= {"shifted-pair"}
+    assert [f.deviation for f in check_kvspec(_config(), shifted, findings)] == ["kvspec-accepts-wrong-lists"]
+
+
+def test_cases_are_reproducible_and_in_range() -> None:
+    cases = generate_cases(300, seed=11)
+    assert cases == generate_cases(300, seed=11)
+    assert cases != generate_cases(300, seed=12)
+    for case in cases:
+        assert case.groups[0].window == 0
+        assert all(16 <= g.block_size <= 64 for g in case.groups)
+        assert all(32 <= g.window <= 4096 for g in case.groups[1:])
+        assert 1 <= case.num_tokens <= 200_000
+        assert case.cached_prefix_tokens % case.groups[0].block_size == 0
+    assert any(c.cached_prefix_tokens for c in cases)
+    assert any(c.lookahead for c in cases)
+    assert all(d.rule for d in DEVIATIONS.values())
