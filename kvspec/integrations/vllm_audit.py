@@ -597,26 +597,37 @@ def check_drive(config: KVCacheConfig, drive: _Drive) -> list[Finding]:
     return findings
 
 
+def _ends(lists: Sequence[Sequence[int]], tables: Sequence[Sequence[int]]) -> tuple[int, ...] | None:
+    """The logical block just past each list's last entry, read from the side's table; None if unknowable."""
+    ends = []
+    for group, table in zip(lists, tables, strict=True):
+        index = _logical(table)
+        last = next(((j, b) for j, b in reversed(list(enumerate(group))) if b != NULL_BLOCK_ID), None)
+        if last is None or last[1] not in index:
+            return None
+        ends.append(index[last[1]] + len(group) - last[0])
+    return tuple(ends)
+
+
 def check_kvspec(config: KVCacheConfig, drive: _Drive, findings: Sequence[Finding]) -> list[Finding]:
     """Does kvspec's own check agree with the oracle on the lists the connector paired (WIN-1, ALIGN-1)?"""
     if drive.refusal is not None or drive.failed_closed is not None or not any(drive.consumer_list):
         return []
     wrong = any(f.deviation in ("shifted-pair", "reads-null-block") for f in findings)
+    # What a protocol 1.1 connector states: its lists cover the N tokens they were built for (the consumer
+    # recomputes the last ones), and each list ends where it ends in its side's table.
+    arguments: dict[str, Any] = {
+        "num_tokens": drive.first_computed,
+        "prefix_hit_tokens": drive.prefix_hit_tokens,
+        "producer_block_ids": BlockIds(drive.producer_list),
+        "consumer_block_ids": BlockIds(drive.consumer_list),
+        "recomputed_tokens": drive.num_tokens - drive.first_computed,
+        "producer_block_ends": _ends(drive.producer_list, drive.producer_table),
+        "consumer_block_ends": _ends(drive.consumer_list, drive.consumer_table),
+    }
     try:
-        check_window_coverage(
-            config,
-            num_tokens=drive.first_computed,
-            prefix_hit_tokens=drive.prefix_hit_tokens,
-            producer_block_ids=BlockIds(drive.producer_list),
-            consumer_block_ids=BlockIds(drive.consumer_list),
-        )
-        compute_transfer_pairs(
-            config,
-            num_tokens=drive.first_computed,
-            prefix_hit_tokens=drive.prefix_hit_tokens,
-            producer_block_ids=BlockIds(drive.producer_list),
-            consumer_block_ids=BlockIds(drive.consumer_list),
-        )
+        check_window_coverage(config, **arguments)
+        compute_transfer_pairs(config, **arguments)
     except KVSpecError as exc:
         if findings:
             return []
