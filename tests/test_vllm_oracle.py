@@ -3,8 +3,17 @@
 from __future__ import annotations
 
 import attrs
+import pytest
 
-from kvspec import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor, SlidingWindowSpec
+from kvspec import (
+    BlockAlignmentError,
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheTensor,
+    SlidingWindowSpec,
+    compute_transfer_pairs,
+)
 from kvspec.integrations.vllm_audit import DEVIATIONS, _Drive, check_drive, check_kvspec, generate_cases
 
 B = 16
@@ -65,8 +74,9 @@ def test_each_class_is_found() -> None:
     assert _classes(attrs.evolve(GOOD, failed_closed="WindowCoverageError: ...")) == set()
 
 
-def test_kvspec_disagreements_are_named() -> None:
-    # The window lists shifted by one block: same length, so today's tail alignment accepts them.
+def test_kvspec_judges_the_lists_as_the_oracle_does() -> None:
+    # The window lists shifted by one block (lookahead slots on C): same length, so a 1.0 peer's
+    # tail alignment accepts them; with the ends a 1.1 connector states, kvspec refuses them.
     shifted = attrs.evolve(
         GOOD,
         consumer_table=(C_TABLE[0] + (26,), (0, 0, 0, 29, 30, 31)),
@@ -75,7 +85,40 @@ def test_kvspec_disagreements_are_named() -> None:
     )
     findings = check_drive(_config(), shifted)
     assert {f.deviation for f in findings} >= {"shifted-pair"}
-    assert [f.deviation for f in check_kvspec(_config(), shifted, findings)] == ["kvspec-accepts-wrong-lists"]
+    assert check_kvspec(_config(), shifted, findings) == []  # kvspec refuses too: no disagreement
+    lists = {"producer_block_ids": shifted.producer_list, "consumer_block_ids": shifted.consumer_list}
+    compute_transfer_pairs(_config(), num_tokens=79, prefix_hit_tokens=0, recomputed_tokens=1, **lists)  # type: ignore[arg-type]
+    with pytest.raises(BlockAlignmentError, match="ends at logical block"):
+        compute_transfer_pairs(
+            _config(),
+            num_tokens=79,
+            prefix_hit_tokens=0,
+            recomputed_tokens=1,
+            producer_block_ends=(5, 5),
+            consumer_block_ends=(5, 6),
+            **lists,
+        )
+
+
+def test_lists_built_for_the_prompt_length_agree() -> None:
+    # N = 81 and B = 16: (N - 1) % B == 0, lists built for N hold one block more than cdiv(N - 1, B).
+    p_table = ((1, 2, 3, 4, 5, 6), (0, 0, 0, 9, 10, 11))
+    c_table = ((21, 22, 23, 24, 25, 26), (0, 0, 0, 29, 30, 31))
+    drive = attrs.evolve(
+        GOOD,
+        num_tokens=81,
+        first_computed=80,
+        producer_table=p_table,
+        consumer_table=c_table,
+        producer_list=((1, 2, 3, 4, 5, 6), (9, 10, 11)),
+        consumer_list=((21, 22, 23, 24, 25, 26), (29, 30, 31)),
+        pairs=(tuple(zip(p_table[0], c_table[0], strict=True)), ((9, 29), (10, 30), (11, 31))),
+    )
+    assert check_drive(_config(), drive) == []
+    assert check_kvspec(_config(), drive, []) == []
+    lists = {"producer_block_ids": drive.producer_list, "consumer_block_ids": drive.consumer_list}
+    with pytest.raises(BlockAlignmentError, match="lists 6 blocks"):
+        compute_transfer_pairs(_config(), num_tokens=80, prefix_hit_tokens=0, **lists)  # type: ignore[arg-type]
 
 
 def test_cases_are_reproducible_and_in_range() -> None:
