@@ -494,22 +494,8 @@ class _Play:
         if not consumer.is_prefix_hit:
             try:
                 # WIN-1 and ALIGN-1 before any byte moves; then every byte is planned (PLAN-1).
-                pairs = self.connector.pair_block_ids(
-                    self.p_config,
-                    num_tokens=spec.num_tokens,
-                    prefix_hit_tokens=spec.prefix_hit_tokens,
-                    producer_block_ids=params.producer_block_ids,
-                    consumer_block_ids=consumer.consumer_block_ids,
-                    # Protocol 1.1 keywords only when the request uses them, so a 1.0 connector
-                    # still runs every case that does not (VER-1).
-                    **pair_keywords(
-                        recomputed_tokens=params.recomputed_tokens,
-                        producer_block_ends=params.producer_block_ends,
-                        consumer_block_ends=consumer.consumer_block_ends,
-                    ),
-                )
-                request.plan = self.connector.plan(
-                    producer_config=self.p_config, consumer_config=self.c_config, pairs=pairs
+                request.plan = self._pair_and_plan(
+                    spec, params, consumer.consumer_block_ids, consumer.consumer_block_ends
                 )
             except KVSpecError as exc:
                 self.c_driver.fault(Operation.CHECK, exc, spec.request_id)
@@ -519,22 +505,32 @@ class _Play:
 
     # -- the role hooks
 
-    def _plan_write(self, request: LiveRequest, offer: BlockOffer) -> TransferPlan:
-        spec = self.tables[request.request_id].spec
-        params = request.session.params
+    def _pair_and_plan(
+        self,
+        spec: Request,
+        params: TransferParams,
+        consumer_block_ids: BlockIds,
+        consumer_block_ends: tuple[int, ...] | None,
+    ) -> TransferPlan:
         pairs = self.connector.pair_block_ids(
             self.p_config,
             num_tokens=spec.num_tokens,
             prefix_hit_tokens=spec.prefix_hit_tokens,
             producer_block_ids=params.producer_block_ids,
-            consumer_block_ids=offer.consumer_block_ids,
+            consumer_block_ids=consumer_block_ids,
+            # Protocol 1.1 keywords only when the request uses them, so a 1.0 connector
+            # still runs every case that does not (VER-1).
             **pair_keywords(
                 recomputed_tokens=params.recomputed_tokens,
                 producer_block_ends=params.producer_block_ends,
-                consumer_block_ends=offer.consumer_block_ends,
+                consumer_block_ends=consumer_block_ends,
             ),
         )
         return self.connector.plan(producer_config=self.p_config, consumer_config=self.c_config, pairs=pairs)
+
+    def _plan_write(self, request: LiveRequest, offer: BlockOffer) -> TransferPlan:
+        spec = self.tables[request.request_id].spec
+        return self._pair_and_plan(spec, request.session.params, offer.consumer_block_ids, offer.consumer_block_ends)
 
     def _on_producer_message(self, request_id: str, peer: str, message: Message) -> None:
         if isinstance(message, Release):
