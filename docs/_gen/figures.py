@@ -169,7 +169,7 @@ def bytes_rows() -> list[tuple[str, int, int, int]]:
     """
     rows = []
     for name in BYTES_MODELS:
-        preset = kvspec.get_preset(name)
+        preset = kvspec.presets.get_preset(name)
         sizing = preset.build_config(num_blocks=2)
         layers = [len(group.layer_names) for group in sizing.kv_cache_groups]
         for tokens in BYTES_TOKENS:
