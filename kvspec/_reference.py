@@ -538,6 +538,30 @@ def check_window_coverage(
     C-speed scan of the needed ids of the others: about 20 us at 128k tokens
     on Gemma 3 27B (ids as the clip returns them) (WIN-1).
     """
+    _covered_lists(
+        config,
+        num_tokens=num_tokens,
+        prefix_hit_tokens=prefix_hit_tokens,
+        producer_block_ids=producer_block_ids,
+        consumer_block_ids=consumer_block_ids,
+        recomputed_tokens=recomputed_tokens,
+        producer_block_ends=producer_block_ends,
+        consumer_block_ends=consumer_block_ends,
+    )
+
+
+def _covered_lists(
+    config: KVCacheConfig,
+    *,
+    num_tokens: int,
+    prefix_hit_tokens: int,
+    producer_block_ids: BlockIdsLike,
+    consumer_block_ids: BlockIdsLike,
+    recomputed_tokens: int,
+    producer_block_ends: Sequence[int] | None,
+    consumer_block_ends: Sequence[int] | None,
+) -> tuple[BlockIds, BlockIds, int]:
+    """Both lists as ``BlockIds`` and the tokens they cover, once WIN-1 holds for them (WIN-1)."""
     _check_prefix(config, num_tokens, prefix_hit_tokens)
     listed_tokens = num_tokens + _check_count("recomputed_tokens", recomputed_tokens)
     producer, consumer = _to_block_ids(producer_block_ids), _to_block_ids(consumer_block_ids)
@@ -551,6 +575,7 @@ def check_window_coverage(
         producer_block_ends=producer_block_ends,
         consumer_block_ends=consumer_block_ends,
     )
+    return producer, consumer, listed_tokens
 
 
 def _check_coverage(
@@ -611,16 +636,13 @@ def compute_transfer_pairs(
     ends, the other's are the request's last blocks, so a declared end
     elsewhere is refused (WIN-1, ALIGN-1, NULL-1).
     """
-    _check_prefix(config, num_tokens, prefix_hit_tokens)
-    listed_tokens = num_tokens + _check_count("recomputed_tokens", recomputed_tokens)
-    producer, consumer = _to_block_ids(producer_block_ids), _to_block_ids(consumer_block_ids)
-    _check_coverage(
+    producer, consumer, listed_tokens = _covered_lists(
         config,
-        num_tokens,
-        prefix_hit_tokens,
-        producer,
-        consumer,
-        listed_tokens=listed_tokens,
+        num_tokens=num_tokens,
+        prefix_hit_tokens=prefix_hit_tokens,
+        producer_block_ids=producer_block_ids,
+        consumer_block_ids=consumer_block_ids,
+        recomputed_tokens=recomputed_tokens,
         producer_block_ends=producer_block_ends,
         consumer_block_ends=consumer_block_ends,
     )

@@ -12,7 +12,7 @@ from typing import Any, TextIO
 from kvspec import _vectors_check
 from kvspec._enums import TransferMode
 from kvspec._errors import KVSpecError
-from kvspec._models import KVCacheConfig, SlidingWindowSpec
+from kvspec._models import BlockIds, KVCacheConfig, SlidingWindowSpec
 from kvspec._offload import (
     OffloadConfig,
     check_offload_support,
@@ -22,7 +22,7 @@ from kvspec._offload import (
     get_store_set,
 )
 from kvspec._presets import get_preset, list_presets
-from kvspec._reference import check_hybrid_support
+from kvspec._reference import check_hybrid_support, get_logical_block_count, get_pruned_block_ids
 from kvspec._summary import PlanSummary, blocks_needed_for, summarize_plan
 
 __all__ = ["build_parser", "main", "offload_summary", "plan_summary_to_dict"]
@@ -213,20 +213,14 @@ def _print_table(model: str, summary: PlanSummary, out: TextIO) -> None:
     )
 
 
-def _gpu_block_ids(config: KVCacheConfig, num_tokens: int) -> list[list[int]]:
-    """Fresh ids for a request of ``num_tokens``; window groups start with vLLM's null prefix (OFF-6)."""
+def _gpu_block_ids(config: KVCacheConfig, num_tokens: int) -> BlockIds:
+    """Fresh ids for a request of ``num_tokens``, pruned as vLLM leaves window groups (WIN-1, OFF-6)."""
     ids, next_id = [], 1
     for group in config.kv_cache_groups:
-        spec = group.kv_cache_spec
-        count = -(-num_tokens // spec.block_size)
-        nulls = (
-            max(0, num_tokens - spec.sliding_window + 1) // spec.block_size
-            if isinstance(spec, SlidingWindowSpec)
-            else 0
-        )
-        ids.append([0] * nulls + list(range(next_id, next_id + count - nulls)))
+        count = get_logical_block_count(group.kv_cache_spec, num_tokens=num_tokens)
+        ids.append(range(next_id, next_id + count))
         next_id += count
-    return ids
+    return get_pruned_block_ids(config, ids, num_computed_tokens=num_tokens)
 
 
 def offload_summary(config: KVCacheConfig, *, num_tokens: int, offload: OffloadConfig) -> dict[str, Any]:
