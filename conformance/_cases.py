@@ -38,6 +38,10 @@ CAPABILITIES: dict[str, Callable[[Capabilities], bool]] = {
     "integrity": lambda c: c.integrity,
     "observable_in_flight": lambda c: c.observable_in_flight,
     "immediate_cancel": lambda c: c.immediate_cancel,
+    # The suite registers pools it allocated itself with both agents: not when one agent is on another host.
+    "local_pools": lambda c: not c.remote_pools,
+    # One agent lives in `kvspec agent serve`, which the suite can kill (peer loss across hosts).
+    "remote_peer": lambda c: c.remote_pools,
 }
 
 _SLUG = re.compile(r"^[a-z0-9][a-z0-9-]*$")

@@ -67,6 +67,7 @@ from kvspec import (
 from kvspec._connector import pair_keywords
 from kvspec._driver import Driver, LiveRequest, Operation, reason_of
 from kvspec.presets import get_preset
+from kvspec.remote import PeerBackend, RemoteAgent, RemotePool
 from kvspec.testing import (
     ExpectedLoad,
     PageMismatch,
@@ -157,7 +158,9 @@ class Request:
     request of the earlier waves is over on both sides (the agents handshake
     again before each wave). ``abort_after_polls`` makes the consumer abort
     that many polls after the transfer started; ``disconnect_after_polls``
-    makes the initiator forget its peer then (a native peer loss).
+    makes the initiator forget its peer then (a native peer loss);
+    ``kill_peer_after_polls`` kills the agent on the agent server then
+    (``kvspec conform --peer``: a host lost without a goodbye).
 
     ``recomputed_tokens`` (R) are tokens after the first ``num_tokens`` that
     both lists cover but C recomputes (vLLM: 1); generated tables are built
@@ -178,6 +181,7 @@ class Request:
     recomputed_tokens: int = 0
     producer_block_ends: tuple[int, ...] | None = attrs.field(default=None, converter=_optional_ends)
     consumer_block_ends: tuple[int, ...] | None = attrs.field(default=None, converter=_optional_ends)
+    kill_peer_after_polls: int | None = None
 
     @property
     def listed_tokens(self) -> int:
@@ -388,6 +392,12 @@ class _Play:
 
     # -- setup
 
+    def _pool(self, role: str, config: KVCacheConfig) -> PagePool:
+        """The suite's shared-memory pool, or, with ``--peer``, the producer's pool on the agent server."""
+        if isinstance(self.backend, PeerBackend):
+            return self.backend.allocate_pool(role, config)
+        return allocate_pool(config)
+
     def _agent(self, role: str) -> Transport:
         agent: Transport = self.backend.create_agent(role)
         plan = self.scenario.faults
@@ -453,7 +463,7 @@ class _Play:
     def _start(self, spec: Request, now: float) -> None:
         scenario = self.scenario
         p_ids = self._producer_table(spec)
-        fill_producer_pages(
+        _fill_producer_pages(
             self.producer_pool,
             p_ids,
             num_tokens=spec.listed_tokens,
@@ -616,9 +626,9 @@ class _Play:
                 seconds=time.monotonic() - started,
                 refused=f"{type(exc).__name__}: {exc}",
             )
-        with allocate_pool(self.p_config) as producer_pool, allocate_pool(self.c_config) as consumer_pool:
+        with self._pool("producer", self.p_config) as producer_pool, allocate_pool(self.c_config) as consumer_pool:
             self.producer_pool, self.consumer_pool = producer_pool, consumer_pool
-            fill_background(producer_pool, seed="producer")
+            _fill_background(producer_pool, seed="producer")
             fill_background(consumer_pool, seed="consumer")
             self.producer_expected = producer_pool.snapshot()
             consumer_before = consumer_pool.snapshot()
@@ -639,7 +649,8 @@ class _Play:
                     for rid in self.tables
                 ]
                 mismatches = check_pools(
-                    producer=producer_pool,
+                    # A pool on another host is compared by digests; its bytes are read only when they differ.
+                    producer=producer_pool.verified() if isinstance(producer_pool, RemotePool) else producer_pool,
                     consumer=consumer_pool,
                     producer_before=self.producer_expected,
                     consumer_before=consumer_before,
@@ -801,6 +812,36 @@ class _Play:
                 polls = self.polls[key] = self.polls.get(key, 0) + 1
                 if polls == spec.disconnect_after_polls + 1:
                     initiator.transport.remove_remote_agent(peer)  # the backend's own peer loss
+            if spec.kill_peer_after_polls is not None and posted is not None and posted.handle is not None:
+                key = "kill:" + request_id
+                polls = self.polls[key] = self.polls.get(key, 0) + 1
+                if polls == spec.kill_peer_after_polls + 1:
+                    self._kill_peer()
+
+    def _kill_peer(self) -> None:
+        """Kill the producer's agent on the agent server, under any fault injector (FAIL-1)."""
+        agent: object = self.producer
+        while isinstance(agent, FaultInjector):
+            agent = agent.inner
+        if not isinstance(agent, RemoteAgent):
+            raise _ScenarioError("kill_peer_after_polls needs the producer on an agent server (kvspec conform --peer)")
+        agent.kill()
+
+
+def _fill_background(pool: PagePool, *, seed: str) -> None:
+    if isinstance(pool, RemotePool):
+        pool.fill_background(seed=seed)  # the shadow here and the pool on the agent server
+    else:
+        fill_background(pool, seed=seed)
+
+
+def _fill_producer_pages(
+    pool: PagePool, block_ids: BlockIds, *, num_tokens: int, salt: str, block_ends: tuple[int, ...] | None
+) -> None:
+    if isinstance(pool, RemotePool):
+        pool.fill_producer_pages(block_ids, num_tokens=num_tokens, salt=salt, block_ends=block_ends)
+    else:
+        fill_producer_pages(pool, block_ids, num_tokens=num_tokens, salt=salt, block_ends=block_ends)
 
 
 def _resolve_backend(backend: Backend | str) -> tuple[Backend, bool]:

@@ -12,7 +12,7 @@ import attrs
 
 from kvspec import KVSpecError
 from kvspec.rules import RULES, Level
-from kvspec.transport import load_backend
+from kvspec.transport import Backend, load_backend
 
 from ._cases import select_cases
 from ._connector import Connector
@@ -91,6 +91,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="PATH",
         help="a file of CASE_ID=REASON lines (# comments allowed), as --expect-fail",
     )
+    parser.add_argument(
+        "--peer",
+        metavar="HOST:PORT",
+        help="run the producer's agent and pool on 'kvspec agent serve' there (two hosts; "
+        "token from --token-file or KVSPEC_AGENT_TOKEN)",
+    )
+    parser.add_argument("--token-file", metavar="F", help="with --peer: file holding the shared token")
     parser.add_argument("--json", metavar="PATH", help="write the report as JSON")
     parser.add_argument("--junit", metavar="PATH", help="write the report as JUnit XML")
     parser.add_argument("--list", action="store_true", help="list the selected cases and exit")
@@ -171,6 +178,19 @@ class _Progress:
         self.stream.flush()
 
 
+def _peer_backend(local: Backend, address: str, token_file: str | None) -> Backend:
+    """The producer's agent and pool on the agent server at ``address``; the consumer's here."""
+    from kvspec.remote import AgentClient, PeerBackend, parse_address, read_token
+
+    host, port = parse_address(address)
+    client = AgentClient(host, port, read_token(token_file))
+    try:
+        return PeerBackend(local, client)
+    except BaseException:
+        client.close()
+        raise
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the suite as ``args`` says; returns the exit status (non-zero when a MUST case failed)."""
     rules = _split(args.rule)
@@ -191,6 +211,13 @@ def run(args: argparse.Namespace) -> int:
     except (KVSpecError, ImportError) as exc:
         print(f"kvspec conform: cannot load backend {args.backend!r}: {exc}", file=sys.stderr)
         return 2
+    if getattr(args, "peer", None):
+        try:
+            backend = _peer_backend(backend, args.peer, getattr(args, "token_file", None))
+        except (KVSpecError, OSError) as exc:
+            backend.close()
+            print(f"kvspec conform: --peer {args.peer}: {type(exc).__name__}: {exc}", file=sys.stderr)
+            return 2
     lines = list(args.expect_fail)
     if args.expect_fail_file:
         try:

@@ -111,6 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
     _vectors_check.add_arguments(vectors)
     vectors.set_defaults(handler=_vectors_check.run)
 
+    _add_agent_parser(sub)
+
     audit = sub.add_parser(
         "vllm-audit",
         help="drive random P/D requests through vLLM's own managers and connectors, report each deviation",
@@ -346,6 +348,54 @@ def _run_plan(args: argparse.Namespace, out: TextIO) -> int:
     else:
         _print_table(preset.hf_id, summary, out)
     return 0
+
+
+# --------------------------------------------------------------------------- agent
+
+
+def _add_agent_parser(sub: Any) -> None:
+    agent = sub.add_parser(
+        "agent",
+        help="run a backend's agents for a suite on another host (kvspec conform --peer)",
+        description="The remote half of a two-host suite run (docs/how-to/run-across-two-hosts.md).",
+    )
+    agent_sub = agent.add_subparsers(dest="agent_command", required=True, metavar="ACTION")
+    serve = agent_sub.add_parser(
+        "serve",
+        help="own pools and agents of BACKEND and serve one authenticated suite client over TCP",
+        description=(
+            "Serve one client at a time on HOST:PORT: pools, fills, digests and the agents of BACKEND, "
+            "after a challenge-response over the shared token. No TLS: run it on a trusted network."
+        ),
+    )
+    serve.add_argument("backend", help="backend name, as for kvspec conform (nixl, torch, loopback)")
+    serve.add_argument("--listen", required=True, metavar="HOST:PORT", help="address to listen on")
+    serve.add_argument(
+        "--token-file",
+        metavar="F",
+        help="file holding the shared token (at least 16 bytes); default: the KVSPEC_AGENT_TOKEN environment variable",
+    )
+    serve.add_argument(
+        "--max-pool",
+        type=_positive_int,
+        default=1 << 30,
+        metavar="BYTES",
+        help="most bytes of pool memory one client may hold at once (default 1 GiB)",
+    )
+    serve.add_argument(
+        "--option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="keyword option for the backend factory, as for kvspec conform; repeatable",
+    )
+    serve.set_defaults(handler=_run_agent_serve)
+
+
+def _run_agent_serve(args: argparse.Namespace, out: TextIO) -> int:
+    from kvspec.remote._server import serve_command
+
+    return serve_command(args, out)
 
 
 # --------------------------------------------------------------------------- conform

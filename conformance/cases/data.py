@@ -413,7 +413,7 @@ def _plan_presets(ctx: CaseContext) -> None:
         _all_loaded(ctx, Scenario(config=config, requests=requests), "PLAN-1")
 
 
-@case("PLAN-1", "out-of-range-descriptor-refused")
+@case("PLAN-1", "out-of-range-descriptor-refused", requires=["local_pools"])
 def _plan_bounds(ctx: CaseContext) -> None:
     """A descriptor outside the registered regions is refused at post, before any byte moves."""
     from kvspec import PlanError, TransportError

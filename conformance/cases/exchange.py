@@ -213,14 +213,14 @@ def _modes(ctx: CaseContext) -> list[TransferMode]:
     return sorted(ctx.capabilities.modes, key=lambda m: m.value)
 
 
-@case("REL-1", "exchange-endpoints-interleaved", requires=["notifications"])
+@case("REL-1", "exchange-endpoints-interleaved", requires=["local_pools", "notifications"])
 def _endpoints(ctx: CaseContext) -> None:
     """kvspec's own endpoints, ten requests interleaved (prefix hits, full hit, abort): one release each, no leak."""
     for mode in _modes(ctx):
         _check(ctx, mode, None, "REL-1")
 
 
-@case("FAIL-1", "exchange-endpoints-under-faults", requires=["notifications"])
+@case("FAIL-1", "exchange-endpoints-under-faults", requires=["local_pools", "notifications"])
 def _endpoints_faults(ctx: CaseContext) -> None:
     """kvspec's own endpoints under random injected faults: every request ends in bounded time, nothing leaks."""
     for seed, mode in enumerate(_modes(ctx)):

@@ -279,7 +279,7 @@ def _ver_minor(ctx: CaseContext) -> None:
     ctx.expect(ctx.run(scenario), loaded=["r"], rule="VER-1")
 
 
-@case("VER-1", "notification-bytes-intact", requires=["notifications"])
+@case("VER-1", "notification-bytes-intact", requires=["local_pools", "notifications"])
 def _ver_bytes(ctx: CaseContext) -> None:
     """Notifications carry any bytes intact and in order: every message type, unknown fields, all 256 byte values."""
     import json

@@ -218,7 +218,7 @@ def _expect_done(ctx: CaseContext, rule: str, what: str, statuses: Sequence[Tran
 # --------------------------------------------------------------------------- DONE-1: post, check, release
 
 
-@case("DONE-1", "transport-post-check-release")
+@case("DONE-1", "transport-post-check-release", requires=["local_pools"])
 def _post_check_release(ctx: CaseContext) -> None:
     """post then check until DONE moves exactly the described bytes; check stays DONE; a released handle is gone."""
     with _pair(ctx) as pair:
@@ -261,7 +261,7 @@ def _post_check_release(ctx: CaseContext) -> None:
                 raise ctx.fail("DONE-1: " + "\n".join(found))
 
 
-@case("DONE-1", "transport-nothing-lands-after-done")
+@case("DONE-1", "transport-nothing-lands-after-done", requires=["local_pools"])
 def _nothing_after_done(ctx: CaseContext) -> None:
     """Once DONE is reported no byte of the transfer lands again: the suite changes the source and watches (SETTLE)."""
     with _pair(ctx) as pair:
@@ -283,7 +283,7 @@ def _nothing_after_done(ctx: CaseContext) -> None:
             raise ctx.fail(f"DONE-1: bytes landed after DONE, within {SETTLE * ctx.time_scale:.1f} s: {changed}")
 
 
-@case("DONE-1", "transport-many-in-flight")
+@case("DONE-1", "transport-many-in-flight", requires=["local_pools"])
 def _many_in_flight(ctx: CaseContext) -> None:
     """48 transfers posted before any is checked all reach DONE with their own bytes, each notification once."""
     notify = ctx.capabilities.notifications
@@ -327,7 +327,7 @@ def _many_in_flight(ctx: CaseContext) -> None:
 # --------------------------------------------------------------------------- DONE-1 and REL-1: notifications
 
 
-@case("DONE-1", "transport-notification-after-data", requires=["notifications"])
+@case("DONE-1", "transport-notification-after-data", requires=["local_pools", "notifications"])
 def _notification_after_data(ctx: CaseContext) -> None:
     """A post's notification reaches the target once, intact, from the initiator, and only after every byte landed."""
     expected: dict[str, list[tuple[str, bytes]]] = {"producer": [], "consumer": []}
@@ -366,7 +366,7 @@ def _notification_after_data(ctx: CaseContext) -> None:
                 )
 
 
-@case("REL-1", "transport-notifications-exactly-once", requires=["notifications"])
+@case("REL-1", "transport-notifications-exactly-once", requires=["local_pools", "notifications"])
 def _notifications_once(ctx: CaseContext) -> None:
     """send_notification delivers each message exactly once, intact and in order, to the peer alone, both ways."""
     with _pair(ctx) as pair:
@@ -415,7 +415,7 @@ def _bad_descriptors(pair: _Pair) -> list[tuple[str, Descriptor]]:
     ]
 
 
-@case("PLAN-1", "transport-descriptor-bounds")
+@case("PLAN-1", "transport-descriptor-bounds", requires=["local_pools"])
 def _descriptor_bounds(ctx: CaseContext) -> None:
     """Descriptors ending on a region's last byte move; past it, unregistered, empty or negative are refused whole.
 
@@ -520,7 +520,7 @@ def _release_pending(ctx: CaseContext, *, wait_first: float) -> None:
             )
 
 
-@case("SM-2", "transport-release-pending", requires=["observable_in_flight"])
+@case("SM-2", "transport-release-pending", requires=["local_pools", "observable_in_flight"])
 def _release_pending_case(ctx: CaseContext) -> None:
     """No byte of a released PENDING transfer lands after release returns (immediate_cancel), or after DRAIN.
 
@@ -542,7 +542,7 @@ _LOSSES: dict[str, Callable[[_Pair, TransferMode], None]] = {
 }
 
 
-@case("FAIL-1", "transport-peer-loss", requires=["observable_in_flight"])
+@case("FAIL-1", "transport-peer-loss", requires=["local_pools", "observable_in_flight"])
 def _peer_loss(ctx: CaseContext) -> None:
     """A peer removed or closed mid-transfer: check reports FAILED(peer_disconnected) within LOSS_BOUND, never PENDING.
 
@@ -618,7 +618,7 @@ def _peer_loss(ctx: CaseContext) -> None:
         raise ctx.fail(f"FAIL-1: (bound {bound:.1f} s)\n" + "\n".join(problems))
 
 
-@case("FAIL-1", "transport-integrity", requires=["integrity"])
+@case("FAIL-1", "transport-integrity", requires=["local_pools", "integrity"])
 def _integrity(ctx: CaseContext) -> None:
     """A backend declaring integrity reports a transfer whose bytes were corrupted FAILED(integrity), never DONE."""
     corrupting = FaultyBackend(ctx.backend, FaultPlan(corrupt_page=1.0))
@@ -638,7 +638,7 @@ def _integrity(ctx: CaseContext) -> None:
 # --------------------------------------------------------------------------- cross_process: live shared memory
 
 
-@case("DONE-1", "transport-live-shared-memory", requires=["cross_process"])
+@case("DONE-1", "transport-live-shared-memory", requires=["local_pools", "cross_process"])
 def _live_memory(ctx: CaseContext) -> None:
     """Agents in other processes see the suite's writes to registered memory, and the suite sees theirs, every time."""
     with _pair(ctx) as pair:

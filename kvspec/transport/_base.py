@@ -72,6 +72,9 @@ class Capabilities:
     - ``immediate_cancel``: ``release`` of a PENDING transfer stops it before
       returning, so no byte of it lands afterwards. Without it, callers treat a
       cancelled transfer as drained only after their drain timeout (SM-2).
+    - ``remote_pools``: one role's agent and pool live on another host
+      (:mod:`kvspec.remote`); the caller cannot register memory of its own
+      with that agent, and reads that pool only through digests.
     """
 
     modes: frozenset[TransferMode] = frozenset({TransferMode.READ, TransferMode.WRITE})
@@ -80,6 +83,7 @@ class Capabilities:
     integrity: bool = False
     observable_in_flight: bool = False
     immediate_cancel: bool = False
+    remote_pools: bool = False
 
 
 @attrs.frozen(kw_only=True, eq=False)
