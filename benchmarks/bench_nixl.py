@@ -6,6 +6,8 @@ Usage::
     .venv/bin/python benchmarks/bench_nixl.py --quick         # a smaller pool, fewer repetitions
     .venv/bin/python benchmarks/bench_nixl.py --tls tcp       # UCX_TLS=tcp instead of the default (CMA)
     .venv/bin/python benchmarks/bench_nixl.py --configs in-process --sizes 16k
+    .venv/bin/python benchmarks/bench_nixl.py --tls tcp --configs workers \
+        --netns kvp-a:veth-a,kvp-b:veth-b                     # two hosts simulated by namespaces
 
 Workload (docs/backends/nixl.md, Measured): a pool of ``--pool-mib`` MiB per side
 split into blocks of B bytes; one request moves K = min(1000, N/2) blocks
@@ -18,6 +20,11 @@ Configurations (``--configs``), each between the same two processes for kvspec a
 * ``workers``: both agents in worker processes, as the conformance suite runs
   them; kvspec calls reach the initiator's agent over a pipe, raw NIXL is
   timed inside that worker.
+* ``--netns SUITE_NS:IF,AGENT_NS:IF`` (with ``workers``): the consumer's worker
+  runs in the first network namespace and the producer's in the second
+  (``ip netns exec``), each with ``net_devices`` set to its interface, so
+  every byte crosses the link between them (tests/test_two_hosts.py builds
+  such a pair); use ``--tls tcp`` so that UCX cannot take a shared-memory path.
 * ``in-process``: the initiator's agent (the consumer for READ, the producer
   for WRITE) in this process (``NixlBackend(in_process=...)``), as an engine
   runs its own agent, and its peer in a worker; raw NIXL is timed in this
@@ -188,6 +195,8 @@ class Bench:
         producer for WRITE) in this process, its peer in a worker.
         """
         key = (self.config, mode) if self.config == "in-process" else (self.config, TransferMode.READ)
+        if key not in self.pairs and self.args.netns and self.config == "workers":
+            self.pairs[key] = self.netns_pair()
         if key not in self.pairs:
             local = None if self.config == "workers" else ("consumer" if mode is TransferMode.READ else "producer")
             backend = NixlBackend(
@@ -205,6 +214,33 @@ class Bench:
             self.pairs[key] = (backend, producer, consumer)
         _, producer, consumer = self.pairs[key]
         return producer, consumer
+
+    def netns_pair(self) -> tuple[NixlBackend, NixlAgent, NixlAgent]:
+        """The producer's worker in the agent namespace, the consumer's in the suite namespace."""
+        agents: list[NixlAgent] = []
+        for (namespace, interface), role in zip(self.args.netns, ("consumer", "producer"), strict=True):
+            backend = NixlBackend(
+                tls=self.args.tls,
+                env=self.env,
+                net_devices=interface,  # type: ignore[call-arg]  # the net_devices option (issue 17 item 4)
+                worker_command=[
+                    "ip",
+                    "netns",
+                    "exec",
+                    namespace,
+                    sys.executable,
+                    str(Path(__file__).resolve()),
+                    "--worker",
+                ],
+            )
+            self.backends.append(backend)
+            agents.append(backend.create_agent(role))
+        consumer, producer = agents
+        producer.register_memory([MemoryRegion(buffer=self.producer_buf, shm_name=self.shms[0].name)])  # type: ignore[arg-type]
+        consumer.register_memory([MemoryRegion(buffer=self.consumer_buf, shm_name=self.shms[1].name)])  # type: ignore[arg-type]
+        consumer.add_remote_agent(producer.get_agent_metadata())
+        producer.add_remote_agent(consumer.get_agent_metadata())
+        return self.backends[-1], producer, consumer
 
     def close_backends(self) -> None:
         for backend in self.backends:
@@ -360,6 +396,13 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="128 MiB pool, 3 repetitions")
     parser.add_argument("--no-ucx-log", action="store_true", help="do not collect UCX protocol logs")
     parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument(
+        "--netns",
+        type=lambda s: [tuple(part.split(":", 1)) for part in s.split(",")],
+        default=None,
+        metavar="SUITE_NS:IF,AGENT_NS:IF",
+        help="with --configs workers: the consumer's worker in the first namespace, the producer's in the second",
+    )
     args = parser.parse_args()
     if args.quick:
         args.pool_mib, args.reps = 128, 3

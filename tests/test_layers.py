@@ -63,6 +63,10 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
                 "kvspec._vectors",
                 "kvspec._vector_cases",
                 "kvspec._vectors_check",
+                "kvspec.remote",
+                "kvspec.remote._client",
+                "kvspec.remote._server",
+                "kvspec.remote._wire",
             }
         ),
     ),
