@@ -222,7 +222,7 @@ class Bench:
             backend = NixlBackend(
                 tls=self.args.tls,
                 env=self.env,
-                net_devices=interface,  # type: ignore[call-arg]  # the net_devices option (issue 17 item 4)
+                net_devices=interface,  # the net_devices option (issue 17 item 4)
                 worker_command=[
                     "ip",
                     "netns",
