@@ -11,7 +11,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ._cases import CAPABILITIES, Case, CaseFailure, CaseSkip, all_cases, case, catalogue, select_cases
-from ._connector import Connector, ReferenceConnector
+from ._connector import (
+    Connector,
+    OffloadConnector,
+    ReferenceConnector,
+    ReferenceOffloadConnector,
+    as_offload_connector,
+)
 from ._context import DEFAULT_MAX_EXAMPLES, CaseContext
 from ._report import CaseResult, Outcome, Report
 from ._runner import run_case, run_suite
@@ -30,15 +36,18 @@ __all__ = [
     "CaseResult",
     "CaseSkip",
     "Connector",
+    "OffloadConnector",
     "Outcome",
     "PresetConfig",
     "ReferenceConnector",
+    "ReferenceOffloadConnector",
     "Report",
     "Request",
     "RequestOutcome",
     "Scenario",
     "ScenarioResult",
     "all_cases",
+    "as_offload_connector",
     "case",
     "case_test_name",
     "catalogue",
