@@ -399,7 +399,7 @@ def transports(log_dir: Path) -> list[str]:
     lines: list[str] = []
     for log in sorted(log_dir.glob("ucx.*.log")):
         text = log.read_text(errors="replace")
-        for lanes in re.findall(r"UCX\s+INFO\s+(\S+ intra-node cfg#\d+ .*)", text):
+        for lanes in re.findall(r"UCX\s+INFO\s+(\S+ (?:intra|inter)-node cfg#\d+ .*)", text):
             lines.append(f"lanes: {lanes.strip()}")
         for title, body in re.findall(TABLE, text, flags=re.S):
             rows = re.findall(r"\|\s*([\d.]+(?:\.\.\w+)?)\s*\|\s*([^|]+?)\s*\|\s*([^|]+?)\s*\|", body)
