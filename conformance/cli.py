@@ -214,9 +214,9 @@ def run(args: argparse.Namespace) -> int:
     except (KVSpecError, ImportError) as exc:
         print(f"kvspec conform: cannot load backend {args.backend!r}: {exc}", file=sys.stderr)
         return 2
-    if getattr(args, "peer", None):
+    if args.peer:
         try:
-            backend = _peer_backend(backend, args.peer, getattr(args, "token_file", None))
+            backend = _peer_backend(backend, args.peer, args.token_file)
         except (KVSpecError, OSError) as exc:
             backend.close()
             print(f"kvspec conform: --peer {args.peer}: {type(exc).__name__}: {exc}", file=sys.stderr)
