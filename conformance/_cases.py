@@ -41,7 +41,7 @@ CAPABILITIES: dict[str, Callable[[Capabilities], bool]] = {
     # The suite registers pools it allocated itself with both agents: not when one agent is on another host.
     "local_pools": lambda c: not c.remote_pools,
     # One agent lives in `kvspec agent serve`, which the suite can kill (peer loss across hosts).
-    "remote_peer": lambda c: c.remote_pools,
+    "remote_pools": lambda c: c.remote_pools,
 }
 
 _SLUG = re.compile(r"^[a-z0-9][a-z0-9-]*$")

@@ -9,10 +9,12 @@ from .._context import CaseContext
 from .._scenario import Request, Scenario
 from ..configs import full, make_config, sw
 
+__all__: list[str] = []
+
 CONFIG = make_config(full(4), sw(8, 4), num_blocks=64)
 
 
-@case("FAIL-1", "peer-agent-killed-mid-transfer", requires=["remote_peer"])
+@case("FAIL-1", "peer-agent-killed-mid-transfer", requires=["remote_pools"])
 def _fail_peer_killed(ctx: CaseContext) -> None:
     """The producer's agent is killed right after the post: every request ends FAILED with a reason, never hangs."""
     modes = [m for m in (TransferMode.READ, TransferMode.WRITE) if m in ctx.capabilities.modes]
