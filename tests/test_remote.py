@@ -14,11 +14,13 @@ import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
+from kvspec_conformance import Outcome, run_suite
 from kvspec_conformance.configs import full, make_config
 
 from kvspec import BlockIds, FailureReason, PlanError, TransferMode, TransportError
@@ -27,6 +29,7 @@ from kvspec.remote import (
     AgentClient,
     AgentRefusedError,
     AgentServer,
+    PeerBackend,
     RemoteAgent,
     RemotePool,
     WireError,
@@ -347,3 +350,44 @@ def test_a_killed_server_ends_every_call_bounded(tmp_path: Path) -> None:
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+# --------------------------------------------------------------------------- the suite over the channel (one host)
+
+
+class _DeafAgent(RemoteAgent):
+    """Mutant: a remote agent whose kill does nothing (a suite that only pretends to lose its peer)."""
+
+    def kill(self) -> None:
+        return None
+
+
+class _DeafPeer(PeerBackend):
+    def create_agent(self, name: str) -> Any:
+        return _DeafAgent(self.client, name) if name == self.remote_role else self.local.create_agent(name)
+
+
+@pytest.mark.parametrize("mutant", [False, True])
+def test_peer_kill_case_over_nixl_on_one_host(mutant: bool, require_module: Callable[..., ModuleType]) -> None:
+    """The kill case passes with a real kill, and fails when the kill is a no-op (request "a" then loads)."""
+    from kvspec.transport.nixl import find_nixl
+
+    require_module("numpy", "nixl")
+    require_module(find_nixl() or "nixl", "nixl")
+    from kvspec.transport import load_backend
+
+    server = AgentServer("nixl", host="127.0.0.1", port=0, token=TOKEN, log=lambda _: None)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        kind = _DeafPeer if mutant else PeerBackend
+        backend = kind(load_backend("nixl"), AgentClient(*server.address, TOKEN))
+        try:
+            report = run_suite(backend, rules=["FAIL-1/peer-agent-killed-mid-transfer"])
+        finally:
+            backend.close()
+    finally:
+        server.stop()
+        thread.join(timeout=30)
+    (result,) = report.results
+    assert result.outcome is (Outcome.FAILED if mutant else Outcome.PASSED), result.message

@@ -79,8 +79,16 @@ def hosts(pytestconfig: pytest.Config) -> Iterator[Hosts]:
     try:
         yield made
     finally:
-        for namespace in created:  # the veth pair goes with its namespaces
-            subprocess.run(["ip", "netns", "del", namespace], check=False, capture_output=True)
+        for namespace in created:
+            _kill_everything_in(namespace)  # only what this test started: the namespaces are its own
+            subprocess.run(["ip", "netns", "del", namespace], check=False, capture_output=True)  # with the veth pair
+
+
+def _kill_everything_in(namespace: str) -> None:
+    listed = subprocess.run(["ip", "netns", "pids", namespace], capture_output=True, text=True, check=False)
+    for pid in listed.stdout.split():
+        with contextlib.suppress(ProcessLookupError, ValueError):
+            os.kill(int(pid), signal.SIGKILL)
 
 
 def _stop(process: subprocess.Popen[str]) -> str:
@@ -125,7 +133,15 @@ def _conform(
     command += ["--peer", f"{AGENT_ADDRESS}:{PORT}", "--token-file", str(token_file), "-q", "--json", str(report)]
     for option in options:
         command += ["--option", option]
-    return subprocess.run(command, capture_output=True, text=True, timeout=600, check=False)
+    process = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        stdout, stderr = process.communicate(timeout=600)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)  # the suite and its backend's workers
+        stdout, stderr = process.communicate()
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
 
 
 def _run(
@@ -187,3 +203,15 @@ def test_torch_suite_across_two_hosts(hosts: Hosts, tmp_path: Path, require_modu
         [f"interface={hosts.agent_interface}", f"host={AGENT_ADDRESS}"],
     )
     _check(outcomes)
+
+
+@pytest.mark.parametrize("ci", [False, True])
+def test_missing_namespaces_skip_locally_and_fail_under_ci(
+    ci: bool, pytestconfig: pytest.Config, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("CI", raising=False)
+    if ci:
+        monkeypatch.setenv("CI", "true")
+    expected = pytest.fail.Exception if ci or pytestconfig.getoption("--require-backends") else pytest.skip.Exception
+    with pytest.raises(expected, match="cannot create network namespaces"):
+        _cannot(pytestconfig, "cannot create network namespaces (Operation not permitted)")
