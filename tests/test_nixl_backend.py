@@ -557,8 +557,9 @@ def test_the_benchmark_runs_both_configurations_and_checks_every_methods_bytes(p
 
 IN_FLIGHT_CASES = [c.id for c in all_cases() if "observable_in_flight" in c.requires]
 # Cases needing a capability NIXL does not claim: integrity (it never checks bytes), immediate_cancel
-# (NIXL cancels "as far as it can"), and, over CMA, seeing a transfer in flight (TestConformanceOverTcp runs those).
-NOT_CLAIMED = {"integrity", "observable_in_flight", "immediate_cancel"}
+# (NIXL cancels "as far as it can"), and, over CMA, seeing a transfer in flight (TestConformanceOverTcp runs those);
+# remote_pools is kvspec conform --peer's (tests/test_two_hosts.py runs those).
+NOT_CLAIMED = {"integrity", "observable_in_flight", "immediate_cancel", "remote_pools"}
 
 
 class TestConformance(BackendSuite):
@@ -572,7 +573,7 @@ class TestConformance(BackendSuite):
         require_backend_module(pytestconfig, "nixl_cu12", "nixl")
 
     def check_case(self, case: Case, context: CaseContext) -> None:
-        missing = set(case.requires) - {"read", "write", "notifications", "cross_process"}
+        missing = set(case.requires) - {"read", "write", "notifications", "cross_process", "local_pools"}
         if missing:
             assert missing <= NOT_CLAIMED, f"{case.id} needs {missing}"
         super().check_case(case, context)
