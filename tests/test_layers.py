@@ -25,7 +25,10 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
     ("base", frozenset({"kvspec._enums", "kvspec._deprecation"})),
     ("errors", frozenset({"kvspec._errors"})),
     ("data", frozenset({"kvspec._models", "kvspec._descriptors", "kvspec._rules"})),
-    ("rules", frozenset({"kvspec._reference", "kvspec._offload", "kvspec._messages", "kvspec._presets"})),
+    (
+        "rules",
+        frozenset({"kvspec._reference", "kvspec._offload", "kvspec._messages", "kvspec._presets", "kvspec._integrity"}),
+    ),
     ("protocol", frozenset({"kvspec._plan", "kvspec._codec", "kvspec._handshake", "kvspec._session"})),
     ("reports", frozenset({"kvspec._schema", "kvspec._summary"})),
     (
