@@ -11,8 +11,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ._cases import CAPABILITIES, Case, CaseFailure, CaseSkip, all_cases, case, catalogue, select_cases
-from ._connector import Connector, ReferenceConnector
-from ._context import DEFAULT_MAX_EXAMPLES, CaseContext
+from ._connector import (
+    Connector,
+    OffloadConnector,
+    ReferenceConnector,
+    ReferenceOffloadConnector,
+    as_offload_connector,
+)
+from ._context import DEFAULT_MAX_EXAMPLES, CaseContext, default_time_scale
 from ._report import CaseResult, Outcome, Report
 from ._runner import run_case, run_suite
 from ._scenario import PresetConfig, Request, RequestOutcome, Scenario, ScenarioResult, run_scenario
@@ -30,18 +36,22 @@ __all__ = [
     "CaseResult",
     "CaseSkip",
     "Connector",
+    "OffloadConnector",
     "Outcome",
     "PresetConfig",
     "ReferenceConnector",
+    "ReferenceOffloadConnector",
     "Report",
     "Request",
     "RequestOutcome",
     "Scenario",
     "ScenarioResult",
     "all_cases",
+    "as_offload_connector",
     "case",
     "case_test_name",
     "catalogue",
+    "default_time_scale",
     "run_case",
     "run_scenario",
     "run_suite",

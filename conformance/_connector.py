@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
-from kvspec._connector import Connector, ReferenceConnector
+from kvspec._connector import (
+    Connector,
+    OffloadConnector,
+    ReferenceConnector,
+    ReferenceOffloadConnector,
+    as_offload_connector,
+)
 
-__all__ = ["Connector", "ReferenceConnector"]
+__all__ = ["Connector", "OffloadConnector", "ReferenceConnector", "ReferenceOffloadConnector", "as_offload_connector"]

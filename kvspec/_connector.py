@@ -14,6 +14,16 @@ from kvspec._enums import TransferMode
 from kvspec._handshake import check_compatibility
 from kvspec._messages import EngineDescriptor
 from kvspec._models import BlockIds, KVCacheConfig
+from kvspec._offload import (
+    BlockIdGroups,
+    LoadSet,
+    OffloadConfig,
+    StoreSet,
+    get_load_set,
+    get_offload_hit_tokens,
+    get_store_set,
+    map_sub_blocks,
+)
 from kvspec._plan import BlockPairsLike, TransferPlan, plan_transfer
 from kvspec._reference import (
     check_hybrid_support,
@@ -22,7 +32,14 @@ from kvspec._reference import (
     get_exchange_clipped_blocks,
 )
 
-__all__ = ["Connector", "ReferenceConnector", "pair_keywords"]
+__all__ = [
+    "Connector",
+    "OffloadConnector",
+    "ReferenceConnector",
+    "ReferenceOffloadConnector",
+    "as_offload_connector",
+    "pair_keywords",
+]
 
 
 @runtime_checkable
@@ -145,3 +162,142 @@ def pair_keywords(
     if consumer_block_ends is not None:
         extra["consumer_block_ends"] = tuple(consumer_block_ends)
     return extra
+
+
+@runtime_checkable
+class OffloadConnector(Protocol):
+    """What an offloading connector decides between the GPU block table and the chunk pool (OFF-3 ... OFF-7).
+
+    The hooks mirror the reference functions of :mod:`kvspec._offload`, with
+    the same arguments plus ``request_id`` (keyword-only), so that a stateful
+    connector (vLLM's offloading scheduler keeps per-request state) can keep
+    one state per request; :meth:`finish_request` tells it the request is
+    gone. The suite owns the chunk pool, its keys and its evictions, and its
+    oracle checks every stored and loaded page by logical position,
+    independently of these hooks. A connector object may implement both
+    :class:`Connector` and this protocol; the suite uses
+    :func:`as_offload_connector` to find the offload hooks, with the reference
+    as default.
+    """
+
+    def get_store_set(
+        self,
+        config: KVCacheConfig,
+        block_ids: BlockIdGroups,
+        *,
+        request_id: str,
+        num_offloadable_tokens: int,
+        next_chunk: Sequence[int],
+        offload: OffloadConfig,
+    ) -> StoreSet:
+        """The chunks one store step offers and the GPU blocks it copies (OFF-3, OFF-4)."""
+        ...
+
+    def get_offload_hit_tokens(
+        self,
+        config: KVCacheConfig,
+        present: Sequence[Sequence[bool]],
+        *,
+        request_id: str,
+        num_tokens: int,
+        local_hit_tokens: int,
+        offload: OffloadConfig,
+    ) -> int:
+        """Tokens past the local hit the chunk pool can supply (OFF-5)."""
+        ...
+
+    def get_load_set(
+        self,
+        config: KVCacheConfig,
+        block_ids: BlockIdGroups,
+        *,
+        request_id: str,
+        num_tokens: int,
+        local_hit_tokens: int,
+        offload: OffloadConfig,
+    ) -> LoadSet:
+        """The chunks a hit reads and the GPU blocks they land in (OFF-6)."""
+        ...
+
+    def map_sub_blocks(
+        self, first_block_index: int, num_blocks: int, *, blocks_per_chunk: int
+    ) -> tuple[tuple[int, int], ...]:
+        """Which (chunk entry, sub-block) each GPU block of a store or load set pairs with (OFF-7)."""
+        ...
+
+    def finish_request(self, request_id: str) -> None:
+        """The request ended (finished, aborted or preempted); drop any state kept for it."""
+        ...
+
+
+class ReferenceOffloadConnector:
+    """The offload logic of the specification itself: kvspec's reference functions, stateless."""
+
+    def get_store_set(
+        self,
+        config: KVCacheConfig,
+        block_ids: BlockIdGroups,
+        *,
+        request_id: str,
+        num_offloadable_tokens: int,
+        next_chunk: Sequence[int],
+        offload: OffloadConfig,
+    ) -> StoreSet:
+        """``get_store_set`` (OFF-3, OFF-4)."""
+        return get_store_set(
+            config, block_ids, num_offloadable_tokens=num_offloadable_tokens, next_chunk=next_chunk, offload=offload
+        )
+
+    def get_offload_hit_tokens(
+        self,
+        config: KVCacheConfig,
+        present: Sequence[Sequence[bool]],
+        *,
+        request_id: str,
+        num_tokens: int,
+        local_hit_tokens: int,
+        offload: OffloadConfig,
+    ) -> int:
+        """``get_offload_hit_tokens`` (OFF-5)."""
+        return get_offload_hit_tokens(
+            config, present, num_tokens=num_tokens, local_hit_tokens=local_hit_tokens, offload=offload
+        )
+
+    def get_load_set(
+        self,
+        config: KVCacheConfig,
+        block_ids: BlockIdGroups,
+        *,
+        request_id: str,
+        num_tokens: int,
+        local_hit_tokens: int,
+        offload: OffloadConfig,
+    ) -> LoadSet:
+        """``get_load_set`` (OFF-6)."""
+        return get_load_set(
+            config, block_ids, num_tokens=num_tokens, local_hit_tokens=local_hit_tokens, offload=offload
+        )
+
+    def map_sub_blocks(
+        self, first_block_index: int, num_blocks: int, *, blocks_per_chunk: int
+    ) -> tuple[tuple[int, int], ...]:
+        """``map_sub_blocks`` (OFF-7)."""
+        return map_sub_blocks(first_block_index, num_blocks, blocks_per_chunk=blocks_per_chunk)
+
+    def finish_request(self, request_id: str) -> None:
+        """Nothing to drop: the reference keeps no state."""
+
+    def __repr__(self) -> str:
+        return "ReferenceOffloadConnector()"
+
+
+def as_offload_connector(connector: object) -> OffloadConnector:
+    """``connector`` itself when it implements :class:`OffloadConnector`, else the reference (OFF-3 ... OFF-7).
+
+    A connector under test that brings only exchange hooks has its offload
+    cases run with the reference offload logic, so they still check the
+    backend's copies.
+    """
+    if isinstance(connector, OffloadConnector):
+        return connector
+    return ReferenceOffloadConnector()
