@@ -23,6 +23,13 @@ SIZE = 1 << 16
 PAGE = 4096
 
 
+def _buf(shm: shared_memory.SharedMemory) -> memoryview:
+    buf = shm.buf
+    if buf is None:  # pragma: no cover - only after close()
+        raise RuntimeError(f"shared memory {shm.name} is closed")
+    return buf
+
+
 class _Pools:
     def __init__(self) -> None:
         self.producer = [shared_memory.SharedMemory(create=True, size=SIZE) for _ in range(2)]
@@ -41,16 +48,16 @@ def main(backend_name: str, options: dict[str, object]) -> dict[str, object]:
         producer, consumer = backend.create_agent("producer"), backend.create_agent("consumer")
         connect(producer, consumer, pools)
         rng = random.Random(7)
-        pools.producer[0].buf[:PAGE] = rng.randbytes(PAGE)
-        pools.producer[1].buf[PAGE : 2 * PAGE] = rng.randbytes(PAGE)
+        p0, p1, c0, c1 = (_buf(shm) for shm in (*pools.producer, *pools.consumer))
+        p0[:PAGE] = rng.randbytes(PAGE)
+        p1[PAGE : 2 * PAGE] = rng.randbytes(PAGE)
         read = consumer.post(TransferMode.READ, [desc(0, 0, 0, 0, PAGE)], peer=producer.name)
         write = producer.post(TransferMode.WRITE, [desc(1, PAGE, 1, 3 * PAGE, PAGE)], peer=consumer.name)
         states = [wait(consumer, read).state, wait(producer, write).state]
         consumer.release(read)
         producer.release(write)
-        intact = bytes(pools.consumer[0].buf[:PAGE]) == bytes(pools.producer[0].buf[:PAGE]) and bytes(
-            pools.consumer[1].buf[3 * PAGE : 4 * PAGE]
-        ) == bytes(pools.producer[1].buf[PAGE : 2 * PAGE])
+        intact = bytes(c0[:PAGE]) == bytes(p0[:PAGE]) and bytes(c1[3 * PAGE : 4 * PAGE]) == bytes(p1[PAGE : 2 * PAGE])
+        del p0, p1, c0, c1  # no view may outlive the pools' close
         sockets = {agent.name: tcp_sockets(agent.pid) for agent in (producer, consumer)}  # type: ignore[attr-defined]
         return {"done": all(s is TransferState.DONE for s in states), "intact": intact, "sockets": sockets}
     finally:
