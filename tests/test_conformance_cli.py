@@ -137,3 +137,19 @@ def test_backend_options_and_connector_under_test() -> None:
     assert "from mutants import NoClipping as ConnectorUnderTest" in broken.stdout
     bad = _conform("loopback", "--option", "nonsense")
     assert bad.returncode != 0
+
+
+def test_integrity_flag_runs_the_integrity_cases(tmp_path: Path) -> None:
+    """``--integrity`` runs the INT-1 cases on loopback; without it they skip, saying how to turn it on."""
+    on = _conform("loopback", "--rule", "INT-1", "--integrity", "-q", "--json", str(tmp_path / "on.json"))
+    assert on.returncode == 0, on.stdout[-3000:] + on.stderr[-2000:]
+    cases = json.loads((tmp_path / "on.json").read_text())["cases"]
+    assert sorted((c["id"], c["outcome"]) for c in cases) == [
+        ("INT-1/corruption-with-integrity", "passed"),
+        ("INT-1/transport-integrity", "passed"),
+    ]
+    off = _conform("loopback", "--rule", "INT-1", "-q", "--json", str(tmp_path / "off.json"))
+    assert off.returncode == 0, off.stdout[-3000:] + off.stderr[-2000:]
+    skipped = json.loads((tmp_path / "off.json").read_text())["cases"]
+    assert [c["outcome"] for c in skipped] == ["skipped", "skipped"]
+    assert all("kvspec conform --integrity" in c["message"] for c in skipped), skipped

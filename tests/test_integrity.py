@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterator
+from pathlib import Path
 
 import attrs
 import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
+from kvspec_conformance.configs import full, make_config
 
 from kvspec import (
     BlockIds,
@@ -286,3 +288,17 @@ def test_receiver_without_integrity_ignores_digests(pair_factory: object, mode: 
     pair = pair_factory(mode, producer_integrity=True, consumer_integrity=False)  # type: ignore[operator]
     state, failure = _run(pair)
     assert state is ConsumerState.LOADED, failure
+
+
+def test_the_specs_known_answer() -> None:
+    """The digest docs/spec/protocol-lifecycle.md gives for two 16-byte pages 0x00..0x1f, through PageDigester."""
+    config = make_config(full(4), num_blocks=4, layers=2)
+    group = config.kv_cache_groups[0]
+    assert group.kv_cache_spec.page_size_bytes == 16
+    with allocate_pool(config, shared=False) as pool:
+        for index, layer in enumerate(group.layer_names):
+            pool.page(layer, 1)[:] = bytes(range(16 * index, 16 * index + 16))
+        digest = PageDigester(config, [r.buffer for r in pool.regions]).block_digest(0, 1)
+    spec = (Path(__file__).resolve().parents[1] / "docs" / "spec" / "protocol-lifecycle.md").read_text()
+    assert f"`{digest}`" in spec
+    assert digest == "d92742a8ed9b60c8be14ed5367c23de2"
