@@ -62,6 +62,7 @@ from kvspec._plan import TransferPlan
 from kvspec._session import (
     Cancel,
     ConsumerSession,
+    ConsumerState,
     Free,
     Output,
     Post,
@@ -392,6 +393,8 @@ class Driver:
         session = request.session
         if self.integrity is None or not isinstance(session, ConsumerSession):
             return None
+        if session.state is not ConsumerState.LOADING:
+            return None  # cancelled: this DONE ends the request FAILED or ABORTED anyway
         digests = session.params.producer_block_digests
         if request.pairs is None or digests is None:
             return session.consumer_block_ids
@@ -404,6 +407,8 @@ class Driver:
         now = self.clock()
         if not isinstance(session, ConsumerSession) or self.integrity is None:
             return session.receive(message, now=now)  # a producer refuses a Completion itself
+        if session.state is not ConsumerState.LOADING:
+            return session.receive(message, now=now)  # only LOADING turns a Completion into LOADED
         if message.consumer_block_digests is None:
             detail = "the producer sent no block digests (INT-1 is off on its side)"
             return session.reject_completion(

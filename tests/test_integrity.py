@@ -16,6 +16,7 @@ from kvspec import (
     BlockIds,
     BlockPairs,
     Completion,
+    ConsumerSession,
     ConsumerState,
     FailureInfo,
     FailureReason,
@@ -28,6 +29,7 @@ from kvspec import (
     decode,
     encode,
 )
+from kvspec._driver import Driver, LiveRequest
 from kvspec.exchange import ConsumerEndpoint, ProducerEndpoint, connect, run_request
 from kvspec.presets import get_preset
 from kvspec.testing import PagePool, allocate_pool, fill_background, fill_producer_pages
@@ -302,3 +304,45 @@ def test_the_specs_known_answer() -> None:
     spec = (Path(__file__).resolve().parents[1] / "docs" / "spec" / "protocol-lifecycle.md").read_text()
     assert f"`{digest}`" in spec
     assert digest == "d92742a8ed9b60c8be14ed5367c23de2"
+
+
+def test_only_a_loading_consumer_checks_a_completion() -> None:
+    """A Completion that cannot load the request (not yet started) is left to the table, never failed on digests."""
+    config = make_config(full(4), num_blocks=8)
+    backend = LoopbackBackend()
+    try:
+        producer_agent, consumer_agent = backend.create_agent("producer"), backend.create_agent("consumer")
+        to_consumer = producer_agent.add_remote_agent(consumer_agent.get_agent_metadata())
+        consumer_agent.add_remote_agent(producer_agent.get_agent_metadata())
+        with allocate_pool(config, shared=False) as pool:
+            digester = PageDigester(config, [r.buffer for r in pool.regions])
+            driver = Driver(
+                transport=consumer_agent,
+                clock=lambda: 1.0,
+                on_free=lambda request, ids: None,
+                on_end=lambda request: None,
+                integrity=digester,
+            )
+            params = TransferParams(
+                request_id="r",
+                producer_engine_id="P",
+                producer_block_ids=[[1]],
+                num_tokens=4,
+                mode=TransferMode.WRITE,
+                lease_deadline=50.0,
+            )
+            session = ConsumerSession(params=params, consumer_engine_id="C", consumer_block_ids=[[2]])
+            driver.add(LiveRequest(session=session, peer="producer"))
+            wrong = Completion(request_id="r", producer_engine_id="P", consumer_block_digests=[[A]])
+            producer_agent.send_notification(to_consumer, encode(wrong))
+            driver.poll()
+            assert session.state.value == "allocated"  # ignored, as without integrity (SM-2)
+            driver.execute(driver.requests["r"], session.start(now=1.0))
+            producer_agent.send_notification(to_consumer, encode(wrong))
+            driver.poll()
+            assert session.state is ConsumerState.FAILED
+            assert session.failure is not None
+            assert session.failure.reason is FailureReason.INTEGRITY
+            assert session.failure.failed_consumer_block_ids == BlockIds([[2]])
+    finally:
+        backend.close()
