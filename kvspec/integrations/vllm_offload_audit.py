@@ -478,6 +478,7 @@ class OffloadAuditReport:
     """What ``kvspec vllm-audit --offload`` found: per adapter and rule, hook calls and agreements; each class."""
 
     seed: int
+    random_requests: int
     vllm_version: str
     calls: dict[str, dict[str, int]]
     agreed: dict[str, dict[str, int]]
@@ -489,6 +490,7 @@ class OffloadAuditReport:
         return {
             "vllm_version": self.vllm_version,
             "seed": self.seed,
+            "random_requests": self.random_requests,
             "calls": self.calls,
             "agreed": self.agreed,
             "classes": [c.to_dict() for c in self.classes],
@@ -562,6 +564,7 @@ def run_offload_audit(
             )
     return OffloadAuditReport(
         seed=seed,
+        random_requests=random_requests,
         vllm_version=VLLM_VERSION,
         calls=calls,
         agreed=agreed,
