@@ -85,7 +85,10 @@ def test_import_kvspec_never_imports_vllm_for_the_offload_audit() -> None:
 
 
 def test_hma_test_full_and_window_hit_and_load_agree(adapter: Any) -> None:
-    """vLLM's test_two_groups_full_and_sliding_window: N=13 hits 12; loads (0,0..2) and (1,1..2) (research note §4)."""
+    """vLLM's test_two_groups_full_and_sliding_window: N=13 hits 12, loads (0,0..2), (1,1..2) (OFF-5, OFF-6).
+
+    Values as docs/spec/offload.md quotes them.
+    """
     config = _config("full/B4", "sw8/B4")
     present = [[True] * 3, [True] * 3]
     hit = adapter.get_offload_hit_tokens(
@@ -101,7 +104,10 @@ def test_hma_test_full_and_window_hit_and_load_agree(adapter: Any) -> None:
 
 
 def test_hma_test_different_block_sizes_agree(adapter: Any) -> None:
-    """vLLM's test_two_groups_different_block_sizes: 85 tokens after a 48-token GPU hit load 32 more (research §4)."""
+    """vLLM's test_two_groups_different_block_sizes: 85 tokens, a 48-token GPU hit, load 32 more (OFF-5, OFF-6).
+
+    Values as docs/spec/offload.md quotes them.
+    """
     config = _config("full/B12", "full/B16")
     present = [[True] * 7, [True] * 5]
     hit = adapter.get_offload_hit_tokens(
@@ -137,7 +143,7 @@ def test_f3_loads_at_every_residue_agree(adapter: Any, local_blocks: int) -> Non
 
 @settings(max_examples=60, deadline=None)
 @given(first=st.integers(0, 40), count=st.integers(0, 20), f=st.integers(1, 6))
-@example(first=4, count=5, f=3)  # research note §3: L = 4, f = 3; (-L) % f would pair wrongly
+@example(first=4, count=5, f=3)  # docs/spec/offload.md OFF-7: L = 4, f = 3; (-L) % f would pair wrongly
 @example(first=5, count=4, f=3)  # #42945's store: first index 5, four sources
 def test_sub_block_map_is_vllms_worker_and_the_reference(adapter: Any, first: int, count: int, f: int) -> None:
     assert adapter.map_sub_blocks(first, count, blocks_per_chunk=f) == map_sub_blocks(first, count, blocks_per_chunk=f)
