@@ -263,6 +263,11 @@ def test_findings_page_names_every_offload_class() -> None:
     committed = json.loads(OFFLOAD_JSON.read_text(encoding="utf-8"))
     for c in committed["classes"]:
         assert f"`{c['class']}`" in page, c["class"]
+        assert f"{c['cases']} " in page, (c["class"], c["cases"])
+    for connector, per_rule in committed["calls"].items():
+        row = next(line for line in page.splitlines() if line.startswith(f"| `{connector}` |"))
+        for rule, calls in per_rule.items():
+            assert f"{committed['agreed'][connector][rule]} of {calls}" in row, (connector, rule, row)
 
 
 def test_audit_catches_a_planted_sub_block_mutant(vllm: Any) -> None:
@@ -346,3 +351,28 @@ def test_conform_with_vllm_offloading_has_no_error_and_only_listed_failures(vllm
     )
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
     assert " 0 failed, 0 errors" in out.stdout
+
+
+def test_vllm_0_33_never_touches_keys(vllm: Any) -> None:
+    """OFF-8 describes the #41445-era touch; 0.33.0's scheduler calls no manager.touch on lookup, load or store."""
+    from kvspec.integrations.vllm import OffloadingConnector
+
+    connector = OffloadingConnector()
+    config = _config("full/B4", "sw8/B4")
+    manager = connector.scheduler(config, F1).manager
+    touched: list[object] = []
+    manager.touch = lambda keys, req_context: touched.append(keys)
+    connector.get_offload_hit_tokens(
+        config, [[True] * 3, [True] * 3], request_id="t", num_tokens=13, local_hit_tokens=0, offload=F1
+    )
+    connector.get_load_set(
+        config, [[1, 2, 3], [0, 5, 6]], request_id="t", num_tokens=12, local_hit_tokens=0, offload=F1
+    )
+    connector.get_store_set(
+        config, [[1, 2, 3, 4], [0, 5, 6, 7]], request_id="t", num_offloadable_tokens=16, next_chunk=[0, 0], offload=F1
+    )
+    connector.finish_request("t")
+    assert touched == []
+    # The spy works: calling the manager's touch records it.
+    manager.touch([], None)
+    assert touched == [[]]

@@ -215,6 +215,27 @@ def _store_flow(
     return present
 
 
+def _preempt_flow(
+    out: _Cases, flow: str, groups: tuple[OffloadShape, ...], offload: OffloadConfig, *, prompt: int, rid: str
+) -> None:
+    """A request stores half its prompt, is preempted (its blocks freed), and restarts: hit, load, store (OFF-3)."""
+    config = offload_config(groups)
+    half = prompt // 2
+    table = _table(groups, half, first_needed=0, base=0)
+    out.add(
+        flow, groups, offload, "store", rid, block_ids=table, num_offloadable_tokens=half, next_chunk=(0,) * len(groups)
+    )
+    store = out.reference.get_store_set(
+        config, table, request_id=rid, num_offloadable_tokens=half, next_chunk=[0] * len(groups), offload=offload
+    )
+    present = [[True] * len(complete) for complete in store.complete_chunks]
+    # Rescheduled: the same request id looks its own chunks up, then stores its whole prompt from chunk 0.
+    _hit_and_load(out, flow, groups, offload, present, num_tokens=prompt, local_hit=0, rid=rid)
+    table = _table(groups, prompt, first_needed=0, base=90_000)
+    out.add(flow, groups, offload, "store", rid, block_ids=table, num_offloadable_tokens=prompt,
+            next_chunk=(0,) * len(groups))  # fmt: skip
+
+
 def _hit_and_load(
     out: _Cases, flow: str, groups: tuple[OffloadShape, ...], offload: OffloadConfig, present: Sequence[Sequence[bool]],
     *, num_tokens: int, local_hit: int, rid: str,
@@ -295,6 +316,9 @@ def generate_offload_cases(seed: int = 0, random_requests: int = 40) -> list[Off
                                        local_hit=local, rid="E")  # fmt: skip
                 _hit_and_load(out, flow + " straddle", groups, offload, straddle, num_tokens=prompt + 2,
                               local_hit=0, rid="F")  # fmt: skip
+            # Preempted mid-store: half the prompt stored, the blocks freed, the request rescheduled with a
+            # new table; it looks up its own stored chunks and stores again from chunk 0.
+            _preempt_flow(out, flow + " preempted", groups, offload, prompt=prompt, rid="P")
             for first in range(2 * f):
                 out.add(flow, groups, offload, "sub", "S", first_block_index=first, num_blocks=f + 1)
     # Random requests over the same configs: random present maps, request sizes and local hits.
