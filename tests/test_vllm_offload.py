@@ -201,6 +201,27 @@ def test_periodic_retention_stores_chunks_a_store_set_cannot_express(vllm: Any) 
         periodic.get_store_set(config, table, request_id="x", num_offloadable_tokens=40, next_chunk=[0, 0], offload=F1)
 
 
+def test_window_one_past_a_chunk_multiple_asks_vllm_for_one_chunk_more(adapter: Any) -> None:
+    """OFF-5:vllm-hit-shorter: W = 13, C = 4: vLLM wants 4 window chunks before M = 24, the reference 3."""
+    config = _config("full/B4", "sw13/B4")
+    present = [
+        [False, True, True, True, True, True, False],
+        [False, True, False, True, True, True, True],
+    ]
+    hit = adapter.get_offload_hit_tokens(
+        config, present, request_id="w1", num_tokens=31, local_hit_tokens=8, offload=F1
+    )
+    assert hit == 0
+    assert get_offload_hit_tokens(config, present, num_tokens=31, local_hit_tokens=8, offload=F1) == 16
+    # With window chunk 2 present as well, both hit 16.
+    present[1][2] = True
+    hit = adapter.get_offload_hit_tokens(
+        config, present, request_id="w1", num_tokens=31, local_hit_tokens=8, offload=F1
+    )
+    assert hit == 16 == get_offload_hit_tokens(config, present, num_tokens=31, local_hit_tokens=8, offload=F1)
+    adapter.finish_request("w1")
+
+
 def test_mamba_is_a_one_chunk_window_in_vllm(adapter: Any) -> None:
     config = _config("full/B4", "mamba/B4")
     present = [[True] * 4, [True] * 4]
@@ -290,17 +311,19 @@ def test_audit_catches_a_planted_sub_block_mutant(vllm: Any) -> None:
 
 
 def test_audit_catches_a_planted_hit_mutant(vllm: Any) -> None:
-    """A hit one chunk short wherever vLLM's is non-zero: the audit must report OFF-5:hit."""
+    """A hit one block too long wherever vLLM's is non-zero: the audit reports it, with no verdict to hide behind."""
     from kvspec.integrations.vllm import OffloadingConnector
     from kvspec.integrations.vllm_offload_audit import run_offload_audit
 
-    class ShortHit(OffloadingConnector):
+    class LongHit(OffloadingConnector):
         def get_offload_hit_tokens(self, *args: Any, **kwargs: Any) -> int:
             hit = super().get_offload_hit_tokens(*args, **kwargs)
-            return max(0, hit - 1)
+            return hit + 4 if hit else 0
 
-    report = run_offload_audit(seed=3, random_requests=5, connectors={"mutant": ShortHit})
-    assert "OFF-5:hit" in {c.id for c in report.classes}, report.render()
+    report = run_offload_audit(seed=3, random_requests=5, connectors={"mutant": LongHit})
+    longer = [c for c in report.classes if c.id == "OFF-5:vllm-hit-longer"]
+    assert longer, report.render()
+    assert longer[0].to_dict()["verdict"] == "unclassified"
 
 
 def test_cli_offload_audit_runs(vllm: Any, tmp_path: Path) -> None:

@@ -160,6 +160,7 @@ _CONFIGS: tuple[tuple[str, tuple[OffloadShape, ...], tuple[int, ...]], ...] = (
     ("full+sw", (OffloadShape(block_size=4), OffloadShape(block_size=4, window=8)), (1, 3)),
     ("full+sw-unaligned", (OffloadShape(block_size=4), OffloadShape(block_size=4, window=10)), (1, 3)),
     ("full+sw-wide", (OffloadShape(block_size=4), OffloadShape(block_size=4, window=24)), (1, 2, 3)),
+    ("full+sw-one-past", (OffloadShape(block_size=4), OffloadShape(block_size=4, window=13)), (1, 3)),
     ("two-block-sizes", (OffloadShape(block_size=12), OffloadShape(block_size=16)), (1,)),
     ("sizes+sw", (OffloadShape(block_size=8), OffloadShape(block_size=16, window=32)), (1,)),
     ("full+two-sw", (OffloadShape(block_size=4), OffloadShape(block_size=4, window=8),
@@ -416,8 +417,9 @@ def compare_case(case: OffloadCase, connector: OffloadConnector) -> list[tuple[s
 
     A class id is ``RULE:what``: ``OFF-3:stores-window-tail-only`` and
     ``OFF-3:skips-partial-chunk`` when vLLM offers a subset of the
-    reference's chunks, else ``RULE:field`` for the first differing field,
-    or ``RULE:refuses`` / ``RULE:kvspec-refuses`` when only one side raised.
+    reference's chunks, ``OFF-5:vllm-hit-shorter`` or ``-longer`` for a hit,
+    else ``RULE:field`` for the first differing field, or ``RULE:refuses`` /
+    ``RULE:kvspec-refuses`` when only one side raised.
     """
     mine, mine_fields = _outcome(connector, case)
     reference, reference_fields = _outcome(ReferenceOffloadConnector(), case)
@@ -436,6 +438,8 @@ def compare_case(case: OffloadCase, connector: OffloadConnector) -> list[tuple[s
     named = (
         _store_class(case, mine, reference) if isinstance(mine, StoreSet) and isinstance(reference, StoreSet) else None
     )
+    if isinstance(mine, int) and isinstance(reference, int):
+        named = f"{case.rule}:vllm-hit-{'shorter' if mine < reference else 'longer'}"
     return [(named or f"{case.rule}:{differing[0]}", detail)]
 
 
@@ -452,6 +456,12 @@ OFFLOAD_VERDICTS: dict[str, tuple[str, str]] = {
         "accepted difference",
         "vLLM 0.33.0 skips a chunk with a null sub-block; OFF-3 writes its real sub-blocks and OFF-4 never "
         "reports it present. Neither lets a load read an unwritten sub-block (decision 57).",
+    ),
+    "OFF-5:vllm-hit-shorter": (
+        "accepted difference",
+        "A window group with W = 1 (mod C_g): vLLM asks for cdiv(W, C_g) present chunks before the hit's end where "
+        "the cdiv(W - 1, C_g) the recomputed token attends suffice (offload.md's comparison table); a shorter hit, "
+        "never a wrong one.",
     ),
     "OFF-5:kvspec-refuses": (
         "accepted difference",
