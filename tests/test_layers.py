@@ -55,7 +55,17 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
         "drivers",
         frozenset({"kvspec._connector", "kvspec._driver", "kvspec._exchange", "kvspec.exchange", "kvspec.testing"}),
     ),
-    ("integrations", frozenset({"kvspec.integrations", "kvspec.integrations.vllm", "kvspec.integrations.vllm_audit"})),
+    (
+        "integrations",
+        frozenset(
+            {
+                "kvspec.integrations",
+                "kvspec.integrations.vllm",
+                "kvspec.integrations.vllm_audit",
+                "kvspec.integrations.vllm_offload_audit",
+            }
+        ),
+    ),
     (
         "tools",
         frozenset(
