@@ -38,7 +38,7 @@ from kvspec.remote import (
 from kvspec.remote._server import _HANDLERS
 from kvspec.remote._wire import MAGIC, client_mac, new_nonce, recv_frame, send_frame
 from kvspec.testing import MismatchKind, check_pools
-from kvspec.transport import Descriptor, TransferHandle, TransferState
+from kvspec.transport import Descriptor, TransferHandle, TransferState, Transport
 
 TOKEN = b"a-test-token-of-32-bytes-exactly"
 CONFIG = make_config(full(4), num_blocks=8)
@@ -363,7 +363,7 @@ class _DeafAgent(RemoteAgent):
 
 
 class _DeafPeer(PeerBackend):
-    def create_agent(self, name: str) -> Any:
+    def create_agent(self, name: str) -> Transport:
         return _DeafAgent(self.client, name) if name == self.remote_role else self.local.create_agent(name)
 
 

@@ -38,6 +38,7 @@ from kvspec.transport import (
     TransferHandle,
     TransferState,
     TransferStatus,
+    Transport,
 )
 from kvspec.transport._base import closed_agent_error
 
@@ -410,7 +411,7 @@ class PeerBackend:
         """What both sides can do, with ``remote_pools`` set."""
         return self._capabilities
 
-    def create_agent(self, name: str) -> Any:
+    def create_agent(self, name: str) -> Transport:
         """A :class:`RemoteAgent` for ``remote_role``, else an agent of the local backend."""
         if name == self.remote_role:
             return RemoteAgent(self.client, name)

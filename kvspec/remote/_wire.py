@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import os
 import secrets
 import socket
 import struct
@@ -140,8 +141,6 @@ def digest_key(token: bytes, server_nonce: bytes, client_nonce: bytes) -> bytes:
 
 def read_token(path: str | None, environ: dict[str, str] | None = None) -> bytes:
     """The shared secret: the file's contents (stripped) or ``KVSPEC_AGENT_TOKEN``; at least 16 bytes."""
-    import os
-
     if path is not None:
         with open(path, "rb") as handle:
             token = handle.read().strip()
