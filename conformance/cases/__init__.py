@@ -1,5 +1,5 @@
 """The conformance cases; importing this package registers every case."""
 
-from . import data, exchange, handshake, lifecycle, positions, transport
+from . import data, exchange, handshake, lifecycle, offload, positions, transport
 
-__all__ = ["data", "exchange", "handshake", "lifecycle", "positions", "transport"]
+__all__ = ["data", "exchange", "handshake", "lifecycle", "offload", "positions", "transport"]
