@@ -36,6 +36,7 @@ is valid Python, so a failing case prints it as a reproducer.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import time
@@ -457,7 +458,7 @@ class _OffloadPlay:
         return page
 
     def _label_background(self) -> None:
-        for g, group in enumerate(self.config.kv_cache_groups):
+        for group in self.config.kv_cache_groups:
             page = group.kv_cache_spec.page_size_bytes
             for layer in group.layer_names:
                 region, _ = self.chunk_config.page_offset(layer, 0)
@@ -498,7 +499,7 @@ class _OffloadPlay:
 
     def _post(self, to_chunks: bool, copies: list[tuple[int, int, int, int, int]], what: str) -> tuple[Any, Transport]:
         """Post (gpu region, gpu offset, chunk region, chunk offset, nbytes) copies; the GPU agent posts if it can."""
-        if to_chunks and self.write_ok or not to_chunks and self.read_ok:
+        if (to_chunks and self.write_ok) or (not to_chunks and self.read_ok):
             agent, peer, mode = self.gpu_agent, self.chunk_name, TransferMode.WRITE if to_chunks else TransferMode.READ
             descriptors = [
                 Descriptor(local_region=a, local_offset=b, remote_region=c, remote_offset=d, nbytes=n)
@@ -624,7 +625,7 @@ class _OffloadPlay:
                     f"hold (null, freed or another request's); its table is {run.table[g]}"
                 )
             mapping = self._hook(
-                "map_sub_blocks", lambda: self.hooks.map_sub_blocks(first, count, blocks_per_chunk=self.f)
+                "map_sub_blocks", functools.partial(self.hooks.map_sub_blocks, first, count, blocks_per_chunk=self.f)
             )
             if len(mapping) != count:
                 raise _Finding(f"map_sub_blocks({first}, {count}): expected {count} pairs, got {len(mapping)} (OFF-7)")
@@ -667,13 +668,13 @@ class _OffloadPlay:
         if hit:
             self._load(run, t)
             run.next_chunk = [_cdiv(t, size) for size in self.sizes]  # loaded chunks are not stored again
-        steps = []
+        steps: list[int] = []
         while run.computed + sum(steps) < n:
             steps.append(min(spec.prefill_step or n, n - run.computed - sum(steps)))
         steps += [1] * spec.decode_tokens
         for index, tokens in enumerate(steps):
             last = index == len(steps) - 1
-            self._step(run, tokens, defer=last and spec.defer_last_store or preempt == index + 1)
+            self._step(run, tokens, defer=(last and spec.defer_last_store) or preempt == index + 1)
             if preempt == index + 1:
                 self._finish(run)
                 self._drain()  # rescheduled later, once its in-flight store landed and its blocks came back

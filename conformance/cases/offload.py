@@ -12,6 +12,9 @@ kvspec's reference, so these cases check a backend's copies either way.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
+
 from hypothesis import example, given
 from hypothesis import strategies as st
 
@@ -274,15 +277,32 @@ def _hit_as_long(ctx: CaseContext) -> None:
 # --------------------------------------------------------------------------- OFF-6 loads
 
 
+# Full attention B = 12 and a window W = 16 with B = 16, f = 1: a hit that the full-attention group stops at
+# M = 36 leaves the window's first needed token (21) inside block 1, off the window's chunk grid.
+MIXED_SW = make_config(full(12), sw(16, 16), num_blocks=64)
+
+
 @case("OFF-6", "window-start-off-block-boundary")
 def _window_off_boundary(ctx: CaseContext) -> None:
-    """A window that does not start on a block boundary loads cdiv(W + B - 1, B) blocks, one more than W / B (#48959).
+    """A window whose first needed token is inside a block loads cdiv(W + B - 1, B) blocks, more than W / C_g (#48959).
 
-    B = 4, W = 8, T = 13: the window needs tokens 6-12, blocks 1-3, three
-    blocks; #48959's bound cdiv(W, C_g) * f allows two. With f = 2 and
-    T = 21: tokens 14-20, blocks 3-5.
+    Full attention B = 12 with chunk 3 evicted stops the hit at M = 36; the
+    window (W = 16, B = 16) then needs tokens 21-35, blocks 1 and 2: two
+    blocks, where #48959's bound cdiv(W, C_g) * f allows one. Also with
+    f = 2 on B = 4, W = 8, where the bound holds.
     """
-    for f, reader in ((1, 14), (2, 22), (1, 18)):
+    scenario = OffloadScenario(
+        config=MIXED_SW,
+        hash_block_size=4,
+        requests=[
+            OffloadRequest(request_id="w", num_tokens=64),
+            OffloadRequest(request_id="r", num_tokens=48, evict_before=[(0, 3)]),
+            OffloadRequest(request_id="r2", num_tokens=61, local_hit_tokens=48),
+        ],
+    )
+    result = run_offload(ctx, scenario, rule="OFF-6")
+    _expect_hits(ctx, result, {"r": (36,)}, "OFF-6")
+    for f, reader in ((2, 22), (1, 18)):
         scenario = OffloadScenario(
             config=FULL_SW,
             blocks_per_chunk=f,
@@ -374,7 +394,7 @@ def _mamba(ctx: CaseContext) -> None:
     hooks = _hooks(ctx)
     config = make_config(full(4), mamba(4), num_blocks=16)
     offload = OffloadConfig(blocks_per_chunk=1, hash_block_size=4)
-    calls = {
+    calls: dict[str, Callable[[], object]] = {
         "get_offload_hit_tokens": lambda: hooks.get_offload_hit_tokens(
             config, [[True] * 4, [True] * 4], request_id="m", num_tokens=17, local_hit_tokens=0, offload=offload
         ),
@@ -409,17 +429,20 @@ def _pinned(*, f: int, window: int, reader: int, local: int, evict: tuple[tuple[
 
 @st.composite
 def _generated_scenarios(draw: st.DrawFn) -> OffloadScenario:
-    f = draw(st.sampled_from([1, 2, 3, 4]))
+    second = draw(st.sampled_from([4, 4, 8, 12]))  # the window group's block size; f = 1 when it differs (OFF-1)
+    f = draw(st.sampled_from([1, 2, 3, 4])) if second == 4 else 1
     window = draw(st.integers(1, 24))
     writer = draw(st.integers(1, 64))
     reader = draw(st.integers(1, 72))
-    local = 4 * draw(st.integers(0, reader // 4))
+    unit = math.lcm(4, second)  # a GPU hit is a multiple of every block size
+    local = unit * draw(st.integers(0, reader // unit))
     chunks = (writer + 4 * f - 1) // (4 * f)
     evict = draw(st.lists(st.tuples(st.integers(0, 1), st.integers(0, max(0, chunks - 1))), max_size=3, unique=True))
-    writer_hit = 4 * draw(st.integers(0, writer // 4))
+    writer_hit = unit * draw(st.integers(0, writer // unit))
     return OffloadScenario(
-        config=make_config(full(4), sw(window, 4), num_blocks=160, layers=1),
+        config=make_config(full(4), sw(window, second), num_blocks=160, layers=1),
         blocks_per_chunk=f,
+        hash_block_size=4,
         requests=[
             OffloadRequest(request_id="w", num_tokens=writer, local_hit_tokens=writer_hit, decode_tokens=8),
             OffloadRequest(request_id="r", num_tokens=reader, local_hit_tokens=local, evict_before=evict),
