@@ -149,8 +149,7 @@ class OffloadScenario:
             call = f"run_offload_scenario(scenario, backend={backend!r}, connector=ConnectorUnderTest())"
         return (
             "from kvspec import *\n"
-            "from kvspec_conformance import PresetConfig\n"
-            "from kvspec_conformance._offload_scenario import OffloadRequest, OffloadScenario, run_offload_scenario\n"
+            "from kvspec_conformance import OffloadRequest, OffloadScenario, PresetConfig, run_offload_scenario\n"
             f"{imports}\n"
             f"scenario = {self!r}\n"
             f"result = {call}\n"

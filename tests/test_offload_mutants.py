@@ -54,3 +54,15 @@ def test_a_reference_subclass_that_changes_nothing_passes() -> None:
     # The mutants' base class is the reference itself, so every failure above is the one overridden hook.
     report = run_suite(LoopbackBackend(), rules=OFFLOAD_RULES, connector=OffloadMutant(), max_examples=3)
     assert report.passed, _failures(report)
+
+
+def test_a_failure_replays_from_its_reproducer(capsys: pytest.CaptureFixture[str]) -> None:
+    from offload_mutants import NegativeResidue
+
+    report = run_suite(LoopbackBackend(), rules=["OFF-7"], connector=NegativeResidue(), max_examples=3)
+    failure = next(r for r in report.results if r.is_failure)
+    assert failure.reproducer is not None
+    exec(compile(failure.reproducer, "<reproducer>", "exec"), {"__name__": "__reproducer__"})
+    printed = capsys.readouterr().out
+    assert "problems:" in printed
+    assert "found the page of stream 's'" in printed

@@ -34,7 +34,7 @@ from ..configs import full, make_config, mamba, sw
 
 __all__ = ["run_offload"]
 
-# vLLM's HMA test geometry: full attention and a window of 8, B = 4 (research note, section 4).
+# vLLM's HMA test geometry (docs/spec/offload.md, OFF-3 and OFF-5 tables): full attention and a window of 8, B = 4.
 FULL_SW = make_config(full(4), sw(8, 4), num_blocks=128)
 # vLLM's different-block-sizes test: two full-attention groups, B = 12 and 16, h = 4, f = 1.
 MIXED = make_config(full(12), full(16), num_blocks=128)
