@@ -364,6 +364,8 @@ class _Run:
     computed: int
     next_chunk: list[int]
     steps: int = 0
+    loaded_chunks: list[int] = attrs.field(factory=list)  # per group, chunks below this came from the load
+    offered: set[Key] = attrs.field(factory=set)  # every chunk a store set of this run offered
 
 
 class _OffloadPlay:
@@ -664,9 +666,10 @@ class _OffloadPlay:
             )
         t = c + hit
         run = _Run(spec=spec, table=self._table(spec, t), computed=t, next_chunk=[0] * self.config.num_groups)
+        run.loaded_chunks = [_cdiv(t, size) if hit else 0 for size in self.sizes]
         if hit:
             self._load(run, t)
-            run.next_chunk = [_cdiv(t, size) for size in self.sizes]  # loaded chunks are not stored again
+            run.next_chunk = list(run.loaded_chunks)  # loaded chunks are not stored again
         steps: list[int] = []
         while run.computed + sum(steps) < n:
             steps.append(min(spec.prefill_step or n, n - run.computed - sum(steps)))
@@ -683,7 +686,23 @@ class _OffloadPlay:
             self._store(run, defer=spec.defer_last_store)
         self._finish(run)
 
+    def _check_offered(self, run: _Run) -> None:
+        """Every chunk the run computed whose last block is real was offered by some store (OFF-3).
+
+        Windows are not clipped when storing: a later, longer request may need any chunk.
+        """
+        for g, (ids, size) in enumerate(zip(run.table, self.sizes, strict=True)):
+            for k in range(run.loaded_chunks[g], run.computed // size):
+                last = k * self.f + self.f - 1
+                if ids[last] != NULL_BLOCK_ID and (run.spec.stream, g, k) not in run.offered:
+                    raise _Finding(
+                        f"get_store_set: {run.spec.request_id!r} computed chunk {k} of group {g} (tokens "
+                        f"[{k * size}, {(k + 1) * size}), last block real) but no store set offered it (OFF-3: every "
+                        "complete chunk whose last block is real is offered; windows are not clipped when storing)"
+                    )
+
     def _finish(self, run: _Run) -> None:
+        self._check_offered(run)
         rid = run.spec.request_id
         self._hook("finish_request", lambda: self.hooks.finish_request(rid))
         held = [item for item in self.pending if item.request_id == rid]
@@ -773,6 +792,7 @@ class _OffloadPlay:
                     f"[{(stop - 1) * self.sizes[g]}, {stop * self.sizes[g]})) when only {o} tokens are computed "
                     "(OFF-3: chunks [next, O // C_g))"
                 )
+            run.offered.update((stream, g, k) for k in range(first, stop))
             for block_id, (entry, sub) in zip(ids, mapping, strict=True):
                 k = first + entry
                 if not first <= k < stop:

