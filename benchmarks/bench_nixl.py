@@ -6,6 +6,7 @@ Usage::
     .venv/bin/python benchmarks/bench_nixl.py --quick         # a smaller pool, fewer repetitions
     .venv/bin/python benchmarks/bench_nixl.py --tls tcp       # UCX_TLS=tcp instead of the default (CMA)
     .venv/bin/python benchmarks/bench_nixl.py --configs in-process --sizes 16k
+    .venv/bin/python benchmarks/bench_nixl.py --netns --sizes 64k,2m --modes read   # two simulated hosts (root)
 
 Workload (docs/backends/nixl.md, Measured): a pool of ``--pool-mib`` MiB per side
 split into blocks of B bytes; one request moves K = min(1000, N/2) blocks
@@ -38,6 +39,14 @@ Methods, timed per request (median of ``--reps``):
 * ``memcpy``: one process copying the same blocks between the two
   shared-memory pools with memoryview slice assignment.
 
+``--netns`` puts the two agents on two simulated hosts: network namespaces
+``kvb-p`` and ``kvb-c`` joined by a veth pair (10.79.0.1 and 10.79.0.2, device
+``kvb0`` on both sides), each worker started inside its namespace with
+``ip netns exec``, UCX on ``tcp`` over ``kvb0`` only (``net_devices``), so no
+byte crosses by shared memory or CMA. It implies ``--configs workers --tls tcp``
+and needs root; the namespaces are deleted at the end. ``memcpy`` stays the
+same-host copy.
+
 The methods are timed in turns, so that noise from other processes on the
 machine hits them alike. The ratio printed is ``kvspec / raw-prep`` of the
 medians (target >= 0.9), then of the best requests; "extra ms" is what a
@@ -56,6 +65,7 @@ import platform
 import random
 import re
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -179,6 +189,7 @@ class Bench:
         self.pairs: dict[tuple[str, TransferMode], tuple[NixlBackend, NixlAgent, NixlAgent]] = {}
         self.backends: list[NixlBackend] = []
         self.config = "workers"
+        self.netns = bool(args.netns)
 
     def pair(self, mode: TransferMode) -> tuple[NixlAgent, NixlAgent]:
         """The producer and consumer agents of the current configuration for ``mode``.
@@ -188,6 +199,8 @@ class Bench:
         producer for WRITE) in this process, its peer in a worker.
         """
         key = (self.config, mode) if self.config == "in-process" else (self.config, TransferMode.READ)
+        if key not in self.pairs and self.netns:
+            self.pairs[key] = self._netns_pair()
         if key not in self.pairs:
             local = None if self.config == "workers" else ("consumer" if mode is TransferMode.READ else "producer")
             backend = NixlBackend(
@@ -205,6 +218,32 @@ class Bench:
             self.pairs[key] = (backend, producer, consumer)
         _, producer, consumer = self.pairs[key]
         return producer, consumer
+
+    def _netns_pair(self) -> tuple[NixlBackend, NixlAgent, NixlAgent]:
+        """Producer and consumer in workers on two simulated hosts, UCX over tcp on ``kvb0`` (``--netns``)."""
+        agents = []
+        for role, namespace in (("producer", NETNS[0]), ("consumer", NETNS[1])):
+            backend = NixlBackend(
+                tls="tcp",
+                env={**self.env, "UCX_NET_DEVICES": NETNS_DEVICE},
+                worker_command=[
+                    "ip",
+                    "netns",
+                    "exec",
+                    namespace,
+                    sys.executable,
+                    str(Path(__file__).resolve()),
+                    "--worker",
+                ],
+            )
+            self.backends.append(backend)
+            agents.append(backend.create_agent(role))
+        producer, consumer = agents
+        producer.register_memory([MemoryRegion(buffer=self.producer_buf, shm_name=self.shms[0].name)])  # type: ignore[arg-type]
+        consumer.register_memory([MemoryRegion(buffer=self.consumer_buf, shm_name=self.shms[1].name)])  # type: ignore[arg-type]
+        consumer.add_remote_agent(producer.get_agent_metadata())
+        producer.add_remote_agent(consumer.get_agent_metadata())
+        return self.backends[-1], producer, consumer
 
     def close_backends(self) -> None:
         for backend in self.backends:
@@ -305,6 +344,32 @@ class Bench:
 
 
 METHODS = ("kvspec", "raw-prep", "raw-init", "memcpy")
+NETNS = ("kvb-p", "kvb-c")
+NETNS_DEVICE = "kvb0"
+NETNS_ADDRESSES = ("10.79.0.1/24", "10.79.0.2/24")
+
+
+def _ip(*argv: str) -> None:
+    subprocess.run(["ip", *argv], check=True, capture_output=True)
+
+
+def netns_up() -> None:
+    """Two namespaces joined by a veth pair, ``kvb0`` on each side, loopback up (``--netns``)."""
+    netns_down()
+    for namespace in NETNS:
+        _ip("netns", "add", namespace)
+    _ip("link", "add", "kvbp", "type", "veth", "peer", "name", "kvbc")
+    for device, namespace, address in zip(("kvbp", "kvbc"), NETNS, NETNS_ADDRESSES, strict=True):
+        _ip("link", "set", device, "netns", namespace)
+        _ip("-n", namespace, "link", "set", device, "name", NETNS_DEVICE)
+        _ip("-n", namespace, "addr", "add", address, "dev", NETNS_DEVICE)
+        _ip("-n", namespace, "link", "set", NETNS_DEVICE, "up")
+        _ip("-n", namespace, "link", "set", "lo", "up")
+
+
+def netns_down() -> None:
+    for namespace in NETNS:
+        subprocess.run(["ip", "netns", "del", namespace], capture_output=True, check=False)
 
 
 def packing_ms(block: int, p_ids: list[int], c_ids: list[int]) -> float:
@@ -334,7 +399,7 @@ def transports(log_dir: Path) -> list[str]:
     lines: list[str] = []
     for log in sorted(log_dir.glob("ucx.*.log")):
         text = log.read_text(errors="replace")
-        for lanes in re.findall(r"UCX\s+INFO\s+(\S+ intra-node cfg#\d+ .*)", text):
+        for lanes in re.findall(r"UCX\s+INFO\s+(\S+ (?:intra|inter)-node cfg#\d+ .*)", text):
             lines.append(f"lanes: {lanes.strip()}")
         for title, body in re.findall(TABLE, text, flags=re.S):
             rows = re.findall(r"\|\s*([\d.]+(?:\.\.\w+)?)\s*\|\s*([^|]+?)\s*\|\s*([^|]+?)\s*\|", body)
@@ -360,13 +425,21 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="128 MiB pool, 3 repetitions")
     parser.add_argument("--no-ucx-log", action="store_true", help="do not collect UCX protocol logs")
     parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument(
+        "--netns", action="store_true", help="the two agents on two simulated hosts (network namespaces; root)"
+    )
     args = parser.parse_args()
+    if args.netns:
+        args.configs, args.tls = ["workers"], "tcp"
+        netns_up()
     if args.quick:
         args.pool_mib, args.reps = 128, 3
     log_dir = Path(tempfile.mkdtemp(prefix="kvspec-bench-nixl-"))
     print(f"# kvspec NIXL backend benchmark, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC")
     print(f"# {platform.node()}, {platform.processor() or platform.machine()}, python {platform.python_version()}")
     print(f"# pool {args.pool_mib} MiB per side, median of {args.reps}, UCX_TLS={args.tls or '(default)'}")
+    if args.netns:
+        print(f"# two simulated hosts: namespaces {NETNS[0]} and {NETNS[1]}, UCX over tcp on {NETNS_DEVICE} only")
     bench = Bench(args, log_dir)
     results: list[dict[str, Any]] = []
     header = f"{'mode':5} {'pattern':7} {'page':>5} {'K':>5} {'config':10}  " + "  ".join(f"{m:>9}" for m in METHODS)
@@ -417,6 +490,8 @@ def main() -> None:
             bench.close_backends()
     finally:
         bench.close()
+        if args.netns:
+            netns_down()
     print("\n# UCX transports (from UCX_PROTO_INFO in the agents' logs)")
     for line in transports(log_dir) or ["(no UCX log collected)"]:
         print(f"#   {line}")

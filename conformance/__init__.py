@@ -18,7 +18,7 @@ from ._connector import (
     ReferenceOffloadConnector,
     as_offload_connector,
 )
-from ._context import DEFAULT_MAX_EXAMPLES, CaseContext
+from ._context import DEFAULT_MAX_EXAMPLES, CaseContext, default_time_scale
 from ._offload_scenario import OffloadRequest, OffloadResult, OffloadScenario, run_offload_scenario
 from ._report import CaseResult, Outcome, Report
 from ._runner import run_case, run_suite
@@ -55,6 +55,7 @@ __all__ = [
     "case",
     "case_test_name",
     "catalogue",
+    "default_time_scale",
     "run_case",
     "run_offload_scenario",
     "run_scenario",

@@ -15,11 +15,23 @@ from ._cases import CaseFailure, CaseSkip
 from ._connector import Connector, ReferenceConnector
 from ._scenario import Scenario, ScenarioResult, run_scenario
 
-__all__ = ["DEFAULT_MAX_EXAMPLES", "CaseContext"]
+__all__ = ["DEFAULT_MAX_EXAMPLES", "CaseContext", "default_time_scale"]
 
 DEFAULT_MAX_EXAMPLES = 15
 
 F = TypeVar("F", bound=Callable[..., object])
+
+
+def default_time_scale(backend: Backend) -> float:
+    """The time scale a run uses when none is given: 1 in-process, 2 when agents live in other processes.
+
+    The fault cases' deadlines and leases (a few tenths of a second) are sized
+    for an in-process backend; a backend whose agents run in other processes
+    (``Capabilities.cross_process``) pays a pipe or socket round trip per call,
+    so its deadlines, leases, drain bounds and quiet periods are doubled.
+    ``--time-scale`` overrides it (decision 68).
+    """
+    return 2.0 if backend.capabilities.cross_process else 1.0
 
 
 @attrs.define(kw_only=True)

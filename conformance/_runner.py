@@ -14,7 +14,7 @@ from kvspec.transport import Backend, load_backend
 
 from ._cases import Case, CaseFailure, CaseSkip, missing_capabilities, select_cases
 from ._connector import Connector, ReferenceConnector
-from ._context import DEFAULT_MAX_EXAMPLES, CaseContext
+from ._context import DEFAULT_MAX_EXAMPLES, CaseContext, default_time_scale
 from ._report import CaseResult, Outcome, Report
 
 __all__ = ["apply_expected_failures", "parse_expected_failures", "run_case", "run_suite"]
@@ -122,7 +122,7 @@ def run_suite(
     levels: Iterable[Level | str] | None = None,
     max_examples: int = DEFAULT_MAX_EXAMPLES,
     connector: Connector | None = None,
-    time_scale: float = 1.0,
+    time_scale: float | None = None,
     shrink: bool = False,
     progress: Progress | None = None,
     cases: Sequence[Case] | None = None,
@@ -134,7 +134,9 @@ def run_suite(
     (built-in, entry point in ``kvspec.backends``, or ``"module:factory"``).
     ``rules`` selects rule ids or case-id prefixes; ``levels`` MUST and/or SHOULD.
     ``expected_failures`` maps case ids to the reason they are known to fail
-    (see :func:`apply_expected_failures`).
+    (see :func:`apply_expected_failures`). ``time_scale`` multiplies every
+    deadline, lease, drain bound and quiet period; ``None`` takes
+    :func:`default_time_scale` of the backend.
     """
     started = time.perf_counter()
     spec = backend if isinstance(backend, str) else f"{type(backend).__module__}:{type(backend).__name__}"
@@ -145,7 +147,7 @@ def run_suite(
         backend_spec=spec,
         connector=connector or ReferenceConnector(),
         max_examples=max_examples,
-        time_scale=time_scale,
+        time_scale=default_time_scale(resolved) if time_scale is None else time_scale,
         shrink=shrink,
     )
     results: list[CaseResult] = []

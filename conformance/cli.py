@@ -56,9 +56,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--time-scale",
         type=float,
-        default=float(os.environ.get("KVSPEC_CONFORM_TIME_SCALE", "1.0")),
+        default=float(os.environ["KVSPEC_CONFORM_TIME_SCALE"]) if "KVSPEC_CONFORM_TIME_SCALE" in os.environ else None,
         metavar="X",
-        help="multiply every scenario deadline and lease by X (slow backends; default 1.0)",
+        help=(
+            "multiply every scenario deadline, lease, drain bound and quiet period by X (slow backends; "
+            "default 1.0 for in-process backends, 2.0 for backends whose agents run in other processes)"
+        ),
     )
     parser.add_argument(
         "--shrink",

@@ -31,7 +31,7 @@ from kvspec.transport import Backend
 
 from ._cases import Case, all_cases, select_cases
 from ._connector import Connector, ReferenceConnector
-from ._context import DEFAULT_MAX_EXAMPLES, CaseContext
+from ._context import DEFAULT_MAX_EXAMPLES, CaseContext, default_time_scale
 from ._report import Outcome
 from ._runner import run_case
 
@@ -82,7 +82,7 @@ class BackendSuite:
     rules: ClassVar[Sequence[str] | None] = None
     levels: ClassVar[Sequence[str] | None] = None
     max_examples: ClassVar[int] = DEFAULT_MAX_EXAMPLES
-    time_scale: ClassVar[float] = 1.0
+    time_scale: ClassVar[float | None] = None
     shrink: ClassVar[bool] = False
     xfail_cases: ClassVar[Mapping[str, str]] = {}
 
@@ -118,7 +118,7 @@ class BackendSuite:
             backend_spec=_spec_of(cls.backend_factory),
             connector=factory() if factory is not None else ReferenceConnector(),
             max_examples=cls.max_examples,
-            time_scale=cls.time_scale,
+            time_scale=default_time_scale(backend) if cls.time_scale is None else cls.time_scale,
             shrink=cls.shrink,
         )
         try:

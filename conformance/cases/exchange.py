@@ -93,7 +93,7 @@ def _run(backend: Backend, mode: TransferMode, requests: list[_Req], plan: Fault
                 transport=agents[0],
                 regions=p_pool.regions,
                 mode=mode,
-                lease_duration=0.5 * scale,
+                lease_duration=0.25 * scale,
                 release_grace=0.15 * scale,
                 drain_timeout=0.1 * scale,
             )
@@ -103,7 +103,7 @@ def _run(backend: Backend, mode: TransferMode, requests: list[_Req], plan: Fault
                 transport=agents[1],
                 regions=c_pool.regions,
                 mode=mode,
-                transfer_timeout=0.3 * scale,
+                transfer_timeout=0.15 * scale,
                 drain_timeout=0.1 * scale,
             )
             connect(producer, consumer)

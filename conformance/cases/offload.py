@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
+import attrs
 from hypothesis import example, given
 from hypothesis import strategies as st
 
@@ -49,6 +50,8 @@ def run_offload(ctx: CaseContext, scenario: OffloadScenario, *, rule: str) -> Of
     hooks = _hooks(ctx)
     kind = type(ctx.connector)
     connector = None if kind is ReferenceConnector else f"{kind.__module__}:{kind.__qualname__}"
+    if ctx.time_scale != 1.0:
+        scenario = attrs.evolve(scenario, deadline=scenario.deadline * ctx.time_scale)
     ctx.last_reproducer = scenario.to_python(ctx.backend_spec, connector)
     result = run_offload_scenario(scenario, backend=ctx.backend, connector=hooks)
     if result.problems:
