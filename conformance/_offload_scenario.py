@@ -363,7 +363,6 @@ class _Run:
     table: list[list[int]]
     computed: int
     next_chunk: list[int]
-    steps: int = 0
     loaded_chunks: list[int] = attrs.field(factory=list)  # per group, chunks below this came from the load
     offered: set[Key] = attrs.field(factory=set)  # every chunk a store set of this run offered
 
@@ -404,7 +403,11 @@ class _OffloadPlay:
             self.gpu, self.chunks = _Image(gpu), _Image(chunks)
             self._label_background()
             self.gpu_agent = self.backend.create_agent("gpu")
-            self.chunk_agent = self.backend.create_agent("chunks")
+            try:
+                self.chunk_agent = self.backend.create_agent("chunks")
+            except BaseException:
+                self.gpu_agent.close()
+                raise
             try:
                 self.gpu_agent.register_memory(gpu.regions)
                 self.chunk_agent.register_memory(chunks.regions)
@@ -475,7 +478,7 @@ class _OffloadPlay:
         region, _ = self.chunk_config.page_offset(layer, 0)
         return region, get_sub_block_offset(row, sub, page_size=self._page_size(g), blocks_per_chunk=self.f)
 
-    def _allocate(self, stream: str, g: int) -> int:
+    def _allocate(self, g: int) -> int:
         if not self.free_blocks:
             self._drain()
         if not self.free_blocks:
@@ -731,7 +734,7 @@ class _OffloadPlay:
                 if position < skipped:
                     ids.append(NULL_BLOCK_ID)
                     continue
-                block_id = self._allocate(spec.stream, g)
+                block_id = self._allocate(g)
                 if position < spec.local_hit_tokens // block:  # a GPU prefix-cache hit holds the computed page
                     for layer_index, layer in enumerate(self._layers(g)):
                         region, offset = self.config.page_offset(layer, block_id)
@@ -747,7 +750,7 @@ class _OffloadPlay:
             block = group.kv_cache_spec.block_size
             ids = run.table[g]
             while len(ids) < _cdiv(end, block):
-                ids.append(self._allocate(run.spec.stream, g))
+                ids.append(self._allocate(g))
             for position in range(start // block, _cdiv(end, block)):
                 complete = (position + 1) * block <= end
                 for layer_index, layer in enumerate(self._layers(g)):
@@ -759,7 +762,6 @@ class _OffloadPlay:
                     region, offset = self.config.page_offset(layer, ids[position])
                     self.gpu.write(region, offset, page)
         run.computed = end
-        run.steps += 1
         self._store(run, defer=defer)
 
     def _store(self, run: _Run, *, defer: bool) -> None:
