@@ -41,7 +41,9 @@ class CaseContext:
     ``backend_spec`` is how the reproducer names the backend (e.g.
     ``"loopback"`` or ``"mypkg.transport:make_backend"``). ``shrink`` lets
     hypothesis minimise a failing generated scenario (slower on a failing
-    backend, shorter reproducer).
+    backend, shorter reproducer). ``integrity`` turns on the drivers'
+    integrity check (INT-1) in every scenario; the backend then counts as
+    having the ``integrity`` capability, whatever it declares.
     """
 
     backend: Backend
@@ -50,12 +52,14 @@ class CaseContext:
     max_examples: int = DEFAULT_MAX_EXAMPLES
     time_scale: float = 1.0
     shrink: bool = False
+    integrity: bool = False
     last_reproducer: str | None = None
 
     @property
     def capabilities(self) -> Capabilities:
-        """The backend's declared capabilities."""
-        return self.backend.capabilities
+        """The backend's declared capabilities; ``integrity`` too when the drivers provide it (INT-1)."""
+        declared = self.backend.capabilities
+        return attrs.evolve(declared, integrity=True) if self.integrity and not declared.integrity else declared
 
     def run(self, scenario: Scenario) -> ScenarioResult:
         """Play a scenario on the backend under test and remember it as the reproducer."""
@@ -67,6 +71,8 @@ class CaseContext:
                 drain=scenario.drain * self.time_scale,
                 settle=scenario.settle * self.time_scale,
             )
+        if self.integrity and not scenario.integrity:
+            scenario = attrs.evolve(scenario, integrity=True)
         kind = type(self.connector)
         connector = None if kind is ReferenceConnector else f"{kind.__module__}:{kind.__qualname__}"
         self.last_reproducer = scenario.to_python(self.backend_spec, connector)

@@ -40,7 +40,8 @@ def run_case(case: Case, context: CaseContext) -> CaseResult:
         )
 
     if missing:
-        return result(Outcome.SKIPPED, f"backend lacks capability {', '.join(missing)}")
+        hint = " (the drivers' INT-1 check provides it: kvspec conform --integrity)" if "integrity" in missing else ""
+        return result(Outcome.SKIPPED, f"backend lacks capability {', '.join(missing)}{hint}")
     context.last_reproducer = None
     # Cases that drive the transport directly have no scenario; they replay as the one case.
     kind = type(context.connector)
@@ -53,7 +54,7 @@ def run_case(case: Case, context: CaseContext) -> CaseResult:
     whole_case = (
         f"from kvspec_conformance import run_suite\n{imports}\n"
         f"run_suite({context.backend_spec!r}, rules=[{case.id!r}], "
-        f"max_examples={context.max_examples}{connector}).print()\n"
+        f"max_examples={context.max_examples}{connector}{', integrity=True' if context.integrity else ''}).print()\n"
     )
     try:
         case.func(context)
@@ -127,6 +128,7 @@ def run_suite(
     progress: Progress | None = None,
     cases: Sequence[Case] | None = None,
     expected_failures: Mapping[str, str] | None = None,
+    integrity: bool = False,
 ) -> Report:
     """Run the conformance suite and return its report.
 
@@ -136,7 +138,8 @@ def run_suite(
     ``expected_failures`` maps case ids to the reason they are known to fail
     (see :func:`apply_expected_failures`). ``time_scale`` multiplies every
     deadline, lease, drain bound and quiet period; ``None`` takes
-    :func:`default_time_scale` of the backend.
+    :func:`default_time_scale` of the backend. ``integrity`` turns on the
+    drivers' integrity check (INT-1) in every scenario, so the integrity cases run.
     """
     started = time.perf_counter()
     spec = backend if isinstance(backend, str) else f"{type(backend).__module__}:{type(backend).__name__}"
@@ -149,6 +152,7 @@ def run_suite(
         max_examples=max_examples,
         time_scale=default_time_scale(resolved) if time_scale is None else time_scale,
         shrink=shrink,
+        integrity=integrity,
     )
     results: list[CaseResult] = []
     try:

@@ -66,6 +66,7 @@ from kvspec import (
 )
 from kvspec._connector import pair_keywords
 from kvspec._driver import Driver, LiveRequest, Operation, reason_of
+from kvspec._integrity import PageDigester
 from kvspec.presets import get_preset
 from kvspec.testing import (
     ExpectedLoad,
@@ -198,7 +199,10 @@ class Scenario:
     landing (SM-2); only cases about late writes pay for that quiet period.
     ``settle`` keeps both agents polled that long after the last request ended
     before the oracle reads the pools again, so a stray copy landing late
-    (after DONE, after a release) is seen (DONE-1, SM-2).
+    (after DONE, after a release) is seen (DONE-1, SM-2). ``integrity`` turns
+    INT-1 on in both drivers: the sender's block digests travel with the
+    transfer parameters (READ) or the Completion (WRITE) and the consumer checks
+    them before LOADED.
     """
 
     config: ConfigSource
@@ -213,6 +217,7 @@ class Scenario:
     handshake_overrides: tuple[tuple[str, object], ...] = attrs.field(default=(), converter=_to_overrides)
     watch_late_writes: bool = False
     settle: float = 0.0
+    integrity: bool = False
 
     def to_python(self, backend: str = "loopback", connector: str | None = None) -> str:
         """A script that replays this scenario on ``backend`` and prints what the oracle found.
@@ -407,13 +412,18 @@ class _Play:
             on_end=lambda request: None,
             plan_write=self._plan_write,
             on_message=self._on_producer_message,
+            integrity=self._digester(self.p_config, self.producer_pool),
         )
         self.c_driver = Driver(
             transport=self.consumer,
             clock=time.monotonic,
             on_free=self._free_consumer,
             on_end=self._consumer_ended,
+            integrity=self._digester(self.c_config, self.consumer_pool),
         )
+
+    def _digester(self, config: KVCacheConfig, pool: PagePool) -> PageDigester | None:
+        return PageDigester(config, [r.buffer for r in pool.regions]) if self.scenario.integrity else None
 
     def _producer_table(self, spec: Request) -> BlockIds:
         if spec.producer_block_ids is not None:
@@ -463,10 +473,12 @@ class _Play:
         self.producer_expected = self.producer_pool.snapshot()
         c_ids = self._consumer_suffix(spec)
         self.tables[spec.request_id] = _Tables(spec=spec, producer=p_ids, consumer=c_ids, started=now)
+        advertised = self.connector.clip_block_ids(self.p_config, p_ids)
         producer = ProducerSession.create(
             request_id=spec.request_id,
             producer_engine_id="producer",
-            producer_block_ids=self.connector.clip_block_ids(self.p_config, p_ids),
+            producer_block_ids=advertised,
+            producer_block_digests=self.p_driver.digests(advertised),  # None unless INT-1 is on
             num_tokens=spec.num_tokens,
             mode=self.mode,
             now=now,
@@ -495,7 +507,7 @@ class _Play:
             try:
                 # WIN-1 and ALIGN-1 before any byte moves; then every byte is planned (PLAN-1).
                 request.plan = self._pair_and_plan(
-                    spec, params, consumer.consumer_block_ids, consumer.consumer_block_ends
+                    request, spec, params, consumer.consumer_block_ids, consumer.consumer_block_ends
                 )
             except KVSpecError as exc:
                 self.c_driver.fault(Operation.CHECK, exc, spec.request_id)
@@ -507,6 +519,7 @@ class _Play:
 
     def _pair_and_plan(
         self,
+        request: LiveRequest,
         spec: Request,
         params: TransferParams,
         consumer_block_ids: BlockIds,
@@ -526,11 +539,14 @@ class _Play:
                 consumer_block_ends=consumer_block_ends,
             ),
         )
+        request.pairs = pairs  # what the transfer moves: digested and checked with INT-1 on
         return self.connector.plan(producer_config=self.p_config, consumer_config=self.c_config, pairs=pairs)
 
     def _plan_write(self, request: LiveRequest, offer: BlockOffer) -> TransferPlan:
         spec = self.tables[request.request_id].spec
-        return self._pair_and_plan(spec, request.session.params, offer.consumer_block_ids, offer.consumer_block_ends)
+        return self._pair_and_plan(
+            request, spec, request.session.params, offer.consumer_block_ids, offer.consumer_block_ends
+        )
 
     def _on_producer_message(self, request_id: str, peer: str, message: Message) -> None:
         if isinstance(message, Release):

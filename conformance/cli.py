@@ -69,6 +69,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="let hypothesis minimise a failing generated scenario (shorter reproducer, slower failing runs)",
     )
     parser.add_argument(
+        "--integrity",
+        action="store_true",
+        help="turn on the drivers' integrity check (INT-1, page digests) in every scenario; "
+        "the integrity cases then run on any backend",
+    )
+    parser.add_argument(
         "--option",
         action="append",
         default=[],
@@ -219,6 +225,7 @@ def run(args: argparse.Namespace) -> int:
             shrink=args.shrink,
             progress=progress,
             expected_failures=expected,
+            integrity=args.integrity,
         )
     finally:
         backend.close()

@@ -72,8 +72,10 @@ class BackendSuite:
     ``rules`` and ``levels`` select cases as ``kvspec conform --rule/--level``
     do; the others' methods are removed from the subclass. ``xfail_cases``
     maps case ids to the reason each is a known failure (strict: a case that
-    starts passing fails the run, so the entry is removed once fixed). To
-    replace one case, define its method (see :func:`case_test_name`); to wrap
+    starts passing fails the run, so the entry is removed once fixed).
+    ``integrity = True`` turns on the drivers' integrity check (INT-1) in
+    every scenario, so the integrity cases run (as ``kvspec conform
+    --integrity``). To replace one case, define its method (see :func:`case_test_name`); to wrap
     every case, override :meth:`check_case`.
     """
 
@@ -84,6 +86,7 @@ class BackendSuite:
     max_examples: ClassVar[int] = DEFAULT_MAX_EXAMPLES
     time_scale: ClassVar[float | None] = None
     shrink: ClassVar[bool] = False
+    integrity: ClassVar[bool] = False
     xfail_cases: ClassVar[Mapping[str, str]] = {}
 
     def __init_subclass__(cls, **kwargs: object) -> None:
@@ -120,6 +123,7 @@ class BackendSuite:
             max_examples=cls.max_examples,
             time_scale=default_time_scale(backend) if cls.time_scale is None else cls.time_scale,
             shrink=cls.shrink,
+            integrity=cls.integrity,
         )
         try:
             yield context

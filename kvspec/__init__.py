@@ -45,6 +45,7 @@ from kvspec._errors import (
     WindowCoverageError,
 )
 from kvspec._handshake import check_compatibility
+from kvspec._integrity import BlockDigests, PageDigester
 from kvspec._messages import (
     PROTOCOL_VERSION,
     Abort,
@@ -137,6 +138,7 @@ __all__ = [
     "AttentionSpec",
     "BackendUnavailableError",
     "BlockAlignmentError",
+    "BlockDigests",
     "BlockIds",
     "BlockIdsLike",
     "BlockOffer",
@@ -177,6 +179,7 @@ __all__ = [
     "OutOfBlocksError",
     "Output",
     "PageCopy",
+    "PageDigester",
     "PlanError",
     "ProducerEvent",
     "ProducerSession",

@@ -23,6 +23,16 @@ once.
 
 What goes wrong is recorded as typed :class:`DriverFault` records, never as
 strings: a lost control message ends in a deadline, never a hang (FAIL-1).
+
+Integrity (INT-1) is the driver's, so every backend has it: a driver given a
+:class:`kvspec.PageDigester` over its own pool puts the digests of the blocks
+it wrote on a WRITE's Completion, and, as a consumer, checks the blocks it
+received before its session may report LOADED: after a READ is DONE against
+the digests of the transfer parameters, on a WRITE's Completion against the
+Completion's. A difference ends the request FAILED(integrity); so does a
+sender that sent no digests. The producer's READ digests are the role's to
+put in the transfer parameters (:meth:`Driver.digests`), since the parameters
+leave before any transfer.
 """
 
 from __future__ import annotations
@@ -45,12 +55,14 @@ from kvspec._errors import (
     TransportError,
     WindowCoverageError,
 )
-from kvspec._messages import BlockOffer, Message
+from kvspec._integrity import BlockDigests, BlockPairsLike, PageDigester
+from kvspec._messages import BlockOffer, Completion, Message
 from kvspec._models import BlockIds
 from kvspec._plan import TransferPlan
 from kvspec._session import (
     Cancel,
     ConsumerSession,
+    ConsumerState,
     Free,
     Output,
     Post,
@@ -95,6 +107,11 @@ class DriverFault:
         return f"{where}{self.operation.value}{to}: {type(self.error).__name__}: {self.error}"
 
 
+def _corrupt_text(bad: BlockIds) -> str:
+    shown = "; ".join(f"group {g}: {list(ids)[:8]}" for g, ids in enumerate(bad) if len(ids))
+    return f"block digests differ from the sender's (INT-1): {shown}"
+
+
 def reason_of(error: KVSpecError, default: FailureReason = FailureReason.PROTOCOL) -> FailureReason:
     """The typed failure reason of a check or transport error (FAIL-1)."""
     if isinstance(error, WindowCoverageError):
@@ -113,13 +130,16 @@ class LiveRequest:
     """One request on this side: its session, the peer agent, the plan and the transfer in flight.
 
     ``plan`` is the consumer's READ plan, made before it starts (PLAN-1); a
-    producer's WRITE is planned when the offer arrives. ``posted`` turns true
+    producer's WRITE is planned when the offer arrives. ``pairs`` are the
+    block pairs that plan moves (the role sets them with the plan); a driver
+    with integrity on digests and checks them (INT-1). ``posted`` turns true
     once the transport accepted a post for this request.
     """
 
     session: Session
     peer: str | None = None
     plan: TransferPlan | None = None
+    pairs: BlockPairsLike | None = None
     handle: TransferHandle | None = None
     posted: bool = False
     freed: bool = False
@@ -144,6 +164,7 @@ class Driver:
     control message, for finished requests too; ``fallback_peer`` names the
     agent to tell when a request has no known peer yet. ``cancelled_at`` is
     when the driver last cancelled a transfer in flight (or ``None``).
+    ``integrity`` turns INT-1 on: a digester over this side's own pool.
     """
 
     def __init__(
@@ -156,8 +177,10 @@ class Driver:
         plan_write: PlanWrite | None = None,
         on_message: Callable[[str, str, Message], None] | None = None,
         fallback_peer: Callable[[], str | None] | None = None,
+        integrity: PageDigester | None = None,
     ) -> None:
         self.transport = transport
+        self.integrity = integrity
         self.clock = clock
         self.on_free = on_free
         self.on_end = on_end
@@ -176,6 +199,10 @@ class Driver:
             raise LocalProtocolError(f"request {request.request_id!r} is already being driven")
         self.requests[request.request_id] = request
         return request
+
+    def digests(self, block_ids: BlockIds) -> BlockDigests | None:
+        """The digests of this side's blocks when integrity is on, else ``None`` (INT-1)."""
+        return None if self.integrity is None else self.integrity.digests(block_ids)
 
     def fault(self, operation: Operation, error: KVSpecError, request_id: str | None, peer: str | None = None) -> None:
         """Record a typed fault."""
@@ -213,7 +240,10 @@ class Driver:
             if request.peer is None:
                 request.peer = peer  # WRITE: where the producer sends its Completion and failures
             try:
-                out = request.session.receive(message, now=self.clock())
+                if isinstance(message, Completion) and self.integrity is not None:
+                    out = self._receive_completion(request, message)
+                else:
+                    out = request.session.receive(message, now=self.clock())
             except ProtocolError as exc:
                 self.fault(Operation.PROTOCOL, exc, request_id, peer)
                 continue
@@ -269,13 +299,26 @@ class Driver:
                 raise LocalProtocolError("a read is posted only for a planned request")
             if request.peer is None:
                 raise TransportError("no peer to post to", reason=FailureReason.PEER_DISCONNECTED.value)
+            completion = action.notification
+            if completion is not None and self.integrity is not None and isinstance(session, ProducerSession):
+                # INT-1: the Completion carries the digest of every block the write moves.
+                completion = attrs.evolve(completion, consumer_block_digests=self._written_digests(request))
             if plan.num_descriptors == 0:
                 # Every needed block is already there: nothing to move. A WRITE's Completion goes on its own.
-                if action.notification is not None:
-                    self._send(request, action.notification)
+                if completion is not None:
+                    self._send(request, completion)
                 self.execute(request, session.transfer_done(now=self.clock()))
                 return
-            notification = None if action.notification is None else encode(action.notification)
+            if (
+                self.integrity is not None
+                and isinstance(session, ConsumerSession)
+                and session.params.producer_block_digests is None
+            ):
+                # INT-1: nothing to check the read against; fail before any byte moves.
+                detail = "the producer sent no block digests (INT-1 is off on its side)"
+                self.execute(request, session.transfer_failed(FailureReason.INTEGRITY, now=self.clock(), detail=detail))
+                return
+            notification = None if completion is None else encode(completion)
             request.handle = self.transport.post(
                 mode, plan.to_descriptors(mode), peer=request.peer, notification=notification
             )
@@ -322,10 +365,59 @@ class Driver:
             return
         self._drop_handle(request)
         if status.state is TransferState.DONE:
+            bad = self._check_read(request)
+            if bad is not None:
+                self.execute(
+                    request,
+                    session.transfer_failed(FailureReason.INTEGRITY, now=self.clock(), detail=_corrupt_text(bad)),
+                )
+                return
             self.execute(request, session.transfer_done(now=self.clock()))
         else:
             reason = status.reason or FailureReason.TRANSFER_ERROR
             self.execute(request, session.transfer_failed(reason, now=self.clock(), detail=status.detail))
+
+    # -- integrity (INT-1)
+
+    def _written_digests(self, request: LiveRequest) -> BlockDigests:
+        """WRITE on the producer: per entry of the offer, the digest of the block written into it."""
+        session = request.session
+        if self.integrity is None or not isinstance(session, ProducerSession) or session.offer is None:
+            raise LocalProtocolError("digests of a write are taken by a producer with integrity on, for an offer")
+        if request.pairs is None:
+            raise LocalProtocolError(f"request {request.request_id!r}: integrity needs the pairs of the write")
+        return self.integrity.written_digests(request.pairs, session.offer.consumer_block_ids)
+
+    def _check_read(self, request: LiveRequest) -> BlockIds | None:
+        """READ on the consumer: the blocks that differ from the producer's digests, or None when all agree."""
+        session = request.session
+        if self.integrity is None or not isinstance(session, ConsumerSession):
+            return None
+        if session.state is not ConsumerState.LOADING:
+            return None  # cancelled: this DONE ends the request FAILED or ABORTED anyway
+        digests = session.params.producer_block_digests
+        if request.pairs is None or digests is None:
+            return session.consumer_block_ids
+        bad = self.integrity.check_read(request.pairs, session.params.producer_block_ids, digests)
+        return bad if any(len(group) for group in bad) else None
+
+    def _receive_completion(self, request: LiveRequest, message: Completion) -> Output:
+        """WRITE on the consumer: LOADED only if every written block matches the Completion's digest."""
+        session = request.session
+        now = self.clock()
+        if not isinstance(session, ConsumerSession) or self.integrity is None:
+            return session.receive(message, now=now)  # a producer refuses a Completion itself
+        if session.state is not ConsumerState.LOADING:
+            return session.receive(message, now=now)  # only LOADING turns a Completion into LOADED
+        if message.consumer_block_digests is None:
+            detail = "the producer sent no block digests (INT-1 is off on its side)"
+            return session.reject_completion(
+                message, now=now, failed_consumer_block_ids=session.consumer_block_ids, detail=detail
+            )
+        bad = self.integrity.check_written(session.consumer_block_ids, message.consumer_block_digests)
+        if any(len(group) for group in bad):
+            return session.reject_completion(message, now=now, failed_consumer_block_ids=bad, detail=_corrupt_text(bad))
+        return session.receive(message, now=now)
 
     def _drop_handle(self, request: LiveRequest) -> None:
         if request.handle is not None:

@@ -58,6 +58,7 @@ from kvspec._errors import (
     TransportError,
 )
 from kvspec._handshake import check_compatibility
+from kvspec._integrity import PageDigester
 from kvspec._messages import BlockOffer, EngineDescriptor, ReleaseOutcome, TransferParams
 from kvspec._models import NULL_BLOCK_ID, BlockIds, KVCacheConfig
 from kvspec._plan import TransferPlan
@@ -228,6 +229,7 @@ class _Endpoint:
         disable_hybrid_kv_cache_manager: bool = False,
         on_free: Callable[[list[int]], None] | None = None,
         connector: Connector | None = None,
+        integrity: bool = False,
     ) -> None:
         if not isinstance(engine_id, str) or not engine_id:
             raise ConfigError(f"{type(self).__name__}.engine_id: expected a non-empty str, got {engine_id!r}")
@@ -257,6 +259,7 @@ class _Endpoint:
             on_end=self._on_end,
             plan_write=self._plan_write,
             fallback_peer=self._only_peer,
+            integrity=PageDigester(config, [r.buffer for r in regions]) if integrity else None,
         )
         transport.register_memory(regions)
 
@@ -351,6 +354,8 @@ class ProducerEndpoint(_Endpoint):
     ``connector`` is the connector seam it clips and plans through (default
     :class:`kvspec_conformance.ReferenceConnector`, kvspec's reference
     functions); ``errors`` lists what went wrong as typed driver faults.
+    ``integrity`` turns INT-1 on: the transfer parameters (READ) and the
+    Completion (WRITE) carry the digests of the blocks sent.
     """
 
     role = "producer"
@@ -367,6 +372,7 @@ class ProducerEndpoint(_Endpoint):
         disable_hybrid_kv_cache_manager: bool = False,
         on_free: Callable[[list[int]], None] | None = None,
         connector: Connector | None = None,
+        integrity: bool = False,
         lease_duration: float = DEFAULT_LEASE_DURATION,
         release_grace: float = DEFAULT_RELEASE_GRACE,
         drain_timeout: float = DEFAULT_DRAIN_TIMEOUT,
@@ -381,6 +387,7 @@ class ProducerEndpoint(_Endpoint):
             disable_hybrid_kv_cache_manager=disable_hybrid_kv_cache_manager,
             on_free=on_free,
             connector=connector,
+            integrity=integrity,
         )
         self.lease_duration = lease_duration
         self.release_grace = release_grace
@@ -388,15 +395,21 @@ class ProducerEndpoint(_Endpoint):
         self._tables: dict[str, BlockIds] = {}
         self._results: dict[str, ProducerResult] = {}
 
-    def prefill(self, request_id: str, *, num_tokens: int) -> TransferParams:
+    def prefill(
+        self, request_id: str, *, num_tokens: int, fill: Callable[[BlockIds], None] | None = None
+    ) -> TransferParams:
         """Allocate, prune and clip the request's table, pin it, and return what the router forwards (CLIP-1, SM-1).
 
-        The caller fills the pages of :meth:`block_table` before the consumer
-        begins (the prefill's output).
+        ``fill`` receives the advertised block ids and writes the prefill's
+        pages; with integrity on, the parameters carry the digests of the pages
+        as they are once it returns (INT-1). Without ``fill`` the caller fills
+        the pages of :meth:`block_table` before the consumer begins.
         """
         if request_id in self.driver.requests or request_id in self._results:
             raise LocalProtocolError(f"producer request {request_id!r} already exists")
         advertised = self._allocate_table(num_tokens)
+        if fill is not None:
+            fill(advertised)
         session = ProducerSession.create(
             request_id=request_id,
             producer_engine_id=self.engine_id,
@@ -411,6 +424,7 @@ class ProducerEndpoint(_Endpoint):
             lease_duration=self.lease_duration,
             release_grace=self.release_grace,
             drain_timeout=self.drain_timeout,
+            producer_block_digests=self.driver.digests(advertised),
         )
         self.driver.add(LiveRequest(session=session))
         self._tables[request_id] = advertised
@@ -460,6 +474,7 @@ class ProducerEndpoint(_Endpoint):
             producer_block_ends=params.producer_block_ends,
             consumer_block_ends=offer.consumer_block_ends,
         )
+        request.pairs = pairs  # what the write moves, for the Completion's digests (INT-1)
         return self.connector.plan(producer_config=self.config, consumer_config=peer.config, pairs=pairs)
 
     def _on_end(self, request: LiveRequest) -> None:
@@ -478,7 +493,8 @@ class ConsumerEndpoint(_Endpoint):
 
     ``connector`` is the connector seam it clips, pairs and plans through
     (default: kvspec's reference functions); ``errors`` lists what went wrong
-    as typed driver faults.
+    as typed driver faults. ``integrity`` turns INT-1 on: every block received
+    is checked against the sender's digests before the request is LOADED.
     """
 
     role = "consumer"
@@ -495,6 +511,7 @@ class ConsumerEndpoint(_Endpoint):
         disable_hybrid_kv_cache_manager: bool = False,
         on_free: Callable[[list[int]], None] | None = None,
         connector: Connector | None = None,
+        integrity: bool = False,
         transfer_timeout: float | None = None,
         drain_timeout: float = DEFAULT_DRAIN_TIMEOUT,
         start_margin: float = 0.0,
@@ -509,6 +526,7 @@ class ConsumerEndpoint(_Endpoint):
             disable_hybrid_kv_cache_manager=disable_hybrid_kv_cache_manager,
             on_free=on_free,
             connector=connector,
+            integrity=integrity,
         )
         self.transfer_timeout = transfer_timeout
         self.drain_timeout = drain_timeout
@@ -584,7 +602,7 @@ class ConsumerEndpoint(_Endpoint):
                         consumer_block_ends=consumer_ends,
                     ),
                 )
-                self._pairs[request_id] = BlockPairs(
+                request.pairs = self._pairs[request_id] = BlockPairs(
                     producer_block_ids=pairs.producer_block_ids, consumer_block_ids=pairs.consumer_block_ids
                 )
                 request.plan = self.connector.plan(
@@ -683,9 +701,7 @@ def run_request(
     end of decoding would.
     """
     start = producer.clock()
-    params = producer.prefill(request_id, num_tokens=num_tokens)
-    if fill is not None:
-        fill(producer.block_table(request_id))
+    params = producer.prefill(request_id, num_tokens=num_tokens, fill=fill)
     routed = TransferParams.from_kv_transfer_params(params.to_kv_transfer_params())
     consumer.begin(routed, prefix_hit_tokens=prefix_hit_tokens)
     pause = idle if idle is not None else (lambda: time.sleep(0.0002))

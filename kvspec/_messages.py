@@ -32,7 +32,9 @@ import attrs
 
 from kvspec._enums import FailureReason, TransferMode
 from kvspec._errors import ConfigError, FieldError, MalformedMessageError, UnsupportedVersionError
+from kvspec._integrity import DIGEST_HEX_LENGTH, BlockDigests, is_block_digest
 from kvspec._models import (
+    NULL_BLOCK_ID,
     AttentionSpec,
     BlockIds,
     KVCacheConfig,
@@ -185,6 +187,48 @@ def _to_tuple(value: object) -> object:
     return value
 
 
+def _to_digests(value: object) -> object:
+    if isinstance(value, (list, tuple)) and all(isinstance(g, (list, tuple)) for g in value):
+        return tuple(tuple(g) for g in value)
+    return value
+
+
+def _digest_lists(inst: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    """Per-group tuples of block digests (32 lowercase hex characters, or ``""``), or None (INT-1)."""
+    if value is None:
+        return  # INT-1 is off on the sender: no digests
+    if not isinstance(value, tuple) or not all(isinstance(g, tuple) for g in value):
+        raise FieldError(type(inst), attribute.name, "a tuple of per-group tuples of digests, or None", value)
+    for g, group in enumerate(value):
+        for i, digest in enumerate(group):
+            if digest != "" and not is_block_digest(digest):
+                raise FieldError(
+                    type(inst),
+                    f"{attribute.name}[{g}][{i}]",
+                    f"{DIGEST_HEX_LENGTH} lowercase hex characters or ''",
+                    digest,
+                )
+
+
+def _digests_of(ids_field: str) -> Any:
+    """Digests parallel to the list in ``ids_field``: one per id, ``""`` exactly for the null block (INT-1)."""
+
+    def check(inst: object, attribute: attrs.Attribute[Any], value: object) -> None:
+        _digest_lists(inst, attribute, value)
+        ids = getattr(inst, ids_field)
+        if not isinstance(value, tuple) or not isinstance(ids, BlockIds):
+            return  # None, or that field's own validator names it
+        if len(value) != len(ids) or any(len(d) != len(g) for d, g in zip(value, ids, strict=False)):
+            raise FieldError(type(inst), attribute.name, f"one digest per id of {ids_field}", value)
+        for g, (digests, group) in enumerate(zip(value, ids, strict=True)):
+            for i, (digest, block_id) in enumerate(zip(digests, group, strict=True)):
+                if (digest == "") != (block_id == NULL_BLOCK_ID):
+                    expected = "'' (a null block)" if block_id == NULL_BLOCK_ID else "the digest of a real block"
+                    raise FieldError(type(inst), f"{attribute.name}[{g}][{i}]", expected, digest)
+
+    return check
+
+
 # --------------------------------------------------------------------------- handshake
 
 
@@ -293,6 +337,7 @@ _KEY_VERSION = "kvspec_version"
 _KEY_TRANSPORT_BYTES = "kvspec_transport_data"
 _KEY_BLOCK_ENDS = "kvspec_block_ends"  # protocol 1.1 (ALIGN-1)
 _KEY_RECOMPUTED = "kvspec_recomputed_tokens"  # protocol 1.1 (WIN-1)
+_KEY_DIGESTS = "kvspec_block_digests"  # protocol 1.1, INT-1 (optional)
 
 TRANSFER_PARAMS_KEYS: frozenset[str] = frozenset(
     {
@@ -308,6 +353,7 @@ TRANSFER_PARAMS_KEYS: frozenset[str] = frozenset(
         _KEY_TRANSPORT_BYTES,
         _KEY_BLOCK_ENDS,
         _KEY_RECOMPUTED,
+        _KEY_DIGESTS,
     }
 )
 """Keys :meth:`TransferParams.to_kv_transfer_params` owns; transport data may not reuse them."""
@@ -367,6 +413,9 @@ class TransferParams:
         default=None, converter=_to_tuple, validator=_block_ends_of("producer_block_ids")
     )
     recomputed_tokens: int = attrs.field(default=0, validator=_non_negative_int)
+    producer_block_digests: BlockDigests | None = attrs.field(
+        default=None, converter=_to_digests, validator=_digests_of("producer_block_ids")
+    )
 
     def to_kv_transfer_params(self) -> dict[str, object]:
         """The plain dict vLLM's router carries as ``kv_transfer_params`` to the consumer.
@@ -396,6 +445,8 @@ class TransferParams:
             out[_KEY_BLOCK_ENDS] = list(self.producer_block_ends)
         if self.recomputed_tokens:
             out[_KEY_RECOMPUTED] = self.recomputed_tokens
+        if self.producer_block_digests is not None:
+            out[_KEY_DIGESTS] = [list(group) for group in self.producer_block_digests]
         if isinstance(self.transport_data, bytes):
             out[_KEY_TRANSPORT_BYTES] = base64.b64encode(self.transport_data).decode("ascii")
         else:
@@ -437,6 +488,7 @@ class TransferParams:
             transport_data=data,
             producer_block_ends=_dict_block_ends(params),
             recomputed_tokens=_dict_recomputed(params),
+            producer_block_digests=_dict_digests(params),
         )
 
 
@@ -486,6 +538,24 @@ def _dict_recomputed(params: Mapping[str, object]) -> int:
         return 0  # a 1.0 producer: C recomputes nothing the lists cover (WIN-1)
     value: int = _need(params, _KEY_RECOMPUTED, int)  # type: ignore[assignment]
     return value
+
+
+def _dict_digests(params: Mapping[str, object]) -> BlockDigests | None:
+    if _KEY_DIGESTS not in params:
+        return None  # the producer has integrity off (INT-1)
+    value = params[_KEY_DIGESTS]
+    if not isinstance(value, (list, tuple)):
+        raise MalformedMessageError(f"expected a list of per-group lists of digests, got {value!r}", field=_KEY_DIGESTS)
+    for g, group in enumerate(value):
+        if not isinstance(group, (list, tuple)):
+            raise MalformedMessageError(f"expected a list of digests, got {group!r}", field=f"{_KEY_DIGESTS}[{g}]")
+        for i, digest in enumerate(group):
+            if digest != "" and not is_block_digest(digest):
+                field = f"{_KEY_DIGESTS}[{g}][{i}]"
+                raise MalformedMessageError(
+                    f"expected {DIGEST_HEX_LENGTH} hex characters or '', got {digest!r}", field=field
+                )
+    return tuple(tuple(group) for group in value)
 
 
 def _dict_mode(params: Mapping[str, object]) -> TransferMode:
@@ -552,11 +622,17 @@ class Completion:
     """P's write landed: every paired byte is readable on C (WRITE mode; DONE-1).
 
     Travels as the notification of P's write, so the transport delivers it
-    only after the data.
+    only after the data. ``consumer_block_digests`` (INT-1, optional): one
+    digest per entry of the offer's ``consumer_block_ids``, of the producer
+    block written into it (``""`` for an entry not written); a consumer with
+    integrity on checks them before LOADED.
     """
 
     request_id: str = attrs.field(validator=_non_empty_str)
     producer_engine_id: str = attrs.field(validator=_non_empty_str)
+    consumer_block_digests: BlockDigests | None = attrs.field(
+        default=None, converter=_to_digests, validator=_digest_lists
+    )
 
 
 @attrs.frozen(kw_only=True)

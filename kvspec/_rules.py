@@ -139,6 +139,14 @@ RULES: tuple[Rule, ...] = (
         summary="Every consumer request sends exactly one release to the producer; repeats are no-ops.",
     ),
     Rule(
+        id="INT-1",
+        title="Integrity (optional): digests before LOADED",
+        level=Level.MUST,
+        summary="Optional, off by default. When on: the sender digests every block it sends (READ: in the transfer "
+        "params; WRITE: in the Completion); the receiver checks them before LOADED; a difference, or no digests, "
+        "ends FAILED(integrity), never LOADED.",
+    ),
+    Rule(
         id="PLAN-1",
         title="Byte layout and the plan",
         level=Level.MUST,

@@ -681,12 +681,15 @@ class ProducerSession:
         drain_timeout: float = DEFAULT_DRAIN_TIMEOUT,
         producer_block_ends: Iterable[int] | None = None,
         recomputed_tokens: int = 0,
+        producer_block_digests: Iterable[Iterable[str]] | None = None,
     ) -> ProducerSession:
         """Pin clipped blocks for a consumer; ``session.params`` is what the router forwards (SM-1).
 
         ``producer_block_ends`` (protocol 1.1) is where each list ends, from the
         unclipped table (:func:`kvspec.get_block_ends`); ``recomputed_tokens``
         the tokens after ``num_tokens`` the lists cover but C recomputes (ALIGN-1, WIN-1).
+        ``producer_block_digests`` (optional, INT-1) holds the digest of each
+        advertised block, taken once its pages hold the prefill's output.
         """
         _check_duration("ProducerSession.lease_duration", lease_duration)
         params = TransferParams(
@@ -699,6 +702,9 @@ class ProducerSession:
             transport_data={} if transport_data is None else transport_data,
             producer_block_ends=None if producer_block_ends is None else tuple(producer_block_ends),
             recomputed_tokens=recomputed_tokens,
+            producer_block_digests=None
+            if producer_block_digests is None
+            else tuple(tuple(group) for group in producer_block_digests),
         )
         return cls(params=params, release_grace=release_grace, drain_timeout=drain_timeout)
 
@@ -972,8 +978,7 @@ class ConsumerSession:
                 f"expected {self.params.producer_engine_id!r}"
             )
         if isinstance(message, Completion):
-            if self.mode is not TransferMode.WRITE:
-                raise RemoteProtocolError("a Completion is only sent in WRITE mode; this request is READ")
+            self._check_completion(message)
             return self._handle(ConsumerEvent.COMPLETION, now)
         if isinstance(message, Failure):
             failed = message.failed_consumer_block_ids
@@ -983,6 +988,26 @@ class ConsumerSession:
         if isinstance(message, Abort):
             return self._handle(ConsumerEvent.PEER_ABORT, now, reason=FailureReason.ABORTED, detail=message.detail)
         raise RemoteProtocolError(f"a consumer does not accept {type(message).__name__} from a producer")
+
+    def reject_completion(
+        self, message: Completion, *, now: float, failed_consumer_block_ids: BlockIds, detail: str = ""
+    ) -> Output:
+        """A Completion whose blocks failed the integrity check: end FAILED(integrity), never LOADED (INT-1).
+
+        The Completion still says that P's write is over (it follows the data,
+        DONE-1), so the blocks are freed at once, as on a Failure from P.
+        ``failed_consumer_block_ids`` names the blocks whose digests differ.
+        """
+        if not isinstance(message, Completion):
+            raise LocalProtocolError(f"reject_completion: expected a Completion, got {type(message).__name__}")
+        self._check_completion(message)
+        return self._handle(
+            ConsumerEvent.FAILURE,
+            now,
+            reason=FailureReason.INTEGRITY,
+            detail=detail,
+            failed=failed_consumer_block_ids,
+        )
 
     def abort(self, *, now: float) -> Output:
         """The consumer's engine gives up on the request; its blocks wait for the drain (SM-2)."""
@@ -1011,6 +1036,18 @@ class ConsumerSession:
         return self._advance(now)
 
     # ----------------------------------------------------------------- machinery
+
+    def _check_completion(self, message: Completion) -> None:
+        if message.request_id != self.params.request_id:
+            raise RemoteProtocolError(
+                f"Completion for request {message.request_id!r} reached consumer request {self.params.request_id!r}"
+            )
+        if message.producer_engine_id != self.params.producer_engine_id:
+            raise RemoteProtocolError(
+                f"Completion from engine {message.producer_engine_id!r}, expected {self.params.producer_engine_id!r}"
+            )
+        if self.mode is not TransferMode.WRITE:
+            raise RemoteProtocolError("a Completion is only sent in WRITE mode; this request is READ")
 
     def _check_transfer_report(self) -> None:
         if self.mode is not TransferMode.READ or not self._posted:

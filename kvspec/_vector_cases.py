@@ -958,6 +958,71 @@ def _gen_decode(rng: random.Random) -> dict[str, object]:
     return {"bytes": bytes(data)}
 
 
+# --------------------------------------------------------------------------- INT-1
+
+_DIGEST_A = "0123456789abcdef" * 2
+_DIGEST_B = "fedcba9876543210" * 2
+
+
+def _int1_messages() -> list[tuple[str, object]]:
+    return [
+        (
+            "transfer_params_with_digests",
+            _params(
+                producer_block_ids=[[0, 4, 5], [6]], producer_block_digests=[["", _DIGEST_A, _DIGEST_B], [_DIGEST_A]]
+            ),
+        ),
+        (
+            "completion_with_digests",
+            Completion(
+                request_id="req-1", producer_engine_id="P", consumer_block_digests=[[_DIGEST_A, ""], [_DIGEST_B]]
+            ),
+        ),
+    ]
+
+
+def _int1_encode_pins() -> list[Case]:
+    return [Case(name=name, inputs={"message": message}) for name, message in _int1_messages()]
+
+
+def _int1_decode_pins() -> list[Case]:
+    def case(name: str, data: bytes, description: str = "") -> Case:
+        return Case(name=name, inputs={"bytes": data}, description=description)
+
+    params = json.loads(encode(_int1_messages()[0][1]))  # type: ignore[arg-type]
+    completion = json.loads(encode(_int1_messages()[1][1]))  # type: ignore[arg-type]
+    return [
+        *(case(f"valid_{name}", encode(message)) for name, message in _int1_messages()),  # type: ignore[arg-type]
+        case(
+            "digest_for_null_block",
+            _text({**params, "producer_block_digests": [[_DIGEST_A, _DIGEST_A, _DIGEST_B], [_DIGEST_A]]}),
+            "a null id has the empty digest",
+        ),
+        case(
+            "missing_digest_for_real_block",
+            _text({**params, "producer_block_digests": [["", "", _DIGEST_B], [_DIGEST_A]]}),
+        ),
+        case("one_digest_short", _text({**params, "producer_block_digests": [["", _DIGEST_A], [_DIGEST_A]]})),
+        case("uppercase_hex", _text({**completion, "consumer_block_digests": [[_DIGEST_A.upper(), ""], [_DIGEST_B]]})),
+        case("short_digest", _text({**completion, "consumer_block_digests": [[_DIGEST_A[:-2], ""], [_DIGEST_B]]})),
+        case("no_digests_is_null", _text({k: v for k, v in completion.items() if k != "consumer_block_digests"})),
+    ]
+
+
+def _int1_dict_pins() -> list[Case]:
+    as_dict = _params(
+        producer_block_ids=[[0, 4, 5], [6]], producer_block_digests=[["", _DIGEST_A, _DIGEST_B], [_DIGEST_A]]
+    ).to_kv_transfer_params()
+    return [
+        Case(name="digests_round_trip", inputs={"kv_transfer_params": as_dict}),
+        Case(
+            name="digest_not_hex",
+            inputs={"kv_transfer_params": {**as_dict, "kvspec_block_digests": [["", "xyz", _DIGEST_B], [_DIGEST_A]]}},
+        ),
+        Case(name="digests_not_a_list", inputs={"kv_transfer_params": {**as_dict, "kvspec_block_digests": _DIGEST_A}}),
+    ]
+
+
 # --------------------------------------------------------------------------- sessions
 
 _LEASE = 30.0
@@ -1642,6 +1707,9 @@ CASE_SETS: tuple[CaseSet, ...] = (
     CaseSet(rule="HS-1", fn=check_compatibility, pinned=_hs_pins, generate=_gen_hs),
     CaseSet(rule="VER-1", fn=encode, pinned=_encode_pins, generate=_gen_encode),
     CaseSet(rule="VER-1", fn=decode, pinned=_decode_pins, generate=_gen_decode),
+    CaseSet(rule="INT-1", fn=encode, pinned=_int1_encode_pins),
+    CaseSet(rule="INT-1", fn=decode, pinned=_int1_decode_pins),
+    CaseSet(rule="INT-1", fn=TransferParams.from_kv_transfer_params, pinned=_int1_dict_pins),
     CaseSet(rule="PLAN-1", fn=plan_transfer, pinned=_plan_pins, generate=_gen_plan),
     CaseSet(
         rule="PLAN-1",

@@ -129,6 +129,12 @@ def build_parser() -> argparse.ArgumentParser:
     audit.add_argument("--requests", type=_positive_int, default=200, metavar="N", help="random requests (default 200)")
     audit.add_argument("--seed", type=_non_negative_int, default=11, metavar="S", help="random seed (default 11)")
     audit.add_argument("--json", metavar="PATH", help="also write the report as JSON (the findings page reads it)")
+    audit.add_argument(
+        "--offload",
+        action="store_true",
+        help="audit vLLM's OffloadingConnector scheduler (vllm:offloading) against the offload rules OFF-3 ... OFF-7 "
+        "instead; --requests sets the random hit requests (default 200), --connector is not used",
+    )
     audit.set_defaults(handler=_run_vllm_audit)
     return parser
 
@@ -373,12 +379,28 @@ def _run_conform(args: argparse.Namespace, out: TextIO) -> int:
 def _run_vllm_audit(args: argparse.Namespace, out: TextIO) -> int:
     from kvspec.integrations.vllm_audit import run_audit
 
+    if args.offload:
+        return _run_offload_audit(args, out)
     try:
         report = run_audit(
             connectors=args.connector or ("moriio", "nixl", "mooncake"), requests=args.requests, seed=args.seed
         )
     except KVSpecError as exc:
         print(f"kvspec vllm-audit: {exc}", file=sys.stderr)
+        return 2
+    out.write(report.render())
+    if args.json:
+        report.write_json(args.json)
+    return 0
+
+
+def _run_offload_audit(args: argparse.Namespace, out: TextIO) -> int:
+    from kvspec.integrations.vllm_offload_audit import run_offload_audit
+
+    try:
+        report = run_offload_audit(seed=args.seed, random_requests=args.requests)
+    except KVSpecError as exc:
+        print(f"kvspec vllm-audit --offload: {exc}", file=sys.stderr)
         return 2
     out.write(report.render())
     if args.json:

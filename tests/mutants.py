@@ -13,16 +13,28 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
+import pytest
 from kvspec_conformance import ReferenceConnector
 
-from kvspec import BlockIds, DType, EngineDescriptor, FailureReason, KVCacheConfig, TransferMode, UnsupportedHybridError
+from kvspec import (
+    BlockDigests,
+    BlockIds,
+    DType,
+    EngineDescriptor,
+    FailureReason,
+    KVCacheConfig,
+    PageDigester,
+    TransferMode,
+    UnsupportedHybridError,
+)
+from kvspec._driver import Driver
 from kvspec._plan import BlockPairsLike
 from kvspec._reference import BlockPairs, check_window_coverage
 from kvspec.transport import Backend, Capabilities, Descriptor, MemoryRegion, Notification, TransferHandle
 from kvspec.transport._base import TransferState, TransferStatus, Transport
 from kvspec.transport.loopback import LoopbackBackend
 
-__all__ = ["BACKEND_MUTANTS", "CONNECTOR_MUTANTS", "SCORE", "MutantBackend"]
+__all__ = ["BACKEND_MUTANTS", "CONNECTOR_MUTANTS", "DRIVER_MUTANTS", "SCORE", "DriverMutant", "MutantBackend"]
 
 
 class _Agent:
@@ -448,6 +460,64 @@ CONNECTOR_MUTANTS: tuple[type[ReferenceConnector], ...] = (
     NoClipping,
     WidthOnlyHandshake,
 )
+
+# --------------------------------------------------------------------------- driver mutants (INT-1)
+# Integrity lives in the driver core, so its mutants patch the driver (or its digester) for one run.
+
+
+class DriverMutant:
+    """Patches one behaviour of the driver's integrity check (INT-1) for the length of a test."""
+
+    breaks = "INT-1"
+    caught_by: tuple[str, ...] = ()
+
+    @classmethod
+    def patch(cls, monkeypatch: pytest.MonkeyPatch) -> None:
+        raise NotImplementedError
+
+
+class SkipsIntegrityCheck(DriverMutant):
+    """The receiver never checks: a READ's DONE and a WRITE's Completion go straight to LOADED."""
+
+    caught_by = ("INT-1/corruption-with-integrity",)
+
+    @classmethod
+    def patch(cls, monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch.setattr(Driver, "_check_read", lambda self, request: None)
+        monkeypatch.setattr(
+            Driver, "_receive_completion", lambda self, request, message: request.session.receive(message, now=0.0)
+        )
+
+
+class WriteSendsEmptyDigests(DriverMutant):
+    """The WRITE sender puts no digest on the Completion (every entry ''), so nothing is checked."""
+
+    caught_by = ("INT-1/corruption-with-integrity",)
+
+    @classmethod
+    def patch(cls, monkeypatch: pytest.MonkeyPatch) -> None:
+        def empty(self: PageDigester, pairs: BlockPairsLike, consumer_block_ids: BlockIds) -> BlockDigests:
+            return tuple(tuple("" for _ in ids) for ids in consumer_block_ids)
+
+        monkeypatch.setattr(PageDigester, "written_digests", empty)
+
+
+class DigestsTheNextBlock(DriverMutant):
+    """Both sides digest the pages of block b + 1 instead of b: digests over the wrong pages."""
+
+    caught_by = ("INT-1/transport-integrity",)
+
+    @classmethod
+    def patch(cls, monkeypatch: pytest.MonkeyPatch) -> None:
+        right = PageDigester.block_digest
+
+        def shifted(self: PageDigester, group: int, block_id: int) -> str:
+            return right(self, group, block_id + 1) if block_id and block_id + 1 < self.config.num_blocks else ""
+
+        monkeypatch.setattr(PageDigester, "block_digest", shifted)
+
+
+DRIVER_MUTANTS: tuple[type[DriverMutant], ...] = (SkipsIntegrityCheck, WriteSendsEmptyDigests, DigestsTheNextBlock)
 
 # Mutant name -> whether the suite rejected it, filled by tests/test_conformance_mutants.py; the summary prints it.
 SCORE: dict[str, bool] = {}

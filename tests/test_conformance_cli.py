@@ -42,7 +42,7 @@ def test_loopback_passes_every_case_within_budget(tmp_path: Path) -> None:
     assert report["counts"]["passed"] >= 50
     assert set(report["rules"]) == {
         "HMA-1", "ADM-1", "ADM-2", "SW-1", "CLIP-1", "ALIGN-1", "NULL-1", "WIN-1", "TOK-1",
-        "HS-1", "VER-1", "SM-1", "SM-2", "DONE-1", "FAIL-1", "REL-1", "PLAN-1",
+        "HS-1", "VER-1", "SM-1", "SM-2", "DONE-1", "FAIL-1", "REL-1", "INT-1", "PLAN-1",
         "OFF-1", "OFF-3", "OFF-4", "OFF-5", "OFF-6", "OFF-7", "OFF-9",
     }  # fmt: skip
     root = ET.parse(tmp_path / "r.xml").getroot()
@@ -138,3 +138,19 @@ def test_backend_options_and_connector_under_test() -> None:
     assert "from mutants import NoClipping as ConnectorUnderTest" in broken.stdout
     bad = _conform("loopback", "--option", "nonsense")
     assert bad.returncode != 0
+
+
+def test_integrity_flag_runs_the_integrity_cases(tmp_path: Path) -> None:
+    """``--integrity`` runs the INT-1 cases on loopback; without it they skip, saying how to turn it on."""
+    on = _conform("loopback", "--rule", "INT-1", "--integrity", "-q", "--json", str(tmp_path / "on.json"))
+    assert on.returncode == 0, on.stdout[-3000:] + on.stderr[-2000:]
+    cases = json.loads((tmp_path / "on.json").read_text())["cases"]
+    assert sorted((c["id"], c["outcome"]) for c in cases) == [
+        ("INT-1/corruption-with-integrity", "passed"),
+        ("INT-1/transport-integrity", "passed"),
+    ]
+    off = _conform("loopback", "--rule", "INT-1", "-q", "--json", str(tmp_path / "off.json"))
+    assert off.returncode == 0, off.stdout[-3000:] + off.stderr[-2000:]
+    skipped = json.loads((tmp_path / "off.json").read_text())["cases"]
+    assert [c["outcome"] for c in skipped] == ["skipped", "skipped"]
+    assert all("kvspec conform --integrity" in c["message"] for c in skipped), skipped

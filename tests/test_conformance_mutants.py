@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from kvspec_conformance import ReferenceConnector, Report, run_suite
-from mutants import BACKEND_MUTANTS, CONNECTOR_MUTANTS, SCORE, MutantBackend
+from mutants import BACKEND_MUTANTS, CONNECTOR_MUTANTS, DRIVER_MUTANTS, SCORE, DriverMutant, MutantBackend
 
 from kvspec.transport.loopback import LoopbackBackend
 
@@ -46,6 +46,26 @@ def test_connector_mutant_fails_its_rule(mutant: type[ReferenceConnector]) -> No
     assert all(r.reproducer and "ConnectorUnderTest()" in r.reproducer for r in failed)
     # Wrong bytes are a data error, not an early completion: DONE-1 is not blamed for them.
     assert not any("before the data was visible" in r.message for r in failed)
+
+
+@pytest.mark.parametrize("mutant", DRIVER_MUTANTS, ids=lambda m: m.__name__)
+def test_driver_mutant_fails_integrity(mutant: type[DriverMutant], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A driver whose INT-1 check is broken fails the integrity cases, run with the suite's --integrity."""
+    mutant.patch(monkeypatch)
+    report = run_suite(LoopbackBackend(), rules=[mutant.breaks], integrity=True, max_examples=5)
+    SCORE[mutant.__name__] = _rejected(report, mutant.breaks, mutant.caught_by)
+    assert mutant.breaks in report.failed_rules(), _failures(report)
+    assert SCORE[mutant.__name__], f"expected {mutant.caught_by} to fail:\n{_failures(report)}"
+
+
+def test_reference_driver_passes_integrity_and_skips_it_when_off() -> None:
+    """The unpatched driver passes INT-1 with --integrity; without it both cases skip, saying how to run them."""
+    on = run_suite("loopback", rules=["INT-1"], integrity=True)
+    assert on.passed, _failures(on)
+    assert [r.outcome.value for r in on.results] == ["passed", "passed"]
+    off = run_suite("loopback", rules=["INT-1"])
+    assert [r.outcome.value for r in off.results] == ["skipped", "skipped"]
+    assert all("kvspec conform --integrity" in r.message for r in off.results), _failures(off)
 
 
 @pytest.mark.parametrize("mutant", [*BACKEND_MUTANTS], ids=lambda m: m.__name__)

@@ -25,7 +25,10 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
     ("base", frozenset({"kvspec._enums", "kvspec._deprecation"})),
     ("errors", frozenset({"kvspec._errors"})),
     ("data", frozenset({"kvspec._models", "kvspec._descriptors", "kvspec._rules"})),
-    ("rules", frozenset({"kvspec._reference", "kvspec._offload", "kvspec._messages", "kvspec._presets"})),
+    (
+        "rules",
+        frozenset({"kvspec._reference", "kvspec._offload", "kvspec._messages", "kvspec._presets", "kvspec._integrity"}),
+    ),
     ("protocol", frozenset({"kvspec._plan", "kvspec._codec", "kvspec._handshake", "kvspec._session"})),
     ("reports", frozenset({"kvspec._schema", "kvspec._summary"})),
     (
@@ -52,7 +55,17 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
         "drivers",
         frozenset({"kvspec._connector", "kvspec._driver", "kvspec._exchange", "kvspec.exchange", "kvspec.testing"}),
     ),
-    ("integrations", frozenset({"kvspec.integrations", "kvspec.integrations.vllm", "kvspec.integrations.vllm_audit"})),
+    (
+        "integrations",
+        frozenset(
+            {
+                "kvspec.integrations",
+                "kvspec.integrations.vllm",
+                "kvspec.integrations.vllm_audit",
+                "kvspec.integrations.vllm_offload_audit",
+            }
+        ),
+    ),
     (
         "tools",
         frozenset(

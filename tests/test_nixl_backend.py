@@ -592,6 +592,19 @@ def _tcp_backend() -> NixlBackend:
     return NixlBackend(tls="tcp")
 
 
+class TestIntegrity(BackendSuite):
+    """The INT-1 cases with the drivers' integrity check on (kvspec conform nixl --integrity): they run, not skip."""
+
+    backend_factory = staticmethod(NixlBackend)
+    rules = ("INT-1",)
+    integrity = True
+
+    @pytest.fixture(scope="class", autouse=True)
+    @classmethod
+    def _nixl_is_required(cls, pytestconfig: pytest.Config) -> None:
+        require_backend_module(pytestconfig, "nixl_cu12", "nixl")
+
+
 class TestConformanceOverTcp(BackendSuite):
     """The in-flight cases, over UCX_TLS=tcp where NIXL transfers are asynchronous."""
 

@@ -477,7 +477,7 @@ class TestConformance(BackendSuite):
     """Every conformance case against the torch backend; a case skips only for a capability it lacks (integrity)."""
 
     backend_factory = staticmethod(_make_backend)
-    allowed_skips: ClassVar[set[str]] = {"FAIL-1/corruption-with-integrity"}
+    allowed_skips: ClassVar[set[str]] = {"INT-1/corruption-with-integrity", "INT-1/transport-integrity"}
 
     @pytest.fixture(scope="class", autouse=True)
     @classmethod
@@ -500,6 +500,19 @@ class TestConformance(BackendSuite):
         finally:
             producer.close()
             consumer.close()
+
+
+class TestIntegrity(BackendSuite):
+    """The INT-1 cases with the drivers' integrity check on (kvspec conform torch --integrity): they run, not skip."""
+
+    backend_factory = staticmethod(_make_backend)
+    rules = ("INT-1",)
+    integrity = True
+
+    @pytest.fixture(scope="class", autouse=True)
+    @classmethod
+    def _torch_is_required(cls, pytestconfig: pytest.Config) -> None:
+        require_backend_module(pytestconfig, "torch")
 
 
 def test_load_backend_passes_options(pytestconfig: pytest.Config) -> None:

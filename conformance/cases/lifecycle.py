@@ -190,9 +190,9 @@ def _fail_duplicate(ctx: CaseContext) -> None:
         ctx.expect(ctx.run(scenario), loaded=["r0", "r1", "r2", "n0", "n1"], rule="FAIL-1")
 
 
-@case("FAIL-1", "corruption-with-integrity", requires=["integrity"])
+@case("INT-1", "corruption-with-integrity", requires=["integrity"])
 def _fail_corrupt(ctx: CaseContext) -> None:
-    """A backend that claims integrity never reports a corrupted transfer as done."""
+    """With integrity on, a corrupted transfer ends FAILED(integrity), never LOADED."""
     for mode in _modes(ctx):
         scenario = Scenario(
             config=CONFIG,
@@ -203,7 +203,7 @@ def _fail_corrupt(ctx: CaseContext) -> None:
             deadline=DEADLINE,
             lease=LEASE,
         )
-        ctx.expect(ctx.run(scenario), failed={"a": EXACT[mode]["integrity"]}, rule="FAIL-1")
+        ctx.expect(ctx.run(scenario), failed={"a": EXACT[mode]["integrity"]}, rule="INT-1")
 
 
 @case("FAIL-1", "peer-disconnect-then-rehandshake", requires=["notifications"])

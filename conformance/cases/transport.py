@@ -18,7 +18,18 @@ from collections.abc import Callable, Iterator, Sequence
 
 import attrs
 
-from kvspec import FailureReason, KVCacheConfig, KVSpecError, PlanError, TransferMode, TransportError
+from kvspec import (
+    BlockIds,
+    BlockPairs,
+    FailureReason,
+    KVCacheConfig,
+    KVSpecError,
+    PageDigester,
+    PlanError,
+    TransferMode,
+    TransportError,
+    plan_transfer,
+)
 from kvspec.testing import PagePool, allocate_pool
 from kvspec.transport import (
     Backend,
@@ -618,9 +629,53 @@ def _peer_loss(ctx: CaseContext) -> None:
         raise ctx.fail(f"FAIL-1: (bound {bound:.1f} s)\n" + "\n".join(problems))
 
 
-@case("FAIL-1", "transport-integrity", requires=["integrity"])
+@case("INT-1", "transport-integrity", requires=["integrity"])
 def _integrity(ctx: CaseContext) -> None:
-    """A backend declaring integrity reports a transfer whose bytes were corrupted FAILED(integrity), never DONE."""
+    """A corrupted transfer is caught: by the backend's own check, or else by the INT-1 digests over its bytes."""
+    if ctx.backend.capabilities.integrity:
+        _native_integrity(ctx)
+        return
+    # The drivers' INT-1: the sender's digests against the digests of the bytes this backend delivered.
+    pairs = BlockPairs(
+        producer_block_ids=BlockIds([[3, 4, 5, 9], [11, 12]]), consumer_block_ids=BlockIds([[20, 7, 8, 30], [2, 40]])
+    )
+    plan = plan_transfer(producer_config=CONFIG, consumer_config=CONFIG, pairs=pairs)
+    for label, backend in (
+        ("intact", ctx.backend),
+        ("corrupted", FaultyBackend(ctx.backend, FaultPlan(corrupt_page=1.0))),
+    ):
+        with _pair(ctx, backend=backend) as pair:
+            sender = PageDigester(CONFIG, [r.buffer for r in pair.p_pool.regions])
+            receiver = PageDigester(CONFIG, [r.buffer for r in pair.c_pool.regions])
+            for mode in _modes(ctx):
+                for g, ids in enumerate(pairs.producer_block_ids):
+                    for block_id in ids:
+                        for layer in CONFIG.kv_cache_groups[g].layer_names:
+                            region, offset = CONFIG.page_offset(layer, block_id)
+                            page = CONFIG.kv_cache_groups[g].kv_cache_spec.page_size_bytes
+                            pair.p_pool.regions[region].buffer[offset : offset + page] = _noise(
+                                page, "int", label, mode.value, g, block_id, layer
+                            )
+                handle = pair.initiator(mode).post(mode, plan.to_descriptors(mode), peer=pair.peer(mode))
+                [status] = pair.wait(mode, [handle], DONE_BOUND)
+                pair.initiator(mode).release(handle)
+                if status.state is not TransferState.DONE:
+                    raise ctx.fail(f"INT-1: {mode.value}, {label}: the transfer ended {_status_text(status)}, not DONE")
+                if mode is TransferMode.READ:
+                    sent = sender.digests(pairs.producer_block_ids)
+                    bad = receiver.check_read(pairs, pairs.producer_block_ids, sent)
+                else:
+                    bad = receiver.check_written(
+                        pairs.consumer_block_ids, sender.written_digests(pairs, pairs.consumer_block_ids)
+                    )
+                found = sorted(b for group in bad for b in group)
+                if label == "intact" and found:
+                    raise ctx.fail(f"INT-1: {mode.value}: an intact transfer failed the digests of blocks {found}")
+                if label == "corrupted" and not found:
+                    raise ctx.fail(f"INT-1: {mode.value}: a corrupted transfer passed the digests of every block")
+
+
+def _native_integrity(ctx: CaseContext) -> None:
     corrupting = FaultyBackend(ctx.backend, FaultPlan(corrupt_page=1.0))
     with _pair(ctx, backend=corrupting) as pair:
         for mode in _modes(ctx):
@@ -631,7 +686,7 @@ def _integrity(ctx: CaseContext) -> None:
             pair.initiator(mode).release(handle)
             if status.state is not TransferState.FAILED or status.reason is not FailureReason.INTEGRITY:
                 raise ctx.fail(
-                    f"FAIL-1: {mode.value}: a corrupted transfer ended {_status_text(status)}, expected FAILED integrity"  # noqa: E501
+                    f"INT-1: {mode.value}: a corrupted transfer ended {_status_text(status)}, expected FAILED integrity"
                 )
 
 

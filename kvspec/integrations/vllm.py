@@ -21,6 +21,7 @@ from typing import Any
 
 import attrs
 
+from kvspec._connector import ReferenceConnector
 from kvspec._errors import (
     BackendUnavailableError,
     BlockAlignmentError,
@@ -45,6 +46,7 @@ from kvspec._models import (
     SlidingWindowSpec,
     TransferMode,
 )
+from kvspec._offload import BlockIdGroups, LoadSet, OffloadConfig, StoreSet
 from kvspec._plan import BlockPairsLike, TransferPlan, plan_transfer
 from kvspec._reference import BlockPairs
 
@@ -55,8 +57,11 @@ __all__ = [
     "MoriioConnector",
     "NixlConnector",
     "NixlPushConnector",
+    "OffloadingConnector",
+    "OffloadingDisagreementError",
     "RawPairs",
     "VllmConnector",
+    "build_offloading_scheduler",
     "build_scheduler",
     "build_vllm_config",
     "from_vllm_kv_cache_config",
@@ -580,11 +585,567 @@ class MooncakeConnector(VllmConnector):
         super().__init__("mooncake")
 
 
-_CLASSES: dict[str, Callable[[], VllmConnector]] = {
+# --------------------------------------------------------------------------- the offloading connector
+
+
+class OffloadingDisagreementError(BlockAlignmentError):
+    """vLLM's offloading scheduler decided something kvspec's ``StoreSet`` or ``LoadSet`` cannot express (OFF-3, OFF-6).
+
+    The message names what vLLM produced and which field of kvspec's model
+    it does not fit; that is itself a finding of the offload audit.
+    """
+
+
+_OFFLOADING_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.offloading."
+_MODEL_HEADS = 1
+
+
+def _offloading_vllm_config(
+    offload: OffloadConfig, *, offload_prompt_only: bool, retention_interval: int | None
+) -> Any:
+    """vLLM's ``VllmConfig`` for the OffloadingConnector with ``f`` and ``h``, no model (OFF-1).
+
+    vLLM offloads the prompt only by default (``offload_prompt_only``);
+    kvspec's OFF-3 stores every complete chunk, decoded ones included, which
+    is vLLM with the option off, so the adapter turns it off by default.
+    ``retention_interval`` is ``cache_config.prefix_cache_retention_interval``
+    (vLLM's default 0: window groups keep only the tail a hit at the prompt's
+    replay boundary reads; None: a tail at every chunk boundary).
+    """
+    config = import_vllm("vllm.config")
+    vllm_config = config.VllmConfig(
+        kv_transfer_config=config.KVTransferConfig(
+            kv_connector="OffloadingConnector",
+            kv_role="kv_both",
+            kv_connector_extra_config={
+                "blocks_per_chunk": offload.blocks_per_chunk,
+                "offload_prompt_only": offload_prompt_only,
+            },
+        ),
+        cache_config=config.CacheConfig(
+            block_size=offload.hash_block_size,
+            prefix_match_unit=offload.hash_block_size,
+            prefix_cache_retention_interval=retention_interval,
+        ),
+        scheduler_config=config.SchedulerConfig(
+            max_model_len=_MAX_MODEL_LEN, max_num_batched_tokens=8192, is_encoder_decoder=False
+        ),
+    )
+    # build_offloading_config reads a few facts of the model (MLA or not, dtype, KV heads) for the
+    # worker's layout; none reaches the scheduler's block logic, and there is no model here.
+    model = types.SimpleNamespace(
+        use_mla=False,
+        dtype="int8",
+        model="kvspec",
+        max_model_len=_MAX_MODEL_LEN,
+        get_total_num_kv_heads=lambda: _MODEL_HEADS,
+    )
+    object.__setattr__(vllm_config, "model_config", model)
+    return vllm_config
+
+
+def _present_map_classes() -> tuple[type, type]:
+    """vLLM's ``OffloadingManager`` and ``OffloadingSpec`` subclasses whose answers come from the suite's present map.
+
+    vLLM's extension point for out-of-tree tiers (``spec_name`` and
+    ``spec_module_path``): the scheduler asks the manager whether each key is
+    stored, and the manager answers from ``present`` as the suite keeps it.
+    """
+    if _PRESENT_MAP:
+        return _PRESENT_MAP[0]
+    base = import_vllm("vllm.v1.kv_offload.base")
+
+    class PresentMapManager(base.OffloadingManager):  # type: ignore[misc,name-defined]
+        """Looks keys up in the present map of the request's current hook call; accepts every store."""
+
+        def __init__(self) -> None:
+            self.present: dict[str, Sequence[Sequence[bool]]] = {}
+            self.chunk_sizes: tuple[int, ...] = ()
+            self.loaded: list[Any] = []
+            self.offered: list[Any] = []
+
+        def chunk_of(self, key: Any, req_context: Any) -> tuple[int, int]:
+            group = base.get_offload_group_idx(key)
+            end = req_context.get_offload_key_position(key)
+            return group, end // self.chunk_sizes[group] - 1
+
+        def lookup(self, key: Any, req_context: Any) -> Any:
+            group, chunk = self.chunk_of(key, req_context)
+            present = self.present.get(req_context.req_id, ())
+            row = present[group] if group < len(present) else ()
+            return base.LookupResult.HIT if chunk < len(row) and row[chunk] else base.LookupResult.MISS
+
+        def prepare_load(self, keys: Any, req_context: Any) -> Any:
+            self.loaded = list(keys)
+            return base.LoadStoreSpec()
+
+        def prepare_store(self, keys: Any, req_context: Any) -> Any:
+            # The suite owns the chunk pool and its presence: every offered key is to be written.
+            self.offered = list(keys)
+            return base.PrepareStoreOutput(keys_to_store=list(keys), store_spec=base.LoadStoreSpec(), evicted_keys=[])
+
+        def on_new_request(self, req_context: Any) -> Any:
+            return base.RequestOffloadingContext()
+
+    class PresentMapSpec(base.OffloadingSpec):  # type: ignore[misc,name-defined]
+        """An offloading spec whose manager is :class:`PresentMapManager`; it has no worker (no device here)."""
+
+        def get_manager(self) -> Any:
+            return PresentMapManager()
+
+        def get_worker(self, kv_caches: Any) -> Any:
+            raise NotImplementedError("kvspec's present-map spec has no worker: the suite copies the bytes")
+
+    _PRESENT_MAP.append((PresentMapManager, PresentMapSpec))
+    return PresentMapManager, PresentMapSpec
+
+
+_PRESENT_MAP: list[tuple[type, type]] = []
+
+
+def build_offloading_scheduler(
+    config: KVCacheConfig,
+    offload: OffloadConfig,
+    *,
+    offload_prompt_only: bool = False,
+    retention_interval: int | None = 0,
+) -> Any:
+    """vLLM's ``OffloadingConnectorScheduler`` for ``config``, built by vLLM, over a present-map manager (OFF-1).
+
+    The offloading config comes from vLLM's ``build_offloading_config``
+    (groups, ``f``, ``h``, windows in chunks); a refusal becomes
+    :class:`UnsupportedHybridError` with vLLM's message (OFF-9).
+    """
+    _, spec_cls = _present_map_classes()
+    offloading_config = import_vllm(_OFFLOADING_MODULE + "config")
+    scheduler_module = import_vllm(_OFFLOADING_MODULE + "scheduler")
+    vllm_config = _offloading_vllm_config(
+        offload, offload_prompt_only=offload_prompt_only, retention_interval=retention_interval
+    )
+    kv_cache_config = to_vllm_kv_cache_config(config)
+    try:
+        spec = spec_cls(offloading_config.build_offloading_config(vllm_config, kv_cache_config))
+        return scheduler_module.OffloadingConnectorScheduler(spec, vllm_config, kv_cache_config)
+    except Exception as exc:  # vLLM refuses with AssertionError, ValueError, ...
+        raise UnsupportedHybridError(
+            f"vLLM's OffloadingConnector refuses this config (OFF-9): {type(exc).__name__}: {exc or 'a bare assert'}"
+        ) from exc
+
+
+@attrs.define
+class _OffloadRequest:
+    """One request as vLLM's scheduler holds it: its ``Request`` (tokens, block hashes) and its scheduler's key."""
+
+    key: tuple[KVCacheConfig, OffloadConfig]
+    request: Any
+
+
+def _group_lists(block_ids: BlockIdGroups) -> list[list[int]]:
+    return [list(group) for group in (block_ids.groups if isinstance(block_ids, BlockIds) else block_ids)]
+
+
+def _chunk_ranges(
+    manager: Any, keys: Sequence[Any], req_context: Any, num_groups: int, what: str
+) -> list[tuple[int, int]]:
+    """Per group, the (first, stop) range of the chunks ``keys`` name; a gap is not expressible (OFF-3, OFF-6)."""
+    chunks: list[list[int]] = [[] for _ in range(num_groups)]
+    for key in keys:
+        group, chunk = manager.chunk_of(key, req_context)
+        chunks[group].append(chunk)
+    ranges = []
+    for g, mine in enumerate(chunks):
+        if mine and mine != list(range(mine[0], mine[0] + len(mine))):
+            raise OffloadingDisagreementError(
+                f"vLLM's OffloadingConnector {what} group {g} chunks {mine}: kvspec's {what} set expects one "
+                "contiguous run of chunks per group (chunk_ranges), found a gap"
+            )
+        ranges.append((mine[0], mine[-1] + 1) if mine else (0, 0))
+    return ranges
+
+
+def _split(spec: Any, num_groups: int, what: str) -> tuple[list[tuple[int, ...]], list[int], list[int]]:
+    """vLLM's ``GPULoadStoreSpec`` as per-group block ids, first positions and counts (OFF-3, OFF-6)."""
+    ids = [int(i) for i in spec.block_ids]
+    sizes = [int(n) for n in spec.group_sizes]
+    firsts = [int(i) for i in spec.block_indices]
+    if len(sizes) != num_groups:
+        raise OffloadingDisagreementError(
+            f"vLLM's OffloadingConnector {what} spec has {len(sizes)} groups, kvspec's config {num_groups}"
+        )
+    out, at = [], 0
+    for size in sizes:
+        out.append(tuple(ids[at : at + size]))
+        at += size
+    return out, firsts, sizes
+
+
+class OffloadingConnector(ReferenceConnector):
+    """``vllm:offloading``: vLLM 0.33.0's ``OffloadingConnectorScheduler`` decides hits, load sets and store sets.
+
+    The exchange hooks are kvspec's reference (the OffloadingConnector moves
+    no KV between engines). The offload hooks (:class:`~kvspec.OffloadConnector`)
+    drive vLLM's own scheduler, built by its constructor over a manager that
+    answers lookups from the suite's ``present`` map, per request id:
+
+    - hit: ``get_num_new_matched_tokens`` on a ``Request`` of ``num_tokens``
+      tokens hashed by vLLM's block hasher at ``h``;
+    - load set: ``update_state_after_alloc`` with the block table as
+      ``KVCacheBlocks`` (0 is vLLM's null block; blocks below the local hit
+      are cached, the rest fresh), read back from the load job's
+      ``GPULoadStoreSpec`` and the keys passed to ``prepare_load``;
+    - store set: ``build_connector_meta`` for a step that schedules the
+      request up to ``num_offloadable_tokens`` with its whole block table
+      (vLLM's resumed-request path) and ``next_stored_chunk_idx`` set to
+      ``next_chunk``, read back from the store job and the keys passed to
+      ``prepare_store``;
+    - sub-blocks: the CPU worker's ``compute_sub_block_ptrs`` on a tensor of
+      one byte per sub-block, with the worker's skip ``first % f``.
+
+    Every job is reported complete at once, so vLLM never delays a request
+    for an in-flight transfer. ``finish_request`` drops the request's state.
+    A result kvspec's sets cannot express raises
+    :class:`OffloadingDisagreementError`.
+    """
+
+    def __init__(self, *, offload_prompt_only: bool = False, retention_interval: int | None = 0) -> None:
+        self.offload_prompt_only = offload_prompt_only
+        self.retention_interval = retention_interval
+        self._schedulers: dict[tuple[KVCacheConfig, OffloadConfig], Any] = {}
+        self._requests: dict[str, _OffloadRequest] = {}
+        self._hasher: dict[int, Any] = {}
+
+    def __repr__(self) -> str:
+        return (
+            f"OffloadingConnector(offload_prompt_only={self.offload_prompt_only!r}, "
+            f"retention_interval={self.retention_interval!r})"
+        )
+
+    # ----------------------------------------------------------------- vLLM objects
+
+    def scheduler(self, config: KVCacheConfig, offload: OffloadConfig) -> Any:
+        """vLLM's scheduler for ``config`` and ``offload`` (cached) (OFF-1)."""
+        key = (config, offload)
+        if key not in self._schedulers:
+            scheduler = build_offloading_scheduler(
+                config,
+                offload,
+                offload_prompt_only=self.offload_prompt_only,
+                retention_interval=self.retention_interval,
+            )
+            scheduler.manager.chunk_sizes = tuple(g.tokens_per_chunk for g in scheduler.config.kv_group_configs)
+            self._schedulers[key] = scheduler
+        return self._schedulers[key]
+
+    def _request(self, config: KVCacheConfig, offload: OffloadConfig, request_id: str, num_tokens: int) -> Any:
+        """The request's vLLM ``Request`` with at least ``num_tokens`` tokens (exactly, when ``exact``)."""
+        key = (config, offload)
+        scheduler = self.scheduler(config, offload)
+        held = self._requests.get(request_id)
+        if held is not None and (held.key != key or held.request.num_tokens > num_tokens):
+            self.finish_request(request_id)
+            held = None
+        if held is None:
+            request = self._new_request(request_id, num_tokens, offload.hash_block_size)
+            scheduler.on_new_request(request)
+            held = self._requests[request_id] = _OffloadRequest(key=key, request=request)
+        request = held.request
+        if request.num_tokens < num_tokens:
+            request.append_output_token_ids(_tokens(request.num_tokens, num_tokens))
+        return request
+
+    def _new_request(self, request_id: str, num_tokens: int, hash_block_size: int) -> Any:
+        request_module = import_vllm("vllm.v1.request")
+        sampling = import_vllm("vllm.sampling_params")
+        if hash_block_size not in self._hasher:
+            utils = import_vllm("vllm.v1.core.kv_cache_utils")
+            hashing = import_vllm("vllm.utils.hashing")
+            utils.init_none_hash(hashing.sha256)
+            self._hasher[hash_block_size] = utils.get_request_block_hasher(hash_block_size, hashing.sha256)
+        return request_module.Request(
+            request_id=request_id,
+            prompt_token_ids=_tokens(0, num_tokens),
+            sampling_params=sampling.SamplingParams(max_tokens=1 << 20),
+            pooling_params=None,
+            block_hasher=self._hasher[hash_block_size],
+        )
+
+    def _complete(self, scheduler: Any, job_ids: Sequence[int]) -> None:
+        """Report ``job_ids`` done, as the worker would: the suite has copied the bytes."""
+        if not job_ids:
+            return
+        common = import_vllm(_OFFLOADING_MODULE + "common")
+        outputs = import_vllm("vllm.v1.outputs")
+        meta = common.OffloadingWorkerMetadata(completed_jobs=dict.fromkeys(job_ids, 1))
+        scheduler.update_connector_output(outputs.KVConnectorOutput(kv_connector_worker_meta=meta))
+
+    def _step(self, scheduler: Any, request: Any, block_ids: Sequence[Sequence[int]] | None, tokens: int) -> Any:
+        """One ``build_connector_meta`` step scheduling ``request`` up to ``tokens``, with its whole block table."""
+        output_module = import_vllm("vllm.v1.core.sched.output")
+        cached = output_module.CachedRequestData.make_empty()
+        num_scheduled: dict[str, int] = {}
+        if block_ids is not None:
+            rid = request.request_id
+            cached.req_ids.append(rid)
+            cached.resumed_req_ids.add(rid)
+            cached.new_token_ids.append([])
+            cached.new_block_ids.append(tuple(list(g) for g in block_ids))
+            cached.num_computed_tokens.append(0)
+            cached.num_output_tokens.append(request.num_output_tokens)
+            request.num_computed_tokens = 0
+            num_scheduled[rid] = tokens
+        out = output_module.SchedulerOutput.make_empty()
+        out.scheduled_cached_reqs = cached
+        out.num_scheduled_tokens = num_scheduled
+        out.total_num_scheduled_tokens = sum(num_scheduled.values())
+        return scheduler.build_connector_meta(out)
+
+    # ----------------------------------------------------------------- OffloadConnector
+
+    def get_store_set(
+        self,
+        config: KVCacheConfig,
+        block_ids: BlockIdGroups,
+        *,
+        request_id: str,
+        num_offloadable_tokens: int,
+        next_chunk: Sequence[int],
+        offload: OffloadConfig,
+    ) -> StoreSet:
+        """vLLM's ``build_connector_meta`` store job for one step, as a StoreSet (OFF-3, OFF-4)."""
+        scheduler = self.scheduler(config, offload)
+        lists = _group_lists(block_ids)
+        if len(lists) != config.num_groups or len(next_chunk) != config.num_groups:
+            raise GroupCountError(
+                f"vllm:offloading get_store_set: expected {config.num_groups} groups, got {len(lists)} block lists "
+                f"and {len(next_chunk)} next chunks"
+            )
+        request = self._request(config, offload, request_id, num_offloadable_tokens)
+        state = scheduler._req_status[request_id]
+        for group_state, start in zip(state.group_states, next_chunk, strict=True):
+            group_state.next_stored_chunk_idx = start
+        manager = scheduler.manager
+        manager.offered = []
+        try:
+            meta = self._step(scheduler, request, lists, num_offloadable_tokens)
+        except AssertionError as exc:
+            raise OffloadingDisagreementError(
+                f"vLLM's OffloadingConnector asserts in _build_store_jobs (OFF-3): {exc or 'a bare assert'}"
+            ) from exc
+        jobs = [(job_id, job) for job_id, job in meta.store_jobs.items() if job.req_id == request_id]
+        self._complete(scheduler, [job_id for job_id, _ in jobs])
+        nexts = tuple(g.next_stored_chunk_idx for g in state.group_states)
+        if not jobs:
+            empty = [()] * config.num_groups
+            return StoreSet(
+                blocks_per_chunk=offload.blocks_per_chunk,
+                chunk_ranges=[(n, n) for n in nexts],
+                block_ids=empty,
+                first_block_indices=[0] * config.num_groups,
+                num_blocks=[0] * config.num_groups,
+                next_chunks=nexts,
+            )
+        ranges = _chunk_ranges(manager, manager.offered, state.req_context, config.num_groups, "store")
+        sources, firsts, sizes = _split(jobs[0][1].src_spec, config.num_groups, "store")
+        try:
+            return StoreSet(
+                blocks_per_chunk=offload.blocks_per_chunk,
+                chunk_ranges=ranges,
+                block_ids=sources,
+                first_block_indices=firsts,
+                num_blocks=sizes,
+                next_chunks=nexts,
+            )
+        except ConfigError as exc:
+            raise OffloadingDisagreementError(f"vLLM's OffloadingConnector store job is not a StoreSet: {exc}") from exc
+
+    def get_offload_hit_tokens(
+        self,
+        config: KVCacheConfig,
+        present: Sequence[Sequence[bool]],
+        *,
+        request_id: str,
+        num_tokens: int,
+        local_hit_tokens: int,
+        offload: OffloadConfig,
+    ) -> int:
+        """vLLM's ``get_num_new_matched_tokens`` over a manager answering from ``present`` (OFF-5)."""
+        scheduler = self.scheduler(config, offload)
+        if len(present) != config.num_groups:
+            raise GroupCountError(
+                f"vllm:offloading get_offload_hit_tokens.present: expected {config.num_groups} groups, "
+                f"got {len(present)}"
+            )
+        held = self._requests.get(request_id)
+        if held is not None and held.request.num_tokens != num_tokens:
+            self.finish_request(request_id)
+        request = self._request(config, offload, request_id, num_tokens)
+        scheduler.manager.present[request_id] = [list(row) for row in present]
+        try:
+            hit, _ = scheduler.get_num_new_matched_tokens(request, local_hit_tokens)
+        except AssertionError as exc:
+            raise OffloadingDisagreementError(
+                f"vLLM's OffloadingConnector asserts in get_num_new_matched_tokens (OFF-5): {exc or 'a bare assert'}"
+            ) from exc
+        finally:
+            scheduler._release_step()
+        if hit is None:
+            raise OffloadingDisagreementError(
+                "vLLM's OffloadingConnector deferred the lookup (None) with every key answered HIT or MISS (OFF-5)"
+            )
+        return int(hit)
+
+    def get_load_set(
+        self,
+        config: KVCacheConfig,
+        block_ids: BlockIdGroups,
+        *,
+        request_id: str,
+        num_tokens: int,
+        local_hit_tokens: int,
+        offload: OffloadConfig,
+    ) -> LoadSet:
+        """vLLM's ``update_state_after_alloc`` load job, as a LoadSet (OFF-6).
+
+        ``num_tokens`` is ``T``; the request is the one the last hit looked up
+        (or, if none, one of ``T + 1`` tokens looked up with every chunk
+        present, the hit the load assumes).
+        """
+        scheduler = self.scheduler(config, offload)
+        lists = _group_lists(block_ids)
+        if len(lists) != config.num_groups:
+            raise GroupCountError(
+                f"vllm:offloading get_load_set.block_ids: expected {config.num_groups} groups, got {len(lists)}"
+            )
+        state = scheduler._req_status.get(request_id)
+        held = self._requests.get(request_id)
+        if (
+            state is None
+            or held is None
+            or held.key != (config, offload)
+            or state.num_locally_computed_tokens != local_hit_tokens
+            or held.request.num_tokens < num_tokens
+        ):
+            self.get_offload_hit_tokens(
+                config,
+                _all_present(config, offload, num_tokens + 1),
+                request_id=request_id,
+                num_tokens=num_tokens + 1,
+                local_hit_tokens=local_hit_tokens,
+                offload=offload,
+            )
+            state = scheduler._req_status[request_id]
+        request = self._requests[request_id].request
+        blocks = _kv_cache_blocks(lists, config, local_hit_tokens)
+        manager = scheduler.manager
+        manager.loaded = []
+        external = num_tokens - local_hit_tokens
+        try:
+            scheduler.update_state_after_alloc(request, blocks, external)
+        except AssertionError as exc:
+            raise OffloadingDisagreementError(
+                f"vLLM's OffloadingConnector asserts in update_state_after_alloc (OFF-6): {exc or 'a bare assert'}"
+            ) from exc
+        finally:
+            scheduler._release_step()
+        jobs = [(job_id, job) for job_id, job in scheduler._current_batch_load_jobs.items() if job.req_id == request_id]
+        for job_id, _ in jobs:
+            del scheduler._current_batch_load_jobs[job_id]
+        self._complete(scheduler, [job_id for job_id, _ in jobs])
+        if not jobs:
+            # No external tokens: vLLM builds no load job, and nothing is restored.
+            return LoadSet(
+                blocks_per_chunk=offload.blocks_per_chunk,
+                chunk_ranges=[(0, 0)] * config.num_groups,
+                block_ids=[()] * config.num_groups,
+                first_block_indices=[-(-num_tokens // g.kv_cache_spec.block_size) for g in config.kv_cache_groups],
+                num_blocks=[0] * config.num_groups,
+            )
+        ranges = _chunk_ranges(manager, manager.loaded, state.req_context, config.num_groups, "load")
+        dests, firsts, sizes = _split(jobs[0][1].dst_spec, config.num_groups, "load")
+        try:
+            return LoadSet(
+                blocks_per_chunk=offload.blocks_per_chunk,
+                chunk_ranges=ranges,
+                block_ids=dests,
+                first_block_indices=firsts,
+                num_blocks=sizes,
+            )
+        except ConfigError as exc:
+            raise OffloadingDisagreementError(f"vLLM's OffloadingConnector load job is not a LoadSet: {exc}") from exc
+
+    def map_sub_blocks(
+        self, first_block_index: int, num_blocks: int, *, blocks_per_chunk: int
+    ) -> tuple[tuple[int, int], ...]:
+        """vLLM's CPU worker ``compute_sub_block_ptrs`` with its skip ``first % f``, as (entry, sub-block) (OFF-7)."""
+        if num_blocks <= 0:
+            return ()
+        worker = import_vllm("vllm.v1.kv_offload.cpu.gpu_worker")
+        numpy = import_vllm("numpy")
+        torch = import_vllm("torch")
+        f = blocks_per_chunk
+        # gpu_worker.transfer_async skips block_idx % blocks_per_chunk sub-blocks of the first chunk.
+        skip = first_block_index % f
+        entries = -(-(skip + num_blocks) // f)
+        tensor = torch.zeros((entries, f), dtype=torch.int8)
+        out = numpy.zeros(num_blocks, dtype=numpy.uint64)
+        worker.compute_sub_block_ptrs(numpy.arange(entries, dtype=numpy.int64), f, out, tensor, skip_count=skip)
+        base = tensor.data_ptr()
+        return tuple(divmod(int(p) - base, f) for p in out)
+
+    def finish_request(self, request_id: str) -> None:
+        """vLLM's ``request_finished`` and a finishing step, then forget the request (OFF-8)."""
+        held = self._requests.pop(request_id, None)
+        if held is None:
+            return
+        scheduler = self._schedulers[held.key]
+        request_module = import_vllm("vllm.v1.request")
+        held.request.status = request_module.RequestStatus.FINISHED_ABORTED
+        scheduler.request_finished(held.request)
+        output_module = import_vllm("vllm.v1.core.sched.output")
+        out = output_module.SchedulerOutput.make_empty()
+        out.finished_req_ids = {request_id}
+        # A finished request's last store job (none after an abort at num_computed_tokens 0) and its cleanup.
+        meta = scheduler.build_connector_meta(out)
+        self._complete(scheduler, list(meta.store_jobs))
+        scheduler._req_status.pop(request_id, None)
+        scheduler.manager.present.pop(request_id, None)
+
+
+def _tokens(start: int, stop: int) -> list[int]:
+    """Token ids for positions ``[start, stop)``: any ids do, the manager keys chunks by position."""
+    return [(7 + 31 * i) % 50_000 for i in range(start, stop)]
+
+
+def _all_present(config: KVCacheConfig, offload: OffloadConfig, num_tokens: int) -> list[list[bool]]:
+    f = offload.blocks_per_chunk
+    return [[True] * (num_tokens // (g.kv_cache_spec.block_size * f)) for g in config.kv_cache_groups]
+
+
+def _kv_cache_blocks(lists: Sequence[Sequence[int]], config: KVCacheConfig, local_hit_tokens: int) -> Any:
+    """The block table as vLLM's ``KVCacheBlocks``: 0 is the null block, blocks of the local hit are cached."""
+    utils = import_vllm("vllm.v1.core.kv_cache_utils")
+    manager = import_vllm("vllm.v1.core.kv_cache_manager")
+    groups = []
+    for ids, group in zip(lists, config.kv_cache_groups, strict=True):
+        cached = local_hit_tokens // group.kv_cache_spec.block_size
+        blocks = []
+        for position, block_id in enumerate(ids):
+            block = utils.KVCacheBlock(block_id)
+            if block_id == 0:
+                block.is_null = True
+            elif position < cached:
+                block._block_hash = b"kvspec-local-hit" + position.to_bytes(8, "big")
+            blocks.append(block)
+        groups.append(blocks)
+    return manager.KVCacheBlocks(tuple(groups))
+
+
+_CLASSES: dict[str, Callable[[], VllmConnector | OffloadingConnector]] = {
     "moriio": MoriioConnector,
     "nixl": NixlConnector,
     "nixl-push": NixlPushConnector,
     "mooncake": MooncakeConnector,
+    "offloading": OffloadingConnector,
 }
 
 CONNECTORS: dict[str, str] = {
@@ -592,17 +1153,23 @@ CONNECTORS: dict[str, str] = {
     "nixl": "NixlPullConnectorScheduler; pairing NixlBaseConnectorWorker._apply_prefix_caching",
     "nixl-push": "NixlPushConnectorScheduler; pairing NixlBaseConnectorWorker._apply_prefix_caching",
     "mooncake": "MooncakeConnectorScheduler; pairing MooncakeConnectorWorker._build_transfer_params",
+    "offloading": "OffloadingConnectorScheduler (hit, load set, store set); sub-blocks compute_sub_block_ptrs; "
+    "exchange hooks kvspec's reference",
 }
 """Short names (``--connector vllm:NAME``) and the vLLM code each adapter calls."""
 
 
-def make_connector(name: str) -> VllmConnector:
+def make_connector(name: str) -> VllmConnector | OffloadingConnector:
     """The adapter for ``vllm:NAME``; checks that vLLM imports (ADM-1)."""
     if name not in CONNECTORS:
         raise ConfigError(f"vLLM connector: expected one of {sorted(CONNECTORS)}, got {name!r}")
     # Import everything now: importing vLLM takes seconds, which no scenario deadline should pay.
     import_vllm(_INTERFACE)
     import_vllm("vllm.config")
+    if name == "offloading":
+        import_vllm(_OFFLOADING_MODULE + "scheduler")
+        import_vllm("vllm.v1.kv_offload.cpu.gpu_worker")
+        return _CLASSES[name]()
     _scheduler_class(name)
     if name == "mooncake":
         import_vllm("vllm.distributed.kv_transfer.kv_connector.v1.mooncake.mooncake_connector")

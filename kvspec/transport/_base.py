@@ -66,8 +66,9 @@ class Capabilities:
     - ``notifications``: ``send_notification`` / ``post(..., notification=)`` work.
     - ``cross_process``: the two agents live in different processes; memory is
       then registered as shared-memory regions (``MemoryRegion.shm_name``).
-    - ``integrity``: the backend verifies the bytes it moved and reports
-      ``FailureReason.INTEGRITY`` when they differ.
+    - ``integrity``: the backend itself verifies the bytes it moved and reports
+      ``FailureReason.INTEGRITY`` when they differ. Without it, the drivers'
+      INT-1 check gives any backend integrity (``kvspec conform --integrity``).
     - ``observable_in_flight``: a posted transfer can be seen ``PENDING``.
     - ``immediate_cancel``: ``release`` of a PENDING transfer stops it before
       returning, so no byte of it lands afterwards. Without it, callers treat a

@@ -9,7 +9,7 @@ Theory of operation (one worker per agent, started by
   ended, a notification arrived), so the proxy answers ``check`` and
   ``get_notifications`` without a round trip. Events carry the worker's
   generation (bumped on ``reset``) so a proxy ignores an earlier life's.
-- Every pair of agents shares two control connections on 127.0.0.1 (one per
+- Every pair of agents shares two control connections on the backend's ``host`` (127.0.0.1 by default; one per
   direction, authenticated with the receiver's key from its metadata,
   ``TCP_NODELAY``) and one two-rank process group (gloo by default)
   rendezvoused through a ``FileStore`` in the lower-ranked worker's temporary
@@ -239,7 +239,7 @@ class _Worker:
         # One listening socket for the life of the process (closing a socket another thread blocks on
         # frees its descriptor number for reuse while that thread still holds it).
         self.authkey = secrets.token_bytes(16)
-        self.listener = _listen()
+        self.listener = _listen(options.get("host", "127.0.0.1"))
         threading.Thread(target=self._accept_loop, name="kvspec-accept", daemon=True).start()
         self._new_identity()
 
@@ -781,10 +781,11 @@ def _no_delay(sock: socket.socket) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
-def _listen() -> socket.socket:
+def _listen(host: str) -> socket.socket:
+    """The control listener, on ``host`` (the backend's ``host`` option; 127.0.0.1 by default), any free port."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     _no_delay(sock)
-    sock.bind(("127.0.0.1", 0))
+    sock.bind((host, 0))
     sock.listen(64)
     return sock
 

@@ -11,7 +11,7 @@ Theory of operation:
 * Regions must be ``multiprocessing.shared_memory`` blocks
   (``MemoryRegion.shm_name``); the worker attaches them by name and registers
   them with NIXL as host DRAM. Device memory (VRAM) is not supported.
-* Every worker runs with ``UCX_NET_DEVICES=lo``. ``post`` checks the
+* Every worker runs with ``UCX_NET_DEVICES=lo`` (the ``net_devices`` option). ``post`` checks the
   descriptors here and queues the request; it reaches the worker with the
   next call, and the first ``check`` starts it, as loopback moves nothing
   until polled. By default UCX moves data with CMA (``process_vm_readv``/``writev``),
@@ -38,6 +38,7 @@ import contextlib
 import importlib.util
 import itertools
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -458,6 +459,10 @@ def _stop(process: subprocess.Popen[bytes], *, grace: float) -> None:
         process.wait(timeout=10.0)
 
 
+# A UCX device name: an interface (lo, eth0, veth-a) or an RDMA port (mlx5_0:1); "all" too.
+_DEVICE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:@-]{0,31}$")
+
+
 class NixlBackend:
     """Creates NIXL agents, one worker process each (Backend).
 
@@ -468,6 +473,10 @@ class NixlBackend:
       in flight, about 10x slower).
     - ``env``: extra environment for the workers, e.g. ``{"UCX_LOG_LEVEL": "info"}``.
     - ``ucx_params``: UCX backend parameters, e.g. ``{"ucx_error_handling_mode": "none"}``.
+    - ``net_devices``: ``UCX_NET_DEVICES`` of the workers and the in-process
+      agent: the network devices UCX may use, comma-separated (default
+      ``"lo"``: loopback only). Across hosts, the NIC that reaches the peer,
+      e.g. ``"eth0"`` or ``"mlx5_0:1"``.
     - ``call_timeout``: seconds any call may wait for its worker (default 60).
     - ``start_timeout``: seconds a worker may take to start (default 60).
     - ``transfer_timeout``: seconds a transfer may stay in flight before it
@@ -497,8 +506,15 @@ class NixlBackend:
         max_idle_workers: int = 4,
         in_process: str | None = None,
         worker_command: Sequence[str] | None = None,
+        net_devices: str = "lo",
     ) -> None:
         _require_nixl()
+        if not isinstance(net_devices, str) or not all(_DEVICE.match(d) for d in net_devices.split(",")):
+            raise ConfigError(
+                f"NixlBackend.net_devices: expected UCX device names, comma-separated (e.g. 'lo', 'eth0', "
+                f"'mlx5_0:1'), got {net_devices!r}"
+            )
+        self._net_devices = net_devices
         if tls not in (None, "tcp"):
             raise ConfigError(f"NixlBackend.tls: expected None or 'tcp', got {tls!r}")
         for field, value in (("call_timeout", call_timeout), ("start_timeout", start_timeout)):
@@ -545,11 +561,12 @@ class NixlBackend:
         return self._capabilities
 
     def worker_env(self) -> dict[str, str]:
-        """The environment a worker starts with: loopback only, plus ``UCX_TLS`` in tcp mode."""
+        """The environment a worker starts with: ``UCX_NET_DEVICES`` (loopback by default), ``UCX_TLS`` in tcp mode."""
         env = dict(os.environ)
         package_root = str(Path(__file__).resolve().parents[2])
         env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
-        env["UCX_NET_DEVICES"] = "lo"  # keep UCX on loopback (docs/backends/nixl.md, Environment and options)
+        # Loopback unless told otherwise (docs/backends/nixl.md, Environment and options).
+        env["UCX_NET_DEVICES"] = self._net_devices
         if self._tls is not None:
             env["UCX_TLS"] = self._tls
         env.setdefault("NIXL_LOG_LEVEL", "WARN")  # NIXL logs every agent start at INFO

@@ -10,7 +10,8 @@ Theory of operation:
   the worker maps the same bytes, so data lands in the caller's pools without
   passing through this process.
 - ``add_remote_agent`` pairs two workers: two control connections on
-  127.0.0.1 and one two-rank process group (gloo, ``GLOO_SOCKET_IFNAME=lo``).
+  ``host`` (127.0.0.1 by default) and one two-rank process group (gloo on
+  ``interface``, ``GLOO_SOCKET_IFNAME``, ``lo`` by default).
   ``post`` validates every descriptor here, before anything moves (PLAN-1),
   coalesces adjacent descriptors into runs, and hands them to the worker.
 - ``check`` asks the worker; a transfer whose peer process dies or that
@@ -26,9 +27,11 @@ from __future__ import annotations
 import contextlib
 import glob
 import importlib.util
+import ipaddress
 import json
 import multiprocessing
 import os
+import re
 import shutil
 import tempfile
 import threading
@@ -91,8 +94,30 @@ def _require_torch() -> None:
         raise BackendUnavailableError(INSTALL_HINT)
 
 
+_INTERFACE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:@-]{0,14}$")
+
+
+def _check_interface(interface: object) -> None:
+    """A Linux interface name: 1 to 15 characters, no spaces or slashes."""
+    if not isinstance(interface, str) or not _INTERFACE.match(interface):
+        raise ConfigError(
+            f"TorchDistributedBackend.interface: expected a network interface name such as 'lo' or 'eth0', "
+            f"got {interface!r}"
+        )
+
+
+def _check_host(host: object) -> None:
+    """An IPv4 address in dotted form (the control sockets are IPv4)."""
+    try:
+        ipaddress.IPv4Address(host if isinstance(host, str) else "")
+    except ValueError:
+        raise ConfigError(
+            f"TorchDistributedBackend.host: expected an IPv4 address such as '127.0.0.1', got {host!r}"
+        ) from None
+
+
 def _worker_entry(conn: Connection, events: Connection, name: str, options: dict[str, Any]) -> None:
-    """Process target: pin gloo to the loopback interface, then import torch and serve."""
+    """Process target: pin gloo to the chosen interface (``lo`` by default), then import torch and serve."""
     os.environ["GLOO_SOCKET_IFNAME"] = options["interface"]
     from kvspec.transport import _torch_worker
 
@@ -112,6 +137,12 @@ class TorchDistributedBackend:
     loop waits in the worker; ``threads`` is ``torch.set_num_threads`` in the
     workers; ``prestart`` workers are started (and waited for) here, and up
     to ``max_idle`` closed agents' workers are kept for reuse.
+
+    ``host`` is the IPv4 address the workers' control sockets bind to and
+    advertise in their agent metadata, and ``interface`` the network
+    interface gloo uses (``GLOO_SOCKET_IFNAME``); the defaults,
+    ``"127.0.0.1"`` and ``"lo"``, keep every byte on loopback. Across hosts,
+    give both for the NIC that reaches the peer (docs/backends/torch.md).
     """
 
     def __init__(
@@ -121,6 +152,7 @@ class TorchDistributedBackend:
         timeout_s: float = 30.0,
         start_timeout_s: float = 120.0,
         interface: str = "lo",
+        host: str = "127.0.0.1",
         chunk_bytes: int = 1 << 20,
         stage_below: int = 32 << 10,
         ring: int = 8,
@@ -138,10 +170,13 @@ class TorchDistributedBackend:
             raise ConfigError(
                 f"TorchDistributedBackend: expected positive chunk_bytes and ring, got {chunk_bytes}, {ring}"
             )
+        _check_interface(interface)
+        _check_host(host)
         self._options: dict[str, Any] = {
             "process_group": process_group,
             "timeout_s": float(timeout_s),
             "interface": interface,
+            "host": host,
             "chunk_bytes": int(chunk_bytes),
             "stage_below": int(stage_below),
             "ring": int(ring),

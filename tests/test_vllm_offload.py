@@ -1,0 +1,401 @@
+"""``vllm:offloading`` against vLLM 0.33.0 itself: the adapter, its agreements and disagreements, the offload audit.
+
+These tests need vLLM (``kvspec[vllm]``): skipped without it, failed under ``--require-backends``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+from kvspec_conformance import Connector, OffloadConnector
+
+from kvspec import (
+    LoadSet,
+    OffloadConfig,
+    StoreSet,
+    UnsupportedHybridError,
+    get_load_set,
+    get_offload_hit_tokens,
+    get_store_set,
+    map_sub_blocks,
+)
+
+pytestmark = pytest.mark.vllm
+
+ROOT = Path(__file__).resolve().parent.parent
+OFFLOAD_JSON = ROOT / "docs" / "explanation" / "vllm-offload-audit.json"
+
+
+@pytest.fixture(scope="module")
+def vllm(pytestconfig: pytest.Config) -> Any:
+    from conftest import require_backend_module
+
+    module = require_backend_module(pytestconfig, "vllm", "vllm")
+    assert module.__version__ == "0.33.0", f"these tests pin vllm==0.33.0, found {module.__version__}"
+    return module
+
+
+@pytest.fixture(scope="module")
+def adapter(vllm: Any) -> Any:
+    from kvspec.integrations.vllm import make_connector
+
+    return make_connector("offloading")
+
+
+def _config(*shapes: str) -> Any:
+    """``full/B4``, ``sw8/B4``, ``mamba/B4`` -> the audit's small config."""
+    from kvspec.integrations.vllm_offload_audit import OffloadShape, offload_config
+
+    groups = []
+    for text in shapes:
+        kind, _, size = text.partition("/B")
+        if kind == "full":
+            groups.append(OffloadShape(block_size=int(size)))
+        elif kind == "mamba":
+            groups.append(OffloadShape(block_size=int(size), mamba=True))
+        else:
+            groups.append(OffloadShape(block_size=int(size), window=int(kind[2:])))
+    return offload_config(groups)
+
+
+F1 = OffloadConfig(blocks_per_chunk=1, hash_block_size=4)
+
+
+def test_make_connector_builds_both_seams(adapter: Any) -> None:
+    assert isinstance(adapter, OffloadConnector)
+    assert isinstance(adapter, Connector)
+    assert repr(adapter) == "OffloadingConnector(offload_prompt_only=False, retention_interval=0)"
+
+
+def test_import_kvspec_never_imports_vllm_for_the_offload_audit() -> None:
+    code = "import sys, kvspec.integrations.vllm_offload_audit; print('vllm' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=os.environ)
+    assert out.stdout.strip() == "False", out.stderr[-2000:]
+
+
+# --------------------------------------------------------------------------- agreements, pinned from vLLM's own tests
+
+
+def test_hma_test_full_and_window_hit_and_load_agree(adapter: Any) -> None:
+    """vLLM's test_two_groups_full_and_sliding_window: N=13 hits 12, loads (0,0..2), (1,1..2) (OFF-5, OFF-6).
+
+    Values as docs/spec/offload.md quotes them.
+    """
+    config = _config("full/B4", "sw8/B4")
+    present = [[True] * 3, [True] * 3]
+    hit = adapter.get_offload_hit_tokens(
+        config, present, request_id="hma", num_tokens=13, local_hit_tokens=0, offload=F1
+    )
+    assert hit == 12 == get_offload_hit_tokens(config, present, num_tokens=13, local_hit_tokens=0, offload=F1)
+    table = [[11, 12, 13, 14], [0, 22, 23, 24]]
+    load = adapter.get_load_set(config, table, request_id="hma", num_tokens=12, local_hit_tokens=0, offload=F1)
+    assert load.chunks == ((0, 1, 2), (1, 2))
+    assert load.block_ids == ((11, 12, 13), (22, 23))
+    assert load == get_load_set(config, table, num_tokens=12, local_hit_tokens=0, offload=F1)
+    adapter.finish_request("hma")
+
+
+def test_hma_test_different_block_sizes_agree(adapter: Any) -> None:
+    """vLLM's test_two_groups_different_block_sizes: 85 tokens, a 48-token GPU hit, load 32 more (OFF-5, OFF-6).
+
+    Values as docs/spec/offload.md quotes them.
+    """
+    config = _config("full/B12", "full/B16")
+    present = [[True] * 7, [True] * 5]
+    hit = adapter.get_offload_hit_tokens(
+        config, present, request_id="sizes", num_tokens=85, local_hit_tokens=48, offload=F1
+    )
+    assert hit == 32
+    table = [list(range(1, 8)), list(range(101, 106))]
+    load = adapter.get_load_set(config, table, request_id="sizes", num_tokens=80, local_hit_tokens=48, offload=F1)
+    assert load.chunks == ((4, 5, 6), (3, 4))
+    assert load == get_load_set(config, table, num_tokens=80, local_hit_tokens=48, offload=F1)
+    adapter.finish_request("sizes")
+
+
+@pytest.mark.parametrize("local_blocks", [0, 1, 2, 3, 4, 5])
+def test_f3_loads_at_every_residue_agree(adapter: Any, local_blocks: int) -> None:
+    """f=3: a load starting at L = C // B, for every residue of L mod 3, reads the reference's chunks."""
+    config = _config("full/B4", "sw8/B4")
+    f3 = OffloadConfig(blocks_per_chunk=3, hash_block_size=4)
+    local = 4 * local_blocks
+    present = [[True] * 3, [True] * 3]
+    rid = f"res{local_blocks}"
+    hit = adapter.get_offload_hit_tokens(
+        config, present, request_id=rid, num_tokens=37, local_hit_tokens=local, offload=f3
+    )
+    assert hit == get_offload_hit_tokens(config, present, num_tokens=37, local_hit_tokens=local, offload=f3)
+    table = [list(range(1, 10)), [0] * 7 + [27, 28]]
+    load = adapter.get_load_set(
+        config, table, request_id=rid, num_tokens=local + hit, local_hit_tokens=local, offload=f3
+    )
+    assert load == get_load_set(config, table, num_tokens=local + hit, local_hit_tokens=local, offload=f3)
+    adapter.finish_request(rid)
+
+
+@settings(max_examples=60, deadline=None)
+@given(first=st.integers(0, 40), count=st.integers(0, 20), f=st.integers(1, 6))
+@example(first=4, count=5, f=3)  # docs/spec/offload.md OFF-7: L = 4, f = 3; (-L) % f would pair wrongly
+@example(first=5, count=4, f=3)  # #42945's store: first index 5, four sources
+def test_sub_block_map_is_vllms_worker_and_the_reference(adapter: Any, first: int, count: int, f: int) -> None:
+    assert adapter.map_sub_blocks(first, count, blocks_per_chunk=f) == map_sub_blocks(first, count, blocks_per_chunk=f)
+
+
+def test_store_of_full_attention_agrees(adapter: Any) -> None:
+    config = _config("full/B12", "full/B16")
+    table = [list(range(1, 9)), list(range(101, 107))]
+    store = adapter.get_store_set(
+        config, table, request_id="st", num_offloadable_tokens=96, next_chunk=[3, 2], offload=F1
+    )
+    assert store.chunks == ((3, 4, 5, 6, 7), (2, 3, 4, 5))
+    assert store == get_store_set(config, table, num_offloadable_tokens=96, next_chunk=[3, 2], offload=F1)
+    adapter.finish_request("st")
+
+
+# --------------------------------------------------------------------------- disagreements the findings page explains
+
+
+def test_window_tail_only_store_is_vllms_default(adapter: Any) -> None:
+    """OFF-3:stores-window-tail-only: with retention 0 vLLM stores only the window chunks a hit at N - 1 reads."""
+    config = _config("full/B4", "sw8/B4")
+    table = [list(range(1, 8)), list(range(1001, 1008))]
+    store = adapter.get_store_set(
+        config, table, request_id="tail", num_offloadable_tokens=25, next_chunk=[0, 0], offload=F1
+    )
+    reference = get_store_set(config, table, num_offloadable_tokens=25, next_chunk=[0, 0], offload=F1)
+    assert store.chunks == ((0, 1, 2, 3, 4, 5), (4, 5))
+    assert reference.chunks == ((0, 1, 2, 3, 4, 5), (0, 1, 2, 3, 4, 5))
+    adapter.finish_request("tail")
+
+
+def test_dense_retention_stores_every_window_chunk_but_skips_a_partial_one(vllm: Any) -> None:
+    """OFF-3:skips-partial-chunk: vLLM never writes a chunk with a null sub-block; the reference writes the rest."""
+    from kvspec.integrations.vllm import OffloadingConnector
+
+    dense = OffloadingConnector(retention_interval=None)
+    config = _config("full/B4", "sw24/B4")
+    f2 = OffloadConfig(blocks_per_chunk=2, hash_block_size=4)
+    table = [list(range(1, 16)), [0, *range(1002, 1016)]]
+    store = dense.get_store_set(config, table, request_id="p", num_offloadable_tokens=57, next_chunk=[0, 0], offload=f2)
+    reference = get_store_set(config, table, num_offloadable_tokens=57, next_chunk=[0, 0], offload=f2)
+    assert reference.partial_chunks == ((), (0,))
+    assert store.chunks == (reference.chunks[0], reference.complete_chunks[1])
+    assert store.num_blocks == (14, 12)
+
+
+def test_periodic_retention_stores_chunks_a_store_set_cannot_express(vllm: Any) -> None:
+    from kvspec.integrations.vllm import OffloadingConnector, OffloadingDisagreementError
+
+    periodic = OffloadingConnector(retention_interval=16)
+    config = _config("full/B4", "sw8/B4")
+    table = [list(range(1, 11)), list(range(101, 111))]
+    with pytest.raises(OffloadingDisagreementError, match=r"group 1 chunks \[2, 3, 6, 7, 8\].*contiguous"):
+        periodic.get_store_set(config, table, request_id="x", num_offloadable_tokens=40, next_chunk=[0, 0], offload=F1)
+
+
+def test_window_one_past_a_chunk_multiple_asks_vllm_for_one_chunk_more(adapter: Any) -> None:
+    """OFF-5:vllm-hit-shorter: W = 13, C = 4: vLLM wants 4 window chunks before M = 24, the reference 3."""
+    config = _config("full/B4", "sw13/B4")
+    present = [
+        [False, True, True, True, True, True, False],
+        [False, True, False, True, True, True, True],
+    ]
+    hit = adapter.get_offload_hit_tokens(
+        config, present, request_id="w1", num_tokens=31, local_hit_tokens=8, offload=F1
+    )
+    assert hit == 0
+    assert get_offload_hit_tokens(config, present, num_tokens=31, local_hit_tokens=8, offload=F1) == 16
+    # With window chunk 2 present as well, both hit 16.
+    present[1][2] = True
+    hit = adapter.get_offload_hit_tokens(
+        config, present, request_id="w1", num_tokens=31, local_hit_tokens=8, offload=F1
+    )
+    assert hit == 16 == get_offload_hit_tokens(config, present, num_tokens=31, local_hit_tokens=8, offload=F1)
+    adapter.finish_request("w1")
+
+
+def test_mamba_is_a_one_chunk_window_in_vllm(adapter: Any) -> None:
+    config = _config("full/B4", "mamba/B4")
+    present = [[True] * 4, [True] * 4]
+    hit = adapter.get_offload_hit_tokens(config, present, request_id="m", num_tokens=17, local_hit_tokens=0, offload=F1)
+    assert hit == 16
+    with pytest.raises(UnsupportedHybridError, match=r"group 1 \(kind mamba.*OFF-9"):
+        get_offload_hit_tokens(config, present, num_tokens=17, local_hit_tokens=0, offload=F1)
+    adapter.finish_request("m")
+
+
+def test_finish_request_drops_vllms_state(vllm: Any) -> None:
+    from kvspec.integrations.vllm import OffloadingConnector
+
+    connector = OffloadingConnector()
+    config = _config("full/B4", "sw8/B4")
+    connector.get_offload_hit_tokens(
+        config, [[True] * 3, [True] * 3], request_id="gone", num_tokens=13, local_hit_tokens=0, offload=F1
+    )
+    scheduler = connector.scheduler(config, F1)
+    assert "gone" in scheduler._req_status
+    connector.finish_request("gone")
+    assert "gone" not in scheduler._req_status
+    assert "gone" not in scheduler.manager.present
+    connector.finish_request("gone")  # twice is harmless
+
+
+def test_results_are_kvspec_models(adapter: Any) -> None:
+    config = _config("full/B4", "sw8/B4")
+    table = [list(range(1, 8)), list(range(1001, 1008))]
+    assert isinstance(
+        adapter.get_store_set(config, table, request_id="t", num_offloadable_tokens=12, next_chunk=[0, 0], offload=F1),
+        StoreSet,
+    )
+    assert isinstance(
+        adapter.get_load_set(config, table, request_id="t2", num_tokens=12, local_hit_tokens=0, offload=F1), LoadSet
+    )
+    adapter.finish_request("t")
+    adapter.finish_request("t2")
+
+
+# --------------------------------------------------------------------------- the audit
+
+
+def test_committed_offload_audit_matches_a_fresh_run(vllm: Any) -> None:
+    """The findings page's numbers come from this JSON: a rerun must reproduce it exactly."""
+    from kvspec.integrations.vllm_offload_audit import run_offload_audit
+
+    committed = json.loads(OFFLOAD_JSON.read_text(encoding="utf-8"))
+    fresh = run_offload_audit(seed=committed["seed"], random_requests=committed["random_requests"])
+    assert fresh.to_dict() == committed, (
+        "docs/explanation/vllm-offload-audit.json is stale: regenerate it with kvspec vllm-audit --offload "
+        "--seed 11 --json docs/explanation/vllm-offload-audit.json (then update the findings page)\n" + fresh.render()
+    )
+    for c in committed["classes"]:
+        assert c["verdict"] in {"vLLM bug", "kvspec rule gap", "accepted difference"}, c["class"]
+
+
+def test_findings_page_names_every_offload_class() -> None:
+    page = (ROOT / "docs" / "explanation" / "vllm-findings.md").read_text(encoding="utf-8")
+    committed = json.loads(OFFLOAD_JSON.read_text(encoding="utf-8"))
+    for c in committed["classes"]:
+        assert f"`{c['class']}`" in page, c["class"]
+        assert f"{c['cases']} " in page, (c["class"], c["cases"])
+    for connector, per_rule in committed["calls"].items():
+        row = next(line for line in page.splitlines() if line.startswith(f"| `{connector}` |"))
+        for rule, calls in per_rule.items():
+            assert f"{committed['agreed'][connector][rule]} of {calls}" in row, (connector, rule, row)
+
+
+def test_audit_catches_a_planted_sub_block_mutant(vllm: Any) -> None:
+    """The pre-HMA worker's skip (-L) % f, planted in the adapter: the audit must report an OFF-7 class."""
+    from kvspec.integrations.vllm import OffloadingConnector
+    from kvspec.integrations.vllm_offload_audit import run_offload_audit
+
+    class NegativeSkip(OffloadingConnector):
+        def map_sub_blocks(
+            self, first_block_index: int, num_blocks: int, *, blocks_per_chunk: int
+        ) -> tuple[tuple[int, int], ...]:
+            f = blocks_per_chunk
+            skip = (-first_block_index) % f
+            return tuple(divmod(skip + i, f) for i in range(num_blocks))
+
+    report = run_offload_audit(seed=3, random_requests=0, connectors={"mutant": NegativeSkip})
+    ids = {c.id for c in report.classes}
+    assert "OFF-7:sub_blocks" in ids, report.render()
+    assert report.agreed["mutant"]["OFF-7"] < report.calls["mutant"]["OFF-7"]
+
+
+def test_audit_catches_a_planted_hit_mutant(vllm: Any) -> None:
+    """A hit one block too long wherever vLLM's is non-zero: the audit reports it, with no verdict to hide behind."""
+    from kvspec.integrations.vllm import OffloadingConnector
+    from kvspec.integrations.vllm_offload_audit import run_offload_audit
+
+    class LongHit(OffloadingConnector):
+        def get_offload_hit_tokens(self, *args: Any, **kwargs: Any) -> int:
+            hit = super().get_offload_hit_tokens(*args, **kwargs)
+            return hit + 4 if hit else 0
+
+    report = run_offload_audit(seed=3, random_requests=5, connectors={"mutant": LongHit})
+    longer = [c for c in report.classes if c.id == "OFF-5:vllm-hit-longer"]
+    assert longer, report.render()
+    assert longer[0].to_dict()["verdict"] == "unclassified"
+
+
+def test_cli_offload_audit_runs(vllm: Any, tmp_path: Path) -> None:
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvspec",
+            "vllm-audit",
+            "--offload",
+            "--requests",
+            "3",
+            "--json",
+            str(tmp_path / "a.json"),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=os.environ,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "OFF-7" in out.stdout
+    assert json.loads((tmp_path / "a.json").read_text(encoding="utf-8"))["random_requests"] == 3
+
+
+def test_conform_with_vllm_offloading_has_no_error_and_only_listed_failures(vllm: Any) -> None:
+    """The whole suite with ``--connector vllm:offloading``: no error, every failure listed (and explained)."""
+    listed = ROOT / "docs" / "explanation" / "vllm-expected" / "offloading.txt"
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvspec",
+            "conform",
+            "loopback",
+            "--connector",
+            "vllm:offloading",
+            "-q",
+            "--expect-fail-file",
+            str(listed),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=os.environ,
+        timeout=900,
+    )
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
+    assert " 0 failed, 0 errors" in out.stdout
+
+
+def test_vllm_0_33_never_touches_keys(vllm: Any) -> None:
+    """OFF-8 describes the #41445-era touch; 0.33.0's scheduler calls no manager.touch on lookup, load or store."""
+    from kvspec.integrations.vllm import OffloadingConnector
+
+    connector = OffloadingConnector()
+    config = _config("full/B4", "sw8/B4")
+    manager = connector.scheduler(config, F1).manager
+    touched: list[object] = []
+    manager.touch = lambda keys, req_context: touched.append(keys)
+    connector.get_offload_hit_tokens(
+        config, [[True] * 3, [True] * 3], request_id="t", num_tokens=13, local_hit_tokens=0, offload=F1
+    )
+    connector.get_load_set(
+        config, [[1, 2, 3], [0, 5, 6]], request_id="t", num_tokens=12, local_hit_tokens=0, offload=F1
+    )
+    connector.get_store_set(
+        config, [[1, 2, 3, 4], [0, 5, 6, 7]], request_id="t", num_offloadable_tokens=16, next_chunk=[0, 0], offload=F1
+    )
+    connector.finish_request("t")
+    assert touched == []
+    # The spy works: calling the manager's touch records it.
+    manager.touch([], None)
+    assert touched == [[]]
