@@ -123,7 +123,10 @@ class OffloadScenario:
 
     ``hash_block_size`` defaults to the gcd of the block sizes (OFF-1).
     ``chunk_rows`` bounds the chunk pool; when it is full the LRU key not in
-    flight is evicted.
+    flight is evicted. Every complete chunk whose last block is real must be
+    offered by some store; for window groups only with
+    ``require_window_stores`` (a window chunk left out costs later hits, never
+    data: decisions 56 and 53).
     """
 
     config: ConfigSource
@@ -132,6 +135,7 @@ class OffloadScenario:
     hash_block_size: int | None = None
     chunk_rows: int = 64
     deadline: float = 5.0
+    require_window_stores: bool = False
 
     def offload_config(self, config: KVCacheConfig) -> OffloadConfig:
         """The :class:`OffloadConfig` of this scenario for ``config``."""
@@ -695,6 +699,8 @@ class _OffloadPlay:
         Windows are not clipped when storing: a later, longer request may need any chunk.
         """
         for g, (ids, size) in enumerate(zip(run.table, self.sizes, strict=True)):
+            if _window(self.config, g) is not None and not self.scenario.require_window_stores:
+                continue
             for k in range(run.loaded_chunks[g], run.computed // size):
                 last = k * self.f + self.f - 1
                 if ids[last] != NULL_BLOCK_ID and (run.spec.stream, g, k) not in run.offered:

@@ -101,7 +101,7 @@ class ClipsWindowStores(OffloadMutant):
     """Clips each window group's list to its exchange budget (CLIP-1) before storing, as if offload were an exchange."""
 
     breaks = "OFF-3"
-    caught_by = ("OFF-3/chunk-straddling-window-edge",)
+    caught_by = ("OFF-3/window-chunks-all-stored",)
 
     def get_store_set(
         self,

@@ -20,7 +20,7 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from kvspec import ConfigError, KVSpecError, OffloadConfig, UnsupportedHybridError
-from kvspec._connector import OffloadConnector, ReferenceConnector, as_offload_connector
+from kvspec._connector import OffloadConnector, ReferenceConnector, ReferenceOffloadConnector, as_offload_connector
 
 from .._cases import case
 from .._context import CaseContext
@@ -60,7 +60,15 @@ def run_offload(ctx: CaseContext, scenario: OffloadScenario, *, rule: str) -> Of
 
 
 def _expect_hits(ctx: CaseContext, result: OffloadResult, wanted: dict[str, tuple[int, ...]], rule: str) -> None:
-    """The rule's hits for these requests (the suite's naive model agrees with the values pinned from vLLM)."""
+    """With the reference offload logic, the hits the case's docstring pins (values from vLLM's tests and the spec).
+
+    They prove the scenario reaches the state it is about. A connector under
+    test may hit less (OFF-5 forbids only longer hits, which the oracle
+    checks on every lookup; ``OFF-5/hit-as-long-as-the-rule`` asks for the
+    rule's hits), so its hits are not compared with these.
+    """
+    if type(_hooks(ctx)) is not ReferenceOffloadConnector:
+        return
     got = {rid: result.hits[rid] for rid in wanted}
     if got != wanted:
         raise ctx.fail(f"{rule}: expected hits {wanted}, got {got}\n\nscenario result:\n" + result.summary())
@@ -128,7 +136,8 @@ def _full_and_window(ctx: CaseContext) -> None:
     )
     result = run_offload(ctx, scenario, rule="OFF-3")
     _expect_hits(ctx, result, {"r13": (12,), "r17": (4,)}, "OFF-3")
-    if result.stored_pages != 12 * 2 or result.loaded_pages != (5 + 2) * 2:
+    reference = type(_hooks(ctx)) is ReferenceOffloadConnector
+    if reference and (result.stored_pages != 12 * 2 or result.loaded_pages != (5 + 2) * 2):
         raise ctx.fail(
             f"OFF-3: expected 24 pages stored (6 chunks of 2 groups, 2 layers) and 14 loaded, got "
             f"{result.stored_pages} and {result.loaded_pages}\n\n{result.summary()}"
@@ -155,6 +164,25 @@ def _straddle_store(ctx: CaseContext) -> None:
     """
     scenario = OffloadScenario(config=STRADDLE, blocks_per_chunk=3, requests=_STRADDLE_REQUESTS)
     run_offload(ctx, scenario, rule="OFF-3")
+
+
+@case("OFF-3", "window-chunks-all-stored", level="SHOULD")
+def _window_all_stored(ctx: CaseContext) -> None:
+    """Every complete window chunk whose last block is real is offered, not only the window's tail (OFF-3).
+
+    A store that clips a window group to the window (as the exchange does,
+    CLIP-1) or keeps only the chunks a replay of the prompt reads loses later,
+    longer hits, never data; the MUST cases judge only what is stored, this
+    one asks for all of it (decision 56: vLLM 0.33.0 stores the window's tail).
+    """
+    for f in (1, 3):
+        scenario = OffloadScenario(
+            config=STRADDLE,
+            blocks_per_chunk=f,
+            require_window_stores=True,
+            requests=[*_STRADDLE_REQUESTS, OffloadRequest(request_id="long", num_tokens=60, stream="long")],
+        )
+        run_offload(ctx, scenario, rule="OFF-3")
 
 
 @case("OFF-3", "store-deferred-past-request-end")
