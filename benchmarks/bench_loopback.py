@@ -1,4 +1,4 @@
-"""Loopback throughput as a ratio of a plain memoryview copy, and the bytes clipping saves.
+"""Loopback throughput against a plain memoryview copy, exchange and offload copies, and the bytes clipping saves.
 
 Run: ``.venv/bin/python benchmarks/bench_loopback.py [--reps N]``. Prints tables; asserts nothing
 about time (timing lives in benchmarks, never in tests). The machine is shared and noisy
@@ -14,7 +14,7 @@ import statistics
 import time
 from collections.abc import Callable
 
-from kvspec import TransferMode
+from kvspec import TransferMode, get_sub_block_offset, map_sub_blocks
 from kvspec._summary import blocks_needed_for, summarize_plan
 from kvspec.presets import get_preset
 from kvspec.transport import Descriptor, MemoryRegion, TransferState
@@ -26,6 +26,8 @@ KIB = 1024
 MIB = 1024 * KIB
 # (page size, blocks moved): 1000 non-contiguous blocks, fewer at 2 MiB (docs/backends/index.md).
 CASES = ((16 * KIB, 1000), (64 * KIB, 1000), (2 * MIB, 128))
+# Offload copies (issue 14): 64 KiB pages, 1000 chunks of f pages each, f = 1 and f = 4.
+OFFLOAD_CASES = ((64 * KIB, 1000, 1), (64 * KIB, 1000, 4))
 
 
 def _median_time(fn: Callable[[], None], reps: int) -> float:
@@ -81,6 +83,78 @@ def bench_copy(page: int, count: int, reps: int) -> dict[str, float]:
     return {name: total / statistics.median(times) / 1e9 for name, times in samples.items()}
 
 
+def bench_offload(page: int, chunks: int, f: int, reps: int) -> dict[str, float]:
+    """GB/s of offload copies through loopback (store: WRITE GPU -> chunk rows; load: READ back) and of memoryview.
+
+    The GPU side is ``chunks * f`` blocks at random ids of a pool twice that
+    size; chunk ``k``'s sub-block ``s`` sits at ``get_sub_block_offset(k, s)``
+    (OFF-7). The baselines copy the very same pages: one memoryview slice per
+    page ("per-page"), and one contiguous copy of the same byte count ("plain").
+    """
+    pages = chunks * f
+    gpu_blocks = 2 * pages + 2
+    pattern = random.Random(0).randbytes(MIB)
+    gpu = bytearray((pattern * (gpu_blocks * page // MIB + 1))[: gpu_blocks * page])
+    rows = bytearray(pages * page)
+    backend = LoopbackBackend()
+    gpu_agent, chunk_agent = backend.create_agent("gpu"), backend.create_agent("chunks")
+    gpu_agent.register_memory([MemoryRegion(buffer=memoryview(gpu))])
+    chunk_agent.register_memory([MemoryRegion(buffer=memoryview(rows))])
+    peer = gpu_agent.add_remote_agent(chunk_agent.get_agent_metadata())
+    block_ids = random.Random(1).sample(range(1, gpu_blocks), pages)
+    pairs = [
+        (block * page, get_sub_block_offset(entry, sub, page_size=page, blocks_per_chunk=f))
+        for block, (entry, sub) in zip(block_ids, map_sub_blocks(0, pages, blocks_per_chunk=f), strict=True)
+    ]
+    descriptors = [
+        Descriptor(local_region=0, local_offset=g, remote_region=0, remote_offset=c, nbytes=page) for g, c in pairs
+    ]
+    gpu_view, row_view = memoryview(gpu), memoryview(rows)
+    total = page * pages
+
+    def plain() -> None:
+        row_view[:total] = gpu_view[total : 2 * total]
+
+    def per_page() -> None:
+        for g, c in pairs:
+            row_view[c : c + page] = gpu_view[g : g + page]
+
+    def through(mode: TransferMode) -> Callable[[], None]:
+        def copy() -> None:
+            handle = gpu_agent.post(mode, descriptors, peer=peer)
+            while gpu_agent.check(handle).state is TransferState.PENDING:
+                pass
+            gpu_agent.release(handle)
+
+        return copy
+
+    # One run of each per round, in turn, so that drift on the shared machine hits all of them alike; each
+    # ratio is the median over rounds of the paired ratio (robust to a slow round), GB/s the median time.
+    runs: dict[str, Callable[[], None]] = {
+        "plain": plain,
+        "per_page": per_page,
+        "store": through(TransferMode.WRITE),
+        "load": through(TransferMode.READ),
+    }
+    for fn in runs.values():
+        fn()  # warm-up: page faults, first touch
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(3 * reps):
+        for name, fn in runs.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    backend.close()
+    result = {name: total / statistics.median(ts) / 1e9 for name, ts in times.items()}
+    for name in ("store", "load"):
+        paired = [pp / t for pp, t in zip(times["per_page"], times[name], strict=True)]
+        result[f"{name}_ratio"] = statistics.median(paired)
+        result[f"{name}_vs_plain"] = statistics.median(
+            [p / t for p, t in zip(times["plain"], times[name], strict=True)]
+        )
+    return result
+
+
 def bench_clipping() -> list[tuple[str, int, int, int]]:
     """(model, tokens, bytes unclipped, bytes clipped) for Gemma 3 27B and GPT-OSS 120B."""
     rows = []
@@ -106,6 +180,19 @@ def main() -> None:
         print(
             f"{page // KIB:>5} KiB {count:>6} {r['plain']:>7.2f} {r['per_page']:>8.2f} {r['loopback']:>8.2f} "
             f"{r['loopback'] / r['plain']:>8.2f} {r['loopback'] / r['per_page']:>8.2f}"
+        )
+    print()
+    print("loopback offload copies vs memoryview copy of the same pages (GB/s; ratio = loopback / per-page copy,")
+    print("the median of paired runs; target >= 0.8) and vs one contiguous copy of as many bytes")
+    print(
+        f"{'page':>8} {'chunks':>6} {'f':>2} {'plain':>7} {'per-page':>8} {'store':>7} {'load':>7} "
+        f"{'store/pp':>8} {'load/pp':>8} {'load/plain':>10}"
+    )
+    for page, chunks, f in OFFLOAD_CASES:
+        r = bench_offload(page, chunks, f, args.reps)
+        print(
+            f"{page // KIB:>5} KiB {chunks:>6} {f:>2} {r['plain']:>7.2f} {r['per_page']:>8.2f} {r['store']:>7.2f} "
+            f"{r['load']:>7.2f} {r['store_ratio']:>8.2f} {r['load_ratio']:>8.2f} {r['load_vs_plain']:>10.2f}"
         )
     print()
     print("bytes one request moves, without and with clipping (CLIP-1; prefix hit 0, block size 16)")

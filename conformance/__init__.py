@@ -3,7 +3,7 @@
 Two ways in: ``kvspec conform [BACKEND]`` on the command line, or subclass
 :class:`BackendSuite` in your own pytest suite. :func:`catalogue` lists every
 rule with its cases; :func:`run_scenario` replays one scenario (what a failure
-prints as its reproducer).
+prints as its reproducer), :func:`run_offload_scenario` one offload scenario.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from ._connector import (
     as_offload_connector,
 )
 from ._context import DEFAULT_MAX_EXAMPLES, CaseContext, default_time_scale
+from ._offload_scenario import OffloadRequest, OffloadResult, OffloadScenario, run_offload_scenario
 from ._report import CaseResult, Outcome, Report
 from ._runner import run_case, run_suite
 from ._scenario import PresetConfig, Request, RequestOutcome, Scenario, ScenarioResult, run_scenario
@@ -37,6 +38,9 @@ __all__ = [
     "CaseSkip",
     "Connector",
     "OffloadConnector",
+    "OffloadRequest",
+    "OffloadResult",
+    "OffloadScenario",
     "Outcome",
     "PresetConfig",
     "ReferenceConnector",
@@ -53,6 +57,7 @@ __all__ = [
     "catalogue",
     "default_time_scale",
     "run_case",
+    "run_offload_scenario",
     "run_scenario",
     "run_suite",
     "select_cases",
