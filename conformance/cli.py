@@ -10,9 +10,10 @@ from typing import TextIO
 
 import attrs
 
-from kvspec import KVSpecError
+from kvspec import ConfigError, KVSpecError
 from kvspec.rules import RULES, Level
 from kvspec.transport import Backend, load_backend
+from kvspec.transport._registry import parse_backend_options
 
 from ._cases import select_cases
 from ._connector import Connector
@@ -118,26 +119,11 @@ def _split(values: Sequence[str]) -> list[str]:
     return [part.strip() for value in values for part in value.split(",") if part.strip()]
 
 
-def _convert(value: str) -> object:
-    lowered = value.lower()
-    if lowered in ("true", "false"):
-        return lowered == "true"
-    for kind in (int, float):
-        try:
-            return kind(value)
-        except ValueError:
-            pass
-    return value
-
-
 def _options(values: Sequence[str]) -> dict[str, object]:
-    options: dict[str, object] = {}
-    for item in values:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise SystemExit(f"kvspec conform: --option expects KEY=VALUE, got {item!r}")
-        options[key.strip()] = _convert(value.strip())
-    return options
+    try:
+        return parse_backend_options(values)
+    except ConfigError as exc:
+        raise SystemExit(f"kvspec conform: {exc}") from None
 
 
 def _load_connector(path: str) -> Connector:

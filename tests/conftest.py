@@ -88,3 +88,11 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
         survivors = sorted(name for name, rejected in score.items() if not rejected)
         line = f"{len(score)} mutants, {len(score) - len(survivors)} rejected"
         terminalreporter.write_sep("-", line + (f" (survived: {', '.join(survivors)})" if survivors else ""))
+
+
+@pytest.fixture(scope="module")
+def vllm(pytestconfig: pytest.Config) -> ModuleType:
+    """vLLM 0.33.0, the version the vLLM tests pin (skipped or failed as ``--require-backends`` says)."""
+    module = require_backend_module(pytestconfig, "vllm", "vllm")
+    assert module.__version__ == "0.33.0", f"these tests pin vllm==0.33.0, found {module.__version__}"
+    return module

@@ -37,15 +37,6 @@ ROOT = Path(__file__).resolve().parent.parent
 AUDIT_JSON = ROOT / "docs" / "explanation" / "vllm-audit.json"
 
 
-@pytest.fixture(scope="module")
-def vllm(pytestconfig: pytest.Config) -> Any:
-    from conftest import require_backend_module
-
-    module = require_backend_module(pytestconfig, "vllm", "vllm")
-    assert module.__version__ == "0.33.0", f"these tests pin vllm==0.33.0, found {module.__version__}"
-    return module
-
-
 def test_import_kvspec_never_imports_vllm() -> None:
     code = "import sys, kvspec, kvspec.integrations.vllm, kvspec.integrations.vllm_audit; print('vllm' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=os.environ)

@@ -35,15 +35,6 @@ OFFLOAD_JSON = ROOT / "docs" / "explanation" / "vllm-offload-audit.json"
 
 
 @pytest.fixture(scope="module")
-def vllm(pytestconfig: pytest.Config) -> Any:
-    from conftest import require_backend_module
-
-    module = require_backend_module(pytestconfig, "vllm", "vllm")
-    assert module.__version__ == "0.33.0", f"these tests pin vllm==0.33.0, found {module.__version__}"
-    return module
-
-
-@pytest.fixture(scope="module")
 def adapter(vllm: Any) -> Any:
     from kvspec.integrations.vllm import make_connector
 

@@ -40,6 +40,7 @@ from kvspec._models import BlockIds
 from kvspec._vectors import decode_config
 from kvspec.testing import PagePool, allocate_pool, fill_background, fill_producer_pages
 from kvspec.transport import Backend, TransferHandle, Transport, load_backend
+from kvspec.transport._registry import parse_backend_options
 
 from ._wire import (
     HEADER_LIMIT,
@@ -553,29 +554,6 @@ _HANDLERS: dict[str, _Handler] = {
 }
 
 
-def _convert(value: str) -> object:
-    lowered = value.lower()
-    if lowered in ("true", "false"):
-        return lowered == "true"
-    for kind in (int, float):
-        try:
-            return kind(value)
-        except ValueError:
-            pass
-    return value
-
-
-def backend_options(values: list[str]) -> dict[str, object]:
-    """``KEY=VALUE`` strings as backend factory options (int, float and bool values converted)."""
-    options: dict[str, object] = {}
-    for item in values:
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise ConfigError(f"--option: expected KEY=VALUE, got {item!r}")
-        options[key.strip()] = _convert(value.strip())
-    return options
-
-
 def serve_command(args: Any, out: Any) -> int:
     """``kvspec agent serve``: serve until SIGTERM or SIGINT; every agent and pool is closed on the way out."""
     from ._client import parse_address
@@ -584,7 +562,12 @@ def serve_command(args: Any, out: Any) -> int:
     host, port = parse_address(args.listen)
     token = read_token(args.token_file)
     server = AgentServer(
-        args.backend, host=host, port=port, token=token, max_pool=args.max_pool, options=backend_options(args.option)
+        args.backend,
+        host=host,
+        port=port,
+        token=token,
+        max_pool=args.max_pool,
+        options=parse_backend_options(args.option),
     )
     signal.signal(signal.SIGINT, lambda signum, frame: server.stop())
     print(f"kvspec agent: serving {args.backend} on {server.address[0]}:{server.address[1]}", file=out, flush=True)

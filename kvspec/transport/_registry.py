@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from importlib.metadata import entry_points
 
 from kvspec._errors import ConfigError
 from kvspec.transport._base import Backend
 
-__all__ = ["BUILTIN_BACKENDS", "ENTRY_POINT_GROUP", "load_backend"]
+__all__ = ["BUILTIN_BACKENDS", "ENTRY_POINT_GROUP", "load_backend", "parse_backend_options"]
 
 ENTRY_POINT_GROUP = "kvspec.backends"
 
@@ -54,3 +54,30 @@ def load_backend(spec: str = "loopback", **options: object) -> Backend:
     if not isinstance(backend, Backend):
         raise ConfigError(f"backend: factory for {spec!r} returned {type(backend).__name__}, not a Backend")
     return backend
+
+
+def _convert(value: str) -> object:
+    lowered = value.lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    for kind in (int, float):
+        try:
+            return kind(value)
+        except ValueError:
+            pass
+    return value
+
+
+def parse_backend_options(values: Sequence[str]) -> dict[str, object]:
+    """``KEY=VALUE`` strings (the CLIs' ``--option``) as :func:`load_backend` keywords, int/float/bool converted.
+
+    >>> parse_backend_options(["tls=tcp", "max_idle_workers=0", "in_process=false"])
+    {'tls': 'tcp', 'max_idle_workers': 0, 'in_process': False}
+    """
+    options: dict[str, object] = {}
+    for item in values:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--option: expected KEY=VALUE, got {item!r}")
+        options[key.strip()] = _convert(value.strip())
+    return options
