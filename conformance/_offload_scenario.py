@@ -60,7 +60,7 @@ from kvspec._offload import LoadSet, OffloadConfig, StoreSet, get_sub_block_offs
 from kvspec.testing import PagePool, allocate_pool, expected_page, fill_background
 from kvspec.transport import Backend, Descriptor, TransferState, Transport
 
-from ._scenario import ConfigSource, PresetConfig
+from ._scenario import ConfigSource, PresetConfig, replay_call
 
 __all__ = [
     "OffloadRequest",
@@ -146,11 +146,7 @@ class OffloadScenario:
 
     def to_python(self, backend: str = "loopback", connector: str | None = None) -> str:
         """A script that replays this scenario on ``backend`` and prints what the oracle found."""
-        imports, call = "", f"run_offload_scenario(scenario, backend={backend!r})"
-        if connector is not None:
-            module, _, name = connector.partition(":")
-            imports = f"from {module} import {name} as ConnectorUnderTest\n"
-            call = f"run_offload_scenario(scenario, backend={backend!r}, connector=ConnectorUnderTest())"
+        imports, call = replay_call("run_offload_scenario", backend, connector)
         return (
             "from kvspec import *\n"
             "from kvspec_conformance import OffloadRequest, OffloadScenario, PresetConfig, run_offload_scenario\n"

@@ -190,6 +190,18 @@ class Request:
         return self.num_tokens + self.recomputed_tokens
 
 
+def replay_call(runner: str, backend: str, connector: str | None) -> tuple[str, str]:
+    """The import line and the call a reproducer script needs: ``runner(scenario, backend=..., connector=...)``.
+
+    ``connector`` is ``"module:Class"`` of a connector under test built without arguments.
+    """
+    if connector is None:
+        return "", f"{runner}(scenario, backend={backend!r})"
+    module, _, name = connector.partition(":")
+    imports = f"from {module} import {name} as ConnectorUnderTest\n"
+    return imports, f"{runner}(scenario, backend={backend!r}, connector=ConnectorUnderTest())"
+
+
 @attrs.frozen(kw_only=True)
 class Scenario:
     """A whole exchange: configs, mode, requests, injected faults and deadlines (seconds).
@@ -228,12 +240,7 @@ class Scenario:
 
         ``connector`` is ``"module:Class"`` of a connector under test built without arguments.
         """
-        imports = ""
-        call = f"run_scenario(scenario, backend={backend!r})"
-        if connector is not None:
-            module, _, name = connector.partition(":")
-            imports = f"from {module} import {name} as ConnectorUnderTest\n"
-            call = f"run_scenario(scenario, backend={backend!r}, connector=ConnectorUnderTest())"
+        imports, call = replay_call("run_scenario", backend, connector)
         return (
             "from kvspec import *\n"
             "from kvspec.transport.faults import FaultPlan\n"
