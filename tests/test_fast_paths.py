@@ -19,6 +19,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from strategies import Scenario, build_scenario, scenarios
+from test_offload import hit_cases
 from test_plan import LAYOUTS, MODELS, Pairs, small_config
 
 import kvspec._plan as plan_module
@@ -31,12 +32,15 @@ from kvspec import (
     ConfigError,
     KVCacheConfig,
     KVSpecError,
+    OffloadConfig,
     PlanError,
     TransferMode,
     compute_transfer_pairs,
     get_blocks_per_sw,
+    get_chunk_sizes,
     get_exchange_clipped_blocks,
     get_needed_block_range,
+    get_offload_hit_tokens,
     get_pruned_block_ids,
 )
 from kvspec._plan import TransferPlan, _plan_page_by_page, plan_transfer
@@ -398,3 +402,30 @@ def test_an_engine_shaped_request_takes_the_fast_path_and_equals_the_page_by_pag
     )
     if allocation == "contiguous":
         assert plan.num_descriptors <= 2 * config.num_groups  # a run per group, split at most once by the pool
+
+
+# --------------------------------------------------------------------------- OFF-5 hit
+
+
+@given(case=hit_cases(), local_shift=st.sampled_from([0, 0, 1]), extra_key=st.booleans(), drop_group=st.booleans())
+def test_offload_hit_equals_the_definition_refusals_included(
+    case: tuple[KVCacheConfig, OffloadConfig, list[list[bool]], int, int],
+    local_shift: int,
+    extra_key: bool,
+    drop_group: bool,
+) -> None:
+    """The hit's jumps over absent chunks give the definition's end-by-end answer, and its refusals (OFF-5)."""
+    config, offload, present, num_tokens, local = case
+    local += local_shift  # off a block boundary when the block size is above 1, or past the request
+    present = [[*keys, True] for keys in present] if extra_key else present  # a key the request cannot have yet
+    present = present[:-1] if drop_group else present
+    sizes = get_chunk_sizes(config, blocks_per_chunk=offload.blocks_per_chunk)
+    fast = result_of(
+        lambda: get_offload_hit_tokens(config, present, num_tokens=num_tokens, local_hit_tokens=local, offload=offload)
+    )
+    definition = result_of(
+        lambda: plain.get_offload_hit_tokens(
+            config, present, num_tokens=num_tokens, local_hit_tokens=local, chunk_sizes=sizes
+        )
+    )
+    assert fast == definition

@@ -32,6 +32,7 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
                 "kvspec.spec",
                 "kvspec.spec.admission",
                 "kvspec.spec.coverage",
+                "kvspec.spec.offload",
                 "kvspec.spec.pairing",
                 "kvspec.spec.plan",
                 "kvspec.spec.window",

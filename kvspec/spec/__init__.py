@@ -18,6 +18,7 @@ from kvspec.spec.coverage import (
     get_num_skipped_tokens,
     get_pruned_block_ids,
 )
+from kvspec.spec.offload import check_offload_support, get_offload_hit_tokens
 from kvspec.spec.pairing import BlockPairs, compute_block_pairs, compute_transfer_pairs
 from kvspec.spec.plan import BlockPairsLike, PageCopy, compute_page_copies
 from kvspec.spec.window import (
@@ -36,6 +37,7 @@ __all__ = [
     "PageCopy",
     "TokenBasis",
     "check_hybrid_support",
+    "check_offload_support",
     "check_window_coverage",
     "compute_block_pairs",
     "compute_page_copies",
@@ -49,6 +51,7 @@ __all__ = [
     "get_needed_block_range",
     "get_needed_token_range",
     "get_num_skipped_tokens",
+    "get_offload_hit_tokens",
     "get_pruned_block_ids",
     "get_token_basis_group",
     "is_full_attention_spec",
