@@ -19,7 +19,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from strategies import Scenario, build_scenario, scenarios
-from test_offload import hit_cases
+from test_offload import FA_SW, hit_cases, offload
 from test_plan import LAYOUTS, MODELS, Pairs, small_config
 
 import kvspec._plan as plan_module
@@ -408,6 +408,13 @@ def test_an_engine_shaped_request_takes_the_fast_path_and_equals_the_page_by_pag
 
 
 @given(case=hit_cases(), local_shift=st.sampled_from([0, 0, 1]), extra_key=st.booleans(), drop_group=st.booleans())
+@example(case=(FA_SW, offload(), [[True] * 3, [True] * 3], 12, 0), local_shift=0, extra_key=False, drop_group=False)
+@example(  # R3: window chunks {0, 1, 2, 4} of 6 present, N = 25: the hit ends at 12
+    case=(FA_SW, offload(), [[True] * 6, [True, True, True, False, True, False]], 25, 0),
+    local_shift=0,
+    extra_key=False,
+    drop_group=False,
+)
 def test_offload_hit_equals_the_definition_refusals_included(
     case: tuple[KVCacheConfig, OffloadConfig, list[list[bool]], int, int],
     local_shift: int,
@@ -415,13 +422,15 @@ def test_offload_hit_equals_the_definition_refusals_included(
     drop_group: bool,
 ) -> None:
     """The hit's jumps over absent chunks give the definition's end-by-end answer, and its refusals (OFF-5)."""
-    config, offload, present, num_tokens, local = case
+    config, off_config, present, num_tokens, local = case
     local += local_shift  # off a block boundary when the block size is above 1, or past the request
     present = [[*keys, True] for keys in present] if extra_key else present  # a key the request cannot have yet
     present = present[:-1] if drop_group else present
-    sizes = get_chunk_sizes(config, blocks_per_chunk=offload.blocks_per_chunk)
+    sizes = get_chunk_sizes(config, blocks_per_chunk=off_config.blocks_per_chunk)
     fast = result_of(
-        lambda: get_offload_hit_tokens(config, present, num_tokens=num_tokens, local_hit_tokens=local, offload=offload)
+        lambda: get_offload_hit_tokens(
+            config, present, num_tokens=num_tokens, local_hit_tokens=local, offload=off_config
+        )
     )
     definition = result_of(
         lambda: plain.get_offload_hit_tokens(

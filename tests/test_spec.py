@@ -128,3 +128,24 @@ def test_hma_is_required_exactly_when_a_group_is_not_full_attention(config: KVCa
     kinds = [group.kv_cache_spec.kind.value for group in config.kv_cache_groups]
     expected = not flag and any(kind not in ("full_attention", "mla") for kind in kinds)
     assert plain.is_hma_required(config, disable_hybrid_kv_cache_manager=flag) == expected, kinds
+
+
+@given(
+    window=st.integers(1, 64),
+    block_size=st.sampled_from([1, 4, 16]),
+    num_tokens=st.integers(0, 200),
+    hit_blocks=st.integers(0, 8),
+)
+@example(window=32, block_size=16, num_tokens=63, hit_blocks=0).via("WIN-1 boundary: (T-W+1) % B == 0")
+@example(window=32, block_size=16, num_tokens=62, hit_blocks=0).via("WIN-1 boundary: (T-W+2) % B == 0")
+@example(window=32, block_size=16, num_tokens=64, hit_blocks=3).via("the prefix hit covers the window's start")
+def test_a_window_needs_what_the_next_token_attends_to(
+    window: int, block_size: int, num_tokens: int, hit_blocks: int
+) -> None:
+    """Position t is needed iff C lacks it and the token at T attends it (T - t < W); blocks cover them (WIN-1)."""
+    spec = sw(window, block_size)
+    hit = min(hit_blocks * block_size, num_tokens - num_tokens % block_size)
+    tokens = plain.get_needed_token_range(spec, num_tokens=num_tokens, prefix_hit_tokens=hit)
+    assert list(tokens) == [t for t in range(num_tokens) if t >= hit and num_tokens - t < window]
+    blocks = plain.get_needed_block_range(spec, num_tokens=num_tokens, prefix_hit_tokens=hit)
+    assert list(blocks) == sorted({t // block_size for t in tokens})
