@@ -2,7 +2,7 @@
 
 The fast paths are compared with these definitions in tests/test_fast_paths.py;
 here: the spec imports nothing above models and errors, every public name that
-has no faster form IS the definition, the pins of DESIGN.md section 3 hold, and
+has no faster form IS the definition, the pinned values of the spec pages hold, and
 every rule with a definition is included from source on its docs/spec page.
 """
 
@@ -112,9 +112,13 @@ def sw(window: int, block_size: int) -> SlidingWindowSpec:
 @example(window=32, block_size=16).via("SW-1 pin: 3")
 @example(window=128, block_size=16).via("SW-1 pin: 9")
 @example(window=2048, block_size=16).via("SW-1 pin: 129")
+@example(window=1024, block_size=16).via("SW-1 pin: 65 (Gemma 3 27B)")
 def test_the_budget_covers_every_window_the_consumer_needs(window: int, block_size: int) -> None:
-    """SW-1's budget is never below the blocks WIN-1 needs, for every T; the DESIGN.md pins hold (SW-1, WIN-1)."""
-    pins = {(32, 16): 3, (128, 16): 9, (2048, 16): 129}
+    """SW-1's budget is never below the blocks WIN-1 needs, for every T (SW-1, WIN-1).
+
+    The pinned budgets are those of docs/spec/window-budget-and-clipping.md.
+    """
+    pins = {(32, 16): 3, (128, 16): 9, (2048, 16): 129, (1024, 16): 65}
     spec = sw(window, block_size)
     (budget,) = plain.get_blocks_per_sw(config_from_specs([spec]))
     assert budget == pins.get((window, block_size), budget)
