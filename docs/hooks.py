@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import json
 import posixpath
 import re
@@ -318,6 +319,26 @@ def _import_generators() -> tuple[Any, Any, Any]:
     import figures
 
     return diagrams, errors, figures
+
+
+SPEC_PACKAGE = ROOT / "kvspec" / "spec"
+
+
+def spec_source_snippets() -> dict[str, str]:
+    """``spec:MODULE.NAME`` for every top-level definition in kvspec/spec/: its source, as a Python block.
+
+    Spec pages include the normative code through these markers, never a copy (docs/explanation/layers.md).
+    """
+    snippets = {}
+    for path in sorted(SPEC_PACKAGE.glob("*.py")):
+        lines = path.read_text(encoding="utf-8").splitlines()
+        for node in ast.parse("\n".join(lines)).body:
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.end_lineno is not None:
+                first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+                source = "\n".join(lines[first - 1 : node.end_lineno])
+                where = f"# kvspec/spec/{path.name}\n"
+                snippets[f"spec:{path.stem}.{node.name}"] = _fence("python", where + source)
+    return snippets
 
 
 ERRORS_PAGE = "reference/errors.md"
@@ -726,6 +747,7 @@ def on_files(files: Files, config: Any) -> Files:
     for name in diagrams.SEQUENCES:
         snippets[f"sequence:{name}"] = _fence("mermaid", diagrams.sequence_diagram(name))
     snippets.update(_raised_by_snippets(errors))
+    snippets.update(spec_source_snippets())
     _STATE["vllm_audit"] = json.loads(VLLM_AUDIT_JSON.read_text(encoding="utf-8"))
     snippets.update(vllm_audit_snippets(_STATE["vllm_audit"]))
     snippets["vllm-expected:tables"] = vllm_expected_table(vllm_expected_failures())
