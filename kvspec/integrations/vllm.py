@@ -79,6 +79,7 @@ __all__ = [
     "pair_mooncake",
     "pair_moriio",
     "pair_nixl",
+    "parse_vllm_extra",
     "shape_of",
     "to_vllm_kv_cache_config",
     "vllm_connector",
@@ -1507,6 +1508,35 @@ CONNECTORS: dict[str, str] = {
     "exchange hooks kvspec's reference",
 }
 """Short names (``--connector vllm:NAME``) and the vLLM code each adapter calls."""
+
+
+def parse_vllm_extra(values: Sequence[str]) -> dict[str, object]:
+    """``--vllm-extra`` values as ``kv_connector_extra_config``: ``KEY=VALUE`` (numbers, bools converted) or JSON files.
+
+    A value without ``=`` names a file holding one JSON object; later values
+    override earlier ones. :class:`ConfigError` names the value for anything else.
+    """
+    import json
+
+    from kvspec.transport._registry import parse_backend_options
+
+    extra: dict[str, object] = {}
+    for value in values:
+        if "=" in value:
+            try:
+                extra.update(parse_backend_options([value]))
+            except ConfigError as exc:
+                raise ConfigError(f"--vllm-extra: {exc}") from None
+            continue
+        try:
+            with open(value, encoding="utf-8") as handle:
+                loaded = json.load(handle)
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"--vllm-extra {value}: expected KEY=VALUE or a JSON file: {exc}") from None
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"--vllm-extra {value}: expected a JSON object, got {type(loaded).__name__}")
+        extra.update(loaded)
+    return extra
 
 
 def make_connector(name: str) -> VllmConnector | OffloadingConnector:

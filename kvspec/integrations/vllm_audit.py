@@ -28,7 +28,7 @@ from __future__ import annotations
 import json
 import random
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +71,7 @@ __all__ = [
     "GroupShape",
     "audit_case",
     "check_drive",
+    "check_expected",
     "check_kvspec",
     "generate_cases",
     "run_audit",
@@ -719,6 +720,35 @@ class AuditReport:
                 f"  consumer list {r['consumer_list']}",
             ]
         return "\n".join(lines) + "\n"
+
+
+def check_expected(report: AuditReport, expected: Mapping[str, str]) -> list[str]:
+    """What breaks the expected list: a deviation class not in it, or a listed one that is gone (FAIL-1).
+
+    Keys are ``CONNECTOR/CLASS`` or ``CLASS`` (any connector), as
+    :func:`kvspec.integrations.expectations.parse_expected` reads them; keys
+    naming a connector not in ``report`` are ignored. kvspec's own
+    strictness classes (``kvspec-*``) are never counted.
+    """
+    problems = []
+    found = {(c.connector, c.deviation) for c in report.classes if not c.deviation.startswith("kvspec-")}
+    for connector, deviation in sorted(found, key=lambda k: (list(report.requests).index(k[0]), k[1])):
+        if f"{connector}/{deviation}" not in expected and deviation not in expected:
+            rule = DEVIATIONS[deviation].rule
+            problems.append(f"{connector}: unexpected deviation {deviation} ({rule}): {DEVIATIONS[deviation].title}")
+    for key, reason in expected.items():
+        connector, _, deviation = key.rpartition("/")
+        if deviation not in DEVIATIONS:
+            problems.append(f"expected {key}: no deviation class {deviation!r}; expected one of {sorted(DEVIATIONS)}")
+            continue
+        audited = [connector] if connector else list(report.requests)
+        if connector and connector not in report.requests:
+            continue
+        if not any((name, deviation) in found for name in audited):
+            problems.append(
+                f"{key} was expected ({reason}) but no longer found: the deviation is gone, remove it from the list"
+            )
+    return problems
 
 
 def _clip_list(groups: Sequence[Sequence[int]], limit: int = 12) -> list[list[int] | str]:
