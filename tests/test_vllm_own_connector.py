@@ -1,0 +1,190 @@
+"""Any vLLM connector class under kvspec: a NIXL fork, a fork that clips short, the audit gate, the shipped lists.
+
+The vLLM tests need vLLM (``kvspec[vllm]``): skipped without it. The forks live in tests/vllm_forks.py and
+docs/how-to/own-vllm-connector/ and use public names only.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kvspec_conformance import run_suite
+from kvspec_conformance._report import Outcome
+
+from kvspec import ConfigError
+from kvspec.integrations.expectations import expected_names, load_expected, parse_expected
+from kvspec.integrations.vllm_audit import AuditReport, ClassResult, check_expected
+
+ROOT = Path(__file__).resolve().parent.parent
+TESTS = ROOT / "tests"
+EXAMPLE = ROOT / "docs" / "how-to" / "own-vllm-connector"
+RULES = ["CLIP-1", "SW-1", "NULL-1"]
+
+
+def _env(*paths: Path) -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([*map(str, paths), os.environ.get("PYTHONPATH", "")])}
+
+
+@pytest.mark.vllm
+def test_nixl_fork_gets_the_outcomes_of_vllm_nixl(vllm: Any) -> None:
+    from kvspec.integrations.vllm import make_connector, vllm_connector
+
+    sys.path.insert(0, str(EXAMPLE))
+    try:
+        fork = vllm_connector("my_connector:MyConnector")
+    finally:
+        sys.path.remove(str(EXAMPLE))
+    mine = run_suite("loopback", rules=RULES, connector=fork, max_examples=3)
+    theirs = run_suite("loopback", rules=RULES, connector=make_connector("nixl"), max_examples=3)
+    assert {r.case_id: r.outcome for r in mine.results} == {r.case_id: r.outcome for r in theirs.results}
+    assert mine.counts()["error"] == 0, mine.render()
+
+
+@pytest.mark.vllm
+def test_fork_clipping_one_block_short_fails_clip_1(vllm: Any) -> None:
+    from vllm_forks import ShortClipConnector
+
+    from kvspec.integrations.vllm import VllmConnector, vllm_connector
+
+    connector = vllm_connector(f"{ShortClipConnector.__module__}:ShortClipConnector")
+    report = run_suite("loopback", rules=["CLIP-1"], connector=connector, max_examples=3)
+    assert "CLIP-1" in report.failed_rules(), report.render()
+    failed = next(r for r in report.results if r.outcome is Outcome.FAILED)
+    # The reproducer rebuilds the class path that was given, not the adapter's class without arguments.
+    assert "vllm_connector('vllm_forks:ShortClipConnector')" in (failed.reproducer or "")
+    assert isinstance(connector, VllmConnector)
+    assert connector.connector_class == "vllm_forks:ShortClipConnector"
+
+
+@pytest.mark.vllm
+def test_audit_of_the_short_fork_reports_the_extra_class_and_exits_1(vllm: Any) -> None:
+    script = Path(sys.executable).with_name("kvspec")
+    command = [str(script)] if script.exists() else [sys.executable, "-m", "kvspec"]
+    audit = [*command, "vllm-audit", "--requests", "8", "--seed", "11", "--expect-file", "vllm-audit"]
+    # Run from tests/ with nothing on PYTHONPATH for it: the console script finds vllm_forks in the working directory.
+    out = subprocess.run(
+        [*audit, "--connector", "vllm_forks:ShortClipConnector", "--connector", "no_such_module:X"],
+        capture_output=True,
+        text=True,
+        cwd=TESTS,
+        env=os.environ,
+        timeout=600,
+    )
+    assert out.returncode == 2
+    assert out.stderr.count("\n") == 1, out.stderr
+    assert "cannot import no_such_module" in out.stderr
+    out = subprocess.run(
+        [*audit, "--connector", "vllm_forks:ShortClipConnector"],
+        capture_output=True,
+        text=True,
+        cwd=TESTS,
+        env=os.environ,
+        timeout=600,
+    )
+    assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-2000:]
+    assert "unexpected deviation needed-block-not-transferred (WIN-1)" in out.stdout
+
+
+def _report(*found: tuple[str, str]) -> AuditReport:
+    reproducer: dict[str, object] = {}
+    classes = tuple(
+        ClassResult(connector=c, deviation=d, requests=1, findings=1, reproducer=reproducer) for c, d in found
+    )
+    return AuditReport(
+        seed=0,
+        vllm_version="0.33.0",
+        requests={"nixl": 1, "mine": 1},
+        pairs={"nixl": 1, "mine": 1},
+        failed_closed={"nixl": 0, "mine": 0},
+        classes=classes,
+        seconds=0.0,
+    )
+
+
+def test_check_expected_fails_unlisted_and_vanished_classes() -> None:
+    expected = {"nixl/needed-block-null-on-consumer": "known", "moriio/shifted-pair": "not audited here"}
+    assert check_expected(_report(("nixl", "needed-block-null-on-consumer")), expected) == []
+    assert check_expected(_report(), {}) == []
+    extra = check_expected(_report(("nixl", "needed-block-null-on-consumer"), ("mine", "shifted-pair")), expected)
+    assert extra == [
+        "mine: unexpected deviation shifted-pair (ALIGN-1): " + "a pair joins different logical blocks on the two sides"
+    ]
+    gone = check_expected(_report(), expected)
+    assert len(gone) == 1
+    assert gone[0].startswith("nixl/needed-block-null-on-consumer was expected (known) but no longer found")
+    assert check_expected(_report(("mine", "shifted-pair")), {"shifted-pair": "any connector"}) == []
+    assert "no deviation class 'nope'" in check_expected(_report(), {"nope": "x"})[0]
+    assert check_expected(_report(("nixl", "kvspec-refuses-correct-lists")), {}) == []
+
+
+def test_shipped_lists_load_by_name_and_parse() -> None:
+    assert {"vllm:nixl", "vllm:mooncake", "vllm:moriio", "vllm:nixl-push", "vllm:offloading", "vllm-audit"} <= set(
+        expected_names()
+    )
+    nixl = load_expected("vllm:nixl")
+    assert all("/" in key and reason for key, reason in nixl.items())
+    audit = load_expected("vllm-audit")
+    assert audit["nixl/needed-block-null-on-consumer"].endswith("(#needed-block-null-on-consumer)")
+    assert parse_expected(["# c", "", "A/b = why = because"]) == {"A/b": "why = because"}
+    with pytest.raises(ConfigError, match="line 2: expected KEY=REASON"):
+        parse_expected(["", "A/b"])
+    with pytest.raises(ConfigError, match="expected a file or one of"):
+        load_expected("vllm:nope")
+
+
+PRIVATE_IMPORT = re.compile(r"^\s*(from\s+\S*\._\w|from\s+\S+\s+import\s+.*\b_\w|import\s+\S*\._)", re.MULTILINE)
+
+
+@pytest.mark.parametrize("path", [TESTS / "vllm_forks.py", *sorted(EXAMPLE.glob("*.py"))], ids=lambda p: p.name)
+def test_forks_and_example_use_no_private_name(path: Path) -> None:
+    text = path.read_text(encoding="utf-8")
+    assert "import" in text
+    assert not PRIVATE_IMPORT.findall(text), PRIVATE_IMPORT.findall(text)
+    # No private attribute either (a dunder such as __init__ is not private).
+    assert not re.findall(r"\._(?!_)\w+", re.sub(r"#.*", "", text))
+
+
+def test_private_import_pattern_catches_private_imports() -> None:
+    assert PRIVATE_IMPORT.findall("from kvspec_conformance._report import Outcome\n")
+    assert PRIVATE_IMPORT.findall("from kvspec.integrations.vllm import _NixlHooks\n")
+    assert not PRIVATE_IMPORT.findall("from kvspec.integrations.vllm import vllm_connector\n")
+
+
+@pytest.mark.vllm
+def test_the_how_to_pytest_file_runs_green(vllm: Any) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_my_connector.py"],
+        capture_output=True,
+        text=True,
+        cwd=EXAMPLE,
+        env=_env(EXAMPLE),
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
+    assert re.search(r"\b\d+ passed", out.stdout), out.stdout[-2000:]
+
+
+STRAY_HEADING = re.compile(r"^#\d")
+
+
+def stray_headings(markdown: str) -> list[int]:
+    """Line numbers of paragraph lines that start with '#' and a digit (Markdown renders them as H1), outside fences."""
+    found, fenced = [], False
+    for number, line in enumerate(markdown.splitlines(), start=1):
+        if line.lstrip().startswith(("```", "~~~")):
+            fenced = not fenced
+        elif not fenced and STRAY_HEADING.match(line):
+            found.append(number)
+    return found
+
+
+def test_no_stray_headings_in_the_docs() -> None:
+    assert stray_headings("text\n#41445 was fixed\n```\n#1 in a fence\n```\n## 2 a real heading\n") == [2]
+    bad = {str(p.relative_to(ROOT)): stray_headings(p.read_text(encoding="utf-8")) for p in ROOT.glob("docs/**/*.md")}
+    assert {p: lines for p, lines in bad.items() if lines} == {}
