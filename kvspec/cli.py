@@ -157,6 +157,14 @@ def build_parser() -> argparse.ArgumentParser:
         "instead; --requests sets the random hit requests (default 200), --connector is not used",
     )
     audit.set_defaults(handler=_run_vllm_audit)
+    setup = sub.add_parser(
+        "vllm-setup",
+        help="print the commands that install vLLM for the CPU, as kvspec tests it (pipe them to bash)",
+        description="vLLM's wheel without its CUDA dependencies, then only what it imports (kvspec[vllm] on a CPU).",
+    )
+    setup.add_argument("--print", action="store_true", required=True, help="print the shell commands")
+    setup.add_argument("--python", default="python", help="the interpreter whose pip installs (default: python)")
+    setup.set_defaults(handler=_run_vllm_setup)
     return parser
 
 
@@ -474,6 +482,13 @@ def _run_vllm_audit(args: argparse.Namespace, out: TextIO) -> int:
         out.write(f"FAILED {problem}\n")
     out.write(("FAILED" if problems else "PASSED") + f": {len(problems)} unexpected or vanished deviation classes\n")
     return 1 if problems else 0
+
+
+def _run_vllm_setup(args: argparse.Namespace, out: TextIO) -> int:
+    from kvspec.integrations.vllm import cpu_setup_script
+
+    out.write(cpu_setup_script(args.python))
+    return 0
 
 
 def _run_offload_audit(args: argparse.Namespace, out: TextIO) -> int:

