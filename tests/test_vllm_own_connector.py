@@ -188,3 +188,63 @@ def test_no_stray_headings_in_the_docs() -> None:
     assert stray_headings("text\n#41445 was fixed\n```\n#1 in a fence\n```\n## 2 a real heading\n") == [2]
     bad = {str(p.relative_to(ROOT)): stray_headings(p.read_text(encoding="utf-8")) for p in ROOT.glob("docs/**/*.md")}
     assert {p: lines for p, lines in bad.items() if lines} == {}
+
+
+def _python_blocks(page: Path) -> list[str]:
+    return re.findall(r"```python\n(.*?)```", page.read_text(encoding="utf-8"), re.DOTALL)
+
+
+def test_the_how_to_shows_the_files_kvspec_runs() -> None:
+    blocks = _python_blocks(ROOT / "docs" / "how-to" / "own-vllm-connector.md")
+    for name in ("my_connector.py", "test_my_connector.py"):
+        text = (EXAMPLE / name).read_text(encoding="utf-8")
+        body = text.split('"""', 2)[2].lstrip() if name == "my_connector.py" else text
+        assert body in blocks, f"docs/how-to/own-vllm-connector.md must show {name} as it is"
+    assert len((EXAMPLE / "test_my_connector.py").read_text(encoding="utf-8").splitlines()) <= 16
+
+
+def test_cpu_recipe_installs_what_scripts_setup_installs() -> None:
+    from kvspec.integrations.vllm import cpu_setup_script
+
+    setup = (ROOT / "scripts" / "setup").read_text(encoding="utf-8")
+    line = re.search(r'pipq -c "\$cons" (.*?)\n(?!\s)', setup.replace("\\\n", " "), re.DOTALL)
+    assert line is not None
+    recipe = cpu_setup_script("py")
+    assert f'py -m pip install -c "$held" {" ".join(line.group(1).split())}\n' in recipe
+    assert 'py -m pip install --no-deps "vllm==0.33.0"' in recipe
+
+
+def test_importing_the_integration_sets_vllm_up_for_the_cpu() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_TARGET_DEVICE"}
+    code = "import os, kvspec.integrations.vllm; print(os.environ.get('VLLM_TARGET_DEVICE'))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    assert out.stdout.strip() == "cpu"
+
+
+def test_another_vllm_version_is_refused_unless_allowed(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvspec import BackendUnavailableError
+    from kvspec.integrations import vllm as integration
+
+    monkeypatch.setattr(integration, "installed_vllm_version", lambda: "0.34.1")
+    with pytest.raises(BackendUnavailableError, match=r"vLLM 0\.34\.1 is installed.*--allow-vllm-version"):
+        integration.check_vllm_version()
+    assert "verified on 0.33.0" in (integration.check_vllm_version(allow=True) or "")
+    monkeypatch.setattr(integration, "installed_vllm_version", lambda: "0.33.0")
+    assert integration.check_vllm_version() is None
+
+
+def test_report_names_what_was_tested() -> None:
+    report = run_suite("loopback", rules=["SW-1/per-group-block-size"], max_examples=1)
+    import attrs
+
+    tested = attrs.evolve(report, tested=(("connector", "my_connector:MyConnector"), ("vllm", "0.33.0")))
+    header = tested.render().splitlines()[1]
+    assert header == "  protocol version 1.1, connector my_connector:MyConnector, vllm 0.33.0"
+    document = tested.to_dict()
+    assert (document["connector"], document["vllm"], document["protocol_version"]) == (
+        "my_connector:MyConnector",
+        "0.33.0",
+        "1.1",
+    )
+    assert '<property name="connector" value="my_connector:MyConnector" />' in tested.to_junit()
+    assert '<property name="vllm" value="0.33.0" />' in tested.to_junit()
