@@ -248,3 +248,11 @@ def test_report_names_what_was_tested() -> None:
     )
     assert '<property name="connector" value="my_connector:MyConnector" />' in tested.to_junit()
     assert '<property name="vllm" value="0.33.0" />' in tested.to_junit()
+
+
+def test_diagrams_render_offline() -> None:
+    config = (ROOT / "mkdocs.yml").read_text(encoding="utf-8")
+    assert re.search(r"^extra_javascript:\n  - assets/javascripts/mermaid\.min\.js$", config, re.MULTILINE)
+    bundled = ROOT / "docs" / "assets" / "javascripts" / "mermaid.min.js"
+    assert bundled.stat().st_size > 1_000_000
+    assert "MIT License" in (bundled.parent / "mermaid.LICENSE.txt").read_text(encoding="utf-8")
