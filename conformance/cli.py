@@ -168,7 +168,7 @@ def _load_connector(path: str, extra: Sequence[str] = ()) -> tuple[Connector, tu
         raise SystemExit(f"kvspec conform: {path} did not return a Connector (clip, pair, plan, admission, handshake)")
     if not callable(getattr(made, "kvspec_replay", None)):
         # Reproducers replay the factory that was given, not the class it happened to return.
-        replay = (f"from {module_name} import {attr}\n", f"{attr}()")
+        replay = (f"from {module_name} import {attr} as ConnectorUnderTest\n", "ConnectorUnderTest()")
         with contextlib.suppress(AttributeError, TypeError):
             setattr(made, "kvspec_replay", lambda: replay)  # noqa: B010
     return made, (("connector", path),)

@@ -256,3 +256,26 @@ def test_diagrams_render_offline() -> None:
     bundled = ROOT / "docs" / "assets" / "javascripts" / "mermaid.min.js"
     assert bundled.stat().st_size > 1_000_000
     assert "MIT License" in (bundled.parent / "mermaid.LICENSE.txt").read_text(encoding="utf-8")
+
+
+def make_no_clipping() -> Any:
+    """A factory that is not the class it returns: a reproducer must call this, not the class."""
+    from mutants import NoClipping
+
+    return NoClipping()
+
+
+def test_reproducer_replays_the_factory_given() -> None:
+    from kvspec_conformance._scenario import connector_replay
+    from kvspec_conformance.cli import _load_connector
+
+    connector, tested = _load_connector(f"{__name__}:make_no_clipping")
+    assert tested == (("connector", f"{__name__}:make_no_clipping"),)
+    assert connector_replay(connector) == (
+        f"from {__name__} import make_no_clipping as ConnectorUnderTest\n",
+        "ConnectorUnderTest()",
+    )
+    with pytest.raises(
+        SystemExit, match=r"^kvspec conform: --connector no_such_module:f: cannot import no_such_module"
+    ):
+        _load_connector("no_such_module:f")
