@@ -666,6 +666,8 @@ class AuditReport:
     failed_closed: dict[str, int]
     classes: tuple[ClassResult, ...]
     seconds: float
+    connector_classes: dict[str, str] = attrs.field(factory=dict)
+    """Each audited connector's vLLM class as ``MODULE:CLASS``, by the label the report uses."""
 
     def deviations(self, connector: str | None = None) -> int:
         """Requests with a deviation, over the classes kvspec counts as such (not its own strictness)."""
@@ -679,6 +681,7 @@ class AuditReport:
         """The committed JSON's content; ``seconds`` is left out so a rerun at the same seed matches."""
         return {
             "vllm_version": self.vllm_version,
+            "connector_classes": self.connector_classes,
             "seed": self.seed,
             "requests": self.requests,
             "pairs": self.pairs,
@@ -690,9 +693,18 @@ class AuditReport:
         """Write :meth:`to_dict` as indented JSON."""
         Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n", encoding="utf-8")
 
+    def _tested_lines(self) -> list[str]:
+        import kvspec
+
+        version = ".".join(map(str, kvspec.PROTOCOL_VERSION))
+        lines = [f"  kvspec {kvspec.__version__}, protocol version {version}"]
+        lines += [f"  {name}: {path}" for name, path in self.connector_classes.items() if name != path]
+        return lines
+
     def render(self) -> str:
         """The terminal table, then the smallest reproducer of each class."""
-        lines = [f"kvspec vllm-audit: vLLM {self.vllm_version}, seed {self.seed}, {self.seconds:.1f}s", ""]
+        lines = [f"kvspec vllm-audit: vLLM {self.vllm_version}, seed {self.seed}, {self.seconds:.1f}s"]
+        lines += [*self._tested_lines(), ""]
         width = max([10, *(len(name) for name in self.requests)])
         header = (
             f"{'connector':<{width}} {'requests':>8} {'pairs':>9} {'refused':>7}  "
@@ -844,6 +856,10 @@ def run_audit(
     return AuditReport(
         seed=seed,
         vllm_version=installed_vllm_version() or "not installed",
+        connector_classes={
+            name: "kvspec reference functions" if name == "reference" else _adapter(adapter).connector_class
+            for name, adapter in adapters.items()
+        },
         requests=counts,
         pairs=pairs,
         failed_closed=closed,
