@@ -272,3 +272,16 @@ def test_reproducer_replays_the_factory_given() -> None:
         SystemExit, match=r"^kvspec conform: --connector no_such_module:f: cannot import no_such_module"
     ):
         _load_connector("no_such_module:f")
+
+
+@pytest.mark.vllm
+def test_the_cpu_trap_says_what_to_do(vllm: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvspec import BackendUnavailableError
+    from kvspec.integrations.vllm import import_vllm, vllm_connector
+
+    def no_device(**_: object) -> None:
+        raise RuntimeError("Failed to infer device type, please set the environment variable ...")
+
+    monkeypatch.setattr(import_vllm("vllm.config"), "VllmConfig", no_device)
+    with pytest.raises(BackendUnavailableError, match=r"set VLLM_TARGET_DEVICE=cpu .* or import kvspec\.integrations"):
+        vllm_connector("nixl")

@@ -394,19 +394,24 @@ def build_vllm_config(
     extra = dict(hooks.extra_config(mode) if hooks is not None else {})
     extra.update(extra_config or {})
     config = import_vllm("vllm.config")
-    vllm_config = config.VllmConfig(
-        kv_transfer_config=config.KVTransferConfig(
-            kv_connector=name,
-            kv_connector_module_path=module,
-            kv_role=role,
-            engine_id=engine_id,
-            kv_connector_extra_config=extra,
-        ),
-        cache_config=config.CacheConfig(block_size=block_size),
-        scheduler_config=config.SchedulerConfig(
-            max_model_len=_MAX_MODEL_LEN, max_num_batched_tokens=8192, is_encoder_decoder=False
-        ),
-    )
+    try:
+        vllm_config = config.VllmConfig(
+            kv_transfer_config=config.KVTransferConfig(
+                kv_connector=name,
+                kv_connector_module_path=module,
+                kv_role=role,
+                engine_id=engine_id,
+                kv_connector_extra_config=extra,
+            ),
+            cache_config=config.CacheConfig(block_size=block_size),
+            scheduler_config=config.SchedulerConfig(
+                max_model_len=_MAX_MODEL_LEN, max_num_batched_tokens=8192, is_encoder_decoder=False
+            ),
+        )
+    except RuntimeError as exc:
+        if "Failed to infer device type" in str(exc):
+            raise BackendUnavailableError(_DEVICE_TRAP) from None
+        raise
     if num_lookahead_tokens:
         # vLLM derives the lookahead from a speculative config, which needs a draft model; the
         # block logic reads only this number, so a subclass answers it and changes nothing else.
@@ -474,8 +479,6 @@ def build_scheduler(
     try:
         built = cls(vllm_config, base.KVConnectorRole.SCHEDULER, to_vllm_kv_cache_config(config))
     except Exception as exc:  # vLLM refuses with NotImplementedError, ValueError, MoRIIOError, ...
-        if "Failed to infer device type" in str(exc):
-            raise BackendUnavailableError(_DEVICE_TRAP) from exc
         raise UnsupportedHybridError(
             f"vLLM {connector} refuses this config (ADM-1): {type(exc).__name__}: {exc}"
         ) from exc
@@ -1605,6 +1608,8 @@ def vllm_connector(
         raise ConfigError(f"vLLM connector {name}: expected a KVConnectorBase_V1 subclass, got {cls!r}")
     import_vllm(_V1 + "nixl.base_worker")
     extra = dict(extra_config or {})
+    # Fail here, in one line, if vLLM was set up for no device (the CPU trap), not in every case.
+    build_vllm_config(name, role="kv_consumer", block_size=16, extra_config=extra)
     if name in _CLASSES and not extra and hooks is None:
         return _CLASSES[name]()
     return VllmConnector(name, extra_config=extra, hooks=hooks)
