@@ -111,8 +111,8 @@ def import_vllm(module: str = "vllm") -> Any:
         imported = importlib.import_module(module)
     except ImportError as exc:
         raise BackendUnavailableError(
-            f"kvspec.integrations.vllm needs vllm=={VLLM_VERSION} (pip install 'kvspec[vllm]'; on a CPU-only "
-            f"machine see docs/how-to/vllm-connector.md): cannot import {module}: {exc}"
+            f"kvspec.integrations.vllm needs vLLM {VLLM_VERSION} (pip install 'kvspec[vllm]'; on a CPU-only "
+            f"machine: kvspec vllm-setup --print | bash): cannot import {module}: {exc}"
         ) from exc
     if quiet and not _QUIETED:
         # vLLM warns at import about the missing GPU, Triton and RDMA libraries; none concerns block logic.
