@@ -285,3 +285,20 @@ def test_the_cpu_trap_says_what_to_do(vllm: Any, monkeypatch: pytest.MonkeyPatch
     monkeypatch.setattr(import_vllm("vllm.config"), "VllmConfig", no_device)
     with pytest.raises(BackendUnavailableError, match=r"set VLLM_TARGET_DEVICE=cpu .* or import kvspec\.integrations"):
         vllm_connector("nixl")
+
+
+def test_vllm_extra_takes_pairs_and_json_files(tmp_path: Path) -> None:
+    from kvspec.integrations.vllm import parse_vllm_extra
+
+    extra = tmp_path / "extra.json"
+    extra.write_text('{"backends": ["UCX"], "push_mode": false}', encoding="utf-8")
+    assert parse_vllm_extra([str(extra), "push_mode=true", "port=0"]) == {
+        "backends": ["UCX"],
+        "push_mode": True,
+        "port": 0,
+    }
+    (tmp_path / "list.json").write_text("[1]", encoding="utf-8")
+    with pytest.raises(ConfigError, match="expected a JSON object, got list"):
+        parse_vllm_extra([str(tmp_path / "list.json")])
+    with pytest.raises(ConfigError, match="expected KEY=VALUE or a JSON file"):
+        parse_vllm_extra([str(tmp_path / "missing.json")])
