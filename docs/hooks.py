@@ -457,7 +457,7 @@ def vllm_audit_snippets(audit: Mapping[str, Any]) -> dict[str, str]:
     return snippets
 
 
-VLLM_EXPECTED = ROOT / "docs" / "explanation" / "vllm-expected"
+VLLM_EXPECTED = ROOT / "kvspec" / "integrations" / "expected"
 
 
 def vllm_expected_failures() -> dict[str, dict[str, str]]:
@@ -465,8 +465,9 @@ def vllm_expected_failures() -> dict[str, dict[str, str]]:
     from kvspec_conformance._runner import parse_expected_failures
 
     return {
-        path.stem: parse_expected_failures(path.read_text(encoding="utf-8").splitlines())
-        for path in sorted(VLLM_EXPECTED.glob("*.txt"))
+        path.stem.removeprefix("vllm-"): parse_expected_failures(path.read_text(encoding="utf-8").splitlines())
+        for path in sorted(VLLM_EXPECTED.glob("vllm-*.txt"))
+        if path.stem != "vllm-audit"
     }
 
 
@@ -489,7 +490,7 @@ def check_vllm_findings_page(markdown: str, audit: Mapping[str, Any]) -> None:
             anchor = reason.rpartition(" (#")[2].rstrip(")")
             if anchor not in headings:
                 raise PluginError(
-                    f"{VLLM_FINDINGS_PAGE}: vllm-expected/{connector}.txt explains {case_id} with #{anchor}, "
+                    f"{VLLM_FINDINGS_PAGE}: kvspec/integrations/expected/vllm-{connector}.txt explains {case_id} with #{anchor}, "
                     f"which is no section of the page"
                 )
     documented = set(re.findall(r"<!--\s*kvspec:vllm-audit:class:([\w-]+)\s*-->", markdown))
