@@ -74,6 +74,7 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
         frozenset(
             {
                 "kvspec.integrations",
+                "kvspec.integrations.expectations",
                 "kvspec.integrations.vllm",
                 "kvspec.integrations.vllm_audit",
                 "kvspec.integrations.vllm_offload_audit",
