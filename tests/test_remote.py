@@ -23,7 +23,7 @@ import pytest
 from kvspec_conformance import Outcome, run_suite
 from kvspec_conformance.configs import full, make_config
 
-from kvspec import BlockIds, FailureReason, PlanError, TransferMode, TransportError
+from kvspec import BlockIds, FailureReason, MalformedMessageError, PlanError, TransferMode, TransportError
 from kvspec.remote import (
     AgentAuthError,
     AgentClient,
@@ -32,17 +32,17 @@ from kvspec.remote import (
     PeerBackend,
     RemoteAgent,
     RemotePool,
-    WireError,
     read_token,
 )
-from kvspec.remote._server import _HANDLERS
+from kvspec.remote._server import _HANDLERS, PAGE_COST
 from kvspec.remote._wire import MAGIC, client_mac, new_nonce, recv_frame, send_frame
 from kvspec.testing import MismatchKind, check_pools
 from kvspec.transport import Descriptor, TransferHandle, TransferState, Transport
 
 TOKEN = b"a-test-token-of-32-bytes-exactly"
 CONFIG = make_config(full(4), num_blocks=8)
-POOL_BYTES = sum(t.size for t in CONFIG.kv_cache_tensors)
+# What one pool counts against --max-pool: its tensors and PAGE_COST bytes of bookkeeping a page.
+POOL_BYTES = sum(t.size for t in CONFIG.kv_cache_tensors) + PAGE_COST * CONFIG.num_blocks * 2
 
 
 @contextlib.contextmanager
@@ -157,7 +157,7 @@ def test_token_is_at_least_16_bytes(tmp_path: Path) -> None:
         read_token(str(short))
     with pytest.raises(AgentAuthError, match="KVSPEC_AGENT_TOKEN"):
         read_token(None, environ={})
-    assert read_token(None, environ={"KVSPEC_AGENT_TOKEN": "x" * 16}) == b"x" * 16
+    assert read_token(None, environ={"KVSPEC_AGENT_TOKEN": TOKEN.decode()}) == TOKEN
 
 
 # --------------------------------------------------------------------------- ownership and limits
@@ -232,10 +232,11 @@ def test_one_client_at_a_time(server: AgentServer) -> None:
         RemotePool(again, CONFIG)
 
 
-def test_a_malformed_request_drops_only_that_client(server: AgentServer) -> None:
+def test_a_malformed_request_gets_a_named_error_and_the_client_stays(server: AgentServer) -> None:
     client = _client(server)
-    with pytest.raises(WireError, match="expected an int"):
+    with pytest.raises(MalformedMessageError, match="'pool': expected an int"):
         client.call("pool.read", pool="one", region=0, offset=0, nbytes=1)
+    assert client.call("hello")[0]["backend"] == "loopback"
     client.close()
     with _client(server) as again:
         assert again.backend_name == "loopback"

@@ -269,8 +269,10 @@ class AgentServer:
         return self._backend
 
     def stop(self) -> None:
-        """Ask :meth:`serve_forever` to return (safe from a signal handler)."""
+        """Ask :meth:`serve_forever` to return (safe from a signal handler); it wakes the loop at once."""
         self._stopping = True
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"!")
 
     def serve_forever(self, *, handle_sigterm: bool = False) -> None:
         """Serve until :meth:`stop` (or SIGTERM when ``handle_sigterm``); then close everything."""
