@@ -78,7 +78,7 @@ from ._wire import (
 __all__ = ["AgentServer", "capabilities_to_json"]
 
 MAX_AGENTS = 8  # per client: the suite uses one at a time
-PAGE_COST = 256  # bytes of bookkeeping a pool's page costs (page table entry, digests), charged to --max-pool
+PAGE_COST = 320  # bytes of bookkeeping a pool's page costs (page table entry, digests), charged to --max-pool
 MAX_DESCRIPTORS = 1 << 20  # per agent.post
 MAX_NAME = 256  # characters of an agent's or a peer's name
 _Header = dict[str, Any]
