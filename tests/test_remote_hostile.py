@@ -278,7 +278,7 @@ def test_a_repeated_kill_signals_nothing_and_is_refused(monkeypatch: pytest.Monk
             session = server._session
             assert session is not None
             held = session.agents[agent._id]
-            held.transport = _WorkerTransport(held.transport, worker)  # type: ignore[assignment]
+            held.transport = _WorkerTransport(held.transport, worker)
             monkeypatch.setattr(os, "kill", recording_kill)
             agent.kill()
             assert worker.wait(timeout=5) != 0  # killed, and reaped: its pid is free for a stranger now
