@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
@@ -310,20 +311,25 @@ def _serve_process(tmp_path: Path) -> tuple[subprocess.Popen[str], tuple[str, in
 
 
 def test_sigterm_closes_agents_and_frees_pools(tmp_path: Path) -> None:
+    """SIGTERM acts at once, even with a handshake pending (a silent connection), and frees everything."""
     process, address = _serve_process(tmp_path)
+    silent = socket.create_connection(address, timeout=5.0)  # a handshake left pending the whole test
     try:
-        client = AgentClient(*address, TOKEN)
+        client = AgentClient(*address, TOKEN, timeout=3.0)  # served although the silent connection came first
         pool = RemotePool(client, CONFIG)
         RemoteAgent(client, "producer").register_memory(pool.regions)
         names = {f.name for f in Path("/dev/shm").iterdir() if f.name.startswith("kvspec_agent")}
         assert names, "the server's pool is not in shared memory"
+        started = time.monotonic()
         process.send_signal(signal.SIGTERM)
         output, _ = process.communicate(timeout=20)
+        assert time.monotonic() - started < 2.0, "SIGTERM waited for the pending handshake"
         assert process.returncode == 0, output
         assert "stopped" in output
         left = {f.name for f in Path("/dev/shm").iterdir() if f.name in names}
         assert left == set(), f"shared memory left behind: {left}"
     finally:
+        silent.close()
         if process.poll() is None:
             process.kill()
             process.wait()
