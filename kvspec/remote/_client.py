@@ -63,7 +63,7 @@ from ._wire import (
 
 __all__ = ["AgentClient", "PeerBackend", "RemoteAgent", "RemotePool", "parse_address"]
 
-_REPLY_LIMIT = 1 << 31
+_REPLY_LIMIT = 256 << 20  # a reply payload: a read chunk (32 MiB) or page digests (16 bytes a page)
 _READ_CHUNK = 32 << 20
 
 
