@@ -132,7 +132,7 @@ def test_a_mac_over_another_nonce_is_refused(server: AgentServer) -> None:
 
 
 def test_client_refuses_a_server_without_the_token() -> None:
-    """Mutual: a server that answers "ok" without proving the token is refused by the client."""
+    """Both ends prove the token: a server that answers "ok" without proving it is refused by the client."""
     listener = socket.create_server(("127.0.0.1", 0))
 
     def impostor() -> None:
