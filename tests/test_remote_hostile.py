@@ -69,8 +69,9 @@ def _server(**kwargs: Any) -> Iterator[tuple[AgentServer, list[str], threading.T
         thread.join(timeout=10)
 
 
-def _raw(server: AgentServer) -> socket.socket:
-    return socket.create_connection(server.address, timeout=5.0)
+def _raw(server: AgentServer, source: str = "127.0.0.1") -> socket.socket:
+    """A connection from ``source`` (any 127.x.y.z address reaches the server over loopback)."""
+    return socket.create_connection(server.address, timeout=5.0, source_address=(source, 0))
 
 
 def _closed(sock: socket.socket, within: float) -> bool:
@@ -98,8 +99,8 @@ def _raw_frame(mac: FrameMac | None, body: bytes, payload: bytes = b"") -> bytes
 
 def test_silent_and_dribbling_connections_do_not_lock_out_the_client() -> None:
     with _server(auth_timeout=3.0) as (server, _, _):
-        silent = [_raw(server) for _ in range(4)]
-        dribblers = [_raw(server) for _ in range(2)]
+        silent = [_raw(server, f"127.0.0.{2 + i // 4}") for i in range(8)]  # four from each of two addresses
+        dribblers = [_raw(server, "127.0.0.4") for _ in range(2)]
         stop = threading.Event()
 
         def dribble(sock: socket.socket) -> None:
@@ -152,15 +153,20 @@ def test_stop_is_prompt_while_a_handshake_is_pending() -> None:
         sock.close()
 
 
-def test_pending_handshakes_are_capped() -> None:
-    with _server(auth_timeout=2.0, max_pending=2) as (server, _, _):
-        held = [_raw(server) for _ in range(2)]
+def test_pending_handshakes_are_capped_in_all_and_per_address() -> None:
+    with _server(auth_timeout=2.0, max_pending=3, max_pending_per_host=2) as (server, _, _):
+        held = [_raw(server, "127.0.0.2") for _ in range(2)]
         time.sleep(0.1)
-        extra = _raw(server)
+        extra = _raw(server, "127.0.0.2")
         header, _ = recv_frame(extra, header_limit=512, payload_limit=0)
         assert header["ok"] is False
-        assert "handshakes already in progress" in header["error"]["message"]
-        for sock in [*held, extra]:
+        assert "handshakes from 127.0.0.2 in progress" in header["error"]["message"]
+        held.append(_raw(server, "127.0.0.3"))
+        time.sleep(0.1)
+        full = _raw(server, "127.0.0.4")
+        header, _ = recv_frame(full, header_limit=512, payload_limit=0)
+        assert "3 handshakes already in progress" in header["error"]["message"]
+        for sock in [*held, extra, full]:
             sock.close()
 
 

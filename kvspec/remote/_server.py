@@ -3,11 +3,11 @@
 Theory of operation. One :class:`AgentServer` listens on one TCP address and
 serves one authenticated client at a time (a second connection is told it is
 busy and closed). Handshakes run in threads of their own, at most
-``max_pending`` at once, each under one deadline for the whole handshake, so a
-silent or byte-dribbling connection holds neither the accept loop nor the real
-client, and SIGTERM is seen within the loop's 0.2 s tick. A source whose
-handshakes keep failing is refused for a while (online guessing,
-:class:`_Guesses`). For that client it owns:
+``max_pending`` at once and ``max_pending_per_host`` from one address, each
+under one deadline for the whole handshake, so a silent or byte-dribbling
+connection holds neither the accept loop nor the real client, and SIGTERM
+wakes the loop at once. A source whose handshakes keep failing is refused for
+a while (online guessing, :class:`_Guesses`). For that client it owns:
 
 * pools (:class:`kvspec.testing.PagePool` in shared memory, so the backend's
   worker processes attach them), bounded together by ``max_pool`` bytes, and
@@ -208,7 +208,8 @@ class AgentServer:
     ``max_pool`` bounds the bytes of all pools one client holds at once, their
     bookkeeping included; ``options`` are the backend factory's keyword options
     (:func:`kvspec.transport.load_backend`). ``auth_timeout`` bounds a whole
-    handshake, ``max_pending`` the handshakes in progress at once; after
+    handshake, ``max_pending`` the handshakes in progress at once
+    (``max_pending_per_host`` from one source address); after
     ``auth_failures`` failed handshakes within ``auth_window`` seconds a source
     host is refused for a while. A port in use or an address that cannot be
     bound is a :class:`kvspec.ConfigError` naming it.
@@ -226,6 +227,7 @@ class AgentServer:
         auth_timeout: float = 10.0,
         request_timeout: float = 60.0,
         max_pending: int = 16,
+        max_pending_per_host: int = 4,
         auth_failures: int = 5,
         auth_window: float = 60.0,
         log: Callable[[str], None] = _log,
@@ -242,6 +244,7 @@ class AgentServer:
         self._auth_timeout = auth_timeout
         self._request_timeout = request_timeout
         self._max_pending = max_pending
+        self._max_pending_per_host = max_pending_per_host
         self._guesses = _Guesses(auth_failures, auth_window)
         self._log = log
         self._backend = load_backend(backend, **(options or {}))
@@ -257,7 +260,7 @@ class AgentServer:
             raise
         self.address: tuple[str, int] = self._listener.getsockname()[:2]
         self._lock = threading.Lock()  # guards _session, _pending and _closed across handshake threads
-        self._pending: set[socket.socket] = set()
+        self._pending: dict[socket.socket, str] = {}  # socket -> source host
         self._wake_r, self._wake_w = socket.socketpair()  # a handshake thread wakes the loop with a new session
         self._session: _Session | None = None
         self._stopping = False
@@ -341,9 +344,11 @@ class AgentServer:
                 why = AgentRefusedError("another client is connected; one client at a time")
             elif len(self._pending) >= self._max_pending:
                 why = AgentRefusedError(f"{self._max_pending} handshakes already in progress; retry later")
+            elif sum(1 for h in self._pending.values() if h == host) >= self._max_pending_per_host:
+                why = AgentRefusedError(f"{self._max_pending_per_host} handshakes from {host} in progress; retry later")
             else:
                 why = None
-                self._pending.add(sock)
+                self._pending[sock] = host
         if why is not None:
             self._log(f"refused {peer}: {why}")
             _refuse(sock, why)
@@ -359,7 +364,7 @@ class AgentServer:
             session = self._authenticate(sock, host, peer)
         finally:
             with self._lock:
-                self._pending.discard(sock)
+                self._pending.pop(sock, None)
                 taken = session is not None and (self._session is not None or self._closed or self._stopping)
                 if session is not None and not taken:
                     self._session = session
