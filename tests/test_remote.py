@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
@@ -23,7 +24,7 @@ import pytest
 from kvspec_conformance import Outcome, run_suite
 from kvspec_conformance.configs import full, make_config
 
-from kvspec import BlockIds, FailureReason, PlanError, TransferMode, TransportError
+from kvspec import BlockIds, FailureReason, MalformedMessageError, PlanError, TransferMode, TransportError
 from kvspec.remote import (
     AgentAuthError,
     AgentClient,
@@ -32,17 +33,17 @@ from kvspec.remote import (
     PeerBackend,
     RemoteAgent,
     RemotePool,
-    WireError,
     read_token,
 )
-from kvspec.remote._server import _HANDLERS
+from kvspec.remote._server import _HANDLERS, PAGE_COST
 from kvspec.remote._wire import MAGIC, client_mac, new_nonce, recv_frame, send_frame
 from kvspec.testing import MismatchKind, check_pools
 from kvspec.transport import Descriptor, TransferHandle, TransferState, Transport
 
 TOKEN = b"a-test-token-of-32-bytes-exactly"
 CONFIG = make_config(full(4), num_blocks=8)
-POOL_BYTES = sum(t.size for t in CONFIG.kv_cache_tensors)
+# What one pool counts against --max-pool: its tensors and PAGE_COST bytes of bookkeeping a page.
+POOL_BYTES = sum(t.size for t in CONFIG.kv_cache_tensors) + PAGE_COST * CONFIG.num_blocks * 2
 
 
 @contextlib.contextmanager
@@ -131,7 +132,7 @@ def test_a_mac_over_another_nonce_is_refused(server: AgentServer) -> None:
 
 
 def test_client_refuses_a_server_without_the_token() -> None:
-    """Mutual: a server that answers "ok" without proving the token is refused by the client."""
+    """Both ends prove the token: a server that answers "ok" without proving it is refused by the client."""
     listener = socket.create_server(("127.0.0.1", 0))
 
     def impostor() -> None:
@@ -157,7 +158,7 @@ def test_token_is_at_least_16_bytes(tmp_path: Path) -> None:
         read_token(str(short))
     with pytest.raises(AgentAuthError, match="KVSPEC_AGENT_TOKEN"):
         read_token(None, environ={})
-    assert read_token(None, environ={"KVSPEC_AGENT_TOKEN": "x" * 16}) == b"x" * 16
+    assert read_token(None, environ={"KVSPEC_AGENT_TOKEN": TOKEN.decode()}) == TOKEN
 
 
 # --------------------------------------------------------------------------- ownership and limits
@@ -232,10 +233,11 @@ def test_one_client_at_a_time(server: AgentServer) -> None:
         RemotePool(again, CONFIG)
 
 
-def test_a_malformed_request_drops_only_that_client(server: AgentServer) -> None:
+def test_a_malformed_request_gets_a_named_error_and_the_client_stays(server: AgentServer) -> None:
     client = _client(server)
-    with pytest.raises(WireError, match="expected an int"):
+    with pytest.raises(MalformedMessageError, match="'pool': expected an int"):
         client.call("pool.read", pool="one", region=0, offset=0, nbytes=1)
+    assert client.call("hello")[0]["backend"] == "loopback"
     client.close()
     with _client(server) as again:
         assert again.backend_name == "loopback"
@@ -309,20 +311,25 @@ def _serve_process(tmp_path: Path) -> tuple[subprocess.Popen[str], tuple[str, in
 
 
 def test_sigterm_closes_agents_and_frees_pools(tmp_path: Path) -> None:
+    """SIGTERM acts at once, even with a handshake pending (a silent connection), and frees everything."""
     process, address = _serve_process(tmp_path)
+    silent = socket.create_connection(address, timeout=5.0)  # a handshake left pending the whole test
     try:
-        client = AgentClient(*address, TOKEN)
+        client = AgentClient(*address, TOKEN, timeout=3.0)  # served although the silent connection came first
         pool = RemotePool(client, CONFIG)
         RemoteAgent(client, "producer").register_memory(pool.regions)
         names = {f.name for f in Path("/dev/shm").iterdir() if f.name.startswith("kvspec_agent")}
         assert names, "the server's pool is not in shared memory"
+        started = time.monotonic()
         process.send_signal(signal.SIGTERM)
         output, _ = process.communicate(timeout=20)
+        assert time.monotonic() - started < 2.0, "SIGTERM waited for the pending handshake"
         assert process.returncode == 0, output
         assert "stopped" in output
         left = {f.name for f in Path("/dev/shm").iterdir() if f.name in names}
         assert left == set(), f"shared memory left behind: {left}"
     finally:
+        silent.close()
         if process.poll() is None:
             process.kill()
             process.wait()

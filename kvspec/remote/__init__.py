@@ -6,7 +6,7 @@ and serves one authenticated client over one TCP connection;
 :class:`PeerBackend` are the suite's side of it. The wire is length-prefixed
 JSON headers with raw payloads (never pickle); authentication is a
 challenge-response over a shared token, compared in constant time, before
-anything is served.
+anything is served, and every later frame carries an HMAC tag of the session.
 """
 
 from kvspec.remote._client import AgentClient, PeerBackend, RemoteAgent, RemotePool, parse_address

@@ -18,6 +18,7 @@ import contextlib
 import hmac
 import socket
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -26,7 +27,7 @@ import attrs
 from kvspec import _errors
 from kvspec._descriptors import Descriptor, DescriptorList
 from kvspec._enums import FailureReason, TransferMode
-from kvspec._errors import ConfigError, KVSpecError, TransportError
+from kvspec._errors import ConfigError, KVSpecError, MalformedMessageError, TransportError
 from kvspec._models import BlockIds, KVCacheConfig
 from kvspec._vectors import to_json
 from kvspec.testing import PagePool, allocate_pool, fill_background, fill_producer_pages
@@ -47,10 +48,12 @@ from ._wire import (
     PRE_AUTH_HEADER_LIMIT,
     AgentAuthError,
     AgentRefusedError,
+    FrameMac,
     WireError,
     client_mac,
     digest,
     digest_key,
+    frame_key,
     new_nonce,
     no_delay,
     recv_frame,
@@ -60,7 +63,7 @@ from ._wire import (
 
 __all__ = ["AgentClient", "PeerBackend", "RemoteAgent", "RemotePool", "parse_address"]
 
-_REPLY_LIMIT = 1 << 31
+_REPLY_LIMIT = 256 << 20  # a reply payload: a read chunk (32 MiB) or page digests (16 bytes a page)
 _READ_CHUNK = 32 << 20
 
 
@@ -93,12 +96,25 @@ def _remote_error(reply: dict[str, Any], where: str) -> KVSpecError:
     return TransportError(f"{message} ({name or 'unknown error'} on the agent server)")
 
 
-class AgentClient:
-    """One authenticated connection to ``kvspec agent serve`` (mutual: the server proves the token too).
+def _reply_field(reply: dict[str, Any], name: str, kind: type, where: str) -> Any:
+    """``reply[name]`` when it is a ``kind``; else :class:`kvspec.MalformedMessageError` naming it (a bad server)."""
+    value = reply.get(name)
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise MalformedMessageError(f"{where} reply field {name!r}: expected {kind.__name__}, got {value!r:.60}")
+    return value
 
-    Every call waits at most ``timeout`` seconds; a broken or silent
+
+class AgentClient:
+    """One authenticated connection to ``kvspec agent serve``.
+
+    Both ends prove they hold the token, and every later frame carries a tag
+    under a key derived from the token and this handshake's nonces
+    (:class:`kvspec.remote._wire.FrameMac`), so nobody without the token can
+    send a request or a reply on this connection, even one who relayed the
+    handshake. Every call waits at most ``timeout`` seconds; a broken or silent
     connection raises :class:`kvspec.TransportError` with reason
     ``PEER_DISCONNECTED``, so a driver ends its requests instead of hanging.
+    Whatever the server sends, the client raises only kvspec errors.
     """
 
     def __init__(self, host: str, port: int, token: bytes, *, timeout: float = 30.0) -> None:
@@ -106,18 +122,28 @@ class AgentClient:
         self._lock = threading.Lock()
         self._broken: str | None = None
         self._pools: list[RemotePool] = []
-        sock = socket.create_connection((host, port), timeout=timeout)
-        no_delay(sock)
+        self._timeout = timeout
         try:
-            header, _ = recv_frame(sock, header_limit=PRE_AUTH_HEADER_LIMIT, payload_limit=0)
+            sock = socket.create_connection((host, port), timeout=timeout)
+        except OSError as exc:
+            raise TransportError(
+                f"agent server {host}:{port}: cannot connect ({exc.strerror or exc})",
+                reason=FailureReason.PEER_DISCONNECTED,
+            ) from None
+        deadline = time.monotonic() + timeout  # one deadline for the whole handshake
+        try:
+            no_delay(sock)
+            header, _ = recv_frame(sock, header_limit=PRE_AUTH_HEADER_LIMIT, payload_limit=0, deadline=deadline)
             if header.get("ok") is False:
                 raise _remote_error(header, f"agent server {host}:{port}")
             if header.get("op") != "challenge":
-                raise AgentAuthError(f"agent server {host}:{port}: expected a challenge, got {header.get('op')!r}")
+                raise AgentAuthError(f"agent server {host}:{port}: expected a challenge, got {header.get('op')!r:.60}")
             theirs = bytes.fromhex(str(header.get("nonce", "")))
+            if len(theirs) < 16:
+                raise AgentAuthError(f"agent server {host}:{port}: expected a nonce of at least 16 bytes")
             mine = new_nonce()
             send_frame(sock, {"op": "auth", "mac": client_mac(token, theirs, mine).hex(), "nonce": mine.hex()})
-            reply, _ = recv_frame(sock, header_limit=PRE_AUTH_HEADER_LIMIT, payload_limit=0)
+            reply, _ = recv_frame(sock, header_limit=PRE_AUTH_HEADER_LIMIT, payload_limit=0, deadline=deadline)
             if reply.get("ok") is not True:
                 raise _remote_error(reply, f"agent server {host}:{port}")
             proof = bytes.fromhex(str(reply.get("mac", "")))
@@ -133,9 +159,10 @@ class AgentClient:
             raise
         self._sock = sock
         self.key = digest_key(token, theirs, mine)
+        self._mac = FrameMac(frame_key(token, theirs, mine), "client")
         hello, _ = self.call("hello")
-        self.backend_name = str(hello["backend"])
-        self.capabilities = _capabilities(hello["capabilities"])
+        self.backend_name = _reply_field(hello, "backend", str, "hello")
+        self.capabilities = _capabilities(_reply_field(hello, "capabilities", dict, "hello"))
 
     def call(self, op: str, payload: bytes | memoryview = b"", **fields: Any) -> tuple[dict[str, Any], bytes]:
         """One request and its reply; the server's kvspec error is raised here as the same class."""
@@ -143,9 +170,15 @@ class AgentClient:
             if self._broken is not None:
                 raise TransportError(self._broken, reason=FailureReason.PEER_DISCONNECTED)
             try:
-                send_frame(self._sock, {"op": op, **fields}, payload)
-                reply, body = recv_frame(self._sock, header_limit=HEADER_LIMIT, payload_limit=_REPLY_LIMIT)
-            except (OSError, WireError) as exc:
+                send_frame(self._sock, {"op": op, **fields}, payload, self._mac)
+                reply, body = recv_frame(
+                    self._sock,
+                    header_limit=HEADER_LIMIT,
+                    payload_limit=_REPLY_LIMIT,
+                    deadline=time.monotonic() + self._timeout,
+                    mac=self._mac,
+                )
+            except (OSError, WireError, AgentAuthError) as exc:
                 self._broken = f"agent server {self.address[0]}:{self.address[1]}: connection lost during {op} ({exc})"
                 with contextlib.suppress(OSError):
                     self._sock.close()
@@ -183,7 +216,12 @@ class AgentClient:
 def _capabilities(body: dict[str, Any]) -> Capabilities:
     names = {f.name for f in attrs.fields(Capabilities)}
     values: dict[str, Any] = {k: v for k, v in body.items() if k in names and k != "modes"}
-    return Capabilities(modes=frozenset(TransferMode(m) for m in body.get("modes", [])), **values)
+    try:
+        return Capabilities(modes=frozenset(TransferMode(m) for m in body.get("modes", [])), **values)
+    except KVSpecError:
+        raise
+    except (TypeError, ValueError) as exc:
+        raise MalformedMessageError(f"agent server reply field 'capabilities': {type(exc).__name__}: {exc}") from None
 
 
 class RemotePool(PagePool):
@@ -194,7 +232,7 @@ class RemotePool(PagePool):
         super().__init__(config, shadow)
         reply, _ = client.call("pool.create", config=to_json(config))
         self.client = client
-        self.pool_id = int(reply["pool"])
+        self.pool_id: int = _reply_field(reply, "pool", int, "pool.create")
         client._pools.append(self)
 
     def fill_background(self, *, seed: int | str) -> None:
@@ -224,7 +262,15 @@ class RemotePool(PagePool):
     def differing_regions(self) -> list[int]:
         """Regions whose remote digest differs from the shadow's (keyed BLAKE2b; no page bytes travel)."""
         reply, _ = self.client.call("pool.digests", pool=self.pool_id)
-        remote = [bytes.fromhex(d) for d in reply["regions"]]
+        regions = _reply_field(reply, "regions", list, "pool.digests")
+        try:
+            remote = [bytes.fromhex(d) for d in regions]
+        except (TypeError, ValueError):
+            raise MalformedMessageError("pool.digests reply field 'regions': expected hex digests") from None
+        if len(remote) != len(self.regions):
+            raise MalformedMessageError(
+                f"pool.digests reply field 'regions': expected {len(self.regions)} digests, got {len(remote)}"
+            )
         key = self.client.key
         return [i for i, r in enumerate(self.regions) if not hmac.compare_digest(remote[i], digest(key, r.buffer))]
 
@@ -267,9 +313,9 @@ class RemoteAgent:
     def __init__(self, client: AgentClient, name: str) -> None:
         reply, _ = client.call("agent.create", name=name)
         self._client = client
-        self._id = int(reply["agent"])
-        self._name = str(reply["name"])
-        self._capabilities = _capabilities(reply["capabilities"])
+        self._id: int = _reply_field(reply, "agent", int, "agent.create")
+        self._name: str = _reply_field(reply, "name", str, "agent.create")
+        self._capabilities = _capabilities(_reply_field(reply, "capabilities", dict, "agent.create"))
         self._closed = False
 
     @property
@@ -298,7 +344,7 @@ class RemoteAgent:
 
     def add_remote_agent(self, metadata: bytes) -> str:
         """Load a peer's metadata into the remote agent (sent over the authenticated channel)."""
-        return str(self._call("agent.add_remote", metadata)[0]["peer"])
+        return str(_reply_field(self._call("agent.add_remote", metadata)[0], "peer", str, "agent.add_remote"))
 
     def remove_remote_agent(self, peer: str) -> None:
         """Make the remote agent forget ``peer``."""
@@ -321,7 +367,7 @@ class RemoteAgent:
             peer=peer,
             notification=None if notification is None else bytes(notification).hex(),
         )
-        return TransferHandle(transfer_id=int(reply["handle"]), peer=peer, mode=mode)
+        return TransferHandle(transfer_id=_reply_field(reply, "handle", int, "agent.post"), peer=peer, mode=mode)
 
     def check(self, handle: TransferHandle) -> TransferStatus:
         """The remote agent's status of the transfer; a lost server reports FAILED(peer_disconnected)."""
@@ -332,11 +378,16 @@ class RemoteAgent:
                 raise
             return TransferStatus(state=TransferState.FAILED, reason=exc.reason, detail=str(exc))
         reason = reply.get("reason")
-        return TransferStatus(
-            state=TransferState(reply["state"]),
-            reason=None if reason is None else FailureReason(reason),
-            detail=str(reply.get("detail", "")),
-        )
+        try:
+            return TransferStatus(
+                state=TransferState(reply.get("state")),
+                reason=None if reason is None else FailureReason(reason),
+                detail=str(reply.get("detail", "")),
+            )
+        except KVSpecError:
+            raise
+        except (TypeError, ValueError) as exc:
+            raise MalformedMessageError(f"agent.check reply: expected a transfer status ({exc})") from None
 
     def release(self, handle: TransferHandle) -> None:
         """Release the handle on the remote agent."""
@@ -350,9 +401,13 @@ class RemoteAgent:
         """Drain the remote agent's notifications."""
         reply, body = self._call("agent.notifications")
         notes, at = [], 0
-        for peer, size in reply["notes"]:
-            notes.append(Notification(peer=str(peer), message=body[at : at + int(size)]))
-            at += int(size)
+        for entry in _reply_field(reply, "notes", list, "agent.notifications"):
+            if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[1], int) and entry[1] >= 0):
+                raise MalformedMessageError("agent.notifications reply field 'notes': expected [peer, size] pairs")
+            notes.append(Notification(peer=str(entry[0]), message=body[at : at + entry[1]]))
+            at += entry[1]
+        if at != len(body):
+            raise MalformedMessageError(f"agent.notifications reply: sizes add up to {at}, the payload has {len(body)}")
         return notes
 
     def kill(self) -> None:

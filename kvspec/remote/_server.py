@@ -2,7 +2,12 @@
 
 Theory of operation. One :class:`AgentServer` listens on one TCP address and
 serves one authenticated client at a time (a second connection is told it is
-busy and closed). For that client it owns:
+busy and closed). Handshakes run in threads of their own, at most
+``max_pending`` at once and ``max_pending_per_host`` from one address, each
+under one deadline for the whole handshake, so a silent or byte-dribbling
+connection holds neither the accept loop nor the real client, and SIGTERM
+wakes the loop at once. A source whose handshakes keep failing is refused for
+a while (online guessing, :class:`_Guesses`). For that client it owns:
 
 * pools (:class:`kvspec.testing.PagePool` in shared memory, so the backend's
   worker processes attach them), bounded together by ``max_pool`` bytes, and
@@ -13,7 +18,12 @@ busy and closed). For that client it owns:
 
 Every request names a pool, an agent or a handle by the id the server gave
 it; a name it did not give this client, a descriptor outside the agent's
-pool or a read outside a region is refused. When the client goes away,
+pool or a read outside a region is refused. A field of the wrong type is a
+:class:`kvspec.MalformedMessageError` naming it. Every allocation a request
+causes is bounded before it is made: pools with their bookkeeping
+(``PAGE_COST`` bytes a page) by ``max_pool``, the rest by the per-request
+limits below. A killed agent (``agent.kill``, through its worker's process
+object, never a bare pid) answers nothing but ``agent.close``. When the client goes away,
 everything it owned is closed; SIGTERM closes the agents, frees the pools and
 stops the backend's workers before the process exits.
 """
@@ -22,20 +32,22 @@ from __future__ import annotations
 
 import contextlib
 import hmac
-import os
 import selectors
 import signal
 import socket
 import sys
+import threading
+import time
 import traceback
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
 import attrs
 
 from kvspec._descriptors import DescriptorList, check_descriptors
-from kvspec._enums import TransferMode
-from kvspec._errors import ConfigError, KVSpecError, PlanError, TransportError
+from kvspec._enums import FailureReason, TransferMode
+from kvspec._errors import ConfigError, KVSpecError, MalformedMessageError, PlanError, TransportError
 from kvspec._models import BlockIds
 from kvspec._vectors import decode_config
 from kvspec.testing import PagePool, allocate_pool, fill_background, fill_producer_pages
@@ -47,11 +59,14 @@ from ._wire import (
     PRE_AUTH_HEADER_LIMIT,
     AgentAuthError,
     AgentRefusedError,
+    FrameMac,
     WireError,
+    check_token,
     client_mac,
     digest,
     digest_key,
     digest_pages,
+    frame_key,
     new_nonce,
     no_delay,
     page_table,
@@ -63,11 +78,15 @@ from ._wire import (
 __all__ = ["AgentServer", "capabilities_to_json"]
 
 MAX_AGENTS = 8  # per client: the suite uses one at a time
+PAGE_COST = 320  # bytes of bookkeeping a pool's page costs (page table entry, digests), charged to --max-pool
+MAX_DESCRIPTORS = 1 << 20  # per agent.post
+MAX_NAME = 256  # characters of an agent's or a peer's name
 _Header = dict[str, Any]
 _Reply = tuple[dict[str, Any], bytes]
 _READ_LIMIT = 64 << 20  # one explanatory read
 _NOTE_LIMIT = 1 << 20
 _PAYLOAD_LIMIT = 64 << 20  # a request payload: descriptors, metadata or a notification
+_GUESS_HOSTS = 4096  # sources whose failed handshakes are remembered (oldest forgotten first)
 
 
 def capabilities_to_json(transport: Transport | Backend) -> dict[str, Any]:
@@ -82,6 +101,7 @@ def capabilities_to_json(transport: Transport | Backend) -> dict[str, Any]:
 class _Pool:
     pool: PagePool
     table: list[tuple[int, int, int]]
+    charge: int  # bytes counted against --max-pool: the regions and PAGE_COST a page
     snapshot: bytes | None = None
 
 
@@ -98,6 +118,7 @@ class _Session:
     sock: socket.socket
     peer: str
     key: bytes
+    mac: FrameMac
     pools: dict[int, _Pool] = attrs.Factory(dict)
     agents: dict[int, _Agent] = attrs.Factory(dict)
     next_id: int = 1
@@ -107,18 +128,73 @@ class _Session:
         return self.next_id - 1
 
 
+def _show(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 def _int(header: dict[str, Any], name: str) -> int:
     value = header.get(name)
     if not isinstance(value, int) or isinstance(value, bool):
-        raise WireError(f"request field {name!r}: expected an int, got {value!r}")
+        raise MalformedMessageError(f"request field {name!r}: expected an int, got {_show(value)}")
     return value
 
 
-def _str(header: dict[str, Any], name: str) -> str:
+def _str(header: dict[str, Any], name: str, limit: int = MAX_NAME) -> str:
     value = header.get(name)
     if not isinstance(value, str):
-        raise WireError(f"request field {name!r}: expected a string, got {value!r}")
+        raise MalformedMessageError(f"request field {name!r}: expected a string, got {_show(value)}")
+    if len(value) > limit:
+        raise MalformedMessageError(f"request field {name!r}: expected at most {limit} characters, got {len(value)}")
     return value
+
+
+def _int_list(value: object, name: str) -> list[int]:
+    if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        raise MalformedMessageError(f"request field {name!r}: expected a list of ints, got {_show(value)}")
+    return value
+
+
+class _Guesses:
+    """Failed handshakes per source host, to limit online guessing of the token; bounded memory.
+
+    After ``limit`` failures within ``window`` seconds a host is refused for
+    1 s, then 2 s, 4 s ... (at most ``window``) after each further failure. At
+    most ``_GUESS_HOSTS`` hosts are remembered; the oldest is forgotten first.
+    """
+
+    def __init__(self, limit: int, window: float) -> None:
+        self.limit = limit
+        self.window = window
+        self._hosts: OrderedDict[str, tuple[int, float, float]] = OrderedDict()  # failures, since, refused until
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._hosts)
+
+    def refused_for(self, host: str, now: float) -> float:
+        """Seconds ``host`` is still refused (0 when it may try)."""
+        with self._lock:
+            entry = self._hosts.get(host)
+            return 0.0 if entry is None else max(0.0, entry[2] - now)
+
+    def failed(self, host: str, now: float) -> None:
+        """Count one failed handshake of ``host``."""
+        with self._lock:
+            count, since, until = self._hosts.pop(host, (0, now, 0.0))
+            if now - since > self.window and now >= until:
+                count, since = 0, now
+            count += 1
+            if count >= self.limit:
+                until = now + min(self.window, 2.0 ** (count - self.limit))
+            self._hosts[host] = (count, since, until)
+            while len(self._hosts) > _GUESS_HOSTS:
+                self._hosts.popitem(last=False)
+
+    def succeeded(self, host: str) -> None:
+        """Forget ``host``'s failures."""
+        with self._lock:
+            self._hosts.pop(host, None)
 
 
 def _log(message: str) -> None:
@@ -128,9 +204,15 @@ def _log(message: str) -> None:
 class AgentServer:
     """Serves one backend's agents and pools to one authenticated client at a time.
 
-    ``token`` is the shared secret (at least 16 bytes); ``max_pool`` bounds
-    the bytes of all pools one client holds at once; ``options`` are the
-    backend factory's keyword options (:func:`kvspec.transport.load_backend`).
+    ``token`` is the shared secret (:func:`kvspec.remote.read_token`'s checks);
+    ``max_pool`` bounds the bytes of all pools one client holds at once, their
+    bookkeeping included; ``options`` are the backend factory's keyword options
+    (:func:`kvspec.transport.load_backend`). ``auth_timeout`` bounds a whole
+    handshake, ``max_pending`` the handshakes in progress at once
+    (``max_pending_per_host`` from one source address); after
+    ``auth_failures`` failed handshakes within ``auth_window`` seconds a source
+    host is refused for a while. A port in use or an address that cannot be
+    bound is a :class:`kvspec.ConfigError` naming it.
     """
 
     def __init__(
@@ -144,24 +226,42 @@ class AgentServer:
         options: dict[str, object] | None = None,
         auth_timeout: float = 10.0,
         request_timeout: float = 60.0,
+        max_pending: int = 16,
+        max_pending_per_host: int = 4,
+        auth_failures: int = 5,
+        auth_window: float = 60.0,
         log: Callable[[str], None] = _log,
     ) -> None:
-        if len(token) < 16:
-            raise AgentAuthError(f"AgentServer.token: expected at least 16 bytes, got {len(token)}")
+        check_token(token, "AgentServer.token")
         if max_pool <= 0:
             raise ConfigError(f"AgentServer.max_pool: expected a positive number of bytes, got {max_pool}")
+        if max_pending <= 0 or auth_failures <= 0:
+            raise ConfigError(
+                f"AgentServer: expected positive max_pending and auth_failures, got {max_pending}, {auth_failures}"
+            )
         self._token = token
         self._max_pool = max_pool
         self._auth_timeout = auth_timeout
         self._request_timeout = request_timeout
+        self._max_pending = max_pending
+        self._max_pending_per_host = max_pending_per_host
+        self._guesses = _Guesses(auth_failures, auth_window)
         self._log = log
         self._backend = load_backend(backend, **(options or {}))
         try:
             self._listener = socket.create_server((host, port), reuse_port=False)
+        except OSError as exc:
+            self._backend.close()
+            raise ConfigError(
+                f"agent serve --listen {host}:{port}: cannot listen there ({exc.strerror or exc})"
+            ) from None
         except BaseException:
             self._backend.close()
             raise
         self.address: tuple[str, int] = self._listener.getsockname()[:2]
+        self._lock = threading.Lock()  # guards _session, _pending and _closed across handshake threads
+        self._pending: dict[socket.socket, str] = {}  # socket -> source host
+        self._wake_r, self._wake_w = socket.socketpair()  # a handshake thread wakes the loop with a new session
         self._session: _Session | None = None
         self._stopping = False
         self._closed = False
@@ -172,8 +272,10 @@ class AgentServer:
         return self._backend
 
     def stop(self) -> None:
-        """Ask :meth:`serve_forever` to return (safe from a signal handler)."""
+        """Ask :meth:`serve_forever` to return (safe from a signal handler); it wakes the loop at once."""
         self._stopping = True
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"!")
 
     def serve_forever(self, *, handle_sigterm: bool = False) -> None:
         """Serve until :meth:`stop` (or SIGTERM when ``handle_sigterm``); then close everything."""
@@ -181,26 +283,43 @@ class AgentServer:
             signal.signal(signal.SIGTERM, lambda signum, frame: self.stop())
         selector = selectors.DefaultSelector()
         selector.register(self._listener, selectors.EVENT_READ)
+        selector.register(self._wake_r, selectors.EVENT_READ)
+        serving: socket.socket | None = None
         try:
             while not self._stopping:
                 for key, _ in selector.select(timeout=0.2):
                     if key.fileobj is self._listener:
-                        self._accept(selector)
+                        self._accept()
+                    elif key.fileobj is self._wake_r:
+                        with contextlib.suppress(OSError):
+                            self._wake_r.recv(64)
                     elif self._session is not None and not self._serve_one(self._session):
-                        selector.unregister(self._session.sock)
                         self._end_session()
+                session = self._session
+                if serving is not None and (session is None or session.sock is not serving):
+                    selector.unregister(serving)
+                    serving = None
+                if session is not None and serving is None:
+                    serving = session.sock
+                    selector.register(serving, selectors.EVENT_READ)
         finally:
             selector.close()
             self.close()
 
     def close(self) -> None:
-        """End the client's session, close every agent and pool and the backend's workers; idempotent."""
-        if self._closed:
-            return
-        self._closed = True
+        """End the client's session and pending handshakes, close every agent, pool and worker; idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            pending = list(self._pending)
+        for sock in pending:  # the handshake threads see the socket shut and return
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
         self._end_session()
-        with contextlib.suppress(OSError):
-            self._listener.close()
+        for sock in (self._listener, self._wake_r, self._wake_w):
+            with contextlib.suppress(OSError):
+                sock.close()
         try:
             self._backend.close()
         except KVSpecError as exc:
@@ -208,56 +327,100 @@ class AgentServer:
 
     # -- connections
 
-    def _accept(self, selector: selectors.BaseSelector) -> None:
-        sock, address = self._listener.accept()
-        peer = f"{address[0]}:{address[1]}"
-        if self._session is not None:
-            self._log(f"refused {peer}: another client is connected")
-            with contextlib.suppress(OSError):
-                sock.settimeout(1.0)
-                send_frame(sock, _error(AgentRefusedError("another client is connected; one client at a time")))
-            sock.close()
+    def _accept(self) -> None:
+        try:
+            sock, address = self._listener.accept()
+        except OSError as exc:  # e.g. out of file descriptors: the loop goes on
+            self._log(f"accept failed: {exc}")
             return
-        session = self._authenticate(sock, peer)
-        if session is None:
-            sock.close()
+        host, peer = str(address[0]), f"{address[0]}:{address[1]}"
+        wait = self._guesses.refused_for(host, time.monotonic())
+        with self._lock:
+            if wait > 0:
+                why: AgentRefusedError | None = AgentRefusedError(
+                    f"too many failed authentications from {host}; retry in {wait:.1f} s"
+                )
+            elif self._session is not None:
+                why = AgentRefusedError("another client is connected; one client at a time")
+            elif len(self._pending) >= self._max_pending:
+                why = AgentRefusedError(f"{self._max_pending} handshakes already in progress; retry later")
+            elif sum(1 for h in self._pending.values() if h == host) >= self._max_pending_per_host:
+                why = AgentRefusedError(f"{self._max_pending_per_host} handshakes from {host} in progress; retry later")
+            else:
+                why = None
+                self._pending[sock] = host
+        if why is not None:
+            self._log(f"refused {peer}: {why}")
+            _refuse(sock, why)
             return
-        self._session = session
-        selector.register(sock, selectors.EVENT_READ)
-        self._log(f"serving {peer}")
+        threading.Thread(
+            target=self._handshake, args=(sock, host, peer), name=f"kvspec-auth-{peer}", daemon=True
+        ).start()
 
-    def _authenticate(self, sock: socket.socket, peer: str) -> _Session | None:
-        """Challenge-response with the shared secret before anything else (constant-time comparison)."""
-        sock.settimeout(self._auth_timeout)
-        no_delay(sock)
+    def _handshake(self, sock: socket.socket, host: str, peer: str) -> None:
+        """A handshake thread: authenticate, then hand the session to the loop (or refuse: busy, stopping)."""
+        session = None
+        try:
+            session = self._authenticate(sock, host, peer)
+        finally:
+            with self._lock:
+                self._pending.pop(sock, None)
+                taken = session is not None and (self._session is not None or self._closed or self._stopping)
+                if session is not None and not taken:
+                    self._session = session
+        if session is None or taken:
+            if taken:
+                _refuse(sock, AgentRefusedError("another client is connected; one client at a time"))
+            else:
+                sock.close()
+            return
+        self._log(f"serving {peer}")
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"!")
+
+    def _authenticate(self, sock: socket.socket, host: str, peer: str) -> _Session | None:
+        """Challenge-response with the shared secret before anything else, all under one deadline."""
+        deadline = time.monotonic() + self._auth_timeout
         nonce = new_nonce()
         try:
-            send_frame(sock, {"op": "challenge", "agent": "kvspec", "version": 1, "nonce": nonce.hex()})
-            header, _ = recv_frame(sock, header_limit=PRE_AUTH_HEADER_LIMIT, payload_limit=0)
+            no_delay(sock)
+            sock.settimeout(self._auth_timeout)
+            send_frame(sock, {"op": "challenge", "agent": "kvspec", "version": 2, "nonce": nonce.hex()})
+            header, _ = recv_frame(sock, header_limit=PRE_AUTH_HEADER_LIMIT, payload_limit=0, deadline=deadline)
+            if header.get("op") != "auth":
+                raise WireError(f"expected an auth frame, got op {_show(header.get('op'))}")
             mac = bytes.fromhex(_str(header, "mac"))
             theirs = bytes.fromhex(_str(header, "nonce"))
-            if header.get("op") != "auth" or len(theirs) < 16:
-                raise WireError("expected an auth frame with a nonce of at least 16 bytes")
-        except (OSError, ValueError, WireError) as exc:
-            self._log(f"refused {peer}: no valid authentication ({type(exc).__name__})")
+            if len(theirs) < 16:
+                raise WireError(f"auth nonce: expected at least 16 bytes, got {len(theirs)}")
+        except (OSError, ValueError) as exc:
+            self._log(f"refused {peer}: no valid authentication ({type(exc).__name__}: {exc})")
             return None
         if not hmac.compare_digest(mac, client_mac(self._token, nonce, theirs)):
+            self._guesses.failed(host, time.monotonic())
             self._log(f"refused {peer}: wrong token")
-            with contextlib.suppress(OSError):
-                send_frame(sock, _error(AgentAuthError("authentication failed: wrong token")))
+            _refuse(sock, AgentAuthError("authentication failed: wrong token"), close=False)
             return None
+        self._guesses.succeeded(host)
         try:
             send_frame(sock, {"ok": True, "mac": server_mac(self._token, nonce, theirs).hex()})
         except OSError:
             return None
         sock.settimeout(self._request_timeout)
-        return _Session(sock=sock, peer=peer, key=digest_key(self._token, nonce, theirs))
+        key, tags = digest_key(self._token, nonce, theirs), frame_key(self._token, nonce, theirs)
+        return _Session(sock=sock, peer=peer, key=key, mac=FrameMac(tags, "server"))
 
     def _serve_one(self, session: _Session) -> bool:
-        """Answer one request; False when the client is gone or broke the framing."""
+        """Answer one request; False when the client is gone or broke the framing (one log line)."""
         try:
-            header, payload = recv_frame(session.sock, header_limit=HEADER_LIMIT, payload_limit=_PAYLOAD_LIMIT)
-        except (OSError, WireError) as exc:
+            header, payload = recv_frame(
+                session.sock,
+                header_limit=HEADER_LIMIT,
+                payload_limit=_PAYLOAD_LIMIT,
+                deadline=time.monotonic() + self._request_timeout,
+                mac=session.mac,
+            )
+        except (OSError, KVSpecError) as exc:
             if not isinstance(exc, ConnectionError):
                 self._log(f"dropping {session.peer}: {exc}")
             return False
@@ -266,22 +429,24 @@ class AgentServer:
         reply_payload: bytes | memoryview = b""
         try:
             if handler is None:
-                raise AgentRefusedError(f"request op: expected one of {sorted(_HANDLERS)}, got {op!r}")
+                raise AgentRefusedError(f"request op: expected one of {sorted(_HANDLERS)}, got {_show(op)}")
             reply, reply_payload = handler(self, session, header, payload)
             reply["ok"] = True
         except KVSpecError as exc:
             reply = _error(exc)
         except Exception as exc:  # a bug here must not take the server down with the client's pools
-            self._log(f"internal error on {op!r}: {traceback.format_exc()}")
+            where = traceback.extract_tb(exc.__traceback__)[-1]
+            self._log(f"internal error on {op!r}: {type(exc).__name__}: {exc} ({where.filename}:{where.lineno})")
             reply = {"ok": False, "error": {"type": "InternalError", "message": f"{type(exc).__name__}: {exc}"}}
         try:
-            send_frame(session.sock, reply, reply_payload)
+            send_frame(session.sock, reply, reply_payload, session.mac)
         except OSError:
             return False
         return op != "bye"
 
     def _end_session(self) -> None:
-        session, self._session = self._session, None
+        with self._lock:
+            session, self._session = self._session, None
         if session is None:
             return
         for agent in session.agents.values():
@@ -304,11 +469,16 @@ class AgentServer:
             raise AgentRefusedError(f"pool {pool_id}: not a pool this agent server gave this client")
         return pool
 
-    def _agent(self, session: _Session, header: dict[str, Any]) -> _Agent:
+    def _agent(self, session: _Session, header: dict[str, Any], *, killed_ok: bool = False) -> _Agent:
         agent_id = _int(header, "agent")
         agent = session.agents.get(agent_id)
         if agent is None:
             raise AgentRefusedError(f"agent {agent_id}: not an agent this agent server gave this client")
+        if agent.killed and not killed_ok:
+            raise TransportError(
+                f"agent {agent_id}: killed by agent.kill; only agent.close is accepted",
+                reason=FailureReason.PEER_DISCONNECTED,
+            )
         return agent
 
     def _handle(self, agent: _Agent, header: dict[str, Any]) -> tuple[int, TransferHandle]:
@@ -324,16 +494,27 @@ class AgentServer:
         return {"backend": self._backend.name, "capabilities": capabilities_to_json(self._backend)}, b""
 
     def _pool_create(self, session: _Session, header: _Header, payload: bytes) -> _Reply:
-        config = decode_config(header.get("config"))
-        size = sum(tensor.size for tensor in config.kv_cache_tensors)
-        held = sum(region.nbytes for pool in session.pools.values() for region in pool.pool.regions)
-        if held + size > self._max_pool:
+        """A pool for ``config``; its regions and its bookkeeping (``PAGE_COST`` a page) count against --max-pool."""
+        try:
+            config = decode_config(header.get("config"))
+        except KVSpecError:
+            raise
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise MalformedMessageError(
+                f"request field 'config': expected a KV-cache config object ({type(exc).__name__}: {exc})"
+            ) from None
+        pages = config.num_blocks * sum(len(group.layer_names) for group in config.kv_cache_groups)
+        charge = sum(tensor.size for tensor in config.kv_cache_tensors) + pages * PAGE_COST
+        held = sum(pool.charge for pool in session.pools.values())
+        if held + charge > self._max_pool:
             raise AgentRefusedError(
-                f"pool.create: expected at most {self._max_pool - held} more bytes (--max-pool {self._max_pool}, "
-                f"{held} held), got a config of {size} bytes"
+                f"pool.create config: expected at most {self._max_pool - held} more bytes (--max-pool "
+                f"{self._max_pool}, {held} held), got {charge} ({pages} pages at {PAGE_COST} bytes of bookkeeping "
+                "each, plus the tensors)"
             )
         pool_id = session.new_id()
-        session.pools[pool_id] = _Pool(pool=allocate_pool(config, prefix="kvspec_agent"), table=page_table(config))
+        pool = allocate_pool(config, prefix="kvspec_agent")
+        session.pools[pool_id] = _Pool(pool=pool, table=page_table(config), charge=charge)
         return {"pool": pool_id, "sizes": [t.size for t in config.kv_cache_tensors]}, b""
 
     def _pool_destroy(self, session: _Session, header: _Header, payload: bytes) -> _Reply:
@@ -352,7 +533,17 @@ class AgentServer:
     def _pool_fill_pages(self, session: _Session, header: _Header, payload: bytes) -> _Reply:
         pool = self._pool(session, header)
         ends = header.get("block_ends")
-        block_ids = BlockIds(header.get("block_ids"))
+        raw = header.get("block_ids")
+        if not isinstance(raw, list) or not all(isinstance(ids, list) for ids in raw):
+            raise MalformedMessageError(
+                f"request field 'block_ids': expected a list of lists of ints, got {_show(raw)}"
+            )
+        block_ids = BlockIds(raw)
+        config = pool.pool.config
+        if len(block_ids) not in (0, config.num_groups) or any(len(ids) > config.num_blocks for ids in block_ids):
+            raise AgentRefusedError(
+                f"pool.fill_pages block_ids: expected {config.num_groups} lists of at most {config.num_blocks} ids"
+            )
         for ids in block_ids:
             for block in ids:
                 if not 0 <= block < pool.pool.config.num_blocks:
@@ -365,7 +556,7 @@ class AgentServer:
             block_ids,
             num_tokens=_int(header, "num_tokens"),
             salt=_seed(header, "salt"),
-            block_ends=None if ends is None else tuple(int(e) for e in ends),
+            block_ends=None if ends is None else tuple(_int_list(ends, "block_ends")),
         )
         return {}, b""
 
@@ -407,7 +598,8 @@ class AgentServer:
     def _agent_create(self, session: _Session, header: _Header, payload: bytes) -> _Reply:
         if len(session.agents) >= MAX_AGENTS:
             raise AgentRefusedError(f"agent.create: expected at most {MAX_AGENTS} agents per client")
-        transport = self._backend.create_agent(_str(header, "name"))
+        name = _str(header, "name")
+        transport = self._backend.create_agent(name)
         agent_id = session.new_id()
         session.agents[agent_id] = _Agent(transport=transport)
         return {"agent": agent_id, "name": transport.name, "capabilities": capabilities_to_json(transport)}, b""
@@ -425,7 +617,15 @@ class AgentServer:
         return {}, self._agent(session, header).transport.get_agent_metadata()
 
     def _agent_add_remote(self, session: _Session, header: _Header, payload: bytes) -> _Reply:
-        return {"peer": self._agent(session, header).transport.add_remote_agent(payload)}, b""
+        agent = self._agent(session, header)
+        try:
+            return {"peer": agent.transport.add_remote_agent(payload)}, b""
+        except KVSpecError:
+            raise
+        except (KeyError, TypeError, ValueError, UnicodeDecodeError) as exc:
+            raise MalformedMessageError(
+                f"agent.add_remote payload: expected a {self._backend.name} agent's metadata ({type(exc).__name__})"
+            ) from None
 
     def _agent_remove_remote(self, session: _Session, header: _Header, payload: bytes) -> _Reply:
         self._agent(session, header).transport.remove_remote_agent(_str(header, "peer"))
@@ -435,11 +635,46 @@ class AgentServer:
         agent = self._agent(session, header)
         if agent.pool is None:
             raise AgentRefusedError(f"agent.post: agent {header['agent']} has no pool registered")
-        mode = TransferMode(_str(header, "mode"))
+        try:
+            mode = TransferMode(_str(header, "mode"))
+        except ValueError:
+            raise MalformedMessageError(
+                f"request field 'mode': expected one of {[m.value for m in TransferMode]}, got {_show(header['mode'])}"
+            ) from None
+        peer = _str(header, "peer")
+        note = header.get("notification")
+        try:
+            notification = None if note is None else bytes.fromhex(_str(header, "notification", 2 * _NOTE_LIMIT))
+        except ValueError:
+            raise MalformedMessageError(
+                f"request field 'notification': expected hex digits, got {_show(note)}"
+            ) from None
         if len(payload) % 40:
-            raise WireError(f"agent.post payload: expected 5 int64 columns (40 bytes a row), got {len(payload)} bytes")
+            raise MalformedMessageError(
+                f"agent.post payload: expected 5 int64 columns (40 bytes a row), got {len(payload)} bytes"
+            )
         count = len(payload) // 40
-        columns = [memoryview(payload)[i * 8 * count : (i + 1) * 8 * count].cast("q").tolist() for i in range(5)]
+        if count > MAX_DESCRIPTORS:
+            raise AgentRefusedError(f"agent.post payload: expected at most {MAX_DESCRIPTORS} descriptors, got {count}")
+        # Views, not lists: the columns are packed one at a time, nothing sized by a descriptor's values.
+        columns = [memoryview(payload)[i * 8 * count : (i + 1) * 8 * count].cast("q") for i in range(5)]
+        if count and (min(columns[2]) < 0 or min(columns[3]) < 0):
+            raise PlanError("agent.post: a descriptor has a negative remote region or offset")
+        # This side's memory is checked here, whatever the backend does: nothing outside the pool moves. The
+        # remote side (the peer's memory) is the peer's to check; mirroring the local columns into it keeps
+        # check_descriptors from sizing anything by a remote region number.
+        local_sizes = [region.nbytes for region in session.pools[agent.pool].pool.regions]
+        local_only = DescriptorList.from_columns(
+            local_region=columns[0],
+            local_offset=columns[1],
+            remote_region=columns[0],
+            remote_offset=columns[1],
+            nbytes=columns[4],
+        )
+        try:
+            check_descriptors(local_only, local_sizes=local_sizes, remote_sizes=local_sizes)
+        except PlanError as exc:
+            raise PlanError(f"agent.post: a descriptor is outside the agent's pool: {exc}") from None
         descriptors = DescriptorList.from_columns(
             local_region=columns[0],
             local_offset=columns[1],
@@ -447,20 +682,7 @@ class AgentServer:
             remote_offset=columns[3],
             nbytes=columns[4],
         )
-        # This side's memory is checked here, whatever the backend does: nothing outside the pool moves.
-        local_sizes = [region.nbytes for region in session.pools[agent.pool].pool.regions]
-        unbounded = [1 << 62] * (descriptors.bounds.regions[1] + 1)
-        try:
-            check_descriptors(descriptors, local_sizes=local_sizes, remote_sizes=unbounded)
-        except PlanError as exc:
-            raise PlanError(f"agent.post: a descriptor is outside the agent's pool: {exc}") from None
-        note = header.get("notification")
-        handle = agent.transport.post(
-            mode,
-            descriptors,
-            peer=_str(header, "peer"),
-            notification=None if note is None else bytes.fromhex(str(note)),
-        )
+        handle = agent.transport.post(mode, descriptors, peer=peer, notification=notification)
         handle_id = session.new_id()
         agent.handles[handle_id] = handle
         return {"handle": handle_id}, b""
@@ -490,21 +712,26 @@ class AgentServer:
         return {"notes": [[n.peer, len(n.message)] for n in notes]}, b"".join(n.message for n in notes)
 
     def _agent_close(self, session: _Session, header: _Header, payload: bytes) -> _Reply:
-        agent = self._agent(session, header)
+        agent = self._agent(session, header, killed_ok=True)
         del session.agents[header["agent"]]
         agent.transport.close()
         return {}, b""
 
     def _agent_kill(self, session: _Session, header: _Header, payload: bytes) -> _Reply:
-        """Kill the agent's worker process at once (a peer lost without a goodbye); close it if it has none."""
+        """Kill the agent's worker at once (a peer lost without a goodbye); close the agent if it has none.
+
+        The kill goes through the worker's process object (``Popen`` or
+        ``multiprocessing.Process``), which signals only a child it has not
+        reaped, so a pid reused by another process is never signalled. A
+        killed agent answers nothing but ``agent.close`` (see :meth:`_agent`).
+        """
         agent = self._agent(session, header)
-        pid = getattr(agent.transport, "pid", None)
-        in_process = bool(getattr(agent.transport, "in_process", False))
         agent.killed = True
-        if isinstance(pid, int) and pid > 0 and pid != os.getpid() and not in_process:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-            return {"killed": pid}, b""
+        process = getattr(agent.transport, "_process", None)
+        kill = getattr(process, "kill", None)
+        if callable(kill) and not getattr(agent.transport, "in_process", False):
+            kill()
+            return {"killed": getattr(process, "pid", None)}, b""
         with contextlib.suppress(TransportError):
             agent.transport.close()
         return {"killed": None}, b""
@@ -518,6 +745,15 @@ def _seed(header: dict[str, Any], name: str) -> int | str:
     if not isinstance(value, (int, str)) or isinstance(value, bool):
         raise WireError(f"request field {name!r}: expected an int or a string, got {value!r}")
     return value
+
+
+def _refuse(sock: socket.socket, why: KVSpecError, *, close: bool = True) -> None:
+    """Tell a connection why it is refused, without waiting on it (the frame fits any send buffer)."""
+    with contextlib.suppress(OSError):
+        sock.setblocking(False)
+        send_frame(sock, _error(why))
+    if close:
+        sock.close()
 
 
 def _error(exc: KVSpecError) -> dict[str, Any]:
@@ -560,7 +796,7 @@ def serve_command(args: Any, out: Any) -> int:
     from ._wire import read_token
 
     host, port = parse_address(args.listen)
-    token = read_token(args.token_file)
+    token = read_token(args.token_file)  # a ConfigError or AgentAuthError naming the file, before the backend loads
     server = AgentServer(
         args.backend,
         host=host,

@@ -4,7 +4,10 @@ One frame is ``MAGIC`` (4 bytes), the header length (big-endian u32), the
 payload length (big-endian u64), the header (UTF-8 JSON object) and the
 payload (raw bytes). Both lengths are checked against the receiver's limits
 before anything is read, so a peer cannot make the other side allocate more
-than it allows. Nothing on the wire is ever unpickled or evaluated.
+than it allows. The header is parsed with its nesting (``MAX_DEPTH``) and its
+numbers (``MAX_NUMBER_CHARS`` characters, finite) bounded, so a hostile peer's
+frame is a :class:`WireError`, never a RecursionError or a huge integer.
+Nothing on the wire is ever unpickled or evaluated.
 
 Authentication (before anything else is served): the server sends a random
 nonce; the client answers ``HMAC-SHA256(token, "client" | server nonce | client
@@ -12,44 +15,63 @@ nonce)`` and its own nonce; the server compares in constant time
 (:func:`hmac.compare_digest`) and proves it holds the token too with
 ``HMAC-SHA256(token, "server" | client nonce | server nonce)``. Both sides
 then derive the session's digest key from the token and both nonces.
+
+After the handshake every frame carries a tag: ``HMAC-SHA256(frame key,
+direction | sequence number | frame)``, the frame key derived from the token and
+both nonces like the digest key. So a relay that passed the handshake through
+(someone between the client and the server) cannot send a request of its own,
+change, replay, reorder or drop a frame unnoticed: the session stays the
+client's. It still sees every byte (no encryption) and can cut the connection.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import itertools
 import json
+import math
+import operator
 import os
+import re
 import secrets
 import socket
 import struct
+import time
 from typing import Any
 
-from kvspec._errors import KVSpecError
+from kvspec._errors import ConfigError, KVSpecError
 from kvspec._models import KVCacheConfig
 
 __all__ = [
     "DIGEST_SIZE",
     "HEADER_LIMIT",
     "MAGIC",
+    "MAX_DEPTH",
+    "MAX_NUMBER_CHARS",
     "PRE_AUTH_HEADER_LIMIT",
     "AgentAuthError",
     "AgentRefusedError",
+    "FrameMac",
     "WireError",
+    "check_token",
     "client_mac",
     "digest",
     "digest_key",
     "digest_pages",
+    "frame_key",
     "new_nonce",
     "no_delay",
     "page_table",
+    "parse_header",
     "read_token",
     "recv_frame",
     "send_frame",
     "server_mac",
+    "token_bits",
 ]
 
-MAGIC = b"KVA1"
+MAGIC = b"KVA2"  # 2: frames after the handshake carry a tag
 _PREFIX = struct.Struct(">4sIQ")
 HEADER_LIMIT = 1 << 20  # a header is a small JSON object; notifications travel in it hex-encoded
 PRE_AUTH_HEADER_LIMIT = 512  # before authentication only the nonce and the MAC are accepted
@@ -57,6 +79,10 @@ _CONTEXT = b"kvspec-agent/1"
 _NONCE_BYTES = 32
 DIGEST_SIZE = 16
 _COALESCE = 1 << 16
+MAX_DEPTH = 32  # nesting of a header's arrays and objects; the protocol's deepest is 4
+MAX_NUMBER_CHARS = 40  # characters of one JSON number; an int64 has at most 20
+MIN_TOKEN_BITS = 64  # Shannon estimate over the token's characters
+TOKEN_HOWTO = "make one with: python -c 'import secrets; print(secrets.token_hex(32))' > FILE"
 
 
 class WireError(KVSpecError, ValueError):
@@ -71,16 +97,55 @@ class AgentRefusedError(KVSpecError, PermissionError):
     """The agent refused a request: memory, pool, agent or handle it does not own, a limit, or another client."""
 
 
-def send_frame(sock: socket.socket, header: dict[str, Any], payload: bytes | memoryview = b"") -> None:
-    """Send one frame: ``header`` as JSON, ``payload`` as raw bytes."""
+class FrameMac:
+    """The tags of one session's frames in both directions, with their sequence numbers (see the module docstring).
+
+    ``role`` is this end's, ``"client"`` or ``"server"``; each direction has its
+    own counter, so a frame replayed, reordered or dropped fails the next check.
+    """
+
+    TAG_SIZE = 32
+
+    def __init__(self, key: bytes, role: str) -> None:
+        self._key = key
+        self._out, self._in = (b"c>s", b"s>c") if role == "client" else (b"s>c", b"c>s")
+        self._sent = 0
+        self._received = 0
+
+    def _tag(self, direction: bytes, number: int, parts: tuple[bytes | memoryview, ...]) -> bytes:
+        mac = hmac.new(self._key, direction + number.to_bytes(8, "big"), hashlib.sha256)
+        for part in parts:
+            mac.update(part)
+        return mac.digest()
+
+    def sign(self, *parts: bytes | memoryview) -> bytes:
+        """The tag of the next frame this end sends."""
+        self._sent += 1
+        return self._tag(self._out, self._sent, parts)
+
+    def verify(self, tag: bytes, *parts: bytes | memoryview) -> None:
+        """Check the tag of the next frame this end receives; :class:`AgentAuthError` when it does not match."""
+        self._received += 1
+        if not hmac.compare_digest(tag, self._tag(self._in, self._received, parts)):
+            raise AgentAuthError(
+                f"frame {self._received}: its tag does not match (changed, replayed, reordered or not from the peer)"
+            )
+
+
+def send_frame(
+    sock: socket.socket, header: dict[str, Any], payload: bytes | memoryview = b"", mac: FrameMac | None = None
+) -> None:
+    """Send one frame: ``header`` as JSON, ``payload`` as raw bytes, then the tag when ``mac`` is given."""
     body = json.dumps(header, separators=(",", ":")).encode()
     view = memoryview(payload).cast("B")
     head = _PREFIX.pack(MAGIC, len(body), view.nbytes) + body
+    tag = b"" if mac is None else mac.sign(head, view)
     if view.nbytes <= _COALESCE:
-        sock.sendall(head + view)  # one write: no Nagle stall between the header and a small payload
+        sock.sendall(head + view + tag)  # one write: no Nagle stall between the header and a small payload
     else:
         sock.sendall(head)
         sock.sendall(view)
+        sock.sendall(tag)
 
 
 def no_delay(sock: socket.socket) -> None:
@@ -88,11 +153,16 @@ def no_delay(sock: socket.socket) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
-def _recv_exactly(sock: socket.socket, nbytes: int) -> bytearray:
+def _recv_exactly(sock: socket.socket, nbytes: int, deadline: float | None = None) -> bytearray:
     buffer = bytearray(nbytes)
     view = memoryview(buffer)
     got = 0
     while got < nbytes:
+        if deadline is not None:  # one deadline for the whole frame, not one per recv (no byte-dribbling)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"deadline passed after {got} of {nbytes} bytes")
+            sock.settimeout(left)
         count = sock.recv_into(view[got:], nbytes - got)
         if count == 0:
             raise ConnectionError(f"the peer closed the connection after {got} of {nbytes} bytes")
@@ -100,23 +170,77 @@ def _recv_exactly(sock: socket.socket, nbytes: int) -> bytearray:
     return buffer
 
 
-def recv_frame(sock: socket.socket, *, header_limit: int, payload_limit: int) -> tuple[dict[str, Any], bytes]:
-    """Receive one frame; :class:`WireError` when it is malformed or larger than the limits (checked first)."""
-    magic, header_len, payload_len = _PREFIX.unpack(bytes(_recv_exactly(sock, _PREFIX.size)))
+def recv_frame(
+    sock: socket.socket,
+    *,
+    header_limit: int,
+    payload_limit: int,
+    deadline: float | None = None,
+    mac: FrameMac | None = None,
+) -> tuple[dict[str, Any], bytes]:
+    """Receive one frame; :class:`WireError` when it is malformed or larger than the limits (checked first).
+
+    ``deadline`` (a :func:`time.monotonic` time) bounds the whole frame:
+    :class:`TimeoutError` when it passes, however the bytes trickle in. With
+    ``mac`` the frame's tag is checked before the header is parsed
+    (:class:`AgentAuthError` when it does not match).
+    """
+    prefix = bytes(_recv_exactly(sock, _PREFIX.size, deadline))
+    magic, header_len, payload_len = _PREFIX.unpack(prefix)
     if magic != MAGIC:
         raise WireError(f"frame magic: expected {MAGIC!r}, got {magic!r}")
     if header_len > header_limit:
         raise WireError(f"frame header: expected at most {header_limit} bytes, got {header_len}")
     if payload_len > payload_limit:
         raise WireError(f"frame payload: expected at most {payload_limit} bytes, got {payload_len}")
+    body = bytes(_recv_exactly(sock, header_len, deadline))
+    payload = bytes(_recv_exactly(sock, payload_len, deadline)) if payload_len else b""
+    if mac is not None:
+        mac.verify(bytes(_recv_exactly(sock, FrameMac.TAG_SIZE, deadline)), prefix, body, payload)
+    return parse_header(body), payload
+
+
+_ESCAPE = re.compile(rb"\\.", re.DOTALL)
+_STRING = re.compile(rb'"[^"]*"')  # linear: escapes are gone before it runs
+_NOT_BRACKET = bytes(b for b in range(256) if b not in b"[]{}")
+_DEPTH_STEP = bytes.maketrans(b"[{]}", b"\x02\x02\x00\x00")  # 2 opens, 0 closes; minus 1 below
+
+
+def _depth(body: bytes) -> int:
+    """The deepest nesting of arrays and objects in ``body`` (JSON text), in linear time and C-level passes."""
+    brackets = body.translate(None, _NOT_BRACKET)
+    if len(brackets) <= MAX_DEPTH:
+        return len(brackets)  # cannot nest deeper than it has brackets
+    text = _STRING.sub(b"", _ESCAPE.sub(b"_", body)).translate(None, _NOT_BRACKET)
+    steps = map(operator.sub, text.translate(_DEPTH_STEP), itertools.repeat(1))
+    return max(itertools.accumulate(steps), default=0)
+
+
+def _number(text: str) -> int | float:
+    if len(text) > MAX_NUMBER_CHARS:
+        raise WireError(f"frame header: expected numbers of at most {MAX_NUMBER_CHARS} characters, got {len(text)}")
+    value = float(text) if any(c in text for c in ".eE") else int(text)
+    if isinstance(value, float) and not math.isfinite(value):
+        raise WireError(f"frame header: expected finite numbers, got {text[:MAX_NUMBER_CHARS]}")
+    return value
+
+
+def _constant(text: str) -> None:
+    raise WireError(f"frame header: expected finite numbers, got {text}")
+
+
+def parse_header(body: bytes) -> dict[str, Any]:
+    """A frame header: a JSON object at most ``MAX_DEPTH`` deep, numbers bounded; else :class:`WireError`."""
+    depth = _depth(body)
+    if depth > MAX_DEPTH:
+        raise WireError(f"frame header: expected JSON nested at most {MAX_DEPTH} deep, got {depth}")
     try:
-        header = json.loads(bytes(_recv_exactly(sock, header_len)))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise WireError(f"frame header: expected a JSON object ({exc})") from None
+        header = json.loads(body, parse_int=_number, parse_float=_number, parse_constant=_constant)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise WireError(f"frame header: expected a JSON object ({type(exc).__name__}: {exc})") from None
     if not isinstance(header, dict):
         raise WireError(f"frame header: expected a JSON object, got {type(header).__name__}")
-    payload = bytes(_recv_exactly(sock, payload_len)) if payload_len else b""
-    return header, payload
+    return header
 
 
 def new_nonce() -> bytes:
@@ -139,18 +263,57 @@ def digest_key(token: bytes, server_nonce: bytes, client_nonce: bytes) -> bytes:
     return hmac.new(token, b"|".join((_CONTEXT, b"digest", server_nonce, client_nonce)), hashlib.sha256).digest()
 
 
+def frame_key(token: bytes, server_nonce: bytes, client_nonce: bytes) -> bytes:
+    """The session's key for frame tags (:class:`FrameMac`), fresh per connection."""
+    return hmac.new(token, b"|".join((_CONTEXT, b"frames", server_nonce, client_nonce)), hashlib.sha256).digest()
+
+
+def token_bits(token: bytes) -> float:
+    """A Shannon estimate of the token's entropy in bits: its length times the entropy of its byte frequencies.
+
+    It overestimates a structured token (``abcdefgh...``) but catches the
+    usual mistakes: a short, repeated or single-character secret.
+    """
+    counts = [token.count(byte) for byte in set(token)]
+    return max(0.0, -sum(c * math.log2(c / len(token)) for c in counts))
+
+
+def check_token(token: bytes, source: str) -> bytes:
+    """``token`` when it is at least 16 bytes and carries at least ``MIN_TOKEN_BITS``; else :class:`AgentAuthError`."""
+    if len(token) < 16:
+        raise AgentAuthError(f"agent token ({source}): expected at least 16 bytes, got {len(token)}; {TOKEN_HOWTO}")
+    bits = token_bits(token)
+    if bits < MIN_TOKEN_BITS:
+        raise AgentAuthError(
+            f"agent token ({source}): expected at least {MIN_TOKEN_BITS} bits of entropy, got about {bits:.0f} "
+            f"(too few distinct characters); {TOKEN_HOWTO}"
+        )
+    return token
+
+
+_TOKEN_FILE_LIMIT = 4096
+
+
 def read_token(path: str | None, environ: dict[str, str] | None = None) -> bytes:
-    """The shared secret: the file's contents (stripped) or ``KVSPEC_AGENT_TOKEN``; at least 16 bytes."""
+    """The shared secret: the file's contents (stripped) or ``KVSPEC_AGENT_TOKEN``, checked by :func:`check_token`.
+
+    A file that cannot be read, or holds more than 4096 bytes, is a
+    :class:`kvspec.ConfigError` naming it.
+    """
     if path is not None:
-        with open(path, "rb") as handle:
-            token = handle.read().strip()
         source = f"--token-file {path}"
+        try:
+            with open(path, "rb") as handle:
+                token = handle.read(_TOKEN_FILE_LIMIT + 1)
+        except OSError as exc:
+            raise ConfigError(f"{source}: expected a readable file holding the token ({exc.strerror})") from None
+        if len(token) > _TOKEN_FILE_LIMIT:
+            raise ConfigError(f"{source}: expected at most {_TOKEN_FILE_LIMIT} bytes (a token), got more")
+        token = token.strip()
     else:
         token = (environ if environ is not None else dict(os.environ)).get("KVSPEC_AGENT_TOKEN", "").encode()
         source = "KVSPEC_AGENT_TOKEN"
-    if len(token) < 16:
-        raise AgentAuthError(f"agent token ({source}): expected at least 16 bytes, got {len(token)}")
-    return token
+    return check_token(token, source)
 
 
 def page_table(config: KVCacheConfig) -> list[tuple[int, int, int]]:
