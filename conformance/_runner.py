@@ -150,6 +150,8 @@ def run_suite(
     spec = backend if isinstance(backend, str) else f"{type(backend).__module__}:{type(backend).__name__}"
     resolved = load_backend(backend) if isinstance(backend, str) else backend
     paced_with = (Pace.named(pace, seed=pace_seed) if isinstance(pace, str) else pace) if pace is not None else None
+    # The report names the pace, given here or by a caller who passed a PacedBackend.
+    shown = paced_with or (resolved.pace if isinstance(resolved, PacedBackend) else None)
     inner = resolved
     if paced_with is not None:
         spec = PacedSpec(spec, paced_with)
@@ -180,5 +182,5 @@ def run_suite(
         seconds=time.perf_counter() - started,
         max_examples=max_examples,
         kvspec_version=kvspec.__version__,
-        pace=paced_with.describe() if paced_with is not None else None,
+        pace=shown.describe() if shown is not None else None,
     )

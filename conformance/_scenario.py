@@ -80,7 +80,7 @@ from kvspec.testing import (
     fill_producer_pages,
     format_mismatches,
 )
-from kvspec.transport import Backend, FaultInjector, FaultPlan, InjectedFault, PacedTransport, Transport
+from kvspec.transport import Backend, FaultInjector, FaultPlan, InjectedFault, PacedBackend, PacedTransport, Transport
 
 from ._connector import Connector, ReferenceConnector
 
@@ -406,8 +406,9 @@ class _Play:
 
     def _pool(self, role: str, config: KVCacheConfig) -> PagePool:
         """The suite's shared-memory pool, or, with ``--peer``, the producer's pool on the agent server."""
-        if isinstance(self.backend, PeerBackend):
-            return self.backend.allocate_pool(role, config)
+        base = self.backend.inner if isinstance(self.backend, PacedBackend) else self.backend  # --peer --pace
+        if isinstance(base, PeerBackend):
+            return base.allocate_pool(role, config)
         return allocate_pool(config)
 
     def _agent(self, role: str) -> Transport:

@@ -253,3 +253,9 @@ def test_a_failure_under_a_pace_replays_under_that_pace(capsys: pytest.CaptureFi
     namespace: dict[str, object] = {"__name__": "__reproducer__"}
     exec(compile(failure.reproducer, "<reproducer>", "exec"), namespace)
     assert not namespace["result"].ok  # type: ignore[attr-defined]
+
+
+def test_a_backend_paced_by_the_caller_is_named_in_the_report() -> None:
+    report = run_suite(PacedBackend(LoopbackBackend(), Pace.named("jitter", seed=4)), rules=["HS-1/mismatch-table"])
+    assert report.pace == "jitter (seed 4)"
+    assert run_suite("loopback", rules=["HS-1/mismatch-table"]).pace is None

@@ -229,7 +229,9 @@ class PacedTransport:
         self._tick += 1
         for state in list(self._posted.values()):
             if state.final is None and state.notification is not None:
-                self._advance(state)
+                # An error of the inner check belongs to the caller's own check of that handle, not to this call.
+                with contextlib.suppress(TransportError):
+                    self._advance(state)
 
     def check(self, handle: TransferHandle) -> TransferStatus:
         """PENDING until the inner transfer is DONE and the pace's calls and time have passed; FAILED at once."""
