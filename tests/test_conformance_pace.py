@@ -205,14 +205,14 @@ def _jitter_cases() -> set[str]:
 def test_loopback_passes_the_other_cases_slowed_down() -> None:
     """The cases the jitter run leaves out, under ``slow``: each transfer takes 8 checks, each notice 3 calls."""
     cases = [c for c in all_cases() if c.id not in _jitter_cases()]
-    report = run_suite("loopback", pace="slow", pace_seed=1, cases=cases, max_examples=5)
+    report = run_suite("loopback", pace="slow", pace_seed=1, cases=cases, max_examples=2)
     assert report.pace == "slow (seed 1)"
     assert not [r for r in report.results if r.is_failure], _failures(report)
 
 
 def test_loopback_passes_the_order_sensitive_cases_under_jitter() -> None:
     """OFF-3/store-deferred-past-request-end failed here (and under slow) before its hits waited for the stores."""
-    report = run_suite("loopback", pace="jitter", pace_seed=7, rules=JITTER_RULES, max_examples=5)
+    report = run_suite("loopback", pace="jitter", pace_seed=7, rules=JITTER_RULES, max_examples=2)
     assert report.pace == "jitter (seed 7)"
     assert not [r for r in report.results if r.is_failure], _failures(report)
 
