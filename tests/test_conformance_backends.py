@@ -46,7 +46,13 @@ PACED = [
     pytest.param("torch", "torch", "torch", "jitter", marks=pytest.mark.torch, id="torch-jitter"),
     pytest.param("nixl", "nixl_cu12", "nixl", "slow", marks=pytest.mark.nixl, id="nixl-slow"),
 ]
-PACED_RULES = ["DONE-1", "REL-1", "OFF-3", "SM-1/stale-transfer-reference"]
+PACED_RULES = [
+    "DONE-1/completion-implies-visibility",
+    "DONE-1/transport-many-in-flight",
+    "DONE-1/transport-notification-after-data",
+    "REL-1",
+    "OFF-3",
+]
 
 
 @pytest.mark.parametrize(("backend", "module", "extra", "pace"), PACED)
