@@ -8,7 +8,6 @@ and id mix-ups live in connector logic, not in a transport.
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -377,54 +376,59 @@ class WriteMisreports(MutantBackend):
 class _FirstTaskOnlyAgent(_Agent):
     """Completes a batch as Mooncake's ``transfer_check_status`` does: DONE once the first descriptor landed.
 
-    The inner transfer carries the first descriptor (and the notification); a
-    background thread lands the rest 20 ms after DONE was first reported.
+    The inner transfer carries the first descriptor (and the notification);
+    the rest land at the next call into the agent after DONE was reported
+    (the backend progressing later), never before the DONE is seen.
     """
 
     def __init__(self, inner: Transport, backend: MutantBackend) -> None:
         super().__init__(inner, backend)
-        self.rest: dict[int, tuple[TransferMode, list[Descriptor], str, threading.Event]] = {}
-        self.threads: list[threading.Thread] = []
+        self.rest: dict[int, tuple[TransferMode, list[Descriptor], str]] = {}
+        self.due: list[tuple[TransferMode, list[Descriptor], str]] = []
 
     def post(
         self, mode: TransferMode, descriptors: Sequence[Descriptor], *, peer: str, notification: bytes | None = None
     ) -> TransferHandle:
+        self._land()
         descriptors = list(descriptors)
-        if len(descriptors) < 2:
-            return self.inner.post(mode, descriptors, peer=peer, notification=notification)
         handle = self.inner.post(mode, descriptors[:1], peer=peer, notification=notification)
-        reported = threading.Event()
-        self.rest[handle.transfer_id] = (mode, descriptors[1:], peer, reported)
-        thread = threading.Thread(target=self._land_rest, args=(handle.transfer_id,), daemon=True)
-        self.threads.append(thread)
-        thread.start()
+        if len(descriptors) > 1:
+            self.rest[handle.transfer_id] = (mode, descriptors[1:], peer)
         return handle
 
-    def _land_rest(self, transfer_id: int) -> None:
-        mode, descriptors, peer, reported = self.rest[transfer_id]
-        reported.wait(timeout=5.0)
-        time.sleep(0.02)
-        remote = self.backend.regions.get(peer, [])
-        for d in descriptors:
-            if d.local_region >= len(self.regions) or d.remote_region >= len(remote):
-                return
-            local = (self.regions[d.local_region], d.local_offset)
-            far = (remote[d.remote_region], d.remote_offset)
-            (source, s_off), (dest, d_off) = (far, local) if mode is TransferMode.READ else (local, far)
-            dest[d_off : d_off + d.nbytes] = source[s_off : s_off + d.nbytes]
+    def _land(self) -> None:
+        due, self.due = self.due, []
+        for mode, descriptors, peer in due:
+            remote = self.backend.regions.get(peer, [])
+            for d in descriptors:
+                local = (self.regions[d.local_region], d.local_offset)
+                far = (remote[d.remote_region], d.remote_offset)
+                (source, s_off), (dest, d_off) = (far, local) if mode is TransferMode.READ else (local, far)
+                dest[d_off : d_off + d.nbytes] = source[s_off : s_off + d.nbytes]
 
     def check(self, handle: TransferHandle) -> TransferStatus:
+        self._land()
         status = self.inner.check(handle)
-        rest = self.rest.get(handle.transfer_id)
-        if rest is not None and status.state is not TransferState.PENDING:
-            rest[3].set()
+        rest = self.rest.pop(handle.transfer_id, None) if status.state is TransferState.DONE else None
+        if rest is not None:
+            self.due.append(rest)  # DONE is reported now; these land on the next call
         return status
 
+    def release(self, handle: TransferHandle) -> None:
+        self._land()
+        self.rest.pop(handle.transfer_id, None)
+        self.inner.release(handle)
+
+    def send_notification(self, peer: str, message: bytes) -> None:
+        self._land()
+        self.inner.send_notification(peer, message)
+
+    def get_notifications(self) -> Sequence[Notification]:
+        self._land()
+        return self.inner.get_notifications()
+
     def close(self) -> None:
-        for _, _, _, reported in self.rest.values():
-            reported.set()
-        for thread in self.threads:
-            thread.join()  # nothing lands in memory the suite is about to free
+        self.due.clear()  # the suite frees this memory next
         self.inner.close()
 
 
