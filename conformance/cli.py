@@ -216,6 +216,9 @@ def run(args: argparse.Namespace) -> int:
             print(f"{c.id:<52} {c.level.value:<6} {c.title}{needs}")
         print(f"{len(cases)} cases over {len({c.rule for c in cases})} of {len(RULES)} rules")
         return 0
+    if args.pace_seed is not None and args.pace is None:
+        print("kvspec conform: --pace-seed: expected --pace slow or --pace jitter with it", file=sys.stderr)
+        return 2
     try:
         backend = load_backend(args.backend, **_options(args.option))
     except (KVSpecError, ImportError) as exc:
