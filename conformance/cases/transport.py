@@ -342,13 +342,13 @@ def _completion_implies_visibility(ctx: CaseContext) -> None:
     Mooncake's ``transfer_check_status`` reports a batch complete when its first
     task is (upstream_2026-12.md, section 8.3): the rest land later. The suite
     reads the whole destination right after the ``check`` that returned DONE,
-    before any other call into either agent, three batches a mode.
+    before any other call into either agent, two batches a mode.
     """
     with _pair(ctx, config=LARGE) as pair:
         size = pair.c_pool.regions[0].nbytes
         for index, mode in enumerate(_modes(ctx)):
             initiator, peer = pair.initiator(mode), pair.peer(mode)
-            for batch in range(3):
+            for batch in range(2):
                 # READ and WRITE land in disjoint halves of the consumer's regions.
                 descriptors = _spread(pair, mode, count=256, nbytes=1024, start=index * (size // 2))
                 _fresh_source(pair, mode, descriptors, "visible", batch)
