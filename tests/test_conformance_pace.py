@@ -261,3 +261,14 @@ def test_a_backend_paced_by_the_caller_is_named_in_the_report() -> None:
     report = run_suite(PacedBackend(LoopbackBackend(), Pace.named("jitter", seed=4)), rules=["HS-1/mismatch-table"])
     assert report.pace == "jitter (seed 4)"
     assert run_suite("loopback", rules=["HS-1/mismatch-table"]).pace is None
+
+
+def test_a_backend_slower_than_the_deadline_passes_the_random_faults_case() -> None:
+    """Every transfer 0.2 s, past the case's 0.15 s deadline: READs end ``timeout``, which FAIL-1 allows (decision 73).
+
+    Before, the case accepted only post_failed and partial_transfer in READ mode and failed this correct backend.
+    """
+    sluggish = Pace(name="sluggish", done_polls=(0, 0), done_seconds=(0.2, 0.2), notify_polls=(0, 0))
+    report = run_suite("loopback", rules=["FAIL-1/random-faults-under-load"], pace=sluggish)
+    assert report.pace == "sluggish (seed 0)"
+    assert not [r for r in report.results if r.is_failure], _failures(report)
