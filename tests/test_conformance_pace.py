@@ -9,7 +9,7 @@ from pathlib import Path
 
 import attrs
 import pytest
-from kvspec_conformance import Report, all_cases, run_suite, select_cases
+from kvspec_conformance import BackendSuite, CaseContext, Report, all_cases, run_suite, select_cases
 from kvspec_conformance.configs import full, make_config
 
 from kvspec import ConfigError, TransferMode, TransportError
@@ -272,3 +272,17 @@ def test_a_backend_slower_than_the_deadline_passes_the_random_faults_case() -> N
     report = run_suite("loopback", rules=["FAIL-1/random-faults-under-load"], pace=sluggish)
     assert report.pace == "sluggish (seed 0)"
     assert not [r for r in report.results if r.is_failure], _failures(report)
+
+
+class TestLoopbackPacedThroughBackendSuite(BackendSuite):
+    """The pytest way in, paced: ``pace`` and ``pace_seed`` on the class."""
+
+    backend_factory = staticmethod(LoopbackBackend)
+    rules = ("DONE-1/completion-implies-visibility", "OFF-3/store-deferred-past-request-end")
+    pace = "jitter"
+    pace_seed = 2
+
+    def test_the_backend_is_paced(self, kvspec_context: CaseContext) -> None:
+        assert isinstance(kvspec_context.backend, PacedBackend)
+        assert kvspec_context.backend.pace == Pace.named("jitter", seed=2)
+        assert ".paced(" in repr(kvspec_context.backend_spec)
