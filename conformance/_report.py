@@ -76,6 +76,7 @@ class Report:
     kvspec_version: str
     tested: tuple[tuple[str, str], ...] = ()
     """What else was under test, as (field, value): the connector's import path, the installed vLLM."""
+    pace: str | None = None  # "slow (seed 3)" under --pace: the seed replays the run
 
     @property
     def passed(self) -> bool:
@@ -122,6 +123,7 @@ class Report:
             "passed": self.passed,
             "seconds": round(self.seconds, 3),
             "max_examples": self.max_examples,
+            "pace": self.pace,
             "counts": self.counts(),
             "rules": rules,
             "cases": [r.to_dict() for r in self.results],
@@ -182,7 +184,8 @@ class Report:
 
     def render(self, *, verbose: bool = False) -> str:
         """The terminal report: a table by rule, then every failure with its reproducer."""
-        lines = [f"kvspec conformance: backend {self.backend!r}, kvspec {self.kvspec_version}"]
+        paced = f", pace {self.pace}" if self.pace else ""
+        lines = [f"kvspec conformance: backend {self.backend!r}, kvspec {self.kvspec_version}{paced}"]
         lines += [*self._tested_lines(), ""]
         header = f"{'rule':<8} {'status':<7} {'pass':>4} {'fail':>4} {'skip':>4} {'xfail':>5}  notes"
         lines += [header, "-" * len(header)]

@@ -80,7 +80,7 @@ from kvspec.testing import (
     fill_producer_pages,
     format_mismatches,
 )
-from kvspec.transport import Backend, FaultInjector, FaultPlan, InjectedFault, Transport
+from kvspec.transport import Backend, FaultInjector, FaultPlan, InjectedFault, PacedBackend, PacedTransport, Transport
 
 from ._connector import Connector, ReferenceConnector
 
@@ -428,8 +428,9 @@ class _Play:
 
     def _pool(self, role: str, config: KVCacheConfig) -> PagePool:
         """The suite's shared-memory pool, or, with ``--peer``, the producer's pool on the agent server."""
-        if isinstance(self.backend, PeerBackend):
-            return self.backend.allocate_pool(role, config)
+        base = self.backend.inner if isinstance(self.backend, PacedBackend) else self.backend  # --peer --pace
+        if isinstance(base, PeerBackend):
+            return base.allocate_pool(role, config)
         return allocate_pool(config)
 
     def _agent(self, role: str) -> Transport:
@@ -866,7 +867,7 @@ class _Play:
     def _kill_peer(self) -> None:
         """Kill the producer's agent on the agent server, under any fault injector (FAIL-1)."""
         agent: object = self.producer
-        while isinstance(agent, FaultInjector):
+        while isinstance(agent, (FaultInjector, PacedTransport)):
             agent = agent.inner
         if not isinstance(agent, RemoteAgent):
             raise _ScenarioError("kill_peer_after_polls needs the producer on an agent server (kvspec conform --peer)")

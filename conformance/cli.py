@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import secrets
 import sys
 from collections.abc import Sequence
 from typing import TextIO
@@ -15,6 +16,7 @@ from kvspec import ConfigError, KVSpecError
 from kvspec.rules import RULES, Level
 from kvspec.transport import Backend, load_backend
 from kvspec.transport._registry import parse_backend_options
+from kvspec.transport.pace import PACES
 
 from ._cases import select_cases
 from ._connector import Connector
@@ -75,6 +77,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="turn on the drivers' integrity check (INT-1, page digests) in every scenario; "
         "the integrity cases then run on any backend",
+    )
+    parser.add_argument(
+        "--pace",
+        choices=PACES,
+        help="run the backend under a sound pacing wrapper (kvspec.transport.pace): slow = every transfer takes "
+        "several polls and some time, notifications arrive late; jitter = random delays, completions in any order. "
+        "A correct backend passes every case at any pace",
+    )
+    parser.add_argument(
+        "--pace-seed",
+        type=int,
+        metavar="N",
+        help="the pace's seed (default: random, printed in the report header so the run replays)",
     )
     parser.add_argument(
         "--option",
@@ -236,6 +251,9 @@ def run(args: argparse.Namespace) -> int:
             print(f"{c.id:<52} {c.level.value:<6} {c.title}{needs}")
         print(f"{len(cases)} cases over {len({c.rule for c in cases})} of {len(RULES)} rules")
         return 0
+    if args.pace_seed is not None and args.pace is None:
+        print("kvspec conform: --pace-seed: expected --pace slow or --pace jitter with it", file=sys.stderr)
+        return 2
     try:
         backend = load_backend(args.backend, **_options(args.option))
     except (KVSpecError, ImportError) as exc:
@@ -285,6 +303,8 @@ def run(args: argparse.Namespace) -> int:
             progress=progress,
             expected_failures=expected,
             integrity=args.integrity,
+            pace=args.pace,
+            pace_seed=args.pace_seed if args.pace_seed is not None else secrets.randbelow(1 << 16),
         )
     finally:
         backend.close()

@@ -59,7 +59,7 @@ from kvspec._errors import (
 )
 from kvspec._handshake import check_compatibility
 from kvspec._integrity import PageDigester
-from kvspec._messages import BlockOffer, EngineDescriptor, ReleaseOutcome, TransferParams
+from kvspec._messages import BlockOffer, EngineDescriptor, Failure, Message, ReleaseOutcome, TransferParams
 from kvspec._models import NULL_BLOCK_ID, BlockIds, KVCacheConfig
 from kvspec._plan import TransferPlan
 from kvspec._reference import (
@@ -394,6 +394,28 @@ class ProducerEndpoint(_Endpoint):
         self.drain_timeout = drain_timeout
         self._tables: dict[str, BlockIds] = {}
         self._results: dict[str, ProducerResult] = {}
+        self.driver.on_message = self._refuse_offer_for_no_request
+
+    def _refuse_offer_for_no_request(self, request_id: str, peer: str, message: Message) -> None:
+        """An offer for a request this producer does not hold is a stale reference: answer Failure (SM-1).
+
+        Released, expired or never created: P writes nothing, and tells C at
+        once (``lease_expired``: P's hold on those blocks has ended), so C does
+        not wait out the lease with its blocks allocated (vLLM #52234).
+        """
+        if not isinstance(message, BlockOffer) or request_id in self.driver.requests:
+            return
+        failure = Failure(
+            request_id=request_id,
+            producer_engine_id=self.engine_id,
+            reason=FailureReason.LEASE_EXPIRED,
+            detail=f"producer {self.engine_id!r} holds no request {request_id!r} (released, expired or never "
+            "created): a stale transfer reference (SM-1)",
+        )
+        try:
+            self.transport.send_notification(peer, encode(failure))
+        except TransportError as exc:
+            self.driver.fault(Operation.SEND, exc, request_id, peer)
 
     def prefill(
         self, request_id: str, *, num_tokens: int, fill: Callable[[BlockIds], None] | None = None

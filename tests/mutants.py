@@ -27,14 +27,26 @@ from kvspec import (
     TransferMode,
     UnsupportedHybridError,
 )
-from kvspec._driver import Driver
+from kvspec._driver import Driver, LiveRequest
+from kvspec._messages import BlockOffer, Message
 from kvspec._plan import BlockPairsLike
 from kvspec._reference import BlockPairs, check_window_coverage
+from kvspec._session import ProducerSession
+from kvspec.exchange import ConsumerEndpoint, ProducerEndpoint
 from kvspec.transport import Backend, Capabilities, Descriptor, MemoryRegion, Notification, TransferHandle
 from kvspec.transport._base import TransferState, TransferStatus, Transport
 from kvspec.transport.loopback import LoopbackBackend
 
-__all__ = ["BACKEND_MUTANTS", "CONNECTOR_MUTANTS", "DRIVER_MUTANTS", "SCORE", "DriverMutant", "MutantBackend"]
+__all__ = [
+    "BACKEND_MUTANTS",
+    "CONNECTOR_MUTANTS",
+    "DRIVER_MUTANTS",
+    "ENDPOINT_MUTANTS",
+    "SCORE",
+    "DriverMutant",
+    "EndpointMutant",
+    "MutantBackend",
+]
 
 
 class _Agent:
@@ -361,6 +373,73 @@ class WriteMisreports(MutantBackend):
     caught_by = ("FAIL-1/transport-peer-loss",)
 
 
+class _FirstTaskOnlyAgent(_Agent):
+    """Completes a batch as Mooncake's ``transfer_check_status`` does: DONE once the first descriptor landed.
+
+    The inner transfer carries the first descriptor (and the notification);
+    the rest land at the next call into the agent after DONE was reported
+    (the backend progressing later), never before the DONE is seen.
+    """
+
+    def __init__(self, inner: Transport, backend: MutantBackend) -> None:
+        super().__init__(inner, backend)
+        self.rest: dict[int, tuple[TransferMode, list[Descriptor], str]] = {}
+        self.due: list[tuple[TransferMode, list[Descriptor], str]] = []
+
+    def post(
+        self, mode: TransferMode, descriptors: Sequence[Descriptor], *, peer: str, notification: bytes | None = None
+    ) -> TransferHandle:
+        self._land()
+        descriptors = list(descriptors)
+        handle = self.inner.post(mode, descriptors[:1], peer=peer, notification=notification)
+        if len(descriptors) > 1:
+            self.rest[handle.transfer_id] = (mode, descriptors[1:], peer)
+        return handle
+
+    def _land(self) -> None:
+        due, self.due = self.due, []
+        for mode, descriptors, peer in due:
+            remote = self.backend.regions.get(peer, [])
+            for d in descriptors:
+                local = (self.regions[d.local_region], d.local_offset)
+                far = (remote[d.remote_region], d.remote_offset)
+                (source, s_off), (dest, d_off) = (far, local) if mode is TransferMode.READ else (local, far)
+                dest[d_off : d_off + d.nbytes] = source[s_off : s_off + d.nbytes]
+
+    def check(self, handle: TransferHandle) -> TransferStatus:
+        self._land()
+        status = self.inner.check(handle)
+        rest = self.rest.pop(handle.transfer_id, None) if status.state is TransferState.DONE else None
+        if rest is not None:
+            self.due.append(rest)  # DONE is reported now; these land on the next call
+        return status
+
+    def release(self, handle: TransferHandle) -> None:
+        self._land()
+        self.rest.pop(handle.transfer_id, None)
+        self.inner.release(handle)
+
+    def send_notification(self, peer: str, message: bytes) -> None:
+        self._land()
+        self.inner.send_notification(peer, message)
+
+    def get_notifications(self) -> Sequence[Notification]:
+        self._land()
+        return self.inner.get_notifications()
+
+    def close(self) -> None:
+        self.due.clear()  # the suite frees this memory next
+        self.inner.close()
+
+
+class FirstTaskOnly(MutantBackend):
+    """DONE when the first descriptor of a batch landed, the rest landing later (Mooncake, upstream_2026-12 8.3)."""
+
+    agent_class = _FirstTaskOnlyAgent
+    breaks = "DONE-1"
+    caught_by = ("DONE-1/completion-implies-visibility",)
+
+
 BACKEND_MUTANTS: tuple[type[MutantBackend], ...] = (
     EarlyCompletion,
     FailedAsDone,
@@ -372,6 +451,7 @@ BACKEND_MUTANTS: tuple[type[MutantBackend], ...] = (
     DeafToPeerLoss,
     TimeoutForPeerLoss,
     WriteMisreports,
+    FirstTaskOnly,
 )
 
 
@@ -518,6 +598,72 @@ class DigestsTheNextBlock(DriverMutant):
 
 
 DRIVER_MUTANTS: tuple[type[DriverMutant], ...] = (SkipsIntegrityCheck, WriteSendsEmptyDigests, DigestsTheNextBlock)
+
+# --------------------------------------------------------------------------- endpoint mutants (SM-1, stale references)
+# The stale-reference case runs kvspec's exchange endpoints; these patch one endpoint behaviour for one run.
+
+
+class EndpointMutant:
+    """Patches one behaviour of kvspec's exchange endpoints for the length of a test."""
+
+    breaks = "SM-1"
+    caught_by: tuple[str, ...] = ("SM-1/stale-transfer-reference",)
+
+    @classmethod
+    def patch(cls, monkeypatch: pytest.MonkeyPatch) -> None:
+        raise NotImplementedError
+
+
+class ServesReleasedBlocks(EndpointMutant):
+    """A producer that remembers released requests and serves an offer for one from the blocks it named then.
+
+    Those blocks went back to the pool and now hold another request's KV: the
+    consumer loads a previous prompt's (or garbage) pages, as vLLM #52234.
+    """
+
+    @classmethod
+    def patch(cls, monkeypatch: pytest.MonkeyPatch) -> None:
+        ended = ProducerEndpoint._on_end
+
+        def remember(self: ProducerEndpoint, request: LiveRequest) -> None:
+            self.__dict__.setdefault("served", {})[request.request_id] = request.session.params
+            ended(self, request)
+
+        def serve(self: ProducerEndpoint, request_id: str, peer: str, message: Message) -> None:
+            params = self.__dict__.get("served", {}).get(request_id)
+            if not isinstance(message, BlockOffer) or request_id in self.driver.requests or params is None:
+                return
+            session = ProducerSession.create(
+                request_id=request_id,
+                producer_engine_id=params.producer_engine_id,
+                producer_block_ids=params.producer_block_ids,
+                producer_block_ends=params.producer_block_ends,
+                num_tokens=params.num_tokens,
+                mode=params.mode,
+                now=self.clock(),
+                lease_duration=self.lease_duration,
+            )
+            self.driver.add(LiveRequest(session=session, peer=peer))
+
+        monkeypatch.setattr(ProducerEndpoint, "_on_end", remember)
+        monkeypatch.setattr(ProducerEndpoint, "_refuse_offer_for_no_request", serve)
+
+
+class ForgetsConsumedRequests(EndpointMutant):
+    """A consumer that forgets a request once its decode finished, so the same reference loads again."""
+
+    @classmethod
+    def patch(cls, monkeypatch: pytest.MonkeyPatch) -> None:
+        finish = ConsumerEndpoint.finish
+
+        def forget(self: ConsumerEndpoint, request_id: str) -> None:
+            finish(self, request_id)
+            self._results.pop(request_id, None)
+
+        monkeypatch.setattr(ConsumerEndpoint, "finish", forget)
+
+
+ENDPOINT_MUTANTS: tuple[type[EndpointMutant], ...] = (ServesReleasedBlocks, ForgetsConsumedRequests)
 
 # Mutant name -> whether the suite rejected it, filled by tests/test_conformance_mutants.py; the summary prints it.
 SCORE: dict[str, bool] = {}

@@ -38,3 +38,27 @@ def test_every_must_case(backend: str, module: str, extra: str, require_module: 
     require_module(module, extra)
     report = run_suite(backend, levels=["MUST"], max_examples=5, time_scale=3.0)
     assert report.passed, _failures(report)
+
+
+# Each cross-process backend once under a pace (loopback runs under both, tests/test_conformance_pace.py): the cases
+# where how soon a transfer completes, and in which order, decides what the suite sees. A failure is a suite defect.
+PACED = [
+    pytest.param("torch", "torch", "torch", "jitter", marks=pytest.mark.torch, id="torch-jitter"),
+    pytest.param("nixl", "nixl_cu12", "nixl", "slow", marks=pytest.mark.nixl, id="nixl-slow"),
+]
+PACED_RULES = [
+    "DONE-1/completion-implies-visibility",
+    "DONE-1/transport-many-in-flight",
+    "DONE-1/transport-notification-after-data",
+    "REL-1",
+    "OFF-3",
+]
+
+
+@pytest.mark.parametrize(("backend", "module", "extra", "pace"), PACED)
+def test_paced(backend: str, module: str, extra: str, pace: str, require_module: Callable[..., ModuleType]) -> None:
+    require_module(module, extra)
+    report = run_suite(backend, rules=PACED_RULES, max_examples=2, time_scale=3.0, pace=pace, pace_seed=0)
+    assert report.pace == f"{pace} (seed 0)"
+    assert report.passed, _failures(report)
+    assert not [r for r in report.results if r.is_failure], _failures(report)

@@ -4,7 +4,16 @@ from __future__ import annotations
 
 import pytest
 from kvspec_conformance import ReferenceConnector, Report, run_suite
-from mutants import BACKEND_MUTANTS, CONNECTOR_MUTANTS, DRIVER_MUTANTS, SCORE, DriverMutant, MutantBackend
+from mutants import (
+    BACKEND_MUTANTS,
+    CONNECTOR_MUTANTS,
+    DRIVER_MUTANTS,
+    ENDPOINT_MUTANTS,
+    SCORE,
+    DriverMutant,
+    EndpointMutant,
+    MutantBackend,
+)
 
 from kvspec.transport.loopback import LoopbackBackend
 
@@ -55,6 +64,17 @@ def test_driver_mutant_fails_integrity(mutant: type[DriverMutant], monkeypatch: 
     report = run_suite(LoopbackBackend(), rules=[mutant.breaks], integrity=True, max_examples=5)
     SCORE[mutant.__name__] = _rejected(report, mutant.breaks, mutant.caught_by)
     assert mutant.breaks in report.failed_rules(), _failures(report)
+    assert SCORE[mutant.__name__], f"expected {mutant.caught_by} to fail:\n{_failures(report)}"
+
+
+@pytest.mark.parametrize("mutant", ENDPOINT_MUTANTS, ids=lambda m: m.__name__)
+def test_endpoint_mutant_fails_the_stale_reference_case(
+    mutant: type[EndpointMutant], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Endpoints that serve or accept a consumed transfer reference fail SM-1/stale-transfer-reference (#52234)."""
+    mutant.patch(monkeypatch)
+    report = run_suite(LoopbackBackend(), rules=list(mutant.caught_by), max_examples=5)
+    SCORE[mutant.__name__] = _rejected(report, mutant.breaks, mutant.caught_by)
     assert SCORE[mutant.__name__], f"expected {mutant.caught_by} to fail:\n{_failures(report)}"
 
 

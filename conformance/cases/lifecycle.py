@@ -23,13 +23,15 @@ SETTLE = 0.6
 _R = FailureReason
 # The reasons FAIL-1 allows the consumer to report, per mode and situation (docs/spec/protocol-lifecycle.md,
 # "Which reason"). A timeout is accepted only where the consumer cannot know better: in WRITE mode it learns
-# of P's failure from P's message alone, and a lost peer or a dropped message leaves it only its deadline.
+# of P's failure from P's message alone, and a lost peer or a dropped message leaves it only its deadline; and
+# under random faults in either mode a read or write still PENDING at C's deadline (a slow backend, a loaded
+# machine) ends there: the deadline bounds a slow transfer too (decision 80).
 EXACT: dict[str, dict[str, frozenset[FailureReason]]] = {
     "read": {
         "partial": frozenset({_R.PARTIAL_TRANSFER}),
         "integrity": frozenset({_R.INTEGRITY}),
         "peer_lost": frozenset({_R.PEER_DISCONNECTED}),
-        "random": frozenset({_R.POST_FAILED, _R.PARTIAL_TRANSFER}),
+        "random": frozenset({_R.POST_FAILED, _R.PARTIAL_TRANSFER, _R.TIMEOUT}),
     },
     "write": {
         "partial": frozenset({_R.PARTIAL_TRANSFER}),
