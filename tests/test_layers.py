@@ -60,6 +60,7 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
                 "kvspec.transport._torch_worker",
                 "kvspec.transport.faults",
                 "kvspec.transport.loopback",
+                "kvspec.transport.pace",
                 "kvspec.transport.nixl",
                 "kvspec.transport.torch_dist",
             }
