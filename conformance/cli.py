@@ -14,8 +14,7 @@ import attrs
 
 from kvspec import ConfigError, KVSpecError
 from kvspec.rules import RULES, Level
-from kvspec.transport import Backend, load_backend
-from kvspec.transport._registry import parse_backend_options
+from kvspec.transport import Backend, load_backend, parse_backend_options
 from kvspec.transport.pace import PACES
 
 from ._cases import select_cases

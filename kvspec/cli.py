@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import sys
 from collections.abc import Sequence
+from importlib.metadata import entry_points
 from typing import Any, TextIO
 
 from kvspec import _vectors_check
@@ -434,9 +434,22 @@ def _run_agent_serve(args: argparse.Namespace, out: TextIO) -> int:
 # --------------------------------------------------------------------------- conform
 
 
+# The suite registers its command line here (pyproject.toml); kvspec never imports the suite by name,
+# so the package that sits above kvspec stays above it (docs/explanation/layers.md).
+SUITE_ENTRY_POINT_GROUP = "kvspec.suite"
+
+
 def _suite_cli() -> Any:
+    """The module behind ``kvspec conform`` (``add_arguments``, ``run``), found through its entry point.
+
+    ``None`` when no installed distribution declares ``conform`` in the ``kvspec.suite``
+    group, or when the module it names does not import.
+    """
+    found = [ep for ep in entry_points(group=SUITE_ENTRY_POINT_GROUP) if ep.name == "conform"]
+    if not found:
+        return None
     try:
-        return importlib.import_module("kvspec_conformance.cli")
+        return found[0].load()
     except ImportError:
         return None
 

@@ -60,6 +60,8 @@ from typing import Any
 import torch
 from torch.distributed import FileStore, ProcessGroupGloo  # type: ignore[attr-defined]  # re-exported at run time
 
+from kvspec._errors import encode_error
+
 __all__ = ["main"]
 
 # (local_region, local_offset, remote_region, remote_offset, nbytes), already validated and coalesced.
@@ -880,9 +882,9 @@ def main(conn: Connection, events: Connection, name: str, options: dict[str, Any
                 result = getattr(worker, f"op_{op}")(*args)
                 reply: tuple[Any, ...] = ("ok", result)
             except _Failure as exc:
-                reply = ("err", exc.reason, exc.detail)
+                reply = ("err", encode_error(exc))
             except Exception as exc:
-                reply = ("err", "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+                reply = ("err", encode_error(exc, message=f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
             conn.send(reply)
     finally:
         worker.closed = True

@@ -50,7 +50,7 @@ from pathlib import Path
 from typing import Any, cast
 
 from kvspec._enums import FailureReason, TransferMode
-from kvspec._errors import BackendUnavailableError, ConfigError, PlanError, TransportError
+from kvspec._errors import BackendUnavailableError, ConfigError, PlanError, TransportError, decode_error
 from kvspec.transport import _nixl_worker
 from kvspec.transport._base import (
     Capabilities,
@@ -194,12 +194,7 @@ class NixlAgent:
                     self._settle(transfer_id, post_reply)
         if reply[0] == "ok":
             return reply[1]
-        _, kind, reason, message = reply
-        if kind == "plan":
-            raise PlanError(message)
-        if kind == "config":
-            raise ConfigError(message)
-        raise TransportError(message, reason=reason)
+        raise decode_error(reply[1])
 
     def _ask(self, op: str, request: tuple[object, ...], limit: float) -> Any:
         """Send ``request`` to the worker process and wait up to ``limit`` seconds for its reply."""
@@ -220,9 +215,10 @@ class NixlAgent:
         if reply[0] == "ok":
             status = _status(*reply[1])
         else:
-            _, kind, reason, message = reply
-            why = FailureReason.POST_FAILED if kind in ("plan", "config") else _reason(reason)
-            status = TransferStatus(state=TransferState.FAILED, reason=why, detail=message)
+            error = decode_error(reply[1])
+            refused = not isinstance(error, TransportError)  # a plan or config error: the post was refused
+            why = FailureReason.POST_FAILED if refused else _reason(getattr(error, "reason", None))
+            status = TransferStatus(state=TransferState.FAILED, reason=why, detail=str(error))
         if status.state is not TransferState.PENDING and transfer_id in self._handles:
             self._final[transfer_id] = status
 
@@ -637,10 +633,10 @@ class NixlBackend:
         if reply[0] != "ok":
             conn.close()
             _stop(process, grace=5.0)
-            _, kind, _, message = reply
-            if kind == "unavailable":
-                raise BackendUnavailableError(f"the nixl worker could not import NIXL ({message}): {INSTALL_HINT}")
-            raise TransportError(message)
+            error = decode_error(reply[1])
+            if isinstance(error, BackendUnavailableError):
+                raise BackendUnavailableError(f"the nixl worker could not import NIXL ({error}): {INSTALL_HINT}")
+            raise TransportError(str(error))
         recycle = self._take_back if self._max_idle > 0 else None
         agent = NixlAgent(
             name, process, conn, capabilities=self._capabilities, call_timeout=self._call_timeout, recycle=recycle
