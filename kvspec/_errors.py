@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import types
 from collections.abc import Mapping, Sequence
 
 from kvspec._enums import FailureReason
@@ -260,9 +261,10 @@ def decode_error(
 ) -> KVSpecError:
     """The kvspec error :func:`encode_error` wrote, as the same class where kvspec defines it.
 
-    A class kvspec defines whose constructor takes a message comes back as
-    itself (a :class:`TransportError` with its reason); any other class, or a
-    body that is not an encoded error, is a :class:`RemoteError` naming it,
+    A class kvspec defines whose constructor takes just a message comes back
+    as itself (a :class:`TransportError` with its reason); any other class (one
+    built from fields, such as :class:`IncompatiblePeerError`, or no kvspec
+    class), or a body that is not an encoded error, is a :class:`RemoteError` naming it,
     with the sent reason or ``default_reason``. ``where`` prefixes the message.
     Bounded: at most :data:`MAX_ERROR_MESSAGE` characters of the message are kept.
     """
@@ -278,17 +280,19 @@ def decode_error(
     if cls is not None and issubclass(cls, TransportError):
         return TransportError(message, reason=reason or default_reason)
     if cls is not None:
-        try:
-            return cls(message)
-        except TypeError:  # a class whose constructor wants more than a message (FieldError, IncompatiblePeerError)
-            pass
+        return cls(message)
     return RemoteError(message, type_name=name, reason=reason or default_reason)
 
 
 _REASONS = frozenset(r.value for r in FailureReason)
-# Every class above that a peer may name: the concrete KVSpecError subclasses (not the root, not RemoteError).
+# The classes above a peer may name and this side rebuilds from a message alone: those with the builtin
+# constructor, MalformedMessageError and TransportError (rebuilt with its reason). The root, RemoteError,
+# RequestError and the classes built from fields (FieldError, IncompatiblePeerError) come back as RemoteError.
 _ERROR_CLASSES: dict[str, type[KVSpecError]] = {
     cls.__name__: cls
     for cls in globals().values()
-    if isinstance(cls, type) and issubclass(cls, KVSpecError) and cls not in (KVSpecError, RemoteError, RequestError)
+    if isinstance(cls, type)
+    and issubclass(cls, KVSpecError)
+    and cls is not KVSpecError
+    and (isinstance(cls.__init__, types.WrapperDescriptorType) or cls in (MalformedMessageError, TransportError))
 }

@@ -12,10 +12,8 @@ Each check is shown to catch the code it forbids (the sources of before the chan
 from __future__ import annotations
 
 import ast
-from collections.abc import Iterator
+import functools
 from pathlib import Path
-
-import pytest
 
 import kvspec
 import kvspec.cli
@@ -23,19 +21,24 @@ import kvspec.cli
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _sources(folder: str) -> Iterator[tuple[str, str]]:
-    for path in sorted((ROOT / folder).rglob("*.py")):
-        yield str(path.relative_to(ROOT)), path.read_text()
+@functools.cache
+def _trees(folder: str) -> dict[str, ast.Module]:
+    """Every module under ``folder``, parsed once for all checks."""
+    return {str(p.relative_to(ROOT)): ast.parse(p.read_text()) for p in sorted((ROOT / folder).rglob("*.py"))}
 
 
 def _is_private(dotted: str) -> bool:
     return any(part.startswith("_") and not part.startswith("__") for part in dotted.split("."))
 
 
-def private_kvspec_names(source: str) -> list[str]:
+def _parsed(source: str | ast.Module) -> ast.Module:
+    return ast.parse(source) if isinstance(source, str) else source
+
+
+def private_kvspec_names(source: str | ast.Module) -> list[str]:
     """Every private kvspec module or name a source imports or reaches through an attribute."""
     found: list[str] = []
-    for node in ast.walk(ast.parse(source)):
+    for node in ast.walk(_parsed(source)):
         if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "kvspec":
             if _is_private(node.module):
                 found.append(node.module)
@@ -53,10 +56,10 @@ def private_kvspec_names(source: str) -> list[str]:
     return found
 
 
-def suite_imports(source: str) -> list[str]:
+def suite_imports(source: str | ast.Module) -> list[str]:
     """Every import of kvspec_conformance: statements, and module names given to importlib or __import__."""
     found: list[str] = []
-    for node in ast.walk(ast.parse(source)):
+    for node in ast.walk(_parsed(source)):
         if isinstance(node, ast.ImportFrom) and node.module:
             names = [node.module]
         elif isinstance(node, ast.Import):
@@ -70,9 +73,9 @@ def suite_imports(source: str) -> list[str]:
     return found
 
 
-@pytest.mark.parametrize(("path", "source"), list(_sources("conformance")), ids=lambda v: str(v)[:40])
-def test_the_suite_uses_only_public_kvspec_names(path: str, source: str) -> None:
-    assert private_kvspec_names(source) == [], f"{path} uses private kvspec names"
+def test_the_suite_uses_only_public_kvspec_names() -> None:
+    found = {path: names for path, tree in _trees("conformance").items() if (names := private_kvspec_names(tree))}
+    assert found == {}, "the suite uses private kvspec names"
 
 
 def test_the_private_name_check_catches_what_the_suite_did() -> None:
@@ -94,9 +97,9 @@ def test_the_private_name_check_catches_what_the_suite_did() -> None:
     }
 
 
-@pytest.mark.parametrize(("path", "source"), list(_sources("kvspec")), ids=lambda v: str(v)[:40])
-def test_kvspec_never_imports_the_suite(path: str, source: str) -> None:
-    assert suite_imports(source) == [], f"{path} imports the conformance suite"
+def test_kvspec_never_imports_the_suite() -> None:
+    found = {path: names for path, tree in _trees("kvspec").items() if (names := suite_imports(tree))}
+    assert found == {}, "kvspec modules import the conformance suite"
 
 
 def test_the_suite_import_check_catches_the_old_cli() -> None:
@@ -112,10 +115,10 @@ def test_the_cli_finds_the_suite_through_its_entry_point_group() -> None:
     )
 
 
-def error_classes_outside(source: str) -> list[str]:
+def error_classes_outside(source: str | ast.Module) -> list[str]:
     """Classes a module defines whose name says they are errors (``...Error``) or that derive from one."""
     found = []
-    for node in ast.walk(ast.parse(source)):
+    for node in ast.walk(_parsed(source)):
         if isinstance(node, ast.ClassDef):
             bases = [
                 b.id if isinstance(b, ast.Name) else b.attr if isinstance(b, ast.Attribute) else "" for b in node.bases
@@ -125,11 +128,12 @@ def error_classes_outside(source: str) -> list[str]:
     return found
 
 
-@pytest.mark.parametrize(
-    ("path", "source"), [s for s in _sources("kvspec") if s[0] != "kvspec/_errors.py"], ids=lambda v: str(v)[:40]
-)
-def test_every_error_class_is_defined_in_kvspec_errors(path: str, source: str) -> None:
-    assert error_classes_outside(source) == [], f"{path} defines error classes; define them in kvspec/_errors.py"
+def test_every_error_class_is_defined_in_kvspec_errors() -> None:
+    trees = _trees("kvspec").items()
+    found = {
+        path: names for path, tree in trees if path != "kvspec/_errors.py" and (names := error_classes_outside(tree))
+    }
+    assert found == {}, "error classes defined outside kvspec/_errors.py"
 
 
 def test_the_error_class_check_catches_a_class_defined_elsewhere() -> None:
