@@ -213,6 +213,7 @@ def test_options_come_from_the_route_and_an_explicit_option_wins() -> None:
     assert _listen_options("torch", f"{LOOPBACK}:{PORT}", ["host=127.0.0.2"]) == ["interface=lo"]
     assert _listen_options("nixl", f"0.0.0.0:{PORT}", []) == []  # a wildcard names no interface
     assert derived_options("loopback", LOOPBACK, {}) == {}
+    assert derived_options("nixl", LOOPBACK, {}) == {"net_devices": "lo"}  # tls=tcp only off loopback
 
 
 def test_a_loopback_agent_for_a_remote_peer_is_one_clear_error(tmp_path: Path) -> None:

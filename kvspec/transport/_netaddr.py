@@ -6,8 +6,13 @@ kernel routes to the peer from (``--peer``), or the one to listen on
 (``--listen``), and the interface is the one that owns that address. From
 these two facts come the options each built-in backend needs off loopback:
 ``host`` and ``interface`` for ``torch`` (control sockets, gloo), and
-``net_devices`` for ``nixl`` (``UCX_NET_DEVICES``). An ``--option`` the user
-gives always wins (docs/how-to/run-across-two-hosts.md).
+``net_devices`` for ``nixl`` (``UCX_NET_DEVICES``), with ``tls="tcp"`` when
+the interface is a network one: the derived device is a TCP interface, and
+UCX's TCP transport is the one every pair of hosts has (without it UCX may
+pick shared memory between two network namespaces of one machine). An
+``--option`` the user gives always wins, and naming ``net_devices`` (an RDMA
+device, say) leaves ``tls`` to the user too
+(docs/how-to/run-across-two-hosts.md).
 """
 
 from __future__ import annotations
@@ -97,7 +102,8 @@ def derived_options(backend: str, local_address: str | None, given: Mapping[str,
     """The options of built-in ``backend`` that ``local_address`` implies, less those in ``given`` (which win).
 
     ``torch``: ``host`` (control sockets and rendezvous) and ``interface`` (gloo); ``nixl``:
-    ``net_devices``. Nothing for other backends, or when the address or its interface is unknown.
+    ``net_devices``, and ``tls="tcp"`` off loopback unless ``given`` names ``net_devices``. Nothing for
+    other backends, or when the address or its interface is unknown.
     """
     if local_address is None or backend not in ("torch", "nixl"):
         return {}
@@ -105,7 +111,10 @@ def derived_options(backend: str, local_address: str | None, given: Mapping[str,
     interface = interface_of(local) if local is not None else None
     if local is None or interface is None:
         return {}
-    found: dict[str, object] = (
-        {"host": local, "interface": interface} if backend == "torch" else {"net_devices": interface}
-    )
+    if backend == "torch":
+        found: dict[str, object] = {"host": local, "interface": interface}
+    else:
+        found = {"net_devices": interface}
+        if interface != "lo" and "net_devices" not in given:
+            found["tls"] = "tcp"
     return {key: value for key, value in found.items() if key not in given}
