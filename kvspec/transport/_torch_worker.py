@@ -354,7 +354,7 @@ class _Worker:
         guard = _Deadline(sock, self.timeout_s)
         try:
             uid = self._authenticate_incoming(sock)
-        except (OSError, WireError, PairKeyError, _Failure, ValueError, KeyError, RecursionError) as exc:
+        except Exception as exc:  # whatever the connector sent, one line and the connection is closed
             guard.cancel()
             _warn(self.name, f"refused a control connection from {address[0]}:{address[1]}: {_describe(exc)}")
             sock.close()
