@@ -428,7 +428,22 @@ def _add_agent_parser(sub: Any) -> None:
 def _run_agent_serve(args: argparse.Namespace, out: TextIO) -> int:
     from kvspec.remote._server import serve_command
 
+    args.option = _listen_options(args.backend, args.listen, args.option) + list(args.option)
     return serve_command(args, out)
+
+
+def _listen_options(backend: str, listen: str, given: list[str]) -> list[str]:
+    """``KEY=VALUE`` options the ``--listen`` address implies for a built-in backend (``--option`` wins)."""
+    from kvspec.remote._client import parse_address
+    from kvspec.transport._netaddr import derived_options
+    from kvspec.transport._registry import parse_backend_options
+
+    try:
+        host, _ = parse_address(listen)
+        options = parse_backend_options(given)
+    except (KVSpecError, ValueError):
+        return []  # serve_command reports the bad address or option in one line
+    return [f"{key}={value}" for key, value in derived_options(backend, host, options).items()]
 
 
 # --------------------------------------------------------------------------- conform
