@@ -59,6 +59,9 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
                 "kvspec.transport._nixl_worker",
                 "kvspec.transport._torch_worker",
                 "kvspec.transport.faults",
+                "kvspec.transport._netaddr",
+                "kvspec.transport._pairkey",
+                "kvspec.transport._wire",
                 "kvspec.transport.loopback",
                 "kvspec.transport.pace",
                 "kvspec.transport.nixl",
@@ -95,7 +98,6 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
                 "kvspec.remote",
                 "kvspec.remote._client",
                 "kvspec.remote._server",
-                "kvspec.remote._wire",
             }
         ),
     ),

@@ -25,7 +25,6 @@ from transport_helpers import LOOPBACK, connect, desc, regions, tcp_sockets, wai
 
 from kvspec import ConfigError, PlanError, TransferMode, TransportError
 from kvspec._models import FailureReason
-from kvspec.remote._wire import recv_frame, send_frame
 from kvspec.transport import (
     Backend,
     Descriptor,
@@ -35,6 +34,7 @@ from kvspec.transport import (
     load_backend,
 )
 from kvspec.transport._pairkey import PairKeyError, SessionKey, connector_mac, listener_mac, parse_public
+from kvspec.transport._wire import recv_frame, send_frame
 from kvspec.transport.torch_dist import TorchAgent, TorchDistributedBackend
 
 pytestmark = pytest.mark.torch

@@ -11,7 +11,7 @@ anything is served, and every later frame carries an HMAC tag of the session.
 
 from kvspec.remote._client import AgentClient, PeerBackend, RemoteAgent, RemotePool, parse_address
 from kvspec.remote._server import AgentServer
-from kvspec.remote._wire import AgentAuthError, AgentRefusedError, WireError, read_token
+from kvspec.transport._wire import AgentAuthError, AgentRefusedError, WireError, read_token
 
 __all__ = [
     "AgentAuthError",

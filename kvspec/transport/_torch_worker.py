@@ -13,7 +13,7 @@ Theory of operation (one worker per agent, started by
   direction, ``TCP_NODELAY``) and one two-rank process group (gloo by default)
   rendezvoused through a ``TCPStore`` that the lower-ranked worker serves on
   ``host`` for the pairing only. Control messages are framed JSON
-  (:mod:`kvspec.remote._wire`, bounded): nothing a peer sends is unpickled.
+  (:mod:`kvspec.transport._wire`, bounded): nothing a peer sends is unpickled.
 - A control connection is accepted only from a worker whose metadata this
   worker was given by ``add_remote_agent``: both derive a pair key from their
   ephemeral Diffie-Hellman keys (:mod:`kvspec.transport._pairkey`; the
@@ -67,7 +67,6 @@ from typing import Any
 import torch
 from torch.distributed import ProcessGroupGloo, TCPStore  # type: ignore[attr-defined]  # re-exported at run time
 
-from kvspec.remote._wire import WireError, recv_frame, send_frame
 from kvspec.transport._pairkey import (
     NONCE_BYTES,
     PairKeyError,
@@ -77,6 +76,7 @@ from kvspec.transport._pairkey import (
     parse_nonce,
     parse_public,
 )
+from kvspec.transport._wire import WireError, recv_frame, send_frame
 
 __all__ = ["main"]
 
