@@ -94,6 +94,7 @@ from kvspec._vectors import (
     to_json,
     vector_schema,
 )
+from kvspec.spec.pins import Pin, pins_for
 
 __all__ = [
     "CASE_SETS",
@@ -365,19 +366,39 @@ def _gen_admission(rng: random.Random) -> dict[str, object]:
     }
 
 
+# --------------------------------------------------------------------------- the pins table (kvspec.spec.pins)
+
+
+def _pin_inputs(pin: Pin) -> dict[str, object]:
+    """A pin's plain inputs as the kvspec values its function takes (the conventions of kvspec.spec.pins)."""
+    given: Mapping[str, Any] = pin.inputs
+    if pin.rule == "SW-1":
+        return {"config": _config([_sw(given["window"], given["block_size"])], num_blocks=4)}
+    if pin.rule == "CLIP-1":
+        return _clip(given["block_ids"], given["budgets"])
+    if pin.rule in ("ALIGN-1", "NULL-1"):
+        return _pairs(given["producer_block_ids"], given["consumer_block_ids"])
+    if pin.rule == "WIN-1":
+        window, block = given["window"], given["block_size"]
+        spec = _full(block) if window is None else _sw(window, block)
+        return _spec_tokens(spec, given["num_tokens"], given["prefix_hit_tokens"])
+    raise ConfigError(f"vectors: pins: rule {pin.rule!r} has no input convention")  # pragma: no cover
+
+
+def _table_cases(rule: str, function: str) -> list[Case]:
+    """The pinned cases of one rule and function, one per row of the pins table."""
+    return [Case(name=p.name, inputs=_pin_inputs(p), description=p.description) for p in pins_for(rule, function)]
+
+
+def _pinned(rule: str, function: str) -> Callable[[], list[Case]]:
+    return lambda: _table_cases(rule, function)
+
+
 # --------------------------------------------------------------------------- SW-1, CLIP-1, TOK-1
 
 
 def _sw1_pins() -> list[Case]:
-    pins = [(32, 16, 3), (128, 16, 9), (2048, 16, 129), (1024, 16, 65), (16, 16, 2), (17, 16, 3), (1, 16, 2)]
-    cases = [
-        Case(
-            name=f"w{w}_b{b}",
-            inputs={"config": _config([_sw(w, b)], num_blocks=4)},
-            description=f"pinned: cdiv({w}, {b}) + 1 = {n}",
-        )
-        for w, b, n in pins
-    ]
+    cases = _table_cases("SW-1", "get_blocks_per_sw")
     cases.append(
         Case(
             name="worked_example",
@@ -397,28 +418,6 @@ def _sw1_pins() -> list[Case]:
 
 def _clip(ids: Sequence[Sequence[int]], budgets: Sequence[int]) -> dict[str, object]:
     return {"block_ids": BlockIds(ids), "budgets": tuple(budgets)}
-
-
-def _clip_pins() -> list[Case]:
-    return [
-        Case(
-            name="moriio_example",
-            inputs=_clip([[10, 11, 12, 13, 14], [20, 21, 22, 23, 24]], [0, 3]),
-            description="pinned example (MoRIIO): FA(B=16) + SW(W=32, B=16), budgets (0, 3)",
-        ),
-        Case(name="no_budget_identity", inputs=_clip([[1, 2, 3], [4, 5]], [0, 0])),
-        Case(name="keep_last_n", inputs=_clip([[1, 2, 3, 4, 5], [6, 7, 8, 9]], [0, 3]), description="last 3 kept"),
-        Case(name="shorter_than_budget", inputs=_clip([[1, 2], [3]], [0, 3]), description="all kept"),
-        Case(name="zero_groups_stay_zero", inputs=_clip([], [0, 3]), description="full prefix hit"),
-        Case(
-            name="zero_budget_is_not_minus_zero",
-            inputs=_clip([[1, 2, 3], [4, 5, 6]], [2, 0]),
-            description="budget 0 keeps the whole group (ids[-0:] pitfall, docs/spec/window-budget-and-clipping.md)",
-        ),
-        Case(name="empty_group", inputs=_clip([[], [1, 2]], [3, 0])),
-        Case(name="group_count_mismatch", inputs=_clip([[1], [2], [3]], [0, 3])),
-        Case(name="negative_budget", inputs=_clip([[1, 2], [3]], [0, -1])),
-    ]
 
 
 def _gen_clip(rng: random.Random) -> dict[str, object]:
@@ -478,33 +477,6 @@ def _pairs(p: Sequence[Sequence[int]], c: Sequence[Sequence[int]]) -> dict[str, 
     return {"producer_block_ids": BlockIds(p), "consumer_block_ids": BlockIds(c)}
 
 
-def _align_pins() -> list[Case]:
-    return [
-        Case(
-            name="tail_alignment",
-            inputs=_pairs([[1, 2, 3, 4], [5, 6, 7]], [[11, 12], [13, 14, 15]]),
-            description="C's i-th id pairs with P's id at len(P) - len(C) + i; never front-trim",
-        ),
-        Case(name="equal_lengths", inputs=_pairs([[1, 2], [3]], [[4, 5], [6]])),
-        Case(name="consumer_longer", inputs=_pairs([[1, 2], [3]], [[4, 5, 6], [7]])),
-        Case(name="group_count_mismatch", inputs=_pairs([[1, 2], [3]], [[4]])),
-        Case(name="zero_consumer_groups", inputs=_pairs([[1, 2], [3]], []), description="full prefix hit"),
-        Case(name="empty_consumer_group", inputs=_pairs([[1, 2], [3]], [[], [9]])),
-    ]
-
-
-def _null_pins() -> list[Case]:
-    return [
-        Case(
-            name="pruned_producer_ids_dropped",
-            inputs=_pairs([[0, 0, 3, 4]], [[11, 12, 13]]),
-            description="a pair with a null producer side is dropped",
-        ),
-        Case(name="null_consumer_id_dropped", inputs=_pairs([[1, 2, 3]], [[0, 12, 13]])),
-        Case(name="all_null", inputs=_pairs([[0, 0], [5]], [[0, 7], [8]])),
-    ]
-
-
 def _gen_align(rng: random.Random) -> dict[str, object]:
     groups = rng.randint(1, 3)
     producer = _rand_ids(rng, groups, most=8, null=0.15)
@@ -533,26 +505,6 @@ def _plan_null_pins() -> list[Case]:
 
 def _spec_tokens(spec: KVCacheSpec, t: int, h: int = 0) -> dict[str, object]:
     return {"spec": spec, "num_tokens": t, "prefix_hit_tokens": h}
-
-
-def _window_boundaries() -> list[tuple[str, int]]:
-    # W=32, B=16: (T-W+1) % B == 0 at T=47, 63; (T-W+2) % B == 0 at T=46, 62 (WIN-1 names both).
-    return [("t_minus_w_plus_1_on_boundary", 47), ("t_minus_w_plus_2_on_boundary", 46), ("t_one_block", 16)]
-
-
-def _range_pins() -> list[Case]:
-    sw = _sw(32)
-    cases = [
-        Case(name=name, inputs=_spec_tokens(sw, t), description=f"W=32 B=16 T={t}") for name, t in _window_boundaries()
-    ]
-    cases += [
-        Case(name="full_attention_from_prefix", inputs=_spec_tokens(_full(), 64, 32)),
-        Case(name="prefix_hit_inside_window", inputs=_spec_tokens(sw, 64, 48)),
-        Case(name="full_prefix_hit", inputs=_spec_tokens(sw, 64, 64)),
-        Case(name="window_longer_than_request", inputs=_spec_tokens(_sw(128), 40)),
-        Case(name="zero_tokens", inputs=_spec_tokens(_full(), 0)),
-    ]
-    return cases
 
 
 def _gen_range(rng: random.Random) -> dict[str, object]:
@@ -710,6 +662,16 @@ def _consumer_count_pins() -> list[Case]:
             description="docs/spec/worked-example.md: (4, 5)",
         ),
     ]
+
+
+def _window_boundaries() -> list[tuple[str, int]]:
+    """The W=32, B=16, no-hit rows of the WIN-1 pins (both boundaries the rule names), as (name, T)."""
+    found = []
+    for pin in pins_for("WIN-1"):
+        given: Mapping[str, Any] = pin.inputs
+        if (given["window"], given["block_size"], given["prefix_hit_tokens"]) == (32, 16, 0):
+            found.append((pin.name, int(given["num_tokens"])))
+    return found
 
 
 def _coverage_pins() -> list[Case]:
@@ -1669,10 +1631,17 @@ CASE_SETS: tuple[CaseSet, ...] = (
     CaseSet(rule="ADM-1", fn=check_hybrid_support, pinned=_adm1_pins, generate=_gen_admission),
     CaseSet(rule="ADM-2", fn=check_hybrid_support, pinned=_adm2_pins, generate=_gen_admission),
     CaseSet(rule="SW-1", fn=get_blocks_per_sw, pinned=_sw1_pins, generate=_gen_config(("full", "sw", "sw_mla", "mla"))),
-    CaseSet(rule="CLIP-1", fn=get_exchange_clipped_blocks, pinned=_clip_pins, generate=_gen_clip),
+    CaseSet(
+        rule="CLIP-1",
+        fn=get_exchange_clipped_blocks,
+        pinned=_pinned("CLIP-1", "get_exchange_clipped_blocks"),
+        generate=_gen_clip,
+    ),
     CaseSet(rule="CLIP-1", fn=summarize_plan, pinned=_none, generate=_gen_summary),
-    CaseSet(rule="ALIGN-1", fn=compute_block_pairs, pinned=_align_pins, generate=_gen_align),
-    CaseSet(rule="NULL-1", fn=compute_block_pairs, pinned=_null_pins),
+    CaseSet(
+        rule="ALIGN-1", fn=compute_block_pairs, pinned=_pinned("ALIGN-1", "compute_block_pairs"), generate=_gen_align
+    ),
+    CaseSet(rule="NULL-1", fn=compute_block_pairs, pinned=_pinned("NULL-1", "compute_block_pairs")),
     CaseSet(rule="NULL-1", fn=plan_transfer, pinned=_plan_null_pins),
     CaseSet(
         rule="WIN-1",
@@ -1680,8 +1649,12 @@ CASE_SETS: tuple[CaseSet, ...] = (
         pinned=_count_pins,
         generate=lambda rng: {"spec": _rand_spec(rng), "num_tokens": rng.randint(0, 100)},
     ),
-    CaseSet(rule="WIN-1", fn=get_needed_token_range, pinned=_range_pins, generate=_gen_range),
-    CaseSet(rule="WIN-1", fn=get_needed_block_range, pinned=_range_pins, generate=_gen_range),
+    CaseSet(
+        rule="WIN-1", fn=get_needed_token_range, pinned=_pinned("WIN-1", "get_needed_token_range"), generate=_gen_range
+    ),
+    CaseSet(
+        rule="WIN-1", fn=get_needed_block_range, pinned=_pinned("WIN-1", "get_needed_block_range"), generate=_gen_range
+    ),
     CaseSet(
         rule="WIN-1",
         fn=get_num_skipped_tokens,

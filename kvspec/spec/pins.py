@@ -1,0 +1,203 @@
+"""The pinned values of the rules: one table that the tests, the test vectors and the docs all read.
+
+A pin is an input a rule's source names and the output that source states.
+Each row says where it comes from: a peer's test (as cited in the research
+notes), DESIGN.md, or a boundary the spec page names. Three readers use it,
+none keeps a copy:
+
+- the tests: ``@example``s and ``parametrize`` lists are built from :data:`PINS`
+  (tests/test_spec.py, tests/test_reference.py), and tests/test_pins.py checks
+  every row against the reference and the committed vectors;
+- the test vectors: ``kvspec vectors write`` makes one vector per row and
+  function (kvspec/_vector_cases.py); its expected output is computed by the
+  reference, and tests/test_pins.py checks it equals the row's;
+- the docs: ``<!-- kvspec:pins:RULE -->`` renders a rule's rows as a table
+  (docs/hooks.py).
+
+Inputs are plain JSON values, by rule and function:
+
+- SW-1 ``get_blocks_per_sw``: ``window`` and ``block_size`` of a config with
+  one sliding-window group; the output is the budget list.
+- CLIP-1 ``get_exchange_clipped_blocks``: ``block_ids`` and ``budgets``.
+- ALIGN-1 and NULL-1 ``compute_block_pairs``: ``producer_block_ids`` and
+  ``consumer_block_ids``; the output is the pairs, per side.
+- WIN-1 ``get_needed_token_range``, ``get_needed_block_range``: ``window``
+  (``None`` for full attention), ``block_size``, ``num_tokens``,
+  ``prefix_hit_tokens``; the output is ``{"start", "stop"}``.
+
+An expected value is the vector's ``output``, or :class:`Raises` naming the
+error class the vector's ``error`` names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import attrs
+
+__all__ = ["PINS", "Pin", "Raises", "pins_for"]
+
+
+@attrs.frozen
+class Raises:
+    """The error class a pinned input must raise (the vector's ``error.class``)."""
+
+    error: str
+
+
+@attrs.frozen(kw_only=True)
+class Pin:
+    """One pinned input of a rule, the output each function must give for it, and its source."""
+
+    rule: str
+    name: str
+    inputs: Mapping[str, object]
+    expected: Mapping[str, object]
+    source: str
+    note: str = ""
+
+    @property
+    def description(self) -> str:
+        """The vector's one-line description: what the pin shows, then its source."""
+        return f"{self.note}; source: {self.source}" if self.note else f"source: {self.source}"
+
+
+_MORIIO = "MoRIIO test_hma_blocks_per_sw_two_groups (research/vllm_semantics.md 4.2)"
+_CLIP_PAGE = "docs/spec/window-budget-and-clipping.md"
+_WIN_PAGE = "DESIGN.md WIN-1; the boundaries: docs/spec/alignment-and-coverage.md"
+_ALIGN = "DESIGN.md ALIGN-1"
+_NULL = "DESIGN.md NULL-1"
+
+
+def _sw1(window: int, block_size: int, budget: int, source: str) -> Pin:
+    return Pin(
+        rule="SW-1",
+        name=f"w{window}_b{block_size}",
+        inputs={"window": window, "block_size": block_size},
+        expected={"get_blocks_per_sw": [budget]},
+        source=source,
+        note=f"cdiv({window}, {block_size}) + 1 = {budget}",
+    )
+
+
+def _clip(name: str, ids: list[list[int]], budgets: list[int], out: object, source: str, note: str = "") -> Pin:
+    return Pin(
+        rule="CLIP-1",
+        name=name,
+        inputs={"block_ids": ids, "budgets": budgets},
+        expected={"get_exchange_clipped_blocks": out},
+        source=source,
+        note=note,
+    )
+
+
+def _pairs(
+    rule: str, name: str, p: list[list[int]], c: list[list[int]], out: object, source: str, note: str = ""
+) -> Pin:
+    return Pin(
+        rule=rule,
+        name=name,
+        inputs={"producer_block_ids": p, "consumer_block_ids": c},
+        expected={"compute_block_pairs": out},
+        source=source,
+        note=note,
+    )
+
+
+def _both(p: list[list[int]], c: list[list[int]]) -> dict[str, object]:
+    return {"producer_block_ids": p, "consumer_block_ids": c}
+
+
+def _win(
+    name: str, window: int | None, t: int, h: int, tokens: tuple[int, int], blocks: tuple[int, int], note: str
+) -> Pin:
+    return Pin(
+        rule="WIN-1",
+        name=name,
+        inputs={"window": window, "block_size": 16, "num_tokens": t, "prefix_hit_tokens": h},
+        expected={
+            "get_needed_token_range": {"start": tokens[0], "stop": tokens[1]},
+            "get_needed_block_range": {"start": blocks[0], "stop": blocks[1]},
+        },
+        source=_WIN_PAGE,
+        note=note,
+    )
+
+
+PINS: tuple[Pin, ...] = (
+    # SW-1: the union of the values the tests, the vectors and the docs pinned before (4, 6 and 7 of them).
+    _sw1(32, 16, 3, _MORIIO),
+    _sw1(128, 16, 9, "Mooncake store test (research/vllm_semantics.md 9); GPT-OSS"),
+    _sw1(2048, 16, 129, "NIXL test_sw_sizes, [0, 129] with a full-attention group (research/vllm_semantics.md 5.1)"),
+    _sw1(1024, 16, 65, "Gemma 3 27B preset (kvspec.presets)"),
+    _sw1(16, 16, 2, "DESIGN.md SW-1: a window of one block still gets the + 1"),
+    _sw1(17, 16, 3, "DESIGN.md SW-1: one token past a block"),
+    _sw1(1, 16, 2, "DESIGN.md SW-1: the smallest window"),
+    # CLIP-1
+    _clip(
+        "moriio_example",
+        [[10, 11, 12, 13, 14], [20, 21, 22, 23, 24]],
+        [0, 3],
+        [[10, 11, 12, 13, 14], [22, 23, 24]],
+        "MoRIIO clip test (research/vllm_semantics.md 4.2)",
+        "FA(B=16) + SW(W=32, B=16), budgets (0, 3)",
+    ),
+    _clip("no_budget_identity", [[1, 2, 3], [4, 5]], [0, 0], [[1, 2, 3], [4, 5]], "DESIGN.md CLIP-1: identity"),
+    _clip("keep_last_n", [[1, 2, 3, 4, 5], [6, 7, 8, 9]], [0, 3], [[1, 2, 3, 4, 5], [7, 8, 9]], "DESIGN.md CLIP-1"),
+    _clip("shorter_than_budget", [[1, 2], [3]], [0, 3], [[1, 2], [3]], "DESIGN.md CLIP-1: all kept if shorter"),
+    _clip("zero_groups_stay_zero", [], [0, 3], [], "DESIGN.md CLIP-1: a full prefix hit stays zero groups"),
+    _clip(
+        "zero_budget_is_not_minus_zero",
+        [[1, 2, 3], [4, 5, 6]],
+        [2, 0],
+        [[2, 3], [4, 5, 6]],
+        _CLIP_PAGE,
+        "budget 0 keeps the whole group (the ids[-0:] pitfall)",
+    ),
+    _clip("empty_group", [[], [1, 2]], [3, 0], [[], [1, 2]], "DESIGN.md CLIP-1"),
+    _clip("group_count_mismatch", [[1], [2], [3]], [0, 3], Raises("GroupCountError"), "DESIGN.md CLIP-1"),
+    _clip("negative_budget", [[1, 2], [3]], [0, -1], Raises("ConfigError"), _CLIP_PAGE),
+    # ALIGN-1 and NULL-1
+    _pairs(
+        "ALIGN-1",
+        "tail_alignment",
+        [[1, 2, 3, 4], [5, 6, 7]],
+        [[11, 12], [13, 14, 15]],
+        _both([[3, 4], [5, 6, 7]], [[11, 12], [13, 14, 15]]),
+        _ALIGN,
+        "C's i-th id pairs with P's id at len(P) - len(C) + i; never front-trim",
+    ),
+    _pairs("ALIGN-1", "equal_lengths", [[1, 2], [3]], [[4, 5], [6]], _both([[1, 2], [3]], [[4, 5], [6]]), _ALIGN),
+    _pairs("ALIGN-1", "consumer_longer", [[1, 2], [3]], [[4, 5, 6], [7]], Raises("BlockAlignmentError"), _ALIGN),
+    _pairs("ALIGN-1", "group_count_mismatch", [[1, 2], [3]], [[4]], Raises("GroupCountError"), _ALIGN),
+    _pairs("ALIGN-1", "zero_consumer_groups", [[1, 2], [3]], [], _both([], []), _ALIGN, "full prefix hit"),
+    _pairs("ALIGN-1", "empty_consumer_group", [[1, 2], [3]], [[], [9]], _both([[], [3]], [[], [9]]), _ALIGN),
+    _pairs(
+        "NULL-1",
+        "pruned_producer_ids_dropped",
+        [[0, 0, 3, 4]],
+        [[11, 12, 13]],
+        _both([[3, 4]], [[12, 13]]),
+        _NULL,
+        "a pair with a null producer side is dropped",
+    ),
+    _pairs("NULL-1", "null_consumer_id_dropped", [[1, 2, 3]], [[0, 12, 13]], _both([[2, 3]], [[12, 13]]), _NULL),
+    _pairs("NULL-1", "all_null", [[0, 0], [5]], [[0, 7], [8]], _both([[], [5]], [[], [8]]), _NULL),
+    # WIN-1: W=32, B=16 unless named; both boundaries the spec page names, each at two T.
+    _win("t_minus_w_plus_1_on_boundary", 32, 47, 0, (16, 47), (1, 3), "W=32 B=16 T=47: (T-W+1) % B == 0"),
+    _win("t_minus_w_plus_2_on_boundary", 32, 46, 0, (15, 46), (0, 3), "W=32 B=16 T=46: (T-W+2) % B == 0"),
+    _win("t63_w_plus_1_on_boundary", 32, 63, 0, (32, 63), (2, 4), "W=32 B=16 T=63: (T-W+1) % B == 0"),
+    _win("t62_w_plus_2_on_boundary", 32, 62, 0, (31, 62), (1, 4), "W=32 B=16 T=62: (T-W+2) % B == 0"),
+    _win("t_one_block", 32, 16, 0, (0, 16), (0, 1), "W=32 B=16 T=16"),
+    _win("full_attention_from_prefix", None, 64, 32, (32, 64), (2, 4), "full attention: from the prefix hit"),
+    _win("prefix_hit_inside_window", 32, 64, 48, (48, 64), (3, 4), "the prefix hit covers the window's start"),
+    _win("full_prefix_hit", 32, 64, 64, (64, 64), (0, 0), "nothing needed (an empty block range is 0..0)"),
+    _win("window_longer_than_request", 128, 40, 0, (0, 40), (0, 3), "W=128 B=16 T=40"),
+    _win("zero_tokens", None, 0, 0, (0, 0), (0, 0), "full attention, T=0"),
+)
+"""Every pin, grouped by rule in the order of the spec pages."""
+
+
+def pins_for(rule: str, function: str | None = None) -> tuple[Pin, ...]:
+    """The pins of one rule (and, when given, those with an expected value for ``function``)."""
+    return tuple(p for p in PINS if p.rule == rule and (function is None or function in p.expected))
