@@ -8,8 +8,8 @@ the property tests must carry the rows as ``@example``s or parameters.
 
 from __future__ import annotations
 
+import importlib.util
 import json
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -70,12 +70,12 @@ def test_sw1_is_the_union_of_the_old_pin_sets() -> None:
 
 def _hooks() -> Any:
     pytest.importorskip("mkdocs")
-    sys.path.insert(0, str(ROOT / "docs"))
-    try:
-        import hooks
-    finally:
-        sys.path.remove(str(ROOT / "docs"))
-    return hooks
+    spec = importlib.util.spec_from_file_location("kvspec_docs_hooks_pins", ROOT / "docs" / "hooks.py")
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @pytest.mark.parametrize("rule", sorted({p.rule for p in PINS}))

@@ -181,7 +181,7 @@ def test_blocks_per_sw_formula(config: KVCacheConfig) -> None:
 @pytest.mark.parametrize(
     ("window", "block_size", "expected"),
     [(p.inputs["window"], p.inputs["block_size"], *p.expected["get_blocks_per_sw"]) for p in pins_for("SW-1")],
-)  # the SW-1 rows of kvspec/spec/pins.py, each with its source (MoRIIO, Mooncake, NIXL, Gemma 3 27B, DESIGN.md)
+)  # the SW-1 rows of kvspec/spec/pins.py, each with its source (MoRIIO, Mooncake, NIXL, Gemma 3 27B, SW-1)
 def test_blocks_per_sw_pins(window: int, block_size: int, expected: int) -> None:
     assert get_blocks_per_sw(config_from_specs([fa(block_size), sw(window, block_size)])) == (0, expected)
 

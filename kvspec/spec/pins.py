@@ -1,8 +1,8 @@
 """The pinned values of the rules: one table that the tests, the test vectors and the docs all read.
 
 A pin is an input a rule's source names and the output that source states.
-Each row says where it comes from: a peer's test (as cited in the research
-notes), DESIGN.md, or a boundary the spec page names. Three readers use it,
+Each row says where it comes from: a peer's test (docs/explanation/peers.md),
+a preset, or a clause or boundary of the rule's spec page. Three readers use it,
 none keeps a copy:
 
 - the tests: ``@example``s and ``parametrize`` lists are built from :data:`PINS`
@@ -32,6 +32,7 @@ error class the vector's ``error`` names.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import attrs
 
@@ -51,8 +52,8 @@ class Pin:
 
     rule: str
     name: str
-    inputs: Mapping[str, object]
-    expected: Mapping[str, object]
+    inputs: Mapping[str, Any]
+    expected: Mapping[str, Any]
     source: str
     note: str = ""
 
@@ -62,11 +63,11 @@ class Pin:
         return f"{self.note}; source: {self.source}" if self.note else f"source: {self.source}"
 
 
-_MORIIO = "MoRIIO test_hma_blocks_per_sw_two_groups (research/vllm_semantics.md 4.2)"
-_CLIP_PAGE = "docs/spec/window-budget-and-clipping.md"
-_WIN_PAGE = "DESIGN.md WIN-1; the boundaries: docs/spec/alignment-and-coverage.md"
-_ALIGN = "DESIGN.md ALIGN-1"
-_NULL = "DESIGN.md NULL-1"
+_MORIIO = "MoRIIO test_hma_blocks_per_sw_two_groups"
+_CLIP_PAGE = "CLIP-1 (docs/spec/window-budget-and-clipping.md)"
+_WIN_PAGE = "WIN-1 and its boundaries (docs/spec/alignment-and-coverage.md)"
+_ALIGN = "ALIGN-1 (docs/spec/alignment-and-coverage.md)"
+_NULL = "NULL-1 (docs/spec/alignment-and-coverage.md)"
 
 
 def _sw1(window: int, block_size: int, budget: int, source: str) -> Pin:
@@ -127,25 +128,31 @@ def _win(
 PINS: tuple[Pin, ...] = (
     # SW-1: the union of the values the tests, the vectors and the docs pinned before (4, 6 and 7 of them).
     _sw1(32, 16, 3, _MORIIO),
-    _sw1(128, 16, 9, "Mooncake store test (research/vllm_semantics.md 9); GPT-OSS"),
-    _sw1(2048, 16, 129, "NIXL test_sw_sizes, [0, 129] with a full-attention group (research/vllm_semantics.md 5.1)"),
+    _sw1(128, 16, 9, "Mooncake store test; the GPT-OSS presets"),
+    _sw1(2048, 16, 129, "NIXL test_sw_sizes ([0, 129] with a full-attention group)"),
     _sw1(1024, 16, 65, "Gemma 3 27B preset (kvspec.presets)"),
-    _sw1(16, 16, 2, "DESIGN.md SW-1: a window of one block still gets the + 1"),
-    _sw1(17, 16, 3, "DESIGN.md SW-1: one token past a block"),
-    _sw1(1, 16, 2, "DESIGN.md SW-1: the smallest window"),
+    _sw1(16, 16, 2, "SW-1 boundary: a window of one block still gets the + 1"),
+    _sw1(17, 16, 3, "SW-1 boundary: one token past a block"),
+    _sw1(1, 16, 2, "SW-1 boundary: the smallest window"),
     # CLIP-1
     _clip(
         "moriio_example",
         [[10, 11, 12, 13, 14], [20, 21, 22, 23, 24]],
         [0, 3],
         [[10, 11, 12, 13, 14], [22, 23, 24]],
-        "MoRIIO clip test (research/vllm_semantics.md 4.2)",
+        "MoRIIO get_exchange_clipped_blocks test",
         "FA(B=16) + SW(W=32, B=16), budgets (0, 3)",
     ),
-    _clip("no_budget_identity", [[1, 2, 3], [4, 5]], [0, 0], [[1, 2, 3], [4, 5]], "DESIGN.md CLIP-1: identity"),
-    _clip("keep_last_n", [[1, 2, 3, 4, 5], [6, 7, 8, 9]], [0, 3], [[1, 2, 3, 4, 5], [7, 8, 9]], "DESIGN.md CLIP-1"),
-    _clip("shorter_than_budget", [[1, 2], [3]], [0, 3], [[1, 2], [3]], "DESIGN.md CLIP-1: all kept if shorter"),
-    _clip("zero_groups_stay_zero", [], [0, 3], [], "DESIGN.md CLIP-1: a full prefix hit stays zero groups"),
+    _clip(
+        "no_budget_identity",
+        [[1, 2, 3], [4, 5]],
+        [0, 0],
+        [[1, 2, 3], [4, 5]],
+        "CLIP-1: identity when no group has a budget",
+    ),
+    _clip("keep_last_n", [[1, 2, 3, 4, 5], [6, 7, 8, 9]], [0, 3], [[1, 2, 3, 4, 5], [7, 8, 9]], _CLIP_PAGE),
+    _clip("shorter_than_budget", [[1, 2], [3]], [0, 3], [[1, 2], [3]], "CLIP-1: all kept when shorter than the budget"),
+    _clip("zero_groups_stay_zero", [], [0, 3], [], "CLIP-1: a full prefix hit stays zero groups"),
     _clip(
         "zero_budget_is_not_minus_zero",
         [[1, 2, 3], [4, 5, 6]],
@@ -154,8 +161,8 @@ PINS: tuple[Pin, ...] = (
         _CLIP_PAGE,
         "budget 0 keeps the whole group (the ids[-0:] pitfall)",
     ),
-    _clip("empty_group", [[], [1, 2]], [3, 0], [[], [1, 2]], "DESIGN.md CLIP-1"),
-    _clip("group_count_mismatch", [[1], [2], [3]], [0, 3], Raises("GroupCountError"), "DESIGN.md CLIP-1"),
+    _clip("empty_group", [[], [1, 2]], [3, 0], [[], [1, 2]], _CLIP_PAGE),
+    _clip("group_count_mismatch", [[1], [2], [3]], [0, 3], Raises("GroupCountError"), _CLIP_PAGE),
     _clip("negative_budget", [[1, 2], [3]], [0, -1], Raises("ConfigError"), _CLIP_PAGE),
     # ALIGN-1 and NULL-1
     _pairs(
