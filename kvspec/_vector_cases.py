@@ -382,6 +382,15 @@ def _pin_inputs(pin: Pin) -> dict[str, object]:
         window, block = given["window"], given["block_size"]
         spec = _full(block) if window is None else _sw(window, block)
         return _spec_tokens(spec, given["num_tokens"], given["prefix_hit_tokens"])
+    if pin.rule == "OFF-5":
+        specs = [
+            _full(g["block_size"]) if g["window"] is None else _sw(g["window"], g["block_size"])
+            for g in given["groups"]
+        ]
+        config = _config(specs, num_blocks=64)
+        return _hit(config, given["present"], given["num_tokens"], given["local_hit_tokens"], given["blocks_per_chunk"])
+    if pin.rule == "OFF-7":
+        return dict(given)
     raise ConfigError(f"vectors: pins: rule {pin.rule!r} has no input convention")  # pragma: no cover
 
 
@@ -1432,31 +1441,8 @@ def _hit(config: KVCacheConfig, present: Sequence[Sequence[bool]], n: int, c: in
 
 
 def _off5_pins() -> list[Case]:
-    config, b12_b16, t, x = _fa_sw(), _b12_b16(), True, False
-    mixed = _config([_full(12), _sw(16, 16)], num_blocks=64)
-    return [
-        Case(name="hma_n13", inputs=_hit(config, [[t] * 3, [t] * 3], 13, 0), description="B=4 W=8: hit 12"),
-        Case(name="hma_n17_c12", inputs=_hit(config, [[t] * 4, [t] * 4], 17, 12), description="hit 4"),
-        Case(name="hma_n12_last_token_recomputed", inputs=_hit(config, [[t] * 3, [t] * 3], 12, 0), description="11"),
-        Case(
-            name="window_gap",
-            inputs=_hit(config, [[t] * 6, [t, t, t, x, t, x]], 25, 0),
-            description="window chunks {0, 1, 2, 4} of 6: hit 12",
-        ),
-        Case(name="b12_b16_n48", inputs=_hit(b12_b16, [[t] * 4, [t] * 3], 48, 0), description="hit 48"),
-        Case(
-            name="b12_b16_n85_c48",
-            inputs=_hit(b12_b16, [[t] * 7, [t] * 5], 85, 48),
-            description="M = min(85, 7*12, 5*16) = 80: hit 32",
-        ),
-        Case(
-            name="window_off_the_chunk_grid",
-            inputs=_hit(mixed, [[t, t, t], [t, x, t]], 48, 0),
-            description="B=12 full, W=16 B=16 window chunks {0, 2}: M=36 needs chunks 1 and 2, hit 16",
-        ),
-        Case(name="mamba_refused", inputs=_hit(_mamba_config(), [[t], [t]], 20, 0), description="OFF-9 first"),
-        Case(name="too_many_keys", inputs=_hit(config, [[t] * 4, [t] * 4], 13, 0), description="ConfigError"),
-    ]
+    mamba = Case(name="mamba_refused", inputs=_hit(_mamba_config(), [[True], [True]], 20, 0), description="OFF-9 first")
+    return [*_table_cases("OFF-5", "get_offload_hit_tokens"), mamba]
 
 
 def _off4_hit_pins() -> list[Case]:
@@ -1551,21 +1537,6 @@ def _gen_load(rng: random.Random) -> dict[str, object]:
         ids.append([0] * nulls + list(range(start, start + count - nulls)))
         start += count
     return {"config": config, "block_ids": BlockIds(ids), "num_tokens": t, "local_hit_tokens": c, "offload": offload}
-
-
-def _off7_map_pins() -> list[Case]:
-    def case(name: str, first: int, n: int, f: int, description: str = "") -> Case:
-        inputs = {"first_block_index": first, "num_blocks": n, "blocks_per_chunk": f}
-        return Case(name=name, inputs=inputs, description=description)
-
-    return [
-        case("f3_first_4", 4, 5, 3, "skip 4 % 3 = 1, not -4 % 3 = 2: chunks K1, K2 into GPU blocks 4-8"),
-        case("f3_first_3", 3, 3, 3, "the forms agree on a multiple of 3"),
-        case("f2_first_1", 1, 3, 2),
-        case("f1", 5, 2, 1),
-        case("no_blocks", 4, 0, 3),
-        case("negative_first", -1, 2, 3),
-    ]
 
 
 def _off7_offset_pins() -> list[Case]:
@@ -1705,7 +1676,7 @@ CASE_SETS: tuple[CaseSet, ...] = (
     CaseSet(
         rule="OFF-7",
         fn=map_sub_blocks,
-        pinned=_off7_map_pins,
+        pinned=_pinned("OFF-7", "map_sub_blocks"),
         generate=lambda rng: {
             "first_block_index": rng.randint(0, 20),
             "num_blocks": rng.randint(0, 10),

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import test_offload
 import test_reference
 import test_spec
 
@@ -117,3 +118,8 @@ def test_the_property_tests_carry_every_pin() -> None:
         ids, budgets = pin.inputs["block_ids"], pin.inputs["budgets"]
         if ids and not isinstance(pin.expected["get_exchange_clipped_blocks"], Raises):
             assert any(c[0].to_lists() == ids and c[1] == budgets for c in clip_examples), pin.name
+    hit_examples = _examples(test_offload.test_hit_matches_the_token_model)
+    for pin in pins_for("OFF-5"):
+        if not isinstance(pin.expected["get_offload_hit_tokens"], Raises):
+            present, tokens = pin.inputs["present"], (pin.inputs["num_tokens"], pin.inputs["local_hit_tokens"])
+            assert any(e["case"][2] == present and e["case"][3:] == tokens for e in hit_examples), pin.name

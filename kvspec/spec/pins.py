@@ -24,6 +24,12 @@ Inputs are plain JSON values, by rule and function:
 - WIN-1 ``get_needed_token_range``, ``get_needed_block_range``: ``window``
   (``None`` for full attention), ``block_size``, ``num_tokens``,
   ``prefix_hit_tokens``; the output is ``{"start", "stop"}``.
+- OFF-5 ``get_offload_hit_tokens``: ``groups`` (per group ``block_size`` and
+  ``window``, ``None`` for full attention), ``present`` (per group and chunk),
+  ``num_tokens``, ``local_hit_tokens``, ``blocks_per_chunk`` (``f``; the hash
+  block size is 4); the output is the hit in tokens.
+- OFF-7 ``map_sub_blocks``: ``first_block_index``, ``num_blocks``,
+  ``blocks_per_chunk``; the output is the ``[entry, sub-block]`` list.
 
 An expected value is the vector's ``output``, or :class:`Raises` naming the
 error class the vector's ``error`` names.
@@ -125,6 +131,48 @@ def _win(
     )
 
 
+_VLLM_HMA = "vLLM's offloading HMA test"
+_OFF5 = "OFF-5 (docs/spec/offload.md)"
+_FA_SW = ({"block_size": 4, "window": None}, {"block_size": 4, "window": 8})
+_B12_B16 = ({"block_size": 12, "window": None}, {"block_size": 16, "window": None})
+
+
+def _off5(
+    name: str,
+    groups: tuple[Mapping[str, int | None], ...],
+    present: list[list[int]],
+    tokens: tuple[int, int],
+    hit: object,
+    source: str,
+    note: str = "",
+) -> Pin:
+    return Pin(
+        rule="OFF-5",
+        name=name,
+        inputs={
+            "groups": list(groups),
+            "present": [[bool(chunk) for chunk in group] for group in present],
+            "num_tokens": tokens[0],
+            "local_hit_tokens": tokens[1],
+            "blocks_per_chunk": 1,
+        },
+        expected={"get_offload_hit_tokens": hit},
+        source=source,
+        note=note,
+    )
+
+
+def _off7(name: str, first: int, n: int, f: int, out: object, note: str = "") -> Pin:
+    return Pin(
+        rule="OFF-7",
+        name=name,
+        inputs={"first_block_index": first, "num_blocks": n, "blocks_per_chunk": f},
+        expected={"map_sub_blocks": out},
+        source="OFF-7 (docs/spec/offload.md)",
+        note=note,
+    )
+
+
 PINS: tuple[Pin, ...] = (
     # SW-1: the union of the values the tests, the vectors and the docs pinned before (4, 6 and 7 of them).
     _sw1(32, 16, 3, _MORIIO),
@@ -201,6 +249,45 @@ PINS: tuple[Pin, ...] = (
     _win("full_prefix_hit", 32, 64, 64, (64, 64), (0, 0), "nothing needed (an empty block range is 0..0)"),
     _win("window_longer_than_request", 128, 40, 0, (0, 40), (0, 3), "W=128 B=16 T=40"),
     _win("zero_tokens", None, 0, 0, (0, 0), (0, 0), "full attention, T=0"),
+    # OFF-5: f = 1; present chunks per group (1 present, 0 absent).
+    _off5("hma_n13", _FA_SW, [[1] * 3, [1] * 3], (13, 0), 12, _VLLM_HMA, "B=4 W=8, all present"),
+    _off5("hma_n17_c12", _FA_SW, [[1] * 4, [1] * 4], (17, 12), 4, _VLLM_HMA, "B=4 W=8 after a 12-token GPU hit"),
+    _off5(
+        "hma_n12_last_token_recomputed",
+        _FA_SW,
+        [[1] * 3, [1] * 3],
+        (12, 0),
+        11,
+        _OFF5,
+        "N is a multiple of C_g, so M = N - 1 (chunk 2 is loaded whole)",
+    ),
+    _off5("window_gap", _FA_SW, [[1] * 6, [1, 1, 1, 0, 1, 0]], (25, 0), 12, _OFF5, "window chunks {0, 1, 2, 4} of 6"),
+    _off5("b12_b16_n48", _B12_B16, [[1] * 4, [1] * 3], (48, 0), 48, _VLLM_HMA, "full attention only, B = (12, 16)"),
+    _off5("b12_b16_n85_c48", _B12_B16, [[1] * 7, [1] * 5], (85, 48), 32, _VLLM_HMA, "M = min(85, 7*12, 5*16) = 80"),
+    _off5(
+        "window_off_the_chunk_grid",
+        ({"block_size": 12, "window": None}, {"block_size": 16, "window": 16}),
+        [[1, 1, 1], [1, 0, 1]],
+        (48, 0),
+        16,
+        _OFF5,
+        "B=12 full, W=16 B=16 window chunks {0, 2}: M=36 needs chunks 1 and 2",
+    ),
+    _off5("too_many_keys", _FA_SW, [[1] * 4, [1] * 4], (13, 0), Raises("ConfigError"), _OFF5, "keys past the request"),
+    # OFF-7
+    _off7(
+        "f3_first_4",
+        4,
+        5,
+        3,
+        [[0, 1], [0, 2], [1, 0], [1, 1], [1, 2]],
+        "skip 4 % 3 = 1, not -4 % 3 = 2: chunks K1, K2 into GPU blocks 4-8",
+    ),
+    _off7("f3_first_3", 3, 3, 3, [[0, 0], [0, 1], [0, 2]], "the forms agree on a multiple of 3"),
+    _off7("f2_first_1", 1, 3, 2, [[0, 1], [1, 0], [1, 1]]),
+    _off7("f1", 5, 2, 1, [[0, 0], [1, 0]]),
+    _off7("no_blocks", 4, 0, 3, []),
+    _off7("negative_first", -1, 2, 3, Raises("ConfigError")),
 )
 """Every pin, grouped by rule in the order of the spec pages."""
 
