@@ -290,18 +290,9 @@ def _kinds_config(*kinds: str) -> KVCacheConfig:
 
 
 def _hma_pins() -> list[Case]:
-    def case(name: str, kinds: Sequence[str], flag: bool, description: str) -> Case:
-        return Case(name=name, inputs={"config": _kinds_config(*kinds), _FLAG: flag}, description=description)
-
     fa_window = _config([_full(sliding_window=32)], num_blocks=8)
     return [
-        case("full_only", ["full"], False, "only full attention: HMA not required"),
-        case("mla_only", ["mla"], False, "MLA counts as full attention"),
-        case("sliding_only", ["sw"], False, "a model whose only group is sliding window is hybrid"),
-        case("full_and_sliding", ["sw", "full"], False, "Gemma-like: hybrid"),
-        case("full_and_sliding_flag_off", ["sw", "full"], True, "the flag turns HMA off"),
-        case("sliding_mla", ["full", "sw_mla"], False, "SW-MLA is not full attention"),
-        case("mamba_hybrid", ["full", "mamba"], False, "Mamba is not full attention"),
+        *_table_cases("HMA-1", "is_hma_required"),
         Case(
             name="full_with_window_hma_off_form",
             inputs={"config": fa_window, _FLAG: False},
@@ -315,46 +306,6 @@ def _full_attention_pins() -> list[Case]:
     cases = [Case(name=f"kind_{kind}", inputs={"spec": _rand_spec(rng, (kind,))}) for kind in _KINDS]
     cases.append(Case(name="full_with_window", inputs={"spec": _full(sliding_window=32)}))
     return cases
-
-
-def _admission(
-    kinds: Sequence[str], mode: str = "read", read_only: bool = False, flag: bool = False
-) -> dict[str, object]:
-    return {"config": _kinds_config(*kinds), "mode": mode, "read_only_hma": read_only, _FLAG: flag}
-
-
-def _adm1_pins() -> list[Case]:
-    return [
-        Case(name="full_and_sliding", inputs=_admission(["full", "sw"]), description="admitted"),
-        Case(name="mla_and_sliding_mla", inputs=_admission(["mla", "sw_mla"]), description="admitted"),
-        Case(name="chunked_local", inputs=_admission(["full", "chunked"]), description="refused under HMA"),
-        Case(
-            name="chunked_local_flag", inputs=_admission(["full", "chunked"], flag=True), description="flag: admitted"
-        ),
-        Case(name="cross_attention", inputs=_admission(["sw", "cross"]), description="refused under HMA"),
-        Case(name="unknown_kind", inputs=_admission(["sw", "unknown"]), description="unknown kinds fail closed"),
-        Case(name="mamba", inputs=_admission(["full", "mamba"]), description="Mamba refused"),
-        Case(
-            name="mamba_flag", inputs=_admission(["full", "mamba"], flag=True), description="Mamba refused, flag or not"
-        ),
-        Case(name="full_only_chunked_free", inputs=_admission(["full"]), description="no HMA: nothing to refuse"),
-    ]
-
-
-def _adm2_pins() -> list[Case]:
-    return [
-        Case(name="read_hma", inputs=_admission(["full", "sw"], "read")),
-        Case(name="write_hma", inputs=_admission(["full", "sw"], "write"), description="WRITE is specified under HMA"),
-        Case(name="read_only_connector_read", inputs=_admission(["full", "sw"], "read", read_only=True)),
-        Case(
-            name="read_only_connector_write",
-            inputs=_admission(["full", "sw"], "write", read_only=True),
-            description="MoRIIO's policy: WRITE with HMA refused",
-        ),
-        Case(name="read_only_connector_write_flag", inputs=_admission(["full", "sw"], "write", True, True)),
-        Case(name="read_only_connector_write_no_hma", inputs=_admission(["full"], "write", read_only=True)),
-        Case(name="bad_mode", inputs=_admission(["full", "sw"], "push"), description="not a TransferMode value"),
-    ]
 
 
 def _gen_admission(rng: random.Random) -> dict[str, object]:
@@ -372,6 +323,8 @@ def _gen_admission(rng: random.Random) -> dict[str, object]:
 def _pin_inputs(pin: Pin) -> dict[str, object]:
     """A pin's plain inputs as the kvspec values its function takes (the conventions of kvspec.spec.pins)."""
     given: Mapping[str, Any] = pin.inputs
+    if "kinds" in given:  # HMA-1, ADM-1, ADM-2, OFF-9
+        return {"config": _kinds_config(*given["kinds"]), **{k: v for k, v in given.items() if k != "kinds"}}
     if pin.rule == "SW-1":
         return {"config": _config([_sw(given["window"], given["block_size"])], num_blocks=4)}
     if pin.rule == "CLIP-1":
@@ -1284,20 +1237,6 @@ def _local_hit(rng: random.Random, config: KVCacheConfig, num_tokens: int) -> in
     return rng.randint(0, num_tokens // step) * step
 
 
-def _off9_pins() -> list[Case]:
-    def case(name: str, kinds: Sequence[str], description: str = "") -> Case:
-        return Case(name=name, inputs={"config": _kinds_config(*kinds)}, description=description)
-
-    return [
-        case("full_and_window", ["full", "sw"]),
-        case("mla_and_sw_mla", ["mla", "sw_mla"], "MLA is full attention, SW-MLA a window"),
-        case("mamba_refused", ["full", "mamba"], "UnsupportedHybridError: vLLM admits Mamba as a one-chunk window"),
-        case("chunked_local_refused", ["full", "chunked"]),
-        case("cross_attention_refused", ["cross"]),
-        case("unknown_kind_refused", ["unknown"]),
-    ]
-
-
 def _off1_pins() -> list[Case]:
     def case(name: str, config: KVCacheConfig, f: int, h: int | None, description: str = "") -> Case:
         inputs = {"config": config, "blocks_per_chunk": f, "hash_block_size": h}
@@ -1599,8 +1538,12 @@ CASE_SETS: tuple[CaseSet, ...] = (
         generate=lambda rng: {"config": _rand_config(rng, _KINDS, num_blocks=8), _FLAG: rng.random() < 0.2},
     ),
     CaseSet(rule="HMA-1", fn=is_full_attention_spec, pinned=_full_attention_pins, generate=_gen_spec),
-    CaseSet(rule="ADM-1", fn=check_hybrid_support, pinned=_adm1_pins, generate=_gen_admission),
-    CaseSet(rule="ADM-2", fn=check_hybrid_support, pinned=_adm2_pins, generate=_gen_admission),
+    CaseSet(
+        rule="ADM-1", fn=check_hybrid_support, pinned=_pinned("ADM-1", "check_hybrid_support"), generate=_gen_admission
+    ),
+    CaseSet(
+        rule="ADM-2", fn=check_hybrid_support, pinned=_pinned("ADM-2", "check_hybrid_support"), generate=_gen_admission
+    ),
     CaseSet(rule="SW-1", fn=get_blocks_per_sw, pinned=_sw1_pins, generate=_gen_config(("full", "sw", "sw_mla", "mla"))),
     CaseSet(
         rule="CLIP-1",
@@ -1690,7 +1633,12 @@ CASE_SETS: tuple[CaseSet, ...] = (
         generate=_gen_offset,
     ),
     CaseSet(rule="OFF-8", fn=get_retained_chunk_starts, pinned=_off8_pins, generate=_gen_retained),
-    CaseSet(rule="OFF-9", fn=check_offload_support, pinned=_off9_pins, generate=_gen_config(_KINDS)),
+    CaseSet(
+        rule="OFF-9",
+        fn=check_offload_support,
+        pinned=_pinned("OFF-9", "check_offload_support"),
+        generate=_gen_config(_KINDS),
+    ),
 )
 """Which vectors each rule gets for each function; a new function adds one entry here."""
 

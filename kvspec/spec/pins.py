@@ -16,6 +16,12 @@ none keeps a copy:
 
 Inputs are plain JSON values, by rule and function:
 
+- HMA-1 ``is_hma_required``, ADM-1 and ADM-2 ``check_hybrid_support``, OFF-9
+  ``check_offload_support``: ``kinds``, the kinds of a config's groups in order
+  (``full``: full attention, B=16; ``sw``: W=32, B=16; ``mla``, ``sw_mla``,
+  ``chunked``, ``cross``, ``mamba``, ``unknown`` with fixed shapes), and the
+  function's other arguments; ``None`` is a check that passes.
+
 - SW-1 ``get_blocks_per_sw``: ``window`` and ``block_size`` of a config with
   one sliding-window group; the output is the budget list.
 - CLIP-1 ``get_exchange_clipped_blocks``: ``block_ids`` and ``budgets``.
@@ -173,7 +179,94 @@ def _off7(name: str, first: int, n: int, f: int, out: object, note: str = "") ->
     )
 
 
+_FLAG = "disable_hybrid_kv_cache_manager"
+_HMA = "HMA-1 (docs/spec/hybrid-admission.md)"
+_ADM1 = "ADM-1 (docs/spec/hybrid-admission.md)"
+_ADM2 = "ADM-2 (docs/spec/hybrid-admission.md)"
+_REFUSED = Raises("UnsupportedHybridError")
+
+
+def _hma(name: str, kinds: list[str], flag: bool, required: bool, note: str) -> Pin:
+    inputs = {"kinds": kinds, _FLAG: flag}
+    return Pin(rule="HMA-1", name=name, inputs=inputs, expected={"is_hma_required": required}, source=_HMA, note=note)
+
+
+def _adm(
+    rule: str,
+    name: str,
+    kinds: list[str],
+    out: object,
+    *,
+    mode: str = "read",
+    read_only: bool = False,
+    flag: bool = False,
+    source: str = "",
+    note: str = "",
+) -> Pin:
+    return Pin(
+        rule=rule,
+        name=name,
+        inputs={"kinds": kinds, "mode": mode, "read_only_hma": read_only, _FLAG: flag},
+        expected={"check_hybrid_support": out},
+        source=source or (_ADM1 if rule == "ADM-1" else _ADM2),
+        note=note,
+    )
+
+
+def _off9(name: str, kinds: list[str], out: object, note: str = "") -> Pin:
+    return Pin(
+        rule="OFF-9",
+        name=name,
+        inputs={"kinds": kinds},
+        expected={"check_offload_support": out},
+        source="OFF-9 (docs/spec/offload.md)",
+        note=note,
+    )
+
+
 PINS: tuple[Pin, ...] = (
+    # HMA-1
+    _hma("full_only", ["full"], False, False, "only full attention: HMA not required"),
+    _hma("mla_only", ["mla"], False, False, "MLA counts as full attention"),
+    _hma("sliding_only", ["sw"], False, True, "a model whose only group is sliding window is hybrid"),
+    _hma("full_and_sliding", ["sw", "full"], False, True, "Gemma-like: hybrid"),
+    _hma("full_and_sliding_flag_off", ["sw", "full"], True, False, "the flag turns HMA off"),
+    _hma("sliding_mla", ["full", "sw_mla"], False, True, "SW-MLA is not full attention"),
+    _hma("mamba_hybrid", ["full", "mamba"], False, True, "Mamba is not full attention"),
+    # ADM-1
+    _adm("ADM-1", "full_and_sliding", ["full", "sw"], None, note="admitted"),
+    _adm("ADM-1", "mla_and_sliding_mla", ["mla", "sw_mla"], None, note="admitted"),
+    _adm(
+        "ADM-1",
+        "chunked_local",
+        ["full", "chunked"],
+        _REFUSED,
+        source="MoRIIO test_non_sliding_window_hybrid_is_rejected",
+        note="refused under HMA",
+    ),
+    _adm("ADM-1", "chunked_local_flag", ["full", "chunked"], None, flag=True, note="flag: admitted"),
+    _adm("ADM-1", "cross_attention", ["sw", "cross"], _REFUSED, note="refused under HMA"),
+    _adm("ADM-1", "unknown_kind", ["sw", "unknown"], _REFUSED, note="unknown kinds fail closed"),
+    _adm("ADM-1", "mamba", ["full", "mamba"], _REFUSED, note="Mamba refused"),
+    _adm("ADM-1", "mamba_flag", ["full", "mamba"], _REFUSED, flag=True, note="Mamba refused, flag or not"),
+    _adm("ADM-1", "full_only_chunked_free", ["full"], None, note="no HMA: nothing to refuse"),
+    # ADM-2
+    _adm("ADM-2", "read_hma", ["full", "sw"], None),
+    _adm("ADM-2", "write_hma", ["full", "sw"], None, mode="write", note="WRITE is specified under HMA"),
+    _adm("ADM-2", "read_only_connector_read", ["full", "sw"], None, read_only=True),
+    _adm(
+        "ADM-2",
+        "read_only_connector_write",
+        ["full", "sw"],
+        _REFUSED,
+        mode="write",
+        read_only=True,
+        source="MoRIIO test_hybrid_write_mode_rejected",
+        note="MoRIIO's policy: WRITE with HMA refused",
+    ),
+    _adm("ADM-2", "read_only_connector_write_flag", ["full", "sw"], None, mode="write", read_only=True, flag=True),
+    _adm("ADM-2", "read_only_connector_write_no_hma", ["full"], None, mode="write", read_only=True),
+    _adm("ADM-2", "bad_mode", ["full", "sw"], Raises("ConfigError"), mode="push", note="not a TransferMode value"),
     # SW-1: the union of the values the tests, the vectors and the docs pinned before (4, 6 and 7 of them).
     _sw1(32, 16, 3, _MORIIO),
     _sw1(128, 16, 9, "Mooncake store test; the GPT-OSS presets"),
@@ -288,6 +381,13 @@ PINS: tuple[Pin, ...] = (
     _off7("f1", 5, 2, 1, [[0, 0], [1, 0]]),
     _off7("no_blocks", 4, 0, 3, []),
     _off7("negative_first", -1, 2, 3, Raises("ConfigError")),
+    # OFF-9
+    _off9("full_and_window", ["full", "sw"], None),
+    _off9("mla_and_sw_mla", ["mla", "sw_mla"], None, "MLA is full attention, SW-MLA a window"),
+    _off9("mamba_refused", ["full", "mamba"], _REFUSED, "vLLM admits Mamba as a one-chunk window"),
+    _off9("chunked_local_refused", ["full", "chunked"], _REFUSED),
+    _off9("cross_attention_refused", ["cross"], _REFUSED),
+    _off9("unknown_kind_refused", ["unknown"], _REFUSED),
 )
 """Every pin, grouped by rule in the order of the spec pages."""
 
