@@ -364,7 +364,7 @@ def pins_snippets() -> dict[str, str]:
         head = ["case", *(f"`{k}`" for k in inputs), *(f"`{f}(...)`" for f in functions), "what it pins; source"]
         lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         for p in rows:
-            cells = [f"`{p.name}`", *(_pin_cell(p.inputs.get(k)) for k in inputs)]
+            cells = [f"`{p.name}`", *(_pin_cell(p.inputs[k]) if k in p.inputs else "" for k in inputs)]
             cells += [_pin_cell(p.expected[f]) if f in p.expected else "" for f in functions]
             lines.append("| " + " | ".join([*cells, p.description]) + " |")
         snippets[f"pins:{rule}"] = "\n".join(lines) + "\n"

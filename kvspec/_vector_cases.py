@@ -335,13 +335,17 @@ def _pin_inputs(pin: Pin) -> dict[str, object]:
         window, block = given["window"], given["block_size"]
         spec = _full(block) if window is None else _sw(window, block)
         return _spec_tokens(spec, given["num_tokens"], given["prefix_hit_tokens"])
-    if pin.rule == "OFF-5":
-        specs = [
-            _full(g["block_size"]) if g["window"] is None else _sw(g["window"], g["block_size"])
-            for g in given["groups"]
-        ]
-        config = _config(specs, num_blocks=64)
-        return _hit(config, given["present"], given["num_tokens"], given["local_hit_tokens"], given["blocks_per_chunk"])
+    if "groups" in given:  # OFF-1, OFF-5, OFF-8: full attention and window groups, 64 blocks
+        groups = given["groups"]
+        config = _config(
+            [_full(g["block_size"]) if g["window"] is None else _sw(g["window"], g["block_size"]) for g in groups]
+        )
+        f = given["blocks_per_chunk"]
+        if pin.rule == "OFF-1":
+            return {"config": config, "blocks_per_chunk": f, "hash_block_size": given["hash_block_size"]}
+        if pin.rule == "OFF-8":
+            return {"config": config, "num_computed_tokens": given["num_computed_tokens"], "offload": _offload(f)}
+        return _hit(config, given["present"], given["num_tokens"], given["local_hit_tokens"], f)
     if pin.rule == "OFF-7":
         return dict(given)
     raise ConfigError(f"vectors: pins: rule {pin.rule!r} has no input convention")  # pragma: no cover
@@ -1237,20 +1241,6 @@ def _local_hit(rng: random.Random, config: KVCacheConfig, num_tokens: int) -> in
     return rng.randint(0, num_tokens // step) * step
 
 
-def _off1_pins() -> list[Case]:
-    def case(name: str, config: KVCacheConfig, f: int, h: int | None, description: str = "") -> Case:
-        inputs = {"config": config, "blocks_per_chunk": f, "hash_block_size": h}
-        return Case(name=name, inputs=inputs, description=description)
-
-    return [
-        case("f3_b4", _fa_sw(), 3, 4, "C_g = 12 for both groups"),
-        case("mixed_block_sizes_f1", _b12_b16(), 1, 4, "B = (12, 16): chunk 2 ends at 36 and 48"),
-        case("mixed_block_sizes_f2_refused", _b12_b16(), 2, None, "f > 1 needs one block size: ConfigError"),
-        case("hash_size_not_dividing", _b12_b16(), 1, 8, "h = 8 does not divide 12: ConfigError"),
-        case("f0_refused", _fa_sw(), 0, None),
-    ]
-
-
 def _gen_chunk_sizes(rng: random.Random) -> dict[str, object]:
     config, offload = _rand_offload_setup(rng)
     f = offload.blocks_per_chunk if rng.random() < 0.7 else rng.randint(1, 4)
@@ -1478,18 +1468,6 @@ def _gen_load(rng: random.Random) -> dict[str, object]:
     return {"config": config, "block_ids": BlockIds(ids), "num_tokens": t, "local_hit_tokens": c, "offload": offload}
 
 
-def _off7_offset_pins() -> list[Case]:
-    def case(name: str, row: int, sub: int, page: int, f: int) -> Case:
-        inputs = {"chunk_row": row, "sub_block": sub, "page_size": page, "blocks_per_chunk": f}
-        return Case(name=name, inputs=inputs)
-
-    return [
-        case("row2_sub1_f3", 2, 1, 256, 3),
-        case("row0_sub0", 0, 0, 512, 4),
-        case("sub_block_past_chunk", 1, 3, 256, 3),
-    ]
-
-
 def _gen_offset(rng: random.Random) -> dict[str, object]:
     f = rng.randint(1, 4)
     sub_block = rng.randint(0, f)  # f itself is one past the chunk: ConfigError
@@ -1499,18 +1477,6 @@ def _gen_offset(rng: random.Random) -> dict[str, object]:
         "page_size": rng.choice([256, 4096]),
         "blocks_per_chunk": f,
     }
-
-
-def _off8_pins() -> list[Case]:
-    def case(name: str, config: KVCacheConfig, e: int, f: int, description: str = "") -> Case:
-        inputs = {"config": config, "num_computed_tokens": e, "offload": _offload(f)}
-        return Case(name=name, inputs=inputs, description=description)
-
-    return [
-        case("hma_e12", _fa_sw(), 12, 1, "B=4 W=8: full attention from key 0, the window from key 1"),
-        case("f3_e40", _fa_sw(), 40, 3),
-        case("nothing_computed", _fa_sw(), 0, 1),
-    ]
 
 
 def _gen_retained(rng: random.Random) -> dict[str, object]:
@@ -1609,7 +1575,7 @@ CASE_SETS: tuple[CaseSet, ...] = (
     CaseSet(rule="REL-1", fn=ConsumerSession, pinned=lambda: _consumer_pins("REL-1")),
     CaseSet(rule="FAIL-1", fn=ConsumerSession, pinned=lambda: _consumer_pins("FAIL-1")),
     CaseSet(rule="DONE-1", fn=ConsumerSession, pinned=lambda: _consumer_pins("DONE-1")),
-    CaseSet(rule="OFF-1", fn=get_chunk_sizes, pinned=_off1_pins, generate=_gen_chunk_sizes),
+    CaseSet(rule="OFF-1", fn=get_chunk_sizes, pinned=_pinned("OFF-1", "get_chunk_sizes"), generate=_gen_chunk_sizes),
     CaseSet(rule="OFF-2", fn=get_offload_keys, pinned=_off2_pins, generate=_gen_keys),
     CaseSet(rule="OFF-3", fn=get_store_set, pinned=_off3_pins, generate=_gen_store),
     CaseSet(rule="OFF-4", fn=get_store_set, pinned=_off4_store_pins),
@@ -1629,10 +1595,15 @@ CASE_SETS: tuple[CaseSet, ...] = (
     CaseSet(
         rule="OFF-7",
         fn=get_sub_block_offset,
-        pinned=_off7_offset_pins,
+        pinned=_pinned("OFF-7", "get_sub_block_offset"),
         generate=_gen_offset,
     ),
-    CaseSet(rule="OFF-8", fn=get_retained_chunk_starts, pinned=_off8_pins, generate=_gen_retained),
+    CaseSet(
+        rule="OFF-8",
+        fn=get_retained_chunk_starts,
+        pinned=_pinned("OFF-8", "get_retained_chunk_starts"),
+        generate=_gen_retained,
+    ),
     CaseSet(
         rule="OFF-9",
         fn=check_offload_support,

@@ -36,6 +36,12 @@ Inputs are plain JSON values, by rule and function:
   block size is 4); the output is the hit in tokens.
 - OFF-7 ``map_sub_blocks``: ``first_block_index``, ``num_blocks``,
   ``blocks_per_chunk``; the output is the ``[entry, sub-block]`` list.
+  ``get_sub_block_offset``: its own arguments; the output is a byte offset.
+- OFF-1 ``get_chunk_sizes``: ``groups`` as for OFF-5, ``blocks_per_chunk``,
+  ``hash_block_size``; the output is C_g per group.
+- OFF-8 ``get_retained_chunk_starts``: ``groups`` as for OFF-5,
+  ``num_computed_tokens``, ``blocks_per_chunk`` (the hash block size is 4);
+  the output is the first retained chunk per group.
 
 An expected value is the vector's ``output``, or :class:`Raises` naming the
 error class the vector's ``error`` names.
@@ -165,6 +171,34 @@ def _off5(
         expected={"get_offload_hit_tokens": hit},
         source=source,
         note=note,
+    )
+
+
+_OFF1 = "OFF-1 (docs/spec/offload.md)"
+_OFF8 = "OFF-8 (docs/spec/offload.md)"
+
+
+def _off1(
+    name: str, groups: tuple[Mapping[str, int | None], ...], f: int, h: int | None, out: object, note: str = ""
+) -> Pin:
+    inputs = {"groups": list(groups), "blocks_per_chunk": f, "hash_block_size": h}
+    return Pin(rule="OFF-1", name=name, inputs=inputs, expected={"get_chunk_sizes": out}, source=_OFF1, note=note)
+
+
+def _off8(name: str, e: int, f: int, out: list[int], note: str = "") -> Pin:
+    inputs = {"groups": list(_FA_SW), "num_computed_tokens": e, "blocks_per_chunk": f}
+    return Pin(
+        rule="OFF-8", name=name, inputs=inputs, expected={"get_retained_chunk_starts": out}, source=_OFF8, note=note
+    )
+
+
+def _offset(name: str, row: int, sub: int, page: int, f: int, out: object) -> Pin:
+    return Pin(
+        rule="OFF-7",
+        name=name,
+        inputs={"chunk_row": row, "sub_block": sub, "page_size": page, "blocks_per_chunk": f},
+        expected={"get_sub_block_offset": out},
+        source="OFF-7: chunk_row * f * page_size + sub_block * page_size (docs/spec/offload.md)",
     )
 
 
@@ -342,6 +376,12 @@ PINS: tuple[Pin, ...] = (
     _win("full_prefix_hit", 32, 64, 64, (64, 64), (0, 0), "nothing needed (an empty block range is 0..0)"),
     _win("window_longer_than_request", 128, 40, 0, (0, 40), (0, 3), "W=128 B=16 T=40"),
     _win("zero_tokens", None, 0, 0, (0, 0), (0, 0), "full attention, T=0"),
+    # OFF-1
+    _off1("f3_b4", _FA_SW, 3, 4, [12, 12], "C_g = 12 for both groups"),
+    _off1("mixed_block_sizes_f1", _B12_B16, 1, 4, [12, 16], "B = (12, 16): chunk 2 ends at 36 and 48"),
+    _off1("mixed_block_sizes_f2_refused", _B12_B16, 2, None, Raises("ConfigError"), "f > 1 needs one block size"),
+    _off1("hash_size_not_dividing", _B12_B16, 1, 8, Raises("ConfigError"), "h = 8 does not divide 12"),
+    _off1("f0_refused", _FA_SW, 0, None, Raises("ConfigError")),
     # OFF-5: f = 1; present chunks per group (1 present, 0 absent).
     _off5("hma_n13", _FA_SW, [[1] * 3, [1] * 3], (13, 0), 12, _VLLM_HMA, "B=4 W=8, all present"),
     _off5("hma_n17_c12", _FA_SW, [[1] * 4, [1] * 4], (17, 12), 4, _VLLM_HMA, "B=4 W=8 after a 12-token GPU hit"),
@@ -381,6 +421,13 @@ PINS: tuple[Pin, ...] = (
     _off7("f1", 5, 2, 1, [[0, 0], [1, 0]]),
     _off7("no_blocks", 4, 0, 3, []),
     _off7("negative_first", -1, 2, 3, Raises("ConfigError")),
+    _offset("row2_sub1_f3", 2, 1, 256, 3, 1792),
+    _offset("row0_sub0", 0, 0, 512, 4, 0),
+    _offset("sub_block_past_chunk", 1, 3, 256, 3, Raises("ConfigError")),
+    # OFF-8: B=4 W=8
+    _off8("hma_e12", 12, 1, [0, 1], "B=4 W=8: full attention from key 0, the window from key 1"),
+    _off8("f3_e40", 40, 3, [0, 2]),
+    _off8("nothing_computed", 0, 1, [0, 0]),
     # OFF-9
     _off9("full_and_window", ["full", "sw"], None),
     _off9("mla_and_sw_mla", ["mla", "sw_mla"], None, "MLA is full attention, SW-MLA a window"),
