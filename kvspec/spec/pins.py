@@ -6,8 +6,9 @@ a preset, or a clause or boundary of the rule's spec page. Three readers use it,
 none keeps a copy:
 
 - the tests: ``@example``s and ``parametrize`` lists are built from :data:`PINS`
-  (tests/test_spec.py, tests/test_reference.py), and tests/test_pins.py checks
-  every row against the reference and the committed vectors;
+  (tests/test_spec.py, tests/test_reference.py, tests/test_offload.py), and
+  tests/test_pins.py checks every row against the reference, the committed
+  vectors, the rendered docs and those examples;
 - the test vectors: ``kvspec vectors write`` makes one vector per row and
   function (kvspec/_vector_cases.py); its expected output is computed by the
   reference, and tests/test_pins.py checks it equals the row's;
@@ -21,7 +22,6 @@ Inputs are plain JSON values, by rule and function:
   (``full``: full attention, B=16; ``sw``: W=32, B=16; ``mla``, ``sw_mla``,
   ``chunked``, ``cross``, ``mamba``, ``unknown`` with fixed shapes), and the
   function's other arguments; ``None`` is a check that passes.
-
 - SW-1 ``get_blocks_per_sw``: ``window`` and ``block_size`` of a config with
   one sliding-window group; the output is the budget list.
 - CLIP-1 ``get_exchange_clipped_blocks``: ``block_ids`` and ``budgets``.
