@@ -21,7 +21,7 @@ import os
 import statistics
 import time
 
-from kvspec.remote._wire import digest, digest_pages
+from kvspec.transport._wire import digest, digest_pages
 
 MB = 1e6
 

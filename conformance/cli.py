@@ -156,6 +156,44 @@ def _options(values: Sequence[str]) -> dict[str, object]:
         raise SystemExit(f"kvspec conform: {exc}") from None
 
 
+def _peer_options(backend: str, peer: str | None, options: dict[str, object]) -> dict[str, object]:
+    """With ``--peer``: the bind address and interfaces that route to the peer, unless ``--option`` gave them."""
+    if not peer:
+        return options
+    from kvspec.remote import derived_options, parse_address, route_source
+
+    try:
+        host, _ = parse_address(peer)
+    except ConfigError:
+        return options  # --peer itself is reported in one line when the suite connects
+    return {**derived_options(backend, route_source(host), options), **options}
+
+
+# Built-in backends' loopback defaults: (option, default) that cannot reach another host.
+_LOOPBACK_DEFAULTS = {"torch": ("host", "127.0.0.1"), "nixl": ("net_devices", "lo")}
+
+
+def _loopback_to_a_remote_peer(backend: str, peer: str | None, options: dict[str, object]) -> str | None:
+    """One clear line, before any case runs, when the local agent would stay on loopback but the peer is not there."""
+    if not peer or backend not in _LOOPBACK_DEFAULTS:
+        return None
+    from kvspec.remote import is_loopback, parse_address
+
+    try:
+        host, _ = parse_address(peer)
+    except ConfigError:
+        return None
+    key, default = _LOOPBACK_DEFAULTS[backend]
+    value = options.get(key, default)
+    if is_loopback(host) or not (value == default or value == "lo"):
+        return None
+    return (
+        f"the local {backend} agent would use {key}={value}, which cannot reach {host}; "
+        f"no interface routes there (or --option {key} says loopback): give --option {key}=... for the interface "
+        f"that reaches {host}"
+    )
+
+
 def _load_connector(path: str, extra: Sequence[str] = ()) -> tuple[Connector, tuple[tuple[str, str], ...]]:
     """The connector ``--connector`` names, and what the report says was tested; one line for anything wrong."""
     from kvspec.integrations.vllm import import_path
@@ -253,8 +291,13 @@ def run(args: argparse.Namespace) -> int:
     if args.pace_seed is not None and args.pace is None:
         print("kvspec conform: --pace-seed: expected --pace slow or --pace jitter with it", file=sys.stderr)
         return 2
+    options = _peer_options(args.backend, args.peer, _options(args.option))
+    problem = _loopback_to_a_remote_peer(args.backend, args.peer, options)
+    if problem:
+        print(f"kvspec conform: --peer {args.peer}: {problem}", file=sys.stderr)
+        return 2
     try:
-        backend = load_backend(args.backend, **_options(args.option))
+        backend = load_backend(args.backend, **options)
     except (KVSpecError, ImportError) as exc:
         print(f"kvspec conform: cannot load backend {args.backend!r}: {exc}", file=sys.stderr)
         return 2

@@ -341,6 +341,36 @@ def spec_source_snippets() -> dict[str, str]:
     return snippets
 
 
+def _pin_cell(value: object) -> str:
+    from kvspec.spec.pins import Raises
+
+    if isinstance(value, Raises):
+        return f"raises `{value.error}`"
+    return f"`{json.dumps(value)}`"
+
+
+def pins_snippets() -> dict[str, str]:
+    """``pins:RULE`` for every rule in kvspec/spec/pins.py: its pinned inputs, outputs and sources as a table.
+
+    The spec pages show the pins through these markers, never a copy; the tests and the vectors read the same table.
+    """
+    from kvspec.spec.pins import PINS
+
+    snippets = {}
+    for rule in dict.fromkeys(p.rule for p in PINS):
+        rows = [p for p in PINS if p.rule == rule]
+        inputs = list(dict.fromkeys(k for p in rows for k in p.inputs))
+        functions = list(dict.fromkeys(f for p in rows for f in p.expected))
+        head = ["case", *(f"`{k}`" for k in inputs), *(f"`{f}(...)`" for f in functions), "what it pins; source"]
+        lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        for p in rows:
+            cells = [f"`{p.name}`", *(_pin_cell(p.inputs[k]) if k in p.inputs else "" for k in inputs)]
+            cells += [_pin_cell(p.expected[f]) if f in p.expected else "" for f in functions]
+            lines.append("| " + " | ".join([*cells, p.description]) + " |")
+        snippets[f"pins:{rule}"] = "\n".join(lines) + "\n"
+    return snippets
+
+
 ERRORS_PAGE = "reference/errors.md"
 READ_MODE, WRITE_MODE = TransferMode.READ, TransferMode.WRITE
 # Modules whose exported calls the errors page lists.
@@ -749,6 +779,7 @@ def on_files(files: Files, config: Any) -> Files:
         snippets[f"sequence:{name}"] = _fence("mermaid", diagrams.sequence_diagram(name))
     snippets.update(_raised_by_snippets(errors))
     snippets.update(spec_source_snippets())
+    snippets.update(pins_snippets())
     _STATE["vllm_audit"] = json.loads(VLLM_AUDIT_JSON.read_text(encoding="utf-8"))
     snippets.update(vllm_audit_snippets(_STATE["vllm_audit"]))
     snippets["vllm-expected:tables"] = vllm_expected_table(vllm_expected_failures())

@@ -133,8 +133,7 @@ from kvspec._session import (
     ProducerSession,
     ProducerState,
 )
-
-__version__ = "0.1.0"
+from kvspec._version import __version__
 
 __all__ = [
     "DTYPE_SIZES",

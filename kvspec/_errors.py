@@ -21,6 +21,7 @@ __all__ = [
     "MalformedMessageError",
     "OffloadingDisagreementError",
     "OutOfBlocksError",
+    "PairKeyError",
     "PlanError",
     "ProtocolError",
     "RemoteError",
@@ -173,6 +174,13 @@ class AgentAuthError(KVSpecError, PermissionError):
 
 class AgentRefusedError(KVSpecError, PermissionError):
     """The agent refused a request: memory, pool, agent or handle it does not own, a limit, or another client."""
+
+
+class PairKeyError(KVSpecError, ValueError):
+    """A peer's public value or nonce is malformed, or a proof does not verify (the torch workers' pair keys).
+
+    Re-exported by :mod:`kvspec.transport._pairkey`.
+    """
 
 
 class RemoteError(TransportError):

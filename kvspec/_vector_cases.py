@@ -94,6 +94,7 @@ from kvspec._vectors import (
     to_json,
     vector_schema,
 )
+from kvspec.spec.pins import Pin, pins_for
 
 __all__ = [
     "CASE_SETS",
@@ -289,18 +290,9 @@ def _kinds_config(*kinds: str) -> KVCacheConfig:
 
 
 def _hma_pins() -> list[Case]:
-    def case(name: str, kinds: Sequence[str], flag: bool, description: str) -> Case:
-        return Case(name=name, inputs={"config": _kinds_config(*kinds), _FLAG: flag}, description=description)
-
     fa_window = _config([_full(sliding_window=32)], num_blocks=8)
     return [
-        case("full_only", ["full"], False, "only full attention: HMA not required"),
-        case("mla_only", ["mla"], False, "MLA counts as full attention"),
-        case("sliding_only", ["sw"], False, "a model whose only group is sliding window is hybrid"),
-        case("full_and_sliding", ["sw", "full"], False, "Gemma-like: hybrid"),
-        case("full_and_sliding_flag_off", ["sw", "full"], True, "the flag turns HMA off"),
-        case("sliding_mla", ["full", "sw_mla"], False, "SW-MLA is not full attention"),
-        case("mamba_hybrid", ["full", "mamba"], False, "Mamba is not full attention"),
+        *_table_cases("HMA-1", "is_hma_required"),
         Case(
             name="full_with_window_hma_off_form",
             inputs={"config": fa_window, _FLAG: False},
@@ -316,46 +308,6 @@ def _full_attention_pins() -> list[Case]:
     return cases
 
 
-def _admission(
-    kinds: Sequence[str], mode: str = "read", read_only: bool = False, flag: bool = False
-) -> dict[str, object]:
-    return {"config": _kinds_config(*kinds), "mode": mode, "read_only_hma": read_only, _FLAG: flag}
-
-
-def _adm1_pins() -> list[Case]:
-    return [
-        Case(name="full_and_sliding", inputs=_admission(["full", "sw"]), description="admitted"),
-        Case(name="mla_and_sliding_mla", inputs=_admission(["mla", "sw_mla"]), description="admitted"),
-        Case(name="chunked_local", inputs=_admission(["full", "chunked"]), description="refused under HMA"),
-        Case(
-            name="chunked_local_flag", inputs=_admission(["full", "chunked"], flag=True), description="flag: admitted"
-        ),
-        Case(name="cross_attention", inputs=_admission(["sw", "cross"]), description="refused under HMA"),
-        Case(name="unknown_kind", inputs=_admission(["sw", "unknown"]), description="unknown kinds fail closed"),
-        Case(name="mamba", inputs=_admission(["full", "mamba"]), description="Mamba refused"),
-        Case(
-            name="mamba_flag", inputs=_admission(["full", "mamba"], flag=True), description="Mamba refused, flag or not"
-        ),
-        Case(name="full_only_chunked_free", inputs=_admission(["full"]), description="no HMA: nothing to refuse"),
-    ]
-
-
-def _adm2_pins() -> list[Case]:
-    return [
-        Case(name="read_hma", inputs=_admission(["full", "sw"], "read")),
-        Case(name="write_hma", inputs=_admission(["full", "sw"], "write"), description="WRITE is specified under HMA"),
-        Case(name="read_only_connector_read", inputs=_admission(["full", "sw"], "read", read_only=True)),
-        Case(
-            name="read_only_connector_write",
-            inputs=_admission(["full", "sw"], "write", read_only=True),
-            description="MoRIIO's policy: WRITE with HMA refused",
-        ),
-        Case(name="read_only_connector_write_flag", inputs=_admission(["full", "sw"], "write", True, True)),
-        Case(name="read_only_connector_write_no_hma", inputs=_admission(["full"], "write", read_only=True)),
-        Case(name="bad_mode", inputs=_admission(["full", "sw"], "push"), description="not a TransferMode value"),
-    ]
-
-
 def _gen_admission(rng: random.Random) -> dict[str, object]:
     return {
         "config": _rand_config(rng, _KINDS, num_blocks=8),
@@ -365,19 +317,54 @@ def _gen_admission(rng: random.Random) -> dict[str, object]:
     }
 
 
+# --------------------------------------------------------------------------- the pins table (kvspec.spec.pins)
+
+
+def _pin_inputs(pin: Pin) -> dict[str, object]:
+    """A pin's plain inputs as the kvspec values its function takes (the conventions of kvspec.spec.pins)."""
+    given: Mapping[str, Any] = pin.inputs
+    if "kinds" in given:  # HMA-1, ADM-1, ADM-2, OFF-9
+        return {"config": _kinds_config(*given["kinds"]), **{k: v for k, v in given.items() if k != "kinds"}}
+    if pin.rule == "SW-1":
+        return {"config": _config([_sw(given["window"], given["block_size"])], num_blocks=4)}
+    if pin.rule == "CLIP-1":
+        return _clip(given["block_ids"], given["budgets"])
+    if pin.rule in ("ALIGN-1", "NULL-1"):
+        return _pairs(given["producer_block_ids"], given["consumer_block_ids"])
+    if pin.rule == "WIN-1":
+        window, block = given["window"], given["block_size"]
+        spec = _full(block) if window is None else _sw(window, block)
+        return _spec_tokens(spec, given["num_tokens"], given["prefix_hit_tokens"])
+    if "groups" in given:  # OFF-1, OFF-5, OFF-8: full attention and window groups, 64 blocks
+        groups = given["groups"]
+        config = _config(
+            [_full(g["block_size"]) if g["window"] is None else _sw(g["window"], g["block_size"]) for g in groups]
+        )
+        f = given["blocks_per_chunk"]
+        if pin.rule == "OFF-1":
+            return {"config": config, "blocks_per_chunk": f, "hash_block_size": given["hash_block_size"]}
+        if pin.rule == "OFF-8":
+            return {"config": config, "num_computed_tokens": given["num_computed_tokens"], "offload": _offload(f)}
+        return _hit(config, given["present"], given["num_tokens"], given["local_hit_tokens"], f)
+    if pin.rule == "OFF-7":
+        return dict(given)
+    raise ConfigError(f"vectors: pins: rule {pin.rule!r} has no input convention")  # pragma: no cover
+
+
+def _table_cases(rule: str, function: str) -> list[Case]:
+    """The pinned cases of one rule and function, one per row of the pins table."""
+    return [Case(name=p.name, inputs=_pin_inputs(p), description=p.description) for p in pins_for(rule, function)]
+
+
+def _pinned(rule: str, function: str) -> Callable[[], list[Case]]:
+    return lambda: _table_cases(rule, function)
+
+
 # --------------------------------------------------------------------------- SW-1, CLIP-1, TOK-1
 
 
 def _sw1_pins() -> list[Case]:
-    pins = [(32, 16, 3), (128, 16, 9), (2048, 16, 129), (1024, 16, 65), (16, 16, 2), (17, 16, 3), (1, 16, 2)]
-    cases = [
-        Case(
-            name=f"w{w}_b{b}",
-            inputs={"config": _config([_sw(w, b)], num_blocks=4)},
-            description=f"pinned: cdiv({w}, {b}) + 1 = {n}",
-        )
-        for w, b, n in pins
-    ]
+    cases = _table_cases("SW-1", "get_blocks_per_sw")
     cases.append(
         Case(
             name="worked_example",
@@ -397,28 +384,6 @@ def _sw1_pins() -> list[Case]:
 
 def _clip(ids: Sequence[Sequence[int]], budgets: Sequence[int]) -> dict[str, object]:
     return {"block_ids": BlockIds(ids), "budgets": tuple(budgets)}
-
-
-def _clip_pins() -> list[Case]:
-    return [
-        Case(
-            name="moriio_example",
-            inputs=_clip([[10, 11, 12, 13, 14], [20, 21, 22, 23, 24]], [0, 3]),
-            description="pinned example (MoRIIO): FA(B=16) + SW(W=32, B=16), budgets (0, 3)",
-        ),
-        Case(name="no_budget_identity", inputs=_clip([[1, 2, 3], [4, 5]], [0, 0])),
-        Case(name="keep_last_n", inputs=_clip([[1, 2, 3, 4, 5], [6, 7, 8, 9]], [0, 3]), description="last 3 kept"),
-        Case(name="shorter_than_budget", inputs=_clip([[1, 2], [3]], [0, 3]), description="all kept"),
-        Case(name="zero_groups_stay_zero", inputs=_clip([], [0, 3]), description="full prefix hit"),
-        Case(
-            name="zero_budget_is_not_minus_zero",
-            inputs=_clip([[1, 2, 3], [4, 5, 6]], [2, 0]),
-            description="budget 0 keeps the whole group (ids[-0:] pitfall, docs/spec/window-budget-and-clipping.md)",
-        ),
-        Case(name="empty_group", inputs=_clip([[], [1, 2]], [3, 0])),
-        Case(name="group_count_mismatch", inputs=_clip([[1], [2], [3]], [0, 3])),
-        Case(name="negative_budget", inputs=_clip([[1, 2], [3]], [0, -1])),
-    ]
 
 
 def _gen_clip(rng: random.Random) -> dict[str, object]:
@@ -478,33 +443,6 @@ def _pairs(p: Sequence[Sequence[int]], c: Sequence[Sequence[int]]) -> dict[str, 
     return {"producer_block_ids": BlockIds(p), "consumer_block_ids": BlockIds(c)}
 
 
-def _align_pins() -> list[Case]:
-    return [
-        Case(
-            name="tail_alignment",
-            inputs=_pairs([[1, 2, 3, 4], [5, 6, 7]], [[11, 12], [13, 14, 15]]),
-            description="C's i-th id pairs with P's id at len(P) - len(C) + i; never front-trim",
-        ),
-        Case(name="equal_lengths", inputs=_pairs([[1, 2], [3]], [[4, 5], [6]])),
-        Case(name="consumer_longer", inputs=_pairs([[1, 2], [3]], [[4, 5, 6], [7]])),
-        Case(name="group_count_mismatch", inputs=_pairs([[1, 2], [3]], [[4]])),
-        Case(name="zero_consumer_groups", inputs=_pairs([[1, 2], [3]], []), description="full prefix hit"),
-        Case(name="empty_consumer_group", inputs=_pairs([[1, 2], [3]], [[], [9]])),
-    ]
-
-
-def _null_pins() -> list[Case]:
-    return [
-        Case(
-            name="pruned_producer_ids_dropped",
-            inputs=_pairs([[0, 0, 3, 4]], [[11, 12, 13]]),
-            description="a pair with a null producer side is dropped",
-        ),
-        Case(name="null_consumer_id_dropped", inputs=_pairs([[1, 2, 3]], [[0, 12, 13]])),
-        Case(name="all_null", inputs=_pairs([[0, 0], [5]], [[0, 7], [8]])),
-    ]
-
-
 def _gen_align(rng: random.Random) -> dict[str, object]:
     groups = rng.randint(1, 3)
     producer = _rand_ids(rng, groups, most=8, null=0.15)
@@ -533,26 +471,6 @@ def _plan_null_pins() -> list[Case]:
 
 def _spec_tokens(spec: KVCacheSpec, t: int, h: int = 0) -> dict[str, object]:
     return {"spec": spec, "num_tokens": t, "prefix_hit_tokens": h}
-
-
-def _window_boundaries() -> list[tuple[str, int]]:
-    # W=32, B=16: (T-W+1) % B == 0 at T=47, 63; (T-W+2) % B == 0 at T=46, 62 (WIN-1 names both).
-    return [("t_minus_w_plus_1_on_boundary", 47), ("t_minus_w_plus_2_on_boundary", 46), ("t_one_block", 16)]
-
-
-def _range_pins() -> list[Case]:
-    sw = _sw(32)
-    cases = [
-        Case(name=name, inputs=_spec_tokens(sw, t), description=f"W=32 B=16 T={t}") for name, t in _window_boundaries()
-    ]
-    cases += [
-        Case(name="full_attention_from_prefix", inputs=_spec_tokens(_full(), 64, 32)),
-        Case(name="prefix_hit_inside_window", inputs=_spec_tokens(sw, 64, 48)),
-        Case(name="full_prefix_hit", inputs=_spec_tokens(sw, 64, 64)),
-        Case(name="window_longer_than_request", inputs=_spec_tokens(_sw(128), 40)),
-        Case(name="zero_tokens", inputs=_spec_tokens(_full(), 0)),
-    ]
-    return cases
 
 
 def _gen_range(rng: random.Random) -> dict[str, object]:
@@ -710,6 +628,16 @@ def _consumer_count_pins() -> list[Case]:
             description="docs/spec/worked-example.md: (4, 5)",
         ),
     ]
+
+
+def _window_boundaries() -> list[tuple[str, int]]:
+    """The W=32, B=16, no-hit rows of the WIN-1 pins (both boundaries the rule names), as (name, T)."""
+    found = []
+    for pin in pins_for("WIN-1"):
+        given: Mapping[str, Any] = pin.inputs
+        if (given["window"], given["block_size"], given["prefix_hit_tokens"]) == (32, 16, 0):
+            found.append((pin.name, int(given["num_tokens"])))
+    return found
 
 
 def _coverage_pins() -> list[Case]:
@@ -1313,34 +1241,6 @@ def _local_hit(rng: random.Random, config: KVCacheConfig, num_tokens: int) -> in
     return rng.randint(0, num_tokens // step) * step
 
 
-def _off9_pins() -> list[Case]:
-    def case(name: str, kinds: Sequence[str], description: str = "") -> Case:
-        return Case(name=name, inputs={"config": _kinds_config(*kinds)}, description=description)
-
-    return [
-        case("full_and_window", ["full", "sw"]),
-        case("mla_and_sw_mla", ["mla", "sw_mla"], "MLA is full attention, SW-MLA a window"),
-        case("mamba_refused", ["full", "mamba"], "UnsupportedHybridError: vLLM admits Mamba as a one-chunk window"),
-        case("chunked_local_refused", ["full", "chunked"]),
-        case("cross_attention_refused", ["cross"]),
-        case("unknown_kind_refused", ["unknown"]),
-    ]
-
-
-def _off1_pins() -> list[Case]:
-    def case(name: str, config: KVCacheConfig, f: int, h: int | None, description: str = "") -> Case:
-        inputs = {"config": config, "blocks_per_chunk": f, "hash_block_size": h}
-        return Case(name=name, inputs=inputs, description=description)
-
-    return [
-        case("f3_b4", _fa_sw(), 3, 4, "C_g = 12 for both groups"),
-        case("mixed_block_sizes_f1", _b12_b16(), 1, 4, "B = (12, 16): chunk 2 ends at 36 and 48"),
-        case("mixed_block_sizes_f2_refused", _b12_b16(), 2, None, "f > 1 needs one block size: ConfigError"),
-        case("hash_size_not_dividing", _b12_b16(), 1, 8, "h = 8 does not divide 12: ConfigError"),
-        case("f0_refused", _fa_sw(), 0, None),
-    ]
-
-
 def _gen_chunk_sizes(rng: random.Random) -> dict[str, object]:
     config, offload = _rand_offload_setup(rng)
     f = offload.blocks_per_chunk if rng.random() < 0.7 else rng.randint(1, 4)
@@ -1470,31 +1370,8 @@ def _hit(config: KVCacheConfig, present: Sequence[Sequence[bool]], n: int, c: in
 
 
 def _off5_pins() -> list[Case]:
-    config, b12_b16, t, x = _fa_sw(), _b12_b16(), True, False
-    mixed = _config([_full(12), _sw(16, 16)], num_blocks=64)
-    return [
-        Case(name="hma_n13", inputs=_hit(config, [[t] * 3, [t] * 3], 13, 0), description="B=4 W=8: hit 12"),
-        Case(name="hma_n17_c12", inputs=_hit(config, [[t] * 4, [t] * 4], 17, 12), description="hit 4"),
-        Case(name="hma_n12_last_token_recomputed", inputs=_hit(config, [[t] * 3, [t] * 3], 12, 0), description="11"),
-        Case(
-            name="window_gap",
-            inputs=_hit(config, [[t] * 6, [t, t, t, x, t, x]], 25, 0),
-            description="window chunks {0, 1, 2, 4} of 6: hit 12",
-        ),
-        Case(name="b12_b16_n48", inputs=_hit(b12_b16, [[t] * 4, [t] * 3], 48, 0), description="hit 48"),
-        Case(
-            name="b12_b16_n85_c48",
-            inputs=_hit(b12_b16, [[t] * 7, [t] * 5], 85, 48),
-            description="M = min(85, 7*12, 5*16) = 80: hit 32",
-        ),
-        Case(
-            name="window_off_the_chunk_grid",
-            inputs=_hit(mixed, [[t, t, t], [t, x, t]], 48, 0),
-            description="B=12 full, W=16 B=16 window chunks {0, 2}: M=36 needs chunks 1 and 2, hit 16",
-        ),
-        Case(name="mamba_refused", inputs=_hit(_mamba_config(), [[t], [t]], 20, 0), description="OFF-9 first"),
-        Case(name="too_many_keys", inputs=_hit(config, [[t] * 4, [t] * 4], 13, 0), description="ConfigError"),
-    ]
+    mamba = Case(name="mamba_refused", inputs=_hit(_mamba_config(), [[True], [True]], 20, 0), description="OFF-9 first")
+    return [*_table_cases("OFF-5", "get_offload_hit_tokens"), mamba]
 
 
 def _off4_hit_pins() -> list[Case]:
@@ -1591,33 +1468,6 @@ def _gen_load(rng: random.Random) -> dict[str, object]:
     return {"config": config, "block_ids": BlockIds(ids), "num_tokens": t, "local_hit_tokens": c, "offload": offload}
 
 
-def _off7_map_pins() -> list[Case]:
-    def case(name: str, first: int, n: int, f: int, description: str = "") -> Case:
-        inputs = {"first_block_index": first, "num_blocks": n, "blocks_per_chunk": f}
-        return Case(name=name, inputs=inputs, description=description)
-
-    return [
-        case("f3_first_4", 4, 5, 3, "skip 4 % 3 = 1, not -4 % 3 = 2: chunks K1, K2 into GPU blocks 4-8"),
-        case("f3_first_3", 3, 3, 3, "the forms agree on a multiple of 3"),
-        case("f2_first_1", 1, 3, 2),
-        case("f1", 5, 2, 1),
-        case("no_blocks", 4, 0, 3),
-        case("negative_first", -1, 2, 3),
-    ]
-
-
-def _off7_offset_pins() -> list[Case]:
-    def case(name: str, row: int, sub: int, page: int, f: int) -> Case:
-        inputs = {"chunk_row": row, "sub_block": sub, "page_size": page, "blocks_per_chunk": f}
-        return Case(name=name, inputs=inputs)
-
-    return [
-        case("row2_sub1_f3", 2, 1, 256, 3),
-        case("row0_sub0", 0, 0, 512, 4),
-        case("sub_block_past_chunk", 1, 3, 256, 3),
-    ]
-
-
 def _gen_offset(rng: random.Random) -> dict[str, object]:
     f = rng.randint(1, 4)
     sub_block = rng.randint(0, f)  # f itself is one past the chunk: ConfigError
@@ -1627,18 +1477,6 @@ def _gen_offset(rng: random.Random) -> dict[str, object]:
         "page_size": rng.choice([256, 4096]),
         "blocks_per_chunk": f,
     }
-
-
-def _off8_pins() -> list[Case]:
-    def case(name: str, config: KVCacheConfig, e: int, f: int, description: str = "") -> Case:
-        inputs = {"config": config, "num_computed_tokens": e, "offload": _offload(f)}
-        return Case(name=name, inputs=inputs, description=description)
-
-    return [
-        case("hma_e12", _fa_sw(), 12, 1, "B=4 W=8: full attention from key 0, the window from key 1"),
-        case("f3_e40", _fa_sw(), 40, 3),
-        case("nothing_computed", _fa_sw(), 0, 1),
-    ]
 
 
 def _gen_retained(rng: random.Random) -> dict[str, object]:
@@ -1666,13 +1504,24 @@ CASE_SETS: tuple[CaseSet, ...] = (
         generate=lambda rng: {"config": _rand_config(rng, _KINDS, num_blocks=8), _FLAG: rng.random() < 0.2},
     ),
     CaseSet(rule="HMA-1", fn=is_full_attention_spec, pinned=_full_attention_pins, generate=_gen_spec),
-    CaseSet(rule="ADM-1", fn=check_hybrid_support, pinned=_adm1_pins, generate=_gen_admission),
-    CaseSet(rule="ADM-2", fn=check_hybrid_support, pinned=_adm2_pins, generate=_gen_admission),
+    CaseSet(
+        rule="ADM-1", fn=check_hybrid_support, pinned=_pinned("ADM-1", "check_hybrid_support"), generate=_gen_admission
+    ),
+    CaseSet(
+        rule="ADM-2", fn=check_hybrid_support, pinned=_pinned("ADM-2", "check_hybrid_support"), generate=_gen_admission
+    ),
     CaseSet(rule="SW-1", fn=get_blocks_per_sw, pinned=_sw1_pins, generate=_gen_config(("full", "sw", "sw_mla", "mla"))),
-    CaseSet(rule="CLIP-1", fn=get_exchange_clipped_blocks, pinned=_clip_pins, generate=_gen_clip),
+    CaseSet(
+        rule="CLIP-1",
+        fn=get_exchange_clipped_blocks,
+        pinned=_pinned("CLIP-1", "get_exchange_clipped_blocks"),
+        generate=_gen_clip,
+    ),
     CaseSet(rule="CLIP-1", fn=summarize_plan, pinned=_none, generate=_gen_summary),
-    CaseSet(rule="ALIGN-1", fn=compute_block_pairs, pinned=_align_pins, generate=_gen_align),
-    CaseSet(rule="NULL-1", fn=compute_block_pairs, pinned=_null_pins),
+    CaseSet(
+        rule="ALIGN-1", fn=compute_block_pairs, pinned=_pinned("ALIGN-1", "compute_block_pairs"), generate=_gen_align
+    ),
+    CaseSet(rule="NULL-1", fn=compute_block_pairs, pinned=_pinned("NULL-1", "compute_block_pairs")),
     CaseSet(rule="NULL-1", fn=plan_transfer, pinned=_plan_null_pins),
     CaseSet(
         rule="WIN-1",
@@ -1680,8 +1529,12 @@ CASE_SETS: tuple[CaseSet, ...] = (
         pinned=_count_pins,
         generate=lambda rng: {"spec": _rand_spec(rng), "num_tokens": rng.randint(0, 100)},
     ),
-    CaseSet(rule="WIN-1", fn=get_needed_token_range, pinned=_range_pins, generate=_gen_range),
-    CaseSet(rule="WIN-1", fn=get_needed_block_range, pinned=_range_pins, generate=_gen_range),
+    CaseSet(
+        rule="WIN-1", fn=get_needed_token_range, pinned=_pinned("WIN-1", "get_needed_token_range"), generate=_gen_range
+    ),
+    CaseSet(
+        rule="WIN-1", fn=get_needed_block_range, pinned=_pinned("WIN-1", "get_needed_block_range"), generate=_gen_range
+    ),
     CaseSet(
         rule="WIN-1",
         fn=get_num_skipped_tokens,
@@ -1722,7 +1575,7 @@ CASE_SETS: tuple[CaseSet, ...] = (
     CaseSet(rule="REL-1", fn=ConsumerSession, pinned=lambda: _consumer_pins("REL-1")),
     CaseSet(rule="FAIL-1", fn=ConsumerSession, pinned=lambda: _consumer_pins("FAIL-1")),
     CaseSet(rule="DONE-1", fn=ConsumerSession, pinned=lambda: _consumer_pins("DONE-1")),
-    CaseSet(rule="OFF-1", fn=get_chunk_sizes, pinned=_off1_pins, generate=_gen_chunk_sizes),
+    CaseSet(rule="OFF-1", fn=get_chunk_sizes, pinned=_pinned("OFF-1", "get_chunk_sizes"), generate=_gen_chunk_sizes),
     CaseSet(rule="OFF-2", fn=get_offload_keys, pinned=_off2_pins, generate=_gen_keys),
     CaseSet(rule="OFF-3", fn=get_store_set, pinned=_off3_pins, generate=_gen_store),
     CaseSet(rule="OFF-4", fn=get_store_set, pinned=_off4_store_pins),
@@ -1732,7 +1585,7 @@ CASE_SETS: tuple[CaseSet, ...] = (
     CaseSet(
         rule="OFF-7",
         fn=map_sub_blocks,
-        pinned=_off7_map_pins,
+        pinned=_pinned("OFF-7", "map_sub_blocks"),
         generate=lambda rng: {
             "first_block_index": rng.randint(0, 20),
             "num_blocks": rng.randint(0, 10),
@@ -1742,11 +1595,21 @@ CASE_SETS: tuple[CaseSet, ...] = (
     CaseSet(
         rule="OFF-7",
         fn=get_sub_block_offset,
-        pinned=_off7_offset_pins,
+        pinned=_pinned("OFF-7", "get_sub_block_offset"),
         generate=_gen_offset,
     ),
-    CaseSet(rule="OFF-8", fn=get_retained_chunk_starts, pinned=_off8_pins, generate=_gen_retained),
-    CaseSet(rule="OFF-9", fn=check_offload_support, pinned=_off9_pins, generate=_gen_config(_KINDS)),
+    CaseSet(
+        rule="OFF-8",
+        fn=get_retained_chunk_starts,
+        pinned=_pinned("OFF-8", "get_retained_chunk_starts"),
+        generate=_gen_retained,
+    ),
+    CaseSet(
+        rule="OFF-9",
+        fn=check_offload_support,
+        pinned=_pinned("OFF-9", "check_offload_support"),
+        generate=_gen_config(_KINDS),
+    ),
 )
 """Which vectors each rule gets for each function; a new function adds one entry here."""
 

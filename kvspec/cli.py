@@ -12,6 +12,7 @@ from typing import Any, TextIO
 from kvspec import _vectors_check
 from kvspec._enums import TransferMode
 from kvspec._errors import KVSpecError
+from kvspec._messages import PROTOCOL_VERSION
 from kvspec._models import BlockIds, KVCacheConfig, SlidingWindowSpec
 from kvspec._offload import (
     OffloadConfig,
@@ -24,8 +25,9 @@ from kvspec._offload import (
 from kvspec._presets import get_preset, list_presets
 from kvspec._reference import check_hybrid_support, get_logical_block_count, get_pruned_block_ids
 from kvspec._summary import PlanSummary, blocks_needed_for, summarize_plan
+from kvspec._version import __version__
 
-__all__ = ["build_parser", "main", "offload_summary", "plan_summary_to_dict"]
+__all__ = ["build_parser", "main", "offload_summary", "plan_summary_to_dict", "version_line"]
 
 _LAYOUTS = ("blocks_first", "layers_first", "per_layer", "shared")
 
@@ -47,9 +49,16 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def version_line() -> str:
+    """``kvspec --version``: the package version and the protocol version it speaks (docs/explanation/versioning.md)."""
+    major, minor = PROTOCOL_VERSION
+    return f"kvspec {__version__} (protocol {major}.{minor})"
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser with its ``plan``, ``conform`` and ``vectors`` subcommands."""
     parser = argparse.ArgumentParser(prog="kvspec", description="Hybrid KV-cache hand-off: reference and suite.")
+    parser.add_argument("--version", action="version", version=version_line())
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     aliases = ", ".join(p.alias for p in list_presets())
@@ -428,7 +437,22 @@ def _add_agent_parser(sub: Any) -> None:
 def _run_agent_serve(args: argparse.Namespace, out: TextIO) -> int:
     from kvspec.remote._server import serve_command
 
+    args.option = _listen_options(args.backend, args.listen, args.option) + list(args.option)
     return serve_command(args, out)
+
+
+def _listen_options(backend: str, listen: str, given: list[str]) -> list[str]:
+    """``KEY=VALUE`` options the ``--listen`` address implies for a built-in backend (``--option`` wins)."""
+    from kvspec.remote._client import parse_address
+    from kvspec.transport._netaddr import derived_options
+    from kvspec.transport._registry import parse_backend_options
+
+    try:
+        host, _ = parse_address(listen)
+        options = parse_backend_options(given)
+    except (KVSpecError, ValueError):
+        return []  # serve_command reports the bad address or option in one line
+    return [f"{key}={value}" for key, value in derived_options(backend, host, options).items()]
 
 
 # --------------------------------------------------------------------------- conform

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import re
 import warnings
+from pathlib import Path
 
 import pytest
 from strategies import config_from_specs
@@ -12,6 +13,8 @@ from strategies import config_from_specs
 import kvspec
 import kvspec.testing
 from kvspec import BlockIds, FullAttentionSpec, KVCacheConfig, SlidingWindowSpec
+
+ROOT = Path(__file__).resolve().parent.parent
 
 # (module, old attribute, the object it must resolve to, the new spelling the warning must name)
 MOVED: list[tuple[str, str, str, str]] = [
@@ -116,3 +119,19 @@ def test_the_deprecated_testing_alias_builds_the_new_class() -> None:
     pair = old(group=0, position=1, producer_block=2, consumer_block=3)
     assert isinstance(pair, kvspec.testing.ExpectedPair)
     assert BlockIds([[2]])[0] == (pair.producer_block,)
+
+
+def _release(version: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in version.split("."))
+
+
+def test_the_aliases_live_until_the_release_renames_md_names() -> None:
+    """RENAMES.md: every old name works through 0.2.x and goes in 0.3.0; this version must still carry them."""
+    from kvspec._deprecation import REMOVED_IN
+
+    renames = (ROOT / "RENAMES.md").read_text(encoding="utf-8")
+    assert f"removed in {REMOVED_IN}" in renames, "RENAMES.md and kvspec._deprecation.REMOVED_IN disagree"
+    assert _release(kvspec.__version__) < _release(REMOVED_IN), (
+        f"kvspec {kvspec.__version__} reached {REMOVED_IN}: remove the aliases RENAMES.md lists, and this test"
+    )
+    assert MOVED, "the aliases RENAMES.md lists must still be tested while they live"

@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # Bottom to top; a module may import from its own layer and the ones below.
 LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
-    ("base", frozenset({"kvspec._enums", "kvspec._deprecation"})),
+    ("base", frozenset({"kvspec._enums", "kvspec._deprecation", "kvspec._version"})),
     ("errors", frozenset({"kvspec._errors"})),
     ("data", frozenset({"kvspec._models", "kvspec._descriptors", "kvspec._rules"})),
     (
@@ -34,6 +34,7 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
                 "kvspec.spec.coverage",
                 "kvspec.spec.offload",
                 "kvspec.spec.pairing",
+                "kvspec.spec.pins",
                 "kvspec.spec.plan",
                 "kvspec.spec.window",
             }
@@ -59,6 +60,9 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
                 "kvspec.transport._nixl_worker",
                 "kvspec.transport._torch_worker",
                 "kvspec.transport.faults",
+                "kvspec.transport._netaddr",
+                "kvspec.transport._pairkey",
+                "kvspec.transport._wire",
                 "kvspec.transport.loopback",
                 "kvspec.transport.pace",
                 "kvspec.transport.nixl",
@@ -104,7 +108,6 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
                 "kvspec.remote",
                 "kvspec.remote._client",
                 "kvspec.remote._server",
-                "kvspec.remote._wire",
             }
         ),
     ),

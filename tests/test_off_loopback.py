@@ -109,7 +109,8 @@ def _assert_on_the_chosen_address(result: dict[str, object]) -> None:
     assert isinstance(sockets, dict)
     for agent, addresses in sockets.items():
         assert addresses, f"expected TCP sockets in {agent}'s process"
-        hosts = {a.split(":")[0] for a in addresses}
+        # The torch rendezvous store's client may be an IPv6 socket to the IPv4-mapped address (::ffff:10.78.0.1).
+        hosts = {a.split(":")[0].removeprefix("0000000000000000FFFF0000") for a in addresses}
         assert hosts == {ADDRESS_HEX}, (agent, addresses)  # every socket on 10.78.0.1, none on 127.0.0.1
         assert LOOPBACK_HEX not in hosts
 

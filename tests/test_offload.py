@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import attrs
 import pytest
@@ -48,7 +49,9 @@ from kvspec import (
     get_sub_block_offset,
     map_sub_blocks,
 )
+from kvspec._vector_cases import _pin_inputs as pin_inputs
 from kvspec.presets import get_preset
+from kvspec.spec.pins import Raises, pins_for
 
 # --------------------------------------------------------------------------- helpers
 
@@ -391,6 +394,7 @@ def test_store_needs_one_next_chunk_per_group() -> None:
 
 
 FA_SW = make_config(fa(4), sw(8, 4))
+T = TypeVar("T", bound=Callable[..., None])
 
 
 def test_vllm_full_and_sliding_window_stores() -> None:
@@ -499,10 +503,24 @@ def test_vllm_sliding_window_lookup_values(present: list[bool], window_chunks: i
 # --------------------------------------------------------------------------- OFF-5 hit
 
 
+def off5_pin_examples(test: T) -> T:
+    """An ``@example`` for every OFF-5 pin of kvspec/spec/pins.py with a hit (N = C_g multiples, gaps, off the grid)."""
+    for pin in pins_for("OFF-5"):
+        if not isinstance(pin.expected["get_offload_hit_tokens"], Raises):
+            given_ = pin_inputs(pin)
+            case = (
+                given_["config"],
+                given_["offload"],
+                given_["present"],
+                given_["num_tokens"],
+                given_["local_hit_tokens"],
+            )
+            test = example(case=case).via(f"OFF-5 pin {pin.name}")(test)
+    return test
+
+
 @given(case=hit_cases())
-@example(case=(FA_SW, offload(), [[True] * 3, [True] * 3], 13, 0))
-@example(case=(FA_SW, offload(), [[True] * 3, [True] * 3], 12, 0))  # N a multiple of C: capped at N - 1
-@example(case=(FA_SW, offload(), [[True] * 6, [True, True, True, False, True, False]], 25, 0))
+@off5_pin_examples
 @example(case=(make_config(fa(12), sw(16, 16)), offload(), [[True, True, True, False], [True, False, True]], 48, 0))
 def test_hit_matches_the_token_model(case: tuple[KVCacheConfig, OffloadConfig, list[list[bool]], int, int]) -> None:
     config, off_config, present, num_tokens, local = case

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import pytest
 from hypothesis import assume, example, given
@@ -54,6 +55,9 @@ from kvspec import (
     get_token_basis_group,
     is_hma_required,
 )
+from kvspec.spec.pins import Raises, pins_for
+
+T = TypeVar("T", bound=Callable[..., None])
 
 
 def fa(b: int = 16) -> FullAttentionSpec:
@@ -176,15 +180,8 @@ def test_blocks_per_sw_formula(config: KVCacheConfig) -> None:
 
 @pytest.mark.parametrize(
     ("window", "block_size", "expected"),
-    [
-        (32, 16, 3),  # MoRIIO test_hma_blocks_per_sw_two_groups
-        (128, 16, 9),  # Mooncake-store test
-        (2048, 16, 129),  # NIXL test_sw_sizes
-        (1024, 16, 65),  # Gemma 3 27B
-        (16, 16, 2),
-        (17, 16, 3),
-    ],
-)
+    [(p.inputs["window"], p.inputs["block_size"], *p.expected["get_blocks_per_sw"]) for p in pins_for("SW-1")],
+)  # the SW-1 rows of kvspec/spec/pins.py, each with its source (MoRIIO, Mooncake, NIXL, Gemma 3 27B, SW-1)
 def test_blocks_per_sw_pins(window: int, block_size: int, expected: int) -> None:
     assert get_blocks_per_sw(config_from_specs([fa(block_size), sw(window, block_size)])) == (0, expected)
 
@@ -198,6 +195,15 @@ def test_blocks_per_sw_counts_sw_mla_and_not_mla() -> None:
 # --------------------------------------------------------------------------- CLIP-1
 
 
+def clip_pin_examples(test: T) -> T:
+    """An ``@example`` for every CLIP-1 pin of kvspec/spec/pins.py that clips (the refusals are tested apart)."""
+    for pin in pins_for("CLIP-1"):
+        if not isinstance(pin.expected["get_exchange_clipped_blocks"], Raises) and pin.inputs["block_ids"]:
+            case = (BlockIds(pin.inputs["block_ids"]), list(pin.inputs["budgets"]))
+            test = example(case=case).via(f"CLIP-1 pin {pin.name}")(test)
+    return test
+
+
 @st.composite
 def ids_and_budgets(draw: st.DrawFn) -> tuple[BlockIds, list[int]]:
     n = draw(st.integers(1, 4))
@@ -205,7 +211,7 @@ def ids_and_budgets(draw: st.DrawFn) -> tuple[BlockIds, list[int]]:
 
 
 @given(case=ids_and_budgets())
-@example(case=(BlockIds([[10, 11, 12, 13, 14], [20, 21, 22, 23, 24]]), [0, 3]))
+@clip_pin_examples
 @example(case=(BlockIds([[1, 2, 3, 4, 5]]), [0]))
 @example(case=(BlockIds([[], [7]]), [3, 3]))
 def test_clip_keeps_each_budgeted_tail(case: tuple[BlockIds, list[int]]) -> None:
@@ -224,10 +230,12 @@ def test_clip_keeps_each_budgeted_tail(case: tuple[BlockIds, list[int]]) -> None
 
 
 def test_clip_pins() -> None:
-    # MoRIIO peer pin: W=32, B=16 -> budget 3; [20..24] -> [22, 23, 24]; the FA group keeps all five.
+    # MoRIIO peer pin (kvspec/spec/pins.py): W=32, B=16 -> budget 3; [20..24] -> [22, 23, 24]; FA keeps all five.
+    (pin,) = [p for p in pins_for("CLIP-1") if p.name == "moriio_example"]
     config = config_from_specs([fa(), sw(32)])
-    clipped = get_exchange_clipped_blocks([[10, 11, 12, 13, 14], [20, 21, 22, 23, 24]], get_blocks_per_sw(config))
-    assert clipped == BlockIds([[10, 11, 12, 13, 14], [22, 23, 24]])
+    assert list(get_blocks_per_sw(config)) == pin.inputs["budgets"]
+    clipped = get_exchange_clipped_blocks(pin.inputs["block_ids"], get_blocks_per_sw(config))
+    assert clipped.to_lists() == pin.expected["get_exchange_clipped_blocks"]
     # HMA not required: identity ([[1..5]] -> [[1..5]]).
     assert get_exchange_clipped_blocks([[1, 2, 3, 4, 5]], (0,)) == BlockIds([[1, 2, 3, 4, 5]])
 

@@ -36,9 +36,9 @@ from kvspec.remote import (
     read_token,
 )
 from kvspec.remote._server import _HANDLERS, PAGE_COST
-from kvspec.remote._wire import MAGIC, client_mac, new_nonce, recv_frame, send_frame
 from kvspec.testing import MismatchKind, check_pools
 from kvspec.transport import Descriptor, TransferHandle, TransferState, Transport
+from kvspec.transport._wire import MAGIC, client_mac, new_nonce, recv_frame, send_frame
 
 TOKEN = b"a-test-token-of-32-bytes-exactly"
 CONFIG = make_config(full(4), num_blocks=8)

@@ -35,7 +35,8 @@ from kvspec.remote import (
     WireError,
 )
 from kvspec.remote._server import PAGE_COST, _Guesses
-from kvspec.remote._wire import (
+from kvspec.transport import Descriptor
+from kvspec.transport._wire import (
     MAGIC,
     MAX_DEPTH,
     FrameMac,
@@ -48,7 +49,6 @@ from kvspec.remote._wire import (
     send_frame,
     server_mac,
 )
-from kvspec.transport import Descriptor
 
 TOKEN = b"a-test-token-of-32-bytes-exactly"
 CONFIG = make_config(full(4), num_blocks=8)

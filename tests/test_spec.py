@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import ast
 import re
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any, TypeVar
 
 import pytest
 from hypothesis import example, given
@@ -20,6 +22,9 @@ from strategies import config_from_specs, configs
 import kvspec
 import kvspec.spec as plain
 from kvspec import KVCacheConfig, SlidingWindowSpec
+from kvspec.spec.pins import pins_for
+
+T = TypeVar("T", bound=Callable[..., None])
 
 ROOT = Path(__file__).resolve().parent.parent
 SPEC_DIR = ROOT / "kvspec" / "spec"
@@ -104,24 +109,42 @@ def test_public_names_without_a_faster_form_are_the_definitions() -> None:
     assert kvspec.get_num_skipped_tokens.__wrapped__ is plain.get_num_skipped_tokens  # type: ignore[attr-defined]
 
 
+def with_pins(rule: str, to_example: Callable[[Mapping[str, Any]], dict[str, Any] | None]) -> Callable[[T], T]:
+    """Add an ``@example`` for every pin of ``rule`` in kvspec/spec/pins.py that ``to_example`` maps (not None)."""
+
+    def decorate(test: T) -> T:
+        for pin in pins_for(rule):
+            arguments = to_example(pin.inputs)
+            if arguments is not None:
+                test = example(**arguments).via(f"{rule} pin {pin.name}")(test)
+        return test
+
+    return decorate
+
+
+def window_example(given: Mapping[str, Any]) -> dict[str, Any] | None:
+    """A WIN-1 pin as the window property's arguments: sliding-window rows whose hit is whole blocks."""
+    window, block, hit = given["window"], given["block_size"], given["prefix_hit_tokens"]
+    if window is None or hit % block:
+        return None
+    return {"window": window, "block_size": block, "num_tokens": given["num_tokens"], "hit_blocks": hit // block}
+
+
 def sw(window: int, block_size: int) -> SlidingWindowSpec:
     return SlidingWindowSpec(block_size=block_size, num_kv_heads=1, head_size=1, dtype="float16", sliding_window=window)
 
 
 @given(window=st.integers(1, 4096), block_size=st.sampled_from([1, 2, 4, 8, 16, 32]))
-@example(window=32, block_size=16).via("SW-1 pin: 3")
-@example(window=128, block_size=16).via("SW-1 pin: 9")
-@example(window=2048, block_size=16).via("SW-1 pin: 129")
-@example(window=1024, block_size=16).via("SW-1 pin: 65 (Gemma 3 27B)")
+@with_pins("SW-1", lambda given: {"window": given["window"], "block_size": given["block_size"]})
 def test_the_budget_covers_every_window_the_consumer_needs(window: int, block_size: int) -> None:
     """SW-1's budget is never below the blocks WIN-1 needs, for every T (SW-1, WIN-1).
 
-    The pinned budgets are those of docs/spec/window-budget-and-clipping.md.
+    The pinned budgets are the SW-1 rows of kvspec/spec/pins.py (the table the spec page renders).
     """
-    pins = {(32, 16): 3, (128, 16): 9, (2048, 16): 129, (1024, 16): 65}
+    pins = {(p.inputs["window"], p.inputs["block_size"]): p.expected["get_blocks_per_sw"] for p in pins_for("SW-1")}
     spec = sw(window, block_size)
     (budget,) = plain.get_blocks_per_sw(config_from_specs([spec]))
-    assert budget == pins.get((window, block_size), budget)
+    assert [budget] == pins.get((window, block_size), [budget])
     for num_tokens in range(window, window + 2 * block_size + 1):  # includes (T-W+1) % B == 0 and (T-W+2) % B == 0
         needed = plain.get_needed_block_range(spec, num_tokens=num_tokens, prefix_hit_tokens=0)
         assert len(needed) <= budget
@@ -140,9 +163,7 @@ def test_hma_is_required_exactly_when_a_group_is_not_full_attention(config: KVCa
     num_tokens=st.integers(0, 200),
     hit_blocks=st.integers(0, 8),
 )
-@example(window=32, block_size=16, num_tokens=63, hit_blocks=0).via("WIN-1 boundary: (T-W+1) % B == 0")
-@example(window=32, block_size=16, num_tokens=62, hit_blocks=0).via("WIN-1 boundary: (T-W+2) % B == 0")
-@example(window=32, block_size=16, num_tokens=64, hit_blocks=3).via("the prefix hit covers the window's start")
+@with_pins("WIN-1", window_example)
 def test_a_window_needs_what_the_next_token_attends_to(
     window: int, block_size: int, num_tokens: int, hit_blocks: int
 ) -> None:

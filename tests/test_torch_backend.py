@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import json
+import multiprocessing.connection
 import os
+import pickle
 import random
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
 import time
 from collections.abc import Iterator
 from multiprocessing import shared_memory
+from pathlib import Path
 from typing import Any, ClassVar
 
 import pytest
@@ -28,6 +33,8 @@ from kvspec.transport import (
     Transport,
     load_backend,
 )
+from kvspec.transport._pairkey import PairKeyError, SessionKey, connector_mac, listener_mac, parse_public
+from kvspec.transport._wire import recv_frame, send_frame
 from kvspec.transport.torch_dist import TorchAgent, TorchDistributedBackend
 
 pytestmark = pytest.mark.torch
@@ -35,6 +42,7 @@ pytestmark = pytest.mark.torch
 PAGE = 4096
 POOL = 64 * PAGE
 DEADLINE = 20.0  # seconds; every wait below is bounded by this
+MAPPED_V4 = "0000000000000000FFFF0000"  # /proc/net/tcp6 prefix of an IPv4-mapped address
 
 
 class Pools:
@@ -171,7 +179,8 @@ def test_every_socket_of_both_workers_is_on_loopback(pair: Pair) -> None:
     for agent in (pair.producer, pair.consumer):
         addresses = tcp_sockets(agent.pid)
         assert addresses, "expected the control and gloo sockets"
-        assert all(a.split(":")[0] == LOOPBACK for a in addresses), addresses
+        # The rendezvous store's client may be an IPv6 socket to the IPv4-mapped loopback address (::ffff:127.0.0.1).
+        assert all(a.split(":")[0].removeprefix(MAPPED_V4) == LOOPBACK for a in addresses), addresses
 
 
 # --------------------------------------------------------------------------- data
@@ -315,6 +324,127 @@ def test_closed_agent_refuses_calls_and_its_worker_is_reused(backend: TorchDistr
         assert again.name == "next"
     finally:
         again.close()
+
+
+# --------------------------------------------------------------------------- security (issue 23, finding 1)
+
+
+class _Mkdir:
+    """A pickle that, once loaded, creates ``path``: proof that a worker unpickled it."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = str(path)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (os.mkdir, (self.path,))
+
+
+def _closed_by_worker(sock: socket.socket, deadline: float = 5.0) -> bool:
+    """Whether the worker closes ``sock`` (EOF or reset) within ``deadline`` seconds, whatever it sent first."""
+    sock.settimeout(deadline)
+    try:
+        while sock.recv(4096):
+            pass
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+    return True
+
+
+def _observer_sends_pickle(meta: dict[str, Any], payload: bytes) -> bool:
+    """Connect to a worker as someone who read ``meta`` on the wire and send ``payload``; whether it was refused.
+
+    With a key in the metadata (the old ``multiprocessing.connection`` design) the observer authenticates with it.
+    """
+    address = (meta["host"], meta["port"])
+    if "authkey" in meta:
+        try:
+            conn = multiprocessing.connection.Client(address, authkey=bytes.fromhex(meta["authkey"]))
+        except (OSError, multiprocessing.AuthenticationError):
+            return True
+        conn.send_bytes(payload)
+        time.sleep(1.0)
+        conn.close()
+        return False
+    with socket.create_connection(address, timeout=5) as sock:
+        sock.sendall(payload)
+        return _closed_by_worker(sock)
+
+
+def test_an_observer_with_the_metadata_gets_nothing_unpickled(pair: Pair, tmp_path: Path) -> None:
+    metadata = pair.producer.get_agent_metadata()
+    meta = json.loads(metadata)
+    marker = tmp_path / "unpickled"
+    refused = _observer_sends_pickle(meta, pickle.dumps(_Mkdir(marker)))
+    time.sleep(0.2)
+    assert not marker.exists(), "a worker unpickled what a network observer sent"
+    assert refused
+    assert {"authkey", "key", "secret"}.isdisjoint(meta)
+    # The worker dropped that connection and serves its peer on.
+    handle = pair.consumer.post(TransferMode.READ, [desc(0, 0, 0, 0, PAGE)], peer="producer")
+    assert wait(pair.consumer, handle).state is TransferState.DONE
+    pair.consumer.release(handle)
+
+
+def test_an_observer_with_both_metadata_cannot_authenticate_as_the_peer(pair: Pair) -> None:
+    """Claiming to be the consumer, with both agents' metadata and a key of its own, the observer is dropped."""
+    producer = json.loads(pair.producer.get_agent_metadata())
+    consumer = json.loads(pair.consumer.get_agent_metadata())
+    assert "authkey" not in producer, "the metadata carries the worker's key: anyone who reads it is in"
+    forged = SessionKey().pair_key(consumer["uid"], producer["uid"], int(producer["dh"], 16), os.urandom(32))
+    with socket.create_connection((producer["host"], producer["port"]), timeout=5) as sock:
+        mine = os.urandom(32)
+        send_frame(sock, {"op": "auth", "from": consumer["uid"], "to": producer["uid"], "nonce": mine.hex()})
+        header, _ = recv_frame(sock, header_limit=1024, payload_limit=0)
+        theirs = bytes.fromhex(header["nonce"])
+        send_frame(
+            sock, {"op": "auth", "mac": connector_mac(forged, consumer["uid"], producer["uid"], mine, theirs).hex()}
+        )
+        send_frame(sock, {"op": "notif"}, b"forged")
+        assert _closed_by_worker(sock)
+    time.sleep(0.2)
+    assert b"forged" not in [n.message for n in pair.producer.get_notifications()]
+
+
+def test_refusals_are_one_line_and_reset_makes_a_fresh_key(
+    pytestconfig: pytest.Config, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """A fresh worker (its stderr is captured): a pickle gets one log line, and a reset worker has a new key."""
+    require_backend_module(pytestconfig, "torch")
+    backend = TorchDistributedBackend(timeout_s=2.0, prestart=1, max_idle=1)
+    try:
+        agent = backend.create_agent("first")
+        pid, first = agent.pid, json.loads(agent.get_agent_metadata())
+        with socket.create_connection((first["host"], first["port"]), timeout=5) as sock:
+            sock.sendall(pickle.dumps(("hello", {"name": "x"})))
+            assert _closed_by_worker(sock)
+        agent.close()
+        again = backend.create_agent("second")
+        assert again.pid == pid  # the same process, reset
+        second = json.loads(again.get_agent_metadata())
+        keys = ("authkey", "dh", "nonce", "uid")
+        assert {k: first.get(k) for k in keys if k != "uid"} != {k: second.get(k) for k in keys if k != "uid"}
+        for key in ("dh", "nonce"):
+            assert first[key] != second[key], key
+        again.close()
+    finally:
+        backend.close()
+    lines = [line for line in capfd.readouterr().err.splitlines() if "refused a control connection" in line]
+    assert len(lines) == 1, lines
+    assert "frame magic" in lines[0]
+    assert "Traceback" not in lines[0]
+
+
+def test_pair_keys_agree_only_between_the_two_workers() -> None:
+    a, b, eve = SessionKey(), SessionKey(), SessionKey()
+    ab = a.pair_key("a", "b", b.public, b.nonce)
+    assert ab == b.pair_key("b", "a", a.public, a.nonce)
+    assert ab != eve.pair_key("a", "b", b.public, b.nonce)  # an observer's own key gets another one
+    assert listener_mac(ab, "a", "b", b"1", b"2") != connector_mac(ab, "a", "b", b"1", b"2")  # no reflection
+    for bad in ("0", "1", "", "zz", "f" * 600, 7):
+        with pytest.raises(PairKeyError, match=r"metadata\.dh"):
+            parse_public(bad, "metadata.dh")
 
 
 # --------------------------------------------------------------------------- failures

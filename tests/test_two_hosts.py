@@ -4,7 +4,9 @@
 --peer`` in the other (10.77.0.1); neither can reach the other's loopback, so
 every byte and every control message crosses the veth pair. The namespaces
 and every process started in them are removed at the end, even on failure. The
-whole suite runs for each backend (about 30 s each on two cores).
+whole suite runs for each backend (about 30 s each on two cores) with no
+``--option``: bind addresses and interfaces come from ``--listen`` and the
+route to ``--peer`` (kvspec/transport/_netaddr.py).
 Setting them up needs root and iproute2: without them the tests are skipped,
 but they FAIL when ``CI`` is set or under ``--require-backends``.
 """
@@ -26,6 +28,7 @@ import attrs
 import pytest
 
 SUITE_ADDRESS, AGENT_ADDRESS = "10.77.0.1", "10.77.0.2"
+LOOPBACK = "127.0.0.1"
 PORT = 47400
 TOKEN = "two-hosts-test-token-0123456789"
 
@@ -171,38 +174,56 @@ def _check(outcomes: dict[str, str]) -> None:
     assert failed == {}
 
 
-@pytest.fixture
-def nixl(require_module: Callable[..., ModuleType]) -> None:
-    from kvspec.transport.nixl import find_nixl
+def _require(backend: str, require_module: Callable[..., ModuleType]) -> None:
+    if backend == "nixl":
+        from kvspec.transport.nixl import find_nixl
 
-    require_module("numpy", "nixl")
-    name = find_nixl()
-    require_module(name or "nixl", "nixl")
-
-
-def test_nixl_suite_across_two_hosts(hosts: Hosts, tmp_path: Path, nixl: None) -> None:
-    """UCX over TCP on the veth pair: the producer's agent and pool in one namespace, the consumer's in the other."""
-    outcomes = _run(
-        hosts,
-        tmp_path,
-        "nixl",
-        ["tls=tcp", f"net_devices={hosts.suite_interface}"],
-        ["tls=tcp", f"net_devices={hosts.agent_interface}"],
-    )
-    _check(outcomes)
+        require_module("numpy", "nixl")
+        require_module(find_nixl() or "nixl", "nixl")
+    else:
+        require_module(backend)
 
 
-def test_torch_suite_across_two_hosts(hosts: Hosts, tmp_path: Path, require_module: Callable[..., ModuleType]) -> None:
-    """gloo over TCP on the veth pair, control sockets bound to each namespace's address."""
-    require_module("torch")
-    outcomes = _run(
-        hosts,
-        tmp_path,
-        "torch",
-        [f"interface={hosts.suite_interface}", f"host={SUITE_ADDRESS}"],
-        [f"interface={hosts.agent_interface}", f"host={AGENT_ADDRESS}"],
-    )
-    _check(outcomes)
+# One line per backend: every one runs the whole suite with no --option on either side.
+BACKENDS = [
+    pytest.param("nixl", id="nixl"),  # UCX over TCP on the veth pair (net_devices from the route)
+    pytest.param("torch", id="torch"),  # gloo and control sockets on each namespace's address, TCP rendezvous
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_suite_across_two_hosts_with_no_option(
+    hosts: Hosts, tmp_path: Path, backend: str, require_module: Callable[..., ModuleType]
+) -> None:
+    """The producer's agent and pool in one namespace, the consumer's in the other; addresses give the rest."""
+    _require(backend, require_module)
+    _check(_run(hosts, tmp_path, backend, [], []))
+
+
+def test_options_come_from_the_route_and_an_explicit_option_wins() -> None:
+    from kvspec_conformance.cli import _peer_options
+
+    from kvspec.cli import _listen_options
+    from kvspec.transport._netaddr import derived_options, interface_of, route_source
+
+    assert route_source(LOOPBACK) == LOOPBACK
+    assert interface_of(LOOPBACK) == "lo"
+    assert _peer_options("torch", f"{LOOPBACK}:{PORT}", {}) == {"host": LOOPBACK, "interface": "lo"}
+    assert _peer_options("nixl", f"{LOOPBACK}:{PORT}", {"net_devices": "eth9"}) == {"net_devices": "eth9"}
+    assert _listen_options("torch", f"{LOOPBACK}:{PORT}", ["host=127.0.0.2"]) == ["interface=lo"]
+    assert _listen_options("nixl", f"0.0.0.0:{PORT}", []) == []  # a wildcard names no interface
+    assert derived_options("loopback", LOOPBACK, {}) == {}
+    assert derived_options("nixl", LOOPBACK, {}) == {"net_devices": "lo"}  # tls=tcp only off loopback
+
+
+def test_a_loopback_agent_for_a_remote_peer_is_one_clear_error(tmp_path: Path) -> None:
+    """Before any case runs, one line naming the option; no NIXL_ERR_BACKEND per case."""
+    command = [sys.executable, "-m", "kvspec", "conform", "nixl", "--peer", f"{AGENT_ADDRESS}:{PORT}"]
+    done = subprocess.run([*command, "--option", "net_devices=lo"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert done.stderr.count("\n") == 1, done.stderr
+    assert "net_devices=lo, which cannot reach 10.77.0.2" in done.stderr
+    assert "Traceback" not in done.stderr
 
 
 @pytest.mark.parametrize("ci", [False, True])

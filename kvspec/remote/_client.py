@@ -41,8 +41,7 @@ from kvspec.transport import (
     Transport,
 )
 from kvspec.transport._base import closed_agent_error
-
-from ._wire import (
+from kvspec.transport._wire import (
     HEADER_LIMIT,
     PRE_AUTH_HEADER_LIMIT,
     AgentAuthError,
@@ -91,7 +90,7 @@ class AgentClient:
 
     Both ends prove they hold the token, and every later frame carries a tag
     under a key derived from the token and this handshake's nonces
-    (:class:`kvspec.remote._wire.FrameMac`), so nobody without the token can
+    (:class:`kvspec.transport._wire.FrameMac`), so nobody without the token can
     send a request or a reply on this connection, even one who relayed the
     handshake. Every call waits at most ``timeout`` seconds; a broken or silent
     connection raises :class:`kvspec.TransportError` with reason

@@ -53,8 +53,7 @@ from kvspec._vectors import decode_config
 from kvspec.testing import PagePool, allocate_pool, fill_background, fill_producer_pages
 from kvspec.transport import Backend, TransferHandle, Transport, load_backend
 from kvspec.transport._registry import parse_backend_options
-
-from ._wire import (
+from kvspec.transport._wire import (
     HEADER_LIMIT,
     PRE_AUTH_HEADER_LIMIT,
     AgentAuthError,
@@ -789,8 +788,9 @@ _HANDLERS: dict[str, _Handler] = {
 
 def serve_command(args: Any, out: Any) -> int:
     """``kvspec agent serve``: serve until SIGTERM or SIGINT; every agent and pool is closed on the way out."""
+    from kvspec.transport._wire import read_token
+
     from ._client import parse_address
-    from ._wire import read_token
 
     host, port = parse_address(args.listen)
     token = read_token(args.token_file)  # a ConfigError or AgentAuthError naming the file, before the backend loads

@@ -10,10 +10,17 @@ Theory of operation (one worker per agent, started by
   ``get_notifications`` without a round trip. Events carry the worker's
   generation (bumped on ``reset``) so a proxy ignores an earlier life's.
 - Every pair of agents shares two control connections on the backend's ``host`` (127.0.0.1 by default; one per
-  direction, authenticated with the receiver's key from its metadata,
-  ``TCP_NODELAY``) and one two-rank process group (gloo by default)
-  rendezvoused through a ``FileStore`` in the lower-ranked worker's temporary
-  directory, so no port is opened for the rendezvous.
+  direction, ``TCP_NODELAY``) and one two-rank process group (gloo by default)
+  rendezvoused through a ``TCPStore`` that the lower-ranked worker serves on
+  ``host`` for the pairing only. Control messages are framed JSON
+  (:mod:`kvspec.transport._wire`, bounded): nothing a peer sends is unpickled.
+- A control connection is accepted only from a worker whose metadata this
+  worker was given by ``add_remote_agent``: both derive a pair key from their
+  ephemeral Diffie-Hellman keys (:mod:`kvspec.transport._pairkey`; the
+  metadata carries public values only, a fresh key after ``reset``) and
+  prove it to each other before any other frame. Pairing therefore needs
+  ``add_remote_agent`` on both sides; until the peer has added this agent,
+  ``post`` waits (bounded by the timeout).
 - Data moves with ``send``/``recv`` on that group, straight from and into
   views of the shared pools; runs of many small pages are packed into a few
   large messages through a small ring of staging buffers, because gloo's
@@ -38,29 +45,39 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
+import hmac
 import importlib
 import itertools
 import json
 import mmap
-import multiprocessing
 import os
 import queue
 import secrets
-import shutil
 import socket
+import struct
 import sys
-import tempfile
 import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
-from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
+from multiprocessing.connection import Connection
 from typing import Any
 
 import torch
-from torch.distributed import FileStore, ProcessGroupGloo  # type: ignore[attr-defined]  # re-exported at run time
+from torch.distributed import ProcessGroupGloo, TCPStore  # type: ignore[attr-defined]  # re-exported at run time
 
 from kvspec._errors import encode_error
+from kvspec.transport._pairkey import (
+    NONCE_BYTES,
+    PairKeyError,
+    SessionKey,
+    connector_mac,
+    listener_mac,
+    parse_nonce,
+    parse_public,
+)
+from kvspec.transport._wire import WireError, recv_frame, send_frame
 
 __all__ = ["main"]
 
@@ -73,12 +90,23 @@ _TAG_MASK = (1 << 30) - 1
 _MAX_PAGE_VIEWS = 1 << 17  # per table: 128k views of a region
 _MAX_PAGE_TABLES = 16  # distinct (region, page size) tables kept
 _DEBUG = bool(os.environ.get("KVSPEC_TORCH_DEBUG"))
+# Control frames: before authentication only the small auth frames; after it, span lists ride in the payload.
+_PRE_AUTH_HEADER_LIMIT = 1024
+_HEADER_LIMIT = 64 << 10
+_PAYLOAD_LIMIT = 64 << 20  # ~2.8 million spans of 24 bytes, or one notification
+_MAX_PENDING_AUTH = 32  # connections authenticating at once; more are closed at once
+_SPAN = struct.Struct("<QQQ")
 
 
 def _log(*parts: object) -> None:
     """Trace control events to stderr when ``KVSPEC_TORCH_DEBUG`` is set."""
     if _DEBUG:
         print(f"[kvspec-torch {os.getpid()} {time.monotonic():.4f}]", *parts, file=sys.stderr, flush=True)
+
+
+def _warn(name: str, text: str) -> None:
+    """One line on stderr for what an operator should see (a refused connection, a malformed frame)."""
+    print(f"kvspec torch worker {name!r} (pid {os.getpid()}): {text}", file=sys.stderr, flush=True)
 
 
 # --------------------------------------------------------------------------- shared memory
@@ -138,28 +166,31 @@ class _Peer:
         self.uid: str = meta["uid"]
         self.rank = 0 if my_uid < self.uid else 1
         self.peer_rank = 1 - self.rank
-        self.out: Connection | None = None
+        self.out: socket.socket | None = None
         self.out_lock = threading.Lock()
         self.close_lock = threading.Lock()
         self.out_closed = False
         self.group: Any = None
+        self.store: Any = None  # the rendezvous store, kept as long as the group
         self.ready = threading.Event()
+        # Set once add_remote_agent may return: the pair is ready, dead, or waits for the peer to add us.
+        self.settled = threading.Event()
         self.dead: _Failure | None = None
         self.op_lock = threading.Lock()
         # Each pairing has a session per side; a hello with a new session means the peer re-added us.
         self.session = secrets.token_hex(8)
         self.remote_session: str | None = None
 
-    def send(self, message: tuple[Any, ...]) -> None:
+    def send(self, header: dict[str, Any], payload: bytes = b"") -> None:
         try:
             with self.out_lock:
                 if self.out is None or self.out_closed:
                     raise _Failure("peer_disconnected", f"no control connection to peer {self.name!r}")
-                self.out.send(message)
+                send_frame(self.out, header, payload)
         except (OSError, EOFError, ValueError) as exc:
             raise _Failure("peer_disconnected", f"peer {self.name!r} is gone: {exc}") from exc
 
-    def attach_out(self, conn: Connection) -> None:
+    def attach_out(self, conn: socket.socket) -> None:
         """Adopt the outgoing connection, unless the peer was dropped meanwhile."""
         with self.close_lock:
             if not self.out_closed:
@@ -220,8 +251,6 @@ class _Worker:
         self.chunk_bytes: int = options["chunk_bytes"]
         self.stage_below: int = options["stage_below"]
         self.ring: int = options["ring"]
-        # Named by pid so the backend can remove it when this process is killed.
-        self.store_dir = tempfile.mkdtemp(prefix=f"kvspec-torch-{os.getpid()}-")
         self.lock = threading.Condition()
         self.maps: list[mmap.mmap] = []
         self.tensors: list[torch.Tensor] = []
@@ -229,6 +258,10 @@ class _Worker:
         # unbind(): a Python-level narrow() per page costs ~2 us, 2 ms per 1000-page request.
         self.page_views: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
         self.peers: dict[str, _Peer] = {}  # by uid
+        # Metadata given by add_remote_agent, by uid: the only workers whose connections are accepted.
+        self.authorized: dict[str, dict[str, Any]] = {}
+        self.pair_keys: dict[str, bytes] = {}
+        self.pending_auth = 0
         self.transfers: dict[int, _Transfer] = {}
         self.counter = itertools.count(1)
         self.spare_rings: list[list[torch.Tensor]] = []
@@ -240,14 +273,15 @@ class _Worker:
         threading.Thread(target=self._expire_loop, name="kvspec-expire", daemon=True).start()
         # One listening socket for the life of the process (closing a socket another thread blocks on
         # frees its descriptor number for reuse while that thread still holds it).
-        self.authkey = secrets.token_bytes(16)
-        self.listener = _listen(options.get("host", "127.0.0.1"))
+        self.host: str = options.get("host", "127.0.0.1")
+        self.listener = _listen(self.host)
         threading.Thread(target=self._accept_loop, name="kvspec-accept", daemon=True).start()
         self._new_identity()
 
     def _new_identity(self) -> None:
-        """A fresh uid: hellos addressed to an earlier life of this process are refused."""
+        """A fresh uid and DH key: connections and hellos addressed to an earlier life of this process are refused."""
         self.uid = f"{time.time_ns():x}-{os.getpid()}-{secrets.token_hex(4)}"
+        self.session_key = SessionKey()
 
     def _emit_loop(self, events: Connection) -> None:
         """Write events in order; a proxy slow to read them blocks only this thread."""
@@ -291,7 +325,8 @@ class _Worker:
             "pid": os.getpid(),
             "host": host,
             "port": port,
-            "authkey": self.authkey.hex(),
+            "dh": self.session_key.public_hex,
+            "nonce": self.session_key.nonce.hex(),
             "regions": [t.numel() for t in self.tensors],
             "process_group": self.options["process_group"],
         }
@@ -299,22 +334,113 @@ class _Worker:
     def _accept_loop(self) -> None:
         while not self.closed:
             try:
-                sock, _ = self.listener.accept()
+                sock, address = self.listener.accept()
             except OSError:
                 continue
-            threading.Thread(target=self._serve_connection, args=(sock,), name="kvspec-peer", daemon=True).start()
+            with self.lock:
+                crowded = self.pending_auth >= _MAX_PENDING_AUTH
+                if not crowded:
+                    self.pending_auth += 1
+            if crowded:
+                _warn(self.name, f"refused a control connection from {address[0]}:{address[1]}: too many pending")
+                sock.close()
+                continue
+            threading.Thread(
+                target=self._serve_connection, args=(sock, address), name="kvspec-peer", daemon=True
+            ).start()
 
-    def _serve_connection(self, sock: socket.socket) -> None:
+    def _serve_connection(self, sock: socket.socket, address: tuple[str, int]) -> None:
         """Authenticate one incoming control connection (in its own thread: a slow client blocks no one)."""
         _no_delay(sock)
-        conn = Connection(sock.detach())
+        guard = _Deadline(sock, self.timeout_s)
         try:
-            deliver_challenge(conn, self.authkey)
-            answer_challenge(conn, self.authkey)
-        except (OSError, EOFError, multiprocessing.AuthenticationError):
-            conn.close()
+            uid = self._authenticate_incoming(sock)
+        except Exception as exc:  # whatever the connector sent, one line and the connection is closed
+            guard.cancel()
+            _warn(self.name, f"refused a control connection from {address[0]}:{address[1]}: {_describe(exc)}")
+            sock.close()
             return
-        self._reader(conn)
+        finally:
+            with self.lock:
+                self.pending_auth -= 1
+        if not guard.cancel():
+            sock.close()  # the deadline shut it down in the meantime
+            return
+        sock.settimeout(None)
+        self._reader(sock, uid)
+
+    def _pair_key(self, meta: dict[str, Any]) -> bytes:
+        """The key shared with the worker of ``meta`` (computed once per pairing)."""
+        uid = meta["uid"]
+        key = self.pair_keys.get(uid)
+        if key is None:
+            peer_public = parse_public(meta["dh"], "metadata.dh")
+            key = self.session_key.pair_key(self.uid, uid, peer_public, parse_nonce(meta["nonce"], "metadata.nonce"))
+            self.pair_keys[uid] = key
+        return key
+
+    def _authenticate_incoming(self, sock: socket.socket) -> str:
+        """The listener's half of the handshake; returns the connector's uid, or raises why it was refused.
+
+        1. connector: ``{op: auth, from: its uid, to: our uid, nonce}``;
+        2. listener: ``{op: wait}`` first when the connector's metadata was not added here yet, then, once it is,
+           ``{op: auth, nonce, mac}``;
+        3. connector: ``{op: auth, mac}``, checked in constant time.
+        """
+        header, _ = recv_frame(sock, header_limit=_PRE_AUTH_HEADER_LIMIT, payload_limit=0)
+        if header.get("op") != "auth":
+            raise _Failure("protocol", f"first frame: expected op 'auth', got {header.get('op')!r:.40}")
+        uid, target = header.get("from"), header.get("to")
+        if not isinstance(uid, str) or target != self.uid:
+            raise _Failure("protocol", "auth.to: addressed to another agent or an earlier life of this worker")
+        theirs = parse_nonce(header.get("nonce"), "auth.nonce")
+        with self.lock:
+            known = uid in self.authorized
+        if not known:
+            send_frame(sock, {"op": "wait"})  # the connector's add_remote_agent returns; pairing goes on
+        with self.lock:
+            if not self.lock.wait_for(lambda: uid in self.authorized or self.closed, timeout=self.timeout_s):
+                raise _Failure("protocol", f"auth.from: agent uid {uid!r:.80} was not added here (add_remote_agent)")
+            meta = self.authorized.get(uid)
+            if meta is None:
+                raise _Failure("protocol", "worker closed")
+            key = self._pair_key(meta)
+            my_uid = self.uid
+        mine = secrets.token_bytes(NONCE_BYTES)
+        send_frame(sock, {"op": "auth", "nonce": mine.hex(), "mac": listener_mac(key, uid, my_uid, theirs, mine).hex()})
+        header, _ = recv_frame(sock, header_limit=_PRE_AUTH_HEADER_LIMIT, payload_limit=0)
+        mac = header.get("mac")
+        expected = connector_mac(key, uid, my_uid, theirs, mine)
+        if header.get("op") != "auth" or not isinstance(mac, str) or not hmac.compare_digest(mac, expected.hex()):
+            raise _Failure("protocol", "auth.mac: the connector does not hold the pair key")
+        return uid
+
+    def _connect(self, meta: dict[str, Any], waiting: threading.Event) -> socket.socket:
+        """Open and authenticate a control connection to the worker of ``meta`` (the connector's half)."""
+        with self.lock:
+            key = self._pair_key(meta)
+            my_uid = self.uid
+        # The listener answers once its side added our metadata: wait as long as pairing may take.
+        sock = socket.create_connection((meta["host"], meta["port"]), timeout=self.timeout_s)
+        try:
+            _no_delay(sock)
+            mine = secrets.token_bytes(NONCE_BYTES)
+            send_frame(sock, {"op": "auth", "from": my_uid, "to": meta["uid"], "nonce": mine.hex()})
+            header, _ = recv_frame(sock, header_limit=_PRE_AUTH_HEADER_LIMIT, payload_limit=0)
+            if header.get("op") == "wait":
+                waiting.set()
+                header, _ = recv_frame(sock, header_limit=_PRE_AUTH_HEADER_LIMIT, payload_limit=0)
+            theirs = parse_nonce(header.get("nonce"), "auth.nonce")
+            mac = header.get("mac")
+            expected = listener_mac(key, my_uid, meta["uid"], mine, theirs)
+            if not isinstance(mac, str) or not hmac.compare_digest(mac, expected.hex()):
+                raise _Failure("peer_disconnected", "auth.mac: the listener does not hold the pair key")
+            send_frame(sock, {"op": "auth", "mac": connector_mac(key, my_uid, meta["uid"], mine, theirs).hex()})
+            sock.settimeout(None)
+        except BaseException:
+            sock.close()
+            raise
+        return sock
 
     def _peer_by_name(self, name: str) -> _Peer:
         with self.lock:
@@ -327,18 +453,18 @@ class _Worker:
         """Whether ``peer`` is this life's live entry (messages from older pairings are ignored)."""
         return peer.dead is None and self.peers.get(peer.uid) is peer
 
-    def _ensure_peer(self, meta: dict[str, Any], remote_session: str | None = None) -> _Peer:
-        """The live peer for ``meta``, created (with its outgoing connection) when new."""
+    def _entry(self, meta: dict[str, Any], remote_session: str | None = None) -> tuple[_Peer, bool]:
+        """The live peer for ``meta`` and whether it is new (then its connection is still to be opened)."""
         with self.lock:
             peer = self.peers.get(meta["uid"])
             if peer is not None and peer.dead is None and peer.remote_session in (None, remote_session):
                 if remote_session is not None:
                     peer.remote_session = remote_session
                 _log(self.name, "known peer", peer.name, peer.uid, "ready", peer.ready.is_set())
-                return peer
+                return peer, False
             if remote_session is None and peer is not None and peer.dead is None:
                 _log(self.name, "known peer", peer.name, peer.uid, "ready", peer.ready.is_set())
-                return peer
+                return peer, False
             for old in [p for p in self.peers.values() if p.name == meta["name"] or p.uid == meta["uid"]]:
                 # A restarted peer (same name, new process) or a new pairing replaces the old one.
                 self._drop_peer(old, _Failure("peer_disconnected", f"peer {old.name!r} was replaced"))
@@ -347,18 +473,28 @@ class _Worker:
             _log(self.name, "new peer", peer.name, peer.uid, "rank", peer.rank, "session", remote_session)
             peer.remote_session = remote_session
             self.peers[peer.uid] = peer
+        return peer, True
+
+    def _open(self, peer: _Peer) -> None:
+        """Connect to a new peer, say hello, and (as rank 0) start the rendezvous; raises ``_Failure``."""
         try:
-            peer.attach_out(_connect((meta["host"], meta["port"]), bytes.fromhex(meta["authkey"])))
-            # (hello, our metadata, our session, the uid we address, the session of theirs we answer or None)
-            peer.send(("hello", self.metadata(), peer.session, peer.uid, peer.remote_session))
-        except Exception as exc:  # refused, reset, or a reused port with another key (AuthenticationError)
-            self._drop_peer(peer, _Failure("peer_disconnected", f"cannot reach peer {peer.name!r}: {exc}"))
-            raise _Failure("peer_disconnected", f"cannot reach peer {peer.name!r}: {exc}") from exc
+            peer.attach_out(self._connect(peer.meta, peer.settled))
+            # (our session, the uid we address, the session of theirs we answer or None)
+            peer.send({"op": "hello", "session": peer.session, "target": peer.uid, "answered": peer.remote_session})
+        except Exception as exc:  # refused, reset, timed out, or a listener without the pair key
+            failure = _Failure("peer_disconnected", f"cannot pair with peer {peer.name!r}: {_describe(exc)}")
+            self._drop_peer(peer, failure)
+            raise failure from exc
         if peer.rank == 0:
-            path = os.path.join(self.store_dir, f"group-{secrets.token_hex(8)}")
-            peer.send(("group", path))
-            self._start_group(peer, path)
-        return peer
+            try:
+                store, port = _serve_store(self.host, self.timeout_s)
+            except Exception as exc:
+                failure = _Failure("peer_disconnected", f"rendezvous store for {peer.name!r}: {_describe(exc)}")
+                self._drop_peer(peer, failure)
+                raise failure from exc
+            peer.store = store
+            peer.send({"op": "group", "port": port})
+            self._start_group(peer, lambda: store)
 
     def _answers_live_pairing(self, uid: str, answered: str | None) -> bool:
         """A hello that answers one of our sessions counts only while that session's entry lives."""
@@ -368,15 +504,16 @@ class _Worker:
             entry = self.peers.get(uid)
             return entry is not None and entry.dead is None and entry.session == answered
 
-    def _start_group(self, peer: _Peer, path: str) -> None:
+    def _start_group(self, peer: _Peer, store_factory: Callable[[], Any]) -> None:
         def form() -> None:
             try:
-                store = FileStore(path, 2)
+                store = peer.store = store_factory()
                 timeout = datetime.timedelta(seconds=self.timeout_s)
                 peer.group = self.group_factory(store, peer.rank, 2, timeout)
             except Exception as exc:
                 self._drop_peer(peer, _Failure("peer_disconnected", f"process group with {peer.name!r}: {exc}"))
             peer.ready.set()
+            peer.settled.set()
 
         threading.Thread(target=form, name="kvspec-group", daemon=True).start()
 
@@ -388,49 +525,72 @@ class _Worker:
             for transfer in list(self.transfers.values()):
                 if transfer.peer is peer:
                     self._finish(transfer, failure)
-            if peer.group is not None:
-                self.graveyard.put(peer.group)
-                peer.group = None
+            if peer.group is not None or peer.store is not None:
+                self.graveyard.put((peer.group, peer.store))
+                peer.group = peer.store = None
             self.lock.notify_all()
         peer.ready.set()
+        peer.settled.set()
         peer.close_out()
 
-    def _reader(self, conn: Connection) -> None:
-        """Serve one incoming control connection until it closes."""
+    def _reader(self, sock: socket.socket, uid: str) -> None:
+        """Serve one authenticated incoming control connection from the worker ``uid`` until it closes."""
         peer: _Peer | None = None
         try:
             while True:
-                message = conn.recv()
-                kind = message[0]
+                header, payload = recv_frame(sock, header_limit=_HEADER_LIMIT, payload_limit=_PAYLOAD_LIMIT)
+                kind = header.get("op")
                 _log(self.name, "recv", kind, peer.name if peer else None)
                 if kind == "hello":
-                    _, meta, their_session, target_uid, answered = message
-                    if target_uid != self.uid or not self._answers_live_pairing(meta["uid"], answered):
+                    session, target, answered = header.get("session"), header.get("target"), header.get("answered")
+                    if not isinstance(session, str) or not isinstance(answered, (str, type(None))):
+                        raise _Failure("protocol", "hello: expected string session and answered (or null)")
+                    with self.lock:
+                        meta = self.authorized.get(uid)
+                    if meta is None or target != self.uid or not self._answers_live_pairing(uid, answered):
                         break  # for an earlier life of this process, or a pairing dropped since
-                    peer = self._ensure_peer(meta, their_session)
+                    peer, new = self._entry(meta, session)
+                    if new:
+                        self._open(peer)
                     continue
                 with self.lock:
                     current = peer is not None and self._current(peer)
                 if peer is None or not current:
                     continue
                 if kind == "group":
-                    self._start_group(peer, message[1])
+                    port = _field(header, "port", int)
+                    host, timeout = peer.meta["host"], self.timeout_s
+                    self._start_group(peer, functools.partial(_join_store, host, port, timeout))
                 elif kind == "notif":
-                    self._emit("notif", peer.name, message[1])
+                    self._emit("notif", peer.name, payload)
                 elif kind == "read_req":
-                    self._serve_read(peer, *message[1:])
+                    self._serve_read(peer, _field(header, "xid", int), _field(header, "tag", int), _spans(payload))
                 elif kind == "write_req":
-                    self._serve_write(peer, *message[1:])
+                    size = _field(header, "notif_bytes", int)
+                    if not -1 <= size <= len(payload):
+                        raise _Failure("protocol", f"write_req.notif_bytes: expected -1 to {len(payload)}, got {size}")
+                    notification = payload[:size] if size >= 0 else None
+                    spans = _spans(payload[max(size, 0) :])
+                    self._serve_write(peer, _field(header, "xid", int), _field(header, "tag", int), spans, notification)
                 elif kind == "write_done":
-                    self._remote_done(peer, message[1], None)
+                    self._remote_done(peer, _field(header, "xid", int), None)
                 elif kind == "write_failed":
-                    self._remote_done(peer, message[1], _Failure(message[2], message[3]))
-        except (OSError, EOFError, _Failure):
+                    failure = _Failure(_field(header, "reason", str), _field(header, "detail", str))
+                    self._remote_done(peer, _field(header, "xid", int), failure)
+                else:
+                    raise _Failure("protocol", f"op: expected a control message, got {kind!r:.40}")
+        except (OSError, EOFError):
             pass
+        except _Failure as exc:
+            if exc.reason == "protocol" and not self.closed:
+                _warn(self.name, f"dropped the control connection from {uid!r}: {exc.detail}")
+        except (WireError, ValueError, KeyError, TypeError, RecursionError) as exc:
+            if not self.closed:
+                _warn(self.name, f"dropped the control connection from {uid!r}: {_describe(exc)}")
         except Exception as exc:
             _log(self.name, "reader failed", repr(exc))
         finally:
-            conn.close()
+            _quiet(sock.close)
             if peer is not None and not self.closed:
                 self._drop_peer(peer, _Failure("peer_disconnected", f"peer {peer.name!r} closed its connection"))
 
@@ -584,14 +744,15 @@ class _Worker:
                 wait = self._recv_spans(peer, spans, tag)
                 wait()
             except Exception as exc:
-                _quiet(peer.send, ("write_failed", xid, "transfer_error", f"receiving: {exc}"))
+                failed = {"op": "write_failed", "xid": xid, "reason": "transfer_error", "detail": f"receiving: {exc}"}
+                _quiet(peer.send, failed)
                 return
             with self.lock:
                 if not self._current(peer):
                     return  # the writer gave up on us; its transfer is FAILED, so no notification
                 if notification is not None:
                     self._emit("notif", peer.name, notification)
-            _quiet(peer.send, ("write_done", xid))
+            _quiet(peer.send, {"op": "write_done", "xid": xid})
 
         self._spawn(land)
 
@@ -607,7 +768,12 @@ class _Worker:
         return json.dumps(self.metadata(), sort_keys=True).encode()
 
     def op_add_peer(self, metadata: bytes) -> str:
-        meta = json.loads(metadata)
+        """Accept connections from the agent of ``metadata`` and start pairing with it (in the background).
+
+        Returns once paired, or once the peer's worker says it has not added this agent yet; pairing then
+        completes when it does, and ``post`` waits for that (bounded).
+        """
+        meta = _parse_metadata(metadata)
         _log(self.name, "add_peer", meta.get("name"), meta.get("uid"), "me", self.uid)
         if meta["uid"] == self.uid:
             raise _Failure("post_failed", "add_remote_agent: this is the agent's own metadata")
@@ -617,13 +783,29 @@ class _Worker:
                 f"add_remote_agent: peer uses process group {meta.get('process_group')!r}, "
                 f"this agent {self.options['process_group']!r}",
             )
-        peer = self._ensure_peer(meta)
-        self._wait_ready(peer)
+        with self.lock:
+            known = self.authorized.get(meta["uid"])
+            if known is not None and (known["dh"], known["nonce"]) != (meta["dh"], meta["nonce"]):
+                detail = f"add_remote_agent: metadata.dh: agent {meta['uid']!r} was added with another key"
+                raise _Failure("post_failed", detail)
+            self.authorized[meta["uid"]] = meta
+            self.lock.notify_all()
+        peer, new = self._entry(meta)
+        if new:
+            self._spawn(lambda: _quiet(self._open, peer))
+        # Paired, failed, or waiting for the peer's add_remote_agent (so two sequential calls do not deadlock).
+        peer.settled.wait(self.timeout_s)
+        if peer.dead is not None:
+            raise _Failure(peer.dead.reason, peer.dead.detail)
         return peer.name
 
     def _wait_ready(self, peer: _Peer) -> None:
         if not peer.ready.wait(self.timeout_s):
-            raise _Failure("timeout", f"process group with {peer.name!r} not formed within {self.timeout_s} s")
+            raise _Failure(
+                "timeout",
+                f"process group with {peer.name!r} not formed within {self.timeout_s} s "
+                "(has the peer added this agent's metadata with add_remote_agent?)",
+            )
         if peer.dead is not None:
             raise peer.dead
 
@@ -632,6 +814,8 @@ class _Worker:
         self._drop_peer(peer, _Failure("peer_disconnected", f"peer {name!r} was removed"))
         with self.lock:
             self.peers.pop(peer.uid, None)
+            self.authorized.pop(peer.uid, None)
+            self.pair_keys.pop(peer.uid, None)
 
     def op_post(self, mode: str, runs: list[Run], peer_name: str, notification: bytes | None) -> int:
         """Record the transfer; it starts at the first check (see the module docstring)."""
@@ -654,7 +838,7 @@ class _Worker:
         remote: list[Span] = [(rr, ro, n) for _, _, rr, ro, n in transfer.runs]
         if transfer.mode == "read":
             # Ask first: the peer builds and posts its sends while this side posts its receives.
-            peer.send(("read_req", xid, tag, remote))
+            peer.send({"op": "read_req", "xid": xid, "tag": tag}, _pack_spans(remote))
             wait = self._recv_spans(peer, local, tag)
 
             def land() -> None:
@@ -665,11 +849,13 @@ class _Worker:
                     return
                 self._complete(transfer, None)
                 if notification is not None:
-                    _quiet(peer.send, ("notif", notification))
+                    _quiet(peer.send, {"op": "notif"}, notification)
 
             self._spawn(land)
         else:
-            peer.send(("write_req", xid, tag, remote, notification))
+            size = -1 if notification is None else len(notification)
+            payload = (notification or b"") + _pack_spans(remote)
+            peer.send({"op": "write_req", "xid": xid, "tag": tag, "notif_bytes": size}, payload)
 
             def send() -> None:
                 try:
@@ -720,7 +906,7 @@ class _Worker:
         peer = self._peer_by_name(peer_name)
         if peer.dead is not None:
             raise _Failure(peer.dead.reason, peer.dead.detail)
-        peer.send(("notif", message))
+        peer.send({"op": "notif"}, message)
 
     def op_call(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
         return fn(self, *args)
@@ -745,6 +931,8 @@ class _Worker:
             self._drop_peer(peer, _Failure("peer_disconnected", f"agent {self.name!r} closed"))
         with self.lock:
             self.peers.clear()
+            self.authorized.clear()
+            self.pair_keys.clear()
             self.transfers.clear()
             self.generation += 1
             # Views still used by ops in flight keep their mapping alive; the rest is unmapped when dropped.
@@ -761,8 +949,9 @@ class _Worker:
         self.closed = True
         for peer in list(self.peers.values()):
             self._drop_peer(peer, _Failure("peer_disconnected", "agent closed"))
+        with self.lock:
+            self.lock.notify_all()  # handshakes waiting for an add_remote_agent give up
         _quiet(self.listener.close)
-        shutil.rmtree(self.store_dir, ignore_errors=True)
 
 
 # --------------------------------------------------------------------------- helpers
@@ -792,23 +981,99 @@ def _listen(host: str) -> socket.socket:
     return sock
 
 
-def _connect(address: tuple[str, int], authkey: bytes) -> Connection:
-    """``multiprocessing.connection.Client`` with TCP_NODELAY set before the handshake."""
+def _serve_store(host: str, timeout_s: float) -> tuple[Any, int]:
+    """A ``TCPStore`` for one pairing's rendezvous, listening on ``host`` (not every interface), any free port."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
-        _no_delay(sock)
-        sock.connect(address)
+        sock.bind((host, 0))
+        sock.listen(8)
+        port = sock.getsockname()[1]
     except BaseException:
         sock.close()
         raise
-    conn = Connection(sock.detach())
+    fd = sock.detach()  # the store owns the descriptor from here on
+    store = TCPStore(host, port, 2, True, _td(timeout_s), wait_for_workers=False, master_listen_fd=fd)
+    return store, port
+
+
+def _join_store(host: str, port: int, timeout_s: float) -> Any:
+    """The rank-1 side of the rendezvous: the store rank 0 serves at the address of its metadata."""
+    if not 0 < port < 65536:
+        raise ValueError(f"group.port: expected 1 to 65535, got {port}")
+    return TCPStore(host, port, 2, False, _td(timeout_s))
+
+
+def _field(header: dict[str, Any], name: str, kind: type) -> Any:
+    """``header[name]``, which must be a ``kind`` (an int within 64 bits); else a protocol failure naming it."""
+    value: Any = header.get(name)
+    in_range = kind is not int or (isinstance(value, int) and -(1 << 63) <= value < 1 << 64)
+    if not isinstance(value, kind) or isinstance(value, bool) or not in_range:
+        op = header.get("op")
+        raise _Failure("protocol", f"{op}.{name}: expected {kind.__name__}, got {value!r:.40}")
+    return value
+
+
+def _pack_spans(spans: Sequence[Span]) -> bytes:
+    return b"".join(_SPAN.pack(*span) for span in spans)
+
+
+def _spans(payload: bytes) -> list[Span]:
+    if len(payload) % _SPAN.size:
+        raise _Failure("protocol", f"spans: expected a multiple of {_SPAN.size} bytes, got {len(payload)}")
+    return list(_SPAN.iter_unpack(payload))
+
+
+def _parse_metadata(metadata: bytes) -> dict[str, Any]:
+    """A peer's metadata (JSON), every field this worker uses checked; ``_Failure`` naming the field."""
     try:
-        answer_challenge(conn, authkey)
-        deliver_challenge(conn, authkey)
-    except BaseException:
-        conn.close()
-        raise
-    return conn
+        meta = json.loads(metadata)
+    except (ValueError, RecursionError) as exc:
+        raise _Failure("post_failed", f"add_remote_agent: metadata: expected JSON ({_describe(exc)})") from None
+    if not isinstance(meta, dict) or meta.get("kvspec_torch") != 1:
+        raise _Failure("post_failed", "add_remote_agent: metadata.kvspec_torch: expected 1")
+    for name, kind in (("name", str), ("uid", str), ("host", str), ("port", int), ("dh", str), ("nonce", str)):
+        if not isinstance(meta.get(name), kind):
+            raise _Failure("post_failed", f"add_remote_agent: metadata.{name}: expected {kind.__name__}")
+    try:
+        parse_public(meta["dh"], "metadata.dh")
+        parse_nonce(meta["nonce"], "metadata.nonce")
+    except PairKeyError as exc:
+        raise _Failure("post_failed", f"add_remote_agent: {exc}") from None
+    return meta
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, _Failure):
+        return exc.detail
+    return f"{type(exc).__name__}: {exc}"[:300]
+
+
+class _Deadline:
+    """Shuts ``sock`` down when the handshake is not over after ``seconds`` (one deadline for all of it)."""
+
+    def __init__(self, sock: socket.socket, seconds: float) -> None:
+        self._lock = threading.Lock()
+        self._over = False
+        self._sock = sock
+        sock.settimeout(seconds)
+        self._timer = threading.Timer(seconds, self._expire)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def _expire(self) -> None:
+        with self._lock:
+            if not self._over:
+                self._over = True
+                with contextlib.suppress(OSError):
+                    self._sock.shutdown(socket.SHUT_RDWR)
+
+    def cancel(self) -> bool:
+        """Stop the timer; ``False`` when it had already fired."""
+        self._timer.cancel()
+        with self._lock:
+            fired = self._over
+            self._over = True
+        return not fired
 
 
 def _td(seconds: float) -> datetime.timedelta:

@@ -9,9 +9,11 @@ Theory of operation:
 - ``register_memory`` takes shared-memory regions (``MemoryRegion.shm_name``);
   the worker maps the same bytes, so data lands in the caller's pools without
   passing through this process.
-- ``add_remote_agent`` pairs two workers: two control connections on
-  ``host`` (127.0.0.1 by default) and one two-rank process group (gloo on
-  ``interface``, ``GLOO_SOCKET_IFNAME``, ``lo`` by default).
+- ``add_remote_agent`` pairs two workers once each side has added the other:
+  two control connections on ``host`` (127.0.0.1 by default), authenticated
+  with a key only the two workers can derive (docs/backends/torch.md,
+  Security), and one two-rank process group (gloo on ``interface``,
+  ``GLOO_SOCKET_IFNAME``, ``lo`` by default) that meets through a TCP store.
   ``post`` validates every descriptor here, before anything moves (PLAN-1),
   coalesces adjacent descriptors into runs, and hands them to the worker.
 - ``check`` asks the worker; a transfer whose peer process dies or that
@@ -25,15 +27,12 @@ Theory of operation:
 from __future__ import annotations
 
 import contextlib
-import glob
 import importlib.util
 import ipaddress
 import json
 import multiprocessing
 import os
 import re
-import shutil
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -60,6 +59,7 @@ from kvspec.transport._base import (
     unknown_peer_error,
     unreadable_metadata_error,
 )
+from kvspec.transport._pairkey import parse_nonce, parse_public
 
 __all__ = ["TorchAgent", "TorchDistributedBackend"]
 
@@ -433,7 +433,7 @@ class TorchAgent:
         self._local_sizes.extend(sizes)
 
     def get_agent_metadata(self) -> bytes:
-        """JSON naming the worker's control address, key and region sizes."""
+        """JSON naming the worker's control address, its public DH value and nonce (no secret), and region sizes."""
         metadata: bytes = self._call("metadata")
         return metadata
 
@@ -443,7 +443,9 @@ class TorchAgent:
             meta = json.loads(metadata)
             sizes = [int(n) for n in meta["regions"]]
             pid = int(meta["pid"])
-        except (ValueError, KeyError, TypeError) as exc:
+            parse_public(meta["dh"], "metadata.dh")
+            parse_nonce(meta["nonce"], "metadata.nonce")
+        except (ValueError, KeyError, TypeError, RecursionError) as exc:
             raise unreadable_metadata_error(self._name, f"not torch-backend agent metadata: {exc}") from None
         name: str = self._call("add_peer", metadata)
         self._peer_sizes[name] = sizes
@@ -623,10 +625,7 @@ def _stop(process: BaseProcess, conn: Connection) -> None:
 
 
 def _kill(process: BaseProcess) -> None:
-    """End a worker for sure, and remove its rendezvous directory (a killed worker cannot)."""
+    """End a worker for sure (its rendezvous is a TCP store in the process: nothing is left on disk)."""
     if process.is_alive():
         process.kill()
     process.join(5.0)
-    if process.pid is not None and not process.is_alive():
-        for path in glob.glob(os.path.join(tempfile.gettempdir(), f"kvspec-torch-{process.pid}-*")):
-            shutil.rmtree(path, ignore_errors=True)

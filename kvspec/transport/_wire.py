@@ -1,4 +1,4 @@
-"""The agent control channel's wire: framed JSON headers with raw payloads, and the shared-secret handshake.
+"""Framed JSON with raw payloads, bounded before reading: the agent channel and the torch workers' pair channel.
 
 One frame is ``MAGIC`` (4 bytes), the header length (big-endian u32), the
 payload length (big-endian u64), the header (UTF-8 JSON object) and the
