@@ -531,6 +531,20 @@ def _positive_seconds(text: str) -> float:
     return value
 
 
+MAX_COUNT = 1000
+"""Most generated vectors per rule and function ``vectors write --count`` accepts (a bound on the work asked)."""
+
+
+def _vector_count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if not 0 <= value <= MAX_COUNT:
+        raise argparse.ArgumentTypeError(f"expected 0 to {MAX_COUNT}, got {text!r}")
+    return value
+
+
 def _positive_count(text: str) -> int:
     try:
         value = int(text)
@@ -555,10 +569,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     write.add_argument("--rule", metavar="ID", help="only this rule's vectors, e.g. WIN-1")
     write.add_argument(
         "--count",
-        type=int,
+        type=_vector_count,
         default=DEFAULT_COUNT,
         metavar="N",
-        help=f"generated vectors per rule and function (default {DEFAULT_COUNT})",
+        help=f"generated vectors per rule and function, 0 to {MAX_COUNT} (default {DEFAULT_COUNT})",
     )
     write.add_argument(
         "--seed",
