@@ -13,7 +13,7 @@ from kvspec.transport import Backend, Capabilities
 
 from ._cases import CaseFailure, CaseSkip
 from ._connector import Connector, ReferenceConnector
-from ._scenario import Scenario, ScenarioResult, run_scenario
+from ._scenario import Scenario, ScenarioResult, connector_replay, run_scenario
 
 __all__ = ["DEFAULT_MAX_EXAMPLES", "CaseContext", "default_time_scale"]
 
@@ -73,9 +73,7 @@ class CaseContext:
             )
         if self.integrity and not scenario.integrity:
             scenario = attrs.evolve(scenario, integrity=True)
-        kind = type(self.connector)
-        connector = None if kind is ReferenceConnector else f"{kind.__module__}:{kind.__qualname__}"
-        self.last_reproducer = scenario.to_python(self.backend_spec, connector)
+        self.last_reproducer = scenario.to_python(self.backend_spec, connector_replay(self.connector))
         return run_scenario(scenario, backend=self.backend, connector=self.connector)
 
     def fail(self, message: str) -> CaseFailure:

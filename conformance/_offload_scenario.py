@@ -144,7 +144,7 @@ class OffloadScenario:
             h = math.gcd(*(group.kv_cache_spec.block_size for group in config.kv_cache_groups))
         return OffloadConfig(blocks_per_chunk=self.blocks_per_chunk, hash_block_size=h)
 
-    def to_python(self, backend: str = "loopback", connector: str | None = None) -> str:
+    def to_python(self, backend: str = "loopback", connector: str | tuple[str, str] | None = None) -> str:
         """A script that replays this scenario on ``backend`` and prints what the oracle found."""
         imports, call = replay_call("run_offload_scenario", backend, connector)
         return (

@@ -12,6 +12,7 @@ from xml.etree import ElementTree as ET
 
 import attrs
 
+from kvspec import PROTOCOL_VERSION
 from kvspec.rules import RULES, Level
 
 __all__ = ["CaseResult", "Outcome", "Report"]
@@ -73,6 +74,8 @@ class Report:
     seconds: float
     max_examples: int
     kvspec_version: str
+    tested: tuple[tuple[str, str], ...] = ()
+    """What else was under test, as (field, value): the connector's import path, the installed vLLM."""
 
     @property
     def passed(self) -> bool:
@@ -115,6 +118,7 @@ class Report:
         return {
             "backend": self.backend,
             "kvspec_version": self.kvspec_version,
+            **self.tested_fields(),
             "passed": self.passed,
             "seconds": round(self.seconds, 3),
             "max_examples": self.max_examples,
@@ -138,6 +142,10 @@ class Report:
             skipped=str(sum(r.outcome in (Outcome.SKIPPED, Outcome.EXPECTED_FAILURE) for r in self.results)),
             time=f"{self.seconds:.3f}",
         )
+        properties = ET.SubElement(root, "properties")
+        described = {"backend": self.backend, "kvspec_version": self.kvspec_version, **self.tested_fields()}
+        for name, value in described.items():
+            ET.SubElement(properties, "property", name=name, value=value)
         for rule, results in self.by_rule().items():
             suite = ET.SubElement(
                 root,
@@ -174,7 +182,8 @@ class Report:
 
     def render(self, *, verbose: bool = False) -> str:
         """The terminal report: a table by rule, then every failure with its reproducer."""
-        lines = [f"kvspec conformance: backend {self.backend!r}, kvspec {self.kvspec_version}", ""]
+        lines = [f"kvspec conformance: backend {self.backend!r}, kvspec {self.kvspec_version}"]
+        lines += [*self._tested_lines(), ""]
         header = f"{'rule':<8} {'status':<7} {'pass':>4} {'fail':>4} {'skip':>4} {'xfail':>5}  notes"
         lines += [header, "-" * len(header)]
         for rule, results in self.by_rule().items():
@@ -210,6 +219,13 @@ class Report:
             f"{counts['skipped']} skipped, {counts['expected failure']} expected failures in {self.seconds:.1f}s",
         ]
         return "\n".join(lines) + "\n"
+
+    def tested_fields(self) -> dict[str, str]:
+        """What was tested besides the backend: the protocol version, then :attr:`tested` (connector, vLLM)."""
+        return {"protocol_version": ".".join(map(str, PROTOCOL_VERSION)), **dict(self.tested)}
+
+    def _tested_lines(self) -> list[str]:
+        return ["  " + ", ".join(f"{name.replace('_', ' ')} {value}" for name, value in self.tested_fields().items())]
 
     def print(self, stream: TextIO | None = None, *, verbose: bool = False) -> None:
         """Write :meth:`render` to ``stream`` (stdout by default)."""

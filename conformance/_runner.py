@@ -16,6 +16,7 @@ from ._cases import Case, CaseFailure, CaseSkip, missing_capabilities, select_ca
 from ._connector import Connector, ReferenceConnector
 from ._context import DEFAULT_MAX_EXAMPLES, CaseContext, default_time_scale
 from ._report import CaseResult, Outcome, Report
+from ._scenario import connector_replay
 
 __all__ = ["apply_expected_failures", "parse_expected_failures", "run_case", "run_suite"]
 
@@ -44,13 +45,10 @@ def run_case(case: Case, context: CaseContext) -> CaseResult:
         return result(Outcome.SKIPPED, f"backend lacks capability {', '.join(missing)}{hint}")
     context.last_reproducer = None
     # Cases that drive the transport directly have no scenario; they replay as the one case.
-    kind = type(context.connector)
     imports, connector = "", ""
-    if kind is not ReferenceConnector:  # the connector under test plays the case too
-        imports, connector = (
-            f"from {kind.__module__} import {kind.__qualname__} as ConnectorUnderTest\n",
-            ", connector=ConnectorUnderTest()",
-        )
+    replay = connector_replay(context.connector)
+    if replay is not None:  # the connector under test plays the case too
+        imports, connector = replay[0], f", connector={replay[1]}"
     whole_case = (
         f"from kvspec_conformance import run_suite\n{imports}\n"
         f"run_suite({context.backend_spec!r}, rules=[{case.id!r}], "

@@ -190,13 +190,35 @@ class Request:
         return self.num_tokens + self.recomputed_tokens
 
 
-def replay_call(runner: str, backend: str, connector: str | None) -> tuple[str, str]:
+def connector_replay(connector: object) -> tuple[str, str] | None:
+    """How a reproducer rebuilds ``connector``: (import lines, expression); None for kvspec's reference.
+
+    A connector with a ``kvspec_replay()`` method (the vLLM adapters, a
+    factory loaded by ``--connector MODULE:FACTORY``) says so itself, with
+    its arguments; any other is its class, built without arguments.
+    """
+    from kvspec._connector import ReferenceConnector
+
+    kind = type(connector)
+    if kind is ReferenceConnector:
+        return None
+    replay = getattr(connector, "kvspec_replay", None)
+    if callable(replay):
+        imports, expression = replay()
+        return str(imports), str(expression)
+    return f"from {kind.__module__} import {kind.__qualname__} as ConnectorUnderTest\n", "ConnectorUnderTest()"
+
+
+def replay_call(runner: str, backend: str, connector: str | tuple[str, str] | None) -> tuple[str, str]:
     """The import line and the call a reproducer script needs: ``runner(scenario, backend=..., connector=...)``.
 
-    ``connector`` is ``"module:Class"`` of a connector under test built without arguments.
+    ``connector`` is ``"module:Class"`` of a connector under test built without arguments, or
+    (import lines, expression) from :func:`connector_replay`.
     """
     if connector is None:
         return "", f"{runner}(scenario, backend={backend!r})"
+    if isinstance(connector, tuple):
+        return connector[0], f"{runner}(scenario, backend={backend!r}, connector={connector[1]})"
     module, _, name = connector.partition(":")
     imports = f"from {module} import {name} as ConnectorUnderTest\n"
     return imports, f"{runner}(scenario, backend={backend!r}, connector=ConnectorUnderTest())"
@@ -235,7 +257,7 @@ class Scenario:
     settle: float = 0.0
     integrity: bool = False
 
-    def to_python(self, backend: str = "loopback", connector: str | None = None) -> str:
+    def to_python(self, backend: str = "loopback", connector: str | tuple[str, str] | None = None) -> str:
         """A script that replays this scenario on ``backend`` and prints what the oracle found.
 
         ``connector`` is ``"module:Class"`` of a connector under test built without arguments.

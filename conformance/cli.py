@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import sys
@@ -87,7 +88,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--connector",
         metavar="MODULE:FACTORY",
         help="check your own connector logic (clip, pair, plan, admission, handshake) instead of kvspec's reference; "
-        "vllm:moriio, vllm:nixl, vllm:nixl-push or vllm:mooncake run vLLM's own (needs kvspec[vllm])",
+        "vllm:moriio, vllm:nixl, vllm:nixl-push, vllm:mooncake or vllm:offloading run vLLM's own, "
+        "vllm:MODULE:CLASS any vLLM connector class (needs kvspec[vllm])",
+    )
+    parser.add_argument(
+        "--vllm-extra",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE|FILE.json",
+        help="with --connector vllm:...: kv_connector_extra_config (int/float/bool converted) or a JSON file; "
+        "repeatable",
+    )
+    parser.add_argument(
+        "--allow-vllm-version",
+        action="store_true",
+        help="with --connector vllm:...: run on a vLLM release the adapters were not verified on (warn, not refuse)",
     )
     parser.add_argument(
         "--expect-fail",
@@ -100,7 +115,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--expect-fail-file",
         metavar="PATH",
-        help="a file of CASE_ID=REASON lines (# comments allowed), as --expect-fail",
+        help="a file of CASE_ID=REASON lines (# comments allowed), as --expect-fail; or a list kvspec ships, "
+        "e.g. vllm:nixl",
     )
     parser.add_argument(
         "--peer",
@@ -146,24 +162,43 @@ def _options(values: Sequence[str]) -> dict[str, object]:
     return parse_backend_options(values)  # a ConfigError is reported by run() as a backend that cannot load
 
 
-def _load_connector(path: str) -> Connector:
-    import importlib
+def _load_connector(path: str, extra: Sequence[str] = ()) -> tuple[Connector, tuple[tuple[str, str], ...]]:
+    """The connector ``--connector`` names, and what the report says was tested; one line for anything wrong."""
+    from kvspec.integrations.vllm import import_path
 
     if path.startswith("vllm:"):
-        from kvspec.integrations.vllm import make_connector
+        from kvspec.integrations.vllm import parse_vllm_extra, vllm_connector
 
         try:
-            return make_connector(path.partition(":")[2])
+            connector = vllm_connector(path.partition(":")[2], extra_config=parse_vllm_extra(extra))
         except KVSpecError as exc:
-            raise SystemExit(f"kvspec conform: --connector {path}: {exc}") from exc
+            raise SystemExit(f"kvspec conform: --connector {path}: {exc}") from None
+        return connector, _vllm_tested(connector)
+    if extra:
+        raise SystemExit("kvspec conform: --vllm-extra needs --connector vllm:...")
     module_name, _, attr = path.partition(":")
     if not module_name or not attr:
         raise SystemExit(f"kvspec conform: --connector expects 'module:factory', got {path!r}")
-    factory = getattr(importlib.import_module(module_name), attr)
-    connector = factory()
-    if not isinstance(connector, Connector):
+    try:
+        factory = import_path(path, "--connector")
+    except KVSpecError as exc:
+        raise SystemExit(f"kvspec conform: {exc}") from None
+    made: object = factory()
+    if not isinstance(made, Connector):
         raise SystemExit(f"kvspec conform: {path} did not return a Connector (clip, pair, plan, admission, handshake)")
-    return connector
+    if not callable(getattr(made, "kvspec_replay", None)):
+        # Reproducers replay the factory that was given, not the class it happened to return.
+        replay = (f"from {module_name} import {attr} as ConnectorUnderTest\n", "ConnectorUnderTest()")
+        with contextlib.suppress(AttributeError, TypeError):
+            setattr(made, "kvspec_replay", lambda: replay)  # noqa: B010
+    return made, (("connector", path),)
+
+
+def _vllm_tested(connector: object) -> tuple[tuple[str, str], ...]:
+    from kvspec.integrations.vllm import VllmConnector, installed_vllm_version
+
+    where = connector.connector_class if isinstance(connector, VllmConnector) else "vLLM OffloadingConnector"
+    return (("connector", where), ("vllm", installed_vllm_version() or "not installed"))
 
 
 class _Progress:
@@ -235,10 +270,11 @@ def run(args: argparse.Namespace) -> int:
             return 2
     lines = list(args.expect_fail)
     if args.expect_fail_file:
+        from kvspec.integrations.expectations import read_expected
+
         try:
-            with open(args.expect_fail_file, encoding="utf-8") as handle:
-                lines += handle.read().splitlines()
-        except OSError as exc:
+            lines += read_expected(args.expect_fail_file)
+        except KVSpecError as exc:
             print(f"kvspec conform: --expect-fail-file: {exc}", file=sys.stderr)
             return 2
     try:
@@ -246,7 +282,17 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"kvspec conform: {exc}", file=sys.stderr)
         return 2
-    connector = _load_connector(args.connector) if args.connector else None
+    connector, tested = _load_connector(args.connector, args.vllm_extra) if args.connector else (None, ())
+    if args.connector and args.connector.startswith("vllm:"):
+        from kvspec.integrations.vllm import check_vllm_version
+
+        try:
+            warning = check_vllm_version(allow=args.allow_vllm_version)
+        except KVSpecError as exc:
+            print(f"kvspec conform: {exc}", file=sys.stderr)
+            return 2
+        if warning:
+            print(f"kvspec conform: {warning}", file=sys.stderr)
     progress = None if args.quiet else _Progress(sys.stderr)
     try:
         report = run_suite(
@@ -262,7 +308,7 @@ def run(args: argparse.Namespace) -> int:
         )
     finally:
         backend.close()
-    report = attrs.evolve(report, backend=args.backend)
+    report = attrs.evolve(report, backend=args.backend, tested=report.tested + tested)
     report.print(verbose=args.verbose)
     if args.json:
         report.write_json(args.json)

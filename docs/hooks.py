@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import json
 import posixpath
 import re
@@ -320,6 +321,26 @@ def _import_generators() -> tuple[Any, Any, Any]:
     return diagrams, errors, figures
 
 
+SPEC_PACKAGE = ROOT / "kvspec" / "spec"
+
+
+def spec_source_snippets() -> dict[str, str]:
+    """``spec:MODULE.NAME`` for every top-level definition in kvspec/spec/: its source, as a Python block.
+
+    Spec pages include the normative code through these markers, never a copy (docs/explanation/layers.md).
+    """
+    snippets = {}
+    for path in sorted(SPEC_PACKAGE.glob("*.py")):
+        lines = path.read_text(encoding="utf-8").splitlines()
+        for node in ast.parse("\n".join(lines)).body:
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.end_lineno is not None:
+                first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+                source = "\n".join(lines[first - 1 : node.end_lineno])
+                where = f"# kvspec/spec/{path.name}\n"
+                snippets[f"spec:{path.stem}.{node.name}"] = _fence("python", where + source)
+    return snippets
+
+
 ERRORS_PAGE = "reference/errors.md"
 READ_MODE, WRITE_MODE = TransferMode.READ, TransferMode.WRITE
 # Modules whose exported calls the errors page lists.
@@ -436,7 +457,7 @@ def vllm_audit_snippets(audit: Mapping[str, Any]) -> dict[str, str]:
     return snippets
 
 
-VLLM_EXPECTED = ROOT / "docs" / "explanation" / "vllm-expected"
+VLLM_EXPECTED = ROOT / "kvspec" / "integrations" / "expected"
 
 
 def vllm_expected_failures() -> dict[str, dict[str, str]]:
@@ -444,8 +465,9 @@ def vllm_expected_failures() -> dict[str, dict[str, str]]:
     from kvspec_conformance._runner import parse_expected_failures
 
     return {
-        path.stem: parse_expected_failures(path.read_text(encoding="utf-8").splitlines())
-        for path in sorted(VLLM_EXPECTED.glob("*.txt"))
+        path.stem.removeprefix("vllm-"): parse_expected_failures(path.read_text(encoding="utf-8").splitlines())
+        for path in sorted(VLLM_EXPECTED.glob("vllm-*.txt"))
+        if path.stem != "vllm-audit"
     }
 
 
@@ -468,7 +490,7 @@ def check_vllm_findings_page(markdown: str, audit: Mapping[str, Any]) -> None:
             anchor = reason.rpartition(" (#")[2].rstrip(")")
             if anchor not in headings:
                 raise PluginError(
-                    f"{VLLM_FINDINGS_PAGE}: vllm-expected/{connector}.txt explains {case_id} with #{anchor}, "
+                    f"{VLLM_FINDINGS_PAGE}: kvspec/integrations/expected/vllm-{connector}.txt explains {case_id} with #{anchor}, "
                     f"which is no section of the page"
                 )
     documented = set(re.findall(r"<!--\s*kvspec:vllm-audit:class:([\w-]+)\s*-->", markdown))
@@ -726,6 +748,7 @@ def on_files(files: Files, config: Any) -> Files:
     for name in diagrams.SEQUENCES:
         snippets[f"sequence:{name}"] = _fence("mermaid", diagrams.sequence_diagram(name))
     snippets.update(_raised_by_snippets(errors))
+    snippets.update(spec_source_snippets())
     _STATE["vllm_audit"] = json.loads(VLLM_AUDIT_JSON.read_text(encoding="utf-8"))
     snippets.update(vllm_audit_snippets(_STATE["vllm_audit"]))
     snippets["vllm-expected:tables"] = vllm_expected_table(vllm_expected_failures())

@@ -115,7 +115,7 @@ class DescriptorList(Sequence[Descriptor]):
             return
         rows = descriptors if isinstance(descriptors, Sequence) else list(descriptors)
         try:
-            # One C-level pass per field: the cheapest way found to unpack objects (~0.25 us each).
+            # One C-level pass per field: the cheapest way found to unpack objects (benchmarks/bench_engine.py).
             self._init([list(map(getter, rows)) for getter in _GETTERS])
         except AttributeError:
             bad = next(row for row in rows if not isinstance(row, Descriptor))

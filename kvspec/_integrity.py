@@ -20,9 +20,8 @@ blocks that were written and compares before it reports LOADED (INT-1).
 The digest is not keyed: INT-1 catches bytes the transfer damaged, lost or
 misplaced, not a peer that lies (that is the transport's authentication).
 :mod:`hashlib`'s BLAKE2b is in every Python and in every language's standard
-crypto library; it runs at 0.4 to 0.9 GB/s on one core of the shared machine
-this was measured on, and each side reads every sent byte once
-(``benchmarks/bench_integrity.py``).
+crypto library, and each side reads every sent byte once (its cost:
+``benchmarks/bench_integrity.py``).
 """
 
 from __future__ import annotations

@@ -459,7 +459,7 @@ def _checked_group(group: int, value: object, first: int = 0) -> tuple[tuple[int
 
     The bulk check does at C speed what the per-id loop does: ``set(map(type, ids)) == {int}``
     proves every id a plain int (so neither a bool nor a float), ``min`` proves none negative and
-    says whether the null block 0 is present (about 30 ns per id, against 150 for the loop).
+    says whether the null block 0 is present.
     ``first`` is the position of ``value[0]`` in the list the caller was given, for messages.
     """
     if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
@@ -498,8 +498,7 @@ class BlockIds(Sequence[tuple[int, ...]]):
     null block (NULL-1).
 
     Building one checks every id (a plain int, not negative) with whole-list
-    operations: O(n) in the ids, about 30 ns per id, so 0.26 ms for the 8,582
-    ids one side of a 128k-token Gemma 3 27B request sends (benchmarks/bench_engine.py).
+    operations: O(n) in the ids (docs/explanation/engine-cost.md).
     It also records which groups are proven free of the null block, so later
     checks skip their scans.
 
@@ -526,8 +525,8 @@ class BlockIds(Sequence[tuple[int, ...]]):
     def _from_trusted(cls, groups: Iterable[tuple[int, ...]], null_free: Iterable[bool] | None = None) -> BlockIds:
         """Build from tuples already known valid (slices of a validated BlockIds).
 
-        Skips the per-id check, which would dominate a 128k-token request
-        (benchmarks/bench_engine.py). ``null_free`` carries what is proven
+        Skips the per-id check, which would dominate a long request
+        (docs/explanation/engine-cost.md). ``null_free`` carries what is proven
         about the null block (a slice of a null-free group is null-free);
         ``None`` proves nothing. Internal: callers outside kvspec use the
         validating constructor.

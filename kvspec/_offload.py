@@ -25,15 +25,15 @@ from typing import Any, TypeVar
 
 import attrs
 
-from kvspec._errors import ConfigError, GroupCountError, UnsupportedHybridError, WindowCoverageError
+from kvspec._errors import ConfigError, GroupCountError, WindowCoverageError
 from kvspec._models import (
     NULL_BLOCK_ID,
     BlockIds,
-    FullAttentionSpec,
     KVCacheConfig,
     KVCacheSpec,
     SlidingWindowSpec,
 )
+from kvspec.spec.offload import check_offload_support
 
 __all__ = [
     "LoadSet",
@@ -276,26 +276,6 @@ class LoadSet(_GroupTransfers):
 def _window(spec: KVCacheSpec) -> int | None:
     # SW-MLA is a SlidingWindowSpec; a FullAttentionSpec with a window set (HMA off) allocates every block.
     return spec.sliding_window if isinstance(spec, SlidingWindowSpec) else None
-
-
-def check_offload_support(config: KVCacheConfig) -> None:
-    """Raise :class:`UnsupportedHybridError` unless every group is full attention or sliding window (OFF-9).
-
-    Full attention includes MLA; sliding window includes SW-MLA. A Mamba or
-    linear-attention state group, chunked-local attention, cross attention and
-    unknown kinds fail closed, naming the group, its kind and the remedy: a
-    state page is not a function of token positions, so no chunk rule here
-    can say which state a hit restores (#44599). (OFF-9)
-    """
-    for g, group in enumerate(config.kv_cache_groups):
-        spec = group.kv_cache_spec
-        if isinstance(spec, (FullAttentionSpec, SlidingWindowSpec)):
-            continue
-        raise UnsupportedHybridError(
-            f"offload: group {g} (kind {spec.kind.value}, layers {list(group.layer_names)[:4]}) is not admitted "
-            "(OFF-9): only full-attention (incl. MLA) and sliding-window (incl. SW-MLA) groups are specified; "
-            "remedy: disable the offloading connector for this model, or treat its state groups outside kvspec"
-        )
 
 
 # --------------------------------------------------------------------------- OFF-1 geometry

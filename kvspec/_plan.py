@@ -6,14 +6,15 @@ import itertools
 import operator
 from collections.abc import Sequence
 from operator import attrgetter
-from typing import Protocol, TypeAlias
+from typing import TypeAlias
 
 import attrs
 
 from kvspec._descriptors import DescriptorList
 from kvspec._enums import TransferMode
 from kvspec._errors import PlanError
-from kvspec._models import NULL_BLOCK_ID, BlockIds, KVCacheConfig
+from kvspec._models import NULL_BLOCK_ID, KVCacheConfig
+from kvspec.spec.plan import BlockPairsLike, PageCopy
 
 __all__ = [
     "BlockPairsLike",
@@ -22,37 +23,6 @@ __all__ = [
     "TransferPlan",
     "plan_transfer",
 ]
-
-
-class BlockPairsLike(Protocol):
-    """What the planner needs from a :class:`kvspec.BlockPairs`; a connector may return its own object.
-
-    Both lists hold one group per KV-cache group with equal per-group lengths:
-    ``consumer_block_ids[g][i]`` receives ``producer_block_ids[g][i]`` (ALIGN-1).
-    """
-
-    @property
-    def producer_block_ids(self) -> BlockIds: ...
-
-    @property
-    def consumer_block_ids(self) -> BlockIds: ...
-
-
-@attrs.frozen(kw_only=True)
-class PageCopy:
-    """One contiguous copy from the producer's region to the consumer's region.
-
-    Regions are indexes into each side's ``kv_cache_tensors`` (one registered
-    region per tensor, in config order). Named by role, never local/remote:
-    :meth:`TransferPlan.to_descriptors` is the one place that maps roles onto
-    the initiator and its peer.
-    """
-
-    producer_region: int
-    producer_offset: int
-    consumer_region: int
-    consumer_offset: int
-    nbytes: int
 
 
 @attrs.frozen(kw_only=True)
@@ -154,9 +124,7 @@ class TransferPlan:
         WRITE: the producer posts, so local = producer and remote = consumer.
         This is the only place the role -> initiator mapping is made (ADM-2).
         The result is packed (:class:`kvspec.transport.DescriptorList`) from the
-        plan's columns, with no object per copy: O(copies), about 0.3 us per
-        copy (2.4 ms for the 8,576 copies of a shuffled 128k-token Gemma 3 27B
-        request, 6 us for the 7 of a contiguous one; benchmarks/bench_engine.py).
+        plan's columns, with no object per copy: O(copies).
         """
         p_region, p_offset, c_region, c_offset, nbytes = self._columns
         producer, consumer = (p_region, p_offset), (c_region, c_offset)
@@ -300,6 +268,9 @@ def _plan_page_by_page(
     producer_config: KVCacheConfig, consumer_config: KVCacheConfig, pairs: BlockPairsLike
 ) -> TransferPlan:
     """The straightforward planner: one tuple per page, a sort, a merge. O(P log P) in the pages P.
+
+    :func:`kvspec.spec.compute_page_copies` with tuples for objects (tested
+    equal, tests/test_fast_paths.py).
 
     It takes any pairs and layouts (duplicate ids, tensors shared by groups,
     layers interleaved in a tensor) and finds every error with its exact
@@ -569,11 +540,8 @@ def plan_transfer(
     (each preset layout but ``shared``) and the ids of each group are
     distinct, the checks are whole-list operations and the copies come from
     one sort of the pairs per group and arithmetic per run of adjacent layers:
-    O(n log n) in the pairs plus O(copies), no object per page. At 128k tokens
-    on Gemma 3 27B (8,582 pairs, 62 layers, ``blocks_first``): about 0.4 ms
-    with contiguous ids (7 copies), 6 ms with shuffled ids (8,576 copies), where
-    the page-by-page planner takes 170 and 550 ms (benchmarks/bench_engine.py).
-    Otherwise (duplicate ids, a bad id, a shared tensor) it plans page by
+    O(n log n) in the pairs plus O(copies), no object per page
+    (docs/explanation/engine-cost.md). Otherwise (duplicate ids, a bad id, a shared tensor) it plans page by
     page, O(P log P) in the pages P, and reports the first bad id, page or
     overlap exactly as before.
     """

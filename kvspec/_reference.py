@@ -4,10 +4,7 @@ from __future__ import annotations
 
 import itertools
 import operator
-from collections.abc import Iterable, Iterator, Sequence
-from typing import Any, TypeAlias
-
-import attrs
+from collections.abc import Iterable, Sequence
 
 from kvspec._deprecation import keyword_only, warn_renamed
 from kvspec._enums import TransferMode
@@ -15,21 +12,26 @@ from kvspec._errors import (
     BlockAlignmentError,
     ConfigError,
     GroupCountError,
-    UnsupportedHybridError,
     WindowCoverageError,
-    format_values,
 )
 from kvspec._models import (
     NULL_BLOCK_ID,
     BlockIds,
-    ChunkedLocalAttentionSpec,
-    FullAttentionSpec,
     KVCacheConfig,
-    KVCacheGroupSpec,
     KVCacheSpec,
-    MambaSpec,
-    SlidingWindowSpec,
     _checked_group,
+)
+from kvspec.spec.admission import check_hybrid_support, is_full_attention_spec, is_hma_required
+from kvspec.spec.coverage import get_block_ends, get_needed_block_range, get_needed_token_range
+from kvspec.spec.coverage import get_logical_block_count as _spec_get_logical_block_count
+from kvspec.spec.coverage import get_num_skipped_tokens as _spec_get_num_skipped_tokens
+from kvspec.spec.pairing import BlockPairs
+from kvspec.spec.window import (
+    BlockIdsLike,
+    TokenBasis,
+    get_block_budget,
+    get_blocks_per_sw,
+    get_token_basis_group,
 )
 
 __all__ = [
@@ -54,11 +56,6 @@ __all__ = [
     "is_hma_required",
 ]
 
-BlockIdsLike: TypeAlias = "BlockIds | Sequence[Sequence[int]]"
-"""A :class:`BlockIds` or plain nested sequences such as vLLM's ``tuple[list[int], ...]``."""
-
-_HMA_FLAG = "--disable-hybrid-kv-cache-manager"
-
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
@@ -71,7 +68,7 @@ def _to_block_ids(value: BlockIdsLike) -> BlockIds:
 def _derived_block_ids(groups: Sequence[tuple[int, ...]], null_free: Sequence[bool] | None = None) -> BlockIds:
     """A BlockIds made of slices of already-validated BlockIds, without validating every id again.
 
-    Validation is O(n) per id and would dominate a 128k-token request (benchmarks/bench_engine.py).
+    Validation is O(n) per id and would dominate a long request (benchmarks/bench_engine.py).
     """
     return BlockIds._from_trusted(groups, null_free)
 
@@ -82,93 +79,11 @@ def _check_count(name: str, value: object) -> int:
     return value
 
 
-# --------------------------------------------------------------------------- HMA-1, ADM-1, ADM-2
+# --------------------------------------------------------------------------- CLIP-1 on engine lists
 
-
-def is_full_attention_spec(spec: KVCacheSpec) -> bool:
-    """True for full attention and MLA, including vLLM's HMA-off form with a window set (HMA-1)."""
-    return isinstance(spec, FullAttentionSpec)
-
-
-def is_hma_required(config: KVCacheConfig, *, disable_hybrid_kv_cache_manager: bool = False) -> bool:
-    """True iff the flag is off and some group is not full attention; SW-only counts as hybrid (HMA-1)."""
-    if disable_hybrid_kv_cache_manager:
-        return False
-    return not all(is_full_attention_spec(g.kv_cache_spec) for g in config.kv_cache_groups)
-
-
-def _describe_group(index: int, group: KVCacheGroupSpec) -> str:
-    layers = format_values(list(group.layer_names))
-    return f"group {index} (kind {group.kv_cache_spec.kind.value}, layers {layers})"
-
-
-def _is_admitted_under_hma(spec: KVCacheSpec) -> bool:
-    # Full attention (incl. MLA) and sliding window (incl. SW-MLA) only; everything else fails closed (ADM-1).
-    return isinstance(spec, (FullAttentionSpec, SlidingWindowSpec))
-
-
-def check_hybrid_support(
-    config: KVCacheConfig,
-    *,
-    mode: TransferMode | str,
-    read_only_hma: bool = False,
-    disable_hybrid_kv_cache_manager: bool = False,
-) -> None:
-    """Raise :class:`UnsupportedHybridError` unless the exchange admits this config (ADM-1, ADM-2).
-
-    Mamba / linear-attention state is refused with or without the flag. With
-    HMA required, every group must be full attention (incl. MLA) or sliding
-    window (incl. SW-MLA). ``read_only_hma=True`` is a connector that supports
-    HMA only in READ mode (MoRIIO's policy): WRITE with HMA is refused (ADM-1, ADM-2).
-    """
-    transfer_mode = _to_mode(mode)
-    groups = list(enumerate(config.kv_cache_groups))
-    mamba = [_describe_group(i, g) for i, g in groups if isinstance(g.kv_cache_spec, MambaSpec)]
-    if mamba:
-        raise UnsupportedHybridError(
-            f"Mamba / linear-attention state is not exchanged in v1, with or without {_HMA_FLAG} (ADM-1): "
-            f"{'; '.join(mamba)}. Serve this model without disaggregated prefill."
-        )
-    if not is_hma_required(config, disable_hybrid_kv_cache_manager=disable_hybrid_kv_cache_manager):
-        return
-    refused = [_describe_group(i, g) for i, g in groups if not _is_admitted_under_hma(g.kv_cache_spec)]
-    if refused:
-        raise UnsupportedHybridError(
-            "under the hybrid KV-cache manager only full-attention (incl. MLA) and sliding-window (incl. SW-MLA) "
-            f"groups are exchanged (ADM-1); unsupported: {'; '.join(refused)}. "
-            f"Pass {_HMA_FLAG} to run without HMA."
-        )
-    if read_only_hma and transfer_mode is TransferMode.WRITE:
-        raise UnsupportedHybridError(
-            "this connector supports hybrid KV-cache groups in READ mode only (ADM-2); "
-            f"use READ mode, or pass {_HMA_FLAG}."
-        )
-
-
-def _to_mode(mode: TransferMode | str) -> TransferMode:
-    try:
-        return TransferMode(mode)
-    except ValueError:
-        raise ConfigError(f"mode: expected one of {[m.value for m in TransferMode]}, got {mode!r}") from None
-
-
-# --------------------------------------------------------------------------- SW-1, CLIP-1, TOK-1
-
-
-def _budget(spec: KVCacheSpec) -> int:
-    if isinstance(spec, SlidingWindowSpec):
-        # +1: a window that does not start on a block boundary touches one more block (SW-1).
-        return _cdiv(spec.sliding_window, spec.block_size) + 1
-    return 0
-
-
-def get_blocks_per_sw(config: KVCacheConfig) -> tuple[int, ...]:
-    """Per-group budget: ``cdiv(W_g, B_g) + 1`` for sliding-window groups, 0 otherwise (SW-1).
-
-    O(groups), about 1 us for Gemma 3 27B; it depends on the config only, so an
-    engine computes it once and passes it to every clip (SW-1).
-    """
-    return tuple(_budget(g.kv_cache_spec) for g in config.kv_cache_groups)
+# The plain definitions (kvspec.spec) serve as these public names unchanged: no faster form exists.
+get_logical_block_count = keyword_only(1, "num_tokens")(_spec_get_logical_block_count)
+get_num_skipped_tokens = keyword_only(1, "num_computed_tokens")(_spec_get_num_skipped_tokens)
 
 
 def get_exchange_clipped_blocks(block_ids: BlockIdsLike, budgets: Sequence[int]) -> BlockIds:
@@ -176,10 +91,8 @@ def get_exchange_clipped_blocks(block_ids: BlockIdsLike, budgets: Sequence[int])
 
     Plain lists (vLLM's ``tuple[list[int], ...]``) are clipped first and only
     the ids kept are checked: the ids clipped away never leave the engine
-    (decisions.md, "CLIP-1 checks what it keeps"). Cost: O(kept ids), about
-    30 ns per kept id; 0.25 ms for one side of a 128k-token Gemma 3 27B
-    request (8,582 ids kept of 57,344), 3 us when given a ``BlockIds``
-    (measured by benchmarks/bench_engine.py) (CLIP-1).
+    (decisions.md, "CLIP-1 checks what it keeps"). O(kept ids); the plain
+    definition is :func:`kvspec.spec.get_exchange_clipped_blocks` (CLIP-1).
     """
     if isinstance(block_ids, BlockIds) or not isinstance(block_ids, Sequence) or isinstance(block_ids, (str, bytes)):
         ids = _to_block_ids(block_ids)
@@ -221,78 +134,7 @@ def _clip_checked(ids: BlockIds, budgets: Sequence[int]) -> BlockIds:
     )
 
 
-@attrs.frozen(kw_only=True)
-class TokenBasis:
-    """The group token counts are checked against, and its block size (TOK-1)."""
-
-    group_index: int
-    block_size: int
-
-
-def get_token_basis_group(config: KVCacheConfig) -> TokenBasis | None:
-    """The first full-attention (incl. MLA) group and its block size, or None (TOK-1)."""
-    for index, group in enumerate(config.kv_cache_groups):
-        if is_full_attention_spec(group.kv_cache_spec):
-            return TokenBasis(group_index=index, block_size=group.kv_cache_spec.block_size)
-    return None
-
-
 # --------------------------------------------------------------------------- ALIGN-1, NULL-1
-
-
-def _check_pairs(inst: BlockPairs, attribute: attrs.Attribute[Any], value: BlockIds) -> None:
-    producer = inst.producer_block_ids
-    if len(producer) != len(value):
-        raise GroupCountError(f"BlockPairs: {len(producer)} producer groups, {len(value)} consumer groups (ALIGN-1)")
-    for g, (p, c) in enumerate(zip(producer, value, strict=True)):
-        if len(p) != len(c):
-            raise BlockAlignmentError(f"BlockPairs: group {g} pairs {len(p)} producer with {len(c)} consumer ids")
-        if producer._has_null(g) or value._has_null(g):
-            raise BlockAlignmentError(f"BlockPairs: group {g} holds the null block id 0 (NULL-1)")
-
-
-@attrs.frozen(kw_only=True)
-class BlockPairs:
-    """Per-group producer and consumer ids, equal lengths, pair i is (producer[g][i], consumer[g][i]).
-
-    No id is the null block (NULL-1). Zero groups mean nothing to transfer.
-    """
-
-    producer_block_ids: BlockIds = attrs.field(converter=_to_block_ids)
-    consumer_block_ids: BlockIds = attrs.field(converter=_to_block_ids, validator=_check_pairs)
-
-    @property
-    def num_groups(self) -> int:
-        """Groups, or 0 when nothing is transferred."""
-        return len(self.consumer_block_ids)
-
-    @property
-    def num_pairs(self) -> int:
-        """Pairs over all groups: the blocks that move."""
-        return self.consumer_block_ids.num_blocks
-
-    def iter_pairs(self) -> Iterator[tuple[int, int, int]]:
-        """``(group_index, producer_id, consumer_id)`` for every pair, group by group."""
-        for g, (p, c) in enumerate(zip(self.producer_block_ids, self.consumer_block_ids, strict=True)):
-            for producer_id, consumer_id in zip(p, c, strict=True):
-                yield g, producer_id, consumer_id
-
-
-def get_block_ends(block_ids: BlockIdsLike, *, first_blocks: Sequence[int] | None = None) -> tuple[int, ...]:
-    """Where each group's list ends: the logical block just past its last entry (ALIGN-1, WIN-1).
-
-    ``block_ids`` is the list as the side built it, before clipping (clipping
-    keeps the tail, so the end is the same after it). A whole block table
-    starts at logical block 0, so its ends are its lengths (P's table, vLLM's
-    request block table); ``first_blocks[g]`` is the logical block of group
-    ``g``'s first entry for a list that starts later (ALIGN-1, WIN-1).
-    """
-    ids = _to_block_ids(block_ids)
-    firsts = [0] * len(ids) if first_blocks is None else list(first_blocks)
-    if len(firsts) != len(ids):
-        raise GroupCountError(f"block ids have {len(ids)} groups, first_blocks {len(firsts)} (ALIGN-1)")
-    pairs = enumerate(zip(firsts, ids, strict=True))
-    return tuple(_check_count(f"first_blocks[{g}]", first) + len(group) for g, (first, group) in pairs)
 
 
 def _check_ends(role: str, ends: Sequence[int] | None, ids: BlockIds) -> tuple[int, ...] | None:
@@ -328,8 +170,8 @@ def compute_block_pairs(
     1.0 peer) is taken to end where the other ends.
 
     O(n) in the ids, in slices; a group proven null-free when its ``BlockIds``
-    was built is not scanned for nulls again. At 128k tokens on Gemma 3 27B
-    (8,582 ids per side, as the clip returns them): about 30 us (ALIGN-1, NULL-1).
+    was built is not scanned for nulls again. The plain definition is
+    :func:`kvspec.spec.compute_block_pairs` (ALIGN-1, NULL-1).
     """
     producer, consumer = _to_block_ids(producer_block_ids), _to_block_ids(consumer_block_ids)
     if len(consumer) == 0:
@@ -371,42 +213,6 @@ def compute_block_pairs(
 # --------------------------------------------------------------------------- WIN-1 and engine helpers
 
 
-@keyword_only(1, "num_tokens")
-def get_logical_block_count(spec: KVCacheSpec, *, num_tokens: int) -> int:
-    """Blocks that ``num_tokens`` tokens span in a group: ``cdiv(T, B_g)`` (WIN-1)."""
-    return _cdiv(_check_count("num_tokens", num_tokens), spec.block_size)
-
-
-def get_needed_token_range(spec: KVCacheSpec, *, num_tokens: int, prefix_hit_tokens: int) -> range:
-    """Positions C needs from P: ``[H, T-1]``, or ``[max(H, T-W+1), T-1]`` for sliding window (WIN-1)."""
-    start = prefix_hit_tokens
-    if isinstance(spec, SlidingWindowSpec):
-        # The token at position T attends [T-W+1, T]; T itself is computed by C.
-        start = max(start, num_tokens - spec.sliding_window + 1)
-    return range(start, max(start, num_tokens))
-
-
-def get_needed_block_range(spec: KVCacheSpec, *, num_tokens: int, prefix_hit_tokens: int) -> range:
-    """Logical blocks that cover a needed position (WIN-1)."""
-    tokens = get_needed_token_range(spec, num_tokens=num_tokens, prefix_hit_tokens=prefix_hit_tokens)
-    if not tokens:
-        return range(0)
-    return range(tokens.start // spec.block_size, (tokens.stop - 1) // spec.block_size + 1)
-
-
-@keyword_only(1, "num_computed_tokens")
-def get_num_skipped_tokens(spec: KVCacheSpec, *, num_computed_tokens: int) -> int:
-    """Leading tokens a group no longer needs, as vLLM's ``get_num_skipped_tokens`` counts them (WIN-1)."""
-    n = _check_count("num_computed_tokens", num_computed_tokens)
-    if isinstance(spec, SlidingWindowSpec):
-        return max(0, n - spec.sliding_window + 1)
-    if isinstance(spec, ChunkedLocalAttentionSpec):
-        return (n // spec.attention_chunk_size) * spec.attention_chunk_size
-    if isinstance(spec, MambaSpec):
-        return max(0, n - 1)
-    return 0
-
-
 def get_pruned_block_ids(config: KVCacheConfig, block_ids: BlockIdsLike, *, num_computed_tokens: int) -> BlockIds:
     """Null the whole blocks a group skips, as vLLM's ``remove_skipped_blocks`` does (WIN-1).
 
@@ -415,9 +221,8 @@ def get_pruned_block_ids(config: KVCacheConfig, block_ids: BlockIdsLike, *, num_
     (docs/spec/alignment-and-coverage.md, WIN-1 Boundaries).
     Pruning with more tokens than C will use (vLLM's ``request.num_tokens``,
     docs/spec/worked-example.md) can null a block WIN-1 needs; :func:`check_window_coverage`
-    catches it. O(n) in the ids, one scan per group: about 1.8 ms for one side
-    of a 128k-token Gemma 3 27B request (57,344 ids), most of it checking them
-    (WIN-1).
+    catches it. O(n) in the ids, one scan per group; the plain definition is
+    :func:`kvspec.spec.get_pruned_block_ids` (WIN-1).
     """
     ids = _to_block_ids(block_ids)
     if len(ids) != config.num_groups:
@@ -450,7 +255,7 @@ def get_consumer_block_counts(
         spec = group.kv_cache_spec
         needed = get_needed_block_range(spec, num_tokens=num_tokens, prefix_hit_tokens=prefix_hit_tokens)
         count = get_logical_block_count(spec, num_tokens=listed_tokens) - needed.start if needed else 0
-        budget = _budget(spec)
+        budget = get_block_budget(spec)
         counts.append(min(count, budget) if budget else count)
     return tuple(counts)
 
@@ -535,8 +340,8 @@ def check_window_coverage(
     logical block 0 (P) or ``H / B_g`` (C) is a :class:`BlockAlignmentError`.
     Zero consumer groups (full prefix hit) pass only when nothing is needed.
     O(groups) for groups whose ``BlockIds`` proved them null-free, plus one
-    C-speed scan of the needed ids of the others: about 20 us at 128k tokens
-    on Gemma 3 27B (ids as the clip returns them) (WIN-1).
+    C-speed scan of the needed ids of the others; the plain definition is
+    :func:`kvspec.spec.check_window_coverage` (WIN-1).
     """
     _covered_lists(
         config,
@@ -626,12 +431,11 @@ def compute_transfer_pairs(
 ) -> BlockPairs:
     """Check WIN-1 before any byte moves, then pair the lists (WIN-1, ALIGN-1, NULL-1).
 
-    Plain lists are checked once, here (O(n), about 30 ns per id); lists that
-    are already ``BlockIds`` are not checked again. Coverage is O(groups) for
-    groups proven null-free and one C-speed scan of the needed slice
-    otherwise; pairing is O(n) slices. At 128k tokens (Gemma 3 27B, 8,582 ids
-    per side, ``BlockIds`` from the clip): about 50 us (measured by
-    benchmarks/bench_engine.py). ``recomputed_tokens`` and the block ends
+    Plain lists are checked once, here (O(n)); lists that are already
+    ``BlockIds`` are not checked again. Coverage is O(groups) for groups
+    proven null-free and one C-speed scan of the needed slice otherwise;
+    pairing is O(n) slices. The plain definition is
+    :func:`kvspec.spec.compute_transfer_pairs`. ``recomputed_tokens`` and the block ends
     are as in :func:`check_window_coverage`; where only one side declares its
     ends, the other's are the request's last blocks, so a declared end
     elsewhere is refused (WIN-1, ALIGN-1, NULL-1).

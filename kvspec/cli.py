@@ -178,8 +178,27 @@ def build_parser() -> argparse.ArgumentParser:
     audit.add_argument(
         "--connector",
         action="append",
-        choices=["moriio", "nixl", "mooncake", "reference"],
-        help="connector to drive; repeatable (default: moriio, nixl, mooncake)",
+        metavar="NAME|MODULE:CLASS",
+        help="connector to drive: moriio, nixl, mooncake, reference, or MODULE:CLASS of any vLLM connector class "
+        "(a KVConnectorBase_V1 subclass); repeatable (default: moriio, nixl, mooncake)",
+    )
+    audit.add_argument(
+        "--vllm-extra",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE|FILE.json",
+        help="kv_connector_extra_config for the connector class (int/float/bool converted), or a JSON file; repeatable",
+    )
+    audit.add_argument(
+        "--expect-file",
+        metavar="NAME|PATH",
+        help="deviation classes known to be found, CONNECTOR/CLASS=REASON lines (or 'vllm-audit', the shipped list): "
+        "exit 0 when exactly these are found; without it any deviation exits 1",
+    )
+    audit.add_argument(
+        "--allow-vllm-version",
+        action="store_true",
+        help="run on a vLLM release the adapters were not verified on (a warning instead of a refusal)",
     )
     audit.add_argument(
         "--requests",
@@ -197,6 +216,14 @@ def build_parser() -> argparse.ArgumentParser:
         "instead; --requests sets the random hit requests (default 200), --connector is not used",
     )
     audit.set_defaults(handler=_run_vllm_audit)
+    setup = sub.add_parser(
+        "vllm-setup",
+        help="print the commands that install vLLM for the CPU, as kvspec tests it (pipe them to bash)",
+        description="vLLM's wheel without its CUDA dependencies, then only what it imports (kvspec[vllm] on a CPU).",
+    )
+    setup.add_argument("--print", action="store_true", required=True, help="print the shell commands")
+    setup.add_argument("--python", default="python", help="the interpreter whose pip installs (default: python)")
+    setup.set_defaults(handler=_run_vllm_setup)
     return parser
 
 
@@ -486,20 +513,40 @@ def _run_conform(args: argparse.Namespace, out: TextIO) -> int:
 
 
 def _run_vllm_audit(args: argparse.Namespace, out: TextIO) -> int:
-    from kvspec.integrations.vllm_audit import run_audit
+    from kvspec.integrations.expectations import load_expected
+    from kvspec.integrations.vllm import check_vllm_version, parse_vllm_extra, vllm_connector
+    from kvspec.integrations.vllm_audit import check_expected, run_audit
 
     if args.offload:
         return _run_offload_audit(args, out)
     try:
-        report = run_audit(
-            connectors=args.connector or ("moriio", "nixl", "mooncake"), requests=args.requests, seed=args.seed
-        )
-    except KVSpecError as exc:
+        warning = check_vllm_version(allow=args.allow_vllm_version)
+        extra = parse_vllm_extra(args.vllm_extra)
+        expected = load_expected(args.expect_file) if args.expect_file else None
+        connectors = [
+            name if name == "reference" or (":" not in name and not extra) else vllm_connector(name, extra_config=extra)
+            for name in args.connector or ("moriio", "nixl", "mooncake")
+        ]
+        if warning:
+            print(f"kvspec vllm-audit: {warning}", file=sys.stderr)
+        report = run_audit(connectors=connectors, requests=args.requests, seed=args.seed)  # type: ignore[arg-type]
+    except (KVSpecError, ValueError) as exc:
         print(f"kvspec vllm-audit: {exc}", file=sys.stderr)
         return 2
     out.write(report.render())
     if args.json:
         report.write_json(args.json)
+    problems = check_expected(report, expected or {})
+    for problem in problems:
+        out.write(f"FAILED {problem}\n")
+    out.write(("FAILED" if problems else "PASSED") + f": {len(problems)} unexpected or vanished deviation classes\n")
+    return 1 if problems else 0
+
+
+def _run_vllm_setup(args: argparse.Namespace, out: TextIO) -> int:
+    from kvspec.integrations.vllm import cpu_setup_script
+
+    out.write(cpu_setup_script(args.python))
     return 0
 
 
@@ -522,10 +569,10 @@ def run_command(prog: str, call: Callable[[], int], out: TextIO) -> int:
 
     The one place the ``kvspec`` commands map errors: a kvspec error or a bad
     file, address, option or factory (``_USAGE_ERRORS``) is one line naming it
-    and status 2; Ctrl-C is one line and 130; a closed pipe (``kvspec plan ... |
-    head``) ends quietly with 141, as a command killed by SIGPIPE does; any
-    other exception, a kvspec bug, is one line and 1 (``KVSPEC_DEBUG=1`` shows
-    the traceback).
+    and status 2, as is a subcommand's ``SystemExit("message")``; Ctrl-C is
+    one line and 130; a closed pipe (``kvspec plan ... | head``) ends quietly
+    with 141, as a command killed by SIGPIPE does; any other exception, a
+    kvspec bug, is one line and 1 (``KVSPEC_DEBUG=1`` shows the traceback).
     """
     try:
         status = call()
@@ -537,6 +584,11 @@ def run_command(prog: str, call: Callable[[], int], out: TextIO) -> int:
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
         return 130
+    except SystemExit as stop:
+        if not isinstance(stop.code, str):
+            raise
+        print(" ".join(stop.code.split()), file=sys.stderr)  # a subcommand's own one-line refusal: usage
+        return 2
     except _USAGE_ERRORS as exc:
         if os.environ.get("KVSPEC_DEBUG"):
             raise

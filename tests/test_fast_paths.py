@@ -1,9 +1,10 @@
-"""The fast paths against straightforward oracles kept here: same answers, same refusals (CLIP-1, ALIGN-1, PLAN-1).
+"""The fast paths against the plain definitions in kvspec.spec: same answers, same refusals (CLIP-1, ALIGN-1, PLAN-1).
 
 kvspec checks block ids with whole-list operations, clips engine lists before
 checking them, skips null scans for groups proven null-free, and plans per run
-of adjacent layers. Each oracle below is the one-id-at-a-time (or
-one-page-at-a-time) definition those fast paths replace.
+of adjacent layers. kvspec.spec holds the one-id-at-a-time (or
+one-page-at-a-time) definitions those fast paths replace; the only oracle kept
+here is the per-id check of a BlockIds (a model, not a rule).
 """
 
 from __future__ import annotations
@@ -11,35 +12,41 @@ from __future__ import annotations
 import enum
 import itertools
 import random
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from strategies import Scenario, build_scenario, scenarios
+from test_offload import FA_SW, hit_cases, offload
 from test_plan import LAYOUTS, MODELS, Pairs, small_config
 
 import kvspec._plan as plan_module
+import kvspec.spec as plain
 from kvspec import (
     NULL_BLOCK_ID,
     BlockIds,
     BlockIdsLike,
+    BlockPairs,
     ConfigError,
     KVCacheConfig,
-    KVCacheSpec,
     KVSpecError,
+    OffloadConfig,
     PlanError,
-    SlidingWindowSpec,
     TransferMode,
     compute_transfer_pairs,
     get_blocks_per_sw,
+    get_chunk_sizes,
     get_exchange_clipped_blocks,
     get_needed_block_range,
+    get_offload_hit_tokens,
     get_pruned_block_ids,
 )
-from kvspec._plan import PageCopy, TransferPlan, _plan_page_by_page, plan_transfer
+from kvspec._plan import TransferPlan, _plan_page_by_page, plan_transfer
 from kvspec.presets import Layout, get_preset
+
+T = TypeVar("T")
 
 # --------------------------------------------------------------------------- oracles
 
@@ -55,111 +62,12 @@ def oracle_ids(groups: Sequence[Sequence[object]]) -> tuple[tuple[int, ...], ...
     return tuple(out)
 
 
-def oracle_clip(groups: Sequence[Sequence[object]], budgets: Sequence[int]) -> tuple[tuple[int, ...], ...] | str:
-    """CLIP-1 on engine lists: the last n of each budgeted group, then each kept id checked."""
-    kept = [list(group)[-n:] if n > 0 else list(group) for group, n in zip(groups, budgets, strict=True)]
-    checked = oracle_ids(kept)
-    if isinstance(checked, str):  # name the position in the list the engine handed over
-        g, i = (int(x) for x in checked.removeprefix("groups[").removesuffix("]").split("]["))
-        return f"groups[{g}][{len(groups[g]) - len(kept[g]) + i}]"
-    return checked
-
-
-def oracle_pairs(producer: BlockIds, consumer: BlockIds) -> list[list[tuple[int, int]]]:
-    """ALIGN-1 and NULL-1, pair by pair: C's i-th id with P's at len(P) - len(C) + i, null pairs dropped."""
-    return [
-        [
-            (p[len(p) - len(c) + i], c[i])
-            for i in range(len(c))
-            if p[len(p) - len(c) + i] != NULL_BLOCK_ID and c[i] != NULL_BLOCK_ID
-        ]
-        for p, c in zip(producer, consumer, strict=True)
-    ]
-
-
-def oracle_transfer(
-    config: KVCacheConfig,
-    *,
-    num_tokens: int,
-    prefix_hit_tokens: int,
-    recomputed_tokens: int,
-    producer: BlockIds,
-    consumer: BlockIds,
-    producer_ends: Sequence[int] | None,
-    consumer_ends: Sequence[int] | None,
-) -> list[list[tuple[int, int]]] | None:
-    """WIN-1, ALIGN-1 and NULL-1 position by position (protocol 1.1): the pairs, or None where kvspec must refuse.
-
-    Each list covers T + R tokens and ends where its side says, else at the
-    request's last block ``cdiv(T + R, B)``; it may neither end past that block
-    nor start before block 0 (P) or H / B (C), and both lists of a group
-    must end at the same block.
-    Every block holding a needed position (of T, not T + R) is real on both
-    sides; C's id at each position pairs with P's id at the same position.
-    """
-    if len(consumer) == 0:
-        return (
-            []
-            if all(not _needed(g.kv_cache_spec, num_tokens, prefix_hit_tokens) for g in config.kv_cache_groups)
-            else None
-        )
-    pairs: list[list[tuple[int, int]]] = []
-    for g, group in enumerate(config.kv_cache_groups):
-        spec = group.kv_cache_spec
-        b = spec.block_size
-        total = -(-(num_tokens + recomputed_tokens) // b)
-        placed: list[dict[int, int]] = []
-        side_ends: list[int] = []
-        for ids, ends, floor in ((producer[g], producer_ends, 0), (consumer[g], consumer_ends, prefix_hit_tokens // b)):
-            end = total if ends is None else ends[g]
-            if end < 0 or end > total or end - len(ids) < floor:
-                return None
-            placed.append({end - len(ids) + i: block for i, block in enumerate(ids)})
-            side_ends.append(end)
-        if side_ends[0] != side_ends[1]:
-            return None
-        if len(consumer[g]) > len(producer[g]):
-            return None
-        for position in _needed(spec, num_tokens, prefix_hit_tokens):
-            if any(side.get(position // b, NULL_BLOCK_ID) == NULL_BLOCK_ID for side in placed):
-                return None
-        on_p, on_c = placed
-        pairs.append(
-            [
-                (on_p[k], c)
-                for k, c in sorted(on_c.items())
-                if c != NULL_BLOCK_ID and on_p.get(k, NULL_BLOCK_ID) != NULL_BLOCK_ID
-            ]
-        )
-    return pairs
-
-
-def _needed(spec: KVCacheSpec, num_tokens: int, prefix_hit_tokens: int) -> range:
-    # The positions C takes from P: [H, T - 1], or from max(H, T - W + 1) in a window (WIN-1).
-    window = spec.sliding_window if isinstance(spec, SlidingWindowSpec) else None
-    start = prefix_hit_tokens if window is None else max(prefix_hit_tokens, num_tokens - window + 1)
-    return range(start, num_tokens)
-
-
-def oracle_plan(producer: KVCacheConfig, consumer: KVCacheConfig, pairs: Pairs) -> list[PageCopy]:
-    """PLAN-1 by definition: a copy per (layer, pair) from the page formula, sorted, merged where both sides go on."""
-    pages = []
-    for g, group in enumerate(producer.kv_cache_groups):
-        page = group.kv_cache_spec.page_size_bytes
-        for layer in group.layer_names:
-            for p_id, c_id in zip(pairs.producer_block_ids[g], pairs.consumer_block_ids[g], strict=True):
-                pages.append((*producer.page_offset(layer, p_id), *consumer.page_offset(layer, c_id), page))
-    merged: list[list[int]] = []
-    for pr, po, cr, co, n in sorted(pages):
-        last = merged[-1] if merged else None
-        if last and (pr, cr) == (last[0], last[2]) and po == last[1] + last[4] and co == last[3] + last[4]:
-            last[4] += n
-        else:
-            merged.append([pr, po, cr, co, n])
-    return [
-        PageCopy(producer_region=pr, producer_offset=po, consumer_region=cr, consumer_offset=co, nbytes=n)
-        for pr, po, cr, co, n in merged
-    ]
+def result_of(call: Callable[[], T]) -> T | tuple[type[KVSpecError], str]:
+    """What a call returns, or the kvspec error it raises as (class, message): both sides must agree on either."""
+    try:
+        return call()
+    except KVSpecError as exc:
+        return type(exc), str(exc)
 
 
 # --------------------------------------------------------------------------- BlockIds and CLIP-1
@@ -207,16 +115,13 @@ def test_bulk_id_check_accepts_and_refuses_what_the_per_id_check_does(groups: li
 @example(groups=[[1, 2, 3]], budgets=[0])  # budget 0: the whole list (ids[-0:] trap, H3)
 def test_clip_of_engine_lists_equals_clip_then_check(groups: list[list[object]], budgets: list[int]) -> None:
     budgets = (budgets + [0] * len(groups))[: len(groups)]
-    expected = oracle_clip(groups, budgets)
-    if not groups:
-        assert len(get_exchange_clipped_blocks(groups, budgets)) == 0  # type: ignore[arg-type]
+    engine: Any = groups
+    expected = result_of(lambda: plain.get_exchange_clipped_blocks(engine, budgets))
+    assert result_of(lambda: get_exchange_clipped_blocks(engine, budgets)) == expected
+    if not isinstance(expected, BlockIds):
+        assert expected[0] is ConfigError
         return
-    if isinstance(expected, str):
-        with pytest.raises(ConfigError, match=expected.replace("[", r"\[").replace("]", r"\]")):
-            get_exchange_clipped_blocks(groups, budgets)  # type: ignore[arg-type]
-        return
-    clipped = get_exchange_clipped_blocks(groups, budgets)  # type: ignore[arg-type]
-    assert clipped.groups == expected
+    clipped = get_exchange_clipped_blocks(engine, budgets)
     # Tuples and generators of groups clip the same way as lists.
     as_tuples: Any = tuple(tuple(g) for g in groups)
     as_iterators: Any = [iter(g) for g in groups]
@@ -265,9 +170,16 @@ def test_pairs_from_engine_lists_equal_the_pair_by_pair_oracle(
     def ends(shift: int | None) -> tuple[int, ...] | None:
         return None if shift is None else tuple(max(0, last + shift) for last in lasts)
 
-    def outcome(p: BlockIdsLike, c: BlockIdsLike, p_ends: Sequence[int] | None, c_ends: Sequence[int] | None) -> object:
+    def outcome(
+        p: BlockIdsLike,
+        c: BlockIdsLike,
+        p_ends: Sequence[int] | None,
+        c_ends: Sequence[int] | None,
+        *,
+        definition: bool = False,
+    ) -> object:
         try:
-            pairs = compute_transfer_pairs(
+            pairs = (plain.compute_transfer_pairs if definition else compute_transfer_pairs)(
                 config,
                 num_tokens=t,
                 prefix_hit_tokens=h,
@@ -279,27 +191,21 @@ def test_pairs_from_engine_lists_equal_the_pair_by_pair_oracle(
             )
         except KVSpecError as exc:
             return type(exc), str(exc)
-        return [
-            list(zip(*g, strict=True)) for g in zip(pairs.producer_block_ids, pairs.consumer_block_ids, strict=True)
-        ]
+        return outcome_of_pairs(pairs)
 
     for p_ends, c_ends in itertools.product(map(ends, _SHIFTS), repeat=2):
         fast = outcome(p_clipped, c_clipped, p_ends, c_ends)
         assert fast == outcome(p_slow, c_slow, p_ends, c_ends)
         assert fast == outcome([list(g) for g in p_clipped], [list(g) for g in c_clipped], p_ends, c_ends)
-        if isinstance(fast, list) and p_ends is None and c_ends is None:
-            assert fast == oracle_pairs(p_clipped, c_clipped)
-        by_position = oracle_transfer(
-            config,
-            num_tokens=t,
-            prefix_hit_tokens=h,
-            recomputed_tokens=recomputed,
-            producer=p_clipped,
-            consumer=c_clipped,
-            producer_ends=p_ends,
-            consumer_ends=c_ends,
-        )
-        assert fast == by_position if by_position is not None else not isinstance(fast, list), (p_ends, c_ends)
+        if p_ends is None and c_ends is None and isinstance(fast, list):
+            plain_pairs = plain.compute_block_pairs(producer_block_ids=p_clipped, consumer_block_ids=c_clipped)
+            assert fast == outcome_of_pairs(plain_pairs)
+        assert fast == outcome(p_clipped, c_clipped, p_ends, c_ends, definition=True), (p_ends, c_ends)
+
+
+def outcome_of_pairs(pairs: BlockPairs) -> list[list[tuple[int, int]]]:
+    """Per group, the (producer id, consumer id) pairs."""
+    return [list(zip(*g, strict=True)) for g in zip(pairs.producer_block_ids, pairs.consumer_block_ids, strict=True)]
 
 
 # --------------------------------------------------------------------------- PLAN-1
@@ -347,10 +253,10 @@ def plan_or_error(producer: KVCacheConfig, consumer: KVCacheConfig, pairs: Pairs
     model="gemma-3-27b", producer_layout="blocks_first", consumer_layout="blocks_first",
     producer_blocks=30, consumer_blocks=30, seed=3,
 )  # fmt: skip
-def test_fast_plan_equals_the_page_by_page_oracle(
+def test_fast_plan_equals_the_page_by_page_definition(
     model: str, producer_layout: Layout, consumer_layout: Layout, producer_blocks: int, consumer_blocks: int, seed: int
 ) -> None:
-    """Same copies in the same order as the definition, or the same refusal as the page-by-page planner (PLAN-1)."""
+    """Same copies in the same order as kvspec.spec's definition, or the same refusal (PLAN-1)."""
     producer = small_config(model, producer_layout, producer_blocks)
     consumer = small_config(model, consumer_layout, consumer_blocks)
     pairs = random_pairs(random.Random(seed), producer, consumer)
@@ -360,12 +266,17 @@ def test_fast_plan_equals_the_page_by_page_oracle(
     except PlanError as exc:
         straightforward = str(exc)
     assert got == straightforward
+    definition = result_of(
+        lambda: plain.compute_page_copies(producer_config=producer, consumer_config=consumer, pairs=pairs)
+    )
     if isinstance(got, TransferPlan):
-        assert list(got.copies) == oracle_plan(producer, consumer, pairs)
+        assert got.copies == definition
         descriptors = got.to_descriptors(kvspec_read())
         assert [(d.remote_region, d.remote_offset, d.nbytes) for d in descriptors] == [
             (c.producer_region, c.producer_offset, c.nbytes) for c in got.copies
         ]
+    else:
+        assert definition == (PlanError, got)
 
 
 def kvspec_read() -> TransferMode:
@@ -397,16 +308,17 @@ def test_contiguous_shuffled_and_duplicate_ids_take_the_paths_they_should(monkey
     )
     plan = plan_transfer(producer_config=config, consumer_config=config, pairs=duplicate)
     assert calls == [True, False]  # a page read twice: only the page-by-page planner is exact
-    assert list(plan.copies) == oracle_plan(config, config, duplicate)
+    assert list(plan.copies) == list(
+        plain.compute_page_copies(producer_config=config, consumer_config=config, pairs=duplicate)
+    )
 
 
 def test_a_fast_path_that_ignores_the_consumer_side_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     """Mutant: chains cut on producer ids only; the oracle comparison fails on a pair broken on C's side."""
     config = small_config("llama-3.1-8b", "blocks_first", 16)
     pairs = Pairs(producer_block_ids=BlockIds([[3, 4, 5]]), consumer_block_ids=BlockIds([[10, 11, 13]]))
-    assert list(plan_transfer(producer_config=config, consumer_config=config, pairs=pairs).copies) == oracle_plan(
-        config, config, pairs
-    )
+    definition = plain.compute_page_copies(producer_config=config, consumer_config=config, pairs=pairs)
+    assert plan_transfer(producer_config=config, consumer_config=config, pairs=pairs).copies == definition
     original = plan_module._sorted_pairs
 
     def producer_only(p: Sequence[int], c: Sequence[int], *args: object) -> object:
@@ -415,7 +327,7 @@ def test_a_fast_path_that_ignores_the_consumer_side_is_caught(monkeypatch: pytes
     monkeypatch.setattr(plan_module, "_sorted_pairs", producer_only)
     plan_module._LAYOUT_CACHE.clear()
     mutant = plan_transfer(producer_config=config, consumer_config=config, pairs=pairs)
-    assert list(mutant.copies) != oracle_plan(config, config, pairs)
+    assert mutant.copies != definition
 
 
 def test_plans_from_columns_and_from_copies_are_equal() -> None:
@@ -433,22 +345,6 @@ def test_plans_from_columns_and_from_copies_are_equal() -> None:
 # --------------------------------------------------------------------------- pruning (WIN-1 helper)
 
 
-def oracle_prune(config: KVCacheConfig, groups: Sequence[Sequence[int]], num_computed_tokens: int) -> list[list[int]]:
-    """vLLM's walk back from block k - 1, one id at a time, stopping at the first null."""
-    from kvspec import get_num_skipped_tokens
-
-    out = []
-    for group, spec in zip(groups, (g.kv_cache_spec for g in config.kv_cache_groups), strict=True):
-        blocks = list(group)
-        k = min(get_num_skipped_tokens(spec, num_computed_tokens=num_computed_tokens) // spec.block_size, len(blocks))
-        for i in range(k - 1, -1, -1):
-            if blocks[i] == NULL_BLOCK_ID:
-                break
-            blocks[i] = NULL_BLOCK_ID
-        out.append(blocks)
-    return out
-
-
 @given(
     model=st.sampled_from(MODELS),
     n=st.integers(0, 3000),
@@ -459,7 +355,7 @@ def test_pruning_equals_the_walk_back_oracle(model: str, n: int, data: list[int]
     config = small_config(model, "blocks_first", 4)
     groups = [list(itertools.islice(itertools.cycle(data or [1]), len(data))) for _ in range(config.num_groups)]
     got = get_pruned_block_ids(config, groups, num_computed_tokens=n)
-    assert got.to_lists() == oracle_prune(config, groups, n)
+    assert got == plain.get_pruned_block_ids(config, groups, num_computed_tokens=n)
 
 
 @pytest.mark.parametrize("allocation", ["contiguous", "shuffled"])
@@ -500,8 +396,45 @@ def test_an_engine_shaped_request_takes_the_fast_path_and_equals_the_page_by_pag
     plan = plan_transfer(producer_config=config, consumer_config=config, pairs=pairs)
     assert calls == [True]
     assert plan == _plan_page_by_page(config, config, pairs)
+    assert plan.copies == plain.compute_page_copies(producer_config=config, consumer_config=config, pairs=pairs)
     assert plan.num_pages == sum(
         len(g.layer_names) * len(ids) for g, ids in zip(config.kv_cache_groups, pairs.consumer_block_ids, strict=True)
     )
     if allocation == "contiguous":
         assert plan.num_descriptors <= 2 * config.num_groups  # a run per group, split at most once by the pool
+
+
+# --------------------------------------------------------------------------- OFF-5 hit
+
+
+@given(case=hit_cases(), local_shift=st.sampled_from([0, 0, 1]), extra_key=st.booleans(), drop_group=st.booleans())
+@example(case=(FA_SW, offload(), [[True] * 3, [True] * 3], 12, 0), local_shift=0, extra_key=False, drop_group=False)
+@example(  # R3: window chunks {0, 1, 2, 4} of 6 present, N = 25: the hit ends at 12
+    case=(FA_SW, offload(), [[True] * 6, [True, True, True, False, True, False]], 25, 0),
+    local_shift=0,
+    extra_key=False,
+    drop_group=False,
+)
+def test_offload_hit_equals_the_definition_refusals_included(
+    case: tuple[KVCacheConfig, OffloadConfig, list[list[bool]], int, int],
+    local_shift: int,
+    extra_key: bool,
+    drop_group: bool,
+) -> None:
+    """The hit's jumps over absent chunks give the definition's end-by-end answer, and its refusals (OFF-5)."""
+    config, off_config, present, num_tokens, local = case
+    local += local_shift  # off a block boundary when the block size is above 1, or past the request
+    present = [[*keys, True] for keys in present] if extra_key else present  # a key the request cannot have yet
+    present = present[:-1] if drop_group else present
+    sizes = get_chunk_sizes(config, blocks_per_chunk=off_config.blocks_per_chunk)
+    fast = result_of(
+        lambda: get_offload_hit_tokens(
+            config, present, num_tokens=num_tokens, local_hit_tokens=local, offload=off_config
+        )
+    )
+    definition = result_of(
+        lambda: plain.get_offload_hit_tokens(
+            config, present, num_tokens=num_tokens, local_hit_tokens=local, chunk_sizes=sizes
+        )
+    )
+    assert fast == definition

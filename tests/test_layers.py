@@ -26,6 +26,20 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
     ("errors", frozenset({"kvspec._errors"})),
     ("data", frozenset({"kvspec._models", "kvspec._descriptors", "kvspec._rules"})),
     (
+        "definitions",
+        frozenset(
+            {
+                "kvspec.spec",
+                "kvspec.spec.admission",
+                "kvspec.spec.coverage",
+                "kvspec.spec.offload",
+                "kvspec.spec.pairing",
+                "kvspec.spec.plan",
+                "kvspec.spec.window",
+            }
+        ),
+    ),
+    (
         "rules",
         frozenset({"kvspec._reference", "kvspec._offload", "kvspec._messages", "kvspec._presets", "kvspec._integrity"}),
     ),
@@ -60,6 +74,7 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
         frozenset(
             {
                 "kvspec.integrations",
+                "kvspec.integrations.expectations",
                 "kvspec.integrations.vllm",
                 "kvspec.integrations.vllm_audit",
                 "kvspec.integrations.vllm_offload_audit",

@@ -17,6 +17,7 @@ from hypothesis import assume, example, given
 from hypothesis import strategies as st
 
 import kvspec._offload as off
+import kvspec.spec as plain
 from kvspec import (
     ChunkedLocalAttentionSpec,
     ConfigError,
@@ -143,23 +144,6 @@ def naive_store(
         chunks.append(offered)
         sources.append(source)
     return chunks, sources
-
-
-def naive_hit(config: KVCacheConfig, present: Sequence[Sequence[bool]], *, num_tokens: int, local: int, f: int) -> int:
-    """The largest end whose needed tokens all lie in present chunks, by brute force over every end."""
-    sizes = chunk_sizes(config, f)
-    windows = [window_of(config, g) for g in range(config.num_groups)]
-    start = num_tokens - 1 if any(w is not None for w in windows) else num_tokens
-    start = min([start, *(len(p) * s for p, s in zip(present, sizes, strict=True))])
-    for end in range(start, local, -1):
-        if any(end - local < s for s in sizes):
-            return 0
-        if all(
-            all(present[g][t // sizes[g]] for t in naive_needed_tokens(windows[g], end=end, local=local))
-            for g in range(config.num_groups)
-        ):
-            return end - local
-    return 0
 
 
 def naive_load_positions(config: KVCacheConfig, *, tokens: int, local: int) -> list[list[int]]:
@@ -523,7 +507,10 @@ def test_vllm_sliding_window_lookup_values(present: list[bool], window_chunks: i
 def test_hit_matches_the_token_model(case: tuple[KVCacheConfig, OffloadConfig, list[list[bool]], int, int]) -> None:
     config, off_config, present, num_tokens, local = case
     hit = get_offload_hit_tokens(config, present, num_tokens=num_tokens, local_hit_tokens=local, offload=off_config)
-    expected = naive_hit(config, present, num_tokens=num_tokens, local=local, f=off_config.blocks_per_chunk)
+    sizes = get_chunk_sizes(config, blocks_per_chunk=off_config.blocks_per_chunk)
+    expected = plain.get_offload_hit_tokens(
+        config, present, num_tokens=num_tokens, local_hit_tokens=local, chunk_sizes=sizes
+    )
     assert hit == expected
 
 

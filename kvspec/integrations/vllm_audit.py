@@ -28,7 +28,7 @@ from __future__ import annotations
 import json
 import random
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -53,11 +53,10 @@ from kvspec._reference import (
     get_needed_block_range,
 )
 from kvspec.integrations.vllm import (
-    VLLM_VERSION,
-    build_scheduler,
+    VllmConnector,
+    VllmHooks,
     import_vllm,
-    pair_mooncake,
-    pair_nixl,
+    installed_vllm_version,
     to_vllm_kv_cache_config,
 )
 
@@ -72,6 +71,7 @@ __all__ = [
     "GroupShape",
     "audit_case",
     "check_drive",
+    "check_expected",
     "check_kvspec",
     "generate_cases",
     "run_audit",
@@ -333,20 +333,30 @@ def _tuples(groups: Iterable[Iterable[int]]) -> tuple[tuple[int, ...], ...]:
     return tuple(tuple(g) for g in groups)
 
 
-def _drive(case: AuditCase, connector: str, config: KVCacheConfig, engines: tuple[_Engine, _Engine]) -> _Drive:
+def _adapter(connector: str | VllmConnector) -> VllmConnector:
+    """The vLLM connector a drive runs: ``reference`` drives NIXL's schedulers and kvspec's own pairing."""
+    if isinstance(connector, VllmConnector):
+        return connector
+    return VllmConnector("nixl" if connector == "reference" else connector)
+
+
+def _drive(
+    case: AuditCase, connector: str | VllmConnector, config: KVCacheConfig, engines: tuple[_Engine, _Engine]
+) -> _Drive:
     producer_engine, consumer_engine = engines
     block_size = case.groups[0].block_size
     n = case.num_tokens
     rid = f"req{case.index}"
     # Distinct tokens per request: the only prefix hit is the one the case asks for.
     tokens = list(range(1 + case.index * (_MAX_TOKENS + 1), 1 + case.index * (_MAX_TOKENS + 1) + n))
-    name = "nixl" if connector == "reference" else connector
-    producer_sched = build_scheduler(
-        name, config, role="kv_producer", mode=TransferMode.READ, num_lookahead_tokens=case.lookahead
+    adapter = _adapter(connector)
+    producer_sched = adapter.build_scheduler(
+        config, role="kv_producer", mode=TransferMode.READ, num_lookahead_tokens=case.lookahead
     )
-    consumer_sched = build_scheduler(
-        name, config, role="kv_consumer", mode=TransferMode.READ, num_lookahead_tokens=case.lookahead
+    consumer_sched = adapter.build_scheduler(
+        config, role="kv_consumer", mode=TransferMode.READ, num_lookahead_tokens=case.lookahead
     )
+    hooks = adapter.shape(consumer_sched)
     # -- producer: the prefill leg
     p_params: dict[str, Any] = {"do_remote_decode": True, "transfer_id": rid}
     p_req = _request(producer_engine, rid, tokens, p_params)
@@ -369,12 +379,10 @@ def _drive(case: AuditCase, connector: str, config: KVCacheConfig, engines: tupl
     )
     producer_table = _tuples(p_manager.get_block_ids(rid))
     _, returned = producer_sched.request_finished(p_req, p_blocks)
-    if connector == "mooncake":
-        remote_ids = _tuples(producer_sched._reqs_need_send[rid][1])
-    elif connector == "reference":
+    if connector == "reference":
         remote_ids = _tuples(p_blocks)
     else:
-        remote_ids = _tuples(returned["remote_block_ids"])
+        remote_ids = _tuples(hooks.sent_block_ids(producer_sched, rid, returned))
     p_manager.free(p_req)
     # -- consumer: the decode leg
     if case.cached_prefix_tokens:
@@ -418,7 +426,9 @@ def _drive(case: AuditCase, connector: str, config: KVCacheConfig, engines: tupl
     pairs: tuple[tuple[tuple[int, int], ...], ...] | None = None
     lists: tuple[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]] = (remote_ids, ())
     try:
-        lists, pairs = _pair(connector, config, consumer_sched, c_manager, c_req, remote_ids, external, n - 1, hit)
+        lists, pairs = _pair(
+            connector, hooks, config, consumer_sched, c_manager, c_req, remote_ids, external, n - 1, hit
+        )
     except KVSpecError as exc:
         if connector != "reference":
             raise
@@ -451,7 +461,8 @@ def _zip_pairs(
 
 
 def _pair(
-    connector: str,
+    connector: str | VllmConnector,
+    hooks: VllmHooks,
     config: KVCacheConfig,
     scheduler: Any,
     manager: Any,
@@ -492,31 +503,8 @@ def _pair(
         )
         return (_tuples(producer), _tuples(consumer)), _zip_pairs(paired.producer_block_ids, paired.consumer_block_ids)
     scheduler.update_state_after_alloc(request, blocks, external)
-    if connector == "moriio":
-        _, local = scheduler._reqs_need_recv[rid]
-        saved = scheduler._req_kv_params.get(rid, {})
-        aligned_remote = saved.get("remote_block_ids", remote) if external > 0 else [[] for _ in remote]
-        # MoRI-IO's consumer list is its whole table, prefix hit included; kvspec is shown the
-        # uncached suffix of the aligned lists (its convention), the pairs are MoRI-IO's own.
-        table = manager.get_block_ids(rid)
-        held = [set(t[: hit // s.kv_cache_spec.block_size]) for t, s in zip(table, config.kv_cache_groups, strict=True)]
-        keep = [
-            [(p, c) for p, c in zip(r, loc, strict=True) if c not in h or c == NULL_BLOCK_ID]
-            for r, loc, h in zip(aligned_remote, local, held, strict=True)
-        ]
-        shown = (_tuples([p for p, _ in k] for k in keep), _tuples([c for _, c in k] for k in keep))
-        return shown, _zip_pairs(aligned_remote, local)
-    if connector == "nixl":
-        local = scheduler._reqs_need_recv[rid][1]
-        if not any(local):
-            return (remote, _tuples(local)), tuple(() for _ in remote)
-        p, c = pair_nixl(remote, local, connector="nixl")
-        return (remote, _tuples(local)), _zip_pairs(p, c)
-    local = scheduler._reqs_need_recv[rid][1]
-    if not local or not any(local):
-        return (remote, _tuples(local)), tuple(() for _ in remote)
-    p, c = pair_mooncake(to_vllm_kv_cache_config(config), remote, local)
-    return (remote, _tuples(local)), _zip_pairs(p, c)
+    shown, posted = hooks.audit_pairs(scheduler, config, rid, remote, manager.get_block_ids(rid), hit, external)
+    return (_tuples(shown[0]), _tuples(shown[1])), _zip_pairs(posted[0], posted[1])
 
 
 # --------------------------------------------------------------------------- the oracle
@@ -678,6 +666,8 @@ class AuditReport:
     failed_closed: dict[str, int]
     classes: tuple[ClassResult, ...]
     seconds: float
+    connector_classes: dict[str, str] = attrs.field(factory=dict)
+    """Each audited connector's vLLM class as ``MODULE:CLASS``, by the label the report uses."""
 
     def deviations(self, connector: str | None = None) -> int:
         """Requests with a deviation, over the classes kvspec counts as such (not its own strictness)."""
@@ -691,6 +681,7 @@ class AuditReport:
         """The committed JSON's content; ``seconds`` is left out so a rerun at the same seed matches."""
         return {
             "vllm_version": self.vllm_version,
+            "connector_classes": self.connector_classes,
             "seed": self.seed,
             "requests": self.requests,
             "pairs": self.pairs,
@@ -702,17 +693,27 @@ class AuditReport:
         """Write :meth:`to_dict` as indented JSON."""
         Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n", encoding="utf-8")
 
+    def _tested_lines(self) -> list[str]:
+        import kvspec
+
+        version = ".".join(map(str, kvspec.PROTOCOL_VERSION))
+        lines = [f"  kvspec {kvspec.__version__}, protocol version {version}"]
+        lines += [f"  {name}: {path}" for name, path in self.connector_classes.items() if name != path]
+        return lines
+
     def render(self) -> str:
         """The terminal table, then the smallest reproducer of each class."""
-        lines = [f"kvspec vllm-audit: vLLM {self.vllm_version}, seed {self.seed}, {self.seconds:.1f}s", ""]
+        lines = [f"kvspec vllm-audit: vLLM {self.vllm_version}, seed {self.seed}, {self.seconds:.1f}s"]
+        lines += [*self._tested_lines(), ""]
+        width = max([10, *(len(name) for name in self.requests)])
         header = (
-            f"{'connector':<10} {'requests':>8} {'pairs':>9} {'refused':>7}  "
+            f"{'connector':<{width}} {'requests':>8} {'pairs':>9} {'refused':>7}  "
             f"{'deviation class':<30} {'rule':<8} {'requests':>8} {'pairs':>7}"
         )
         lines += [header, "-" * len(header)]
         for connector, count in self.requests.items():
             mine = [c for c in self.classes if c.connector == connector]
-            first = f"{connector:<10} {count:>8} {self.pairs[connector]:>9} {self.failed_closed[connector]:>7}  "
+            first = f"{connector:<{width}} {count:>8} {self.pairs[connector]:>9} {self.failed_closed[connector]:>7}  "
             if not mine:
                 lines.append(first + "no deviation")
             for i, c in enumerate(mine):
@@ -731,6 +732,35 @@ class AuditReport:
                 f"  consumer list {r['consumer_list']}",
             ]
         return "\n".join(lines) + "\n"
+
+
+def check_expected(report: AuditReport, expected: Mapping[str, str]) -> list[str]:
+    """What breaks the expected list: a deviation class not in it, or a listed one that is gone (FAIL-1).
+
+    Keys are ``CONNECTOR/CLASS`` or ``CLASS`` (any connector), as
+    :func:`kvspec.integrations.expectations.parse_expected` reads them; keys
+    naming a connector not in ``report`` are ignored. kvspec's own
+    strictness classes (``kvspec-*``) are never counted.
+    """
+    problems = []
+    found = {(c.connector, c.deviation) for c in report.classes if not c.deviation.startswith("kvspec-")}
+    for connector, deviation in sorted(found, key=lambda k: (list(report.requests).index(k[0]), k[1])):
+        if f"{connector}/{deviation}" not in expected and deviation not in expected:
+            rule = DEVIATIONS[deviation].rule
+            problems.append(f"{connector}: unexpected deviation {deviation} ({rule}): {DEVIATIONS[deviation].title}")
+    for key, reason in expected.items():
+        connector, _, deviation = key.rpartition("/")
+        if deviation not in DEVIATIONS:
+            problems.append(f"expected {key}: no deviation class {deviation!r}; expected one of {sorted(DEVIATIONS)}")
+            continue
+        audited = [connector] if connector else list(report.requests)
+        if connector and connector not in report.requests:
+            continue
+        if not any((name, deviation) in found for name in audited):
+            problems.append(
+                f"{key} was expected ({reason}) but no longer found: the deviation is gone, remove it from the list"
+            )
+    return problems
 
 
 def _clip_list(groups: Sequence[Sequence[int]], limit: int = 12) -> list[list[int] | str]:
@@ -757,7 +787,7 @@ def _size(case: AuditCase) -> tuple[int, int, int]:
     return (case.num_tokens, case.lookahead, case.index)
 
 
-def audit_case(case: AuditCase, connector: str) -> tuple[_Drive, list[Finding]]:
+def audit_case(case: AuditCase, connector: str | VllmConnector) -> tuple[_Drive, list[Finding]]:
     """Drive one request through ``connector`` and vLLM's own managers; every finding of the oracle (WIN-1)."""
     block_size = case.groups[0].block_size
     # Pools sized to the request, so building vLLM's managers costs in proportion to it.
@@ -770,7 +800,7 @@ def audit_case(case: AuditCase, connector: str) -> tuple[_Drive, list[Finding]]:
 
 def run_audit(
     *,
-    connectors: Sequence[str] = ("moriio", "nixl", "mooncake"),
+    connectors: Sequence[str | VllmConnector] = ("moriio", "nixl", "mooncake"),
     requests: int = 100,
     seed: int = 0,
     progress: Callable[[int, int], None] | None = None,
@@ -778,20 +808,28 @@ def run_audit(
     """Drive ``requests`` random requests through each connector and vLLM's managers; classify every deviation (WIN-1).
 
     The same requests go through every connector. ``"reference"`` runs
-    kvspec's own clipping and pairing on the same vLLM tables.
+    kvspec's own clipping and pairing on the same vLLM tables; a
+    ``MODULE:CLASS`` string or a :class:`~kvspec.integrations.vllm.VllmConnector`
+    audits any vLLM connector class (labelled by its name).
     """
-    for name in connectors:
-        if name not in AUDIT_CONNECTORS:
-            raise ValueError(f"vllm-audit: connector expected one of {list(AUDIT_CONNECTORS)}, got {name!r}")
+    adapters: dict[str, str | VllmConnector] = {}
+    for connector in connectors:
+        if isinstance(connector, str) and connector not in AUDIT_CONNECTORS and ":" not in connector:
+            raise ValueError(
+                f"vllm-audit: connector expected one of {list(AUDIT_CONNECTORS)} or MODULE:CLASS, got {connector!r}"
+            )
+        label = connector if isinstance(connector, str) else connector.name
+        adapters[label] = VllmConnector(connector) if ":" in label and isinstance(connector, str) else connector
+    labels = list(adapters)
     started = time.perf_counter()
     cases = generate_cases(requests, seed)
-    counts = {name: 0 for name in connectors}
-    pairs = {name: 0 for name in connectors}
-    closed = {name: 0 for name in connectors}
+    counts = dict.fromkeys(labels, 0)
+    pairs = dict.fromkeys(labels, 0)
+    closed = dict.fromkeys(labels, 0)
     found: dict[tuple[str, str], list[tuple[AuditCase, _Drive, Finding, int]]] = {}
     for step, case in enumerate(cases):
-        for name in connectors:
-            drive, findings = audit_case(case, name)
+        for name, adapter in adapters.items():
+            drive, findings = audit_case(case, adapter)
             counts[name] += 1
             pairs[name] += sum(len(g) for g in drive.pairs or ())
             closed[name] += drive.failed_closed is not None
@@ -804,7 +842,7 @@ def run_audit(
             progress(step + 1, len(cases))
     order = {d: i for i, d in enumerate(DEVIATIONS)}
     classes = []
-    for (name, deviation), hits in sorted(found.items(), key=lambda kv: (connectors.index(kv[0][0]), order[kv[0][1]])):
+    for (name, deviation), hits in sorted(found.items(), key=lambda kv: (labels.index(kv[0][0]), order[kv[0][1]])):
         case, drive, finding, _ = min(hits, key=lambda h: _size(h[0]))
         classes.append(
             ClassResult(
@@ -817,7 +855,11 @@ def run_audit(
         )
     return AuditReport(
         seed=seed,
-        vllm_version=VLLM_VERSION,
+        vllm_version=installed_vllm_version() or "not installed",
+        connector_classes={
+            name: "kvspec reference functions" if name == "reference" else _adapter(adapter).connector_class
+            for name, adapter in adapters.items()
+        },
         requests=counts,
         pairs=pairs,
         failed_closed=closed,

@@ -1,0 +1,215 @@
+"""Which positions the consumer needs, and that both lists hold them: WIN-1."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvspec._errors import BlockAlignmentError, ConfigError, GroupCountError, WindowCoverageError
+from kvspec._models import (
+    NULL_BLOCK_ID,
+    BlockIds,
+    ChunkedLocalAttentionSpec,
+    KVCacheConfig,
+    KVCacheSpec,
+    MambaSpec,
+    SlidingWindowSpec,
+)
+from kvspec.spec.window import BlockIdsLike, check_count
+
+__all__ = [
+    "check_window_coverage",
+    "get_block_ends",
+    "get_checked_block_ends",
+    "get_logical_block_count",
+    "get_needed_block_range",
+    "get_needed_token_range",
+    "get_num_skipped_tokens",
+    "get_pruned_block_ids",
+]
+
+
+def get_logical_block_count(spec: KVCacheSpec, *, num_tokens: int) -> int:
+    """Blocks that ``num_tokens`` tokens span in a group: ``cdiv(T, B_g)`` (WIN-1)."""
+    return -(-check_count("num_tokens", num_tokens) // spec.block_size)
+
+
+def get_needed_token_range(spec: KVCacheSpec, *, num_tokens: int, prefix_hit_tokens: int) -> range:
+    """Positions C needs from P: ``[H, T-1]``, or ``[max(H, T-W+1), T-1]`` for sliding window (WIN-1)."""
+    start = prefix_hit_tokens
+    if isinstance(spec, SlidingWindowSpec):
+        # The token at position T attends [T-W+1, T]; T itself is computed by C (WIN-1).
+        start = max(start, num_tokens - spec.sliding_window + 1)
+    return range(start, max(start, num_tokens))
+
+
+def get_needed_block_range(spec: KVCacheSpec, *, num_tokens: int, prefix_hit_tokens: int) -> range:
+    """Logical blocks that cover a needed position (WIN-1)."""
+    tokens = get_needed_token_range(spec, num_tokens=num_tokens, prefix_hit_tokens=prefix_hit_tokens)
+    if not tokens:
+        return range(0)
+    return range(tokens.start // spec.block_size, (tokens.stop - 1) // spec.block_size + 1)
+
+
+def get_num_skipped_tokens(spec: KVCacheSpec, *, num_computed_tokens: int) -> int:
+    """Leading tokens a group no longer needs, as vLLM's ``get_num_skipped_tokens`` counts them (WIN-1)."""
+    n = check_count("num_computed_tokens", num_computed_tokens)
+    if isinstance(spec, SlidingWindowSpec):
+        return max(0, n - spec.sliding_window + 1)
+    if isinstance(spec, ChunkedLocalAttentionSpec):
+        return (n // spec.attention_chunk_size) * spec.attention_chunk_size
+    if isinstance(spec, MambaSpec):
+        return max(0, n - 1)
+    return 0
+
+
+def get_pruned_block_ids(config: KVCacheConfig, block_ids: BlockIdsLike, *, num_computed_tokens: int) -> BlockIds:
+    """Null the whole blocks a group skips, as vLLM's ``remove_skipped_blocks`` does (WIN-1).
+
+    Per group, ``k = min(skipped // B_g, len)`` leading blocks are candidates;
+    walking back from ``k - 1``, each becomes id 0 until the first id that is
+    already null (docs/spec/alignment-and-coverage.md, WIN-1 Boundaries) (WIN-1).
+    """
+    ids = block_ids if isinstance(block_ids, BlockIds) else BlockIds(block_ids)
+    # One list per group, or a group would be pruned by another group's window (WIN-1).
+    if len(ids) != config.num_groups:
+        raise GroupCountError(f"block ids have {len(ids)} groups, the config {config.num_groups} (WIN-1)")
+    pruned: list[list[int]] = []
+    for group, group_spec in zip(ids, config.kv_cache_groups, strict=True):
+        spec = group_spec.kv_cache_spec
+        blocks = list(group)
+        skipped = get_num_skipped_tokens(spec, num_computed_tokens=num_computed_tokens)
+        k = min(skipped // spec.block_size, len(blocks))
+        for i in range(k - 1, -1, -1):
+            if blocks[i] == NULL_BLOCK_ID:
+                break  # blocks before a null were nulled by an earlier step
+            blocks[i] = NULL_BLOCK_ID
+        pruned.append(blocks)
+    return BlockIds(pruned)
+
+
+def get_block_ends(block_ids: BlockIdsLike, *, first_blocks: Sequence[int] | None = None) -> tuple[int, ...]:
+    """Where each group's list ends: the logical block just past its last entry (ALIGN-1, WIN-1).
+
+    ``first_blocks[g]`` is the logical block of group ``g``'s first entry;
+    a whole block table starts at logical block 0, so its ends are its
+    lengths (ALIGN-1, WIN-1).
+    """
+    ids = block_ids if isinstance(block_ids, BlockIds) else BlockIds(block_ids)
+    firsts = [0] * len(ids) if first_blocks is None else list(first_blocks)
+    if len(firsts) != len(ids):
+        raise GroupCountError(f"block ids have {len(ids)} groups, first_blocks {len(firsts)} (ALIGN-1)")
+    return tuple(
+        check_count(f"first_blocks[{g}]", first) + len(group)
+        for g, (first, group) in enumerate(zip(firsts, ids, strict=True))
+    )
+
+
+def get_checked_block_ends(role: str, ends: Sequence[int] | None, ids: BlockIds) -> tuple[int, ...] | None:
+    """The ends a side declared for its lists, checked; None (a 1.0 peer, no ends) passes through (ALIGN-1)."""
+    if ends is None:
+        return None
+    checked = tuple(check_count(f"{role}_block_ends[{g}]", end) for g, end in enumerate(ends))
+    # One end per group, or a group's list would be placed by another's end (ALIGN-1).
+    if len(checked) != len(ids):
+        raise GroupCountError(f"{role} block ids have {len(ids)} groups, its block ends {len(checked)} (ALIGN-1)")
+    for g, (end, group) in enumerate(zip(checked, ids, strict=True)):
+        # A list of n ids ending at logical block `end` starts at end - n, which may not be negative (ALIGN-1).
+        if len(group) > end:
+            raise BlockAlignmentError(
+                f"group {g}: the {role}'s list holds {len(group)} blocks but says it ends at logical block "
+                f"{end - 1}, before its own length (ALIGN-1)"
+            )
+    return checked
+
+
+def _check_prefix(config: KVCacheConfig, num_tokens: int, prefix_hit_tokens: int) -> None:
+    t = check_count("num_tokens", num_tokens)
+    h = check_count("prefix_hit_tokens", prefix_hit_tokens)
+    # C cannot hit more tokens than the request has (WIN-1).
+    if h > t:
+        raise ConfigError(f"prefix_hit_tokens: expected at most num_tokens={t}, got {h}")
+    for g, group in enumerate(config.kv_cache_groups):
+        # C's list is tail-aligned and starts on a block boundary, so H must be whole blocks (WIN-1).
+        if h % group.kv_cache_spec.block_size:
+            raise BlockAlignmentError(
+                f"prefix_hit_tokens={h} is not a multiple of group {g}'s block size "
+                f"{group.kv_cache_spec.block_size} (WIN-1)"
+            )
+
+
+def _check_side(
+    role: str, blocks: Sequence[int], g: int, spec: KVCacheSpec, needed: range, *, end: int, floor: int, listed: int
+) -> None:
+    """One side's list of group ``g``, ending at logical block ``end - 1``, against the blocks it may hold (WIN-1)."""
+    total = get_logical_block_count(spec, num_tokens=listed)
+    # A list that reaches past the request's last block was built for more tokens, or shifted (WIN-1).
+    if end > total:
+        raise BlockAlignmentError(
+            f"group {g}: the {role}'s list ends at logical block {end - 1}, past the request's last block "
+            f"{total - 1} ({listed} tokens listed) (WIN-1)"
+        )
+    # A list may not start before block 0 (P) or before C's prefix hit (C) (WIN-1).
+    if len(blocks) > end - floor:
+        raise BlockAlignmentError(
+            f"group {g}: {role} lists {len(blocks)} blocks, but {listed} tokens leave at most {end - floor} (WIN-1)"
+        )
+    first = end - len(blocks)  # the logical block of the list's first entry
+    for k in needed:
+        block_id = blocks[k - first] if first <= k < end else None
+        # Every block holding a needed position is real, or C would read KV that never arrived (WIN-1).
+        if block_id is None or block_id == NULL_BLOCK_ID:
+            found = "no block" if block_id is None else "the null block"
+            span = f"tokens [{k * spec.block_size}, {(k + 1) * spec.block_size - 1}]"
+            raise WindowCoverageError(
+                f"group {g} ({spec.kind.value}): logical block {k} ({span}) is needed by the consumer but the "
+                f"{role} has {found} there; needed blocks {needed.start}..{needed.stop - 1} (WIN-1)"
+            )
+
+
+def check_window_coverage(
+    config: KVCacheConfig,
+    *,
+    num_tokens: int,
+    prefix_hit_tokens: int,
+    producer_block_ids: BlockIdsLike,
+    consumer_block_ids: BlockIdsLike,
+    recomputed_tokens: int = 0,
+    producer_block_ends: Sequence[int] | None = None,
+    consumer_block_ends: Sequence[int] | None = None,
+) -> None:
+    """Raise unless every block covering a needed position is real on both sides (WIN-1).
+
+    The lists cover ``T + R`` tokens: T whose KV C takes, then R
+    (``recomputed_tokens``) that C recomputes. Each group's list ends at
+    logical block ``end - 1``: the end the side declared, or
+    ``cdiv(T + R, B_g)``. It may not end past that block, nor start before
+    logical block 0 (P) or ``H / B_g`` (C). Zero consumer groups (full prefix
+    hit) pass only when nothing is needed (WIN-1).
+    """
+    _check_prefix(config, num_tokens, prefix_hit_tokens)
+    listed = num_tokens + check_count("recomputed_tokens", recomputed_tokens)
+    producer = producer_block_ids if isinstance(producer_block_ids, BlockIds) else BlockIds(producer_block_ids)
+    consumer = consumer_block_ids if isinstance(consumer_block_ids, BlockIds) else BlockIds(consumer_block_ids)
+    specs = [group.kv_cache_spec for group in config.kv_cache_groups]
+    needed = [get_needed_block_range(s, num_tokens=num_tokens, prefix_hit_tokens=prefix_hit_tokens) for s in specs]
+    if len(consumer) == 0:
+        # Zero groups is the full-prefix-hit signal: valid only when C needs nothing (WIN-1).
+        missing = [f"group {g} blocks {r.start}..{r.stop - 1}" for g, r in enumerate(needed) if r]
+        if missing:
+            raise WindowCoverageError(f"consumer offers zero groups but needs {'; '.join(missing)} (WIN-1)")
+        return
+    if len(producer) == 0 and not any(needed):
+        producer = BlockIds([()] * len(specs))  # P offered nothing and nothing is needed
+    for role, ids in (("producer", producer), ("consumer", consumer)):
+        # One list per group, or a group would be checked against another's window (WIN-1).
+        if len(ids) != len(specs):
+            raise GroupCountError(f"{role} block ids have {len(ids)} groups, the config {len(specs)} (WIN-1)")
+    p_ends = get_checked_block_ends("producer", producer_block_ends, producer)
+    c_ends = get_checked_block_ends("consumer", consumer_block_ends, consumer)
+    for g, spec in enumerate(specs):
+        total = get_logical_block_count(spec, num_tokens=listed)
+        p_end = total if p_ends is None else p_ends[g]
+        c_end = total if c_ends is None else c_ends[g]
+        _check_side("producer", producer[g], g, spec, needed[g], end=p_end, floor=0, listed=listed)
+        hit_blocks = prefix_hit_tokens // spec.block_size
+        _check_side("consumer", consumer[g], g, spec, needed[g], end=c_end, floor=hit_blocks, listed=listed)

@@ -1,0 +1,152 @@
+"""Pairing producer and consumer ids: ALIGN-1 (tail alignment) and NULL-1 (no null block moves)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import attrs
+
+from kvspec._errors import BlockAlignmentError, GroupCountError
+from kvspec._models import NULL_BLOCK_ID, BlockIds, KVCacheConfig
+from kvspec.spec.coverage import check_window_coverage, get_checked_block_ends, get_logical_block_count
+from kvspec.spec.window import BlockIdsLike
+
+__all__ = ["BlockPairs", "compute_block_pairs", "compute_transfer_pairs"]
+
+
+def _to_block_ids(value: BlockIdsLike) -> BlockIds:
+    return value if isinstance(value, BlockIds) else BlockIds(value)
+
+
+def _check_pairs(inst: BlockPairs, attribute: attrs.Attribute[Any], value: BlockIds) -> None:
+    producer = inst.producer_block_ids
+    # Pair i of group g is (producer[g][i], consumer[g][i]): both sides list the same groups (ALIGN-1).
+    if len(producer) != len(value):
+        raise GroupCountError(f"BlockPairs: {len(producer)} producer groups, {len(value)} consumer groups (ALIGN-1)")
+    for g, (p, c) in enumerate(zip(producer, value, strict=True)):
+        # Every pair has both ends (ALIGN-1).
+        if len(p) != len(c):
+            raise BlockAlignmentError(f"BlockPairs: group {g} pairs {len(p)} producer with {len(c)} consumer ids")
+        # Block id 0 never reaches a transfer descriptor (NULL-1).
+        if producer._has_null(g) or value._has_null(g):
+            raise BlockAlignmentError(f"BlockPairs: group {g} holds the null block id 0 (NULL-1)")
+
+
+@attrs.frozen(kw_only=True)
+class BlockPairs:
+    """Per-group producer and consumer ids, equal lengths, pair i is (producer[g][i], consumer[g][i]).
+
+    No id is the null block (NULL-1). Zero groups mean nothing to transfer.
+    """
+
+    producer_block_ids: BlockIds = attrs.field(converter=_to_block_ids)
+    consumer_block_ids: BlockIds = attrs.field(converter=_to_block_ids, validator=_check_pairs)
+
+    @property
+    def num_groups(self) -> int:
+        """Groups, or 0 when nothing is transferred."""
+        return len(self.consumer_block_ids)
+
+    @property
+    def num_pairs(self) -> int:
+        """Pairs over all groups: the blocks that move."""
+        return self.consumer_block_ids.num_blocks
+
+    def iter_pairs(self) -> Iterator[tuple[int, int, int]]:
+        """``(group_index, producer_id, consumer_id)`` for every pair, group by group."""
+        for g, (p, c) in enumerate(zip(self.producer_block_ids, self.consumer_block_ids, strict=True)):
+            for producer_id, consumer_id in zip(p, c, strict=True):
+                yield g, producer_id, consumer_id
+
+
+def compute_block_pairs(
+    *,
+    producer_block_ids: BlockIdsLike,
+    consumer_block_ids: BlockIdsLike,
+    producer_block_ends: Sequence[int] | None = None,
+    consumer_block_ends: Sequence[int] | None = None,
+) -> BlockPairs:
+    """Pair C's i-th id with P's id at ``len(P[g]) - len(C[g]) + i``; drop null pairs (ALIGN-1, NULL-1).
+
+    Where both sides say where their lists end, each group's lists must end at
+    the same logical block. A side that does not say (``None``, a 1.0 peer) is
+    taken to end where the other ends (ALIGN-1, NULL-1).
+    """
+    producer, consumer = _to_block_ids(producer_block_ids), _to_block_ids(consumer_block_ids)
+    if len(consumer) == 0:
+        return BlockPairs(producer_block_ids=[], consumer_block_ids=[])  # full prefix hit (ALIGN-1)
+    # Group g pairs with group g: both sides list every group (ALIGN-1).
+    if len(producer) != len(consumer):
+        raise GroupCountError(f"producer has {len(producer)} groups, consumer {len(consumer)} (ALIGN-1)")
+    p_ends = get_checked_block_ends("producer", producer_block_ends, producer)
+    c_ends = get_checked_block_ends("consumer", consumer_block_ends, consumer)
+    pairs_p: list[list[int]] = []
+    pairs_c: list[list[int]] = []
+    for g, (p, c) in enumerate(zip(producer, consumer, strict=True)):
+        # C's list is its uncached suffix of P's: it can never be longer (ALIGN-1).
+        if len(c) > len(p):
+            raise BlockAlignmentError(
+                f"group {g}: consumer holds {len(c)} blocks, producer offers {len(p)}; "
+                "the consumer may hold at most as many (ALIGN-1)"
+            )
+        # Tail alignment pairs by position only if both lists end at the same logical block (ALIGN-1).
+        if p_ends is not None and c_ends is not None and p_ends[g] != c_ends[g]:
+            raise BlockAlignmentError(
+                f"group {g}: the producer's list ends at logical block {p_ends[g] - 1}, the consumer's at "
+                f"{c_ends[g] - 1}; both must end at the same block (ALIGN-1)"
+            )
+        offset = len(p) - len(c)  # tail alignment: never front-trim (ALIGN-1)
+        pairs_p.append([])
+        pairs_c.append([])
+        for i, consumer_id in enumerate(c):
+            producer_id = p[offset + i]
+            if producer_id != NULL_BLOCK_ID and consumer_id != NULL_BLOCK_ID:  # a null side drops the pair (NULL-1)
+                pairs_p[g].append(producer_id)
+                pairs_c[g].append(consumer_id)
+    return BlockPairs(producer_block_ids=pairs_p, consumer_block_ids=pairs_c)
+
+
+def compute_transfer_pairs(
+    config: KVCacheConfig,
+    *,
+    num_tokens: int,
+    prefix_hit_tokens: int,
+    producer_block_ids: BlockIdsLike,
+    consumer_block_ids: BlockIdsLike,
+    recomputed_tokens: int = 0,
+    producer_block_ends: Sequence[int] | None = None,
+    consumer_block_ends: Sequence[int] | None = None,
+) -> BlockPairs:
+    """Check WIN-1 before any byte moves, then pair the lists (WIN-1, ALIGN-1, NULL-1).
+
+    ``recomputed_tokens`` and the block ends are as in
+    :func:`check_window_coverage`; where only one side declares its ends, the
+    other's are the request's last blocks, so a declared end elsewhere is
+    refused (WIN-1, ALIGN-1, NULL-1).
+    """
+    check_window_coverage(
+        config,
+        num_tokens=num_tokens,
+        prefix_hit_tokens=prefix_hit_tokens,
+        producer_block_ids=producer_block_ids,
+        consumer_block_ids=consumer_block_ids,
+        recomputed_tokens=recomputed_tokens,
+        producer_block_ends=producer_block_ends,
+        consumer_block_ends=consumer_block_ends,
+    )
+    if (producer_block_ends is None) != (consumer_block_ends is None):
+        # A side that declares no end sits at the request's last block, as WIN-1 placed it; pairing it
+        # by tail against a list that ends elsewhere would pair different positions (ALIGN-1).
+        lasts = tuple(
+            get_logical_block_count(group.kv_cache_spec, num_tokens=num_tokens + recomputed_tokens)
+            for group in config.kv_cache_groups
+        )
+        producer_block_ends = lasts if producer_block_ends is None else producer_block_ends
+        consumer_block_ends = lasts if consumer_block_ends is None else consumer_block_ends
+    return compute_block_pairs(
+        producer_block_ids=producer_block_ids,
+        consumer_block_ids=consumer_block_ids,
+        producer_block_ends=producer_block_ends,
+        consumer_block_ends=consumer_block_ends,
+    )

@@ -1,0 +1,155 @@
+"""kvspec.spec, the normative definitions: its layer, its pins, its place in the docs (SW-1, WIN-1, HMA-1, PLAN-1).
+
+The fast paths are compared with these definitions in tests/test_fast_paths.py;
+here: the spec imports nothing above models and errors, every public name that
+has no faster form IS the definition, the pinned values of the spec pages hold, and
+every rule with a definition is included from source on its docs/spec page.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+from hypothesis import example, given
+from hypothesis import strategies as st
+from strategies import config_from_specs, configs
+
+import kvspec
+import kvspec.spec as plain
+from kvspec import KVCacheConfig, SlidingWindowSpec
+
+ROOT = Path(__file__).resolve().parent.parent
+SPEC_DIR = ROOT / "kvspec" / "spec"
+# What the definitions may build on: the models, the errors, and each other.
+ALLOWED = frozenset({"kvspec._models", "kvspec._errors"})
+RULE_IDS = re.compile(r"\(((?:[A-Z]{2,5}-\d+)(?:, [A-Z]{2,5}-\d+)*)\)\.?\s*$")
+MARKER = re.compile(r"^[ \t]*<!--\s*kvspec:spec:(?P<module>\w+)\.(?P<name>\w+)\s*-->[ \t]*$", re.MULTILINE)
+
+
+def spec_imports(source: str) -> set[str]:
+    """Every kvspec module a source imports, outside kvspec.spec itself."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        names = [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+        names += [a.name for a in node.names] if isinstance(node, ast.Import) else []
+        found |= {n for n in names if n.split(".")[0] == "kvspec" and not n.startswith("kvspec.spec")}
+    return found
+
+
+@pytest.mark.parametrize("path", sorted(SPEC_DIR.glob("*.py")), ids=lambda p: p.name)
+def test_the_spec_imports_only_models_and_errors(path: Path) -> None:
+    assert spec_imports(path.read_text(encoding="utf-8")) <= ALLOWED
+
+
+def test_the_import_check_catches_a_spec_module_that_imports_the_planner() -> None:
+    source = (SPEC_DIR / "plan.py").read_text(encoding="utf-8")
+    mutant = source.replace("from kvspec._errors import PlanError", "from kvspec._plan import PlanError")
+    assert mutant != source
+    assert spec_imports(mutant) - ALLOWED == {"kvspec._plan"}
+
+
+def definitions() -> dict[str, tuple[str, ...]]:
+    """``module.name`` of every public definition in kvspec.spec, with the rule ids its docstring ends with."""
+    found: dict[str, tuple[str, ...]] = {}
+    for module in ("admission", "coverage", "offload", "pairing", "plan", "window"):
+        for node in ast.parse((SPEC_DIR / f"{module}.py").read_text(encoding="utf-8")).body:
+            if isinstance(node, ast.FunctionDef) and not node.name.startswith("_"):
+                rules = RULE_IDS.search(ast.get_docstring(node) or "")
+                found[f"{module}.{node.name}"] = tuple(rules[1].split(", ")) if rules else ()
+    return found
+
+
+def test_every_definition_ends_its_docstring_with_its_rule_ids() -> None:
+    unnamed = sorted(name for name, rules in definitions().items() if not rules and name != "window.check_count")
+    assert not unnamed, f"kvspec.spec functions whose docstring does not end with (RULE-ID): {unnamed}"
+
+
+def test_every_rule_with_a_definition_is_included_from_source_on_a_spec_page() -> None:
+    """A rule id used on a docs/spec page whose definition lives in kvspec.spec is shown from the source."""
+    pages = {p: p.read_text(encoding="utf-8") for p in sorted((ROOT / "docs" / "spec").glob("*.md"))}
+    defined = definitions()
+    included: set[str] = set()
+    for page, text in pages.items():
+        for match in MARKER.finditer(text):
+            name = f"{match['module']}.{match['name']}"
+            source = (SPEC_DIR / f"{match['module']}.py").read_text(encoding="utf-8")
+            assert re.search(rf"^(def|class) {match['name']}\b", source, re.MULTILINE), f"{page.name}: no {name}"
+            included |= set(defined.get(name, ()))
+    used = {rule for text in pages.values() for rule in re.findall(r"\b[A-Z]{2,5}-\d+\b", text)}
+    with_definition = {rule for rules in defined.values() for rule in rules}
+    missing = sorted((used & with_definition) - included)
+    assert not missing, f"rules with a kvspec.spec definition not included from source in docs/spec: {missing}"
+
+
+def test_public_names_without_a_faster_form_are_the_definitions() -> None:
+    for name in (
+        "is_full_attention_spec",
+        "is_hma_required",
+        "check_hybrid_support",
+        "get_blocks_per_sw",
+        "get_token_basis_group",
+        "get_needed_token_range",
+        "get_needed_block_range",
+        "get_block_ends",
+        "BlockPairs",
+        "TokenBasis",
+        "PageCopy",
+    ):
+        assert getattr(kvspec, name) is getattr(plain, name), name
+    # Two keep their deprecated positional spelling around the definition.
+    assert kvspec.get_logical_block_count.__wrapped__ is plain.get_logical_block_count  # type: ignore[attr-defined]
+    assert kvspec.get_num_skipped_tokens.__wrapped__ is plain.get_num_skipped_tokens  # type: ignore[attr-defined]
+
+
+def sw(window: int, block_size: int) -> SlidingWindowSpec:
+    return SlidingWindowSpec(block_size=block_size, num_kv_heads=1, head_size=1, dtype="float16", sliding_window=window)
+
+
+@given(window=st.integers(1, 4096), block_size=st.sampled_from([1, 2, 4, 8, 16, 32]))
+@example(window=32, block_size=16).via("SW-1 pin: 3")
+@example(window=128, block_size=16).via("SW-1 pin: 9")
+@example(window=2048, block_size=16).via("SW-1 pin: 129")
+@example(window=1024, block_size=16).via("SW-1 pin: 65 (Gemma 3 27B)")
+def test_the_budget_covers_every_window_the_consumer_needs(window: int, block_size: int) -> None:
+    """SW-1's budget is never below the blocks WIN-1 needs, for every T (SW-1, WIN-1).
+
+    The pinned budgets are those of docs/spec/window-budget-and-clipping.md.
+    """
+    pins = {(32, 16): 3, (128, 16): 9, (2048, 16): 129, (1024, 16): 65}
+    spec = sw(window, block_size)
+    (budget,) = plain.get_blocks_per_sw(config_from_specs([spec]))
+    assert budget == pins.get((window, block_size), budget)
+    for num_tokens in range(window, window + 2 * block_size + 1):  # includes (T-W+1) % B == 0 and (T-W+2) % B == 0
+        needed = plain.get_needed_block_range(spec, num_tokens=num_tokens, prefix_hit_tokens=0)
+        assert len(needed) <= budget
+
+
+@given(config=configs(kinds=("full", "mla", "sw", "sw_mla", "chunked", "mamba")), flag=st.booleans())
+def test_hma_is_required_exactly_when_a_group_is_not_full_attention(config: KVCacheConfig, flag: bool) -> None:
+    kinds = [group.kv_cache_spec.kind.value for group in config.kv_cache_groups]
+    expected = not flag and any(kind not in ("full_attention", "mla") for kind in kinds)
+    assert plain.is_hma_required(config, disable_hybrid_kv_cache_manager=flag) == expected, kinds
+
+
+@given(
+    window=st.integers(1, 64),
+    block_size=st.sampled_from([1, 4, 16]),
+    num_tokens=st.integers(0, 200),
+    hit_blocks=st.integers(0, 8),
+)
+@example(window=32, block_size=16, num_tokens=63, hit_blocks=0).via("WIN-1 boundary: (T-W+1) % B == 0")
+@example(window=32, block_size=16, num_tokens=62, hit_blocks=0).via("WIN-1 boundary: (T-W+2) % B == 0")
+@example(window=32, block_size=16, num_tokens=64, hit_blocks=3).via("the prefix hit covers the window's start")
+def test_a_window_needs_what_the_next_token_attends_to(
+    window: int, block_size: int, num_tokens: int, hit_blocks: int
+) -> None:
+    """Position t is needed iff C lacks it and the token at T attends it (T - t < W); blocks cover them (WIN-1)."""
+    spec = sw(window, block_size)
+    hit = min(hit_blocks * block_size, num_tokens - num_tokens % block_size)
+    tokens = plain.get_needed_token_range(spec, num_tokens=num_tokens, prefix_hit_tokens=hit)
+    assert list(tokens) == [t for t in range(num_tokens) if t >= hit and num_tokens - t < window]
+    blocks = plain.get_needed_block_range(spec, num_tokens=num_tokens, prefix_hit_tokens=hit)
+    assert list(blocks) == sorted({t // block_size for t in tokens})
