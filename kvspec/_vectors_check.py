@@ -449,9 +449,9 @@ def check_vectors(
             raise ConfigError(f"vectors check: {name} expected a positive number of seconds, got {value!r}")
     if max_timeouts < 1 or max_answer_bytes < 1:
         raise ConfigError("vectors check: max_timeouts and max_answer_bytes expected positive integers")
+    runner = _Runner(command, jsonl=jsonl, timeout=timeout, until=math.inf, max_bytes=max_answer_bytes)
     vectors = load_vectors(directory, rule=rule, function=function)
-    until = time.monotonic() + total_timeout
-    runner = _Runner(command, jsonl=jsonl, timeout=timeout, until=until, max_bytes=max_answer_bytes)
+    until = runner.until = time.monotonic() + total_timeout
     outcomes: list[Outcome] = []
     stopped, in_a_row = "", 0
     try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import shutil
 import signal
 import socket
 import subprocess
@@ -133,7 +134,7 @@ def test_conform_delegates_to_the_suite_cli(monkeypatch: pytest.MonkeyPatch) -> 
 # --------------------------------------------------------------------------- bad input: one line, never a traceback
 
 VECTORS = Path(__file__).resolve().parent.parent / "vectors"
-_SW1 = [str(VECTORS), "--rule", "SW-1", "--function", "get_blocks_per_sw"]
+_SW1 = ["{tmp}/vectors"]  # one vector, copied by the test
 
 
 @pytest.fixture
@@ -197,6 +198,9 @@ def test_bad_input_is_one_line_and_a_non_zero_exit(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     (tmp_path / "a-file").write_text("x")
+    one = tmp_path / "vectors" / "SW-1" / "get_blocks_per_sw"
+    one.mkdir(parents=True)
+    shutil.copy(VECTORS / "SW-1" / "get_blocks_per_sw" / "w32_b16.json", one)
     argv = [a.format(tmp=tmp_path, file=tmp_path / "a-file", port=busy_port) for a in BAD_INPUTS[name]]
     monkeypatch.setenv("KVSPEC_AGENT_TOKEN", "0123456789abcdef-token")
     if name == "conform-bad-time-scale-env":

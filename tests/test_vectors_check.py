@@ -59,7 +59,7 @@ def test_a_hanging_jsonl_implementation_times_out_is_killed_and_stops_the_run(
 ) -> None:
     # Only the arguments the old check_vectors had: it waited forever here (issue 23, finding 6).
     pids = tmp_path / "pids"
-    report = _within(10, lambda: check_vectors(few_vectors, _command("hang", pids), jsonl=True, timeout=0.3))
+    report = _within(10, lambda: check_vectors(few_vectors, _command("hang", pids), jsonl=True, timeout=0.15))
     assert [o.status for o in report.outcomes] == ["failed"] * 3  # DEFAULT_MAX_TIMEOUTS
     assert "no answer within the timeout" in report.outcomes[0].problem
     assert "3 vectors in a row timed out" in report.stopped
@@ -70,7 +70,7 @@ def test_a_hanging_jsonl_implementation_times_out_is_killed_and_stops_the_run(
 def test_a_hanging_one_shot_implementation_costs_k_timeouts_not_n(few_vectors: Path, tmp_path: Path) -> None:
     pids = tmp_path / "pids"
     started = time.monotonic()
-    report = _within(10, lambda: check_vectors(few_vectors, _command("hang", pids), timeout=0.3, max_timeouts=2))
+    report = _within(10, lambda: check_vectors(few_vectors, _command("hang", pids), timeout=0.15, max_timeouts=2))
     assert len(report.outcomes) == 2
     assert time.monotonic() - started < 5
     _gone(pids)
@@ -92,8 +92,8 @@ def test_endless_output_fails_the_vector_at_the_byte_bound(few_vectors: Path, tm
 
 
 def test_the_whole_run_is_bounded(few_vectors: Path) -> None:
-    report = _within(10, lambda: check_vectors(few_vectors, _command("slow"), jsonl=True, total_timeout=0.3))
-    assert "--total-timeout 0.3 s" in report.stopped
+    report = _within(10, lambda: check_vectors(few_vectors, _command("slow"), jsonl=True, total_timeout=0.15))
+    assert "--total-timeout 0.15 s" in report.stopped
     assert len(report.outcomes) < 4
 
 
@@ -107,7 +107,7 @@ def test_an_implementation_that_dies_fails_each_vector_and_is_restarted(few_vect
 
 def test_the_command_line_says_the_run_stopped(few_vectors: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = io.StringIO()
-    argv = ["vectors", "check", str(few_vectors), "--jsonl", "--timeout", "0.3", "--max-timeouts", "1"]
+    argv = ["vectors", "check", str(few_vectors), "--jsonl", "--timeout", "0.15", "--max-timeouts", "1"]
     status = _within(10, lambda: main([*argv, "--command", _command("hang")], out=out))
     assert status == 1
     assert "STOPPED: 1 vectors in a row timed out" in out.getvalue()
