@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import os
 import secrets
 import sys
@@ -12,7 +13,7 @@ from typing import TextIO
 
 import attrs
 
-from kvspec import ConfigError, KVSpecError
+from kvspec import KVSpecError
 from kvspec.rules import RULES, Level
 from kvspec.transport import Backend, load_backend
 from kvspec.transport._registry import parse_backend_options
@@ -52,15 +53,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--max-examples",
-        type=int,
+        type=_positive_int,
         default=DEFAULT_MAX_EXAMPLES,
         metavar="N",
         help=f"hypothesis examples per generated case (default {DEFAULT_MAX_EXAMPLES})",
     )
     parser.add_argument(
         "--time-scale",
-        type=float,
-        default=float(os.environ["KVSPEC_CONFORM_TIME_SCALE"]) if "KVSPEC_CONFORM_TIME_SCALE" in os.environ else None,
+        type=_time_scale,
+        default=os.environ.get("KVSPEC_CONFORM_TIME_SCALE"),  # a str default goes through type= (argparse)
         metavar="X",
         help=(
             "multiply every scenario deadline, lease, drain bound and quiet period by X (slow backends; "
@@ -146,15 +147,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-v", "--verbose", action="store_true", help="list every case in the report")
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _time_scale(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(
+            f"expected a positive finite number (also read from KVSPEC_CONFORM_TIME_SCALE), got {text!r}"
+        )
+    return value
+
+
 def _split(values: Sequence[str]) -> list[str]:
     return [part.strip() for value in values for part in value.split(",") if part.strip()]
 
 
 def _options(values: Sequence[str]) -> dict[str, object]:
-    try:
-        return parse_backend_options(values)
-    except ConfigError as exc:
-        raise SystemExit(f"kvspec conform: {exc}") from None
+    return parse_backend_options(values)  # a ConfigError is reported by run() as a backend that cannot load
 
 
 def _peer_options(backend: str, peer: str | None, options: dict[str, object]) -> dict[str, object]:
@@ -369,4 +389,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         description="Run the kvspec conformance suite against a transport backend and report by rule.",
     )
     add_arguments(parser)
-    return run(parser.parse_args(argv))
+    args = parser.parse_args(argv)
+    from kvspec.cli import run_command  # the one place CLI errors become one line
+
+    return run_command("kvspec conform", lambda: run(args), sys.stdout)
