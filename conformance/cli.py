@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import inspect
 import math
 import os
 import secrets
 import sys
+import typing
 from collections.abc import Sequence
 from typing import TextIO
 
 import attrs
 
-from kvspec import KVSpecError
+from kvspec import ConfigError, KVSpecError
 from kvspec.rules import RULES, Level
 from kvspec.transport import Backend, load_backend
 from kvspec.transport._registry import parse_backend_options
@@ -238,6 +240,12 @@ def _load_connector(path: str, extra: Sequence[str] = ()) -> tuple[Connector, tu
         factory = import_path(path, "--connector")
     except KVSpecError as exc:
         raise SystemExit(f"kvspec conform: {exc}") from None
+    if not _is_connector_factory(factory):
+        # Never call an arbitrary callable (os:system) on the strength of a command-line string.
+        raise SystemExit(
+            f"kvspec conform: --connector {path}: expected a Connector class, "
+            "or a function annotated to return a Connector"
+        )
     made: object = factory()
     if not isinstance(made, Connector):
         raise SystemExit(f"kvspec conform: {path} did not return a Connector (clip, pair, plan, admission, handshake)")
@@ -247,6 +255,26 @@ def _load_connector(path: str, extra: Sequence[str] = ()) -> tuple[Connector, tu
         with contextlib.suppress(AttributeError, TypeError):
             setattr(made, "kvspec_replay", lambda: replay)  # noqa: B010
     return made, (("connector", path),)
+
+
+_CONNECTOR_HOOKS = tuple(name for name in vars(Connector) if not name.startswith("_"))
+
+
+def _is_connector_class(obj: object) -> bool:
+    return isinstance(obj, type) and all(callable(getattr(obj, name, None)) for name in _CONNECTOR_HOOKS)
+
+
+def _is_connector_factory(obj: object) -> bool:
+    """A Connector class, or a function whose return annotation is Connector or a Connector class."""
+    if isinstance(obj, type):
+        return _is_connector_class(obj)
+    if not inspect.isfunction(obj):
+        return False
+    try:
+        returned = typing.get_type_hints(obj).get("return")
+    except Exception:  # an annotation that does not resolve says nothing trustworthy
+        return False
+    return returned is Connector or _is_connector_class(returned)
 
 
 def _vllm_tested(connector: object) -> tuple[tuple[str, str], ...]:

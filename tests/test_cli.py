@@ -153,6 +153,7 @@ BAD_INPUTS: dict[str, tuple[str, ...]] = {
     "conform-unknown-option": ("conform", "loopback", "--option", "no_such_key=1", "-q"),  # TypeError
     "conform-not-a-backend": ("conform", "os:system", "-q"),  # called os.system()
     "conform-missing-connector": ("conform", "loopback", "--connector", "no_such_module:make", "-q"),
+    "conform-connector-not-a-connector": ("conform", "loopback", "--connector", "os:system", "-q"),  # os.system()
     "conform-bad-max-examples": ("conform", "loopback", "--max-examples", "-1", "-q"),  # ran, exit 0
     "conform-nan-time-scale": ("conform", "loopback", "--time-scale", "nan", "-q"),  # every case failed, silently
     "conform-bad-time-scale-env": ("conform", "loopback", "-q"),  # KVSPEC_CONFORM_TIME_SCALE=abc: ValueError
@@ -215,6 +216,20 @@ def test_bad_input_is_one_line_and_a_non_zero_exit(
     assert "Traceback" not in err
     assert len(err.splitlines()) == 1, err
     assert err.startswith("kvspec"), err
+
+
+def test_a_connector_spec_never_calls_what_is_not_a_connector_factory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # `--connector module:attr` names a callable; kvspec must not call one that is not a Connector factory.
+    marker = tmp_path / "called"
+    (tmp_path / "side_effects.py").write_text(f"def make():\n    open({str(marker)!r}, 'w').close()\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    status = main(["conform", "loopback", "--connector", "side_effects:make", "-q"], out=io.StringIO())
+    err = capsys.readouterr().err
+    assert status == 2, err
+    assert not marker.exists()
+    assert "expected a Connector class" in err and len(err.splitlines()) == 1, err
 
 
 def test_a_closed_pipe_ends_quietly() -> None:
