@@ -229,7 +229,8 @@ def test_a_connector_spec_never_calls_what_is_not_a_connector_factory(
     err = capsys.readouterr().err
     assert status == 2, err
     assert not marker.exists()
-    assert "expected a Connector class" in err and len(err.splitlines()) == 1, err
+    assert "expected a Connector class" in err
+    assert len(err.splitlines()) == 1, err
 
 
 def test_a_closed_pipe_ends_quietly() -> None:
