@@ -18,6 +18,7 @@ BUILTIN_BACKENDS: dict[str, str] = {
     "loopback": "kvspec.transport.loopback:LoopbackBackend",
     "torch": "kvspec.transport.torch_dist:TorchDistributedBackend",
     "nixl": "kvspec.transport.nixl:NixlBackend",
+    "mooncake": "kvspec.transport.mooncake:MooncakeBackend",
 }
 
 
@@ -34,7 +35,7 @@ def _resolve(path: str) -> Callable[..., Backend]:
 
 
 def load_backend(spec: str = "loopback", **options: object) -> Backend:
-    """Build a backend from ``"loopback"``, ``"torch"``, ``"nixl"``, an entry-point
+    """Build a backend from ``"loopback"``, ``"torch"``, ``"nixl"``, ``"mooncake"``, an entry-point
     name in the ``kvspec.backends`` group, or ``"package.module:factory"``.
 
     Raises :class:`kvspec.BackendUnavailableError` (an ``ImportError``) when the
