@@ -9,17 +9,40 @@ import attrs
 from hypothesis import HealthCheck, Phase, settings
 
 from kvspec import ConsumerState, FailureReason
-from kvspec.transport import Backend, Capabilities
+from kvspec.transport import Backend, Capabilities, Pace
+from kvspec.transport.pace import PACES
 
 from ._cases import CaseFailure, CaseSkip
 from ._connector import Connector, ReferenceConnector
 from ._scenario import Scenario, ScenarioResult, run_scenario
 
-__all__ = ["DEFAULT_MAX_EXAMPLES", "CaseContext", "default_time_scale"]
+__all__ = ["DEFAULT_MAX_EXAMPLES", "CaseContext", "PacedSpec", "default_time_scale"]
 
 DEFAULT_MAX_EXAMPLES = 15
 
 F = TypeVar("F", bound=Callable[..., object])
+
+
+class PacedSpec(str):
+    """A backend spec under a pace: the name as a string, and as Python (its ``repr``) the paced backend.
+
+    Reproducers write ``backend={spec!r}``; under ``--pace`` that must rebuild
+    the paced backend, with its seed, in a script that imports nothing more.
+    """
+
+    pace: Pace
+
+    def __new__(cls, spec: str, pace: Pace) -> PacedSpec:
+        made = super().__new__(cls, spec)
+        made.pace = pace
+        return made
+
+    def __repr__(self) -> str:
+        module = "__import__('kvspec.transport.pace', fromlist=['paced'])"
+        pace = self.pace
+        if pace.name in PACES and Pace.named(pace.name, seed=pace.seed) == pace:
+            return f"{module}.paced({str(self)!r}, {pace.name!r}, seed={pace.seed})"
+        return f"(lambda m: m.paced({str(self)!r}, m.{pace!r}))({module})"
 
 
 def default_time_scale(backend: Backend) -> float:

@@ -100,7 +100,11 @@ class OffloadRequest:
     store still in flight (``finish_request`` is called, its blocks are held
     until the store lands), then it starts again from its lookup.
     ``defer_last_store`` posts the last step's store only after the request
-    finished (as vLLM's worker does, one step late). ``allocate_skipped``
+    finished (as vLLM's worker does, one step late). ``after_stores_landed``
+    waits, before its lookup, until every store in flight has landed (an
+    engine that looks up again once the tier's "pending" resolved); without
+    it the lookup sees what has landed by then, which depends on the
+    backend's pace (decision: a store in flight is not present). ``allocate_skipped``
     gives real blocks where vLLM nulls a window's skipped blocks (allowed:
     OFF-6 leaves them alone).
     """
@@ -114,6 +118,7 @@ class OffloadRequest:
     evict_before: tuple[tuple[int, int], ...] = attrs.field(default=(), converter=_to_pairs)
     preempt_after_steps: int | None = None
     defer_last_store: bool = False
+    after_stores_landed: bool = False
     allocate_skipped: bool = False
 
 
@@ -639,7 +644,10 @@ class _OffloadPlay:
     # -- a request
 
     def _request(self, spec: OffloadRequest) -> None:
-        self._poll_pending()
+        if spec.after_stores_landed:
+            self._drain()
+        else:
+            self._poll_pending()
         for g, k in spec.evict_before:
             self.manager.evict((spec.stream, g, k))
         self._run(spec, preempt=spec.preempt_after_steps)

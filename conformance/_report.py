@@ -73,6 +73,7 @@ class Report:
     seconds: float
     max_examples: int
     kvspec_version: str
+    pace: str | None = None  # "slow (seed 3)" under --pace: the seed replays the run
 
     @property
     def passed(self) -> bool:
@@ -118,6 +119,7 @@ class Report:
             "passed": self.passed,
             "seconds": round(self.seconds, 3),
             "max_examples": self.max_examples,
+            "pace": self.pace,
             "counts": self.counts(),
             "rules": rules,
             "cases": [r.to_dict() for r in self.results],
@@ -174,7 +176,8 @@ class Report:
 
     def render(self, *, verbose: bool = False) -> str:
         """The terminal report: a table by rule, then every failure with its reproducer."""
-        lines = [f"kvspec conformance: backend {self.backend!r}, kvspec {self.kvspec_version}", ""]
+        paced = f", pace {self.pace}" if self.pace else ""
+        lines = [f"kvspec conformance: backend {self.backend!r}, kvspec {self.kvspec_version}{paced}", ""]
         header = f"{'rule':<8} {'status':<7} {'pass':>4} {'fail':>4} {'skip':>4} {'xfail':>5}  notes"
         lines += [header, "-" * len(header)]
         for rule, results in self.by_rule().items():

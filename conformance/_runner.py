@@ -10,11 +10,11 @@ import attrs
 
 import kvspec
 from kvspec.rules import Level
-from kvspec.transport import Backend, load_backend
+from kvspec.transport import Backend, Pace, PacedBackend, load_backend
 
 from ._cases import Case, CaseFailure, CaseSkip, missing_capabilities, select_cases
 from ._connector import Connector, ReferenceConnector
-from ._context import DEFAULT_MAX_EXAMPLES, CaseContext, default_time_scale
+from ._context import DEFAULT_MAX_EXAMPLES, CaseContext, PacedSpec, default_time_scale
 from ._report import CaseResult, Outcome, Report
 
 __all__ = ["apply_expected_failures", "parse_expected_failures", "run_case", "run_suite"]
@@ -129,6 +129,8 @@ def run_suite(
     cases: Sequence[Case] | None = None,
     expected_failures: Mapping[str, str] | None = None,
     integrity: bool = False,
+    pace: str | Pace | None = None,
+    pace_seed: int = 0,
 ) -> Report:
     """Run the conformance suite and return its report.
 
@@ -140,10 +142,18 @@ def run_suite(
     deadline, lease, drain bound and quiet period; ``None`` takes
     :func:`default_time_scale` of the backend. ``integrity`` turns on the
     drivers' integrity check (INT-1) in every scenario, so the integrity cases run.
+    ``pace`` (``"slow"``, ``"jitter"`` or a :class:`kvspec.transport.Pace`) wraps
+    the backend in :class:`kvspec.transport.PacedBackend` seeded with
+    ``pace_seed``: a correct backend passes every case at any pace.
     """
     started = time.perf_counter()
     spec = backend if isinstance(backend, str) else f"{type(backend).__module__}:{type(backend).__name__}"
     resolved = load_backend(backend) if isinstance(backend, str) else backend
+    paced_with = (Pace.named(pace, seed=pace_seed) if isinstance(pace, str) else pace) if pace is not None else None
+    inner = resolved
+    if paced_with is not None:
+        spec = PacedSpec(spec, paced_with)
+        resolved = PacedBackend(resolved, paced_with)
     chosen = list(cases) if cases is not None else list(select_cases(rules=rules, levels=levels))
     context = CaseContext(
         backend=resolved,
@@ -163,11 +173,12 @@ def run_suite(
                 progress(index + 1, len(chosen), outcome)
     finally:
         if isinstance(backend, str):
-            resolved.close()
+            inner.close()
     return Report(
         backend=resolved.name if not isinstance(backend, str) else backend,
         results=tuple(results),
         seconds=time.perf_counter() - started,
         max_examples=max_examples,
         kvspec_version=kvspec.__version__,
+        pace=paced_with.describe() if paced_with is not None else None,
     )

@@ -80,7 +80,7 @@ from kvspec.testing import (
     fill_producer_pages,
     format_mismatches,
 )
-from kvspec.transport import Backend, FaultInjector, FaultPlan, InjectedFault, Transport
+from kvspec.transport import Backend, FaultInjector, FaultPlan, InjectedFault, PacedTransport, Transport
 
 from ._connector import Connector, ReferenceConnector
 
@@ -844,7 +844,7 @@ class _Play:
     def _kill_peer(self) -> None:
         """Kill the producer's agent on the agent server, under any fault injector (FAIL-1)."""
         agent: object = self.producer
-        while isinstance(agent, FaultInjector):
+        while isinstance(agent, (FaultInjector, PacedTransport)):
             agent = agent.inner
         if not isinstance(agent, RemoteAgent):
             raise _ScenarioError("kill_peer_after_polls needs the producer on an agent server (kvspec conform --peer)")

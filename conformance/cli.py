@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import secrets
 import sys
 from collections.abc import Sequence
 from typing import TextIO
@@ -14,6 +15,7 @@ from kvspec import ConfigError, KVSpecError
 from kvspec.rules import RULES, Level
 from kvspec.transport import Backend, load_backend
 from kvspec.transport._registry import parse_backend_options
+from kvspec.transport.pace import PACES
 
 from ._cases import select_cases
 from ._connector import Connector
@@ -74,6 +76,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="turn on the drivers' integrity check (INT-1, page digests) in every scenario; "
         "the integrity cases then run on any backend",
+    )
+    parser.add_argument(
+        "--pace",
+        choices=PACES,
+        help="run the backend under a sound pacing wrapper (kvspec.transport.pace): slow = every transfer takes "
+        "several polls and some time, notifications arrive late; jitter = random delays, completions in any order. "
+        "A correct backend passes every case at any pace",
+    )
+    parser.add_argument(
+        "--pace-seed",
+        type=int,
+        metavar="N",
+        help="the pace's seed (default: random, printed in the report header so the run replays)",
     )
     parser.add_argument(
         "--option",
@@ -239,6 +254,8 @@ def run(args: argparse.Namespace) -> int:
             progress=progress,
             expected_failures=expected,
             integrity=args.integrity,
+            pace=args.pace,
+            pace_seed=args.pace_seed if args.pace_seed is not None else secrets.randbelow(1 << 16),
         )
     finally:
         backend.close()

@@ -27,11 +27,11 @@ from typing import ClassVar
 
 import pytest
 
-from kvspec.transport import Backend
+from kvspec.transport import Backend, Pace, PacedBackend
 
 from ._cases import Case, all_cases, select_cases
 from ._connector import Connector, ReferenceConnector
-from ._context import DEFAULT_MAX_EXAMPLES, CaseContext, default_time_scale
+from ._context import DEFAULT_MAX_EXAMPLES, CaseContext, PacedSpec, default_time_scale
 from ._report import Outcome
 from ._runner import run_case
 
@@ -75,7 +75,9 @@ class BackendSuite:
     starts passing fails the run, so the entry is removed once fixed).
     ``integrity = True`` turns on the drivers' integrity check (INT-1) in
     every scenario, so the integrity cases run (as ``kvspec conform
-    --integrity``). To replace one case, define its method (see :func:`case_test_name`); to wrap
+    --integrity``). ``pace = "slow"`` or ``"jitter"`` (with ``pace_seed``) runs
+    every case under :class:`kvspec.transport.PacedBackend` (as ``kvspec
+    conform --pace``). To replace one case, define its method (see :func:`case_test_name`); to wrap
     every case, override :meth:`check_case`.
     """
 
@@ -87,6 +89,8 @@ class BackendSuite:
     time_scale: ClassVar[float | None] = None
     shrink: ClassVar[bool] = False
     integrity: ClassVar[bool] = False
+    pace: ClassVar[str | None] = None
+    pace_seed: ClassVar[int] = 0
     xfail_cases: ClassVar[Mapping[str, str]] = {}
 
     def __init_subclass__(cls, **kwargs: object) -> None:
@@ -116,9 +120,14 @@ class BackendSuite:
         """One backend for the whole class, closed at the end."""
         backend = cls.backend_factory()
         factory = cls.connector_factory
+        spec = _spec_of(cls.backend_factory)
+        tested: Backend = backend
+        if cls.pace is not None:
+            pace = Pace.named(cls.pace, seed=cls.pace_seed)
+            spec, tested = PacedSpec(spec, pace), PacedBackend(backend, pace)
         context = CaseContext(
-            backend=backend,
-            backend_spec=_spec_of(cls.backend_factory),
+            backend=tested,
+            backend_spec=spec,
             connector=factory() if factory is not None else ReferenceConnector(),
             max_examples=cls.max_examples,
             time_scale=default_time_scale(backend) if cls.time_scale is None else cls.time_scale,

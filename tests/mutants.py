@@ -8,6 +8,7 @@ and id mix-ups live in connector logic, not in a transport.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -361,6 +362,68 @@ class WriteMisreports(MutantBackend):
     caught_by = ("FAIL-1/transport-peer-loss",)
 
 
+class _FirstTaskOnlyAgent(_Agent):
+    """Completes a batch as Mooncake's ``transfer_check_status`` does: DONE once the first descriptor landed.
+
+    The inner transfer carries the first descriptor (and the notification); a
+    background thread lands the rest 20 ms after DONE was first reported.
+    """
+
+    def __init__(self, inner: Transport, backend: MutantBackend) -> None:
+        super().__init__(inner, backend)
+        self.rest: dict[int, tuple[TransferMode, list[Descriptor], str, threading.Event]] = {}
+        self.threads: list[threading.Thread] = []
+
+    def post(
+        self, mode: TransferMode, descriptors: Sequence[Descriptor], *, peer: str, notification: bytes | None = None
+    ) -> TransferHandle:
+        descriptors = list(descriptors)
+        if len(descriptors) < 2:
+            return self.inner.post(mode, descriptors, peer=peer, notification=notification)
+        handle = self.inner.post(mode, descriptors[:1], peer=peer, notification=notification)
+        reported = threading.Event()
+        self.rest[handle.transfer_id] = (mode, descriptors[1:], peer, reported)
+        thread = threading.Thread(target=self._land_rest, args=(handle.transfer_id,), daemon=True)
+        self.threads.append(thread)
+        thread.start()
+        return handle
+
+    def _land_rest(self, transfer_id: int) -> None:
+        mode, descriptors, peer, reported = self.rest[transfer_id]
+        reported.wait(timeout=5.0)
+        time.sleep(0.02)
+        remote = self.backend.regions.get(peer, [])
+        for d in descriptors:
+            if d.local_region >= len(self.regions) or d.remote_region >= len(remote):
+                return
+            local = (self.regions[d.local_region], d.local_offset)
+            far = (remote[d.remote_region], d.remote_offset)
+            (source, s_off), (dest, d_off) = (far, local) if mode is TransferMode.READ else (local, far)
+            dest[d_off : d_off + d.nbytes] = source[s_off : s_off + d.nbytes]
+
+    def check(self, handle: TransferHandle) -> TransferStatus:
+        status = self.inner.check(handle)
+        rest = self.rest.get(handle.transfer_id)
+        if rest is not None and status.state is not TransferState.PENDING:
+            rest[3].set()
+        return status
+
+    def close(self) -> None:
+        for _, _, _, reported in self.rest.values():
+            reported.set()
+        for thread in self.threads:
+            thread.join()  # nothing lands in memory the suite is about to free
+        self.inner.close()
+
+
+class FirstTaskOnly(MutantBackend):
+    """DONE when the first descriptor of a batch landed, the rest landing later (Mooncake, upstream_2026-12 8.3)."""
+
+    agent_class = _FirstTaskOnlyAgent
+    breaks = "DONE-1"
+    caught_by = ("DONE-1/completion-implies-visibility",)
+
+
 BACKEND_MUTANTS: tuple[type[MutantBackend], ...] = (
     EarlyCompletion,
     FailedAsDone,
@@ -372,6 +435,7 @@ BACKEND_MUTANTS: tuple[type[MutantBackend], ...] = (
     DeafToPeerLoss,
     TimeoutForPeerLoss,
     WriteMisreports,
+    FirstTaskOnly,
 )
 
 

@@ -191,17 +191,21 @@ def _deferred(ctx: CaseContext) -> None:
 
     A 10-token prompt decoded to 14 tokens (B = 4, f = 1) ends with block 3
     half computed: the deferred store offers chunks 0-2 only. Another
-    request allocates while that store is in flight; a third one hits 12.
+    request allocates while that store is in flight; a third one, looking up
+    once the store landed, hits 12. A store in flight is not present (OFF-4):
+    a lookup while it is in flight may hit only what landed, which the oracle
+    checks on every lookup, so the pinned hits wait for the stores to land and
+    hold at any backend pace.
     """
     scenario = OffloadScenario(
         config=FULL_SW,
         requests=[
             OffloadRequest(request_id="short", num_tokens=10, decode_tokens=4, defer_last_store=True),
             OffloadRequest(request_id="other", num_tokens=9, stream="other", defer_last_store=True),
-            OffloadRequest(request_id="again", num_tokens=14),
+            OffloadRequest(request_id="again", num_tokens=14, after_stores_landed=True),
             OffloadRequest(request_id="tail", num_tokens=10, stream="tail", defer_last_store=True),
             OffloadRequest(request_id="between", num_tokens=6, stream="between"),
-            OffloadRequest(request_id="tail-again", num_tokens=13, stream="tail"),
+            OffloadRequest(request_id="tail-again", num_tokens=13, stream="tail", after_stores_landed=True),
         ],
     )
     result = run_offload(ctx, scenario, rule="OFF-3")

@@ -335,6 +335,55 @@ def _many_in_flight(ctx: CaseContext) -> None:
                 )
 
 
+@case("DONE-1", "completion-implies-visibility", requires=["local_pools"])
+def _completion_implies_visibility(ctx: CaseContext) -> None:
+    """The moment check first says DONE, every byte of every descriptor of a 256-descriptor batch is visible.
+
+    Mooncake's ``transfer_check_status`` reports a batch complete when its first
+    task is (upstream_2026-12.md, section 8.3): the rest land later. The suite
+    reads the whole destination right after the ``check`` that returned DONE,
+    before any other call into either agent, three batches a mode.
+    """
+    with _pair(ctx, config=LARGE) as pair:
+        size = pair.c_pool.regions[0].nbytes
+        for index, mode in enumerate(_modes(ctx)):
+            initiator, peer = pair.initiator(mode), pair.peer(mode)
+            for batch in range(3):
+                # READ and WRITE land in disjoint halves of the consumer's regions.
+                descriptors = _spread(pair, mode, count=256, nbytes=1024, start=index * (size // 2))
+                _fresh_source(pair, mode, descriptors, "visible", batch)
+                wanted = _expected(pair, mode, descriptors, _snapshot(pair.c_pool))
+                handle = initiator.post(mode, descriptors, peer=peer)
+                status = initiator.check(handle)
+                until = time.monotonic() + DONE_BOUND * ctx.time_scale
+                while status.state is TransferState.PENDING and time.monotonic() < until:
+                    pair.poll()
+                    status = initiator.check(handle)
+                at_done = _snapshot(pair.c_pool)  # nothing else runs between the DONE and this read
+                _expect_done(ctx, "DONE-1", f"{mode.value} of 256 descriptors", [status], DONE_BOUND)
+                missing = [
+                    i for i, d in enumerate(descriptors) if _landed(at_done, mode, d) != bytes(pair.source(mode, d))
+                ]
+                initiator.release(handle)
+                if missing:
+                    raise ctx.fail(
+                        f"DONE-1: {mode.value} batch {batch}: check reported DONE while {len(missing)} of "
+                        f"{len(descriptors)} descriptors had not landed (first missing: descriptor {missing[0]}); "
+                        "DONE must mean every byte of every descriptor is readable"
+                    )
+                changed = _diff(f"{mode.value} batch {batch}: destination at DONE", at_done, wanted)
+                if changed:
+                    raise ctx.fail(f"DONE-1: {changed}")
+
+
+def _landed(snapshot: Sequence[bytes], mode: TransferMode, d: Descriptor) -> bytes:
+    """The bytes a snapshot of the consumer's pool holds where ``d`` writes."""
+    region, offset = (
+        (d.local_region, d.local_offset) if mode is TransferMode.READ else (d.remote_region, d.remote_offset)
+    )
+    return snapshot[region][offset : offset + d.nbytes]
+
+
 # --------------------------------------------------------------------------- DONE-1 and REL-1: notifications
 
 

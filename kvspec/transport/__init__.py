@@ -18,6 +18,7 @@ from kvspec.transport._base import (
 from kvspec.transport._registry import BUILTIN_BACKENDS, load_backend
 from kvspec.transport.faults import FaultInjector, FaultPlan, FaultyBackend, InjectedFault
 from kvspec.transport.loopback import LoopbackAgent, LoopbackBackend
+from kvspec.transport.pace import Pace, PacedBackend, PacedTransport
 
 __all__ = [
     "BUILTIN_BACKENDS",
@@ -34,6 +35,9 @@ __all__ = [
     "LoopbackBackend",
     "MemoryRegion",
     "Notification",
+    "Pace",
+    "PacedBackend",
+    "PacedTransport",
     "TransferHandle",
     "TransferState",
     "TransferStatus",
