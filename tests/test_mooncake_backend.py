@@ -150,7 +150,7 @@ def test_a_killed_peer_fails_a_large_batch_as_disconnected_within_the_bound(pyte
         producer, consumer = backend.create_agent("producer"), backend.create_agent("consumer")
         connect(producer, consumer, pools)
         handle = consumer.post(TransferMode.READ, [desc(0, 0, 0, 0, 32 << 20)] * 32, peer=producer.name)  # 1 GiB
-        os.kill(producer.pid, signal.SIGKILL)  # type: ignore[attr-defined]
+        os.kill(producer.pid, signal.SIGKILL)
         started = time.monotonic()
         status = wait(consumer, handle)
         assert status.state is TransferState.FAILED

@@ -34,7 +34,7 @@ import ipaddress
 import math
 from collections.abc import Mapping, Sequence
 from types import ModuleType
-from typing import ClassVar
+from typing import ClassVar, cast
 
 from kvspec._enums import TransferMode
 from kvspec._errors import BackendUnavailableError, ConfigError
@@ -151,6 +151,10 @@ class MooncakeBackend(WorkerBackend):
             in_process=in_process,
             worker_command=worker_command,
         )
+
+    def create_agent(self, name: str) -> MooncakeAgent:
+        """Start a Transfer Engine called ``name`` in a worker process (a reused one when available)."""
+        return cast(MooncakeAgent, super().create_agent(name))
 
     def worker_env(self) -> dict[str, str]:
         """The environment a worker starts with: the engine's timeout, quieter logs, and ``env``."""

@@ -739,6 +739,10 @@ class NixlBackend(WorkerBackend):
             worker_command=worker_command,
         )
 
+    def create_agent(self, name: str) -> NixlAgent:
+        """Start a NIXL agent called ``name`` in a worker process (a reused one when available)."""
+        return cast(NixlAgent, super().create_agent(name))
+
     def worker_env(self) -> dict[str, str]:
         """The environment a worker starts with: ``UCX_NET_DEVICES`` (loopback by default), ``UCX_TLS`` in tcp mode."""
         env = self._package_env()
