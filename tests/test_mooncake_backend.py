@@ -1,7 +1,7 @@
 """Tests of the Mooncake backend: two worker processes, each a Transfer Engine over TCP (DONE-1, PLAN-1, FAIL-1, SM-2).
 
 Besides the whole suite (``TestConformance``), each test pins one trap of the
-engine (shared/research/upstream_2026-12.md §8.3) and how the backend handles it.
+engine (docs/backends/mooncake.md, Traps) and how the backend handles it.
 """
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ def test_bad_options_name_the_field(option: str, value: object, field: str, pyte
 def test_a_descriptor_outside_the_local_region_is_refused_before_the_engine_sees_it(
     pair: tuple[Transport, Transport, Pools],
 ) -> None:
-    """Over TCP the engine does not check the local buffer (§8.3 trap 2): kvspec's shared check does (PLAN-1)."""
+    """Over TCP the engine does not check the local buffer: kvspec's shared check does (PLAN-1)."""
     producer, consumer, pools = pair
     before = bytes(pools.producer[0].buf[:PAGE])  # type: ignore[index]
     with pytest.raises(PlanError, match="local"):
@@ -128,7 +128,7 @@ def test_a_notification_arrives_after_the_data_and_keeps_every_byte(pair: tuple[
 
 
 def test_a_dead_session_is_a_failure_with_a_reason_not_a_return_code(pair: tuple[Transport, Transport, Pools]) -> None:
-    """Errors are return codes (§8.3 trap 4): a peer whose session answers nothing reports FAILED(PEER_DISCONNECTED)."""
+    """Errors are return codes: a peer whose session answers nothing reports FAILED(PEER_DISCONNECTED)."""
     producer, consumer, _ = pair
     name, regions, _ = _mooncake_worker.unpack_metadata(producer.get_agent_metadata())
     ghost = _mooncake_worker.pack_metadata("ghost", regions, "127.0.0.1:1", 0)
@@ -180,7 +180,7 @@ def test_connections_use_the_host_address_though_the_listeners_bind_every_interf
 
 
 def test_trusting_transfer_check_status_fails_completion_visibility(pytestconfig: pytest.Config) -> None:
-    """The mutant completes a batch when its first task did (§8.3 trap 1); the suite must catch it."""
+    """The mutant completes a batch when its first task did; the suite must catch it."""
     require_backend_module(pytestconfig, "mooncake.engine", "mooncake")
     case = "DONE-1/completion-implies-visibility"
     mutant = TrustsCheckStatus(max_idle_workers=0)

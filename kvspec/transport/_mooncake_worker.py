@@ -15,7 +15,7 @@ Theory of operation (docs/backends/mooncake.md, How it is built):
   which calls ``get_batch_transfer_status`` (it spins, with the GIL released,
   until every task of the batch ended). ``transfer_check_status`` is never
   used: it looks at task 0 only and reports a batch done with most of it
-  still in flight (shared/research/upstream_2026-12.md §8.3).
+  still in flight (docs/backends/mooncake.md, Traps).
 * The engine has no cancel: a released transfer keeps running, a removed peer's
   transfers are drained before they are reported FAILED, and ``close`` drains
   every batch before it unmaps memory (SM-2).
@@ -98,7 +98,7 @@ class Worker:
 
         self.np = np
         self.notify_class = TransferNotify
-        self.write_op = TransferOpcode.Write  # not WRITE: the wheel's names differ from the docs (§8.2)
+        self.write_op = TransferOpcode.Write  # not WRITE: the wheel's names differ from the engine's docs (Traps)
         self.name = name
         self.host = str(options.get("host", "127.0.0.1"))
         self.transfer_timeout: float | None = options.get("transfer_timeout")
@@ -221,7 +221,7 @@ class Worker:
                 self.notify(peer, notification)
             return ("done", None, "")
         # The proxy checked every row against both region tables (PLAN-1): over TCP the engine
-        # does not check the local side at all (§8.3), so that check is the only one.
+        # does not check the local side at all (docs/backends/mooncake.md, Traps), so that check is the only one.
         lr, lo, rr, ro, n = merge_columns(*unpack_columns(self.np, packed))
         local = (self.region_base[lr] + lo).tolist()
         remote = (bases[rr] + ro).tolist()
