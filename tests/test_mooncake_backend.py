@@ -179,6 +179,29 @@ def test_connections_use_the_host_address_though_the_listeners_bind_every_interf
         assert addresses <= {LOOPBACK, MAPPED_LOOPBACK, *WILDCARD}, addresses  # nothing on another address
 
 
+def test_a_closed_agents_worker_hosts_the_next_agent_and_in_process_agents_close_cleanly(
+    pytestconfig: pytest.Config,
+) -> None:
+    """Closing unregisters and unmaps the pools (no view left open), so the worker is reused, and in process too."""
+    require_backend_module(pytestconfig, "mooncake.engine", "mooncake")
+    backend = MooncakeBackend(in_process="consumer")
+    pools = Pools()
+    try:
+        producer, consumer = backend.create_agent("producer"), backend.create_agent("consumer")
+        connect(producer, consumer, pools)
+        assert consumer.in_process
+        handle = consumer.post(TransferMode.READ, [desc(0, 0, 0, PAGE, PAGE)], peer=producer.name)
+        assert wait(consumer, handle).state is TransferState.DONE
+        pid = producer.pid
+        producer.close()
+        consumer.close()  # in process: raised "cannot close exported pointers exist" when a view stayed bound
+        again = backend.create_agent("producer")
+        assert again.pid == pid  # the retired worker came back, not a new process
+    finally:
+        backend.close()
+        pools.close()
+
+
 def test_trusting_transfer_check_status_fails_completion_visibility(pytestconfig: pytest.Config) -> None:
     """The mutant completes a batch when its first task did; the suite must catch it."""
     require_backend_module(pytestconfig, "mooncake.engine", "mooncake")

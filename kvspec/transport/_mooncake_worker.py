@@ -332,9 +332,9 @@ class Worker:
         self.waiting.put(None)
         self.waiter.join()
         self.xfers.clear()
-        for view in self.views:
+        for address in self.region_base.tolist():  # addresses, not views: a view left bound keeps its map open
             with contextlib.suppress(Exception):
-                self.engine.unregister_memory(int(view.ctypes.data))
+                self.engine.unregister_memory(address)
         with contextlib.suppress(Exception):
             self.engine.unregister_memory(int(self.mailbox.ctypes.data))
         self.views.clear()
