@@ -476,6 +476,14 @@ def _stop(process: subprocess.Popen[bytes], *, grace: float) -> None:
         process.wait(timeout=10.0)
 
 
+def _rdma_devices() -> list[str]:
+    """The RDMA devices the kernel lists (``/sys/class/infiniband``); none on a machine without RDMA NICs."""
+    try:
+        return sorted(os.listdir("/sys/class/infiniband"))
+    except OSError:
+        return []
+
+
 # A UCX device name: an interface (lo, eth0, veth-a) or an RDMA port (mlx5_0:1); "all" too.
 _DEVICE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:@-]{0,31}$")
 
@@ -751,5 +759,9 @@ class NixlBackend(WorkerBackend):
         if self._tls is not None:
             env["UCX_TLS"] = self._tls
         env.setdefault("NIXL_LOG_LEVEL", "WARN")  # NIXL logs every agent start at INFO
+        if not _rdma_devices():
+            # Without an RDMA device UCX's ib modules serve nothing, and once libibverbs is installed (the
+            # mooncake extra needs it) an in-process agent crashes at interpreter exit in their teardown.
+            env.setdefault("UCX_MODULES", "^ib")
         env.update(self._env)
         return env
