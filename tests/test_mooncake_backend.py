@@ -63,7 +63,7 @@ class TrustsCheckStatus(MooncakeBackend):
 @pytest.fixture
 def pair(pytestconfig: pytest.Config) -> Iterator[tuple[Transport, Transport, Pools]]:
     require_backend_module(pytestconfig, "mooncake.engine", "mooncake")
-    backend = MooncakeBackend(max_idle_workers=0)
+    backend = MooncakeBackend()
     pools = Pools()
     try:
         producer, consumer = backend.create_agent("producer"), backend.create_agent("consumer")
@@ -144,7 +144,7 @@ def test_a_dead_session_is_a_failure_with_a_reason_not_a_return_code(pair: tuple
 
 def test_a_killed_peer_fails_a_large_batch_as_disconnected_within_the_bound(pytestconfig: pytest.Config) -> None:
     require_backend_module(pytestconfig, "mooncake.engine", "mooncake")
-    backend = MooncakeBackend(max_idle_workers=0)
+    backend = MooncakeBackend()
     pools = Pools(size=32 << 20)
     try:
         producer, consumer = backend.create_agent("producer"), backend.create_agent("consumer")
@@ -179,34 +179,42 @@ def test_connections_use_the_host_address_though_the_listeners_bind_every_interf
         assert addresses <= {LOOPBACK, MAPPED_LOOPBACK, *WILDCARD}, addresses  # nothing on another address
 
 
-def test_a_closed_agents_worker_hosts_the_next_agent_and_in_process_agents_close_cleanly(
-    pytestconfig: pytest.Config,
-) -> None:
-    """Closing unregisters and unmaps the pools (no view left open), so the worker is reused, and in process too."""
-    require_backend_module(pytestconfig, "mooncake.engine", "mooncake")
-    backend = MooncakeBackend(in_process="consumer")
+def test_closing_a_worker_unregisters_and_unmaps_every_pool() -> None:
+    """A view left bound kept a pool's map open: close raised "cannot close exported pointers exist"."""
     pools = Pools()
     try:
-        producer, consumer = backend.create_agent("producer"), backend.create_agent("consumer")
-        connect(producer, consumer, pools)
-        assert consumer.in_process
-        handle = consumer.post(TransferMode.READ, [desc(0, 0, 0, PAGE, PAGE)], peer=producer.name)
-        assert wait(consumer, handle).state is TransferState.DONE
-        pid = producer.pid
-        producer.close()
-        consumer.close()  # in process: raised "cannot close exported pointers exist" when a view stayed bound
-        again = backend.create_agent("producer")
-        assert again.pid == pid  # the retired worker came back, not a new process
+        code = (
+            "from kvspec.transport._mooncake_worker import Worker\n"
+            "worker = Worker('solo', {})\n"
+            f"worker.register({[(shm.name, POOL) for shm in pools.producer]!r})\n"
+            "worker.close()\n"
+            "print(len(worker.shms), len(worker.views))\n"
+        )
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False)
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert done.stdout.split() == ["0", "0"]
+    finally:
+        pools.close()
+
+
+def test_every_agent_gets_a_fresh_worker(pytestconfig: pytest.Config) -> None:
+    """One engine per process: a second engine in a process stalls, so a closed agent's worker exits with it."""
+    require_backend_module(pytestconfig, "mooncake.engine", "mooncake")
+    backend = MooncakeBackend()
+    try:
+        first = backend.create_agent("solo")
+        pid = first.pid
+        first.close()
+        assert backend.create_agent("solo").pid != pid
     finally:
         backend.close()
-        pools.close()
 
 
 def test_trusting_transfer_check_status_fails_completion_visibility(pytestconfig: pytest.Config) -> None:
     """The mutant completes a batch when its first task did; the suite must catch it."""
     require_backend_module(pytestconfig, "mooncake.engine", "mooncake")
     case = "DONE-1/completion-implies-visibility"
-    mutant = TrustsCheckStatus(max_idle_workers=0)
+    mutant = TrustsCheckStatus()
     try:
         report = run_suite(mutant, rules=[case], max_examples=1)
     finally:

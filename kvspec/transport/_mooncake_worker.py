@@ -19,6 +19,8 @@ Theory of operation (docs/backends/mooncake.md, How it is built):
 * The engine has no cancel: a released transfer keeps running, a removed peer's
   transfers are drained before they are reported FAILED, and ``close`` drains
   every batch before it unmaps memory (SM-2).
+* One engine per process: the backend never reuses a worker (a second engine
+  in a process stalls its transfers), so ``close`` is the process's last request.
 * A notification is a zero-length ``transfer_sync`` carrying a
   ``TransferNotify(agent name, message)``, sent after the batch ended, so it
   arrives after the data (DONE-1). Messages travel as latin-1 strings.

@@ -89,10 +89,11 @@ class MooncakeBackend(WorkerBackend):
       (``MC_TRANSFER_TIMEOUT``, whole seconds) and it reports
       ``FAILED(TIMEOUT)`` (default 30, the engine's own default).
     - ``poll_interval``: seconds between an idle worker's notification polls (default 0.0005).
-    - ``max_idle_workers``: worker processes of closed agents kept to host the
-      next agents; 0 stops every worker with its agent (default 4).
-    - ``in_process``: the name of one agent to run in this process instead of
-      a worker (default none).
+
+    Unlike NIXL's, a worker is never reused and no agent runs in the caller's
+    process: a Transfer Engine created in a process where another one was
+    closed stalls its transfers until they time out (0.3.13.post1), so every
+    agent gets a fresh process, which exits with it.
     """
 
     label: ClassVar[str] = "mooncake"
@@ -110,8 +111,6 @@ class MooncakeBackend(WorkerBackend):
         start_timeout: float = 60.0,
         transfer_timeout: float = 30.0,
         poll_interval: float = 0.0005,
-        max_idle_workers: int = 4,
-        in_process: str | None = None,
         worker_command: Sequence[str] | None = None,
     ) -> None:
         _require_mooncake()
@@ -147,8 +146,8 @@ class MooncakeBackend(WorkerBackend):
             options=options,
             call_timeout=call_timeout,
             start_timeout=start_timeout,
-            max_idle_workers=max_idle_workers,
-            in_process=in_process,
+            max_idle_workers=0,  # one engine per process, ever (see above)
+            in_process=None,
             worker_command=worker_command,
         )
 
