@@ -63,7 +63,7 @@ class TrustsCheckStatus(MooncakeBackend):
 @pytest.fixture
 def pair(pytestconfig: pytest.Config) -> Iterator[tuple[Transport, Transport, Pools]]:
     require_backend_module(pytestconfig, "mooncake.engine", "mooncake")
-    backend = MooncakeBackend()
+    backend = MooncakeBackend(spare_workers=0)
     pools = Pools()
     try:
         producer, consumer = backend.create_agent("producer"), backend.create_agent("consumer")
@@ -91,7 +91,12 @@ def test_capabilities_say_what_the_engine_does(pytestconfig: pytest.Config) -> N
 
 @pytest.mark.parametrize(
     ("option", "value", "field"),
-    [("host", "localhost; rm", "host"), ("transfer_timeout", 0.0, "transfer_timeout"), ("call_timeout", -1, "call")],
+    [
+        ("host", "localhost; rm", "host"),
+        ("transfer_timeout", 0.0, "transfer_timeout"),
+        ("call_timeout", -1, "call"),
+        ("spare_workers", -1, "spare_workers"),
+    ],
 )
 def test_bad_options_name_the_field(option: str, value: object, field: str, pytestconfig: pytest.Config) -> None:
     require_backend_module(pytestconfig, "mooncake.engine", "mooncake")
@@ -144,7 +149,7 @@ def test_a_dead_session_is_a_failure_with_a_reason_not_a_return_code(pair: tuple
 
 def test_a_killed_peer_fails_a_large_batch_as_disconnected_within_the_bound(pytestconfig: pytest.Config) -> None:
     require_backend_module(pytestconfig, "mooncake.engine", "mooncake")
-    backend = MooncakeBackend()
+    backend = MooncakeBackend(spare_workers=0)
     pools = Pools(size=32 << 20)
     try:
         producer, consumer = backend.create_agent("producer"), backend.create_agent("consumer")
@@ -200,7 +205,7 @@ def test_closing_a_worker_unregisters_and_unmaps_every_pool() -> None:
 def test_every_agent_gets_a_fresh_worker(pytestconfig: pytest.Config) -> None:
     """One engine per process: a second engine in a process stalls, so a closed agent's worker exits with it."""
     require_backend_module(pytestconfig, "mooncake.engine", "mooncake")
-    backend = MooncakeBackend()
+    backend = MooncakeBackend(spare_workers=0)
     try:
         first = backend.create_agent("solo")
         pid = first.pid
@@ -210,11 +215,26 @@ def test_every_agent_gets_a_fresh_worker(pytestconfig: pytest.Config) -> None:
         backend.close()
 
 
+def test_a_spare_worker_hosts_the_next_agent_and_stops_with_the_backend(pytestconfig: pytest.Config) -> None:
+    require_backend_module(pytestconfig, "mooncake.engine", "mooncake")
+    backend = MooncakeBackend(spare_workers=1)
+    try:
+        first = backend.create_agent("first")
+        spare = backend._spares[0][0]
+        second = backend.create_agent("second")
+        assert second.pid == spare.pid != first.pid
+        assert second.get_agent_metadata()  # a working engine under its new name
+        refill = backend._spares[0][0]
+    finally:
+        backend.close()
+    assert refill.wait(timeout=10) == 0  # an unused spare exits cleanly at end of file
+
+
 def test_trusting_transfer_check_status_fails_completion_visibility(pytestconfig: pytest.Config) -> None:
     """The mutant completes a batch when its first task did; the suite must catch it."""
     require_backend_module(pytestconfig, "mooncake.engine", "mooncake")
     case = "DONE-1/completion-implies-visibility"
-    mutant = TrustsCheckStatus()
+    mutant = TrustsCheckStatus(spare_workers=0)
     try:
         report = run_suite(mutant, rules=[case], max_examples=1)
     finally:

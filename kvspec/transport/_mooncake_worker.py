@@ -347,7 +347,15 @@ class Worker:
 
 
 def main(argv: list[str] | None = None, extra_ops: dict[str, Any] | None = None) -> None:
-    """Entry point: ``python -m kvspec.transport._mooncake_worker FD NAME`` (the NIXL worker's loop)."""
+    """Entry point: ``python -m kvspec.transport._mooncake_worker FD NAME`` (the NIXL worker's loop).
+
+    The engine's modules load first, so that a spare worker (``NAME`` ``-``)
+    has them loaded when its start request comes; a failed import is reported
+    by :class:`Worker` as the backend being unavailable.
+    """
+    with contextlib.suppress(ImportError):
+        import mooncake.engine  # noqa: F401
+        import numpy  # noqa: F401
     _nixl_worker.main(argv, extra_ops, worker_class=Worker)
 
 

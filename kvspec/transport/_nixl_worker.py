@@ -604,7 +604,13 @@ def main(
     """
     fd_text, name = (sys.argv[1:] if argv is None else argv)[:2]
     conn = Connection(int(fd_text))
-    options: dict[str, Any] = conn.recv()
+    try:
+        first = conn.recv()
+    except (EOFError, OSError):
+        os._exit(0)  # a spare worker whose backend closed before using it
+    # A spare (started ahead, named "-") learns its name with its options: ("start", NAME, options).
+    options: dict[str, Any] = first[2] if isinstance(first, tuple) else first
+    name = first[1] if isinstance(first, tuple) else name
     while (worker := _start(conn, name, options, worker_class)) is not None:
         for op_name, op in (extra_ops or {}).items():
             worker.ops[op_name] = lambda *args, _op=op, _worker=worker: _op(_worker, *args)

@@ -89,11 +89,15 @@ class MooncakeBackend(WorkerBackend):
       (``MC_TRANSFER_TIMEOUT``, whole seconds) and it reports
       ``FAILED(TIMEOUT)`` (default 30, the engine's own default).
     - ``poll_interval``: seconds between an idle worker's notification polls (default 0.0005).
+    - ``spare_workers``: worker processes started ahead of ``create_agent``, each
+      with its engine's modules loaded (default 2; 0 for a backend that makes
+      one pair only).
 
     Unlike NIXL's, a worker is never reused and no agent runs in the caller's
     process: a Transfer Engine created in a process where another one was
     closed stalls its transfers until they time out (0.3.13.post1), so every
-    agent gets a fresh process, which exits with it.
+    agent gets a fresh process, which exits with it; ``spare_workers`` keeps
+    some started ahead, so that a new agent rarely waits for one.
     """
 
     label: ClassVar[str] = "mooncake"
@@ -111,6 +115,7 @@ class MooncakeBackend(WorkerBackend):
         start_timeout: float = 60.0,
         transfer_timeout: float = 30.0,
         poll_interval: float = 0.0005,
+        spare_workers: int = 2,
         worker_command: Sequence[str] | None = None,
     ) -> None:
         _require_mooncake()
@@ -124,6 +129,8 @@ class MooncakeBackend(WorkerBackend):
             raise ConfigError(
                 f"MooncakeBackend.transfer_timeout: expected seconds in [1, 86400], got {transfer_timeout!r}"
             )
+        if not isinstance(spare_workers, int) or not 0 <= spare_workers <= 16:
+            raise ConfigError(f"MooncakeBackend.spare_workers: expected an integer in [0, 16], got {spare_workers!r}")
         if not isinstance(poll_interval, (int, float)) or not 0 < poll_interval <= 1:
             raise ConfigError(f"MooncakeBackend.poll_interval: expected seconds in (0, 1], got {poll_interval!r}")
         self._env = dict(env or {})
@@ -149,6 +156,7 @@ class MooncakeBackend(WorkerBackend):
             max_idle_workers=0,  # one engine per process, ever (see above)
             in_process=None,
             worker_command=worker_command,
+            spare_workers=spare_workers,
         )
 
     def create_agent(self, name: str) -> MooncakeAgent:

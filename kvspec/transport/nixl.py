@@ -513,8 +513,13 @@ class WorkerBackend:
         max_idle_workers: int,
         in_process: str | None,
         worker_command: Sequence[str] | None,
+        spare_workers: int = 0,
     ) -> None:
-        """Check the options every worker backend shares and set up the worker bookkeeping."""
+        """Check the options every worker backend shares and set up the worker bookkeeping.
+
+        ``spare_workers`` processes are kept started ahead of ``create_agent``,
+        for a backend whose workers are never reused.
+        """
         for field, value in (("call_timeout", call_timeout), ("start_timeout", start_timeout)):
             if not isinstance(value, (int, float)) or value <= 0:
                 raise ConfigError(
@@ -532,6 +537,8 @@ class WorkerBackend:
         self._agents: list[WorkerAgent] = []
         self._idle: list[tuple[subprocess.Popen[bytes], Connection]] = []
         self._max_idle = max_idle_workers
+        self._spare_count = spare_workers
+        self._spares: list[tuple[subprocess.Popen[bytes], Connection]] = []
         # A backend dropped without close() must not leave workers polling behind it.
         self._processes: list[subprocess.Popen[bytes]] = []
         weakref.finalize(self, _kill_all, self._processes)
@@ -574,6 +581,19 @@ class WorkerBackend:
                 return self._started(name, process, conn, ("start", name))
             except TransportError:
                 continue  # that worker is gone or broken; it was stopped, try the next
+        try:
+            while self._spares:
+                process, conn = self._spares.pop(0)
+                try:
+                    return self._started(name, process, conn, ("start", name, self._options))
+                except TransportError:
+                    continue  # that spare died; it was stopped, try the next
+            return self._started(name, *self._spawn(name), self._options)
+        finally:
+            self._top_up()
+
+    def _spawn(self, name: str) -> tuple[subprocess.Popen[bytes], Connection]:
+        """Start a worker process for the agent ``name`` (``"-"``: a spare, named by its start request)."""
         ours, theirs = socket.socketpair()
         try:
             process = subprocess.Popen(
@@ -585,7 +605,12 @@ class WorkerBackend:
         finally:
             theirs.close()
         self._processes[:] = [p for p in self._processes if p.poll() is None] + [process]
-        return self._started(name, process, Connection(ours.detach()), self._options)
+        return process, Connection(ours.detach())
+
+    def _top_up(self) -> None:
+        """Start spare workers up to ``spare_workers``: they load their engine while the caller works."""
+        while len(self._spares) < self._spare_count:
+            self._spares.append(self._spawn("-"))
 
     def _local_agent(self, name: str) -> WorkerAgent:
         """Start the agent ``name`` in this process, under the workers' engine settings (``in_process_env``)."""
@@ -653,6 +678,10 @@ class WorkerBackend:
         self._agents.clear()
         while self._idle:
             _close_worker(*self._idle.pop())
+        while self._spares:
+            process, conn = self._spares.pop()
+            conn.close()  # a spare waiting for its start request exits on end of file
+            _stop(process, grace=5.0)
 
     def __enter__(self) -> Self:
         return self
