@@ -220,14 +220,17 @@ def test_a_spare_worker_hosts_the_next_agent_and_stops_with_the_backend(pytestco
     backend = MooncakeBackend(spare_workers=1)
     try:
         first = backend.create_agent("first")
-        spare = backend._spares[0][0]
+        assert backend._spares == []  # none starts while agents run: it would compete for the cores
+        first.close()
+        spare = backend._spares[0][0]  # started when an agent closed, for the next one
         second = backend.create_agent("second")
         assert second.pid == spare.pid != first.pid
         assert second.get_agent_metadata()  # a working engine under its new name
-        refill = backend._spares[0][0]
+        second.close()
+        unused = backend._spares[0][0]
     finally:
         backend.close()
-    assert refill.wait(timeout=10) == 0  # an unused spare exits cleanly at end of file
+    assert unused.wait(timeout=10) == 0  # an unused spare exits cleanly at end of file
 
 
 def test_trusting_transfer_check_status_fails_completion_visibility(pytestconfig: pytest.Config) -> None:

@@ -91,7 +91,8 @@ class MooncakeBackend(WorkerBackend):
     - ``poll_interval``: seconds between an idle worker's notification polls (default 0.0005).
     - ``spare_workers``: worker processes started ahead of ``create_agent``, each
       with its engine's modules loaded (default 2; 0 for a backend that makes
-      one pair only).
+      one pair only). They start when an agent closes, between the caller's
+      runs, not while agents work.
 
     Unlike NIXL's, a worker is never reused and no agent runs in the caller's
     process: a Transfer Engine created in a process where another one was

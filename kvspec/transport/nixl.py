@@ -131,9 +131,11 @@ class WorkerAgent:
         call_timeout: float,
         recycle: Callable[[subprocess.Popen[bytes], Connection], None] | None = None,
         worker: Any = None,
+        on_close: Callable[[], None] | None = None,
     ) -> None:
         self._name = name
         self._recycle = recycle
+        self._on_close = on_close  # called once this agent's worker process has stopped
         # Exactly one of the two: a worker process and its pipe, or the worker object in this process.
         if (worker is None) == (process is None or conn is None):
             raise ConfigError(f"{type(self).__name__}: expected a worker process and its pipe, or an in-process worker")
@@ -406,6 +408,8 @@ class WorkerAgent:
                     return
             self._conn.close()
             _stop(self._process, grace=5.0)
+            if self._on_close is not None:
+                self._on_close()
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self._name!r}, pid={self.pid}, closed={self._closed})"
@@ -539,6 +543,7 @@ class WorkerBackend:
         self._max_idle = max_idle_workers
         self._spare_count = spare_workers
         self._spares: list[tuple[subprocess.Popen[bytes], Connection]] = []
+        self._closing = False
         # A backend dropped without close() must not leave workers polling behind it.
         self._processes: list[subprocess.Popen[bytes]] = []
         weakref.finalize(self, _kill_all, self._processes)
@@ -581,16 +586,13 @@ class WorkerBackend:
                 return self._started(name, process, conn, ("start", name))
             except TransportError:
                 continue  # that worker is gone or broken; it was stopped, try the next
-        try:
-            while self._spares:
-                process, conn = self._spares.pop(0)
-                try:
-                    return self._started(name, process, conn, ("start", name, self._options))
-                except TransportError:
-                    continue  # that spare died; it was stopped, try the next
-            return self._started(name, *self._spawn(name), self._options)
-        finally:
-            self._top_up()
+        while self._spares:
+            process, conn = self._spares.pop(0)
+            try:
+                return self._started(name, process, conn, ("start", name, self._options))
+            except TransportError:
+                continue  # that spare died; it was stopped, try the next
+        return self._started(name, *self._spawn(name), self._options)
 
     def _spawn(self, name: str) -> tuple[subprocess.Popen[bytes], Connection]:
         """Start a worker process for the agent ``name`` (``"-"``: a spare, named by its start request)."""
@@ -608,8 +610,10 @@ class WorkerBackend:
         return process, Connection(ours.detach())
 
     def _top_up(self) -> None:
-        """Start spare workers up to ``spare_workers``: they load their engine while the caller works."""
-        while len(self._spares) < self._spare_count:
+        """Start spare workers up to ``spare_workers`` when an agent closed, so that they load their engine
+        between the caller's runs rather than during one (a spare starting costs a core for a moment).
+        """
+        while len(self._spares) < self._spare_count and not self._closing:
             self._spares.append(self._spawn("-"))
 
     def _local_agent(self, name: str) -> WorkerAgent:
@@ -658,7 +662,13 @@ class WorkerBackend:
             raise TransportError(message)
         recycle = self._take_back if self._max_idle > 0 else None
         agent = self.agent_class(
-            name, process, conn, capabilities=self._capabilities, call_timeout=self._call_timeout, recycle=recycle
+            name,
+            process,
+            conn,
+            capabilities=self._capabilities,
+            call_timeout=self._call_timeout,
+            recycle=recycle,
+            on_close=self._top_up if self._spare_count else None,
         )
         self._agents = [a for a in self._agents if not a.closed]
         self._agents.append(agent)
@@ -673,6 +683,7 @@ class WorkerBackend:
 
     def close(self) -> None:
         """Stop every worker this backend started."""
+        self._closing = True
         for agent in self._agents:
             agent.close()
         self._agents.clear()
