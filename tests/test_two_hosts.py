@@ -226,6 +226,14 @@ def test_a_loopback_agent_for_a_remote_peer_is_one_clear_error(tmp_path: Path) -
     assert "Traceback" not in done.stderr
 
 
+def test_mooncake_suite_across_two_hosts(
+    hosts: Hosts, tmp_path: Path, require_module: Callable[..., ModuleType]
+) -> None:
+    """Mooncake's Transfer Engine over TCP on the veth pair, each engine named by its namespace's address."""
+    require_module("mooncake.engine", "mooncake")
+    _check(_run(hosts, tmp_path, "mooncake", [f"host={SUITE_ADDRESS}"], [f"host={AGENT_ADDRESS}"]))
+
+
 @pytest.mark.parametrize("ci", [False, True])
 def test_missing_namespaces_skip_locally_and_fail_under_ci(
     ci: bool, pytestconfig: pytest.Config, monkeypatch: pytest.MonkeyPatch

@@ -20,6 +20,7 @@ BUILTIN_BACKENDS: dict[str, str] = {
     "loopback": "kvspec.transport.loopback:LoopbackBackend",
     "torch": "kvspec.transport.torch_dist:TorchDistributedBackend",
     "nixl": "kvspec.transport.nixl:NixlBackend",
+    "mooncake": "kvspec.transport.mooncake:MooncakeBackend",
 }
 
 
@@ -75,7 +76,7 @@ def _check_options(spec: str, factory: Callable[..., Backend], options: dict[str
 
 
 def load_backend(spec: str = "loopback", **options: object) -> Backend:
-    """Build a backend from ``"loopback"``, ``"torch"``, ``"nixl"``, an entry-point
+    """Build a backend from ``"loopback"``, ``"torch"``, ``"nixl"``, ``"mooncake"``, an entry-point
     name in the ``kvspec.backends`` group, or ``"package.module:factory"``.
 
     Raises :class:`kvspec.BackendUnavailableError` (an ``ImportError``) when the
