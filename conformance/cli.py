@@ -194,7 +194,7 @@ def _peer_options(backend: str, peer: str | None, options: dict[str, object]) ->
 
 
 # Built-in backends' loopback defaults: (option, default) that cannot reach another host.
-_LOOPBACK_DEFAULTS = {"torch": ("host", "127.0.0.1"), "nixl": ("net_devices", "lo")}
+_LOOPBACK_DEFAULTS = {"torch": ("host", "127.0.0.1"), "nixl": ("net_devices", "lo"), "mooncake": ("host", "127.0.0.1")}
 
 
 def _loopback_to_a_remote_peer(backend: str, peer: str | None, options: dict[str, object]) -> str | None:
