@@ -29,7 +29,7 @@ EXPECTED_CLASS = {
 
 
 def _position_oracle(config: KVCacheConfig, drive: Any) -> tuple[set[tuple[int, str, bool]], set[int]]:
-    """``(group, what the block holds, in the prefix hit)`` per wrong attended position; groups whose hit is poisoned."""
+    """``(group, what the block holds, in the hit)`` per wrong attended position; groups whose hit is poisoned."""
     wrong: set[tuple[int, str, bool]] = set()
     poisoned: set[int] = set()
     hit, first = drive.prefix_hit_tokens, drive.first_computed

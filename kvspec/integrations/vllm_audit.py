@@ -615,9 +615,7 @@ def check_drive(config: KVCacheConfig, drive: _Drive) -> list[Finding]:
             span = f"logical block {k} (tokens {k * spec.block_size}..{(k + 1) * spec.block_size - 1})"
             span += ", in the prefix hit" if in_hit else ""
             if k >= len(c_table) or c_table[k] == NULL_BLOCK_ID:
-                findings.append(
-                    Finding(deviation="needed-block-null-on-consumer", group=g, detail=span, in_hit=in_hit)
-                )
+                findings.append(Finding(deviation="needed-block-null-on-consumer", group=g, detail=span, in_hit=in_hit))
             elif k in arrives and arrives[k][0] == NULL_BLOCK_ID:
                 findings.append(
                     Finding(
