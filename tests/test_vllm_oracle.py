@@ -153,3 +153,19 @@ def test_cases_are_reproducible_and_in_range() -> None:
     assert any(c.cached_prefix_tokens for c in cases)
     assert any(c.lookahead for c in cases)
     assert all(d.rule for d in DEVIATIONS.values())
+
+
+def test_shipped_audit_list_names_the_committed_classes() -> None:
+    # kvspec vllm-audit --expect-file vllm-audit fails on an unlisted or vanished class: the shipped list
+    # must name exactly the classes of the committed audit (seed 11, 200 requests), new ones included.
+    import json
+    from pathlib import Path
+
+    from kvspec.integrations.expectations import load_expected
+
+    committed = json.loads(
+        (Path(__file__).resolve().parent.parent / "docs" / "explanation" / "vllm-audit.json").read_text("utf-8")
+    )
+    found = {f"{c['connector']}/{c['class']}" for c in committed["classes"] if c["connector"] != "reference"}
+    assert "moriio/null-into-cached-block" in found
+    assert set(load_expected("vllm-audit")) == found
