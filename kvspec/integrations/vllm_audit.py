@@ -19,8 +19,11 @@ Both full block tables map every logical block to an id, so each pair the
 connector would post is checked by position: a pair must join the same
 logical block on both sides (ALIGN-1), never the null block (NULL-1), and
 every block the consumer's first computed token attends must arrive or be
-held (WIN-1). With ``connector="reference"`` kvspec's own functions replace
-the connector's: the oracle must then find nothing.
+held (WIN-1): each one is read, whatever its source (the transfer, the
+consumer's prefix hit, or a block the consumer nulled itself), and a null
+page into a cached block is ``null-into-cached-block``. With
+``connector="reference"`` kvspec's own functions replace NIXL's clipping and
+pairing on NIXL's tables: the oracle must then find nothing.
 """
 
 from __future__ import annotations
