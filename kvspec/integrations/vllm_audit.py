@@ -616,7 +616,7 @@ def check_drive(config: KVCacheConfig, drive: _Drive) -> list[Finding]:
         for k in get_needed_block_range(spec, num_tokens=drive.first_computed, prefix_hit_tokens=0):
             in_hit = k < held
             span = f"logical block {k} (tokens {k * spec.block_size}..{(k + 1) * spec.block_size - 1})"
-            span += ", in the prefix hit" if in_hit else ""
+            span += " in the prefix hit" if in_hit else ""
             if k >= len(c_table) or c_table[k] == NULL_BLOCK_ID:
                 findings.append(Finding(deviation="needed-block-null-on-consumer", group=g, detail=span, in_hit=in_hit))
             elif k in arrives and arrives[k][0] == NULL_BLOCK_ID:
