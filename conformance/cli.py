@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import inspect
+import math
 import os
 import secrets
 import sys
+import typing
 from collections.abc import Sequence
 from typing import TextIO
 
@@ -51,15 +54,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--max-examples",
-        type=int,
+        type=_positive_int,
         default=DEFAULT_MAX_EXAMPLES,
         metavar="N",
         help=f"hypothesis examples per generated case (default {DEFAULT_MAX_EXAMPLES})",
     )
     parser.add_argument(
         "--time-scale",
-        type=float,
-        default=float(os.environ["KVSPEC_CONFORM_TIME_SCALE"]) if "KVSPEC_CONFORM_TIME_SCALE" in os.environ else None,
+        type=_time_scale,
+        default=os.environ.get("KVSPEC_CONFORM_TIME_SCALE"),  # a str default goes through type= (argparse)
         metavar="X",
         help=(
             "multiply every scenario deadline, lease, drain bound and quiet period by X (slow backends; "
@@ -145,15 +148,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-v", "--verbose", action="store_true", help="list every case in the report")
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _time_scale(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(
+            f"expected a positive finite number (also read from KVSPEC_CONFORM_TIME_SCALE), got {text!r}"
+        )
+    return value
+
+
 def _split(values: Sequence[str]) -> list[str]:
     return [part.strip() for value in values for part in value.split(",") if part.strip()]
 
 
 def _options(values: Sequence[str]) -> dict[str, object]:
-    try:
-        return parse_backend_options(values)
-    except ConfigError as exc:
-        raise SystemExit(f"kvspec conform: {exc}") from None
+    return parse_backend_options(values)  # a ConfigError is reported by run() as a backend that cannot load
 
 
 def _peer_options(backend: str, peer: str | None, options: dict[str, object]) -> dict[str, object]:
@@ -170,7 +192,7 @@ def _peer_options(backend: str, peer: str | None, options: dict[str, object]) ->
 
 
 # Built-in backends' loopback defaults: (option, default) that cannot reach another host.
-_LOOPBACK_DEFAULTS = {"torch": ("host", "127.0.0.1"), "nixl": ("net_devices", "lo")}
+_LOOPBACK_DEFAULTS = {"torch": ("host", "127.0.0.1"), "nixl": ("net_devices", "lo"), "mooncake": ("host", "127.0.0.1")}
 
 
 def _loopback_to_a_remote_peer(backend: str, peer: str | None, options: dict[str, object]) -> str | None:
@@ -215,6 +237,12 @@ def _load_connector(path: str, extra: Sequence[str] = ()) -> tuple[Connector, tu
         factory = import_path(path, "--connector")
     except KVSpecError as exc:
         raise SystemExit(f"kvspec conform: {exc}") from None
+    if not _is_connector_factory(factory):
+        # Never call an arbitrary callable (os:system) on the strength of a command-line string.
+        raise SystemExit(
+            f"kvspec conform: --connector {path}: expected a Connector class, "
+            "or a function annotated to return a Connector"
+        )
     made: object = factory()
     if not isinstance(made, Connector):
         raise SystemExit(f"kvspec conform: {path} did not return a Connector (clip, pair, plan, admission, handshake)")
@@ -224,6 +252,26 @@ def _load_connector(path: str, extra: Sequence[str] = ()) -> tuple[Connector, tu
         with contextlib.suppress(AttributeError, TypeError):
             setattr(made, "kvspec_replay", lambda: replay)  # noqa: B010
     return made, (("connector", path),)
+
+
+_CONNECTOR_HOOKS = tuple(name for name in vars(Connector) if not name.startswith("_"))
+
+
+def _is_connector_class(obj: object) -> bool:
+    return isinstance(obj, type) and all(callable(getattr(obj, name, None)) for name in _CONNECTOR_HOOKS)
+
+
+def _is_connector_factory(obj: object) -> bool:
+    """A Connector class, or a function whose return annotation is Connector or a Connector class."""
+    if isinstance(obj, type):
+        return _is_connector_class(obj)
+    if not inspect.isfunction(obj):
+        return False
+    try:
+        returned = typing.get_type_hints(obj).get("return")
+    except Exception:  # an annotation that does not resolve says nothing trustworthy
+        return False
+    return returned is Connector or _is_connector_class(returned)
 
 
 def _vllm_tested(connector: object) -> tuple[tuple[str, str], ...]:
@@ -366,4 +414,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         description="Run the kvspec conformance suite against a transport backend and report by rule.",
     )
     add_arguments(parser)
-    return run(parser.parse_args(argv))
+    args = parser.parse_args(argv)
+    from kvspec.cli import run_command  # the one place CLI errors become one line
+
+    return run_command("kvspec conform", lambda: run(args), sys.stdout)

@@ -32,7 +32,14 @@ from typing import Any, Union
 
 import attrs
 
-from kvspec._errors import ConfigError, FieldError, KVSpecError, MalformedMessageError, UnsupportedVersionError
+from kvspec._errors import (
+    ConfigError,
+    FieldError,
+    KVSpecError,
+    MalformedMessageError,
+    UnsupportedVersionError,
+    shown,
+)
 from kvspec._messages import (
     PROTOCOL_VERSION,
     Abort,
@@ -71,10 +78,11 @@ def _is_int(value: object) -> bool:
 
 
 def _bad(path: str, expected: str, found: object) -> MalformedMessageError:
-    shown = repr(found)
-    if len(shown) > 80:
-        shown = shown[:77] + "..."
-    return MalformedMessageError(f"expected {expected}, got {shown}", field=path or None)
+    return MalformedMessageError(f"expected {expected}, got {shown(found, 80)}", field=path or None)
+
+
+_UNDECODABLE = (ValueError, TypeError, OverflowError, RecursionError, MemoryError)
+"""What a builtin raises on hostile input (huge ints, deep nesting); a decode turns it into a named error."""
 
 
 # --------------------------------------------------------------------------- field converters
@@ -129,9 +137,15 @@ class _Float(FieldCodec):
         return value
 
     def decode(self, data: JSON, path: str) -> Any:
-        if isinstance(data, bool) or not isinstance(data, (int, float)) or not math.isfinite(data):
+        if isinstance(data, bool) or not isinstance(data, (int, float)):
             raise _bad(path, "a finite JSON number", data)
-        return float(data)
+        try:
+            value = float(data)  # an int beyond the float range raises OverflowError
+        except OverflowError:
+            raise _bad(path, "a finite JSON number", data) from None
+        if not math.isfinite(value):
+            raise _bad(path, "a finite JSON number", data)
+        return value
 
     def schema(self) -> dict[str, Any]:
         return {"type": "number"}
@@ -331,12 +345,17 @@ class _Object(FieldCodec):
                 if f.default is attrs.NOTHING:
                     raise MalformedMessageError("missing", field=sub)
                 continue  # an older minor may omit a field that has a default
-            kwargs[f.name] = codec.decode(data[f.name], sub)
+            try:
+                kwargs[f.name] = codec.decode(data[f.name], sub)
+            except KVSpecError:
+                raise
+            except _UNDECODABLE as exc:
+                raise MalformedMessageError(f"undecodable value ({type(exc).__name__})", field=sub) from None
         try:
             return self.kind(**kwargs)
         except FieldError as exc:
             raise MalformedMessageError(str(exc), field=f"{path}.{exc.field}" if path else exc.field) from None
-        except ConfigError as exc:
+        except (ConfigError, *_UNDECODABLE) as exc:
             raise MalformedMessageError(str(exc), field=path or None) from None
 
     def schema(self) -> dict[str, Any]:

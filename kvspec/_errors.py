@@ -38,6 +38,22 @@ __all__ = [
 ]
 
 
+def shown(value: object, limit: int = 200) -> str:
+    """``repr(value)`` cut to ``limit`` characters, for error messages about values a peer sent.
+
+    ``repr`` itself can fail on hostile input (an int of more than 4,300
+    digits raises ValueError, deep nesting RecursionError); an error message
+    must never raise, so such values are described by their type instead.
+    """
+    try:
+        text = repr(value)
+    except (ValueError, RecursionError, MemoryError):
+        text = f"<a {type(value).__name__} too large to show>"
+    except Exception as exc:  # a hostile __repr__
+        text = f"<a {type(value).__name__} whose repr raised {type(exc).__name__}>"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 class KVSpecError(Exception):
     """Root of every error kvspec raises on purpose."""
 
@@ -54,7 +70,7 @@ class FieldError(ConfigError):
 
     def __init__(self, cls: type, field: str, expected: str, found: object) -> None:
         self.field = field
-        super().__init__(f"{cls.__name__}.{field}: expected {expected}, got {found!r}")
+        super().__init__(f"{cls.__name__}.{field}: expected {expected}, got {shown(found)}")
 
 
 class UnsupportedHybridError(KVSpecError, NotImplementedError):

@@ -25,13 +25,20 @@ import base64
 import binascii
 import enum
 import math
-from collections.abc import Iterable, Mapping
-from typing import Any, TypeAlias
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, TypeAlias, TypeVar
 
 import attrs
 
 from kvspec._enums import FailureReason, TransferMode
-from kvspec._errors import ConfigError, FieldError, MalformedMessageError, UnsupportedVersionError
+from kvspec._errors import (
+    ConfigError,
+    FieldError,
+    KVSpecError,
+    MalformedMessageError,
+    UnsupportedVersionError,
+    shown,
+)
 from kvspec._integrity import DIGEST_HEX_LENGTH, BlockDigests, is_block_digest
 from kvspec._models import (
     NULL_BLOCK_ID,
@@ -462,34 +469,78 @@ class TransferParams:
         """
         if not isinstance(params, Mapping):
             raise MalformedMessageError(f"expected a dict, got {type(params).__name__}")
-        _check_dict_version(params.get(_KEY_VERSION))
+        _parse(_KEY_VERSION, lambda: _check_dict_version(params.get(_KEY_VERSION)))
         if params.get(_KEY_DO_REMOTE_PREFILL) is not True:
             raise MalformedMessageError("expected True on the consumer's request", field=_KEY_DO_REMOTE_PREFILL)
-        transport: dict[str, str | int] = {}
-        for key, value in params.items():
-            if key in TRANSFER_PARAMS_KEYS:
-                continue
-            if not isinstance(key, str) or not (isinstance(value, str) or _is_int(value)):
-                raise MalformedMessageError(f"expected a str or int transport value, got {value!r}", field=str(key))
-            transport[key] = value  # type: ignore[assignment]
-        data: TransportData = transport
-        if _KEY_TRANSPORT_BYTES in params:
-            if transport:
-                message = "opaque transport bytes and named transport keys both given"
-                raise MalformedMessageError(message, field=_KEY_TRANSPORT_BYTES)
-            data = _b64(params[_KEY_TRANSPORT_BYTES], _KEY_TRANSPORT_BYTES)
-        return cls(
-            request_id=_need(params, _KEY_REQUEST_ID, str),  # type: ignore[arg-type]
-            producer_engine_id=_need(params, _KEY_ENGINE_ID, str),  # type: ignore[arg-type]
-            producer_block_ids=_dict_block_ids(params),
-            num_tokens=_need(params, _KEY_NUM_TOKENS, int),  # type: ignore[arg-type]
-            mode=_dict_mode(params),
-            lease_deadline=_dict_deadline(params),
-            transport_data=data,
-            producer_block_ends=_dict_block_ends(params),
-            recomputed_tokens=_dict_recomputed(params),
-            producer_block_digests=_dict_digests(params),
-        )
+        data: TransportData = _parse("transport_data", lambda: _dict_transport_data(params))
+        fields = {
+            "request_id": _parse(_KEY_REQUEST_ID, lambda: _need(params, _KEY_REQUEST_ID, str)),
+            "producer_engine_id": _parse(_KEY_ENGINE_ID, lambda: _need(params, _KEY_ENGINE_ID, str)),
+            "producer_block_ids": _parse(_KEY_BLOCK_IDS, lambda: _dict_block_ids(params)),
+            "num_tokens": _parse(_KEY_NUM_TOKENS, lambda: _need(params, _KEY_NUM_TOKENS, int)),
+            "mode": _parse(_KEY_MODE, lambda: _dict_mode(params)),
+            "lease_deadline": _parse(_KEY_EXPIRY, lambda: _dict_deadline(params)),
+            "producer_block_ends": _parse(_KEY_BLOCK_ENDS, lambda: _dict_block_ends(params)),
+            "recomputed_tokens": _parse(_KEY_RECOMPUTED, lambda: _dict_recomputed(params)),
+            "producer_block_digests": _parse(_KEY_DIGESTS, lambda: _dict_digests(params)),
+        }
+        try:
+            return cls(transport_data=data, **fields)  # type: ignore[arg-type]
+        except FieldError as exc:
+            # A check across fields (ends or digests per group of ids): name the dict key vLLM's router sees.
+            key = _DICT_KEYS.get(exc.field.partition("[")[0], exc.field)
+            raise MalformedMessageError(str(exc), field=key + exc.field[len(exc.field.partition("[")[0]) :]) from None
+        except (ConfigError, *_UNDECODABLE) as exc:  # pragma: no cover - every field was checked above
+            raise MalformedMessageError(str(exc), field=_KEY_BLOCK_IDS) from None
+
+
+_T = TypeVar("_T")
+
+_UNDECODABLE = (ValueError, TypeError, OverflowError, RecursionError, MemoryError)
+"""What a builtin raises on hostile input (huge ints, deep nesting); a parse turns it into a named error."""
+
+_DICT_KEYS = {
+    "request_id": _KEY_REQUEST_ID,
+    "producer_engine_id": _KEY_ENGINE_ID,
+    "producer_block_ids": _KEY_BLOCK_IDS,
+    "num_tokens": _KEY_NUM_TOKENS,
+    "mode": _KEY_MODE,
+    "lease_deadline": _KEY_EXPIRY,
+    "producer_block_ends": _KEY_BLOCK_ENDS,
+    "recomputed_tokens": _KEY_RECOMPUTED,
+    "producer_block_digests": _KEY_DIGESTS,
+}
+"""TransferParams field -> its key in vLLM's ``kv_transfer_params`` dict."""
+
+
+def _parse(key: str, parse: Callable[[], _T]) -> _T:
+    """Run one key's parser; a builtin error from hostile input becomes a MalformedMessageError naming ``key``."""
+    try:
+        return parse()
+    except ConfigError as exc:
+        raise MalformedMessageError(str(exc), field=key) from None
+    except KVSpecError:
+        raise
+    except _UNDECODABLE as exc:
+        raise MalformedMessageError(f"undecodable value ({type(exc).__name__})", field=key) from None
+
+
+def _dict_transport_data(params: Mapping[str, object]) -> TransportData:
+    transport: dict[str, str | int] = {}
+    for key, value in params.items():
+        if key in TRANSFER_PARAMS_KEYS:
+            continue
+        if not isinstance(key, str) or not key:
+            raise MalformedMessageError(f"expected a non-empty str key, got {shown(key, 80)}", field="transport_data")
+        if not (isinstance(value, str) or _is_int(value)):
+            raise MalformedMessageError(f"expected a str or int transport value, got {shown(value, 80)}", field=key)
+        transport[key] = value  # type: ignore[assignment]
+    if _KEY_TRANSPORT_BYTES in params:
+        if transport:
+            message = "opaque transport bytes and named transport keys both given"
+            raise MalformedMessageError(message, field=_KEY_TRANSPORT_BYTES)
+        return _b64(params[_KEY_TRANSPORT_BYTES], _KEY_TRANSPORT_BYTES)
+    return transport
 
 
 def _need(params: Mapping[str, object], key: str, kind: type) -> object:
@@ -497,27 +548,28 @@ def _need(params: Mapping[str, object], key: str, kind: type) -> object:
         raise MalformedMessageError("missing", field=key)
     value = params[key]
     if not isinstance(value, kind) or isinstance(value, bool):
-        raise MalformedMessageError(f"expected {kind.__name__}, got {value!r}", field=key)
+        raise MalformedMessageError(f"expected {kind.__name__}, got {shown(value, 80)}", field=key)
     if kind is str and not value:
         raise MalformedMessageError("expected a non-empty str", field=key)
     if kind is int and value < 0:  # type: ignore[operator]
-        raise MalformedMessageError(f"expected a non-negative int, got {value!r}", field=key)
+        raise MalformedMessageError(f"expected a non-negative int, got {shown(value, 80)}", field=key)
     return value
 
 
 def _dict_block_ids(params: Mapping[str, object]) -> BlockIds:
     value = _need(params, _KEY_BLOCK_IDS, object)
     if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
-        raise MalformedMessageError(f"expected a list of per-group lists, got {value!r}", field=_KEY_BLOCK_IDS)
+        raise MalformedMessageError(f"expected a list of per-group lists, got {shown(value, 80)}", field=_KEY_BLOCK_IDS)
     groups = list(value)
     for g, group in enumerate(groups):
         # A flat list[int] is the pre-HMA shape; under kvspec every group is its own list.
         if isinstance(group, (str, bytes)) or not isinstance(group, (list, tuple)):
-            raise MalformedMessageError(f"expected a list of block ids, got {group!r}", field=f"{_KEY_BLOCK_IDS}[{g}]")
+            message = f"expected a list of block ids, got {shown(group, 80)}"
+            raise MalformedMessageError(message, field=f"{_KEY_BLOCK_IDS}[{g}]")
         for i, block_id in enumerate(group):
             if not _is_int(block_id) or block_id < 0:
                 field = f"{_KEY_BLOCK_IDS}[{g}][{i}]"
-                raise MalformedMessageError(f"expected a non-negative int, got {block_id!r}", field=field)
+                raise MalformedMessageError(f"expected a non-negative int, got {shown(block_id, 80)}", field=field)
     return BlockIds(groups)
 
 
@@ -526,10 +578,11 @@ def _dict_block_ends(params: Mapping[str, object]) -> tuple[int, ...] | None:
         return None  # a 1.0 producer: where the lists end is not said (ALIGN-1)
     value = params[_KEY_BLOCK_ENDS]
     if not isinstance(value, (list, tuple)):
-        raise MalformedMessageError(f"expected a list of per-group ends, got {value!r}", field=_KEY_BLOCK_ENDS)
+        raise MalformedMessageError(f"expected a list of per-group ends, got {shown(value, 80)}", field=_KEY_BLOCK_ENDS)
     for g, end in enumerate(value):
         if not _is_int(end) or end < 0:
-            raise MalformedMessageError(f"expected a non-negative int, got {end!r}", field=f"{_KEY_BLOCK_ENDS}[{g}]")
+            message = f"expected a non-negative int, got {shown(end, 80)}"
+            raise MalformedMessageError(message, field=f"{_KEY_BLOCK_ENDS}[{g}]")
     return tuple(value)
 
 
@@ -545,15 +598,17 @@ def _dict_digests(params: Mapping[str, object]) -> BlockDigests | None:
         return None  # the producer has integrity off (INT-1)
     value = params[_KEY_DIGESTS]
     if not isinstance(value, (list, tuple)):
-        raise MalformedMessageError(f"expected a list of per-group lists of digests, got {value!r}", field=_KEY_DIGESTS)
+        message = f"expected a list of per-group lists of digests, got {shown(value, 80)}"
+        raise MalformedMessageError(message, field=_KEY_DIGESTS)
     for g, group in enumerate(value):
         if not isinstance(group, (list, tuple)):
-            raise MalformedMessageError(f"expected a list of digests, got {group!r}", field=f"{_KEY_DIGESTS}[{g}]")
+            message = f"expected a list of digests, got {shown(group, 80)}"
+            raise MalformedMessageError(message, field=f"{_KEY_DIGESTS}[{g}]")
         for i, digest in enumerate(group):
             if digest != "" and not is_block_digest(digest):
                 field = f"{_KEY_DIGESTS}[{g}][{i}]"
                 raise MalformedMessageError(
-                    f"expected {DIGEST_HEX_LENGTH} hex characters or '', got {digest!r}", field=field
+                    f"expected {DIGEST_HEX_LENGTH} hex characters or '', got {shown(digest, 80)}", field=field
                 )
     return tuple(tuple(group) for group in value)
 
@@ -565,22 +620,29 @@ def _dict_mode(params: Mapping[str, object]) -> TransferMode:
     try:
         return TransferMode(value)
     except ValueError:
-        raise MalformedMessageError(f"expected 'read' or 'write', got {value!r}", field=_KEY_MODE) from None
+        raise MalformedMessageError(f"expected 'read' or 'write', got {shown(value, 80)}", field=_KEY_MODE) from None
 
 
 def _dict_deadline(params: Mapping[str, object]) -> float:
     value = _need(params, _KEY_EXPIRY, object)
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
-        raise MalformedMessageError(f"expected a finite number, got {value!r}", field=_KEY_EXPIRY)
-    return float(value)
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise MalformedMessageError(f"expected a finite number, got {shown(value, 80)}", field=_KEY_EXPIRY)
+    try:
+        number = float(value)  # an int beyond the float range raises OverflowError
+    except OverflowError:
+        number = math.inf
+    if not math.isfinite(number):
+        raise MalformedMessageError(f"expected a finite number, got {shown(value, 80)}", field=_KEY_EXPIRY)
+    return number
 
 
 def _check_dict_version(value: object) -> None:
     if value is None:
         raise MalformedMessageError("missing", field=_KEY_VERSION)
-    parts = value.split(".") if isinstance(value, str) else []
-    if len(parts) != 2 or not all(p.isdigit() for p in parts):
-        raise MalformedMessageError(f"expected 'MAJOR.MINOR', got {value!r}", field=_KEY_VERSION)
+    parts = value.split(".") if isinstance(value, str) and len(value) <= 32 else []
+    # isdigit() alone admits '²', which int() refuses; a version is ASCII digits.
+    if len(parts) != 2 or not all(p.isascii() and p.isdigit() for p in parts):
+        raise MalformedMessageError(f"expected 'MAJOR.MINOR', got {shown(value, 80)}", field=_KEY_VERSION)
     if int(parts[0]) != PROTOCOL_VERSION[0]:
         raise UnsupportedVersionError(
             f"{_KEY_VERSION}: peer speaks protocol {value}, this side speaks major {PROTOCOL_VERSION[0]} (VER-1)"
@@ -589,7 +651,7 @@ def _check_dict_version(value: object) -> None:
 
 def _b64(value: object, field: str) -> bytes:
     if not isinstance(value, str):
-        raise MalformedMessageError(f"expected a base64 str, got {value!r}", field=field)
+        raise MalformedMessageError(f"expected a base64 str, got {shown(value, 80)}", field=field)
     try:
         return base64.b64decode(value.encode("ascii"), validate=True)
     except (binascii.Error, UnicodeEncodeError, ValueError):

@@ -11,7 +11,7 @@ from typing import Any, ClassVar, overload
 import attrs
 
 from kvspec._enums import FailureReason, TransferMode
-from kvspec._errors import ConfigError
+from kvspec._errors import ConfigError, shown
 
 __all__ = [
     "DTYPE_SIZES",
@@ -58,7 +58,7 @@ class SpecKind(str, enum.Enum):
 
 def _fail(inst_or_cls: object, field: str, expected: str, found: object) -> ConfigError:
     cls = inst_or_cls if isinstance(inst_or_cls, type) else type(inst_or_cls)
-    return ConfigError(f"{cls.__name__}.{field}: expected {expected}, got {found!r}")
+    return ConfigError(f"{cls.__name__}.{field}: expected {expected}, got {shown(found)}")
 
 
 def _is_int(value: object) -> bool:

@@ -14,12 +14,16 @@ when the answer names one). ``unsupported`` is reported as skipped.
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
+import contextlib
 import json
+import math
+import os
 import re
+import selectors
 import shlex
 import subprocess
 import sys
+import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import IO, Any, TextIO
@@ -31,6 +35,7 @@ from kvspec._vector_cases import DEFAULT_COUNT, DEFAULT_SEED, write_vectors
 from kvspec._vectors import Json, answer_schema, answer_vector, same_json, vector_schema
 
 __all__ = [
+    "MAX_ANSWER_BYTES",
     "CheckReport",
     "Outcome",
     "add_arguments",
@@ -177,60 +182,189 @@ def _compare(vector: Mapping[str, Json], answer: Json) -> tuple[str, str]:
     return "passed", ""
 
 
-class _Runner:
-    """Asks the implementation: one process per vector, or one process for all (``jsonl``)."""
+MAX_ANSWER_BYTES = 1 << 20
+"""Most bytes one answer may take (a line with ``--jsonl``); more is a failure naming the vector."""
 
-    def __init__(self, command: str, *, jsonl: bool, timeout: float) -> None:
-        self.argv = shlex.split(command)
+_STDERR_TAIL = 4096  # bytes of the implementation's stderr kept for a failure message; the rest is drained
+
+
+class _NoAnswer(Exception):
+    """The implementation gave no usable answer; ``timed_out`` when a deadline passed."""
+
+    def __init__(self, message: str, *, timed_out: bool = False) -> None:
+        super().__init__(message)
+        self.timed_out = timed_out
+
+
+def _kill(proc: subprocess.Popen[bytes]) -> None:
+    """Kill and reap ``proc``, closing its pipes; a process that already ended is only reaped."""
+    for stream in (proc.stdin, proc.stdout, proc.stderr):
+        if stream is not None:
+            with contextlib.suppress(OSError):
+                stream.close()
+    if proc.poll() is None:
+        with contextlib.suppress(OSError):
+            proc.kill()
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=5)
+
+
+class _Runner:
+    """Asks the implementation: one process per vector, or one process for all (``jsonl``).
+
+    Every read and write waits on the pipes with ``selectors`` until a
+    deadline (the vector's ``timeout``, never past the run's ``until``), so an
+    implementation that stops answering costs one timeout and is killed; an
+    answer longer than ``max_bytes`` is a failure, never held in memory.
+    """
+
+    def __init__(self, command: str, *, jsonl: bool, timeout: float, until: float, max_bytes: int) -> None:
+        try:
+            self.argv = shlex.split(command)
+        except ValueError as exc:
+            raise ConfigError(f"vectors check: --command {command!r} does not split like a shell: {exc}") from None
         if not self.argv:
             raise ConfigError("vectors check: --command is empty")
-        self.jsonl, self.timeout = jsonl, timeout
-        self._proc: subprocess.Popen[str] | None = None
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+        self.jsonl, self.timeout, self.until, self.max_bytes = jsonl, timeout, until, max_bytes
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._pending = b""  # bytes the jsonl implementation printed past the last answer's newline
 
-    def ask(self, vector: Mapping[str, Json]) -> tuple[Json, str]:
-        text = json.dumps(vector, sort_keys=True)
+    def ask(self, vector: Mapping[str, Json]) -> tuple[Json, str, bool]:
+        """The answer, or ``None`` and a problem; the flag says the problem was a timeout."""
+        text = json.dumps(vector, sort_keys=True).encode()
+        deadline = min(time.monotonic() + self.timeout, self.until)
         try:
-            raw = self._ask_jsonl(text) if self.jsonl else self._ask_once(text)
-        except (OSError, subprocess.SubprocessError, concurrent.futures.TimeoutError) as exc:
+            raw = self._ask_jsonl(text, deadline) if self.jsonl else self._ask_once(text, deadline)
+        except _NoAnswer as exc:
             self.close()
-            return None, f"the implementation did not answer: {type(exc).__name__}: {exc}"
+            return None, f"the implementation did not answer: {exc}", exc.timed_out
+        except OSError as exc:
+            self.close()
+            return None, f"the implementation did not answer: {type(exc).__name__}: {exc}", False
         try:
-            return json.loads(raw), ""
-        except ValueError:
-            return None, f"the answer is not JSON: {raw[:200]!r}"
+            return json.loads(raw), "", False
+        except (ValueError, RecursionError):
+            return None, f"the answer is not JSON: {raw[:200]!r}", False
 
-    def _ask_once(self, text: str) -> str:
-        done = subprocess.run(self.argv, input=text, capture_output=True, text=True, timeout=self.timeout, check=False)
-        if done.returncode != 0:
-            raise subprocess.SubprocessError(f"exit status {done.returncode}: {done.stderr.strip()[-300:]}")
-        return done.stdout
+    def _start(self, *, stderr: int | None) -> subprocess.Popen[bytes]:
+        try:
+            proc = subprocess.Popen(self.argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, bufsize=0)
+        except OSError as exc:
+            raise ConfigError(f"vectors check: cannot start {self.argv[0]!r}: {exc.strerror or exc}") from None
+        for stream in (proc.stdin, proc.stdout, proc.stderr):
+            if stream is not None:
+                os.set_blocking(stream.fileno(), False)
+        return proc
 
-    def _ask_jsonl(self, text: str) -> str:
+    def _ask_once(self, text: bytes, deadline: float) -> bytes:
+        proc = self._proc = self._start(stderr=subprocess.PIPE)
+        stdin, stdout, stderr = _pipe(proc.stdin), _pipe(proc.stdout), _pipe(proc.stderr)
+        out, err = bytearray(), bytearray()
+        with selectors.DefaultSelector() as sel:
+            sel.register(stdin, selectors.EVENT_WRITE)
+            sel.register(stdout, selectors.EVENT_READ)
+            sel.register(stderr, selectors.EVENT_READ)
+            view = memoryview(text)
+            while len(sel.get_map()) > 0:
+                for key, _ in _select(sel, deadline):
+                    if key.fileobj is stdin:
+                        try:
+                            view = view[_write(stdin, view) :]
+                        except BrokenPipeError:  # it answers without reading its input: allowed
+                            view = view[:0]
+                        if not view:
+                            sel.unregister(stdin)
+                            stdin.close()  # end of input: the one vector is written
+                        continue
+                    chunk = _read(key.fileobj)
+                    if chunk is None:
+                        continue
+                    if not chunk:
+                        sel.unregister(key.fileobj)
+                    elif key.fileobj is stdout:
+                        out += chunk
+                        if len(out) > self.max_bytes:
+                            raise _NoAnswer(f"the answer exceeds {self.max_bytes} bytes")
+                    else:
+                        err = (err + chunk)[-_STDERR_TAIL:]
+        try:
+            status = proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            raise _NoAnswer("it closed its output but did not exit within the timeout", timed_out=True) from None
+        if status != 0:
+            detail = err.decode("utf-8", "replace").strip()[-300:]
+            raise _NoAnswer(f"exit status {status}: {detail}")
+        self._proc = None
+        return bytes(out)
+
+    def _ask_jsonl(self, text: bytes, deadline: float) -> bytes:
         if self._proc is None or self._proc.poll() is not None:
-            self._proc = subprocess.Popen(self.argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        stdin, stdout = self._proc.stdin, self._proc.stdout
-        if stdin is None or stdout is None:  # pragma: no cover - both are pipes by construction
-            raise subprocess.SubprocessError("the implementation's pipes are closed")
-        stdin.write(text + "\n")
-        stdin.flush()
-        line = self._pool.submit(stdout.readline).result(timeout=self.timeout)
-        if not line:
-            raise subprocess.SubprocessError(f"the implementation closed its output (exit status {self._proc.poll()})")
-        return line
+            self._proc, self._pending = self._start(stderr=None), b""
+        proc = self._proc
+        stdin, stdout = _pipe(proc.stdin), _pipe(proc.stdout)
+        line = bytearray(self._pending)
+        with selectors.DefaultSelector() as sel:
+            view = memoryview(text + b"\n")
+            sel.register(stdin, selectors.EVENT_WRITE)
+            while view:
+                for _ in _select(sel, deadline):
+                    try:
+                        view = view[_write(stdin, view) :]
+                    except BrokenPipeError:
+                        raise _NoAnswer(f"it closed its input (exit status {proc.poll()})") from None
+            sel.unregister(stdin)
+            sel.register(stdout, selectors.EVENT_READ)
+            while b"\n" not in line:
+                if len(line) > self.max_bytes:
+                    raise _NoAnswer(f"the answer line exceeds {self.max_bytes} bytes")
+                for _ in _select(sel, deadline):
+                    chunk = _read(stdout)
+                    if chunk is None:
+                        continue
+                    if not chunk:
+                        raise _NoAnswer(f"it closed its output (exit status {proc.poll()})")
+                    line += chunk
+        answer, _, self._pending = bytes(line).partition(b"\n")
+        if len(answer) > self.max_bytes:
+            raise _NoAnswer(f"the answer line exceeds {self.max_bytes} bytes")
+        return answer
 
     def close(self) -> None:
+        """Kill and reap the implementation, if one is running."""
         if self._proc is not None:
             proc, self._proc = self._proc, None
-            for stream in (proc.stdin, proc.stdout):
-                if stream is not None:
-                    stream.close()
-            proc.kill()
-            proc.wait()
+            _kill(proc)
 
-    def shutdown(self) -> None:
-        self.close()
-        self._pool.shutdown(wait=False, cancel_futures=True)
+
+def _pipe(stream: IO[bytes] | None) -> IO[bytes]:
+    if stream is None:  # pragma: no cover - every stream is a pipe by construction
+        raise _NoAnswer("the implementation's pipes are closed")
+    return stream
+
+
+def _select(sel: selectors.BaseSelector, deadline: float) -> list[tuple[selectors.SelectorKey, int]]:
+    """Ready pipes; raises _NoAnswer (a timeout) once ``deadline`` has passed with none ready."""
+    left = deadline - time.monotonic()
+    ready = sel.select(timeout=left) if left > 0 else []
+    if not ready:
+        raise _NoAnswer("no answer within the timeout", timed_out=True)
+    return ready
+
+
+def _read(stream: Any) -> bytes | None:
+    """Up to 64 KiB from a non-blocking pipe: ``b""`` at its end, ``None`` when nothing is there yet."""
+    try:
+        return os.read(stream.fileno(), 65536)
+    except BlockingIOError:
+        return None
+
+
+def _write(stream: Any, data: memoryview) -> int:
+    """Bytes written to a non-blocking pipe (0 when it is full); BrokenPipeError when the reader is gone."""
+    try:
+        return os.write(stream.fileno(), data[:65536])
+    except BlockingIOError:
+        return 0
 
 
 def _generated(outcome: Outcome) -> bool:
@@ -239,14 +373,15 @@ def _generated(outcome: Outcome) -> bool:
 
 @attrs.frozen(kw_only=True)
 class CheckReport:
-    """Every vector's outcome, in path order."""
+    """Every vector's outcome, in path order; ``stopped`` says why the run ended early ("" when it did not)."""
 
     outcomes: tuple[Outcome, ...]
+    stopped: str = ""
 
     @property
     def ok(self) -> bool:
-        """True when no vector failed (skipped ones do not fail the run)."""
-        return all(o.status != "failed" for o in self.outcomes)
+        """True when the run finished and no vector failed (skipped ones do not fail the run)."""
+        return not self.stopped and all(o.status != "failed" for o in self.outcomes)
 
     def by_rule(self) -> dict[str, dict[str, int]]:
         """Rule -> counts of passed, failed and skipped vectors."""
@@ -272,6 +407,7 @@ class CheckReport:
         """The machine-readable report of ``--report``."""
         return {
             "ok": self.ok,
+            "stopped": self.stopped or None,
             "rules": self.by_rule(),
             "failures": [
                 {"vector": str(o.path), "problem": o.problem, "answer": o.answer}
@@ -281,6 +417,14 @@ class CheckReport:
         }
 
 
+DEFAULT_TIMEOUT = 30.0
+"""Seconds one vector may take (``--timeout``)."""
+DEFAULT_TOTAL_TIMEOUT = 1800.0
+"""Seconds the whole run may take (``--total-timeout``): 425 vectors at about a second each, four times over."""
+DEFAULT_MAX_TIMEOUTS = 3
+"""Consecutive timed-out vectors after which the run stops (``--max-timeouts``)."""
+
+
 def check_vectors(
     directory: str | Path,
     command: str,
@@ -288,22 +432,52 @@ def check_vectors(
     rule: str | None = None,
     function: str | None = None,
     jsonl: bool = False,
-    timeout: float = 30.0,
+    timeout: float = DEFAULT_TIMEOUT,
+    total_timeout: float = DEFAULT_TOTAL_TIMEOUT,
+    max_timeouts: int = DEFAULT_MAX_TIMEOUTS,
+    max_answer_bytes: int = MAX_ANSWER_BYTES,
 ) -> CheckReport:
-    """Ask ``command`` (split like a POSIX shell) every vector under ``directory`` and compare its answers."""
-    runner = _Runner(command, jsonl=jsonl, timeout=timeout)
-    outcomes = []
+    """Ask ``command`` (split like a POSIX shell) every vector under ``directory`` and compare its answers.
+
+    ``timeout`` bounds each vector, ``total_timeout`` the whole run, and the
+    run stops after ``max_timeouts`` consecutive timeouts (the report's
+    ``stopped`` says which); an answer past ``max_answer_bytes`` fails its
+    vector. A timed-out implementation is killed.
+    """
+    for name, value in (("timeout", timeout), ("total_timeout", total_timeout)):
+        if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+            raise ConfigError(f"vectors check: {name} expected a positive number of seconds, got {value!r}")
+    if max_timeouts < 1 or max_answer_bytes < 1:
+        raise ConfigError("vectors check: max_timeouts and max_answer_bytes expected positive integers")
+    runner = _Runner(command, jsonl=jsonl, timeout=timeout, until=math.inf, max_bytes=max_answer_bytes)
+    vectors = load_vectors(directory, rule=rule, function=function)
+    until = runner.until = time.monotonic() + total_timeout
+    outcomes: list[Outcome] = []
+    stopped, in_a_row = "", 0
     try:
-        for path, vector in load_vectors(directory, rule=rule, function=function):
+        for path, vector in vectors:
+            if time.monotonic() >= until:
+                stopped = f"the run passed --total-timeout {total_timeout:g} s after {len(outcomes)} of {len(vectors)}"
+                break
             question = {k: v for k, v in vector.items() if k not in ("output", "error")}
-            answer, problem = runner.ask(question)
+            answer, problem, timed_out = runner.ask(question)
             status = "failed"
             if not problem:
-                status, problem = _compare(vector, answer)
+                try:
+                    status, problem = _compare(vector, answer)
+                except RecursionError:
+                    status, problem = "failed", "the answer is nested too deep to compare"
             outcomes.append(Outcome(path=path, vector=vector, status=status, answer=answer, problem=problem))
+            in_a_row = in_a_row + 1 if timed_out else 0
+            if in_a_row >= max_timeouts:
+                stopped = (
+                    f"{in_a_row} vectors in a row timed out (--max-timeouts {max_timeouts}); "
+                    f"stopped after {len(outcomes)} of {len(vectors)}"
+                )
+                break
     finally:
-        runner.shutdown()
-    return CheckReport(outcomes=tuple(outcomes))
+        runner.close()
+    return CheckReport(outcomes=tuple(outcomes), stopped=stopped)
 
 
 def _short(value: Json, limit: int = 600) -> str:
@@ -338,11 +512,47 @@ def render_report(report: CheckReport, *, root: Path | None = None) -> str:
             f"  got:      {_short(outcome.answer)}",
         ]
     verdict = "OK" if report.ok else "FAILED"
+    if report.stopped:
+        lines += ["", f"STOPPED: {report.stopped}"]
     lines += ["", f"{verdict}: {totals[2]} failed, {totals[3]} skipped, {totals[1]} passed"]
     return "\n".join(lines) + "\n"
 
 
 # --------------------------------------------------------------------------- the command line
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"expected a positive finite number of seconds, got {text!r}")
+    return value
+
+
+MAX_COUNT = 1000
+"""Most generated vectors per rule and function ``vectors write --count`` accepts (a bound on the work asked)."""
+
+
+def _vector_count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if not 0 <= value <= MAX_COUNT:
+        raise argparse.ArgumentTypeError(f"expected 0 to {MAX_COUNT}, got {text!r}")
+    return value
+
+
+def _positive_count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -359,10 +569,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     write.add_argument("--rule", metavar="ID", help="only this rule's vectors, e.g. WIN-1")
     write.add_argument(
         "--count",
-        type=int,
+        type=_vector_count,
         default=DEFAULT_COUNT,
         metavar="N",
-        help=f"generated vectors per rule and function (default {DEFAULT_COUNT})",
+        help=f"generated vectors per rule and function, 0 to {MAX_COUNT} (default {DEFAULT_COUNT})",
     )
     write.add_argument(
         "--seed",
@@ -390,7 +600,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     check.add_argument(
         "--jsonl", action="store_true", help="start PROG once; one vector per line in, one answer per line out"
     )
-    check.add_argument("--timeout", type=float, default=30.0, metavar="SECONDS", help="per vector (default 30)")
+    check.add_argument(
+        "--timeout",
+        type=_positive_seconds,
+        default=DEFAULT_TIMEOUT,
+        metavar="SECONDS",
+        help=f"per vector, every read and write included; the implementation is killed past it "
+        f"(default {DEFAULT_TIMEOUT:g})",
+    )
+    check.add_argument(
+        "--total-timeout",
+        type=_positive_seconds,
+        default=DEFAULT_TOTAL_TIMEOUT,
+        metavar="SECONDS",
+        help=f"for the whole run (default {DEFAULT_TOTAL_TIMEOUT:g})",
+    )
+    check.add_argument(
+        "--max-timeouts",
+        type=_positive_count,
+        default=DEFAULT_MAX_TIMEOUTS,
+        metavar="K",
+        help=f"stop after K vectors in a row timed out (default {DEFAULT_MAX_TIMEOUTS})",
+    )
+    check.add_argument(
+        "--max-answer-bytes",
+        type=_positive_count,
+        default=MAX_ANSWER_BYTES,
+        metavar="N",
+        help=f"most bytes of one answer (one line with --jsonl); more fails the vector (default {MAX_ANSWER_BYTES})",
+    )
     check.add_argument("--report", metavar="FILE", help="also write a JSON report here")
     answer = sub.add_parser(
         "answer",
@@ -402,10 +640,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _answer_stream(stdin: IO[str], out: TextIO, *, jsonl: bool) -> int:
     lines: Iterator[str] = iter(stdin.readline, "") if jsonl else iter([stdin.read()])
-    for line in lines:
+    for number, line in enumerate(lines, start=1):
         if line.strip():
-            print(json.dumps(answer_vector(json.loads(line)), sort_keys=True), file=out, flush=True)
+            answer = _answer_line(line, where=f"line {number}" if jsonl else "stdin")
+            print(json.dumps(answer, sort_keys=True), file=out, flush=True)
     return 0
+
+
+def _answer_line(line: str, *, where: str) -> dict[str, Json]:
+    """kvspec's answer to one vector's text; ConfigError (one line) when the text is not a vector."""
+    try:
+        vector = json.loads(line)
+    except (ValueError, RecursionError) as exc:
+        raise ConfigError(f"vectors answer: {where}: expected one JSON vector, got {line[:60]!r} ({exc})") from None
+    if not isinstance(vector, dict) or not isinstance(vector.get("function"), str) or "input" not in vector:
+        raise ConfigError(
+            f"vectors answer: {where}: expected a JSON object with 'function' and 'input', got {line[:60]!r}"
+        )
+    try:
+        return answer_vector(vector)
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError, OverflowError, RecursionError) as exc:
+        raise ConfigError(
+            f"vectors answer: {where}: the input does not fit {vector['function']} "
+            f"({type(exc).__name__}: {str(exc)[:100]})"
+        ) from None
 
 
 def run(args: argparse.Namespace, out: TextIO) -> int:
@@ -423,8 +681,13 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
         function=args.function,
         jsonl=args.jsonl,
         timeout=args.timeout,
+        total_timeout=args.total_timeout,
+        max_timeouts=args.max_timeouts,
+        max_answer_bytes=args.max_answer_bytes,
     )
     out.write(render_report(report, root=Path(args.directory)))
     if args.report:
         Path(args.report).write_text(json.dumps(report.to_json(), indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    if report.stopped:
+        print(f"kvspec vectors check: stopped: {report.stopped}", file=sys.stderr)
     return 0 if report.ok else 1

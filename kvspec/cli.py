@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from importlib.metadata import entry_points
-from typing import Any, TextIO
+from typing import Any, NoReturn, TextIO
 
 from kvspec import _vectors_check
 from kvspec._enums import TransferMode
@@ -27,9 +29,44 @@ from kvspec._reference import check_hybrid_support, get_logical_block_count, get
 from kvspec._summary import PlanSummary, blocks_needed_for, summarize_plan
 from kvspec._version import __version__
 
-__all__ = ["build_parser", "main", "offload_summary", "plan_summary_to_dict", "version_line"]
+__all__ = [
+    "MAX_PLAN_TOKENS",
+    "build_parser",
+    "main",
+    "offload_summary",
+    "plan_summary_to_dict",
+    "run_command",
+    "version_line",
+]
 
 _LAYOUTS = ("blocks_first", "layers_first", "per_layer", "shared")
+
+MAX_PLAN_TOKENS = 10_000_000
+"""Most tokens ``kvspec plan --tokens`` accepts: 10M, the longest context an open model ships (Llama 4 Scout).
+
+``plan`` builds every block id of the request (about 40 bytes and 0.4 µs
+a token), so a bound refuses ``--tokens 1000000000000`` before allocating.
+"""
+
+_USAGE_ERRORS = (
+    KVSpecError,
+    OSError,
+    ValueError,
+    TypeError,
+    ImportError,
+    LookupError,
+    AttributeError,
+    MemoryError,
+    RecursionError,
+)
+"""What bad input (arguments, files, addresses, option keys, factories) raises; one line and exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line on stderr (the usage itself is under ``--help``)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def _non_negative_int(text: str) -> int:
@@ -55,9 +92,27 @@ def version_line() -> str:
     return f"kvspec {__version__} (protocol {major}.{minor})"
 
 
+MAX_AUDIT_REQUESTS = 100_000
+"""Most random requests ``kvspec vllm-audit --requests`` accepts (a bound on the work asked)."""
+
+
+def _audit_requests(text: str) -> int:
+    value = _positive_int(text)
+    if value > MAX_AUDIT_REQUESTS:
+        raise argparse.ArgumentTypeError(f"expected at most {MAX_AUDIT_REQUESTS} requests, got {value}")
+    return value
+
+
+def _plan_tokens(text: str) -> int:
+    value = _positive_int(text)
+    if value > MAX_PLAN_TOKENS:  # refuse before building ids for every block of the request
+        raise argparse.ArgumentTypeError(f"expected at most {MAX_PLAN_TOKENS} tokens, got {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser with its ``plan``, ``conform`` and ``vectors`` subcommands."""
-    parser = argparse.ArgumentParser(prog="kvspec", description="Hybrid KV-cache hand-off: reference and suite.")
+    parser = _Parser(prog="kvspec", description="Hybrid KV-cache hand-off: reference and suite.")
     parser.add_argument("--version", action="version", version=version_line())
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -72,7 +127,13 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     plan.add_argument("model", metavar="MODEL", help="preset name: Hugging Face id or alias, e.g. gemma-3-27b")
-    plan.add_argument("--tokens", type=_positive_int, required=True, metavar="N", help="tokens in the request (T)")
+    plan.add_argument(
+        "--tokens",
+        type=_plan_tokens,
+        required=True,
+        metavar="N",
+        help=f"tokens in the request (T), at most {MAX_PLAN_TOKENS}",
+    )
     plan.add_argument(
         "--prefix-hit",
         type=_non_negative_int,
@@ -156,7 +217,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="run on a vLLM release the adapters were not verified on (a warning instead of a refusal)",
     )
-    audit.add_argument("--requests", type=_positive_int, default=200, metavar="N", help="random requests (default 200)")
+    audit.add_argument(
+        "--requests",
+        type=_audit_requests,
+        default=200,
+        metavar="N",
+        help=f"random requests, at most {MAX_AUDIT_REQUESTS} (default 200)",
+    )
     audit.add_argument("--seed", type=_non_negative_int, default=11, metavar="S", help="random seed (default 11)")
     audit.add_argument("--json", metavar="PATH", help="also write the report as JSON (the findings page reads it)")
     audit.add_argument(
@@ -542,14 +609,64 @@ def _run_offload_audit(args: argparse.Namespace, out: TextIO) -> int:
     return 0
 
 
+def run_command(prog: str, call: Callable[[], int], out: TextIO) -> int:
+    """``call()``'s exit status, with every way a command can end on bad input turned into one stderr line.
+
+    The one place the ``kvspec`` commands map errors: a kvspec error or a bad
+    file, address, option or factory (``_USAGE_ERRORS``) is one line naming it
+    and status 2, as is a subcommand's ``SystemExit("message")``; Ctrl-C is
+    one line and 130; a closed pipe (``kvspec plan ... | head``) ends quietly
+    with 141, as a command killed by SIGPIPE does; any other exception, a
+    kvspec bug, is one line and 1 (``KVSPEC_DEBUG=1`` shows the traceback).
+    """
+    try:
+        status = call()
+        out.flush()  # a closed pipe shows here, not at interpreter exit
+        return status
+    except BrokenPipeError:
+        _silence_stdout(out)
+        return 141
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
+    except SystemExit as stop:
+        if not isinstance(stop.code, str):
+            raise
+        print(" ".join(stop.code.split()), file=sys.stderr)  # a subcommand's own one-line refusal: usage
+        return 2
+    except _USAGE_ERRORS as exc:
+        if os.environ.get("KVSPEC_DEBUG"):
+            raise
+        print(f"{prog}: {_describe(exc)}", file=sys.stderr)
+        return 2
+    except Exception as exc:
+        if os.environ.get("KVSPEC_DEBUG"):
+            raise
+        print(f"{prog}: internal error: {_describe(exc)} (KVSPEC_DEBUG=1 shows the traceback)", file=sys.stderr)
+        return 1
+
+
+def _describe(exc: BaseException) -> str:
+    """One line: the error's class and message; for an OSError its reason and the file or address."""
+    if isinstance(exc, OSError) and exc.strerror:
+        where = f": {exc.filename}" if exc.filename is not None else ""
+        text = f"{type(exc).__name__}: {exc.strerror}{where}"
+    else:
+        text = f"{type(exc).__name__}: {exc}"
+    return " ".join(text.split())[:2000]  # one line, however the message was built
+
+
+def _silence_stdout(out: TextIO) -> None:
+    """Point stdout at /dev/null, so the interpreter's last flush cannot fail again (Python docs, SIGPIPE)."""
+    if out is sys.stdout:
+        with contextlib.suppress(OSError, ValueError):
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+
+
 def main(argv: Sequence[str] | None = None, *, out: TextIO | None = None) -> int:
     """Entry point of the ``kvspec`` command; returns the exit status."""
     stream = sys.stdout if out is None else out
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    try:
-        status: int = args.handler(args, stream)
-    except KVSpecError as exc:
-        print(f"kvspec {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 2
+    args = build_parser().parse_args(argv)
+    status: int = run_command(f"kvspec {args.command}", lambda: int(args.handler(args, stream)), stream)
     return status

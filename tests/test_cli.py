@@ -5,10 +5,15 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import shutil
+import signal
+import socket
 import subprocess
 import sys
 import types
+from collections.abc import Iterator
 from importlib.metadata import EntryPoint
+from pathlib import Path
 
 import pytest
 
@@ -141,3 +146,139 @@ def test_conform_delegates_to_the_suite_cli(monkeypatch: pytest.MonkeyPatch) -> 
     status, _ = run("conform", "-q", "loopback", "--rule", "WIN-1")
     assert status == 1
     assert (seen["backend"], seen["rule"], seen["quiet"]) == ("loopback", ["WIN-1"], True)
+
+
+# --------------------------------------------------------------------------- bad input: one line, never a traceback
+
+VECTORS = Path(__file__).resolve().parent.parent / "vectors"
+_SW1 = ["{tmp}/vectors"]  # one vector, copied by the test
+
+
+@pytest.fixture
+def busy_port() -> Iterator[int]:
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        yield held.getsockname()[1]
+
+
+_SERVE = ("agent", "serve", "loopback", "--listen")
+BAD_INPUTS: dict[str, tuple[str, ...]] = {
+    "plan-huge-tokens": ("plan", "gemma-3-27b", "--tokens", "1000000000"),  # MemoryError, after minutes
+    "plan-float-tokens": ("plan", "gemma-3-27b", "--tokens", "1e9"),  # argparse's usage: several lines
+    "unknown-command": ("no-such-command",),
+    "conform-unknown-option": ("conform", "loopback", "--option", "no_such_key=1", "-q"),  # TypeError
+    "conform-not-a-backend": ("conform", "os:system", "-q"),  # called os.system()
+    "conform-missing-connector": ("conform", "loopback", "--connector", "no_such_module:make", "-q"),
+    "conform-connector-not-a-connector": ("conform", "loopback", "--connector", "os:system", "-q"),  # os.system()
+    "conform-bad-max-examples": ("conform", "loopback", "--max-examples", "-1", "-q"),  # ran, exit 0
+    "conform-nan-time-scale": ("conform", "loopback", "--time-scale", "nan", "-q"),  # every case failed, silently
+    "conform-bad-time-scale-env": ("conform", "loopback", "-q"),  # KVSPEC_CONFORM_TIME_SCALE=abc: ValueError
+    "vectors-check-unsplittable": ("vectors", "check", *_SW1, "--command", 'a "b'),  # ValueError
+    "vectors-check-unwritable-report": ("vectors", "check", *_SW1, "--command", "true", "--report", "/nonexistent/r"),
+    "vectors-write-into-a-file": ("vectors", "write", "{file}"),  # NotADirectoryError
+    "vectors-write-huge-count": ("vectors", "write", "{tmp}/out", "--count", "100000000000"),  # ran for hours
+    "vectors-answer-not-json": ("vectors", "answer"),  # stdin: not json
+    "vectors-answer-not-a-vector": ("vectors", "answer", "--jsonl"),  # stdin: [1]
+    "agent-missing-token-file": (
+        "agent",
+        "serve",
+        "loopback",
+        "--listen",
+        "127.0.0.1:1",
+        "--token-file",
+        "/nonexistent",
+    ),
+    "agent-token-file-is-a-directory": (
+        "agent",
+        "serve",
+        "loopback",
+        "--listen",
+        "127.0.0.1:1",
+        "--token-file",
+        "{tmp}",
+    ),
+    "agent-port-in-use": ("agent", "serve", "loopback", "--listen", "127.0.0.1:{port}"),  # OSError
+    "agent-unbindable-address": ("agent", "serve", "loopback", "--listen", "192.0.2.1:5000"),  # OSError
+    "agent-unknown-option": ("agent", "serve", "loopback", "--listen", "127.0.0.1:{port}", "--option", "x=1"),
+    "agent-not-a-backend": ("agent", "serve", "os:system", "--listen", "127.0.0.1:{port}"),
+    "vllm-audit-huge-requests": ("vllm-audit", "--requests", "100000000000000000"),  # ran for ever
+}
+STDIN = {"vectors-answer-not-json": "not json\n", "vectors-answer-not-a-vector": "[1]\n"}
+
+
+@pytest.mark.parametrize("name", sorted(BAD_INPUTS))
+def test_bad_input_is_one_line_and_a_non_zero_exit(
+    name: str,
+    tmp_path: Path,
+    busy_port: int,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    (tmp_path / "a-file").write_text("x")
+    one = tmp_path / "vectors" / "SW-1" / "get_blocks_per_sw"
+    one.mkdir(parents=True)
+    shutil.copy(VECTORS / "SW-1" / "get_blocks_per_sw" / "w32_b16.json", one)
+    argv = [a.format(tmp=tmp_path, file=tmp_path / "a-file", port=busy_port) for a in BAD_INPUTS[name]]
+    monkeypatch.setenv("KVSPEC_AGENT_TOKEN", "0123456789abcdef-token")
+    if name == "conform-bad-time-scale-env":
+        monkeypatch.setenv("KVSPEC_CONFORM_TIME_SCALE", "abc")
+    monkeypatch.setattr(sys, "stdin", io.StringIO(STDIN.get(name, "")))
+    try:
+        status = main(argv, out=io.StringIO())
+    except SystemExit as stop:  # argparse's usage errors
+        status = stop.code  # type: ignore[assignment]
+    err = capsys.readouterr().err
+    assert status == 2, err
+    assert "Traceback" not in err
+    assert len(err.splitlines()) == 1, err
+    assert err.startswith("kvspec"), err
+
+
+def test_a_connector_spec_never_calls_what_is_not_a_connector_factory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # `--connector module:attr` names a callable; kvspec must not call one that is not a Connector factory.
+    marker = tmp_path / "called"
+    (tmp_path / "side_effects.py").write_text(f"def make():\n    open({str(marker)!r}, 'w').close()\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    status = main(["conform", "loopback", "--connector", "side_effects:make", "-q"], out=io.StringIO())
+    err = capsys.readouterr().err
+    assert status == 2, err
+    assert not marker.exists()
+    assert "expected a Connector class" in err
+    assert len(err.splitlines()) == 1, err
+
+
+def test_a_closed_pipe_ends_quietly() -> None:
+    # `kvspec plan ... | head -1`: the reader is gone before kvspec writes.
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvspec", "plan", "gemma-3-27b", "--tokens", "4096", "--json"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    assert proc.stdout is not None
+    proc.stdout.close()
+    _, err = proc.communicate(timeout=60)
+    assert err == b""
+    assert proc.returncode == 141  # as a command SIGPIPE killed
+
+
+def test_ctrl_c_is_one_line() -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvspec", "vectors", "answer", "--jsonl"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdin is not None
+    assert proc.stdout is not None
+    vector = (VECTORS / "SW-1" / "get_blocks_per_sw" / "w32_b16.json").read_text()
+    proc.stdin.write(json.dumps(json.loads(vector)) + "\n")
+    proc.stdin.flush()
+    assert json.loads(proc.stdout.readline()) == {"output": [3]}  # it is in its loop, waiting for the next line
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130
+    assert err == "kvspec vectors: interrupted\n"

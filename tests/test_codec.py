@@ -465,3 +465,66 @@ def test_bad_ends_are_malformed_naming_the_field(body: dict[str, object], field:
     with pytest.raises(MalformedMessageError, match="consumer_block_ends") as info:
         decode(data)
     assert info.value.field == field
+
+
+# Values a hostile peer sends: ints past the float range and past repr's 4,300-digit limit, non-finite floats,
+# nested junk. Every one must end in a kvspec error that names the field (issue 23, finding 7).
+huge_ints = st.integers(300, 4000).map(lambda k: 10**k) | st.integers(300, 4000).map(lambda k: -(10**k))
+hostile_values = st.one_of(
+    huge_ints,
+    st.floats(),
+    json_values,
+    st.lists(st.lists(huge_ints | st.integers(), max_size=2), max_size=2),
+)
+
+
+def _raises_kvspec_error_naming_a_field(obj: dict[str, Any]) -> None:
+    error: MalformedMessageError | None = None
+    try:
+        message = _decode(_bytes(obj))  # no safety net: a stray exception here is a codec bug
+    except MalformedMessageError as exc:
+        error = exc
+    except KVSpecError:
+        return
+    if error is None:
+        assert type(message) in MESSAGE_TYPES.values()
+        return
+    assert error.field is not None, f"no field named: {error}"
+    assert re.split(r"[.\[]", error.field)[0] in obj, f"{error.field!r} is not a field of the message"
+    assert str(error).startswith(f"{error.field}: ")
+
+
+@given(messages, st.data())
+def test_hostile_field_values_raise_kvspec_errors_naming_the_field(message: Any, data: st.DataObject) -> None:
+    obj = _obj(message)
+    obj[data.draw(st.sampled_from(sorted(obj)))] = data.draw(hostile_values)
+    _raises_kvspec_error_naming_a_field(obj)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("lease_deadline", 10**400),  # the finding: OverflowError from math.isfinite
+        ("lease_deadline", -(10**400)),
+        ("num_tokens", -(10**4000)),  # repr() of an int past 4,300 digits raises ValueError
+        ("producer_block_ids", [[-(10**4000)]]),
+        ("producer_block_ends", [-(10**4000), 1]),
+        ("request_id", 10**4000),
+    ],
+    ids=["deadline-1e400", "deadline--1e400", "tokens", "block-ids", "block-ends", "request-id"],
+)
+def test_a_huge_int_is_malformed_naming_the_field(field: str, value: object) -> None:
+    params = TransferParams(
+        request_id="r",
+        producer_engine_id="p",
+        producer_block_ids=[[1], [2]],
+        num_tokens=1,
+        mode=TransferMode.READ,
+        lease_deadline=1.0,
+    )
+    obj = _obj(params) | {field: value}
+    with pytest.raises(MalformedMessageError) as info:
+        decode(_bytes(obj))
+    assert info.value.field is not None
+    assert info.value.field.startswith(field)
+    _raises_kvspec_error_naming_a_field(obj)

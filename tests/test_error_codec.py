@@ -99,7 +99,7 @@ def test_the_nixl_worker_replies_with_the_codec(kind: str, reason: str, expected
     def refuse() -> None:
         raise RequestError(kind, "refused", reason)
 
-    worker = cast(Any, SimpleNamespace(ops={"refuse": refuse}))
+    worker = cast(Any, SimpleNamespace(ops={"refuse": refuse}, label="NIXL"))
     status, body = _nixl_worker.answer(worker, "refuse", [])
     assert status == "err"
     back = decode_error(json.loads(json.dumps(body)))
@@ -112,7 +112,7 @@ def test_a_bug_in_the_nixl_worker_is_a_transport_error() -> None:
     def broken() -> None:
         raise ZeroDivisionError("oops")
 
-    _, body = _nixl_worker.answer(cast(Any, SimpleNamespace(ops={"broken": broken})), "broken", [])
+    _, body = _nixl_worker.answer(cast(Any, SimpleNamespace(ops={"broken": broken}, label="NIXL")), "broken", [])
     back = decode_error(body)
     assert type(back) is TransportError
     assert "ZeroDivisionError: oops" in str(back)

@@ -273,6 +273,59 @@ def test_a_bad_dict_names_the_key(d: dict[str, object], field: str) -> None:
     assert info.value.field == field
 
 
+# Values a hostile router or peer puts in the dict: ints past the float range and past repr's 4,300-digit
+# limit, non-finite floats, Unicode digits, nested junk (issue 23, finding 7).
+_huge_ints = st.integers(300, 6000).map(lambda k: 10**k) | st.integers(300, 6000).map(lambda k: -(10**k))
+_junk = st.recursive(
+    st.none() | st.booleans() | st.integers() | _huge_ints | st.floats() | st.text(max_size=6) | st.binary(max_size=4),
+    lambda children: st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=4), children, max_size=2),
+    max_leaves=6,
+)
+_KEYS = sorted(PARAMS.to_kv_transfer_params() | dict.fromkeys(["kvspec_block_ends", "kvspec_recomputed_tokens"]))
+
+
+def _raises_only_malformed_naming_a_key(d: dict[Any, object]) -> None:
+    error: MalformedMessageError | None = None
+    try:
+        TransferParams.from_kv_transfer_params(d)
+    except MalformedMessageError as exc:
+        error = exc
+    except UnsupportedVersionError:
+        return
+    if error is not None:
+        assert error.field is not None, f"no key named: {error}"
+        assert error.field.partition("[")[0] in {str(k) for k in d} | {"transport_data"}, error.field
+        assert str(error).startswith(f"{error.field}: ")
+
+
+@given(st.sampled_from(_KEYS), _junk)
+def test_hostile_dict_values_raise_only_malformed_naming_the_key(key: str, value: object) -> None:
+    _raises_only_malformed_naming_a_key(PARAMS.to_kv_transfer_params() | {key: value})
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("remote_blocks_expiry_time", 10**400),  # OverflowError from math.isfinite
+        ("remote_request_id", 10**5000),  # repr() of an int past 4,300 digits raises ValueError
+        ("remote_num_tokens", -(10**5000)),
+        ("remote_block_ids", [[-(10**5000)]]),
+        ("kvspec_block_ends", [1]),  # FieldError (not MalformedMessageError) from the cross-field check
+        ("kvspec_block_ends", [-(10**5000), 1]),
+        ("kvspec_version", "\u00b2.1"),  # isdigit() but not int()
+        ("transfer_mode", 10**5000),
+        ("remote_port", 1.5),
+        (7, "x"),  # a transport key that is not a str
+    ],
+    ids=lambda v: type(v).__name__ if isinstance(v, (int, list)) else str(v)[:24],
+)
+def test_a_hostile_value_is_malformed_naming_the_key(key: Any, value: object) -> None:
+    d = PARAMS.to_kv_transfer_params() | {key: value}
+    with pytest.raises(MalformedMessageError):
+        TransferParams.from_kv_transfer_params(d)
+    _raises_only_malformed_naming_a_key(d)
+
+
 def test_a_dict_of_another_major_is_refused() -> None:
     with pytest.raises(
         UnsupportedVersionError, match=r"kvspec_version: peer speaks protocol 2\.0, this side speaks major 1"

@@ -32,6 +32,7 @@ from kvspec.transport import (
     _nixl_worker,
     load_backend,
 )
+from kvspec.transport import nixl as nixl_backend
 from kvspec.transport.nixl import NixlAgent, NixlBackend
 
 pytestmark = pytest.mark.nixl
@@ -182,6 +183,18 @@ def test_bad_options_are_config_errors(pytestconfig: pytest.Config) -> None:
         NixlBackend(tls="rdma")
     with pytest.raises(ConfigError, match="call_timeout"):
         NixlBackend(call_timeout=0)
+
+
+def test_without_rdma_devices_ucx_loads_no_ib_module(
+    pytestconfig: pytest.Config, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With libibverbs installed (the mooncake extra) and no RDMA device, an in-process agent crashed at exit."""
+    require_backend_module(pytestconfig, "nixl_cu12", "nixl")
+    monkeypatch.delenv("UCX_MODULES", raising=False)
+    monkeypatch.setattr(nixl_backend, "_rdma_devices", list)
+    assert NixlBackend().worker_env()["UCX_MODULES"] == "^ib"
+    monkeypatch.setattr(nixl_backend, "_rdma_devices", lambda: ["mlx5_0"])
+    assert "UCX_MODULES" not in NixlBackend().worker_env()  # real RDMA: UCX's defaults
 
 
 def test_worker_and_proxy_look_for_the_same_modules() -> None:

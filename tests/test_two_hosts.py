@@ -180,6 +180,8 @@ def _require(backend: str, require_module: Callable[..., ModuleType]) -> None:
 
         require_module("numpy", "nixl")
         require_module(find_nixl() or "nixl", "nixl")
+    elif backend == "mooncake":
+        require_module("mooncake.engine", "mooncake")
     else:
         require_module(backend)
 
@@ -188,6 +190,7 @@ def _require(backend: str, require_module: Callable[..., ModuleType]) -> None:
 BACKENDS = [
     pytest.param("nixl", id="nixl"),  # UCX over TCP on the veth pair (net_devices from the route)
     pytest.param("torch", id="torch"),  # gloo and control sockets on each namespace's address, TCP rendezvous
+    pytest.param("mooncake", id="mooncake"),  # the Transfer Engine over TCP, each engine named by its address
 ]
 
 
@@ -214,6 +217,7 @@ def test_options_come_from_the_route_and_an_explicit_option_wins() -> None:
     assert _listen_options("nixl", f"0.0.0.0:{PORT}", []) == []  # a wildcard names no interface
     assert derived_options("loopback", LOOPBACK, {}) == {}
     assert derived_options("nixl", LOOPBACK, {}) == {"net_devices": "lo"}  # tls=tcp only off loopback
+    assert derived_options("mooncake", LOOPBACK, {}) == {"host": LOOPBACK}
 
 
 def test_a_loopback_agent_for_a_remote_peer_is_one_clear_error(tmp_path: Path) -> None:
@@ -226,7 +230,6 @@ def test_a_loopback_agent_for_a_remote_peer_is_one_clear_error(tmp_path: Path) -
     assert "Traceback" not in done.stderr
 
 
-@pytest.mark.parametrize("ci", [False, True])
 def test_missing_namespaces_skip_locally_and_fail_under_ci(
     ci: bool, pytestconfig: pytest.Config, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -74,6 +74,25 @@ def test_each_class_is_found() -> None:
     assert _classes(attrs.evolve(GOOD, failed_closed="WindowCoverageError: ...")) == set()
 
 
+def test_attended_blocks_in_the_prefix_hit_are_checked() -> None:
+    # Hit of 64 tokens: window block 3 (tokens 48..63) is cached, and token 79 attends it.
+    hit = attrs.evolve(GOOD, prefix_hit_tokens=64, pairs=(GOOD.pairs[0][4:], GOOD.pairs[1]))  # type: ignore[index]
+    assert _classes(hit) == {"writes-cached-prefix"}  # (9, 29) rewrites a cached block with its own tokens
+    poisoned = attrs.evolve(hit, pairs=(hit.pairs[0], ((0, 29), (10, 30))))  # type: ignore[index]
+    assert _classes(poisoned) == {"null-into-cached-block", "reads-null-block"}
+    assert all(f.in_hit for f in check_drive(_config(), poisoned))
+    # The null page into a cached block nobody attends still poisons the cache.
+    unread = attrs.evolve(
+        hit,
+        consumer_table=(C_TABLE[0], (0, 0, 28, 29, 30)),
+        pairs=(hit.pairs[0], ((0, 28), (9, 29), (10, 30))),  # type: ignore[index]
+    )
+    assert _classes(unread) == {"null-into-cached-block", "writes-cached-prefix"}
+    nulled = attrs.evolve(hit, consumer_table=(C_TABLE[0], (0, 0, 0, 0, 30)), pairs=(hit.pairs[0], ((10, 30),)))  # type: ignore[index]
+    assert _classes(nulled) == {"needed-block-null-on-consumer"}
+    assert check_kvspec(_config(), poisoned, check_drive(_config(), poisoned)) == []
+
+
 def test_kvspec_judges_the_lists_as_the_oracle_does() -> None:
     # The window lists shifted by one block (lookahead slots on C): same length, so a 1.0 peer's
     # tail alignment accepts them; with the ends a 1.1 connector states, kvspec refuses them.
@@ -134,3 +153,19 @@ def test_cases_are_reproducible_and_in_range() -> None:
     assert any(c.cached_prefix_tokens for c in cases)
     assert any(c.lookahead for c in cases)
     assert all(d.rule for d in DEVIATIONS.values())
+
+
+def test_shipped_audit_list_names_the_committed_classes() -> None:
+    # kvspec vllm-audit --expect-file vllm-audit fails on an unlisted or vanished class: the shipped list
+    # must name exactly the classes of the committed audit (seed 11, 200 requests), new ones included.
+    import json
+    from pathlib import Path
+
+    from kvspec.integrations.expectations import load_expected
+
+    committed = json.loads(
+        (Path(__file__).resolve().parent.parent / "docs" / "explanation" / "vllm-audit.json").read_text("utf-8")
+    )
+    found = {f"{c['connector']}/{c['class']}" for c in committed["classes"] if c["connector"] != "reference"}
+    assert "moriio/null-into-cached-block" in found
+    assert set(load_expected("vllm-audit")) == found

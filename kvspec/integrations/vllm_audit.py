@@ -19,8 +19,11 @@ Both full block tables map every logical block to an id, so each pair the
 connector would post is checked by position: a pair must join the same
 logical block on both sides (ALIGN-1), never the null block (NULL-1), and
 every block the consumer's first computed token attends must arrive or be
-held (WIN-1). With ``connector="reference"`` kvspec's own functions replace
-the connector's: the oracle must then find nothing.
+held (WIN-1): each one is read, whatever its source (the transfer, the
+consumer's prefix hit, or a block the consumer nulled itself), and a null
+page into a cached block is ``null-into-cached-block``. With
+``connector="reference"`` kvspec's own functions replace NIXL's clipping and
+pairing on NIXL's tables: the oracle must then find nothing.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from typing import Any
 
 import attrs
 
-from kvspec._errors import KVSpecError
+from kvspec._errors import KVSpecError, WindowCoverageError
 from kvspec._models import (
     NULL_BLOCK_ID,
     BlockIds,
@@ -117,6 +120,13 @@ DEVIATIONS: dict[str, Deviation] = {
             rule="WIN-1",
             title="a pair writes into a block the consumer already holds from its prefix cache",
             consequence="prefix cache rewritten in place: blocks other requests share receive the producer's bytes",
+        ),
+        Deviation(
+            id="null-into-cached-block",
+            rule="NULL-1",
+            title="a pair writes the producer's null block into a block the consumer holds from its prefix cache",
+            consequence="prefix cache poisoned: the cached block now holds the null block's bytes, for this request "
+            "and every later one that hits it",
         ),
         Deviation(
             id="needed-block-null-on-consumer",
@@ -213,6 +223,19 @@ def _num_tokens(rng: random.Random, block_size: int, windows: Sequence[int]) -> 
     return max(1, min(_MAX_TOKENS, n))
 
 
+def _cached_prefix(rng: random.Random, n: int, block_size: int, windows: Sequence[int]) -> int:
+    """A prefix hit for about half the requests; in most of them it holds a block token N - 1's window attends."""
+    if n <= block_size or rng.random() >= 0.5:
+        return 0
+    top = (n - 1) // block_size
+    if windows and rng.random() < 0.7:
+        # The window of token N - 1 opens at N - W: a hit past that block leaves an attended block cached.
+        low = (max(0, n - rng.choice(windows)) // block_size) + 1
+        if low <= top:
+            return rng.randint(low, top) * block_size
+    return rng.randint(1, top) * block_size
+
+
 def generate_cases(count: int, seed: int) -> list[AuditCase]:
     """``count`` random requests on random hybrid configs, reproducible from ``seed`` (WIN-1)."""
     rng = random.Random(seed)
@@ -222,9 +245,7 @@ def generate_cases(count: int, seed: int) -> list[AuditCase]:
         windows = sorted({_window(rng, block_size) for _ in range(rng.choice((1, 1, 2)))})
         groups = (GroupShape(block_size=block_size), *(GroupShape(block_size=block_size, window=w) for w in windows))
         n = _num_tokens(rng, block_size, windows)
-        cached = 0
-        if rng.random() < 0.35 and n > block_size:
-            cached = rng.randint(1, (n - 1) // block_size) * block_size
+        cached = _cached_prefix(rng, n, block_size, windows)
         lookahead = rng.choice((0, 0, 0, 1, 2, 3, 4, 7))
         cases.append(
             AuditCase(index=index, groups=groups, num_tokens=n, cached_prefix_tokens=cached, lookahead=lookahead)
@@ -402,11 +423,9 @@ def _drive(
         consumer_sched.on_new_request(c_req)
     c_manager = consumer_engine.manager
     computed_blocks, hit, *_ = c_manager.get_computed_blocks(c_req)
-    if connector == "reference":
-        # kvspec's convention: C loads T = N - 1 tokens synchronously and computes token N - 1.
-        external, load_async = max(0, n - 1 - hit), False
-    else:
-        external, load_async = consumer_sched.get_num_new_matched_tokens(c_req, hit)
+    # ``reference`` runs NIXL's consumer scheduler here, so its table is NIXL's: the asynchronous load
+    # of N tokens, rolled back to N - 1 when it lands (the findings page's "same vLLM tables").
+    external, load_async = consumer_sched.get_num_new_matched_tokens(c_req, hit)
     new_tokens = 0 if load_async else n - hit - external
     blocks = c_manager.allocate_slots(
         c_req,
@@ -477,6 +496,7 @@ def _pair(
     blocks = manager.get_blocks(rid)
     if connector == "reference":
         table = manager.get_block_ids(rid)
+        _check_held(config, table, num_tokens, hit)
         budgets = get_blocks_per_sw(config)
         producer = get_exchange_clipped_blocks(
             [
@@ -507,6 +527,22 @@ def _pair(
     return (_tuples(shown[0]), _tuples(shown[1])), _zip_pairs(posted[0], posted[1])
 
 
+def _check_held(config: KVCacheConfig, table: Sequence[Sequence[int]], num_tokens: int, hit: int) -> None:
+    """Refuse when the consumer nulled a block of its own prefix hit that token ``num_tokens`` attends (WIN-1).
+
+    kvspec's ``check_window_coverage`` takes the hit as held; the reference consumer also reads its own
+    table, as a conforming consumer can, so a hit block its engine nulled fails closed too.
+    """
+    for g, (group, ids) in enumerate(zip(config.kv_cache_groups, table, strict=True)):
+        spec = group.kv_cache_spec
+        for k in get_needed_block_range(spec, num_tokens=num_tokens, prefix_hit_tokens=0):
+            if k < hit // spec.block_size and (k >= len(ids) or ids[k] == NULL_BLOCK_ID):
+                raise WindowCoverageError(
+                    f"group {g}: logical block {k} of the consumer's prefix hit is needed by token {num_tokens} "
+                    f"but is the null block on the consumer; expected a held block (WIN-1)"
+                )
+
+
 # --------------------------------------------------------------------------- the oracle
 
 
@@ -518,6 +554,8 @@ class Finding:
     group: int
     detail: str
     pair: tuple[int, int] | None = None
+    in_hit: bool = False
+    """The block lies in the consumer's prefix hit, outside the lists a connector shows kvspec."""
 
 
 def _logical(table: Sequence[int]) -> dict[int, int]:
@@ -536,6 +574,7 @@ def check_drive(config: KVCacheConfig, drive: _Drive) -> list[Finding]:
         p_table, c_table = drive.producer_table[g], drive.consumer_table[g]
         p_index, c_index = _logical(p_table), _logical(c_table)
         pairs = drive.pairs[g] if g < len(drive.pairs) else ()
+        held = drive.prefix_hit_tokens // spec.block_size
         arrives: dict[int, tuple[int, int]] = {}
         for p, c in pairs:
             if c == NULL_BLOCK_ID:
@@ -544,6 +583,11 @@ def check_drive(config: KVCacheConfig, drive: _Drive) -> list[Finding]:
             lc = c_index.get(c)
             if p == NULL_BLOCK_ID:
                 arrives[lc if lc is not None else -1] = (p, c)
+                if lc is not None and lc < held:
+                    detail = f"consumer block {c} is logical {lc}, in the hit, and receives id 0"
+                    findings.append(
+                        Finding(deviation="null-into-cached-block", group=g, detail=detail, pair=(p, c), in_hit=True)
+                    )
                 continue
             lp = p_index.get(p)
             if lp != lc:
@@ -557,31 +601,36 @@ def check_drive(config: KVCacheConfig, drive: _Drive) -> list[Finding]:
                 )
             if lc is not None:
                 arrives[lc] = (p, c)
-                if lc < drive.prefix_hit_tokens // spec.block_size:
+                if lc < held:
                     findings.append(
                         Finding(
                             deviation="writes-cached-prefix",
                             group=g,
                             detail=f"consumer block {c} is logical {lc}, in the hit",
                             pair=(p, c),
+                            in_hit=True,
                         )
                     )
-        needed = get_needed_block_range(
-            spec, num_tokens=drive.first_computed, prefix_hit_tokens=drive.prefix_hit_tokens
-        )
-        held = drive.prefix_hit_tokens // spec.block_size
-        for k in needed:
-            if k < held:
-                continue
+        # Every block the first computed token attends, whatever its source: the transfer, the
+        # consumer's prefix hit, or a block the consumer nulled itself (WIN-1).
+        for k in get_needed_block_range(spec, num_tokens=drive.first_computed, prefix_hit_tokens=0):
+            in_hit = k < held
             span = f"logical block {k} (tokens {k * spec.block_size}..{(k + 1) * spec.block_size - 1})"
+            span += " in the prefix hit" if in_hit else ""
             if k >= len(c_table) or c_table[k] == NULL_BLOCK_ID:
-                findings.append(Finding(deviation="needed-block-null-on-consumer", group=g, detail=span))
-            elif k not in arrives:
-                findings.append(Finding(deviation="needed-block-not-transferred", group=g, detail=span))
-            elif arrives[k][0] == NULL_BLOCK_ID:
+                findings.append(Finding(deviation="needed-block-null-on-consumer", group=g, detail=span, in_hit=in_hit))
+            elif k in arrives and arrives[k][0] == NULL_BLOCK_ID:
                 findings.append(
-                    Finding(deviation="reads-null-block", group=g, detail=span + " is read from id 0", pair=arrives[k])
+                    Finding(
+                        deviation="reads-null-block",
+                        group=g,
+                        detail=span + " is read from id 0",
+                        pair=arrives[k],
+                        in_hit=in_hit,
+                    )
                 )
+            elif not in_hit and k not in arrives:
+                findings.append(Finding(deviation="needed-block-not-transferred", group=g, detail=span))
     return findings
 
 
@@ -601,7 +650,8 @@ def check_kvspec(config: KVCacheConfig, drive: _Drive, findings: Sequence[Findin
     """Does kvspec's own check agree with the oracle on the lists the connector paired (WIN-1, ALIGN-1)?"""
     if drive.refusal is not None or drive.failed_closed is not None or not any(drive.consumer_list):
         return []
-    wrong = any(f.deviation in ("shifted-pair", "reads-null-block") for f in findings)
+    # Pairs into the prefix hit are not built from the lists kvspec is shown (those start at the hit).
+    wrong = any(f.deviation in ("shifted-pair", "reads-null-block") and not f.in_hit for f in findings)
     # What a protocol 1.1 connector states: its lists cover the N tokens they were built for (the consumer
     # recomputes the last ones), and each list ends where it ends in its side's table.
     arguments: dict[str, Any] = {

@@ -102,10 +102,11 @@ def derived_options(backend: str, local_address: str | None, given: Mapping[str,
     """The options of built-in ``backend`` that ``local_address`` implies, less those in ``given`` (which win).
 
     ``torch``: ``host`` (control sockets and rendezvous) and ``interface`` (gloo); ``nixl``:
-    ``net_devices``, and ``tls="tcp"`` off loopback unless ``given`` names ``net_devices``. Nothing for
-    other backends, or when the address or its interface is unknown.
+    ``net_devices``, and ``tls="tcp"`` off loopback unless ``given`` names ``net_devices``; ``mooncake``:
+    ``host`` (the engine's name and the address its peers connect to). Nothing for other backends, or
+    when the address or its interface is unknown.
     """
-    if local_address is None or backend not in ("torch", "nixl"):
+    if local_address is None or backend not in ("torch", "nixl", "mooncake"):
         return {}
     local = _ipv4(local_address)
     interface = interface_of(local) if local is not None else None
@@ -113,6 +114,8 @@ def derived_options(backend: str, local_address: str | None, given: Mapping[str,
         return {}
     if backend == "torch":
         found: dict[str, object] = {"host": local, "interface": interface}
+    elif backend == "mooncake":
+        found = {"host": local}
     else:
         found = {"net_devices": interface}
         if interface != "lo" and "net_devices" not in given:

@@ -72,17 +72,20 @@ CONFIG = "config"
 UNAVAILABLE = "unavailable"
 
 
-def pack_metadata(name: str, regions: list[tuple[int, int]], nixl_metadata: bytes) -> bytes:
-    """Wrap NIXL's metadata with the agent's name and ``(address, nbytes)`` per region."""
+def pack_metadata(
+    name: str, regions: list[tuple[int, int]], nixl_metadata: bytes, *, magic: bytes = METADATA_MAGIC
+) -> bytes:
+    """Wrap NIXL's metadata (or another engine's, under its own ``magic``) with the agent's name and regions."""
     header = json.dumps({"name": name, "regions": regions, "pid": os.getpid()}).encode()
-    return METADATA_MAGIC + struct.pack("<I", len(header)) + header + nixl_metadata
+    return magic + struct.pack("<I", len(header)) + header + nixl_metadata
 
 
-def unpack_metadata(blob: bytes) -> tuple[str, list[tuple[int, int]], bytes]:
+def unpack_metadata(blob: bytes, *, magic: bytes = METADATA_MAGIC) -> tuple[str, list[tuple[int, int]], bytes]:
     """Inverse of :func:`pack_metadata`; raises ``RequestError`` on foreign bytes."""
-    start = len(METADATA_MAGIC)
-    if not blob.startswith(METADATA_MAGIC) or len(blob) < start + 4:
-        raise RequestError(TRANSPORT, "peer metadata is not from a kvspec NIXL agent", "protocol")
+    start = len(magic)
+    if not blob.startswith(magic) or len(blob) < start + 4:
+        engine = magic[len(b"KVSPEC-") : -1].decode(errors="replace")
+        raise RequestError(TRANSPORT, f"peer metadata is not from a kvspec {engine} agent", "protocol")
     (size,) = struct.unpack_from("<I", blob, start)
     try:
         header = json.loads(blob[start + 4 : start + 4 + size])
@@ -148,6 +151,8 @@ class _Xfer:
 
 class Worker:
     """The NIXL agent and the tables the proxy's requests refer to."""
+
+    label = "NIXL"
 
     def __init__(self, name: str, options: dict[str, Any]) -> None:
         import numpy as np
@@ -516,17 +521,17 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")
 
 
-def answer(worker: Worker, op: str, args: list[Any]) -> tuple[Any, ...]:
+def answer(worker: Any, op: str, args: list[Any]) -> tuple[Any, ...]:
     """Run one request; ``("ok", value)`` or ``("err", error)`` (:func:`kvspec._errors.encode_error`)."""
     try:
         return ("ok", worker.ops[op](*args))
     except RequestError as exc:
         return ("err", encode_error(exc.error()))
     except Exception as exc:  # a bug or an unexpected NIXL error: report it, keep serving
-        return ("err", encode_error(TransportError(f"{op} failed in the NIXL worker: {_describe(exc)}")))
+        return ("err", encode_error(TransportError(f"{op} failed in the {worker.label} worker: {_describe(exc)}")))
 
 
-def handle(worker: Worker, request: tuple[Any, ...]) -> tuple[Any, ...]:
+def handle(worker: Any, request: tuple[Any, ...]) -> tuple[Any, ...]:
     """Answer one request of the proxy (``close`` and ``retire`` excepted).
 
     ``("batch", [post requests], (op, *args))`` carries the posts the proxy
@@ -541,7 +546,7 @@ def handle(worker: Worker, request: tuple[Any, ...]) -> tuple[Any, ...]:
     return answer(worker, op, args)
 
 
-def serve(conn: Connection, worker: Worker) -> str:
+def serve(conn: Connection, worker: Any) -> str:
     """Answer requests until ``close`` or ``retire`` (returned) or until the parent goes away
     (``"eof"``); poll NIXL in between.
     """
@@ -562,32 +567,43 @@ def serve(conn: Connection, worker: Worker) -> str:
             return "eof"
 
 
-def _start(conn: Connection, name: str, options: dict[str, Any]) -> Worker | None:
-    """Create the agent and answer the proxy's start request."""
+def _start(conn: Connection, name: str, options: dict[str, Any], worker_class: Callable[..., Any]) -> Any:
+    """Create the agent and answer the proxy's start request; ``None`` when it could not start."""
     try:
-        worker = Worker(name, options)
+        worker = worker_class(name, options)
     except ImportError as exc:
         conn.send(("err", encode_error(BackendUnavailableError(str(exc)))))
         return None
     except Exception as exc:
-        conn.send(("err", encode_error(TransportError(f"could not start NIXL agent {name!r}: {_describe(exc)}"))))
+        conn.send(("err", encode_error(TransportError(f"could not start agent {name!r}: {_describe(exc)}"))))
         return None
     conn.send(("ok", os.getpid()))
     return worker
 
 
-def main(argv: list[str] | None = None, extra_ops: dict[str, Callable[..., Any]] | None = None) -> None:
+def main(
+    argv: list[str] | None = None,
+    extra_ops: dict[str, Callable[..., Any]] | None = None,
+    worker_class: Callable[..., Any] = Worker,
+) -> None:
     """Entry point: ``python -m kvspec.transport._nixl_worker FD NAME``; options arrive first on the pipe.
 
     A retired agent's process waits for ``("start", NAME)`` and runs a fresh
     NIXL agent under that name: starting a process and UCX costs ~0.5 s, a
     further agent in the same process ~20 ms. ``extra_ops`` lets a benchmark
-    add requests that run next to the agent.
+    add requests that run next to the agent. ``worker_class`` makes the
+    agent; the Mooncake worker (:mod:`kvspec.transport._mooncake_worker`) passes its own.
     """
     fd_text, name = (sys.argv[1:] if argv is None else argv)[:2]
     conn = Connection(int(fd_text))
-    options: dict[str, Any] = conn.recv()
-    while (worker := _start(conn, name, options)) is not None:
+    try:
+        first = conn.recv()
+    except (EOFError, OSError):
+        os._exit(0)  # a spare worker whose backend closed before using it
+    # A spare (started ahead, named "-") learns its name with its options: ("start", NAME, options).
+    options: dict[str, Any] = first[2] if isinstance(first, tuple) else first
+    name = first[1] if isinstance(first, tuple) else name
+    while (worker := _start(conn, name, options, worker_class)) is not None:
         for op_name, op in (extra_ops or {}).items():
             worker.ops[op_name] = lambda *args, _op=op, _worker=worker: _op(_worker, *args)
         how = serve(conn, worker)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib
+import inspect
+import typing
 from collections.abc import Callable, Sequence
 from importlib.metadata import entry_points
 
@@ -18,6 +20,7 @@ BUILTIN_BACKENDS: dict[str, str] = {
     "loopback": "kvspec.transport.loopback:LoopbackBackend",
     "torch": "kvspec.transport.torch_dist:TorchDistributedBackend",
     "nixl": "kvspec.transport.nixl:NixlBackend",
+    "mooncake": "kvspec.transport.mooncake:MooncakeBackend",
 }
 
 
@@ -30,11 +33,50 @@ def _resolve(path: str) -> Callable[..., Backend]:
         factory: Callable[..., Backend] = getattr(module, attr)
     except AttributeError:
         raise ConfigError(f"backend: module {module_name!r} has no attribute {attr!r}") from None
+    if not _is_backend_factory(factory):
+        # Never call an arbitrary callable (os:system) on the strength of a command-line string.
+        raise ConfigError(
+            f"backend: {path!r} is not a backend factory: expected a class with create_agent and close, "
+            "or a function annotated to return a Backend"
+        )
     return factory
 
 
+def _is_backend_class(obj: object) -> bool:
+    return isinstance(obj, type) and all(callable(getattr(obj, name, None)) for name in ("create_agent", "close"))
+
+
+def _is_backend_factory(obj: object) -> bool:
+    """A Backend class, or a function whose return annotation is Backend or a Backend class."""
+    if isinstance(obj, type):
+        return _is_backend_class(obj)
+    if not inspect.isfunction(obj):
+        return False
+    try:
+        returned = typing.get_type_hints(obj).get("return")
+    except Exception:  # an annotation that does not resolve says nothing trustworthy
+        return False
+    return returned is Backend or _is_backend_class(returned)
+
+
+def _check_options(spec: str, factory: Callable[..., Backend], options: dict[str, object]) -> None:
+    """Refuse an ``--option`` key the factory does not take, naming the keys it does."""
+    try:
+        signature = inspect.signature(factory)
+    except (TypeError, ValueError):
+        return  # no signature to check against: the call itself decides
+    try:
+        signature.bind(**options)
+    except TypeError:
+        takes = [p.name for p in signature.parameters.values() if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        unknown = sorted(set(options) - set(takes))
+        raise ConfigError(
+            f"backend {spec!r}: --option {', '.join(unknown) or sorted(options)}: expected one of {takes}"
+        ) from None
+
+
 def load_backend(spec: str = "loopback", **options: object) -> Backend:
-    """Build a backend from ``"loopback"``, ``"torch"``, ``"nixl"``, an entry-point
+    """Build a backend from ``"loopback"``, ``"torch"``, ``"nixl"``, ``"mooncake"``, an entry-point
     name in the ``kvspec.backends`` group, or ``"package.module:factory"``.
 
     Raises :class:`kvspec.BackendUnavailableError` (an ``ImportError``) when the
@@ -50,6 +92,7 @@ def load_backend(spec: str = "loopback", **options: object) -> Backend:
             known = sorted(BUILTIN_BACKENDS) + sorted(ep.name for ep in entry_points(group=ENTRY_POINT_GROUP))
             raise ConfigError(f"backend: expected one of {known} or 'module:factory', got {spec!r}")
         factory = found[0].load()
+    _check_options(spec, factory, options)
     backend = factory(**options)
     if not isinstance(backend, Backend):
         raise ConfigError(f"backend: factory for {spec!r} returned {type(backend).__name__}, not a Backend")

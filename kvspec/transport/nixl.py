@@ -47,7 +47,8 @@ import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any, cast
+from types import ModuleType
+from typing import Any, ClassVar, Self, cast
 
 from kvspec._enums import FailureReason, TransferMode
 from kvspec._errors import BackendUnavailableError, ConfigError, PlanError, TransportError, decode_error
@@ -66,7 +67,7 @@ from kvspec.transport._base import (
     unknown_peer_error,
 )
 
-__all__ = ["INSTALL_HINT", "NixlAgent", "NixlBackend", "find_nixl"]
+__all__ = ["INSTALL_HINT", "NixlAgent", "NixlBackend", "WorkerAgent", "WorkerBackend", "find_nixl"]
 
 INSTALL_HINT = (
     "pip install numpy && pip install --no-deps nixl-cu12 "
@@ -75,7 +76,6 @@ INSTALL_HINT = (
 
 # The names the worker tries, in the same order.
 _NIXL_MODULES = _nixl_worker.NIXL_MODULES
-_WORKER_MODULE = "kvspec.transport._nixl_worker"
 _PENDING = TransferStatus(state=TransferState.PENDING)
 _DONE = TransferStatus(state=TransferState.DONE)
 
@@ -99,8 +99,14 @@ def _require_nixl() -> None:
         raise BackendUnavailableError(f"the nixl backend needs {' and '.join(missing)}: {INSTALL_HINT}")
 
 
-class NixlAgent:
-    """One NIXL agent (Transport): a proxy for an agent in a worker process, or the agent itself.
+class WorkerAgent:
+    """One agent (Transport) of a worker-process backend: a proxy for an agent in a worker process, or the agent.
+
+    Shared by the NIXL and Mooncake backends (:mod:`kvspec.transport.mooncake`):
+    a subclass names its engine (``label``) and the worker module that serves
+    it (``protocol``: its ``handle`` answers a request in process, its
+    ``unpack_metadata`` reads a peer's region table). What follows describes
+    NIXL; Mooncake's worker behaves the same way towards this proxy.
 
     In a worker process (the default), calls are forwarded over a pipe and
     answered within ``call_timeout`` seconds, and the worker polls NIXL
@@ -112,6 +118,9 @@ class NixlAgent:
     contract asks.
     """
 
+    label: ClassVar[str]
+    protocol: ClassVar[ModuleType]
+
     def __init__(
         self,
         name: str,
@@ -121,13 +130,15 @@ class NixlAgent:
         capabilities: Capabilities,
         call_timeout: float,
         recycle: Callable[[subprocess.Popen[bytes], Connection], None] | None = None,
-        worker: _nixl_worker.Worker | None = None,
+        worker: Any = None,
+        on_close: Callable[[], None] | None = None,
     ) -> None:
         self._name = name
         self._recycle = recycle
+        self._on_close = on_close  # called once this agent's worker process has stopped
         # Exactly one of the two: a worker process and its pipe, or the worker object in this process.
         if (worker is None) == (process is None or conn is None):
-            raise ConfigError("NixlAgent: expected a worker process and its pipe, or an in-process worker")
+            raise ConfigError(f"{type(self).__name__}: expected a worker process and its pipe, or an in-process worker")
         self._process = process
         self._conn = conn
         self._worker = worker
@@ -185,7 +196,7 @@ class NixlAgent:
             queued, self._queued = self._queued, {}
             request: tuple[object, ...] = ("batch", list(queued.values()), (op, *args)) if queued else (op, *args)
             if self._worker is not None:
-                reply = _nixl_worker.handle(self._worker, request)
+                reply = self.protocol.handle(self._worker, request)
             else:
                 reply = self._ask(op, request, self._call_timeout if timeout is None else timeout)
             if queued:
@@ -203,11 +214,11 @@ class NixlAgent:
         try:
             self._conn.send(request)
             if not self._conn.poll(limit):
-                self._break(f"nixl agent {self._name!r}: no answer to {op!r} within {limit} s; worker stopped")
+                self._break(f"{self.label} agent {self._name!r}: no answer to {op!r} within {limit} s; worker stopped")
                 raise TransportError(self._broken or "", reason=FailureReason.TIMEOUT)
             return self._conn.recv()
         except (EOFError, OSError):
-            self._break(f"nixl agent {self._name!r}: worker process exited (code {self._process.poll()})")
+            self._break(f"{self.label} agent {self._name!r}: worker process exited (code {self._process.poll()})")
             raise TransportError(self._broken or "", reason=FailureReason.TRANSFER_ERROR) from None
 
     def _settle(self, transfer_id: int, reply: tuple[Any, ...]) -> None:
@@ -241,7 +252,8 @@ class NixlAgent:
         for index, region in enumerate(regions, start=len(self._local_sizes)):
             if region.shm_name is None:
                 raise ConfigError(
-                    f"NixlAgent.register_memory: region {index} has no shm_name; the nixl backend runs agents "
+                    f"{type(self).__name__}.register_memory: region {index} has no shm_name; the {self.label} backend "
+                    "runs agents "
                     "in other processes and needs multiprocessing.shared_memory regions (kvspec.testing.allocate_pool)"
                 )
             table.append((region.shm_name, region.nbytes))
@@ -260,7 +272,7 @@ class NixlAgent:
         """
         name = cast(str, self._call("add_peer", bytes(metadata)))
         # The worker accepted it, so it parses; keep the peer's region sizes to check posts here.
-        _, regions, _ = _nixl_worker.unpack_metadata(bytes(metadata))
+        _, regions, _ = self.protocol.unpack_metadata(bytes(metadata))
         self._peer_sizes[name] = tuple(n for _, n in regions)
         return name
 
@@ -375,7 +387,7 @@ class NixlAgent:
                 try:
                     self._worker.close()
                 except Exception as exc:
-                    raise TransportError(f"nixl agent {self._name!r}: could not tear down: {exc}") from None
+                    raise TransportError(f"{self.label} agent {self._name!r}: could not tear down: {exc}") from None
                 return
             assert self._process is not None
             assert self._conn is not None
@@ -392,9 +404,18 @@ class NixlAgent:
                     return
             self._conn.close()
             _stop(self._process, grace=5.0)
+            if self._on_close is not None:
+                self._on_close()
 
     def __repr__(self) -> str:
-        return f"NixlAgent(name={self._name!r}, pid={self.pid}, closed={self._closed})"
+        return f"{type(self).__name__}(name={self._name!r}, pid={self.pid}, closed={self._closed})"
+
+
+class NixlAgent(WorkerAgent):
+    """One NIXL agent (Transport): a proxy for an agent in a worker process, or the agent itself."""
+
+    label: ClassVar[str] = "nixl"
+    protocol: ClassVar[ModuleType] = _nixl_worker
 
 
 def _status(state: str, reason: str | None, detail: str) -> TransferStatus:
@@ -455,11 +476,228 @@ def _stop(process: subprocess.Popen[bytes], *, grace: float) -> None:
         process.wait(timeout=10.0)
 
 
+def _rdma_devices() -> list[str]:
+    """The RDMA devices the kernel lists (``/sys/class/infiniband``); none on a machine without RDMA NICs."""
+    try:
+        return sorted(os.listdir("/sys/class/infiniband"))
+    except OSError:
+        return []
+
+
 # A UCX device name: an interface (lo, eth0, veth-a) or an RDMA port (mlx5_0:1); "all" too.
 _DEVICE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:@-]{0,31}$")
 
 
-class NixlBackend:
+class WorkerBackend:
+    """Creates agents of one engine, one worker process each (Backend); shared by NIXL and Mooncake.
+
+    A subclass sets ``label``, ``agent_class``, ``protocol`` (the worker module),
+    ``install_hint`` and ``in_process_env`` (the environment prefixes an
+    in-process agent is created under), calls :meth:`_init_workers` from its
+    ``__init__`` and defines :meth:`worker_env`.
+    """
+
+    label: ClassVar[str]
+    agent_class: ClassVar[type[WorkerAgent]]
+    protocol: ClassVar[ModuleType]
+    install_hint: ClassVar[str]
+    in_process_env: ClassVar[tuple[str, ...]]
+
+    def _init_workers(
+        self,
+        *,
+        capabilities: Capabilities,
+        options: dict[str, object],
+        call_timeout: float,
+        start_timeout: float,
+        max_idle_workers: int,
+        in_process: str | None,
+        worker_command: Sequence[str] | None,
+        spare_workers: int = 0,
+    ) -> None:
+        """Check the options every worker backend shares and set up the worker bookkeeping.
+
+        ``spare_workers`` processes are kept started ahead of ``create_agent``,
+        for a backend whose workers are never reused.
+        """
+        for field, value in (("call_timeout", call_timeout), ("start_timeout", start_timeout)):
+            if not isinstance(value, (int, float)) or value <= 0:
+                raise ConfigError(
+                    f"{type(self).__name__}.{field}: expected a positive number of seconds, got {value!r}"
+                )
+        if in_process is not None and (not isinstance(in_process, str) or not in_process):
+            raise ConfigError(f"{type(self).__name__}.in_process: expected an agent name or None, got {in_process!r}")
+        self._in_process = in_process
+        self._options = options
+        self._call_timeout = float(call_timeout)
+        self._start_timeout = float(start_timeout)
+        # A benchmark may run its own worker script that adds requests (benchmarks/bench_nixl.py).
+        self._worker_command = list(worker_command or [sys.executable, "-m", self.protocol.__name__])
+        self._capabilities = capabilities
+        self._agents: list[WorkerAgent] = []
+        self._idle: list[tuple[subprocess.Popen[bytes], Connection]] = []
+        self._max_idle = max_idle_workers
+        self._spare_count = spare_workers
+        self._spares: list[tuple[subprocess.Popen[bytes], Connection]] = []
+        self._closing = False
+        # A backend dropped without close() must not leave workers polling behind it.
+        self._processes: list[subprocess.Popen[bytes]] = []
+        weakref.finalize(self, _kill_all, self._processes)
+
+    @property
+    def name(self) -> str:
+        """The backend's name (``label``)."""
+        return self.label
+
+    @property
+    def capabilities(self) -> Capabilities:
+        """What agents of this backend can do."""
+        return self._capabilities
+
+    def worker_env(self) -> dict[str, str]:
+        """The environment a worker process starts with."""
+        raise NotImplementedError
+
+    def _package_env(self) -> dict[str, str]:
+        """This process's environment, with kvspec's package root first on ``PYTHONPATH``."""
+        env = dict(os.environ)
+        package_root = str(Path(__file__).resolve().parents[2])
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+        return env
+
+    def create_agent(self, name: str) -> WorkerAgent:
+        """Start an agent called ``name`` in a worker process (a reused one when available)."""
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"{type(self).__name__}.create_agent: expected a non-empty name, got {name!r}")
+        for agent in self._agents:
+            if agent.name == name and not agent.closed:
+                raise TransportError(
+                    f"{self.label}: an agent named {name!r} already exists", reason=FailureReason.PROTOCOL
+                )
+        if name == self._in_process:
+            return self._local_agent(name)
+        while self._idle:
+            process, conn = self._idle.pop()
+            try:
+                return self._started(name, process, conn, ("start", name))
+            except TransportError:
+                continue  # that worker is gone or broken; it was stopped, try the next
+        while self._spares:
+            process, conn = self._spares.pop(0)
+            try:
+                return self._started(name, process, conn, ("start", name, self._options))
+            except TransportError:
+                continue  # that spare died; it was stopped, try the next
+        return self._started(name, *self._spawn(name), self._options)
+
+    def _spawn(self, name: str) -> tuple[subprocess.Popen[bytes], Connection]:
+        """Start a worker process for the agent ``name`` (``"-"``: a spare, named by its start request)."""
+        ours, theirs = socket.socketpair()
+        try:
+            process = subprocess.Popen(
+                [*self._worker_command, str(theirs.fileno()), name],
+                pass_fds=(theirs.fileno(),),
+                env=self.worker_env(),
+                stdin=subprocess.DEVNULL,
+            )
+        finally:
+            theirs.close()
+        self._processes[:] = [p for p in self._processes if p.poll() is None] + [process]
+        return process, Connection(ours.detach())
+
+    def _top_up(self) -> None:
+        """Start spare workers up to ``spare_workers`` when an agent closed, so that they load their engine
+        between the caller's runs rather than during one (a spare starting costs a core for a moment).
+        """
+        while len(self._spares) < self._spare_count and not self._closing:
+            self._spares.append(self._spawn("-"))
+
+    def _local_agent(self, name: str) -> WorkerAgent:
+        """Start the agent ``name`` in this process, under the workers' engine settings (``in_process_env``)."""
+        settings = {k: v for k, v in self.worker_env().items() if k.startswith(self.in_process_env)}
+        with _environment(settings):
+            try:
+                worker = self.protocol.Worker(name, dict(self._options))
+            except ImportError as exc:
+                why = f"the {self.label} backend could not import its engine ({exc}): {self.install_hint}"
+                raise BackendUnavailableError(why) from None
+            except Exception as exc:
+                raise TransportError(f"{self.label}: could not start agent {name!r} in this process: {exc}") from None
+        agent = self.agent_class(
+            name, None, None, capabilities=self._capabilities, call_timeout=self._call_timeout, worker=worker
+        )
+        self._agents = [a for a in self._agents if not a.closed]
+        self._agents.append(agent)
+        return agent
+
+    def _started(self, name: str, process: subprocess.Popen[bytes], conn: Connection, request: object) -> WorkerAgent:
+        """Send the start request and wait for the agent; stop the worker on any failure."""
+        try:
+            conn.send(request)
+            if not conn.poll(self._start_timeout):
+                raise TransportError(f"{self.label}: agent {name!r} did not start within {self._start_timeout} s")
+            reply = conn.recv()
+        except (EOFError, OSError):
+            conn.close()
+            _stop(process, grace=1.0)
+            raise TransportError(
+                f"{self.label}: worker for agent {name!r} exited at start (code {process.poll()})"
+            ) from None
+        except BaseException:
+            conn.close()
+            _stop(process, grace=0.0)
+            raise
+        if reply[0] != "ok":
+            conn.close()
+            _stop(process, grace=5.0)
+            error = decode_error(reply[1])
+            if isinstance(error, BackendUnavailableError):
+                raise BackendUnavailableError(
+                    f"the {self.label} worker could not import its engine ({error}): {self.install_hint}"
+                )
+            raise TransportError(str(error))
+        recycle = self._take_back if self._max_idle > 0 else None
+        agent = self.agent_class(
+            name,
+            process,
+            conn,
+            capabilities=self._capabilities,
+            call_timeout=self._call_timeout,
+            recycle=recycle,
+            on_close=self._top_up if self._spare_count else None,
+        )
+        self._agents = [a for a in self._agents if not a.closed]
+        self._agents.append(agent)
+        return agent
+
+    def _take_back(self, process: subprocess.Popen[bytes], conn: Connection) -> None:
+        """Keep a retired worker for the next agent, up to ``max_idle_workers``."""
+        if len(self._idle) < self._max_idle:
+            self._idle.append((process, conn))
+        else:
+            _close_worker(process, conn)
+
+    def close(self) -> None:
+        """Stop every worker this backend started."""
+        self._closing = True
+        for agent in self._agents:
+            agent.close()
+        self._agents.clear()
+        while self._idle:
+            _close_worker(*self._idle.pop())
+        while self._spares:
+            process, conn = self._spares.pop()
+            conn.close()  # a spare waiting for its start request exits on end of file
+            _stop(process, grace=5.0)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+class NixlBackend(WorkerBackend):
     """Creates NIXL agents, one worker process each (Backend).
 
     Options (all keyword-only, all passable through ``load_backend("nixl", ...)``):
@@ -489,6 +727,12 @@ class NixlBackend:
       workers, so each transfer still crosses two processes (default none).
     """
 
+    label: ClassVar[str] = "nixl"
+    agent_class: ClassVar[type[WorkerAgent]] = NixlAgent
+    protocol: ClassVar[ModuleType] = _nixl_worker
+    install_hint: ClassVar[str] = INSTALL_HINT
+    in_process_env: ClassVar[tuple[str, ...]] = ("UCX_", "NIXL_")
+
     def __init__(
         self,
         *,
@@ -513,155 +757,47 @@ class NixlBackend:
         self._net_devices = net_devices
         if tls not in (None, "tcp"):
             raise ConfigError(f"NixlBackend.tls: expected None or 'tcp', got {tls!r}")
-        for field, value in (("call_timeout", call_timeout), ("start_timeout", start_timeout)):
-            if not isinstance(value, (int, float)) or value <= 0:
-                raise ConfigError(f"NixlBackend.{field}: expected a positive number of seconds, got {value!r}")
         if not isinstance(poll_interval, (int, float)) or not 0 < poll_interval <= 1:
             raise ConfigError(f"NixlBackend.poll_interval: expected seconds in (0, 1], got {poll_interval!r}")
-        if in_process is not None and (not isinstance(in_process, str) or not in_process):
-            raise ConfigError(f"NixlBackend.in_process: expected an agent name or None, got {in_process!r}")
-        self._in_process = in_process
         self._tls = tls
         self._env = dict(env or {})
-        self._options: dict[str, object] = {
-            "ucx_params": dict(ucx_params or {}),
-            "transfer_timeout": transfer_timeout,
-            "poll_interval": float(poll_interval),
-        }
-        self._call_timeout = float(call_timeout)
-        self._start_timeout = float(start_timeout)
-        # A benchmark may run its own worker script that adds requests (benchmarks/bench_nixl.py).
-        self._worker_command = list(worker_command or [sys.executable, "-m", _WORKER_MODULE])
-        self._capabilities = Capabilities(
+        capabilities = Capabilities(
             modes=frozenset({TransferMode.READ, TransferMode.WRITE}),
             notifications=True,
             cross_process=True,
             integrity=False,
             observable_in_flight=tls == "tcp",
         )
-        self._agents: list[NixlAgent] = []
-        self._idle: list[tuple[subprocess.Popen[bytes], Connection]] = []
-        self._max_idle = max_idle_workers
-        # A backend dropped without close() must not leave workers polling behind it.
-        self._processes: list[subprocess.Popen[bytes]] = []
-        weakref.finalize(self, _kill_all, self._processes)
+        options: dict[str, object] = {
+            "ucx_params": dict(ucx_params or {}),
+            "transfer_timeout": transfer_timeout,
+            "poll_interval": float(poll_interval),
+        }
+        self._init_workers(
+            capabilities=capabilities,
+            options=options,
+            call_timeout=call_timeout,
+            start_timeout=start_timeout,
+            max_idle_workers=max_idle_workers,
+            in_process=in_process,
+            worker_command=worker_command,
+        )
 
-    @property
-    def name(self) -> str:
-        """``"nixl"``."""
-        return "nixl"
-
-    @property
-    def capabilities(self) -> Capabilities:
-        """READ and WRITE, notifications, cross-process; observable in flight only with ``tls="tcp"``."""
-        return self._capabilities
+    def create_agent(self, name: str) -> NixlAgent:
+        """Start a NIXL agent called ``name`` in a worker process (a reused one when available)."""
+        return cast(NixlAgent, super().create_agent(name))
 
     def worker_env(self) -> dict[str, str]:
         """The environment a worker starts with: ``UCX_NET_DEVICES`` (loopback by default), ``UCX_TLS`` in tcp mode."""
-        env = dict(os.environ)
-        package_root = str(Path(__file__).resolve().parents[2])
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+        env = self._package_env()
         # Loopback unless told otherwise (docs/backends/nixl.md, Environment and options).
         env["UCX_NET_DEVICES"] = self._net_devices
         if self._tls is not None:
             env["UCX_TLS"] = self._tls
         env.setdefault("NIXL_LOG_LEVEL", "WARN")  # NIXL logs every agent start at INFO
+        if not _rdma_devices():
+            # Without an RDMA device UCX's ib modules serve nothing, and once libibverbs is installed (the
+            # mooncake extra needs it) an in-process agent crashes at interpreter exit in their teardown.
+            env.setdefault("UCX_MODULES", "^ib")
         env.update(self._env)
         return env
-
-    def create_agent(self, name: str) -> NixlAgent:
-        """Start a NIXL agent called ``name`` in a worker process (a reused one when available)."""
-        if not isinstance(name, str) or not name:
-            raise ConfigError(f"NixlBackend.create_agent: expected a non-empty name, got {name!r}")
-        for agent in self._agents:
-            if agent.name == name and not agent.closed:
-                raise TransportError(f"nixl: an agent named {name!r} already exists", reason=FailureReason.PROTOCOL)
-        if name == self._in_process:
-            return self._local_agent(name)
-        while self._idle:
-            process, conn = self._idle.pop()
-            try:
-                return self._started(name, process, conn, ("start", name))
-            except TransportError:
-                continue  # that worker is gone or broken; it was stopped, try the next
-        ours, theirs = socket.socketpair()
-        try:
-            process = subprocess.Popen(
-                [*self._worker_command, str(theirs.fileno()), name],
-                pass_fds=(theirs.fileno(),),
-                env=self.worker_env(),
-                stdin=subprocess.DEVNULL,
-            )
-        finally:
-            theirs.close()
-        self._processes[:] = [p for p in self._processes if p.poll() is None] + [process]
-        return self._started(name, process, Connection(ours.detach()), self._options)
-
-    def _local_agent(self, name: str) -> NixlAgent:
-        """Start the NIXL agent ``name`` in this process, under the workers' UCX and NIXL settings."""
-        settings = {k: v for k, v in self.worker_env().items() if k.startswith(("UCX_", "NIXL_"))}
-        with _environment(settings):
-            try:
-                worker = _nixl_worker.Worker(name, dict(self._options))
-            except ImportError as exc:
-                why = f"the nixl backend could not import NIXL ({exc}): {INSTALL_HINT}"
-                raise BackendUnavailableError(why) from None
-            except Exception as exc:
-                raise TransportError(f"nixl: could not start agent {name!r} in this process: {exc}") from None
-        agent = NixlAgent(
-            name, None, None, capabilities=self._capabilities, call_timeout=self._call_timeout, worker=worker
-        )
-        self._agents = [a for a in self._agents if not a.closed]
-        self._agents.append(agent)
-        return agent
-
-    def _started(self, name: str, process: subprocess.Popen[bytes], conn: Connection, request: object) -> NixlAgent:
-        """Send the start request and wait for the agent; stop the worker on any failure."""
-        try:
-            conn.send(request)
-            if not conn.poll(self._start_timeout):
-                raise TransportError(f"nixl: agent {name!r} did not start within {self._start_timeout} s")
-            reply = conn.recv()
-        except (EOFError, OSError):
-            conn.close()
-            _stop(process, grace=1.0)
-            raise TransportError(f"nixl: worker for agent {name!r} exited at start (code {process.poll()})") from None
-        except BaseException:
-            conn.close()
-            _stop(process, grace=0.0)
-            raise
-        if reply[0] != "ok":
-            conn.close()
-            _stop(process, grace=5.0)
-            error = decode_error(reply[1])
-            if isinstance(error, BackendUnavailableError):
-                raise BackendUnavailableError(f"the nixl worker could not import NIXL ({error}): {INSTALL_HINT}")
-            raise TransportError(str(error))
-        recycle = self._take_back if self._max_idle > 0 else None
-        agent = NixlAgent(
-            name, process, conn, capabilities=self._capabilities, call_timeout=self._call_timeout, recycle=recycle
-        )
-        self._agents = [a for a in self._agents if not a.closed]
-        self._agents.append(agent)
-        return agent
-
-    def _take_back(self, process: subprocess.Popen[bytes], conn: Connection) -> None:
-        """Keep a retired worker for the next agent, up to ``max_idle_workers``."""
-        if len(self._idle) < self._max_idle:
-            self._idle.append((process, conn))
-        else:
-            _close_worker(process, conn)
-
-    def close(self) -> None:
-        """Stop every worker this backend started."""
-        for agent in self._agents:
-            agent.close()
-        self._agents.clear()
-        while self._idle:
-            _close_worker(*self._idle.pop())
-
-    def __enter__(self) -> NixlBackend:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
