@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import sys
 from collections.abc import Callable
 from types import ModuleType
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -42,7 +44,71 @@ def pytest_configure(config: pytest.Config) -> None:
         settings.load_profile(os.environ.get("KVSPEC_HYPOTHESIS_PROFILE", "ci"))
 
 
+# Under pytest-xdist (scripts/test runs ``-n 2 --dist loadgroup``) a test that uses a class- or module-scoped
+# fixture (a backend's agents, two namespaces) runs on the same worker as the rest of that class or module, so
+# the fixture is built once; other tests are spread one by one. Some modules share one unit: those that build
+# network namespaces (one at a time, as their lock asks when run by hand) and those that build the checkout
+# (setuptools writes build/ and *.egg-info into it). Units start longest first, as measured on the 2-core CI
+# machine, so the last ones to finish are short; the rest keep their order.
+XDIST_GROUPS = {
+    "test_two_hosts": "netns",
+    "test_off_loopback": "netns",
+    "test_packaging": "builds-the-checkout",
+    "test_conformance_cli": "builds-the-checkout",
+}
+XDIST_LONGEST_FIRST = (
+    "netns",
+    "test_mooncake_backend",
+    "test_vllm_integration",
+    "test_nixl_backend",
+    "test_conformance_mutants",
+    "test_torch_backend",
+    "test_vllm_offload",
+    "test_conformance_pace",
+    "test_vllm_own_connector",
+    "builds-the-checkout",
+    "test_docs",
+)
+
+
+def _module_name(item: pytest.Item) -> str:
+    return item.nodeid.split("::", 1)[0].rsplit("/", 1)[-1].removesuffix(".py")
+
+
+def _xdist_group(item: pytest.Item) -> str | None:
+    """The work unit an item must share, or None where it can run on any worker."""
+    mark = item.get_closest_marker("xdist_group")
+    if mark is not None:
+        return str(mark.kwargs.get("name", mark.args[0] if mark.args else "default"))
+    module = _module_name(item)
+    if module in XDIST_GROUPS:
+        return XDIST_GROUPS[module]
+    fixtures = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
+    scopes = {definition.scope for definitions in fixtures.values() for definition in definitions}
+    cls = getattr(item, "cls", None)
+    if "class" in scopes and cls is not None and "module" not in scopes:
+        return f"{module}::{cls.__name__}"
+    if scopes & {"class", "module", "package"}:
+        return module
+    return None
+
+
+def _group_by_scope(items: list[pytest.Item]) -> None:
+    """Mark each item that shares a fixture with its work unit; move the longest units first (stable otherwise)."""
+    rank = {name: i for i, name in enumerate(XDIST_LONGEST_FIRST)}
+    last = len(rank)
+    order: dict[int, int] = {}
+    for item in items:
+        group = _xdist_group(item)
+        if group is not None and item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(group))
+        order[id(item)] = rank.get(group or "", rank.get(_module_name(item), last))
+    items.sort(key=lambda item: order[id(item)])
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        _group_by_scope(items)
     if config.getoption("--run-slow"):
         return
     skip_slow = pytest.mark.skip(reason="slow: run with --run-slow")
@@ -80,17 +146,38 @@ def require_backend_module(config: pytest.Config, module: str, extra: str | None
     return _require(config, module, extra or module.split(".")[0])
 
 
+def _mutant_score() -> dict[str, bool]:
+    mutants = sys.modules.get("mutants")
+    return dict(getattr(mutants, "SCORE", {}))
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """On an xdist worker, hand this worker's mutation score to the controller, which prints the summary."""
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:
+        workeroutput["kvspec_mutant_score"] = json.dumps(_mutant_score())
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: Any, error: object) -> None:
+    """On the xdist controller, collect each worker's mutation score."""
+    score = json.loads(getattr(node, "workeroutput", {}).get("kvspec_mutant_score", "{}"))
+    _WORKER_SCORES.update({str(name): bool(rejected) for name, rejected in score.items()})
+
+
+_WORKER_SCORES: dict[str, bool] = {}
+
+
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     """Print the mutation score when the mutant tests ran: "N mutants, N rejected"."""
-    mutants = sys.modules.get("mutants")
-    score: dict[str, bool] = getattr(mutants, "SCORE", {})
+    score = {**_WORKER_SCORES, **_mutant_score()}
     if score:
         survivors = sorted(name for name, rejected in score.items() if not rejected)
         line = f"{len(score)} mutants, {len(score) - len(survivors)} rejected"
         terminalreporter.write_sep("-", line + (f" (survived: {', '.join(survivors)})" if survivors else ""))
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def vllm(pytestconfig: pytest.Config) -> ModuleType:
     """vLLM 0.33.0, the version the vLLM tests pin (skipped or failed as ``--require-backends`` says)."""
     module = require_backend_module(pytestconfig, "vllm", "vllm")

@@ -318,7 +318,10 @@ def test_sigterm_closes_agents_and_frees_pools(tmp_path: Path) -> None:
         client = AgentClient(*address, TOKEN, timeout=3.0)  # served although the silent connection came first
         pool = RemotePool(client, CONFIG)
         RemoteAgent(client, "producer").register_memory(pool.regions)
-        names = {f.name for f in Path("/dev/shm").iterdir() if f.name.startswith("kvspec_agent")}
+        # The blocks this server maps: other tests (another pytest worker) may hold kvspec_agent blocks meanwhile.
+        maps = Path(f"/proc/{process.pid}/maps").read_text().splitlines()
+        mapped = {line.split("/dev/shm/", 1)[1].split()[0] for line in maps if "/dev/shm/" in line}
+        names = {name for name in mapped if name.startswith("kvspec_agent")}
         assert names, "the server's pool is not in shared memory"
         started = time.monotonic()
         process.send_signal(signal.SIGTERM)

@@ -230,6 +230,7 @@ def test_a_loopback_agent_for_a_remote_peer_is_one_clear_error(tmp_path: Path) -
     assert "Traceback" not in done.stderr
 
 
+@pytest.mark.parametrize("ci", [False, True])
 def test_missing_namespaces_skip_locally_and_fail_under_ci(
     ci: bool, pytestconfig: pytest.Config, monkeypatch: pytest.MonkeyPatch
 ) -> None:
