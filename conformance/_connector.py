@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvspec._connector import (
+from kvspec.connector import (
     Connector,
     OffloadConnector,
     ReferenceConnector,

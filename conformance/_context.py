@@ -8,7 +8,7 @@ from typing import TypeVar
 import attrs
 from hypothesis import HealthCheck, Phase, settings
 
-from kvspec import ConsumerState, FailureReason
+from kvspec import ConsumerState, FailureReason, KVSpecError, format_error
 from kvspec.transport import Backend, Capabilities, Pace
 from kvspec.transport.pace import PACES
 
@@ -129,7 +129,7 @@ class CaseContext:
         *,
         loaded: Iterable[str] = (),
         failed: Mapping[str, FailureReason | Iterable[FailureReason] | None] | None = None,
-        errors: Mapping[str, str] | None = None,
+        errors: Mapping[str, type[KVSpecError]] | None = None,
         rule: str,
     ) -> None:
         """Check a result: oracle clean, the named requests LOADED or FAILED (with a reason), REL-1 and SM-1 held.
@@ -142,7 +142,8 @@ class CaseContext:
         """
         if result.refused is not None:
             # A connector that refuses the scenario fails the case with its own words, never a KeyError.
-            raise self.fail(f"{rule}: the scenario was refused before any request ran: {result.refused}")
+            refused = format_error(result.refused)
+            raise self.fail(f"{rule}: the scenario was refused before any request ran: {refused}")
         problems: list[str] = []
         if result.early_completions:
             problems.append("completion was reported before the data was visible (DONE-1):")
@@ -158,7 +159,7 @@ class CaseContext:
             if not o.loaded:
                 problems.append(
                     f"{rid}: expected LOADED, got {o.consumer_state.name} "
-                    f"(reason {o.reason.value if o.reason else None}, error {o.error}, {o.detail})"
+                    f"(reason {o.reason.value if o.reason else None}, error {_name(o.error)}, {o.detail})"
                 )
         for rid, accepted in (failed or {}).items():
             o = result.outcome(rid)
@@ -175,9 +176,9 @@ class CaseContext:
                     problems.append(f"{rid}: FAILED with reason {o.reason}, expected one of {wanted}")
         for rid, error in (errors or {}).items():
             o = result.outcome(rid)
-            if o.error != error or o.posted:
+            if not isinstance(o.error, error) or o.posted:
                 problems.append(
-                    f"{rid}: expected {error} before any transfer was posted, got error {o.error}, "
+                    f"{rid}: expected {error.__name__} before any transfer was posted, got error {_name(o.error)}, "
                     f"posted={o.posted}, state {o.consumer_state.name}"
                 )
         for o in result.outcomes.values():
@@ -191,3 +192,8 @@ class CaseContext:
                 )
         if problems:
             raise self.fail(f"{rule}: " + "\n".join(problems) + "\n\nscenario result:\n" + result.summary())
+
+
+def _name(error: KVSpecError | None) -> str | None:
+    """The class name of the error that stopped a request, as the report shows it."""
+    return None if error is None else type(error).__name__

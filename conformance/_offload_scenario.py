@@ -52,11 +52,14 @@ from kvspec import (
     KVCacheConfig,
     KVCacheTensor,
     KVSpecError,
+    LoadSet,
+    OffloadConfig,
     SlidingWindowSpec,
+    StoreSet,
     TransferMode,
+    get_sub_block_offset,
 )
-from kvspec._connector import OffloadConnector, ReferenceOffloadConnector
-from kvspec._offload import LoadSet, OffloadConfig, StoreSet, get_sub_block_offset
+from kvspec.connector import OffloadConnector, ReferenceOffloadConnector
 from kvspec.testing import PagePool, allocate_pool, expected_page, fill_background
 from kvspec.transport import Backend, Descriptor, TransferState, Transport
 
@@ -911,7 +914,7 @@ def run_offload_scenario(
     ``connector`` may be an :class:`OffloadConnector` or an exchange connector
     (its offload hooks are used when it has them, else kvspec's reference).
     """
-    from kvspec._connector import as_offload_connector
+    from kvspec.connector import as_offload_connector
 
     resolved: Backend
     if isinstance(backend, str):

@@ -48,6 +48,7 @@ from kvspec import (
     KVSpecError,
     MalformedMessageError,
     Message,
+    PageDigester,
     ProducerSession,
     ProducerState,
     Release,
@@ -57,6 +58,7 @@ from kvspec import (
     UnsupportedVersionError,
     decode,
     encode,
+    format_error,
     get_blocks_per_sw,
     get_consumer_block_counts,
     get_exchange_clipped_blocks,
@@ -64,9 +66,8 @@ from kvspec import (
     get_num_skipped_tokens,
     is_hma_required,
 )
-from kvspec._connector import pair_keywords
-from kvspec._driver import Driver, LiveRequest, Operation, reason_of
-from kvspec._integrity import PageDigester
+from kvspec.connector import pair_keywords
+from kvspec.exchange import Driver, LiveRequest, Operation, reason_of
 from kvspec.presets import get_preset
 from kvspec.remote import PeerBackend, RemoteAgent, RemotePool
 from kvspec.testing import (
@@ -197,7 +198,7 @@ def connector_replay(connector: object) -> tuple[str, str] | None:
     factory loaded by ``--connector MODULE:FACTORY``) says so itself, with
     its arguments; any other is its class, built without arguments.
     """
-    from kvspec._connector import ReferenceConnector
+    from kvspec.connector import ReferenceConnector
 
     kind = type(connector)
     if kind is ReferenceConnector:
@@ -278,15 +279,16 @@ class Scenario:
 class RequestOutcome:
     """How one request ended on both sides, as the sessions the scenario drove ended it.
 
-    ``error`` names the kvspec error that stopped the request before any byte
-    moved; ``posted`` is true once a transport accepted a post for it.
+    ``error`` is the kvspec error that stopped the request before any byte
+    moved (the object the driver caught: test it with ``isinstance``);
+    ``posted`` is true once a transport accepted a post for it.
     """
 
     request_id: str
     consumer_state: ConsumerState
     producer_state: ProducerState
     reason: FailureReason | None = None
-    error: str | None = None
+    error: KVSpecError | None = None
     detail: str = ""
     posted: bool = False
     releases_sent: int = 0
@@ -316,7 +318,7 @@ class ScenarioResult:
     problems: tuple[str, ...]
     injected: tuple[InjectedFault, ...]
     seconds: float
-    refused: str | None = None  # "ErrorType: message" when admission or the handshake refused the pair
+    refused: KVSpecError | None = None  # the error admission or the handshake refused the pair with
     lost_messages: tuple[str, ...] = ()  # control messages the transport refused to send (after a disconnect)
 
     @property
@@ -327,17 +329,18 @@ class ScenarioResult:
     def outcome(self, request_id: str) -> RequestOutcome:
         """The outcome of one request; :class:`ScenarioRefused` if the scenario was refused before it ran."""
         if request_id not in self.outcomes and self.refused is not None:
-            raise ScenarioRefused(f"request {request_id!r} never ran: the scenario was refused: {self.refused}")
+            refused = format_error(self.refused)
+            raise ScenarioRefused(f"request {request_id!r} never ran: the scenario was refused: {refused}")
         return self.outcomes[request_id]
 
     def summary(self) -> str:
         """Human-readable findings."""
         lines = [f"{len(self.outcomes)} requests in {self.seconds:.3f}s"]
-        if self.refused:
-            lines.append(f"refused before setup: {self.refused}")
+        if self.refused is not None:
+            lines.append(f"refused before setup: {format_error(self.refused)}")
         for o in self.outcomes.values():
             why = f" reason={o.reason.value}" if o.reason else ""
-            err = f" error={o.error}" if o.error else ""
+            err = f" error={type(o.error).__name__}" if o.error is not None else ""
             lines.append(
                 f"  {o.request_id}: consumer {o.consumer_state.value}, producer {o.producer_state.value}{why}{err}, "
                 f"releases sent {o.releases_sent} received {o.releases_received}"
@@ -647,7 +650,7 @@ class _Play:
             consumer_state=consumer.state,
             producer_state=producer.state,
             reason=reason,
-            error=type(stopped[0]).__name__ if stopped else None,
+            error=stopped[0] if stopped else None,
             detail=detail,
             posted=not self._moved_nothing(request_id),
             releases_sent=0 if consumer.release is None else 1,
@@ -670,7 +673,7 @@ class _Play:
                 problems=(),
                 injected=(),
                 seconds=time.monotonic() - started,
-                refused=f"{type(exc).__name__}: {exc}",
+                refused=exc,
             )
         with self._pool("producer", self.p_config) as producer_pool, allocate_pool(self.c_config) as consumer_pool:
             self.producer_pool, self.consumer_pool = producer_pool, consumer_pool
@@ -681,12 +684,12 @@ class _Play:
             self.producer = self._agent("producer")
             self.consumer = self._agent("consumer")
             self._drivers()
-            refused: str | None = None
+            refused: KVSpecError | None = None
             try:
                 try:
                     self._connect(producer_pool, consumer_pool)
                 except (IncompatiblePeerError, UnsupportedVersionError, MalformedMessageError) as exc:
-                    refused = f"{type(exc).__name__}: {exc}"
+                    refused = exc
                 else:
                     self._loop(started)
                 early = self._judge_early_completions()

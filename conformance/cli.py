@@ -17,8 +17,7 @@ import attrs
 
 from kvspec import ConfigError, KVSpecError
 from kvspec.rules import RULES, Level
-from kvspec.transport import Backend, load_backend
-from kvspec.transport._registry import parse_backend_options
+from kvspec.transport import Backend, load_backend, parse_backend_options
 from kvspec.transport.pace import PACES
 
 from ._cases import select_cases
@@ -183,8 +182,7 @@ def _peer_options(backend: str, peer: str | None, options: dict[str, object]) ->
     """With ``--peer``: the bind address and interfaces that route to the peer, unless ``--option`` gave them."""
     if not peer:
         return options
-    from kvspec.remote import parse_address
-    from kvspec.transport._netaddr import derived_options, route_source
+    from kvspec.remote import derived_options, parse_address, route_source
 
     try:
         host, _ = parse_address(peer)
@@ -201,8 +199,7 @@ def _loopback_to_a_remote_peer(backend: str, peer: str | None, options: dict[str
     """One clear line, before any case runs, when the local agent would stay on loopback but the peer is not there."""
     if not peer or backend not in _LOOPBACK_DEFAULTS:
         return None
-    from kvspec.remote import parse_address
-    from kvspec.transport._netaddr import is_loopback
+    from kvspec.remote import is_loopback, parse_address
 
     try:
         host, _ = parse_address(peer)

@@ -37,12 +37,16 @@ from kvspec._errors import (
     OutOfBlocksError,
     PlanError,
     ProtocolError,
+    RemoteError,
     RemoteProtocolError,
     TransportError,
     UnknownRuleError,
     UnsupportedHybridError,
     UnsupportedVersionError,
     WindowCoverageError,
+    decode_error,
+    encode_error,
+    format_error,
 )
 from kvspec._handshake import check_compatibility
 from kvspec._integrity import BlockDigests, PageDigester
@@ -61,6 +65,7 @@ from kvspec._messages import (
     TransportData,
 )
 from kvspec._models import (
+    DTYPE_SIZES,
     NULL_BLOCK_ID,
     AttentionSpec,
     BlockIds,
@@ -131,6 +136,7 @@ from kvspec._session import (
 from kvspec._version import __version__
 
 __all__ = [
+    "DTYPE_SIZES",
     "NULL_BLOCK_ID",
     "PROTOCOL_VERSION",
     "Abort",
@@ -186,6 +192,7 @@ __all__ = [
     "ProtocolError",
     "Release",
     "ReleaseOutcome",
+    "RemoteError",
     "RemoteProtocolError",
     "SlidingWindowMLASpec",
     "SlidingWindowSpec",
@@ -209,7 +216,10 @@ __all__ = [
     "compute_block_pairs",
     "compute_transfer_pairs",
     "decode",
+    "decode_error",
     "encode",
+    "encode_error",
+    "format_error",
     "get_block_ends",
     "get_blocks_per_sw",
     "get_chunk_sizes",

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import types
 from collections.abc import Mapping, Sequence
 
 from kvspec._enums import FailureReason
 
 __all__ = [
+    "AgentAuthError",
+    "AgentRefusedError",
     "BackendUnavailableError",
     "BlockAlignmentError",
     "ConfigError",
@@ -16,15 +19,22 @@ __all__ = [
     "KVSpecError",
     "LocalProtocolError",
     "MalformedMessageError",
+    "OffloadingDisagreementError",
     "OutOfBlocksError",
+    "PairKeyError",
     "PlanError",
     "ProtocolError",
+    "RemoteError",
     "RemoteProtocolError",
     "TransportError",
     "UnknownRuleError",
     "UnsupportedHybridError",
     "UnsupportedVersionError",
     "WindowCoverageError",
+    "WireError",
+    "decode_error",
+    "encode_error",
+    "format_error",
 ]
 
 
@@ -158,7 +168,155 @@ class BackendUnavailableError(KVSpecError, ImportError):
     """An optional backend's dependency is not installed; the message says how."""
 
 
+class OffloadingDisagreementError(BlockAlignmentError):
+    """vLLM's offloading scheduler decided something kvspec's ``StoreSet`` or ``LoadSet`` cannot express (OFF-3, OFF-6).
+
+    The message names what vLLM produced and which field of kvspec's model
+    it does not fit; that is itself a finding of the offload audit. Re-exported
+    by :mod:`kvspec.integrations.vllm`.
+    """
+
+
+class WireError(KVSpecError, ValueError):
+    """A frame that is not a kvspec agent frame, or exceeds the receiver's limits; the connection is dropped.
+
+    Re-exported by :mod:`kvspec.remote`.
+    """
+
+
+class AgentAuthError(KVSpecError, PermissionError):
+    """The shared-secret handshake failed: wrong token, or a peer that is not a kvspec agent."""
+
+
+class AgentRefusedError(KVSpecError, PermissionError):
+    """The agent refused a request: memory, pool, agent or handle it does not own, a limit, or another client."""
+
+
+class PairKeyError(KVSpecError, ValueError):
+    """A peer's public value or nonce is malformed, or a proof does not verify (the torch workers' pair keys).
+
+    Re-exported by :mod:`kvspec.transport._pairkey`.
+    """
+
+
+class RemoteError(TransportError):
+    """An error of a class this side does not know, raised in another process (a worker, an agent server).
+
+    ``type_name`` is the class name the other side gave; ``reason`` its
+    :class:`kvspec.FailureReason` when it sent one. A :class:`TransportError`,
+    so callers that catch a backend's failures catch it too.
+    """
+
+    def __init__(
+        self, message: str, *, type_name: str, reason: FailureReason | str = FailureReason.TRANSFER_ERROR
+    ) -> None:
+        self.type_name = type_name
+        super().__init__(message, reason=reason)
+
+
+# Reply kinds of a worker's RequestError (the NIXL and Mooncake workers), and the class each becomes.
+_REQUEST_KINDS: dict[str, type[KVSpecError]] = {
+    "plan": PlanError,
+    "config": ConfigError,
+    "unavailable": BackendUnavailableError,
+}
+
+
+class RequestError(KVSpecError):
+    """A request a transport worker process refuses; it crosses the pipe as :func:`encode_error` of :meth:`error`.
+
+    ``kind`` is ``"plan"``, ``"config"``, ``"unavailable"`` or ``"transport"``;
+    ``reason`` a :class:`kvspec.FailureReason` value (for ``"transport"``).
+    Re-exported by :mod:`kvspec.transport._nixl_worker`, where the workers raise it.
+    """
+
+    def __init__(self, kind: str, message: str, reason: str = "transfer_error") -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.reason = reason
+
+    def error(self) -> KVSpecError:
+        """The kvspec error this refusal is to the caller."""
+        cls = _REQUEST_KINDS.get(self.kind)
+        if cls is not None:
+            return cls(str(self))
+        try:
+            return TransportError(str(self), reason=self.reason)
+        except ConfigError:
+            return TransportError(str(self))
+
+
 def format_values(values: Sequence[object]) -> str:
     """Render a short, stable list of values for an error message."""
     shown = ", ".join(repr(v) for v in values[:8])
     return f"[{shown}{', ...' if len(values) > 8 else ''}]"
+
+
+# --------------------------------------------------------------------------- across process boundaries
+
+# The most characters of an error message one process sends another (a worker's, an agent server's).
+MAX_ERROR_MESSAGE = 4096
+_MAX_TYPE_NAME = 64
+
+
+def format_error(exc: BaseException) -> str:
+    """``"ClassName: message"``, how reports and reproducers render an error."""
+    return f"{type(exc).__name__}: {exc}"
+
+
+def encode_error(exc: BaseException, *, message: str | None = None) -> dict[str, str]:
+    """An error as plain strings another process can read: ``type``, ``message`` and, when it has one, ``reason``.
+
+    The one error codec of kvspec's process boundaries (the NIXL and torch
+    workers' pipes, the agent server's frames); :func:`decode_error` reads it.
+    Nothing is pickled; ``message`` (default ``str(exc)``) is cut to
+    :data:`MAX_ERROR_MESSAGE` characters.
+    """
+    body = {"type": type(exc).__name__[:_MAX_TYPE_NAME], "message": (str(exc) if message is None else message)}
+    body["message"] = body["message"][:MAX_ERROR_MESSAGE]
+    reason = getattr(exc, "reason", None)
+    if isinstance(reason, str) and reason in _REASONS:
+        body["reason"] = FailureReason(reason).value
+    return body
+
+
+def decode_error(
+    body: object, *, where: str = "", default_reason: FailureReason = FailureReason.TRANSFER_ERROR
+) -> KVSpecError:
+    """The kvspec error :func:`encode_error` wrote, as the same class where kvspec defines it.
+
+    A class kvspec defines whose constructor takes just a message comes back
+    as itself (a :class:`TransportError` with its reason); any other class (one
+    built from fields, such as :class:`IncompatiblePeerError`, or no kvspec
+    class), or a body that is not an encoded error, is a :class:`RemoteError` naming it,
+    with the sent reason or ``default_reason``. ``where`` prefixes the message.
+    Bounded: at most :data:`MAX_ERROR_MESSAGE` characters of the message are kept.
+    """
+    fields = body if isinstance(body, dict) else {}
+    name = fields.get("type")
+    name = name[:_MAX_TYPE_NAME] if isinstance(name, str) and name else "unknown error"
+    text = fields.get("message")
+    text = text[:MAX_ERROR_MESSAGE] if isinstance(text, str) else "no message"
+    message = f"{where}: {text}" if where else text
+    sent = fields.get("reason")
+    reason = FailureReason(sent) if isinstance(sent, str) and sent in _REASONS else None
+    cls = _ERROR_CLASSES.get(name)
+    if cls is not None and issubclass(cls, TransportError):
+        return TransportError(message, reason=reason or default_reason)
+    if cls is not None:
+        return cls(message)
+    return RemoteError(message, type_name=name, reason=reason or default_reason)
+
+
+_REASONS = frozenset(r.value for r in FailureReason)
+# The classes above a peer may name and this side rebuilds from a message alone: those with the builtin
+# constructor, MalformedMessageError and TransportError (rebuilt with its reason). The root, RemoteError,
+# RequestError and the classes built from fields (FieldError, IncompatiblePeerError) come back as RemoteError.
+_ERROR_CLASSES: dict[str, type[KVSpecError]] = {
+    cls.__name__: cls
+    for cls in globals().values()
+    if isinstance(cls, type)
+    and issubclass(cls, KVSpecError)
+    and cls is not KVSpecError
+    and (isinstance(cls.__init__, types.WrapperDescriptorType) or cls in (MalformedMessageError, TransportError))
+}

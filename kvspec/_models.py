@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Iterable, Iterator, Sequence
+import types
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, ClassVar, overload
 
 import attrs
@@ -13,6 +14,7 @@ from kvspec._enums import FailureReason, TransferMode
 from kvspec._errors import ConfigError, shown
 
 __all__ = [
+    "DTYPE_SIZES",
     "AttentionSpec",
     "BlockIds",
     "ChunkedLocalAttentionSpec",
@@ -98,6 +100,8 @@ _DTYPE_SIZES: dict[str, int] = {
     "uint8": 1,
     "int8": 1,
 }
+# Every dtype name DType accepts, with its width in bytes (read-only: DType's own table).
+DTYPE_SIZES: Mapping[str, int] = types.MappingProxyType(_DTYPE_SIZES)
 
 # Spellings engines use for the same dtypes (vLLM's cache_dtype strings, torch reprs).
 _DTYPE_ALIASES: dict[str, str] = {

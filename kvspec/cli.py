@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib
 import json
 import os
 import sys
 from collections.abc import Callable, Sequence
+from importlib.metadata import entry_points
 from typing import Any, NoReturn, TextIO
 
 from kvspec import _vectors_check
@@ -525,9 +525,22 @@ def _listen_options(backend: str, listen: str, given: list[str]) -> list[str]:
 # --------------------------------------------------------------------------- conform
 
 
+# The suite registers its command line here (pyproject.toml); kvspec never imports the suite by name,
+# so the package that sits above kvspec stays above it (docs/explanation/layers.md).
+SUITE_ENTRY_POINT_GROUP = "kvspec.suite"
+
+
 def _suite_cli() -> Any:
+    """The module behind ``kvspec conform`` (``add_arguments``, ``run``), found through its entry point.
+
+    ``None`` when no installed distribution declares ``conform`` in the ``kvspec.suite``
+    group, or when the module it names does not import.
+    """
+    found = [ep for ep in entry_points(group=SUITE_ENTRY_POINT_GROUP) if ep.name == "conform"]
+    if not found:
+        return None
     try:
-        return importlib.import_module("kvspec_conformance.cli")
+        return found[0].load()
     except ImportError:
         return None
 

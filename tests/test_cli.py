@@ -12,10 +12,12 @@ import subprocess
 import sys
 import types
 from collections.abc import Iterator
+from importlib.metadata import EntryPoint
 from pathlib import Path
 
 import pytest
 
+import kvspec.cli
 from kvspec.cli import main
 from kvspec.presets import get_preset
 
@@ -89,9 +91,22 @@ def test_bad_arguments_are_usage_errors() -> None:
     assert info.value.code == 2
 
 
+def _suite_entry_point(monkeypatch: pytest.MonkeyPatch, value: str | None) -> None:
+    """Make the ``kvspec.suite`` group hold ``conform = value`` (nothing when ``value`` is None)."""
+    found = [] if value is None else [EntryPoint(name="conform", value=value, group="kvspec.suite")]
+
+    def entry_points(*, group: str) -> list[EntryPoint]:
+        assert group == "kvspec.suite"
+        return found
+
+    monkeypatch.setattr(kvspec.cli, "entry_points", entry_points)
+
+
+@pytest.mark.parametrize("registered", [False, True], ids=["no-entry-point", "module-not-importable"])
 def test_conform_without_the_suite_cli_says_so(
-    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, registered: bool
 ) -> None:
+    _suite_entry_point(monkeypatch, "kvspec_conformance.cli" if registered else None)
     monkeypatch.setitem(sys.modules, "kvspec_conformance.cli", None)
     status, _ = run("conform", "loopback")
     assert status == 2
@@ -121,10 +136,12 @@ def test_conform_delegates_to_the_suite_cli(monkeypatch: pytest.MonkeyPatch) -> 
         seen.update(vars(args))
         return 1
 
-    fake = types.ModuleType("kvspec_conformance.cli")
+    # Any module the kvspec.suite entry point names serves `kvspec conform`; kvspec does not know the suite's name.
+    fake = types.ModuleType("fake_suite_cli")
     fake.add_arguments = add_arguments  # type: ignore[attr-defined]
     fake.run = run_suite  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "kvspec_conformance.cli", fake)
+    monkeypatch.setitem(sys.modules, "fake_suite_cli", fake)
+    _suite_entry_point(monkeypatch, "fake_suite_cli")
     # Options may come before the backend name, as in `kvspec conform -q loopback`.
     status, _ = run("conform", "-q", "loopback", "--rule", "WIN-1")
     assert status == 1

@@ -20,6 +20,8 @@ from kvspec_conformance._scenario import ScenarioRefused
 from kvspec_conformance.cases.positions import RECOMPUTE
 from mutants import REFUSAL, Kvspec10Connector, Protocol10Connector, RefusingConnector, VllmLikeConnector
 
+from kvspec import UnsupportedHybridError
+
 RECOMPUTED = "WIN-1/recomputed-last-token-lists-for-prompt-length"
 WINDOW_OF_N_MINUS_1 = "WIN-1/recomputed-last-token-window-needs-token-n-minus-1"
 LOOKAHEAD = "ALIGN-1/list-shifted-by-lookahead-refused-by-its-end"
@@ -102,7 +104,9 @@ def test_a_refused_scenario_fails_cases_with_the_refusal_text_and_never_errors()
 def test_a_refused_result_names_the_refusal_when_a_request_is_asked_for() -> None:
     scenario = Scenario(config=RECOMPUTE, requests=[Request(request_id="r", num_tokens=8)])
     result = run_scenario(scenario, connector=RefusingConnector())
-    assert result.refused is not None
+    # The result carries the error object itself, not its text (issue 24): cases test its class.
+    assert isinstance(result.refused, UnsupportedHybridError), result.refused
+    assert f"refused before setup: UnsupportedHybridError: {result.refused}" in result.summary()
     with pytest.raises(ScenarioRefused, match=r"request 'r' never ran: the scenario was refused: UnsupportedHybrid"):
         result.outcome("r")
     with pytest.raises(KeyError, match="'elsewhere'"):

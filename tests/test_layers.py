@@ -74,7 +74,16 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
     ),
     (
         "drivers",
-        frozenset({"kvspec._connector", "kvspec._driver", "kvspec._exchange", "kvspec.exchange", "kvspec.testing"}),
+        frozenset(
+            {
+                "kvspec._connector",
+                "kvspec._driver",
+                "kvspec._exchange",
+                "kvspec.connector",
+                "kvspec.exchange",
+                "kvspec.testing",
+            }
+        ),
     ),
     (
         "integrations",

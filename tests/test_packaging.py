@@ -31,6 +31,9 @@ waiting = {rule.id for rule in kvspec.RULES if rule.checked_by}
 assert table and all(cases for rule, cases in table.items() if rule not in waiting), {
     rule: len(cases) for rule, cases in table.items()
 }
+# kvspec's CLI finds the suite through this entry point, never by importing it (tests/test_layers.py).
+suite = [ep.value for ep in importlib.metadata.entry_points(group="kvspec.suite") if ep.name == "conform"]
+assert suite == ["kvspec_conformance.cli"], suite
 print("ok", kvspec.__version__)
 """
 

@@ -5,7 +5,14 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvspec import FailureReason, TransferMode, check_hybrid_support
+from kvspec import (
+    BlockAlignmentError,
+    FailureReason,
+    TransferMode,
+    UnsupportedHybridError,
+    WindowCoverageError,
+    check_hybrid_support,
+)
 from kvspec.presets import list_presets
 
 from .._cases import case
@@ -130,7 +137,7 @@ def _align_too_long(ctx: CaseContext) -> None:
     )
     for mode in _modes(ctx):
         result = ctx.run(Scenario(config=FA_SW, requests=scenario.requests, mode=mode))
-        ctx.expect(result, loaded=["good"], failed={"bad": None}, errors={"bad": "BlockAlignmentError"}, rule="ALIGN-1")
+        ctx.expect(result, loaded=["good"], failed={"bad": None}, errors={"bad": BlockAlignmentError}, rule="ALIGN-1")
 
 
 @case("ALIGN-1", "write-partial-prefix-hit", requires=["write"])
@@ -234,7 +241,7 @@ def _win_null_needed(ctx: CaseContext) -> None:
             result,
             loaded=["ok"],
             failed={"h2": FailureReason.WINDOW_COVERAGE},
-            errors={"h2": "WindowCoverageError"},
+            errors={"h2": WindowCoverageError},
             rule="WIN-1",
         )
 
@@ -251,7 +258,7 @@ def _win_consumer_missing(ctx: CaseContext) -> None:
     for mode in _modes(ctx):
         result = ctx.run(Scenario(config=FA_SW, requests=[bad], mode=mode))
         ctx.expect(
-            result, failed={"gap": FailureReason.WINDOW_COVERAGE}, errors={"gap": "WindowCoverageError"}, rule="WIN-1"
+            result, failed={"gap": FailureReason.WINDOW_COVERAGE}, errors={"gap": WindowCoverageError}, rule="WIN-1"
         )
 
 
@@ -279,7 +286,7 @@ def _win_empty_group(ctx: CaseContext) -> None:
             result,
             loaded=["ok"],
             failed={"p-empty": FailureReason.WINDOW_COVERAGE, "c-empty": FailureReason.WINDOW_COVERAGE},
-            errors={"p-empty": "WindowCoverageError", "c-empty": "WindowCoverageError"},
+            errors={"p-empty": WindowCoverageError, "c-empty": WindowCoverageError},
             rule="WIN-1",
         )
 
@@ -331,7 +338,7 @@ def _adm_refused(ctx: CaseContext) -> None:
     for config in (make_config(full(4), chunked(8, 4)), make_config(full(4), mamba(4))):
         for mode in _modes(ctx):
             result = ctx.run(Scenario(config=config, mode=mode, requests=[Request(request_id="r", num_tokens=9)]))
-            if result.refused is None or not result.refused.startswith("UnsupportedHybridError"):
+            if not isinstance(result.refused, UnsupportedHybridError):
                 raise ctx.fail(f"ADM-1: expected UnsupportedHybridError before setup, got {result.summary()}")
 
 

@@ -20,7 +20,7 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from kvspec import ConfigError, KVSpecError, OffloadConfig, UnsupportedHybridError
-from kvspec._connector import OffloadConnector, ReferenceOffloadConnector, as_offload_connector
+from kvspec.connector import OffloadConnector, ReferenceOffloadConnector, as_offload_connector
 
 from .._cases import case
 from .._context import CaseContext

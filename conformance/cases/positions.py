@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import inspect
 
-from kvspec import TransferMode
+from kvspec import BlockAlignmentError, TransferMode, WindowCoverageError
 
 from .._cases import case
 from .._context import CaseContext
@@ -96,7 +96,7 @@ def _win_recompute_window(ctx: CaseContext) -> None:
     ]
     for mode in _modes(ctx):
         result = ctx.run(Scenario(config=RECOMPUTE, mode=mode, requests=requests))
-        ctx.expect(result, errors={r.request_id: "WindowCoverageError" for r in requests}, rule="WIN-1")
+        ctx.expect(result, errors={r.request_id: WindowCoverageError for r in requests}, rule="WIN-1")
 
 
 # T = 14, lookahead 3: P's table holds cdiv(17, 4) = 5 blocks, one past the request's last block 3.
@@ -136,4 +136,4 @@ def _align_lookahead(ctx: CaseContext) -> None:
     ]
     for mode in _modes(ctx):
         result = ctx.run(Scenario(config=SW_ONLY, mode=mode, requests=requests))
-        ctx.expect(result, loaded=["aligned"], errors={"lookahead": "BlockAlignmentError"}, rule="ALIGN-1")
+        ctx.expect(result, loaded=["aligned"], errors={"lookahead": BlockAlignmentError}, rule="ALIGN-1")

@@ -29,6 +29,7 @@ from kvspec._errors import (
     BlockAlignmentError,
     ConfigError,
     GroupCountError,
+    OffloadingDisagreementError,
     UnsupportedHybridError,
 )
 from kvspec._handshake import check_compatibility
@@ -973,14 +974,6 @@ class MooncakeConnector(VllmConnector):
 
 
 # --------------------------------------------------------------------------- the offloading connector
-
-
-class OffloadingDisagreementError(BlockAlignmentError):
-    """vLLM's offloading scheduler decided something kvspec's ``StoreSet`` or ``LoadSet`` cannot express (OFF-3, OFF-6).
-
-    The message names what vLLM produced and which field of kvspec's model
-    it does not fit; that is itself a finding of the offload audit.
-    """
 
 
 _OFFLOADING_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.offloading."

@@ -24,10 +24,9 @@ from typing import Any
 
 import attrs
 
-from kvspec import _errors
 from kvspec._descriptors import Descriptor, DescriptorList
 from kvspec._enums import FailureReason, TransferMode
-from kvspec._errors import ConfigError, KVSpecError, MalformedMessageError, TransportError
+from kvspec._errors import ConfigError, KVSpecError, MalformedMessageError, TransportError, decode_error
 from kvspec._models import BlockIds, KVCacheConfig
 from kvspec._vectors import to_json
 from kvspec.testing import PagePool, allocate_pool, fill_background, fill_producer_pages
@@ -46,7 +45,6 @@ from kvspec.transport._wire import (
     HEADER_LIMIT,
     PRE_AUTH_HEADER_LIMIT,
     AgentAuthError,
-    AgentRefusedError,
     FrameMac,
     WireError,
     client_mac,
@@ -75,24 +73,8 @@ def parse_address(text: str) -> tuple[str, int]:
 
 
 def _remote_error(reply: dict[str, Any], where: str) -> KVSpecError:
-    """The kvspec error the server reported, as the same class here where it is one."""
-    body = reply.get("error")
-    body = body if isinstance(body, dict) else {}
-    name, message = str(body.get("type", "")), f"{where}: {body.get('message', 'no message')}"
-    if name == "TransportError":
-        reason = body.get("reason", FailureReason.TRANSFER_ERROR.value)
-        try:
-            return TransportError(message, reason=FailureReason(reason))
-        except ValueError:
-            return TransportError(message)
-    local = {"AgentAuthError": AgentAuthError, "AgentRefusedError": AgentRefusedError, "WireError": WireError}
-    cls = local.get(name) or getattr(_errors, name, None)
-    if isinstance(cls, type) and issubclass(cls, KVSpecError) and cls is not KVSpecError:
-        try:
-            return cls(message)
-        except TypeError:  # an error class with required keywords
-            pass
-    return TransportError(f"{message} ({name or 'unknown error'} on the agent server)")
+    """The kvspec error the server reported, as the same class here where it is one (:func:`decode_error`)."""
+    return decode_error(reply.get("error"), where=where)
 
 
 def _reply_field(reply: dict[str, Any], name: str, kind: type, where: str) -> Any:

@@ -47,7 +47,7 @@ import attrs
 
 from kvspec._descriptors import DescriptorList, check_descriptors
 from kvspec._enums import FailureReason, TransferMode
-from kvspec._errors import ConfigError, KVSpecError, MalformedMessageError, PlanError, TransportError
+from kvspec._errors import ConfigError, KVSpecError, MalformedMessageError, PlanError, TransportError, encode_error
 from kvspec._models import BlockIds
 from kvspec._vectors import decode_config
 from kvspec.testing import PagePool, allocate_pool, fill_background, fill_producer_pages
@@ -436,7 +436,7 @@ class AgentServer:
         except Exception as exc:  # a bug here must not take the server down with the client's pools
             where = traceback.extract_tb(exc.__traceback__)[-1]
             self._log(f"internal error on {op!r}: {type(exc).__name__}: {exc} ({where.filename}:{where.lineno})")
-            reply = {"ok": False, "error": {"type": "InternalError", "message": f"{type(exc).__name__}: {exc}"}}
+            reply = {"ok": False, "error": encode_error(exc, message=f"{type(exc).__name__}: {exc}")}
         try:
             send_frame(session.sock, reply, reply_payload, session.mac)
         except OSError:
@@ -756,10 +756,7 @@ def _refuse(sock: socket.socket, why: KVSpecError, *, close: bool = True) -> Non
 
 
 def _error(exc: KVSpecError) -> dict[str, Any]:
-    body: dict[str, Any] = {"type": type(exc).__name__, "message": str(exc)}
-    if isinstance(exc, TransportError):
-        body["reason"] = exc.reason.value
-    return {"ok": False, "error": body}
+    return {"ok": False, "error": encode_error(exc)}
 
 
 _Handler = Callable[[AgentServer, _Session, _Header, bytes], _Reply]

@@ -6,7 +6,7 @@ Theory of operation (docs/backends/nixl.md, How it is built):
   kvspec.transport._nixl_worker FD NAME`` with ``UCX_NET_DEVICES=lo`` (and
   ``UCX_TLS=tcp`` in tcp mode) and talks to it over one end of a socket pair,
   ``FD``, with pickled ``(op, *args)`` requests and ``("ok", value)`` /
-  ``("err", kind, reason, message)`` replies.
+  ``("err", error)`` replies, ``error`` a :func:`kvspec._errors.encode_error` dict.
 * The agent runs with its progress thread off (the library default spins a
   whole core); while no request is waiting, the loop calls
   ``get_new_notifs()`` every ``poll_interval`` seconds, because an agent that
@@ -41,6 +41,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from kvspec._descriptors import merge_columns
+from kvspec._errors import BackendUnavailableError, RequestError, TransportError, encode_error
 
 __all__ = [
     "METADATA_MAGIC",
@@ -69,15 +70,6 @@ PLAN = "plan"
 TRANSPORT = "transport"
 CONFIG = "config"
 UNAVAILABLE = "unavailable"
-
-
-class RequestError(Exception):
-    """A request the worker refuses; becomes a ``("err", kind, reason, message)`` reply."""
-
-    def __init__(self, kind: str, message: str, reason: str = "transfer_error") -> None:
-        super().__init__(message)
-        self.kind = kind
-        self.reason = reason
 
 
 def pack_metadata(
@@ -530,13 +522,13 @@ def _describe(exc: BaseException) -> str:
 
 
 def answer(worker: Any, op: str, args: list[Any]) -> tuple[Any, ...]:
-    """Run one request; ``("ok", value)`` or ``("err", kind, reason, message)``."""
+    """Run one request; ``("ok", value)`` or ``("err", error)`` (:func:`kvspec._errors.encode_error`)."""
     try:
         return ("ok", worker.ops[op](*args))
     except RequestError as exc:
-        return ("err", exc.kind, exc.reason, str(exc))
+        return ("err", encode_error(exc.error()))
     except Exception as exc:  # a bug or an unexpected NIXL error: report it, keep serving
-        return ("err", TRANSPORT, "transfer_error", f"{op} failed in the {worker.label} worker: {_describe(exc)}")
+        return ("err", encode_error(TransportError(f"{op} failed in the {worker.label} worker: {_describe(exc)}")))
 
 
 def handle(worker: Any, request: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -580,10 +572,10 @@ def _start(conn: Connection, name: str, options: dict[str, Any], worker_class: C
     try:
         worker = worker_class(name, options)
     except ImportError as exc:
-        conn.send(("err", UNAVAILABLE, "transfer_error", str(exc)))
+        conn.send(("err", encode_error(BackendUnavailableError(str(exc)))))
         return None
     except Exception as exc:
-        conn.send(("err", TRANSPORT, "transfer_error", f"could not start agent {name!r}: {_describe(exc)}"))
+        conn.send(("err", encode_error(TransportError(f"could not start agent {name!r}: {_describe(exc)}"))))
         return None
     conn.send(("ok", os.getpid()))
     return worker
@@ -620,7 +612,7 @@ def main(
         except Exception as exc:
             how = "eof" if how == "eof" else "failed"
             with contextlib.suppress(OSError):
-                conn.send(("err", TRANSPORT, "transfer_error", f"could not tear down agent: {_describe(exc)}"))
+                conn.send(("err", encode_error(TransportError(f"could not tear down agent: {_describe(exc)}"))))
         del worker
         if how in ("eof", "failed"):
             break

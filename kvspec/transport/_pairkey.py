@@ -25,6 +25,8 @@ import hashlib
 import hmac
 import secrets
 
+from kvspec._errors import PairKeyError  # the one import from kvspec: every error class lives there
+
 __all__ = [
     "GROUP_BITS",
     "NONCE_BYTES",
@@ -51,10 +53,6 @@ GROUP_BITS = 2048
 _EXPONENT_BITS = 320  # well above twice the group's ~112-bit strength
 _CONTEXT = b"kvspec-torch-pair/1"
 NONCE_BYTES = 32
-
-
-class PairKeyError(ValueError):
-    """A peer's public value or nonce is malformed, or a proof does not verify."""
 
 
 def parse_public(text: object, field: str) -> int:

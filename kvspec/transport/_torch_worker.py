@@ -67,6 +67,7 @@ from typing import Any
 import torch
 from torch.distributed import ProcessGroupGloo, TCPStore  # type: ignore[attr-defined]  # re-exported at run time
 
+from kvspec._errors import encode_error
 from kvspec.transport._pairkey import (
     NONCE_BYTES,
     PairKeyError,
@@ -1146,9 +1147,9 @@ def main(conn: Connection, events: Connection, name: str, options: dict[str, Any
                 result = getattr(worker, f"op_{op}")(*args)
                 reply: tuple[Any, ...] = ("ok", result)
             except _Failure as exc:
-                reply = ("err", exc.reason, exc.detail)
+                reply = ("err", encode_error(exc))
             except Exception as exc:
-                reply = ("err", "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+                reply = ("err", encode_error(exc, message=f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
             conn.send(reply)
     finally:
         worker.closed = True

@@ -40,7 +40,7 @@ import struct
 import time
 from typing import Any
 
-from kvspec._errors import ConfigError, KVSpecError
+from kvspec._errors import AgentAuthError, AgentRefusedError, ConfigError, WireError
 from kvspec._models import KVCacheConfig
 
 __all__ = [
@@ -83,18 +83,6 @@ MAX_DEPTH = 32  # nesting of a header's arrays and objects; the protocol's deepe
 MAX_NUMBER_CHARS = 40  # characters of one JSON number; an int64 has at most 20
 MIN_TOKEN_BITS = 64  # Shannon estimate over the token's characters
 TOKEN_HOWTO = "make one with: python -c 'import secrets; print(secrets.token_hex(32))' > FILE"
-
-
-class WireError(KVSpecError, ValueError):
-    """A frame that is not a kvspec agent frame, or exceeds the receiver's limits; the connection is dropped."""
-
-
-class AgentAuthError(KVSpecError, PermissionError):
-    """The shared-secret handshake failed: wrong token, or a peer that is not a kvspec agent."""
-
-
-class AgentRefusedError(KVSpecError, PermissionError):
-    """The agent refused a request: memory, pool, agent or handle it does not own, a limit, or another client."""
 
 
 class FrameMac:

@@ -51,7 +51,7 @@ from types import ModuleType
 from typing import Any, ClassVar, Self, cast
 
 from kvspec._enums import FailureReason, TransferMode
-from kvspec._errors import BackendUnavailableError, ConfigError, PlanError, TransportError
+from kvspec._errors import BackendUnavailableError, ConfigError, PlanError, TransportError, decode_error
 from kvspec.transport import _nixl_worker
 from kvspec.transport._base import (
     Capabilities,
@@ -205,12 +205,7 @@ class WorkerAgent:
                     self._settle(transfer_id, post_reply)
         if reply[0] == "ok":
             return reply[1]
-        _, kind, reason, message = reply
-        if kind == "plan":
-            raise PlanError(message)
-        if kind == "config":
-            raise ConfigError(message)
-        raise TransportError(message, reason=reason)
+        raise decode_error(reply[1])
 
     def _ask(self, op: str, request: tuple[object, ...], limit: float) -> Any:
         """Send ``request`` to the worker process and wait up to ``limit`` seconds for its reply."""
@@ -231,9 +226,10 @@ class WorkerAgent:
         if reply[0] == "ok":
             status = _status(*reply[1])
         else:
-            _, kind, reason, message = reply
-            why = FailureReason.POST_FAILED if kind in ("plan", "config") else _reason(reason)
-            status = TransferStatus(state=TransferState.FAILED, reason=why, detail=message)
+            error = decode_error(reply[1])
+            refused = not isinstance(error, TransportError)  # a plan or config error: the post was refused
+            why = FailureReason.POST_FAILED if refused else _reason(getattr(error, "reason", None))
+            status = TransferStatus(state=TransferState.FAILED, reason=why, detail=str(error))
         if status.state is not TransferState.PENDING and transfer_id in self._handles:
             self._final[transfer_id] = status
 
@@ -654,12 +650,12 @@ class WorkerBackend:
         if reply[0] != "ok":
             conn.close()
             _stop(process, grace=5.0)
-            _, kind, _, message = reply
-            if kind == "unavailable":
+            error = decode_error(reply[1])
+            if isinstance(error, BackendUnavailableError):
                 raise BackendUnavailableError(
-                    f"the {self.label} worker could not import its engine ({message}): {self.install_hint}"
+                    f"the {self.label} worker could not import its engine ({error}): {self.install_hint}"
                 )
-            raise TransportError(message)
+            raise TransportError(str(error))
         recycle = self._take_back if self._max_idle > 0 else None
         agent = self.agent_class(
             name,

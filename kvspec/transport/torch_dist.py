@@ -44,7 +44,7 @@ import attrs
 
 from kvspec._descriptors import merge_columns
 from kvspec._enums import FailureReason, TransferMode
-from kvspec._errors import BackendUnavailableError, ConfigError, PlanError, TransportError
+from kvspec._errors import BackendUnavailableError, ConfigError, PlanError, TransportError, decode_error
 from kvspec.transport._base import (
     Capabilities,
     Descriptor,
@@ -409,10 +409,8 @@ class TorchAgent:
                 self._break(f"worker process died (exit code {self._process.exitcode})")
         if reply[0] == "ok":
             return reply[1]
-        _, reason, detail = reply
-        if reason in {r.value for r in FailureReason}:
-            raise TransportError(f"agent {self._name!r}: {detail}", reason=reason)
-        raise TransportError(f"agent {self._name!r}: {detail}", reason=FailureReason.POST_FAILED)
+        # A _Failure carries its reason; any other worker error is a refused post.
+        raise decode_error(reply[1], where=f"agent {self._name!r}", default_reason=FailureReason.POST_FAILED)
 
     def call_in_worker(self, fn: Callable[..., Any], *args: Any, timeout_s: float | None = None) -> Any:
         """Run ``fn(worker, *args)`` in the worker process (benchmarks and tests; ``fn`` must pickle)."""
