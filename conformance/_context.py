@@ -46,14 +46,19 @@ class PacedSpec(str):
 
 
 def default_time_scale(backend: Backend) -> float:
-    """The time scale a run uses when none is given: 1 in-process, 2 when agents live in other processes.
+    """The time scale a run uses when none is given: 1 in-process, 2 in other processes, 4 on another host.
 
     The fault cases' deadlines and leases (a few tenths of a second) are sized
     for an in-process backend; a backend whose agents run in other processes
     (``Capabilities.cross_process``) pays a pipe or socket round trip per call,
-    so its deadlines, leases, drain bounds and quiet periods are doubled.
-    ``--time-scale`` overrides it (decision 68).
+    so its deadlines, leases, drain bounds and quiet periods are doubled
+    (decision 68). One whose producer lives on another host
+    (``Capabilities.remote_pools``, ``kvspec conform --peer``) also pays the
+    network and the agent server's relay on every call, so they are doubled
+    again (decision 97). ``--time-scale`` overrides it.
     """
+    if backend.capabilities.remote_pools:
+        return 4.0
     return 2.0 if backend.capabilities.cross_process else 1.0
 
 

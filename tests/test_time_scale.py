@@ -1,4 +1,4 @@
-"""The suite's default time scale: 1 for in-process backends, 2 for agents in other processes (decision 68)."""
+"""The suite's default time scale: 1 in-process, 2 for agents in other processes, 4 on another host (68, 97)."""
 
 from __future__ import annotations
 
@@ -25,6 +25,15 @@ def test_in_process_backend_runs_at_scale_one() -> None:
 
 def test_cross_process_backend_runs_at_scale_two() -> None:
     assert default_time_scale(_CrossProcessLoopback()) == 2.0
+
+
+def test_a_backend_on_another_host_runs_at_scale_four() -> None:
+    class _Remote(_CrossProcessLoopback):
+        @property
+        def capabilities(self) -> Capabilities:
+            return attrs.evolve(super().capabilities, remote_pools=True)
+
+    assert default_time_scale(_Remote()) == 4.0
 
 
 @pytest.mark.parametrize(

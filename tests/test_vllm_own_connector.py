@@ -18,6 +18,7 @@ from kvspec_conformance import run_suite
 from kvspec_conformance._report import Outcome
 
 from kvspec import ConfigError
+from kvspec.connector import Connector
 from kvspec.integrations.expectations import expected_names, load_expected, parse_expected
 from kvspec.integrations.vllm_audit import AuditReport, ClassResult, check_expected
 
@@ -255,8 +256,11 @@ def test_diagrams_render_offline() -> None:
     assert "MIT License" in (bundled.parent / "mermaid.LICENSE.txt").read_text(encoding="utf-8")
 
 
-def make_no_clipping() -> Any:
-    """A factory that is not the class it returns: a reproducer must call this, not the class."""
+def make_no_clipping() -> Connector:
+    """A factory that is not the class it returns: a reproducer must call this, not the class.
+
+    Annotated, as ``--connector module:factory`` requires of a function (it never calls another callable).
+    """
     from mutants import NoClipping
 
     return NoClipping()
