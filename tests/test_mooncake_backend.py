@@ -278,7 +278,10 @@ class TestConformance(BackendSuite):
     """Every case against the Transfer Engine over TCP; skips only for capabilities it does not claim."""
 
     backend_factory = staticmethod(MooncakeBackend)
-    # Every case, the generated ones at 5 examples (CI's time budget); `kvspec conform mooncake` runs them at 15.
+    # Each Mooncake agent is a process of its own (decision 92), so the whole suite takes about 130 s here. By
+    # default: the rules a transport decides (completion, faults, both state machines, release); every case,
+    # the generated ones at 5 examples, with --run-slow; `kvspec conform mooncake` runs them all at 15.
+    rules = None if os.environ.get("KVSPEC_RUN_SLOW") else ("DONE-1", "FAIL-1", "SM-1", "SM-2", "REL-1")
     max_examples = 5
 
     @pytest.fixture(scope="class", autouse=True)

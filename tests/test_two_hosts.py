@@ -20,7 +20,7 @@ import shutil
 import signal
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from types import ModuleType
 
@@ -130,9 +130,9 @@ def _agent_server(hosts: Hosts, backend: str, options: list[str], token_file: Pa
 
 
 def _conform(
-    hosts: Hosts, backend: str, options: list[str], token_file: Path, report: Path
+    hosts: Hosts, backend: str, options: list[str], token_file: Path, report: Path, extra: Sequence[str] = ()
 ) -> subprocess.CompletedProcess[str]:
-    command = ["ip", "netns", "exec", hosts.suite, sys.executable, "-m", "kvspec", "conform", backend]
+    command = ["ip", "netns", "exec", hosts.suite, sys.executable, "-m", "kvspec", "conform", backend, *extra]
     command += ["--peer", f"{AGENT_ADDRESS}:{PORT}", "--token-file", str(token_file), "-q", "--json", str(report)]
     for option in options:
         command += ["--option", option]
@@ -153,12 +153,13 @@ def _run(
     backend: str,
     suite_options: list[str],
     agent_options: list[str],
+    extra: Sequence[str] = (),
 ) -> dict[str, str]:
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN + "\n")
     report = tmp_path / "report.json"
     with _agent_server(hosts, backend, agent_options, token_file) as server:
-        done = _conform(hosts, backend, suite_options, token_file, report)
+        done = _conform(hosts, backend, suite_options, token_file, report, extra)
         assert server.poll() is None, "the agent server died during the run"
     assert done.returncode == 0, f"kvspec conform --peer failed:\n{done.stdout}\n{done.stderr}"
     print(f"{backend} --peer: {done.stdout.strip().splitlines()[-1]}")  # the figure docs and reports quote
@@ -194,13 +195,19 @@ BACKENDS = [
 ]
 
 
+# What crosses the hosts in the default run: data in both modes, completion, faults (the peer killed), release
+# and drain. Every case runs with --run-slow (a whole suite a backend takes 50-150 s here).
+TWO_HOST_RULES = ("ADM-2", "DONE-1", "FAIL-1", "REL-1", "SM-2")
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_suite_across_two_hosts_with_no_option(
-    hosts: Hosts, tmp_path: Path, backend: str, require_module: Callable[..., ModuleType]
+    hosts: Hosts, tmp_path: Path, backend: str, require_module: Callable[..., ModuleType], pytestconfig: pytest.Config
 ) -> None:
     """The producer's agent and pool in one namespace, the consumer's in the other; addresses give the rest."""
     _require(backend, require_module)
-    _check(_run(hosts, tmp_path, backend, [], []))
+    rules = [] if pytestconfig.getoption("--run-slow") else [f"--rule={rule}" for rule in TWO_HOST_RULES]
+    _check(_run(hosts, tmp_path, backend, [], [], rules))
 
 
 def test_options_come_from_the_route_and_an_explicit_option_wins() -> None:

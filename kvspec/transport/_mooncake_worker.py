@@ -73,7 +73,7 @@ def _engine_part(name: str, packed: bytes) -> tuple[str, int]:
 class _Batch:
     """One posted transfer: the engine's batch id and what the waiter thread found."""
 
-    __slots__ = ("batch", "detail", "done", "notification", "peer", "posted_at", "reason", "state")
+    __slots__ = ("batch", "checked", "detail", "done", "notification", "peer", "posted_at", "reason", "state")
 
     def __init__(self, batch: int, peer: str, notification: bytes | None) -> None:
         self.batch = batch
@@ -84,6 +84,7 @@ class _Batch:
         self.reason: str | None = None
         self.detail = ""
         self.done = threading.Event()
+        self.checked = False  # the first check answers at once (observable_in_flight)
 
     def status(self) -> tuple[str, str | None, str]:
         return self.state, self.reason, self.detail
@@ -283,9 +284,12 @@ class Worker:
         xfer = self.xfers.get(xfer_id)
         if xfer is None:
             raise RequestError(TRANSPORT, f"agent {self.name!r}: unknown or released handle {xfer_id}")
-        # Wait a moment for the waiter thread rather than answer PENDING at once: one pipe round trip
-        # per check costs the caller more than the short wait (benchmarks/bench_mooncake.py).
-        xfer.done.wait(self.check_wait)
+        # From the second check on, wait a moment for the waiter thread rather than answer PENDING at once:
+        # one pipe round trip per check costs the caller more than the short wait (benchmarks/bench_mooncake.py).
+        # The first check answers at once, so a transfer in flight is seen PENDING (observable_in_flight).
+        if xfer.checked:
+            xfer.done.wait(self.check_wait)
+        xfer.checked = True
         status = xfer.status()
         if status[0] != "pending":
             del self.xfers[xfer_id]  # the proxy keeps the final status
