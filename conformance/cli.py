@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import inspect
 import math
 import os
 import secrets
 import sys
-import typing
 from collections.abc import Sequence
 from typing import TextIO
 
@@ -17,7 +15,7 @@ import attrs
 
 from kvspec import ConfigError, KVSpecError
 from kvspec.rules import RULES, Level
-from kvspec.transport import Backend, load_backend, parse_backend_options
+from kvspec.transport import Backend, is_factory_of, load_backend, parse_backend_options
 from kvspec.transport.pace import PACES
 
 from ._cases import select_cases
@@ -237,7 +235,7 @@ def _load_connector(path: str, extra: Sequence[str] = ()) -> tuple[Connector, tu
         factory = import_path(path, "--connector")
     except KVSpecError as exc:
         raise SystemExit(f"kvspec conform: {exc}") from None
-    if not _is_connector_factory(factory):
+    if not is_factory_of(factory, Connector, _CONNECTOR_HOOKS):
         # Never call an arbitrary callable (os:system) on the strength of a command-line string.
         raise SystemExit(
             f"kvspec conform: --connector {path}: expected a Connector class, "
@@ -255,23 +253,6 @@ def _load_connector(path: str, extra: Sequence[str] = ()) -> tuple[Connector, tu
 
 
 _CONNECTOR_HOOKS = tuple(name for name in vars(Connector) if not name.startswith("_"))
-
-
-def _is_connector_class(obj: object) -> bool:
-    return isinstance(obj, type) and all(callable(getattr(obj, name, None)) for name in _CONNECTOR_HOOKS)
-
-
-def _is_connector_factory(obj: object) -> bool:
-    """A Connector class, or a function whose return annotation is Connector or a Connector class."""
-    if isinstance(obj, type):
-        return _is_connector_class(obj)
-    if not inspect.isfunction(obj):
-        return False
-    try:
-        returned = typing.get_type_hints(obj).get("return")
-    except Exception:  # an annotation that does not resolve says nothing trustworthy
-        return False
-    return returned is Connector or _is_connector_class(returned)
 
 
 def _vllm_tested(connector: object) -> tuple[tuple[str, str], ...]:

@@ -15,7 +15,7 @@ from kvspec.transport._base import (
     check_descriptors,
     merge_runs,
 )
-from kvspec.transport._registry import BUILTIN_BACKENDS, load_backend, parse_backend_options
+from kvspec.transport._registry import BUILTIN_BACKENDS, is_factory_of, load_backend, parse_backend_options
 from kvspec.transport.faults import FaultInjector, FaultPlan, FaultyBackend, InjectedFault
 from kvspec.transport.loopback import LoopbackAgent, LoopbackBackend
 from kvspec.transport.pace import Pace, PacedBackend, PacedTransport
@@ -43,6 +43,7 @@ __all__ = [
     "TransferStatus",
     "Transport",
     "check_descriptors",
+    "is_factory_of",
     "load_backend",
     "merge_runs",
     "parse_backend_options",

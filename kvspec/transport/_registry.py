@@ -11,7 +11,7 @@ from importlib.metadata import entry_points
 from kvspec._errors import ConfigError
 from kvspec.transport._base import Backend
 
-__all__ = ["BUILTIN_BACKENDS", "ENTRY_POINT_GROUP", "load_backend", "parse_backend_options"]
+__all__ = ["BUILTIN_BACKENDS", "ENTRY_POINT_GROUP", "is_factory_of", "load_backend", "parse_backend_options"]
 
 ENTRY_POINT_GROUP = "kvspec.backends"
 
@@ -42,21 +42,31 @@ def _resolve(path: str) -> Callable[..., Backend]:
     return factory
 
 
-def _is_backend_class(obj: object) -> bool:
-    return isinstance(obj, type) and all(callable(getattr(obj, name, None)) for name in ("create_agent", "close"))
+def is_factory_of(obj: object, kind: type, hooks: Sequence[str]) -> bool:
+    """Whether ``obj`` may be called to make a ``kind``, judged without calling it.
 
+    True for a class with every method in ``hooks``, or for a function whose return
+    annotation is ``kind`` or such a class. A command line names factories
+    (``module:factory``); nothing else it names is ever called (``os:system``).
+    """
 
-def _is_backend_factory(obj: object) -> bool:
-    """A Backend class, or a function whose return annotation is Backend or a Backend class."""
+    def has_hooks(candidate: object) -> bool:
+        return isinstance(candidate, type) and all(callable(getattr(candidate, name, None)) for name in hooks)
+
     if isinstance(obj, type):
-        return _is_backend_class(obj)
+        return has_hooks(obj)
     if not inspect.isfunction(obj):
         return False
     try:
         returned = typing.get_type_hints(obj).get("return")
     except Exception:  # an annotation that does not resolve says nothing trustworthy
         return False
-    return returned is Backend or _is_backend_class(returned)
+    return returned is kind or has_hooks(returned)
+
+
+def _is_backend_factory(obj: object) -> bool:
+    """A Backend class, or a function whose return annotation is Backend or a Backend class."""
+    return is_factory_of(obj, Backend, ("create_agent", "close"))
 
 
 def _check_options(spec: str, factory: Callable[..., Backend], options: dict[str, object]) -> None:
