@@ -291,15 +291,48 @@ def _to_shapes(value: Iterable[Iterable[int]]) -> tuple[tuple[int, ...], ...]:
     return tuple(tuple(shape) for shape in value)
 
 
+STATE_CACHE_MODES = ("none", "align")
+"""vLLM 0.33's ``mamba_cache_mode`` values (``"all"`` was removed after 0.30)."""
+
+CONV_LAYOUTS = ("DS", "SD")
+"""Conv-state layouts: ``DS`` (dim-major, what vLLM's NIXL path requires) or ``SD``."""
+
+
+def _one_of(choices: tuple[str, ...]) -> Any:
+    def check(inst: object, attribute: attrs.Attribute[Any], value: object) -> None:
+        if value not in choices:
+            raise _fail(inst, attribute.name, f"one of {list(choices)}", value)
+
+    return check
+
+
+def _state_kind(value: object) -> str:
+    if not isinstance(value, str) or not value:
+        raise _fail(MambaSpec, "mamba_type", "a non-empty state kind name such as 'mamba2'", value)
+    return value.lower()
+
+
 @attrs.frozen(kw_only=True)
 class MambaSpec(KVCacheSpec):
-    """Mamba / linear-attention state; never admitted in v1 (ADM-1)."""
+    """One state group: Mamba, GDN, KDA or other linear-attention state (STATE-1 .. STATE-5).
+
+    A request holds one state per group, in one slot: a page holding the
+    group's state tensors (``shapes``/``dtypes``, e.g. conv then SSM) back to
+    back, padded to ``page_size_padded``. ``block_size`` is the state's token
+    granularity: in ``"align"`` cache mode slot ``p`` of a request's list holds
+    the state after ``(p + 1) * block_size`` tokens (STATE-4); in ``"none"``
+    mode vLLM sets it to ``max_model_len``. ``num_speculative_blocks`` scratch
+    slots sit at the tail of a request's list and never travel (STATE-2).
+    """
 
     kind: ClassVar[SpecKind] = SpecKind.MAMBA
 
     shapes: tuple[tuple[int, ...], ...] = attrs.field(converter=_to_shapes)
     dtypes: tuple[DType, ...] = attrs.field(converter=_to_dtypes)
-    mamba_type: str = "mamba2"
+    mamba_type: str = attrs.field(default="mamba2", converter=_state_kind)
+    cache_mode: str = attrs.field(default="none", validator=_one_of(STATE_CACHE_MODES))
+    num_speculative_blocks: int = attrs.field(default=0, validator=_non_negative_int)
+    conv_layout: str = attrs.field(default="DS", validator=_one_of(CONV_LAYOUTS))
 
     @shapes.validator
     def _check_shapes(self, attribute: attrs.Attribute[Any], value: tuple[tuple[int, ...], ...]) -> None:
