@@ -1,4 +1,4 @@
-"""The ``kvspec`` command line: ``plan`` a preset's transfer, ``conform`` a backend, ``vectors``, ``vllm-audit``, ``sglang-audit``."""
+"""The ``kvspec`` command line: ``plan`` a preset's transfer, ``conform`` a backend, ``vectors``, the engine audits."""
 
 from __future__ import annotations
 

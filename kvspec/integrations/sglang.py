@@ -193,7 +193,7 @@ def installed_sglang_version() -> str | None:
 
 
 def check_sglang_version() -> None:
-    """:class:`BackendUnavailableError` unless SGLang :data:`SGLANG_VERSION` is installed (the adapters call internals)."""
+    """:class:`BackendUnavailableError` unless SGLang :data:`SGLANG_VERSION` is installed (adapters call internals)."""
     found = installed_sglang_version()
     if found != SGLANG_VERSION:
         raise BackendUnavailableError(
@@ -211,7 +211,9 @@ def cpu_setup_script(python: str = "python") -> str:
     """
     from importlib import resources
 
-    listed = resources.files("kvspec.integrations").joinpath("constraints", "sglang-cpu.txt").read_text(encoding="utf-8")
+    listed = (
+        resources.files("kvspec.integrations").joinpath("constraints", "sglang-cpu.txt").read_text(encoding="utf-8")
+    )
     needs = " ".join(line.strip() for line in listed.splitlines() if line.strip() and not line.startswith("#"))
     return (
         "\n".join(
@@ -219,7 +221,7 @@ def cpu_setup_script(python: str = "python") -> str:
                 "# SGLang for the CPU, as kvspec's CI installs it (docs/explanation/sglang-findings.md)",
                 "set -euo pipefail",
                 f"{python} -m pip install --no-deps {needs}",
-                f"{python} -c 'import kvspec.integrations.sglang as s; s.import_sglang(\"{_DISAGG}mooncake.conn\"); "
+                f'{python} -c \'import kvspec.integrations.sglang as s; s.import_sglang("{_DISAGG}mooncake.conn"); '
                 "print(s.installed_sglang_version())'",
             ]
         )
@@ -314,7 +316,7 @@ def from_sglang_pool_config(pool: SglangPoolConfig) -> KVCacheConfig:
             "SglangPoolConfig.sliding_window_size: expected a non-negative integer with SWA layers, "
             f"got {pool.sliding_window_size!r}"
         )
-    dtype = DType(pool.dtype)
+    dtype = DType.from_name(pool.dtype)
     groups: list[KVCacheGroupSpec] = []
     kinds: list[tuple[tuple[int, ...], KVCacheSpec]] = []
     if pool.full_attention_layer_ids:
@@ -733,7 +735,9 @@ class SglangConnector:
         try:
             return BlockPairs(producer_block_ids=BlockIds(out_p), consumer_block_ids=BlockIds(out_c))
         except BlockAlignmentError as exc:
-            raise BlockAlignmentError(f"SGLang {self.backend} would post these pairs, which kvspec refuses: {exc}") from exc
+            raise BlockAlignmentError(
+                f"SGLang {self.backend} would post these pairs, which kvspec refuses: {exc}"
+            ) from exc
 
     def plan(
         self, *, producer_config: KVCacheConfig, consumer_config: KVCacheConfig, pairs: BlockPairsLike

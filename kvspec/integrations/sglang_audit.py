@@ -125,7 +125,11 @@ def random_cases(requests: int, seed: int) -> list[AuditCase]:
     cases = []
     for index in range(requests):
         page = rng.choice((1, 16, 32, 64))
-        window = 0 if rng.random() < 0.1 else rng.choice((rng.randint(2, 300), rng.choice((128, 512, 4096)) + rng.choice((-1, 0, 1))))
+        window = (
+            0
+            if rng.random() < 0.1
+            else rng.choice((rng.randint(2, 300), rng.choice((128, 512, 4096)) + rng.choice((-1, 0, 1))))
+        )
         near = window + rng.randint(-2 * page, 2 * page) if window else rng.randint(1, 4096)
         tokens = min(_MAX_TOKENS, max(1, rng.choice((near, rng.randint(1, _MAX_TOKENS)))))
         prefix = 0
