@@ -225,10 +225,10 @@ def _load_connector(path: str, extra: Sequence[str] = ()) -> tuple[Connector, tu
         if extra:
             raise SystemExit("kvspec conform: --vllm-extra needs --connector vllm:...")
         try:
-            made = make_connector(path.partition(":")[2])
+            adapter = make_connector(path.partition(":")[2])
         except KVSpecError as exc:
             raise SystemExit(f"kvspec conform: --connector {path}: {exc}") from None
-        return made, (("connector", path), ("sglang", installed_sglang_version() or "?"))
+        return adapter, (("connector", path), ("sglang", installed_sglang_version() or "?"))
     if path.startswith("vllm:"):
         from kvspec.integrations.vllm import parse_vllm_extra, vllm_connector
 

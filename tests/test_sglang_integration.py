@@ -16,7 +16,14 @@ from typing import Any
 import pytest
 from kvspec_conformance.configs import full, make_config, mamba, sw
 
-from kvspec import BlockAlignmentError, BlockIds, TransferMode, UnsupportedHybridError, get_needed_block_range
+from kvspec import (
+    BlockAlignmentError,
+    BlockIds,
+    SlidingWindowSpec,
+    TransferMode,
+    UnsupportedHybridError,
+    get_needed_block_range,
+)
 from kvspec.integrations import sglang as integration
 from kvspec.integrations.expectations import expected_names, load_expected
 
@@ -41,7 +48,8 @@ def test_pool_config_round_trips() -> None:
         num_pages=32,
     )
     config = integration.from_sglang_pool_config(pool)
-    assert [g.kv_cache_spec.sliding_window for g in config.kv_cache_groups[1:]] == [128]  # W = W_sgl + 1
+    windows = [g.kv_cache_spec for g in config.kv_cache_groups[1:]]
+    assert [s.sliding_window for s in windows if isinstance(s, SlidingWindowSpec)] == [128]  # W = W_sgl + 1
     assert integration.to_sglang_pool_config(config) == pool
 
 

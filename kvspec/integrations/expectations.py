@@ -37,7 +37,7 @@ def parse_expected(lines: Iterable[str], *, what: str = "expected failure") -> d
 
 
 def expected_names() -> list[str]:
-    """The names :func:`load_expected` knows: ``vllm:nixl``, ..., ``vllm-audit``, ``sglang:mooncake``, ..., ``sglang-audit``."""
+    """The names :func:`load_expected` knows: ``vllm:nixl``, ..., ``vllm-audit``, ``sglang:mori``, ``sglang-audit``."""
     folder = resources.files(_PACKAGE).joinpath(_FOLDER)
     names = []
     for entry in sorted(e.name for e in folder.iterdir() if e.name.endswith(".txt")):

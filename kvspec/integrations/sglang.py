@@ -288,7 +288,7 @@ def to_sglang_pool_config(config: KVCacheConfig) -> SglangPoolConfig:
         ids = range(layer, layer + len(group.layer_names))
         layer += len(group.layer_names)
         (swa if isinstance(spec, (SlidingWindowSpec, SlidingWindowMLASpec)) else full).extend(ids)
-    first = specs[0]
+    first: Any = specs[0]  # an attention spec: admitted kinds only
     return SglangPoolConfig(
         page_size=sizes[0],
         full_attention_layer_ids=tuple(full),
@@ -353,7 +353,10 @@ def from_sglang_pool_config(pool: SglangPoolConfig) -> KVCacheConfig:
     for layers, spec in kinds:
         names = [f"model.layers.{i}" for i in layers]
         groups.append(KVCacheGroupSpec(layer_names=names, kv_cache_spec=spec))
-        tensors += [KVCacheTensor(size=spec.page_size_bytes * pool.num_pages, layers=[n]) for n in names]
+        page = spec.page_size_bytes
+        tensors += [
+            KVCacheTensor(size=page * pool.num_pages, layers=[n], layer_stride=page, block_stride=page) for n in names
+        ]
     return KVCacheConfig(num_blocks=pool.num_pages, kv_cache_tensors=tensors, kv_cache_groups=groups)
 
 
@@ -553,20 +556,24 @@ def _mooncake(producer: Sequence[int], consumer: Sequence[int], *, window: bool)
 def _mori(producer: Sequence[int], consumer: Sequence[int], *, window: bool) -> PagePairs:
     module = import_sglang(_DISAGG + "mori.conn")
     plans: list[Any] = []
+
+    def submit(src_desc: object, dst_desc: object, plan: Any) -> list[Any]:
+        plans.append(plan)
+        return []
+
     stand_in = types.SimpleNamespace(
         is_mla_backend=False,
         attn_tp_size=1,
         state_tp_size=1,
         pp_size=1,
         _build_contiguous_transfer_plan=lambda plan, item_len: plan.materialize(item_len),
-        _submit_batch_transfer_plan=lambda src, dst, plan: plans.append(plan) or [],
+        _submit_batch_transfer_plan=submit,
     )
     peer = types.SimpleNamespace(decode_tp_size=1)
     src = module.np.array(list(producer), dtype=module.np.int32)
     dst = module.np.array(list(consumer), dtype=module.np.int32)
-    # MORI sends full-attention pages through send_kvcache's plan and window pages through _send_swa_dsa_state;
-    # both build their plan with GroupedIndexPlan from group_concurrent_contiguous of the two lists. The window
-    # path is the one that decides what a length mismatch does; full pages go the same way (decision 130).
+    # Window pages go through _send_swa_dsa_state, which decides what a length mismatch does; MORI's full-page
+    # path lives in its transfer worker, so full pages are paired by the same method (decision 130).
     module.MoriKVManager._send_swa_dsa_state(stand_in, peer, src, dst, [None], [1], [None], [1], "swa", [], [])
     out_p: list[int] = []
     out_c: list[int] = []
@@ -582,9 +589,12 @@ def _nixl(producer: Sequence[int], consumer: Sequence[int], *, window: bool) -> 
     state_type = import_sglang(_DISAGG + "base.conn").StateType
     made: list[tuple[Any, Any]] = []
     capacity = max([*producer, *consumer, 0]) + 1
-    agent = types.SimpleNamespace(
-        make_prepped_xfer=lambda op, src_handle, src, dst_handle, dst: made.append((src, dst)) or "handle"
-    )
+
+    def make_prepped_xfer(op: str, src_handle: object, src: Any, dst_handle: object, dst: Any) -> str:
+        made.append((src, dst))
+        return "handle"
+
+    agent = types.SimpleNamespace(make_prepped_xfer=make_prepped_xfer)
     stand_in = types.SimpleNamespace(
         kv_args=types.SimpleNamespace(state_types=[state_type.SWA]),
         agent=agent,
@@ -694,8 +704,9 @@ class SglangConnector:
 
         The lists are placed by their ends (or at the request's last block),
         made into ``req_to_token`` rows with the null id where a list has no
-        entry, and handed to SGLang with ``seq_len = num_tokens`` and decode's
-        prefix ``prefix_hit_tokens``. A page SGLang reads where the list has
+        entry, and handed to SGLang with ``seq_len`` the tokens the lists cover
+        (``num_tokens + recomputed_tokens``: SGLang ships every prompt token and
+        recomputes none) and decode's prefix ``prefix_hit_tokens``. A page SGLang reads where the list has
         none shows as the null id, which NULL-1 refuses.
         """
         if len(consumer_block_ids) == 0:
@@ -726,7 +737,8 @@ class SglangConnector:
                 out_p.append([])
                 out_c.append([])
                 continue
-            keywords = {"num_tokens": num_tokens, "prefix_tokens": prefix_hit_tokens}
+            # SGLang ships every token its lists cover (len(origin_input_ids)); it recomputes none (decision 134).
+            keywords = {"num_tokens": listed, "prefix_tokens": prefix_hit_tokens}
             src = producer_pages(spec, p_ids, first_block=p_first, **keywords)
             dst = consumer_pages(spec, c_ids, first_block=c_first, **keywords)
             paired_p, paired_c = pair_pages(self.backend, src, dst, window=_is_window(spec))
