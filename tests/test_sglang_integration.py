@@ -155,3 +155,25 @@ def test_every_failing_case_is_a_documented_expected_failure(sglang: Any, backen
     )
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
     assert " 0 failed, 0 errors" in out.stdout
+
+
+@pytest.mark.sglang
+def test_the_audit_catches_a_broken_pairing(sglang: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pairing one page off, or reading the null page, is reported by class: the audit can fail."""
+    from kvspec.integrations import sglang_audit
+
+    real = sglang.BACKENDS["mooncake"]
+
+    def shifted(producer: Any, consumer: Any, *, window: bool) -> Any:
+        p, c = real(producer, consumer, window=window)
+        return (p[1:], c[:-1]) if window else (p, c)
+
+    def nulled(producer: Any, consumer: Any, *, window: bool) -> Any:
+        p, c = real(producer, consumer, window=window)
+        return ([0, *p[1:]], c) if p else (p, c)
+
+    for broken, found in ((shifted, "shifted-pair"), (nulled, "reads-null-block")):
+        monkeypatch.setitem(sglang.BACKENDS, "mooncake", broken)
+        report = sglang_audit.run_audit(backends=("mooncake",), requests=12, seed=3)
+        assert found in {c.deviation for c in report.classes}, report.render()
+        assert "needed-block-not-transferred" in {c.deviation for c in report.classes}, report.render()
