@@ -6,7 +6,21 @@ block allocator, a clock and a :class:`kvspec.transport.Transport`.
 scenarios play through; it calls a :class:`kvspec.connector.Connector`.
 """
 
-from kvspec._driver import Driver, DriverFault, LiveRequest, Operation, reason_of
+from kvspec._driver import (
+    CONSUMER,
+    INTEGRITY_ROWS,
+    PRODUCER,
+    Driver,
+    DriverFault,
+    Evidence,
+    IntegrityRow,
+    LiveRequest,
+    Moment,
+    Operation,
+    Role,
+    poll_until,
+    reason_of,
+)
 from kvspec._exchange import (
     BlockAllocator,
     ConsumerEndpoint,
@@ -19,17 +33,25 @@ from kvspec._exchange import (
 )
 
 __all__ = [
+    "CONSUMER",
+    "INTEGRITY_ROWS",
+    "PRODUCER",
     "BlockAllocator",
     "ConsumerEndpoint",
     "ConsumerResult",
     "Driver",
     "DriverFault",
+    "Evidence",
     "ExchangeResult",
+    "IntegrityRow",
     "LiveRequest",
+    "Moment",
     "Operation",
     "ProducerEndpoint",
     "ProducerResult",
+    "Role",
     "connect",
+    "poll_until",
     "reason_of",
     "run_request",
 ]
