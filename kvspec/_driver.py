@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import enum
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Generic, Protocol, TypeVar
 
 import attrs
@@ -67,6 +67,7 @@ from kvspec._errors import (
 from kvspec._integrity import BlockDigests, BlockPairsLike, PageDigester
 from kvspec._messages import BlockOffer, Completion, Message, TransferParams
 from kvspec._models import BlockIds
+from kvspec._offload_session import OffloadSession
 from kvspec._plan import TransferPlan
 from kvspec._session import (
     Cancel,
@@ -78,12 +79,14 @@ from kvspec._session import (
     ProducerSession,
     Send,
 )
-from kvspec.transport._base import TransferHandle, TransferState, Transport
+from kvspec.transport._base import Descriptor, TransferHandle, TransferState, Transport
 
 __all__ = [
     "CONSUMER",
     "INTEGRITY_ROWS",
+    "OFFLOAD",
     "PRODUCER",
+    "DrivenSession",
     "Driver",
     "DriverFault",
     "Evidence",
@@ -98,7 +101,30 @@ __all__ = [
 
 Clock = Callable[[], float]
 Session = ProducerSession | ConsumerSession
-S = TypeVar("S", ProducerSession, ConsumerSession)
+
+
+class DrivenSession(Protocol):
+    """What the driver asks of every session it drives: exchange sessions and offload copies alike."""
+
+    @property
+    def request_id(self) -> str: ...
+
+    @property
+    def mode(self) -> TransferMode: ...
+
+    @property
+    def is_terminal(self) -> bool: ...
+
+    def receive(self, message: Message, *, now: float) -> Output: ...
+
+    def tick(self, *, now: float) -> Output: ...
+
+    def transfer_done(self, *, now: float) -> Output: ...
+
+    def transfer_failed(self, reason: FailureReason, *, now: float, detail: str = "") -> Output: ...
+
+
+S = TypeVar("S", bound=DrivenSession)
 
 
 class Operation(str, enum.Enum):
@@ -170,8 +196,8 @@ class LiveRequest(Generic[S]):
 
     @property
     def request_id(self) -> str:
-        """The producer's request id, carried by every message of the exchange."""
-        return self.session.params.request_id
+        """The producer's request id, carried by every message of the exchange (an offload copy's own id)."""
+        return self.session.request_id
 
 
 class PlanWrite(Protocol):
@@ -184,22 +210,21 @@ class PlanWrite(Protocol):
 class Role(Protocol[S]):
     """What a driver needs of the side it serves, so that it never branches on session classes (SM-1, SM-2).
 
-    ``posts`` is the transfer this side posts: a consumer READs, a producer
-    WRITEs. :meth:`plan` is the plan of that post (PLAN-1); :meth:`lost` what a
-    control message that could not leave does to the request (FAIL-1). The
-    INT-1 members are the receiver's: :meth:`receiving` is true while the
-    session waits for its blocks, :meth:`block_ids` are its blocks, and
-    :meth:`reject` ends it FAILED(integrity) on a Completion whose blocks differ.
+    :meth:`descriptors` plans the side's post (PLAN-1) and says what it
+    moves, in the session's mode: a consumer READs, a producer WRITEs, an
+    offload copy moves its pages. :meth:`lost` is what a control message that
+    could not leave does to the request (FAIL-1). The INT-1 members:
+    :meth:`evidence` is what a receiver checks (``None`` when this side
+    checks nothing now), :meth:`block_ids` the consumer's blocks a sender
+    digests, :meth:`reject` ends a receiver FAILED(integrity) on a Completion
+    whose blocks differ.
     """
 
-    @property
-    def posts(self) -> TransferMode: ...
-
-    def plan(self, driver: Driver[S], request: LiveRequest[S]) -> TransferPlan: ...
+    def descriptors(self, driver: Driver[S], request: LiveRequest[S]) -> Sequence[Descriptor]: ...
 
     def lost(self, request: LiveRequest[S], message: Message, *, now: float) -> Output: ...
 
-    def receiving(self, request: LiveRequest[S]) -> bool: ...
+    def evidence(self, request: LiveRequest[S], completion: Completion | None) -> Evidence | None: ...
 
     def block_ids(self, request: LiveRequest[S]) -> BlockIds: ...
 
@@ -211,19 +236,20 @@ class Role(Protocol[S]):
 class _ProducerRole:
     """The prefill side: it WRITEs, planned when the offer arrives; it checks nothing it receives (SM-1)."""
 
-    posts = TransferMode.WRITE
-
-    def plan(self, driver: Driver[ProducerSession], request: LiveRequest[ProducerSession]) -> TransferPlan:
+    def descriptors(
+        self, driver: Driver[ProducerSession], request: LiveRequest[ProducerSession]
+    ) -> Sequence[Descriptor]:
         offer = request.session.offer
         if offer is None or driver.plan_write is None:
             raise LocalProtocolError("a write is posted only for an offer, by a driver that plans writes")
-        return driver.plan_write(request, offer)
+        request.plan = driver.plan_write(request, offer)
+        return request.plan.to_descriptors(TransferMode.WRITE)
 
     def lost(self, request: LiveRequest[ProducerSession], message: Message, *, now: float) -> Output:
         return Output()  # a Failure or Abort lost on the way: the consumer's own deadline ends it (FAIL-1)
 
-    def receiving(self, request: LiveRequest[ProducerSession]) -> bool:
-        return False  # a producer receives no blocks: a Completion sent to it is its session's to refuse
+    def evidence(self, request: LiveRequest[ProducerSession], completion: Completion | None) -> Evidence | None:
+        return None  # a producer receives no blocks: a Completion sent to it is its session's to refuse
 
     def block_ids(self, request: LiveRequest[ProducerSession]) -> BlockIds:
         offer = request.session.offer
@@ -232,18 +258,18 @@ class _ProducerRole:
     def reject(
         self, request: LiveRequest[ProducerSession], message: Completion, bad: BlockIds, *, now: float, detail: str
     ) -> Output:
-        return request.session.receive(message, now=now)  # pragma: no cover - receiving() is never true
+        return request.session.receive(message, now=now)  # pragma: no cover - evidence() is always None
 
 
 class _ConsumerRole:
     """The decode side: it READs what it planned before it started, and checks every block it receives (SM-2)."""
 
-    posts = TransferMode.READ
-
-    def plan(self, driver: Driver[ConsumerSession], request: LiveRequest[ConsumerSession]) -> TransferPlan:
+    def descriptors(
+        self, driver: Driver[ConsumerSession], request: LiveRequest[ConsumerSession]
+    ) -> Sequence[Descriptor]:
         if request.plan is None:
             raise LocalProtocolError("a read is posted only for a planned request")
-        return request.plan
+        return request.plan.to_descriptors(TransferMode.READ)
 
     def lost(self, request: LiveRequest[ConsumerSession], message: Message, *, now: float) -> Output:
         if isinstance(message, BlockOffer):
@@ -251,8 +277,17 @@ class _ConsumerRole:
             return request.session.fail(FailureReason.PEER_DISCONNECTED, now=now, detail="offer not sent")
         return Output()
 
-    def receiving(self, request: LiveRequest[ConsumerSession]) -> bool:
-        return request.session.state is ConsumerState.LOADING
+    def evidence(self, request: LiveRequest[ConsumerSession], completion: Completion | None) -> Evidence | None:
+        session = request.session
+        if session.state is not ConsumerState.LOADING:
+            return None  # only a loading consumer checks (cancelled: it ends FAILED or ABORTED anyway)
+        params = session.params
+        return Evidence(
+            pairs=request.pairs,
+            params=params,
+            block_ids=session.consumer_block_ids,
+            sent=params.producer_block_digests if completion is None else completion.consumer_block_digests,
+        )
 
     def block_ids(self, request: LiveRequest[ConsumerSession]) -> BlockIds:
         return request.session.consumer_block_ids
@@ -263,11 +298,56 @@ class _ConsumerRole:
         return request.session.reject_completion(message, now=now, failed_consumer_block_ids=bad, detail=detail)
 
 
+class _OffloadRole:
+    """An offload engine's copies (OFF-3, OFF-6): it moves the session's pages; no control message, no INT-1."""
+
+    def descriptors(self, driver: Driver[OffloadSession], request: LiveRequest[OffloadSession]) -> Sequence[Descriptor]:
+        session = request.session
+        if session.gpu_posts:
+            return [
+                Descriptor(
+                    local_region=c.gpu_region,
+                    local_offset=c.gpu_offset,
+                    remote_region=c.chunk_region,
+                    remote_offset=c.chunk_offset,
+                    nbytes=c.nbytes,
+                )
+                for c in session.copies
+            ]
+        return [
+            Descriptor(
+                local_region=c.chunk_region,
+                local_offset=c.chunk_offset,
+                remote_region=c.gpu_region,
+                remote_offset=c.gpu_offset,
+                nbytes=c.nbytes,
+            )
+            for c in session.copies
+        ]
+
+    def lost(self, request: LiveRequest[OffloadSession], message: Message, *, now: float) -> Output:
+        return Output()  # pragma: no cover - a copy sends nothing
+
+    def evidence(self, request: LiveRequest[OffloadSession], completion: Completion | None) -> Evidence | None:
+        return None
+
+    def block_ids(self, request: LiveRequest[OffloadSession]) -> BlockIds:
+        return BlockIds([])  # pragma: no cover - a copy carries no Completion to digest
+
+    def reject(
+        self, request: LiveRequest[OffloadSession], message: Completion, bad: BlockIds, *, now: float, detail: str
+    ) -> Output:
+        return request.session.receive(message, now=now)  # pragma: no cover - evidence() is always None
+
+
 PRODUCER: Role[ProducerSession] = _ProducerRole()
 """The role of a driver of producer sessions."""
 
 CONSUMER: Role[ConsumerSession] = _ConsumerRole()
 """The role of a driver of consumer sessions."""
+
+OFFLOAD: Role[OffloadSession] = _OffloadRole()
+"""The role of a driver of offload copies, one per agent that posts them."""
 
 
 # --------------------------------------------------------------------------- INT-1 as table rows
@@ -518,12 +598,12 @@ class Driver(Generic[S]):
     def _post(self, request: LiveRequest[S], action: Post) -> None:
         session = request.session
         try:
-            request.plan = self.role.plan(self, request)
+            descriptors = self.role.descriptors(self, request)
         except KVSpecError as exc:
             self.fault(Operation.PLAN, exc, request.request_id)
             self.execute(request, session.transfer_failed(reason_of(exc), now=self.clock(), detail=str(exc)))
             return
-        mode, plan = self.role.posts, request.plan
+        mode = session.mode  # a session posts in its own mode: P WRITEs in WRITE mode, C READs in READ mode
         try:
             if request.peer is None:
                 raise TransportError("no peer to post to", reason=FailureReason.PEER_DISCONNECTED.value)
@@ -531,22 +611,20 @@ class Driver(Generic[S]):
             if completion is not None and self.integrity is not None:
                 # INT-1: the Completion carries the digest of every block the write moves.
                 completion = attrs.evolve(completion, consumer_block_digests=self._written_digests(request))
-            if plan.num_descriptors == 0:
+            if not descriptors:
                 # Every needed block is already there: nothing to move. A WRITE's Completion goes on its own.
                 if completion is not None:
                     self._send(request, completion)
                 self.execute(request, session.transfer_done(now=self.clock()))
                 return
-            verdict = self._verdict(request, Moment.POST, self._sent(request))
+            verdict = self._verdict(request, Moment.POST)
             if verdict is not None:
                 self.execute(
                     request, session.transfer_failed(FailureReason.INTEGRITY, now=self.clock(), detail=verdict[1])
                 )
                 return
             notification = None if completion is None else encode(completion)
-            request.handle = self.transport.post(
-                mode, plan.to_descriptors(mode), peer=request.peer, notification=notification
-            )
+            request.handle = self.transport.post(mode, descriptors, peer=request.peer, notification=notification)
             request.posted = True
         except KVSpecError as exc:
             self.fault(Operation.POST, exc, request.request_id, request.peer)
@@ -590,7 +668,7 @@ class Driver(Generic[S]):
             return
         self._drop_handle(request)
         if status.state is TransferState.DONE:
-            verdict = self._verdict(request, Moment.DONE, self._sent(request))
+            verdict = self._verdict(request, Moment.DONE)
             if verdict is not None:
                 self.execute(
                     request, session.transfer_failed(FailureReason.INTEGRITY, now=self.clock(), detail=verdict[1])
@@ -603,22 +681,13 @@ class Driver(Generic[S]):
 
     # -- integrity (INT-1)
 
-    def _sent(self, request: LiveRequest[S]) -> BlockDigests | None:
-        return request.session.params.producer_block_digests
-
-    def _verdict(self, request: LiveRequest[S], moment: Moment, sent: BlockDigests | None) -> Verdict:
-        """The row of INTEGRITY_ROWS for this moment, checked, if integrity is on and the session receives blocks."""
-        if self.integrity is None or not self.role.receiving(request):
-            return None  # off, or not waiting for blocks (cancelled: the request ends FAILED or ABORTED anyway)
-        mode = request.session.mode
+    def _verdict(self, request: LiveRequest[S], moment: Moment, completion: Completion | None = None) -> Verdict:
+        """The row of INTEGRITY_ROWS for this moment, checked, when integrity is on and the role receives blocks."""
+        evidence = None if self.integrity is None else self.role.evidence(request, completion)
+        if self.integrity is None or evidence is None:
+            return None
         for row in INTEGRITY_ROWS:
-            if row.mode is mode and row.moment is moment:
-                evidence = Evidence(
-                    pairs=request.pairs,
-                    params=request.session.params,
-                    block_ids=self.role.block_ids(request),
-                    sent=sent,
-                )
+            if row.mode is evidence.params.mode and row.moment is moment:
                 return row.check(self.integrity, evidence)
         return None
 
@@ -633,7 +702,7 @@ class Driver(Generic[S]):
     def _receive_completion(self, request: LiveRequest[S], message: Completion) -> Output:
         """WRITE on the consumer: LOADED only if every written block matches the Completion's digest."""
         now = self.clock()
-        verdict = self._verdict(request, Moment.COMPLETION, message.consumer_block_digests)
+        verdict = self._verdict(request, Moment.COMPLETION, message)
         if verdict is None:
             return request.session.receive(message, now=now)  # a producer refuses a Completion itself
         bad, detail = verdict

@@ -3,13 +3,18 @@
 The sessions at the top level say what to do; these drivers do it, with a
 block allocator, a clock and a :class:`kvspec.transport.Transport`.
 :class:`Driver` is the core both the endpoints and the conformance suite's
-scenarios play through; it calls a :class:`kvspec.connector.Connector`.
+scenarios play through, one :class:`Role` per side (:data:`PRODUCER`,
+:data:`CONSUMER`, :data:`OFFLOAD` for an offload engine's copies, each an
+:class:`OffloadSession`); it calls a :class:`kvspec.connector.Connector`.
+:func:`poll_until` is the one loop that waits for requests to settle.
 """
 
 from kvspec._driver import (
     CONSUMER,
     INTEGRITY_ROWS,
+    OFFLOAD,
     PRODUCER,
+    DrivenSession,
     Driver,
     DriverFault,
     Evidence,
@@ -21,6 +26,7 @@ from kvspec._driver import (
     poll_until,
     reason_of,
 )
+from kvspec._offload_session import ChunkCopy, OffloadKind, OffloadSession, OffloadState
 from kvspec._exchange import (
     BlockAllocator,
     ConsumerEndpoint,
@@ -35,10 +41,13 @@ from kvspec._exchange import (
 __all__ = [
     "CONSUMER",
     "INTEGRITY_ROWS",
+    "OFFLOAD",
     "PRODUCER",
     "BlockAllocator",
+    "ChunkCopy",
     "ConsumerEndpoint",
     "ConsumerResult",
+    "DrivenSession",
     "Driver",
     "DriverFault",
     "Evidence",
@@ -46,6 +55,9 @@ __all__ = [
     "IntegrityRow",
     "LiveRequest",
     "Moment",
+    "OffloadKind",
+    "OffloadSession",
+    "OffloadState",
     "Operation",
     "ProducerEndpoint",
     "ProducerResult",
