@@ -26,7 +26,6 @@ from kvspec._driver import (
     poll_until,
     reason_of,
 )
-from kvspec._offload_session import ChunkCopy, OffloadKind, OffloadSession, OffloadState
 from kvspec._exchange import (
     BlockAllocator,
     ConsumerEndpoint,
@@ -37,6 +36,7 @@ from kvspec._exchange import (
     connect,
     run_request,
 )
+from kvspec._offload_session import ChunkCopy, OffloadKind, OffloadSession, OffloadState
 
 __all__ = [
     "CONSUMER",
