@@ -232,7 +232,7 @@ class _Endpoint(Generic[S]):
     def __init__(
         self,
         *,
-        role: Role[S],
+        side: Role[S],
         engine_id: str,
         config: KVCacheConfig,
         transport: Transport,
@@ -266,7 +266,7 @@ class _Endpoint(Generic[S]):
         self.allocator = BlockAllocator(config.num_blocks, on_free=on_free)
         self._peers: dict[str, _Peer] = {}
         self.driver: Driver[S] = Driver(
-            role=role,
+            role=side,
             transport=transport,
             clock=clock,
             on_free=self._on_free,
@@ -388,7 +388,7 @@ class ProducerEndpoint(_Endpoint[ProducerSession]):
         drain_timeout: float = DEFAULT_DRAIN_TIMEOUT,
     ) -> None:
         super().__init__(
-            role=PRODUCER,
+            side=PRODUCER,
             engine_id=engine_id,
             config=config,
             transport=transport,
@@ -551,7 +551,7 @@ class ConsumerEndpoint(_Endpoint[ConsumerSession]):
         start_margin: float = 0.0,
     ) -> None:
         super().__init__(
-            role=CONSUMER,
+            side=CONSUMER,
             engine_id=engine_id,
             config=config,
             transport=transport,
