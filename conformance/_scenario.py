@@ -67,7 +67,7 @@ from kvspec import (
     is_hma_required,
 )
 from kvspec.connector import pair_keywords
-from kvspec.exchange import Driver, LiveRequest, Operation, reason_of
+from kvspec.exchange import CONSUMER, PRODUCER, Driver, LiveRequest, Operation, poll_until, reason_of
 from kvspec.presets import get_preset
 from kvspec.remote import PeerBackend, RemoteAgent, RemotePool
 from kvspec.testing import (
@@ -419,8 +419,8 @@ class _Play:
         self.p_config = _build(scenario.config)
         self.c_config = _build(scenario.consumer_config) if scenario.consumer_config is not None else self.p_config
         self.tables: dict[str, _Tables] = {}
-        self.producers: dict[str, LiveRequest] = {}
-        self.consumers: dict[str, LiveRequest] = {}
+        self.producers: dict[str, LiveRequest[ProducerSession]] = {}
+        self.consumers: dict[str, LiveRequest[ConsumerSession]] = {}
         self.received: dict[str, int] = {}
         self.polls: dict[str, int] = {}
         self.completed_early: list[tuple[str, ExpectedLoad, list[PageMismatch]]] = []
@@ -449,6 +449,7 @@ class _Play:
         self.p_alloc = _Allocator(self.p_config.num_blocks)
         self.c_alloc = _Allocator(self.c_config.num_blocks)
         self.p_driver = Driver(
+            role=PRODUCER,
             transport=self.producer,
             clock=time.monotonic,
             on_free=lambda request, _: self.p_alloc.release(self.tables[request.request_id].producer),
@@ -458,6 +459,7 @@ class _Play:
             integrity=self._digester(self.p_config, self.producer_pool),
         )
         self.c_driver = Driver(
+            role=CONSUMER,
             transport=self.consumer,
             clock=time.monotonic,
             on_free=self._free_consumer,
@@ -562,7 +564,7 @@ class _Play:
 
     def _pair_and_plan(
         self,
-        request: LiveRequest,
+        request: LiveRequest[ProducerSession] | LiveRequest[ConsumerSession],
         spec: Request,
         params: TransferParams,
         consumer_block_ids: BlockIds,
@@ -585,7 +587,7 @@ class _Play:
         request.pairs = pairs  # what the transfer moves: digested and checked with INT-1 on
         return self.connector.plan(producer_config=self.p_config, consumer_config=self.c_config, pairs=pairs)
 
-    def _plan_write(self, request: LiveRequest, offer: BlockOffer) -> TransferPlan:
+    def _plan_write(self, request: LiveRequest[ProducerSession], offer: BlockOffer) -> TransferPlan:
         spec = self.tables[request.request_id].spec
         return self._pair_and_plan(
             request, spec, request.session.params, offer.consumer_block_ids, offer.consumer_block_ends
@@ -595,10 +597,10 @@ class _Play:
         if isinstance(message, Release):
             self.received[request_id] = self.received.get(request_id, 0) + 1
 
-    def _free_consumer(self, request: LiveRequest, block_ids: BlockIds) -> None:
+    def _free_consumer(self, request: LiveRequest[ConsumerSession], block_ids: BlockIds) -> None:
         self.c_alloc.release(self.tables[request.request_id].consumer)
 
-    def _consumer_ended(self, request: LiveRequest) -> None:
+    def _consumer_ended(self, request: LiveRequest[ConsumerSession]) -> None:
         tables = self.tables[request.request_id]
         tables.ended = time.monotonic()
         if request.session.state is ConsumerState.LOADED:
@@ -631,8 +633,6 @@ class _Play:
     def _outcome(self, request_id: str) -> RequestOutcome:
         consumer = self.consumers[request_id].session
         producer = self.producers[request_id].session
-        if not isinstance(consumer, ConsumerSession) or not isinstance(producer, ProducerSession):
-            raise _ScenarioError("a driver swapped its sessions")  # pragma: no cover - built above
         reason: FailureReason | None = None
         detail = ""
         if consumer.failure is not None:
@@ -820,20 +820,11 @@ class _Play:
             settle = max(settle, max(cancelled) + 4 * self.scenario.drain)
         # A copy landing again after DONE is seen only if the pools are read after it (DONE-1).
         settle = max(settle, time.monotonic() + self.scenario.settle)
-        polls = 0
-        while polls < 20 or time.monotonic() < settle:
-            self._poll_once()
-            polls += 1
-            if polls > 20:
-                time.sleep(0.001)
+        poll_until(self._poll_once, done=lambda: time.monotonic() >= settle, min_polls=20, spin=20, pause=_settle_pause)
 
     def _drive(self, hard_stop: float) -> None:
-        idle = 0
-        while not self._settled() and time.monotonic() <= hard_stop:
-            self._poll_once()
-            idle += 1
-            if idle > 10:
-                time.sleep(0.0005)  # cross-process backends progress in their own processes
+        # After ten quick polls, a short sleep: cross-process backends progress in their own processes.
+        poll_until(self._poll_once, done=self._settled, until=hard_stop, spin=10)
 
     def _poll_once(self) -> None:
         self._inject_timed_faults()
@@ -853,7 +844,7 @@ class _Play:
             session = consumer.session
             if spec.abort_after_polls is not None and session.state is ConsumerState.LOADING:
                 polls = self.polls[request_id] = self.polls.get(request_id, 0) + 1
-                if polls > spec.abort_after_polls and isinstance(session, ConsumerSession):
+                if polls > spec.abort_after_polls:
                     self.c_driver.execute(consumer, session.abort(now=time.monotonic()))
             posted = initiator.requests.get(request_id)
             if spec.disconnect_after_polls is not None and posted is not None and posted.handle is not None:
@@ -875,6 +866,10 @@ class _Play:
         if not isinstance(agent, RemoteAgent):
             raise _ScenarioError("kill_peer_after_polls needs the producer on an agent server (kvspec conform --peer)")
         agent.kill()
+
+
+def _settle_pause() -> None:
+    time.sleep(0.001)
 
 
 def _fill_background(pool: PagePool, *, seed: str) -> None:

@@ -41,12 +41,24 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Sequence
+from typing import Generic
 
 import attrs
 
 from kvspec._codec import decode, encode
 from kvspec._connector import Connector, ReferenceConnector, pair_keywords
-from kvspec._driver import Driver, DriverFault, LiveRequest, Operation, reason_of
+from kvspec._driver import (
+    CONSUMER,
+    PRODUCER,
+    Driver,
+    DriverFault,
+    LiveRequest,
+    Operation,
+    Role,
+    S,
+    poll_until,
+    reason_of,
+)
 from kvspec._enums import FailureReason, TransferMode
 from kvspec._errors import (
     ConfigError,
@@ -212,7 +224,7 @@ class _Peer:
     descriptor: EngineDescriptor
 
 
-class _Endpoint:
+class _Endpoint(Generic[S]):
     """What both roles share: config, allocator, transport, peers, clock, and the driver core."""
 
     role = "engine"
@@ -220,6 +232,7 @@ class _Endpoint:
     def __init__(
         self,
         *,
+        side: Role[S],
         engine_id: str,
         config: KVCacheConfig,
         transport: Transport,
@@ -252,12 +265,12 @@ class _Endpoint:
         self.hma_enabled = is_hma_required(config, disable_hybrid_kv_cache_manager=disable_hybrid_kv_cache_manager)
         self.allocator = BlockAllocator(config.num_blocks, on_free=on_free)
         self._peers: dict[str, _Peer] = {}
-        self.driver = Driver(
+        self.driver: Driver[S] = Driver(
+            role=side,
             transport=transport,
             clock=clock,
             on_free=self._on_free,
             on_end=self._on_end,
-            plan_write=self._plan_write,
             fallback_peer=self._only_peer,
             integrity=PageDigester(config, [r.buffer for r in regions]) if integrity else None,
         )
@@ -338,17 +351,14 @@ class _Endpoint:
 
     # -- role hooks for the driver
 
-    def _on_free(self, request: LiveRequest, block_ids: BlockIds) -> None:
+    def _on_free(self, request: LiveRequest[S], block_ids: BlockIds) -> None:
         self.allocator.free_groups(block_ids)
 
-    def _on_end(self, request: LiveRequest) -> None:
+    def _on_end(self, request: LiveRequest[S]) -> None:
         raise NotImplementedError
 
-    def _plan_write(self, request: LiveRequest, offer: BlockOffer) -> TransferPlan:
-        raise LocalProtocolError(f"a {self.role} never plans a write")
 
-
-class ProducerEndpoint(_Endpoint):
+class ProducerEndpoint(_Endpoint[ProducerSession]):
     """The prefill engine: pins blocks per request and serves READs or posts WRITEs (SM-1).
 
     ``connector`` is the connector seam it clips and plans through (default
@@ -378,6 +388,7 @@ class ProducerEndpoint(_Endpoint):
         drain_timeout: float = DEFAULT_DRAIN_TIMEOUT,
     ) -> None:
         super().__init__(
+            side=PRODUCER,
             engine_id=engine_id,
             config=config,
             transport=transport,
@@ -394,6 +405,7 @@ class ProducerEndpoint(_Endpoint):
         self.drain_timeout = drain_timeout
         self._tables: dict[str, BlockIds] = {}
         self._results: dict[str, ProducerResult] = {}
+        self.driver.plan_write = self._plan_write
         self.driver.on_message = self._refuse_offer_for_no_request
 
     def _refuse_offer_for_no_request(self, request_id: str, peer: str, message: Message) -> None:
@@ -478,14 +490,14 @@ class ProducerEndpoint(_Endpoint):
     def abort(self, request_id: str) -> None:
         """The producer engine gives up on a request (SM-1)."""
         request = self.driver.requests.get(request_id)
-        if request is not None and isinstance(request.session, ProducerSession):
+        if request is not None:
             self.driver.execute(request, request.session.abort(now=self.clock()))
 
     def result(self, request_id: str) -> ProducerResult | None:
         """The outcome of a finished request, or None while it is live."""
         return self._results.get(request_id)
 
-    def _plan_write(self, request: LiveRequest, offer: BlockOffer) -> TransferPlan:
+    def _plan_write(self, request: LiveRequest[ProducerSession], offer: BlockOffer) -> TransferPlan:
         # P does not know C's prefix hit: it aligns the offer to the tail of its own list, and
         # refuses it if both lists say where they end and the ends differ (ALIGN-1).
         peer = self._peer_by_agent(request.peer or "")
@@ -499,7 +511,7 @@ class ProducerEndpoint(_Endpoint):
         request.pairs = pairs  # what the write moves, for the Completion's digests (INT-1)
         return self.connector.plan(producer_config=self.config, consumer_config=peer.config, pairs=pairs)
 
-    def _on_end(self, request: LiveRequest) -> None:
+    def _on_end(self, request: LiveRequest[ProducerSession]) -> None:
         session = request.session
         self._tables.pop(request.request_id, None)
         self._results[request.request_id] = ProducerResult(
@@ -510,7 +522,7 @@ class ProducerEndpoint(_Endpoint):
         )
 
 
-class ConsumerEndpoint(_Endpoint):
+class ConsumerEndpoint(_Endpoint[ConsumerSession]):
     """The decode engine: allocates the uncached suffix, loads it, releases the producer once (SM-2, REL-1).
 
     ``connector`` is the connector seam it clips, pairs and plans through
@@ -539,6 +551,7 @@ class ConsumerEndpoint(_Endpoint):
         start_margin: float = 0.0,
     ) -> None:
         super().__init__(
+            side=CONSUMER,
             engine_id=engine_id,
             config=config,
             transport=transport,
@@ -641,7 +654,7 @@ class ConsumerEndpoint(_Endpoint):
     def abort(self, request_id: str) -> None:
         """The consumer engine gives up; blocks wait for the drain before reuse (SM-2)."""
         request = self.driver.requests.get(request_id)
-        if request is not None and isinstance(request.session, ConsumerSession):
+        if request is not None:
             self.driver.execute(request, request.session.abort(now=self.clock()))
 
     def finish(self, request_id: str) -> None:
@@ -654,10 +667,8 @@ class ConsumerEndpoint(_Endpoint):
         """The outcome of a finished request, or None while it is live."""
         return self._results.get(request_id)
 
-    def _on_end(self, request: LiveRequest) -> None:
+    def _on_end(self, request: LiveRequest[ConsumerSession]) -> None:
         session = request.session
-        if not isinstance(session, ConsumerSession):  # pragma: no cover - a consumer drives consumer sessions
-            raise LocalProtocolError("a consumer endpoint ended a producer session")
         request_id = request.request_id
         if session.state is ConsumerState.LOADED and not request.freed:
             self._loaded[request_id] = session.consumer_block_ids
@@ -726,12 +737,17 @@ def run_request(
     params = producer.prefill(request_id, num_tokens=num_tokens, fill=fill)
     routed = TransferParams.from_kv_transfer_params(params.to_kv_transfer_params())
     consumer.begin(routed, prefix_hit_tokens=prefix_hit_tokens)
-    pause = idle if idle is not None else (lambda: time.sleep(0.0002))
-    while producer.result(request_id) is None or consumer.result(request_id) is None:
+
+    def both() -> None:
         consumer.poll()
         producer.poll()
-        if producer.result(request_id) is None or consumer.result(request_id) is None:
-            pause()
+
+    poll_until(
+        both,
+        done=lambda: producer.result(request_id) is not None and consumer.result(request_id) is not None,
+        pause=idle if idle is not None else (lambda: time.sleep(0.0002)),
+        clock=producer.clock,
+    )
     consumer_result, producer_result = consumer.result(request_id), producer.result(request_id)
     if consumer_result is None or producer_result is None:  # pragma: no cover - the loop above waits for both
         raise LocalProtocolError(f"request {request_id!r} did not end on both sides")

@@ -726,6 +726,11 @@ class ProducerSession:
         return self.params.mode
 
     @property
+    def request_id(self) -> str:
+        """The producer's request id, from the transfer parameters."""
+        return self.params.request_id
+
+    @property
     def offer(self) -> BlockOffer | None:
         """The consumer's block offer (WRITE mode), once received."""
         return self._offer
@@ -921,6 +926,11 @@ class ConsumerSession:
     def mode(self) -> TransferMode:
         """READ or WRITE, from the transfer parameters."""
         return self.params.mode
+
+    @property
+    def request_id(self) -> str:
+        """The producer's request id, from the transfer parameters."""
+        return self.params.request_id
 
     @property
     def is_prefix_hit(self) -> bool:

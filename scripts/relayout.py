@@ -64,6 +64,7 @@ MOVES: dict[str, str] = {
     "_codec": "protocol",
     "_handshake": "protocol",
     "_session": "protocol",
+    "_offload_session": "protocol",
     "_schema": "protocol",
     "_summary": "protocol",
     # drivers

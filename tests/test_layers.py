@@ -44,7 +44,10 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
         "rules",
         frozenset({"kvspec._reference", "kvspec._offload", "kvspec._messages", "kvspec._presets", "kvspec._integrity"}),
     ),
-    ("protocol", frozenset({"kvspec._plan", "kvspec._codec", "kvspec._handshake", "kvspec._session"})),
+    (
+        "protocol",
+        frozenset({"kvspec._plan", "kvspec._codec", "kvspec._handshake", "kvspec._session", "kvspec._offload_session"}),
+    ),
     ("reports", frozenset({"kvspec._schema", "kvspec._summary"})),
     (
         "spec",
