@@ -405,7 +405,7 @@ _LLAMA4_SCOUT = ModelPreset(
 
 
 # State groups (STATE-1 .. STATE-5). Shapes are vLLM 0.33's ``MambaStateShapeCalculator`` at TP 1 with the conv
-# state in DS layout, (conv dim, kernel - 1): the layout vLLM's NIXL path requires (research note §4.3); the SD
+# state in DS layout, (conv dim, kernel - 1): the layout vLLM's NIXL path asserts (docs/spec/memory-layout.md); the SD
 # layout holds the same bytes transposed. Dtypes are vLLM's defaults for ``mamba_cache_dtype`` /
 # ``mamba_ssm_cache_dtype`` "auto" (``MambaStateDtypeCalculator``). No preset has speculative scratch slots
 # (``num_speculative_blocks`` 0, no MTP) or prefix caching (cache mode "none"). vLLM pads every state page to
@@ -439,7 +439,8 @@ def _kda_state(heads: int, head_dim: int, conv_kernel: int) -> MambaSpec:
     # Kimi Delta Attention: conv over Q, K and V (3 * heads * head_dim), recurrent (heads, head_dim, head_dim) kept
     # in float32 (vLLM's kda_state_dtype for "auto"). vLLM 0.33 runs KDA through its GDN backend
     # (kimi_gdn_linear_attn.py); kvspec names the kind "kda" because the state differs from GDN's.
-    return _state([(3 * heads * head_dim, conv_kernel - 1), (heads, head_dim, head_dim)], ["bfloat16", "float32"], "kda")
+    shapes = [(3 * heads * head_dim, conv_kernel - 1), (heads, head_dim, head_dim)]
+    return _state(shapes, ["bfloat16", "float32"], "kda")
 
 
 _QWEN3_NEXT = ModelPreset(
@@ -517,9 +518,7 @@ _JAMBA_MINI = ModelPreset(
         "ai21labs/Jamba-v0.1's config.json; Jamba 1.5 keeps that architecture (arXiv 2408.12570), an assumption "
         "not checked against the 1.5 file."
     ),
-    layer_specs=[
-        _full(8, 128) if i % 8 == 4 else _mamba1_state(2 * 4096, 16, 4, "bfloat16") for i in range(32)
-    ],
+    layer_specs=[_full(8, 128) if i % 8 == 4 else _mamba1_state(2 * 4096, 16, 4, "bfloat16") for i in range(32)],
     description="28 Mamba-1 + 4 attention layers: 7 state groups (conv (8192, 3), SSM (8192, 16), bf16), "
     "then 1 FA group; B = 80.",
 )

@@ -20,8 +20,8 @@ from kvspec import (
     TransferMode,
 )
 from kvspec._plan import PageCopy, TransferPlan, plan_transfer
-from kvspec.spec import compute_page_copies, get_page_byte_ranges
 from kvspec.presets import Layout, get_preset
+from kvspec.spec import compute_page_copies, get_page_byte_ranges
 
 LAYOUTS = ("blocks_first", "layers_first", "per_layer", "shared")
 # Presets with several groups and different kinds; shrunk to a few KiB per pool.
@@ -242,9 +242,7 @@ def fa_mamba2_config(num_blocks: int = 8, ssm_shape: tuple[int, ...] = (2, 2, 3)
     """FA (one layer) + a Mamba-2 state group (two layers): conv (4, 3) fp16 = 24 B, SSM (2, 2, 3) fp32 = 48 B,
     padded to the attention page of 96 B (6 tokens x 1 head x (4 + 4) x 2 B), blocks_first."""
     fa = FullAttentionSpec(block_size=6, num_kv_heads=1, head_size=4, dtype="float16")
-    state = MambaSpec(
-        block_size=6, shapes=[(4, 3), ssm_shape], dtypes=["float16", "float32"], page_size_padded=96
-    )
+    state = MambaSpec(block_size=6, shapes=[(4, 3), ssm_shape], dtypes=["float16", "float32"], page_size_padded=96)
     return KVCacheConfig(
         num_blocks=num_blocks,
         kv_cache_tensors=[

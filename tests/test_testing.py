@@ -298,4 +298,5 @@ def test_the_oracle_checks_state_tensor_bytes_and_the_padding(state_bytes: int, 
         assert found == []
     else:
         assert {(m.kind, m.group, m.block) for m in found} == {(MismatchKind.WRONG_CONTENT, 1, 6)}
-        assert len(found) == 2 and expect in found[0].what
+        assert len(found) == 2
+        assert expect in found[0].what
