@@ -323,7 +323,12 @@ def _plan_page_by_page(
 
 @attrs.frozen
 class _Run:
-    """Layers of one group whose moved bytes for one block sit side by side on both sides: one copy per pair."""
+    """Layers of one group whose pages for one block sit side by side on both sides: one copy per pair.
+
+    In a state group whose pages end in padding (``moved`` set), each layer's
+    page gives its own copy of ``moved`` bytes instead: the padding between
+    them never moves (PLAN-1).
+    """
 
     p_region: int
     p_base: int
@@ -331,12 +336,14 @@ class _Run:
     c_region: int
     c_base: int
     c_stride: int
-    nbytes: int
+    nbytes: int  # the run's pages, padding included: what its span covers
+    page: int
+    moved: int | None = None
 
     @property
     def linkable(self) -> bool:
         """Whether block b + 1's copy continues block b's on both sides (a block stride equal to the run)."""
-        return self.p_stride == self.nbytes and self.c_stride == self.nbytes
+        return self.moved is None and self.p_stride == self.nbytes and self.c_stride == self.nbytes
 
 
 @attrs.frozen
@@ -377,9 +384,10 @@ def _group_layout(producer: KVCacheConfig, consumer: KVCacheConfig, g: int) -> _
         return None  # the page-by-page planner raises the HS-1 / STATE-5 error, in its order
     # The moved bytes of a page are one range from its start (a state group's tensors lie back to back):
     # one copy per page, as the page-by-page planner's merge makes of them.
-    moved = ranges[-1][0] + ranges[-1][1]
+    end = ranges[-1][0] + ranges[-1][1]
     if ranges[0][0] != 0 or any(a[0] + a[1] != b[0] for a, b in itertools.pairwise(ranges)):
         return None
+    moved = None if end == page else end
     slots = sorted((_layer_slot(producer, name), _layer_slot(consumer, name)) for name in p_group.layer_names)
     runs: list[_Run] = []
     p_max_id = c_max_id = producer.num_blocks + consumer.num_blocks
@@ -393,14 +401,26 @@ def _group_layout(producer: KVCacheConfig, consumer: KVCacheConfig, g: int) -> _
             and pb == last.p_base + last.nbytes
             and cb == last.c_base + last.nbytes
         ):
-            runs[-1] = attrs.evolve(last, nbytes=last.nbytes + moved)  # the next layer's bytes follow on both sides
+            runs[-1] = attrs.evolve(last, nbytes=last.nbytes + page)  # the next layer's page follows on both sides
         else:
-            runs.append(_Run(p_region=pr, p_base=pb, p_stride=ps, c_region=cr, c_base=cb, c_stride=cs, nbytes=moved))
+            runs.append(
+                _Run(
+                    p_region=pr,
+                    p_base=pb,
+                    p_stride=ps,
+                    c_region=cr,
+                    c_base=cb,
+                    c_stride=cs,
+                    nbytes=page,
+                    page=page,
+                    moved=moved,
+                )
+            )
     return _GroupLayout(
         runs=tuple(runs),
         num_layers=len(p_group.layer_names),
         page=page,
-        moved_per_page=None if moved == page else moved,
+        moved_per_page=moved,
         p_max_id=p_max_id,
         c_max_id=c_max_id,
     )
@@ -560,6 +580,13 @@ def _plan_fast(
         if ordered is None:
             return None  # the page-by-page planner names the first bad id, page or overlap
         for r, run in enumerate(group.runs):
+            if run.moved is not None:
+                # A state group's padded pages: one copy of the state bytes per layer page, in producer order.
+                layer_starts = range(0, run.nbytes, run.page)
+                p_offsets = [run.p_base + p_id * run.p_stride + at for p_id in ordered.p_ids for at in layer_starts]
+                c_offsets = [run.c_base + c_id * run.c_stride + at for c_id in ordered.c_ids for at in layer_starts]
+                pieces[g, r] = p_offsets, c_offsets, [run.moved] * len(p_offsets)
+                continue
             if run.linkable:
                 p_ids, c_ids = ordered.p_first, ordered.c_first
                 nbytes = [length * run.nbytes for length in ordered.lengths]
