@@ -478,3 +478,27 @@ def test_offload_hit_equals_the_definition_refusals_included(
         )
     )
     assert fast == definition
+
+
+def test_a_state_hybrid_takes_the_fast_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Qwen3-Next (padded GDN pages), blocks_first: one copy of state bytes per layer page, on the fast path."""
+    config = small_config("qwen3-next-80b", "blocks_first", 32)
+    calls: list[bool] = []
+    fast = plan_module._plan_fast
+
+    def spy(*args: Any) -> TransferPlan | None:
+        result = fast(*args)
+        calls.append(result is not None)
+        return result
+
+    monkeypatch.setattr(plan_module, "_plan_fast", spy)
+    ids = BlockIds([[1], [2], [3], range(4, 12)])  # one slot per state group, 8 FA blocks
+    pairs = Pairs(producer_block_ids=ids, consumer_block_ids=ids)
+    plan = plan_transfer(producer_config=config, consumer_config=config, pairs=pairs)
+    assert calls == [True]
+    assert plan == _plan_page_by_page(config, config, pairs)
+    state = config.kv_cache_groups[0].kv_cache_spec
+    moved = sum(nbytes for _, nbytes in plain.get_page_byte_ranges(state))
+    assert moved < state.page_size_bytes
+    assert plan.num_descriptors == 3 * 2 + 1  # two layers per state group, each its own copy; FA one run
+    assert [c.nbytes for c in plan.copies].count(moved) == 6
