@@ -46,13 +46,13 @@ class PageCopy:
 
 
 def get_page_byte_ranges(spec: KVCacheSpec) -> tuple[tuple[int, int], ...]:
-    """The ``(offset, nbytes)`` ranges of one page that a transfer moves (PLAN-1).
+    """The ``(offset, nbytes)`` ranges of one page that a transfer moves.
 
     An attention page moves whole. A state group's page holds its state
     tensors back to back from the page's start, then padding up to the
     shared page size (docs/spec/memory-layout.md): tensor ``i`` starts after
     the bytes of tensors ``0 .. i-1`` and is ``prod(shape) * itemsize``
-    bytes long. Those ranges move; the padding never does.
+    bytes long. Those ranges move; the padding never does (PLAN-1).
     """
     if not isinstance(spec, MambaSpec):
         return ((0, spec.page_size_bytes),)
