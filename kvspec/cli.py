@@ -26,7 +26,7 @@ from kvspec._offload import (
 )
 from kvspec._presets import get_preset, list_presets
 from kvspec._reference import check_hybrid_support, get_logical_block_count, get_pruned_block_ids
-from kvspec._summary import PlanSummary, blocks_needed_for, summarize_plan
+from kvspec._summary import PlanSummary, blocks_needed_for, summarize_plan, without_state_groups
 from kvspec._version import __version__
 
 __all__ = [
@@ -300,7 +300,12 @@ def plan_summary_to_dict(model: str, summary: PlanSummary) -> dict[str, Any]:
                 "block_size": g.block_size,
                 "sliding_window": g.sliding_window,
                 "num_layers": g.num_layers,
+                "role": "state" if g.is_state else "attention",
                 "page_size": g.page_size,
+                "bytes_per_page": g.bytes_per_page,
+                "state": (
+                    {"mamba_type": g.mamba_type, "tensor_bytes": list(g.state_tensor_bytes)} if g.is_state else None
+                ),
                 "blocks_unclipped": g.blocks_unclipped,
                 "blocks_clipped": g.blocks_clipped,
                 "bytes_unclipped": g.bytes_unclipped,
@@ -311,6 +316,8 @@ def plan_summary_to_dict(model: str, summary: PlanSummary) -> dict[str, Any]:
         "total": {
             "bytes_unclipped": summary.bytes_unclipped,
             "bytes_clipped": summary.bytes_clipped,
+            "attention_bytes_clipped": summary.attention_bytes_clipped,
+            "state_bytes_clipped": summary.state_bytes_clipped,
             "bytes_saved": summary.bytes_saved,
             "pages_unclipped": summary.pages_unclipped,
             "pages_clipped": summary.pages_clipped,
@@ -330,14 +337,15 @@ def _human(nbytes: int) -> str:
 
 
 def _print_table(model: str, summary: PlanSummary, out: TextIO) -> None:
-    header = ("group", "kind", "window", "layers", "page", "blocks", "clipped", "bytes", "clipped bytes")
+    header = ("group", "kind", "window", "layers", "page", "moves", "blocks", "clipped", "bytes", "clipped bytes")
     rows = [
         (
             str(g.group_index),
-            g.kind,
+            f"{g.kind} ({g.mamba_type})" if g.is_state else g.kind,
             "-" if g.sliding_window is None else str(g.sliding_window),
             str(g.num_layers),
             _human(g.page_size),
+            _human(g.bytes_per_page),
             str(g.blocks_unclipped),
             str(g.blocks_clipped),
             _human(g.bytes_unclipped),
@@ -345,7 +353,7 @@ def _print_table(model: str, summary: PlanSummary, out: TextIO) -> None:
         )
         for g in summary.groups
     ]
-    total = ("total", "", "", "", "", "", "", _human(summary.bytes_unclipped), _human(summary.bytes_clipped))
+    total = ("total", "", "", "", "", "", "", "", _human(summary.bytes_unclipped), _human(summary.bytes_clipped))
     widths = [max(len(r[i]) for r in (header, *rows, total)) for i in range(len(header))]
     print(
         f"{model}: {summary.num_tokens} tokens, prefix hit {summary.prefix_hit_tokens}, mode {summary.mode.value}",
@@ -356,6 +364,13 @@ def _print_table(model: str, summary: PlanSummary, out: TextIO) -> None:
     saved = summary.bytes_saved
     share = saved / summary.bytes_unclipped if summary.bytes_unclipped else 0.0
     print(f"clipping saves {_human(saved)} ({share:.1%})", file=out)
+    if any(g.is_state for g in summary.groups):
+        print(
+            f"clipped: attention {_human(summary.attention_bytes_clipped)}, state "
+            f"{_human(summary.state_bytes_clipped)} (one slot per state group, STATE-2; a state page moves its "
+            "state tensors, never its padding, PLAN-1)",
+            file=out,
+        )
     print(
         f"descriptors: {summary.descriptors_clipped} clipped, {summary.descriptors_unclipped} unclipped "
         f"(fresh contiguous allocation; pages: {summary.pages_clipped} / {summary.pages_unclipped})",
@@ -485,7 +500,11 @@ def _run_plan(args: argparse.Namespace, out: TextIO) -> int:
         return _run_offload_plan(args, preset, out)
     mode = TransferMode(args.mode)
     sizing = preset.build_config(num_blocks=2, block_size=args.block_size, layout=args.layout)
-    check_hybrid_support(sizing, mode=mode)
+    # State groups are summarized by STATE-2 whatever admission says of them; the attention groups are admitted
+    # as they would be on their own (ADM-1).
+    attention = without_state_groups(sizing)
+    if attention is not None:
+        check_hybrid_support(attention, mode=mode)
     config = preset.build_config(
         num_blocks=blocks_needed_for(sizing, num_tokens=args.tokens), block_size=args.block_size, layout=args.layout
     )

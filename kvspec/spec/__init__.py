@@ -20,7 +20,7 @@ from kvspec.spec.coverage import (
 )
 from kvspec.spec.offload import check_offload_support, get_offload_hit_tokens
 from kvspec.spec.pairing import BlockPairs, compute_block_pairs, compute_transfer_pairs
-from kvspec.spec.plan import BlockPairsLike, PageCopy, compute_page_copies
+from kvspec.spec.plan import BlockPairsLike, PageCopy, compute_page_copies, get_page_byte_ranges
 from kvspec.spec.window import (
     BlockIdsLike,
     TokenBasis,
@@ -52,6 +52,7 @@ __all__ = [
     "get_needed_token_range",
     "get_num_skipped_tokens",
     "get_offload_hit_tokens",
+    "get_page_byte_ranges",
     "get_pruned_block_ids",
     "get_token_basis_group",
     "is_full_attention_spec",
