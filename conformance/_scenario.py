@@ -68,10 +68,15 @@ from kvspec import (
     is_hma_required,
 )
 from kvspec.connector import pair_keywords
-from kvspec.spec.state import check_state_position, get_state_clipped_blocks, get_state_group_indices, is_state_spec
 from kvspec.exchange import Driver, LiveRequest, Operation, reason_of
 from kvspec.presets import get_preset
 from kvspec.remote import PeerBackend, RemoteAgent, RemotePool
+from kvspec.spec.state import (
+    check_state_position,
+    get_scratch_slot_count,
+    get_state_clipped_blocks,
+    get_state_group_indices,
+)
 from kvspec.testing import (
     ExpectedLoad,
     PageMismatch,
@@ -498,7 +503,7 @@ class _Play:
                 total,
             )
             # A state group's speculative scratch slots sit at the tail; the clip drops them (STATE-2).
-            scratch = group.kv_cache_spec.num_speculative_blocks if is_state_spec(group.kv_cache_spec) and total else 0
+            scratch = get_scratch_slot_count(group.kv_cache_spec) if total else 0
             groups.append(
                 [NULL_BLOCK_ID] * skipped + [self.p_alloc.allocate() for _ in range(total - skipped + scratch)]
             )
@@ -591,7 +596,7 @@ class _Play:
             return spec.producer_block_ends
         ends = list(spec.producer_block_ends or get_block_ends_for(self.p_config, spec.listed_tokens))
         for g in states:
-            scratch = min(self.p_config.kv_cache_groups[g].kv_cache_spec.num_speculative_blocks, len(p_ids[g]) - 1)
+            scratch = min(get_scratch_slot_count(self.p_config.kv_cache_groups[g].kv_cache_spec), len(p_ids[g]) - 1)
             ends[g] += max(scratch, 0)
         return tuple(ends)
 

@@ -64,7 +64,7 @@ class Connector(Protocol):
         ...
 
     def clip_block_ids(self, config: KVCacheConfig, block_ids: BlockIds) -> BlockIds:
-        """Clip one side's list before it is exchanged: windows to their budget, state groups to one slot (CLIP-1, STATE-2)."""
+        """Clip one side's list before it is exchanged: windows to budget, state to one slot (CLIP-1, STATE-2)."""
         ...
 
     def pair_block_ids(
@@ -106,7 +106,7 @@ class ReferenceConnector:
         check_compatibility(producer=producer, consumer=consumer)
 
     def clip_block_ids(self, config: KVCacheConfig, block_ids: BlockIds) -> BlockIds:
-        """``get_exchange_clipped_blocks(block_ids, get_blocks_per_sw(config))``, then each state group's slot (CLIP-1, STATE-2)."""
+        """``get_exchange_clipped_blocks``, then ``get_state_clipped_blocks`` (CLIP-1, STATE-2)."""
         return get_state_clipped_blocks(config, get_exchange_clipped_blocks(block_ids, get_blocks_per_sw(config)))
 
     def pair_block_ids(

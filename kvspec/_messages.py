@@ -369,7 +369,7 @@ class EngineDescriptor:
         transport_metadata: bytes = b"",
         state_profile: StateProfile | None = None,
     ) -> EngineDescriptor:
-        """Describe an engine from its KV-cache config; a config with state groups carries its profile (HS-1, STATE-1)."""
+        """Describe an engine from its KV-cache config; one with state groups has a profile (HS-1, STATE-1)."""
         has_state = any(isinstance(g.kv_cache_spec, MambaSpec) for g in config.kv_cache_groups)
         if has_state and state_profile is None:
             state_profile = StateProfile.RECOMPUTE

@@ -82,14 +82,6 @@ from kvspec._reference import (
     is_hma_required,
 )
 from kvspec._rules import RULES
-from kvspec.spec.state import (
-    check_state_position,
-    check_state_prefix_hit,
-    get_state_clipped_blocks,
-    get_state_differences,
-    get_state_prefix_hit,
-    pair_state_slots,
-)
 from kvspec._session import ConsumerSession, ProducerSession
 from kvspec._summary import blocks_needed_for, summarize_plan
 from kvspec._vectors import (
@@ -103,6 +95,14 @@ from kvspec._vectors import (
     vector_schema,
 )
 from kvspec.spec.pins import Pin, pins_for
+from kvspec.spec.state import (
+    check_state_position,
+    check_state_prefix_hit,
+    get_state_clipped_blocks,
+    get_state_differences,
+    get_state_prefix_hit,
+    pair_state_slots,
+)
 
 __all__ = [
     "CASE_SETS",

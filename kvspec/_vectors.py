@@ -86,6 +86,8 @@ from kvspec._reference import (
     is_hma_required,
 )
 from kvspec._rules import RULES
+from kvspec._session import ConsumerSession, Output, ProducerSession
+from kvspec._summary import blocks_needed_for, summarize_plan
 from kvspec.spec.state import (
     check_state_position,
     check_state_prefix_hit,
@@ -94,8 +96,6 @@ from kvspec.spec.state import (
     get_state_prefix_hit,
     pair_state_slots,
 )
-from kvspec._session import ConsumerSession, Output, ProducerSession
-from kvspec._summary import blocks_needed_for, summarize_plan
 
 __all__ = [
     "FORMAT_VERSION",

@@ -456,7 +456,8 @@ def test_a_1_1_message_without_the_1_2_fields_decodes_with_their_defaults() -> N
     body = json.loads(encode(PARAMS)) | {"v": [1, 1]}
     del body["state_tokens"]
     decoded = decode(json.dumps(body).encode())
-    assert isinstance(decoded, type(PARAMS)) and decoded.state_tokens is None
+    assert isinstance(decoded, type(PARAMS))
+    assert decoded.state_tokens is None
     assert decode(encode(attrs.evolve(PARAMS, state_tokens=9))) == attrs.evolve(PARAMS, state_tokens=9)
 
 

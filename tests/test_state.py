@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import attrs
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kvspec_conformance import Request, Scenario, run_scenario
+from kvspec_conformance.configs import full, gdn, make_config, mamba, sw
 
 from kvspec import (
     BlockAlignmentError,
@@ -39,8 +43,6 @@ from kvspec.spec import (
 )
 from kvspec.testing import allocate_pool, fill_producer_pages
 from kvspec.transport.loopback import LoopbackBackend
-from kvspec_conformance import Request, Scenario, run_scenario
-from kvspec_conformance.configs import full, gdn, make_config, mamba, sw
 
 FA_MAMBA = make_config(full(), mamba(), num_blocks=24)
 FA_GDN_ALIGN = make_config(full(), gdn(cache_mode="align", num_speculative_blocks=2), num_blocks=32)
@@ -52,7 +54,7 @@ def _state(config: KVCacheConfig, group: int = 1) -> MambaSpec:
     return spec
 
 
-def _with_state(config: KVCacheConfig, **changes: object) -> KVCacheConfig:
+def _with_state(config: KVCacheConfig, **changes: Any) -> KVCacheConfig:
     groups = [
         attrs.evolve(g, kv_cache_spec=attrs.evolve(g.kv_cache_spec, **changes))
         if isinstance(g.kv_cache_spec, MambaSpec)
@@ -89,7 +91,8 @@ def test_the_prebuilt_profile_recomputes_nothing() -> None:
 def test_state_errors_cross_the_error_codec_as_themselves() -> None:
     for error in (StatePositionError("t=3 T=4"), StateSlotError("group 1")):
         back = decode_error(encode_error(error))
-        assert type(back) is type(error) and str(back) == str(error)
+        assert type(back) is type(error)
+        assert str(back) == str(error)
         assert isinstance(back, BlockAlignmentError)  # a request it ends fails with reason block_alignment
 
 
@@ -156,7 +159,8 @@ def test_pairs_of_a_state_hybrid_equal_between_the_definition_and_the_fast_path(
     }
     plain = compute_transfer_pairs(FA_GDN_ALIGN, **args)  # type: ignore[arg-type]
     assert fast.compute_transfer_pairs(FA_GDN_ALIGN, **args) == plain  # type: ignore[arg-type]
-    assert plain.producer_block_ids[1] == (50,) and plain.consumer_block_ids[1] == (90,)
+    assert plain.producer_block_ids[1] == (50,)
+    assert plain.consumer_block_ids[1] == (90,)
 
 
 # --------------------------------------------------------------------------- STATE-4
@@ -274,7 +278,8 @@ def test_endpoints_move_the_state_slot_byte_exactly(config: KVCacheConfig, mode:
         producer.prefill = lambda rid, **kw: producer_prefill(rid, **kw, state_tokens=11)  # type: ignore[method-assign]
         wrong = run_request(producer, consumer, request_id="wrong", num_tokens=10, fill=fill)
         assert wrong.state is ConsumerState.FAILED
-        assert wrong.consumer.failure is not None and "t=11" in wrong.consumer.failure.detail
+        assert wrong.consumer.failure is not None
+        assert "t=11" in wrong.consumer.failure.detail
         assert wrong.consumer.num_bytes == 0
         backend.close()
 
@@ -289,6 +294,7 @@ def test_the_suite_scenario_carries_state_and_its_oracle_checks_the_slot(mode: s
     ]
     result = run_scenario(Scenario(config=FA_GDN_ALIGN, mode=mode, requests=requests), backend="loopback")
     assert result.ok, result.summary()
-    assert result.outcomes["r"].loaded and result.outcomes["hit"].loaded
+    assert result.outcomes["r"].loaded
+    assert result.outcomes["hit"].loaded
     for refused in ("late", "old"):
         assert isinstance(result.outcomes[refused].error, StatePositionError)

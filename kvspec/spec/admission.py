@@ -83,14 +83,12 @@ def check_hybrid_support(
     # Without the hybrid manager a state has no per-group slot table to pair (ADM-1).
     if states and disable_hybrid_kv_cache_manager:
         raise UnsupportedHybridError(
-            f"state groups are exchanged only under the hybrid KV-cache manager (ADM-1): {described}. "
-            f"Drop {HMA_FLAG}."
+            f"state groups are exchanged only under the hybrid KV-cache manager (ADM-1): {described}. Drop {HMA_FLAG}."
         )
     # vLLM's NIXL connector refuses Mamba under pipeline parallelism: each stage would hold part of the state.
     if states and pipeline_parallel_size > 1:
         raise UnsupportedHybridError(
-            f"pipeline_parallel_size: expected 1 with state groups, got {pipeline_parallel_size} (ADM-1): "
-            f"{described}"
+            f"pipeline_parallel_size: expected 1 with state groups, got {pipeline_parallel_size} (ADM-1): {described}"
         )
     if not is_hma_required(config, disable_hybrid_kv_cache_manager=disable_hybrid_kv_cache_manager):
         return

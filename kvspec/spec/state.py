@@ -20,6 +20,7 @@ __all__ = [
     "STATE_KINDS",
     "check_state_position",
     "check_state_prefix_hit",
+    "get_scratch_slot_count",
     "get_state_clipped_blocks",
     "get_state_clipped_slots",
     "get_state_differences",
@@ -43,6 +44,11 @@ STATE_FIELDS: tuple[str, ...] = ("shapes", "dtypes", "mamba_type", "conv_layout"
 def is_state_spec(spec: KVCacheSpec) -> bool:
     """True for a state group: one state per request, not one block per ``block_size`` tokens (STATE-2)."""
     return isinstance(spec, MambaSpec)
+
+
+def get_scratch_slot_count(spec: KVCacheSpec) -> int:
+    """Speculative scratch slots at the tail of a state group's list; 0 for any other group (STATE-2)."""
+    return spec.num_speculative_blocks if isinstance(spec, MambaSpec) else 0
 
 
 def get_state_group_indices(config: KVCacheConfig) -> tuple[int, ...]:
@@ -134,7 +140,9 @@ def get_state_clipped_blocks(config: KVCacheConfig, block_ids: BlockIds) -> Bloc
 # --------------------------------------------------------------------------- STATE-3
 
 
-def pair_state_slots(producer_slots: Sequence[int], consumer_slots: Sequence[int], *, group: int = 0) -> tuple[int, int]:
+def pair_state_slots(
+    producer_slots: Sequence[int], consumer_slots: Sequence[int], *, group: int = 0
+) -> tuple[int, int]:
     """The producer's slot and the consumer's slot that receives it, from lists without scratch (STATE-3).
 
     The producer's last slot holds the state (a longer producer list is a
