@@ -1,4 +1,4 @@
-"""The ``kvspec`` command line: ``plan`` a preset's transfer, ``conform`` a backend, ``vectors``, ``vllm-audit``."""
+"""The ``kvspec`` command line: ``plan`` a preset's transfer, ``conform`` a backend, ``vectors``, the engine audits."""
 
 from __future__ import annotations
 
@@ -241,6 +241,45 @@ def build_parser() -> argparse.ArgumentParser:
     setup.add_argument("--print", action="store_true", required=True, help="print the shell commands")
     setup.add_argument("--python", default="python", help="the interpreter whose pip installs (default: python)")
     setup.set_defaults(handler=_run_vllm_setup)
+    saudit = sub.add_parser(
+        "sglang-audit",
+        help="drive random P/D requests through SGLang's own allocator, index building and pairing",
+        description=(
+            "Whole requests through SGLang 0.5.23's page allocator, its prefill and decode index building and each "
+            "backend's pairing; every pair is checked by logical position (ALIGN-1, NULL-1, WIN-1). Needs "
+            "kvspec[sglang] (kvspec sglang-setup --print | bash)."
+        ),
+    )
+    saudit.add_argument(
+        "--backend",
+        action="append",
+        choices=("mooncake", "nixl", "mori"),
+        help="backend whose pairing to drive; repeatable (default: mooncake, nixl, mori)",
+    )
+    saudit.add_argument(
+        "--expect-file",
+        metavar="NAME|PATH",
+        help="deviation classes known to be found, BACKEND/CLASS=REASON lines (or 'sglang-audit', the shipped list): "
+        "exit 0 when exactly these are found; without it any deviation exits 1",
+    )
+    saudit.add_argument(
+        "--requests",
+        type=_audit_requests,
+        default=200,
+        metavar="N",
+        help=f"random requests, at most {MAX_AUDIT_REQUESTS} (default 200)",
+    )
+    saudit.add_argument("--seed", type=_non_negative_int, default=11, metavar="S", help="random seed (default 11)")
+    saudit.add_argument("--json", metavar="PATH", help="also write the report as JSON (the findings page reads it)")
+    saudit.set_defaults(handler=_run_sglang_audit)
+    ssetup = sub.add_parser(
+        "sglang-setup",
+        help="print the commands that install SGLang for the CPU, as kvspec tests it (pipe them to bash)",
+        description="SGLang's wheel and what its disaggregation code imports, each with --no-deps (kvspec[sglang]).",
+    )
+    ssetup.add_argument("--print", action="store_true", required=True, help="print the shell commands")
+    ssetup.add_argument("--python", default="python", help="the interpreter whose pip installs (default: python)")
+    ssetup.set_defaults(handler=_run_sglang_setup)
     return parser
 
 
@@ -586,6 +625,35 @@ def _run_vllm_audit(args: argparse.Namespace, out: TextIO) -> int:
         out.write(f"FAILED {problem}\n")
     out.write(("FAILED" if problems else "PASSED") + f": {len(problems)} unexpected or vanished deviation classes\n")
     return 1 if problems else 0
+
+
+def _run_sglang_audit(args: argparse.Namespace, out: TextIO) -> int:
+    from kvspec.integrations.expectations import load_expected
+    from kvspec.integrations.sglang import check_sglang_version
+    from kvspec.integrations.sglang_audit import AUDIT_BACKENDS, check_expected, run_audit
+
+    try:
+        check_sglang_version()
+        expected = load_expected(args.expect_file) if args.expect_file else None
+        report = run_audit(backends=tuple(args.backend or AUDIT_BACKENDS), requests=args.requests, seed=args.seed)
+    except (KVSpecError, ValueError) as exc:
+        print(f"kvspec sglang-audit: {exc}", file=sys.stderr)
+        return 2
+    out.write(report.render())
+    if args.json:
+        report.write_json(args.json)
+    problems = check_expected(report, expected or {})
+    for problem in problems:
+        out.write(f"FAILED {problem}\n")
+    out.write(("FAILED" if problems else "PASSED") + f": {len(problems)} unexpected or vanished deviation classes\n")
+    return 1 if problems else 0
+
+
+def _run_sglang_setup(args: argparse.Namespace, out: TextIO) -> int:
+    from kvspec.integrations.sglang import cpu_setup_script
+
+    out.write(cpu_setup_script(args.python))
+    return 0
 
 
 def _run_vllm_setup(args: argparse.Namespace, out: TextIO) -> int:
