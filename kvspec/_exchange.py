@@ -59,7 +59,7 @@ from kvspec._driver import (
     poll_until,
     reason_of,
 )
-from kvspec._enums import FailureReason, TransferMode
+from kvspec._enums import FailureReason, StateProfile, TransferMode
 from kvspec._errors import (
     ConfigError,
     IncompatiblePeerError,
@@ -72,7 +72,7 @@ from kvspec._errors import (
 from kvspec._handshake import check_compatibility
 from kvspec._integrity import PageDigester
 from kvspec._messages import BlockOffer, EngineDescriptor, Failure, Message, ReleaseOutcome, TransferParams
-from kvspec._models import NULL_BLOCK_ID, BlockIds, KVCacheConfig
+from kvspec._models import NULL_BLOCK_ID, BlockIds, KVCacheConfig, KVCacheSpec, MambaSpec
 from kvspec._plan import TransferPlan
 from kvspec._reference import (
     BlockPairs,
@@ -92,6 +92,7 @@ from kvspec._session import (
     ProducerSession,
     ProducerState,
 )
+from kvspec.spec.state import check_state_position, get_state_group_indices, get_state_paired_lists
 from kvspec.transport._base import MemoryRegion, Transport
 
 __all__ = [
@@ -243,6 +244,7 @@ class _Endpoint(Generic[S]):
         on_free: Callable[[list[int]], None] | None = None,
         connector: Connector | None = None,
         integrity: bool = False,
+        state_profile: StateProfile | str | None = None,
     ) -> None:
         if not isinstance(engine_id, str) or not engine_id:
             raise ConfigError(f"{type(self).__name__}.engine_id: expected a non-empty str, got {engine_id!r}")
@@ -263,6 +265,17 @@ class _Endpoint(Generic[S]):
         self.clock = clock
         self.connector: Connector = ReferenceConnector() if connector is None else connector
         self.hma_enabled = is_hma_required(config, disable_hybrid_kv_cache_manager=disable_hybrid_kv_cache_manager)
+        self.disable_hybrid_kv_cache_manager = disable_hybrid_kv_cache_manager
+        # Where this engine's transferred state stands; only an engine with state groups has one (STATE-1).
+        self.state_profile: StateProfile | None = None
+        if get_state_group_indices(config):
+            try:
+                self.state_profile = StateProfile(state_profile or StateProfile.RECOMPUTE)
+            except ValueError:
+                raise ConfigError(
+                    f"{type(self).__name__}.state_profile: expected one of {[p.value for p in StateProfile]}, "
+                    f"got {state_profile!r}"
+                ) from None
         self.allocator = BlockAllocator(config.num_blocks, on_free=on_free)
         self._peers: dict[str, _Peer] = {}
         self.driver: Driver[S] = Driver(
@@ -300,6 +313,7 @@ class _Endpoint(Generic[S]):
             mode=self.mode,
             hma_enabled=self.hma_enabled,
             transport_metadata=self.transport.get_agent_metadata(),
+            state_profile=self.state_profile,
         )
 
     def add_peer(self, descriptor: EngineDescriptor, config: KVCacheConfig) -> str:
@@ -383,6 +397,7 @@ class ProducerEndpoint(_Endpoint[ProducerSession]):
         on_free: Callable[[list[int]], None] | None = None,
         connector: Connector | None = None,
         integrity: bool = False,
+        state_profile: StateProfile | str | None = None,
         lease_duration: float = DEFAULT_LEASE_DURATION,
         release_grace: float = DEFAULT_RELEASE_GRACE,
         drain_timeout: float = DEFAULT_DRAIN_TIMEOUT,
@@ -399,6 +414,7 @@ class ProducerEndpoint(_Endpoint[ProducerSession]):
             on_free=on_free,
             connector=connector,
             integrity=integrity,
+            state_profile=state_profile,
         )
         self.lease_duration = lease_duration
         self.release_grace = release_grace
@@ -430,7 +446,12 @@ class ProducerEndpoint(_Endpoint[ProducerSession]):
             self.driver.fault(Operation.SEND, exc, request_id, peer)
 
     def prefill(
-        self, request_id: str, *, num_tokens: int, fill: Callable[[BlockIds], None] | None = None
+        self,
+        request_id: str,
+        *,
+        num_tokens: int,
+        fill: Callable[[BlockIds], None] | None = None,
+        state_tokens: int | None = None,
     ) -> TransferParams:
         """Allocate, prune and clip the request's table, pin it, and return what the router forwards (CLIP-1, SM-1).
 
@@ -438,6 +459,9 @@ class ProducerEndpoint(_Endpoint[ProducerSession]):
         pages; with integrity on, the parameters carry the digests of the pages
         as they are once it returns (INT-1). Without ``fill`` the caller fills
         the pages of :meth:`block_table` before the consumer begins.
+        With state groups the parameters say how many tokens the state
+        absorbed: ``state_tokens``, by default ``num_tokens`` (STATE-1); a
+        test passes another value to play a producer that got it wrong.
         """
         if request_id in self.driver.requests or request_id in self._results:
             raise LocalProtocolError(f"producer request {request_id!r} already exists")
@@ -459,6 +483,7 @@ class ProducerEndpoint(_Endpoint[ProducerSession]):
             release_grace=self.release_grace,
             drain_timeout=self.drain_timeout,
             producer_block_digests=self.driver.digests(advertised),
+            state_tokens=(num_tokens if state_tokens is None else state_tokens) if self.state_profile else None,
         )
         self.driver.add(LiveRequest(session=session))
         self._tables[request_id] = advertised
@@ -471,7 +496,7 @@ class ProducerEndpoint(_Endpoint[ProducerSession]):
         ``remove_skipped_blocks`` leaves them; only the other positions get
         real blocks, so the pool never needs the whole unpruned table.
         """
-        totals = [get_logical_block_count(g.kv_cache_spec, num_tokens=num_tokens) for g in self.config.kv_cache_groups]
+        totals = [self._table_length(g.kv_cache_spec, num_tokens) for g in self.config.kv_cache_groups]
         shape = self.connector.clip_block_ids(
             self.config,
             get_pruned_block_ids(self.config, BlockIds([[1] * n for n in totals]), num_computed_tokens=num_tokens),
@@ -482,6 +507,14 @@ class ProducerEndpoint(_Endpoint[ProducerSession]):
             fresh = iter(ids)
             table.append([NULL_BLOCK_ID if b == NULL_BLOCK_ID else next(fresh) for b in group])
         return BlockIds(table)
+
+    @staticmethod
+    def _table_length(spec: KVCacheSpec, num_tokens: int) -> int:
+        """A group's table length: ``cdiv(T, B)``, plus a state group's speculative scratch slots (STATE-2)."""
+        blocks = get_logical_block_count(spec, num_tokens=num_tokens)
+        if isinstance(spec, MambaSpec) and blocks:
+            return blocks + spec.num_speculative_blocks  # scratch slots sit at the tail; the clip drops them
+        return blocks
 
     def block_table(self, request_id: str) -> BlockIds:
         """The advertised (pruned, clipped) block ids of a live request."""
@@ -502,11 +535,19 @@ class ProducerEndpoint(_Endpoint[ProducerSession]):
         # refuses it if both lists say where they end and the ends differ (ALIGN-1).
         peer = self._peer_by_agent(request.peer or "")
         params = request.session.params
+        # A state group's one slot pairs by STATE-3, not by its list's end.
+        producer_ids, consumer_ids, producer_ends, consumer_ends = get_state_paired_lists(
+            self.config,
+            params.producer_block_ids,
+            offer.consumer_block_ids,
+            params.producer_block_ends,
+            offer.consumer_block_ends,
+        )
         pairs = compute_block_pairs(
-            producer_block_ids=params.producer_block_ids,
-            consumer_block_ids=offer.consumer_block_ids,
-            producer_block_ends=params.producer_block_ends,
-            consumer_block_ends=offer.consumer_block_ends,
+            producer_block_ids=producer_ids,
+            consumer_block_ids=consumer_ids,
+            producer_block_ends=producer_ends,
+            consumer_block_ends=consumer_ends,
         )
         request.pairs = pairs  # what the write moves, for the Completion's digests (INT-1)
         return self.connector.plan(producer_config=self.config, consumer_config=peer.config, pairs=pairs)
@@ -546,6 +587,7 @@ class ConsumerEndpoint(_Endpoint[ConsumerSession]):
         on_free: Callable[[list[int]], None] | None = None,
         connector: Connector | None = None,
         integrity: bool = False,
+        state_profile: StateProfile | str | None = None,
         transfer_timeout: float | None = None,
         drain_timeout: float = DEFAULT_DRAIN_TIMEOUT,
         start_margin: float = 0.0,
@@ -562,6 +604,7 @@ class ConsumerEndpoint(_Endpoint[ConsumerSession]):
             on_free=on_free,
             connector=connector,
             integrity=integrity,
+            state_profile=state_profile,
         )
         self.transfer_timeout = transfer_timeout
         self.drain_timeout = drain_timeout
@@ -592,6 +635,15 @@ class ConsumerEndpoint(_Endpoint[ConsumerSession]):
             check_error = IncompatiblePeerError({"mode": (params.mode.value, self.mode.value)})
         else:
             try:
+                if prefix_hit_tokens < params.num_tokens:
+                    # The state that moves must stand where C resumes, or nothing moves (STATE-1, STATE-4).
+                    check_state_position(
+                        self.config,
+                        state_tokens=params.state_tokens,
+                        num_tokens=params.num_tokens,
+                        recomputed_tokens=params.recomputed_tokens,
+                        profile=self.state_profile or StateProfile.RECOMPUTE,
+                    )
                 counts = get_consumer_block_counts(
                     self.config,
                     num_tokens=params.num_tokens,
@@ -706,8 +758,13 @@ def connect(producer: ProducerEndpoint, consumer: ConsumerEndpoint) -> None:
     consumer_desc = _through_codec(consumer.describe())
     check_compatibility(producer=producer_desc, consumer=consumer_desc)
     for endpoint in (producer, consumer):
-        if endpoint.hma_enabled:
-            check_hybrid_support(endpoint.config, mode=endpoint.mode)
+        # State groups are checked with the flag too: state without the hybrid manager is refused (ADM-1).
+        if endpoint.hma_enabled or endpoint.state_profile is not None:
+            check_hybrid_support(
+                endpoint.config,
+                mode=endpoint.mode,
+                disable_hybrid_kv_cache_manager=endpoint.disable_hybrid_kv_cache_manager,
+            )
     producer.add_peer(consumer_desc, consumer.config)
     consumer.add_peer(producer_desc, producer.config)
 

@@ -36,6 +36,7 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
                 "kvspec.spec.pairing",
                 "kvspec.spec.pins",
                 "kvspec.spec.plan",
+                "kvspec.spec.state",
                 "kvspec.spec.window",
             }
         ),
