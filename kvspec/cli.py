@@ -224,6 +224,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help=f"random requests, at most {MAX_AUDIT_REQUESTS} (default 200)",
     )
+    audit.add_argument(
+        "--state-requests",
+        type=_audit_requests,
+        metavar="N",
+        help="random requests on FA + Mamba/GDN configs (align and none cache modes, speculative slots), after "
+        "the attention ones (default: --requests // 8)",
+    )
     audit.add_argument("--seed", type=_non_negative_int, default=11, metavar="S", help="random seed (default 11)")
     audit.add_argument("--json", metavar="PATH", help="also write the report as JSON (the findings page reads it)")
     audit.add_argument(
@@ -632,7 +639,12 @@ def _run_vllm_audit(args: argparse.Namespace, out: TextIO) -> int:
         ]
         if warning:
             print(f"kvspec vllm-audit: {warning}", file=sys.stderr)
-        report = run_audit(connectors=connectors, requests=args.requests, seed=args.seed)  # type: ignore[arg-type]
+        report = run_audit(
+            connectors=connectors,  # type: ignore[arg-type]
+            requests=args.requests,
+            seed=args.seed,
+            state_requests=args.state_requests,
+        )
     except (KVSpecError, ValueError) as exc:
         print(f"kvspec vllm-audit: {exc}", file=sys.stderr)
         return 2

@@ -227,7 +227,13 @@ def test_committed_audit_matches_a_fresh_run(vllm: Any) -> None:
     from kvspec.integrations.vllm_audit import AUDIT_CONNECTORS, run_audit
 
     committed = json.loads(AUDIT_JSON.read_text(encoding="utf-8"))
-    fresh = run_audit(connectors=AUDIT_CONNECTORS, requests=committed["requests"]["reference"], seed=committed["seed"])
+    state = committed["state_requests"]
+    fresh = run_audit(
+        connectors=AUDIT_CONNECTORS,
+        requests=committed["requests"]["reference"] - state,
+        seed=committed["seed"],
+        state_requests=state,
+    )
     assert fresh.to_dict() == committed, (
         "docs/explanation/vllm-audit.json is stale: regenerate it with "
         "python benchmarks/bench_vllm_audit.py --write-json (then update the findings page)\n" + fresh.render()

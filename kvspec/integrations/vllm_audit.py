@@ -848,7 +848,7 @@ def _check_state(g: int, spec: MambaSpec, drive: _Drive, pairs: Sequence[tuple[i
                     pair=(p, c),
                 )
             )
-    if target != NULL_BLOCK_ID and not any(c == target and p != NULL_BLOCK_ID for p, c in pairs):
+    if target != NULL_BLOCK_ID and (source, target) not in pairs:
         findings.append(
             Finding(
                 deviation="state-not-transferred",
@@ -937,12 +937,15 @@ class AuditReport:
     seed: int
     vllm_version: str
     requests: dict[str, int]
+    """Requests driven per connector, state-group requests included."""
     pairs: dict[str, int]
     failed_closed: dict[str, int]
     classes: tuple[ClassResult, ...]
     seconds: float
     connector_classes: dict[str, str] = attrs.field(factory=dict)
     """Each audited connector's vLLM class as ``MODULE:CLASS``, by the label the report uses."""
+    state_requests: int = 0
+    """How many of each connector's requests run on FA + state-group configs."""
 
     def deviations(self, connector: str | None = None) -> int:
         """Requests with a deviation, over the classes kvspec counts as such (not its own strictness)."""
@@ -959,6 +962,7 @@ class AuditReport:
             "connector_classes": self.connector_classes,
             "seed": self.seed,
             "requests": self.requests,
+            "state_requests": self.state_requests,
             "pairs": self.pairs,
             "failed_closed": self.failed_closed,
             "classes": [c.to_dict() for c in self.classes],
@@ -978,7 +982,10 @@ class AuditReport:
 
     def render(self) -> str:
         """The terminal table, then the smallest reproducer of each class."""
-        lines = [f"kvspec vllm-audit: vLLM {self.vllm_version}, seed {self.seed}, {self.seconds:.1f}s"]
+        lines = [
+            f"kvspec vllm-audit: vLLM {self.vllm_version}, seed {self.seed}, {self.seconds:.1f}s, "
+            f"{self.state_requests} of each connector's requests on state-group configs"
+        ]
         lines += [*self._tested_lines(), ""]
         width = max([10, *(len(name) for name in self.requests)])
         header = (
@@ -1079,10 +1086,14 @@ def run_audit(
     requests: int = 100,
     seed: int = 0,
     progress: Callable[[int, int], None] | None = None,
+    state_requests: int | None = None,
 ) -> AuditReport:
     """Drive ``requests`` random requests through each connector and vLLM's managers; classify every deviation (WIN-1).
 
-    The same requests go through every connector. ``"reference"`` runs
+    ``requests`` attention requests (:func:`generate_cases`), then
+    ``state_requests`` (default ``requests // 8``) on FA + state-group configs
+    (:func:`generate_state_cases`, STATE-1 .. STATE-4); the same requests go
+    through every connector. ``"reference"`` runs
     kvspec's own clipping and pairing on the same vLLM tables; a
     ``MODULE:CLASS`` string or a :class:`~kvspec.integrations.vllm.VllmConnector`
     audits any vLLM connector class (labelled by its name).
@@ -1097,7 +1108,8 @@ def run_audit(
         adapters[label] = VllmConnector(connector) if ":" in label and isinstance(connector, str) else connector
     labels = list(adapters)
     started = time.perf_counter()
-    cases = generate_cases(requests, seed)
+    state_count = requests // 8 if state_requests is None else state_requests
+    cases = generate_cases(requests, seed) + generate_state_cases(state_count, seed, first_index=requests)
     counts = dict.fromkeys(labels, 0)
     pairs = dict.fromkeys(labels, 0)
     closed = dict.fromkeys(labels, 0)
@@ -1140,4 +1152,5 @@ def run_audit(
         failed_closed=closed,
         classes=tuple(classes),
         seconds=time.perf_counter() - started,
+        state_requests=state_count,
     )
