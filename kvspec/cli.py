@@ -229,7 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=_audit_requests,
         metavar="N",
         help="random requests on FA + Mamba/GDN configs (align and none cache modes, speculative slots), after "
-        "the attention ones (default: --requests // 8)",
+        "the attention ones (default: --requests // 4)",
     )
     audit.add_argument("--seed", type=_non_negative_int, default=11, metavar="S", help="random seed (default 11)")
     audit.add_argument("--json", metavar="PATH", help="also write the report as JSON (the findings page reads it)")

@@ -51,7 +51,13 @@ SHAPES = st.one_of(
     st.builds(sw, st.integers(1, 4096), st.sampled_from([4, 16, 64])),
     st.builds(sw_mla, st.integers(1, 512), st.sampled_from([4, 16])),
     st.builds(chunked, st.integers(1, 512), st.sampled_from([4, 16])),
-    st.builds(mamba, st.sampled_from([4, 16])),
+    st.builds(
+        mamba,
+        st.sampled_from([4, 16]),
+        mamba_type=st.sampled_from(["mamba1", "mamba2", "gdn_attn", "kda"]),
+        cache_mode=st.sampled_from(["none", "align"]),
+        num_speculative_blocks=st.integers(0, 3),
+    ),
 )
 
 

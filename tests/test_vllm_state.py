@@ -31,7 +31,7 @@ def _clip(name: str, lists: list[list[int]]) -> list[list[int]]:
 
     connector = make_connector(name)
     connector.check_admission(CONFIG, TransferMode.READ)
-    return [list(g) for g in connector.clip_block_ids(CONFIG, BlockIds(lists))]  # type: ignore[union-attr]
+    return [list(g) for g in connector.clip_block_ids(CONFIG, BlockIds(lists))]
 
 
 def _pair(name: str, producer: list[list[int]], consumer: list[list[int]]) -> tuple[list[list[int]], list[list[int]]]:
@@ -39,7 +39,7 @@ def _pair(name: str, producer: list[list[int]], consumer: list[list[int]]) -> tu
 
     connector = make_connector(name)
     connector.check_admission(CONFIG, TransferMode.READ)
-    pairs = connector.pair_block_ids(  # type: ignore[union-attr]
+    pairs = connector.pair_block_ids(
         CONFIG,
         num_tokens=11,
         prefix_hit_tokens=0,
@@ -135,8 +135,11 @@ def test_nixl_moves_the_state_slot_on_a_prefix_hit_with_scratch_slots(vllm: Any)
 
     drive, findings = audit_case(_state_case("gdn_attn", "align", 16, 161, 2, cached=64), "nixl")
     assert findings == [], findings
-    assert drive.prefix_hit_tokens == 64 and drive.producer_tokens == drive.first_computed == 160
-    assert len(drive.pairs[1]) == 1 and 0 not in drive.pairs[1][0]  # type: ignore[index]
+    assert drive.prefix_hit_tokens == 64
+    assert drive.producer_tokens == drive.first_computed == 160
+    assert drive.pairs is not None
+    assert len(drive.pairs[1]) == 1
+    assert 0 not in drive.pairs[1][0]
 
 
 def test_the_state_oracle_catches_broken_pairs(vllm: Any) -> None:
@@ -145,7 +148,8 @@ def test_the_state_oracle_catches_broken_pairs(vllm: Any) -> None:
 
     case = _state_case("mamba2", "align", 16, 97, 1)
     drive, findings = audit_case(case, "nixl")
-    assert findings == [] and drive.pairs is not None
+    assert findings == []
+    assert drive.pairs is not None
     config = _config(case.groups, 64)
     (p, c), *_ = drive.pairs[1]
     p_table, c_table = drive.producer_table[1], drive.consumer_table[1]

@@ -57,7 +57,6 @@ from kvspec._reference import (
     get_exchange_clipped_blocks,
     get_needed_block_range,
 )
-from kvspec.spec.state import get_state_clipped_blocks, is_state_spec
 from kvspec.integrations.vllm import (
     VllmConnector,
     VllmHooks,
@@ -65,6 +64,7 @@ from kvspec.integrations.vllm import (
     installed_vllm_version,
     to_vllm_kv_cache_config,
 )
+from kvspec.spec.state import get_state_clipped_blocks, is_state_spec
 
 __all__ = [
     "AUDIT_CONNECTORS",
@@ -152,7 +152,7 @@ DEVIATIONS: dict[str, Deviation] = {
         ),
         Deviation(
             id="state-wrong-slot",
-            rule="STATE-2",
+            rule="STATE-3",
             title="a state group's pair reads a slot other than the one holding the producer's state, or writes one "
             "the consumer does not resume from",
             consequence="wrong recurrent state: a scratch or stale slot travels, or the state lands where no kernel "
@@ -318,11 +318,13 @@ def generate_state_cases(count: int, seed: int, first_index: int = 0) -> list[Au
         state = GroupShape(block_size=block_size, state=kind, cache_mode=mode, num_speculative_blocks=lookahead)
         groups = (GroupShape(block_size=block_size), *([state] * rng.choice((1, 1, 2))))
         roll = rng.random()
-        if roll < 0.2:
+        if roll < 0.15:
             n = rng.randint(1, 4 * block_size)
-        elif roll < 0.6:
-            # Block boundaries and their neighbours: where the state slot and the recomputed token meet.
-            n = rng.randint(1, 300) * block_size + rng.choice((0, 1, 2, -1))
+        elif roll < 0.55:
+            # (N - 1) % B == 0: the token the consumer recomputes starts a new state slot in align mode.
+            n = rng.randint(1, 300) * block_size + 1
+        elif roll < 0.7:
+            n = rng.randint(1, 300) * block_size + rng.choice((0, 2, -1))
         else:
             n = int(2 ** rng.uniform(4, 16))
         n = max(1, min(_MAX_TOKENS, n))
@@ -798,7 +800,7 @@ def _column(table: Sequence[int], block: int) -> int:
 
 
 def _check_state(g: int, spec: MambaSpec, drive: _Drive, pairs: Sequence[tuple[int, int]]) -> list[Finding]:
-    """A state group's pairs against where the states are: one pair, from P's state slot to C's resume slot (STATE-1..4).
+    """A state group's pairs against where the states are: P's state slot into C's resume slot (STATE-1 .. STATE-4).
 
     The consumer resumes at ``first_computed`` tokens; when that is within its
     prefix hit no state moves. Otherwise the producer's state must have
@@ -1091,7 +1093,7 @@ def run_audit(
     """Drive ``requests`` random requests through each connector and vLLM's managers; classify every deviation (WIN-1).
 
     ``requests`` attention requests (:func:`generate_cases`), then
-    ``state_requests`` (default ``requests // 8``) on FA + state-group configs
+    ``state_requests`` (default ``requests // 4``) on FA + state-group configs
     (:func:`generate_state_cases`, STATE-1 .. STATE-4); the same requests go
     through every connector. ``"reference"`` runs
     kvspec's own clipping and pairing on the same vLLM tables; a
@@ -1108,7 +1110,7 @@ def run_audit(
         adapters[label] = VllmConnector(connector) if ":" in label and isinstance(connector, str) else connector
     labels = list(adapters)
     started = time.perf_counter()
-    state_count = requests // 8 if state_requests is None else state_requests
+    state_count = requests // 4 if state_requests is None else state_requests
     cases = generate_cases(requests, seed) + generate_state_cases(state_count, seed, first_index=requests)
     counts = dict.fromkeys(labels, 0)
     pairs = dict.fromkeys(labels, 0)
