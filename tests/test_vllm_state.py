@@ -101,33 +101,36 @@ def _state_case(kind: str, mode: str, block_size: int, num_tokens: int, lookahea
     )
 
 
-# (connector, kind, mode, B, N, lookahead, cached prefix, the class found)
-PINNED_STATE = [
-    # MoRI-IO's synchronous READ lists the recomputed token's new slot; its clip keeps that one, but the decoder
-    # resumes from the slot before it when (N - 1) % B == 0.
-    ("moriio", "gdn_attn", "align", 16, 97, 0, 0, "state-wrong-slot"),
-    ("moriio", "gdn_attn", "align", 16, 97, 0, 0, "state-not-transferred"),
-    # Mooncake sends a state list unclipped: its scratch slots travel after the state.
-    ("mooncake", "mamba2", "none", 16, 40, 1, 0, "state-scratch-travels"),
-]
-
-
-@pytest.mark.parametrize(("connector", "kind", "mode", "block", "n", "lookahead", "cached", "deviation"), PINNED_STATE)
-def test_pinned_state_reproducers(
-    vllm: Any, connector: str, kind: str, mode: str, block: int, n: int, lookahead: int, cached: int, deviation: str
-) -> None:
+def test_mooncake_scratch_slots_travel_and_the_reference_moves_the_state_only(vllm: Any) -> None:
     from kvspec.integrations.vllm_audit import audit_case
 
-    case = _state_case(kind, mode, block, n, lookahead, cached)
-    _, findings = audit_case(case, connector)
-    assert deviation in {f.deviation for f in findings}, findings
+    case = _state_case("mamba2", "none", 16, 40, 1)
+    _, findings = audit_case(case, "mooncake")
+    assert {f.deviation for f in findings} == {"state-scratch-travels"}, findings
     # kvspec's own functions on the same vLLM tables: no deviation.
     _, reference = audit_case(case, "reference")
     assert reference == [], reference
-    if connector == "moriio":
-        # One token more and the recomputed token shares the state's slot: MoRI-IO's slot is then the right one.
-        _, moved = audit_case(_state_case(kind, mode, block, n + 1, lookahead, cached), connector)
-        assert not {f.deviation for f in moved} & {"state-wrong-slot", "state-not-transferred"}, moved
+
+
+@pytest.mark.parametrize("n", [97, 98])
+def test_a_synchronous_load_fills_the_column_the_recomputing_step_runs_in(vllm: Any, n: int) -> None:
+    """MoRI-IO READ loads within the recomputing step, after ``preprocess_mamba`` copied column (t - 1) // B forward:
+    it must fill the recomputed token's column, which differs from NIXL's at (N - 1) % B == 0 (N = 97)."""
+    from kvspec.integrations.vllm_audit import _config, audit_case, check_drive
+
+    case = _state_case("gdn_attn", "align", 16, n, 0)
+    moriio, found = audit_case(case, "moriio")
+    assert found == [], found
+    nixl, found = audit_case(case, "nixl")
+    assert found == [], found
+    assert not moriio.load_async and nixl.load_async
+    assert moriio.pairs is not None and nixl.pairs is not None
+    (_, into), (_, nixl_into) = moriio.pairs[1][0], nixl.pairs[1][0]
+    column, nixl_column = moriio.consumer_table[1].index(into), nixl.consumer_table[1].index(nixl_into)
+    assert (column, nixl_column) == ((n - 1) // 16, (n - 2) // 16)
+    # Judged as an asynchronous load, MoRI-IO's slot is wrong exactly where the two columns differ.
+    wrong = {f.deviation for f in check_drive(_config(case.groups, 64), attrs.evolve(moriio, load_async=True))}
+    assert wrong == ({"state-wrong-slot", "state-not-transferred"} if n == 97 else set())
 
 
 def test_nixl_moves_the_state_slot_on_a_prefix_hit_with_scratch_slots(vllm: Any) -> None:

@@ -484,6 +484,8 @@ class _Drive:
     pairs: tuple[tuple[tuple[int, int], ...], ...] | None
     refusal: str | None = None
     failed_closed: str | None = None
+    load_async: bool = True
+    """Whether the consumer's load lands before the step that recomputes (NIXL, Mooncake) or within it (MoRI-IO READ)."""
 
 
 def _tuples(groups: Iterable[Iterable[int]]) -> tuple[tuple[int, ...], ...]:
@@ -606,6 +608,7 @@ def _drive(
         pairs=pairs,
         refusal=refusal,
         failed_closed=failed_closed,
+        load_async=bool(load_async),
     )
 
 
@@ -784,12 +787,11 @@ def check_drive(config: KVCacheConfig, drive: _Drive) -> list[Finding]:
 
 
 def _state_slot(table: Sequence[int], spec: MambaSpec, tokens: int) -> int:
-    """The slot holding the state after ``tokens`` tokens: column ``(tokens - 1) // block_size`` of the table.
+    """The slot of column ``(tokens - 1) // block_size`` of a state table: where the state after ``tokens`` is.
 
     vLLM's Mamba kernels write a prefill's state in the column of its last
-    token and a resumed request reads column ``(num_computed - 1) //
-    block_size`` (``preprocess_mamba``); in "none" mode ``block_size`` is
-    ``max_model_len``, so always column 0 (STATE-3, STATE-4).
+    token; in "none" mode ``block_size`` is ``max_model_len``, so always
+    column 0 (STATE-3, STATE-4).
     """
     column = (tokens - 1) // spec.block_size
     return table[column] if 0 <= column < len(table) else NULL_BLOCK_ID
@@ -825,7 +827,10 @@ def _check_state(g: int, spec: MambaSpec, drive: _Drive, pairs: Sequence[tuple[i
             )
         )
     source = _state_slot(drive.producer_table[g], spec, drive.producer_tokens)
-    target = _state_slot(drive.consumer_table[g], spec, t)
+    # The step that recomputes copies the state from column (t - 1) // B into the column of its last token,
+    # then runs (vLLM's preprocess_mamba, before the connector's start_load_kv). A load that landed before that
+    # step must fill the first; one that lands within it (MoRI-IO's synchronous READ) must fill the second.
+    target = _state_slot(drive.consumer_table[g], spec, t if drive.load_async else drive.num_tokens)
     for p, c in pairs:
         if c == NULL_BLOCK_ID:
             findings.append(Finding(deviation="writes-null-block", group=g, detail="consumer id 0", pair=(p, c)))
