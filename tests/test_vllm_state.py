@@ -123,8 +123,10 @@ def test_a_synchronous_load_fills_the_column_the_recomputing_step_runs_in(vllm: 
     assert found == [], found
     nixl, found = audit_case(case, "nixl")
     assert found == [], found
-    assert not moriio.load_async and nixl.load_async
-    assert moriio.pairs is not None and nixl.pairs is not None
+    assert not moriio.load_async
+    assert nixl.load_async
+    assert moriio.pairs is not None
+    assert nixl.pairs is not None
     (_, into), (_, nixl_into) = moriio.pairs[1][0], nixl.pairs[1][0]
     column, nixl_column = moriio.consumer_table[1].index(into), nixl.consumer_table[1].index(nixl_into)
     assert (column, nixl_column) == ((n - 1) // 16, (n - 2) // 16)

@@ -485,7 +485,7 @@ class _Drive:
     refusal: str | None = None
     failed_closed: str | None = None
     load_async: bool = True
-    """Whether the consumer's load lands before the step that recomputes (NIXL, Mooncake) or within it (MoRI-IO READ)."""
+    """Whether the consumer's load lands before the recomputing step (NIXL, Mooncake) or within it (MoRI-IO READ)."""
 
 
 def _tuples(groups: Iterable[Iterable[int]]) -> tuple[tuple[int, ...], ...]:
