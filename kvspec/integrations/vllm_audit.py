@@ -475,8 +475,9 @@ class _Drive:
     num_tokens: int
     prefix_hit_tokens: int
     first_computed: int
-    producer_tokens: int
-    """The prompt tokens the producer computed (after vLLM's prefill backoff): its state has absorbed them."""
+    producer_tokens: int = -1
+    """The prompt tokens the producer computed (after vLLM's prefill backoff): its state has absorbed them (-1: not
+    recorded, a drive built by hand without state groups)."""
     producer_table: tuple[tuple[int, ...], ...]
     consumer_table: tuple[tuple[int, ...], ...]
     producer_list: tuple[tuple[int, ...], ...]
