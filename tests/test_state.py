@@ -283,7 +283,8 @@ def test_endpoints_move_the_state_slot_byte_exactly(config: KVCacheConfig, mode:
         assert "t=11" in wrong.consumer.failure.detail
         assert wrong.consumer.num_bytes == 0
         # The session held its suffix when the check refused it; its one release gave the blocks back (decision 182).
-        assert len(wrong.consumer.consumer_block_ids) and wrong.consumer.release is not None
+        assert len(wrong.consumer.consumer_block_ids)
+        assert wrong.consumer.release is not None
         assert consumer.allocator.num_free == free_before
         backend.close()
 
