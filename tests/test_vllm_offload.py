@@ -27,7 +27,6 @@ from kvspec import (
     get_store_set,
     map_sub_blocks,
 )
-from kvspec.cli import main
 
 pytestmark = pytest.mark.vllm
 
@@ -318,26 +317,54 @@ def test_audit_catches_a_planted_hit_mutant(vllm: Any) -> None:
     assert longer[0].to_dict()["verdict"] == "unclassified"
 
 
-def test_cli_offload_audit_runs(vllm: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    # In this process (vLLM is imported already): a fresh one would spend ~15 s importing vLLM again (decision
-    # 147); `kvspec conform --connector vllm:nixl` in test_vllm_integration.py runs the command line in its own.
-    status = main(["vllm-audit", "--offload", "--requests", "3", "--json", str(tmp_path / "a.json")])
-    out = capsys.readouterr()
-    assert status == 0, out.err[-2000:]
-    assert "OFF-7" in out.out
+def test_cli_offload_audit_runs(vllm: Any, tmp_path: Path) -> None:
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvspec",
+            "vllm-audit",
+            "--offload",
+            "--requests",
+            "3",
+            "--json",
+            str(tmp_path / "a.json"),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=os.environ,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "OFF-7" in out.stdout
     assert json.loads((tmp_path / "a.json").read_text(encoding="utf-8"))["random_requests"] == 3
 
 
-def test_conform_with_vllm_offloading_has_no_error_and_only_listed_failures(
-    vllm: Any, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_conform_with_vllm_offloading_has_no_error_and_only_listed_failures(vllm: Any) -> None:
     """The whole suite with ``--connector vllm:offloading``: no error, every failure listed (and explained)."""
     listed = ROOT / "kvspec" / "integrations" / "expected" / "vllm-offloading.txt"
-    # The command line in this process, as test_cli_offload_audit_runs does (decision 147).
-    status = main(["conform", "loopback", "--connector", "vllm:offloading", "-q", "--expect-fail-file", str(listed)])
-    out = capsys.readouterr()
-    assert status == 0, out.out[-4000:] + out.err[-2000:]
-    assert " 0 failed, 0 errors" in out.out
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvspec",
+            "conform",
+            "loopback",
+            "--connector",
+            "vllm:offloading",
+            "-q",
+            "--expect-fail-file",
+            str(listed),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=os.environ,
+        timeout=900,
+    )
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
+    assert " 0 failed, 0 errors" in out.stdout
 
 
 def test_vllm_0_33_never_touches_keys(vllm: Any) -> None:
