@@ -301,3 +301,43 @@ def test_pinned_reproducers(
     if deviation == "needed-block-null-on-consumer":
         _, fewer = audit_case(_case(groups, num_tokens - 1, lookahead), connector)
         assert deviation not in {f.deviation for f in fewer}
+
+
+# --------------------------------------------------------------------------- upstream reports (issue 26, item 6)
+
+REPORTS = sorted((ROOT / "docs" / "explanation").glob("vllm-report-*.md"))
+# The classes whose fixes each script applies as a patch; restored after the test.
+_PATCHED = (
+    ("vllm.distributed.kv_transfer.kv_connector.v1.moriio.moriio_connector", "MoRIIOConnectorScheduler", "on_new_request"),
+    (
+        "vllm.distributed.kv_transfer.kv_connector.v1.moriio.moriio_connector",
+        "MoRIIOConnectorScheduler",
+        "get_exchange_clipped_blocks",
+    ),
+    ("vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler", "NixlPullConnectorScheduler", "_prefill_backoff"),
+)
+
+
+def test_upstream_reports_reproduce(vllm: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    """Each report page's script shows the defect on vLLM 0.33.0, prints what the page says, and its fix removes it."""
+    from test_docs import extract_blocks
+
+    from kvspec.integrations.vllm import import_vllm  # sets VLLM_TARGET_DEVICE=cpu first, as the scripts do
+
+    owners = [(getattr(import_vllm(module), cls), name) for module, cls, name in _PATCHED]
+    assert len(REPORTS) == 4, [p.name for p in REPORTS]
+    for page in REPORTS:
+        blocks = extract_blocks(page)
+        script = next(b for b in blocks if b.language == "python")
+        shown = next(b for b in blocks if b.language == "text" and b.line > script.line)
+        assert script.skipped, f"{page.name}: the script needs vLLM; mark it <!-- skip --> for test_docs"
+        for fix in (False, True):
+            source = script.source.replace("APPLY_FIX = False", f"APPLY_FIX = {fix}")
+            with pytest.MonkeyPatch.context() as patch:
+                for owner, name in owners:
+                    patch.setattr(owner, name, getattr(owner, name))  # undone after the run, whatever it assigns
+                exec(compile(source, f"{page.name}:{script.line}", "exec"), {"__name__": "__report__"})
+            out = capsys.readouterr().out
+            assert out.rstrip().endswith("defect absent" if fix else "defect present"), f"{page.name} fix={fix}\n{out}"
+            if not fix:
+                assert out.strip() == shown.source.strip(), f"{page.name}: the page shows another output\n{out}"
