@@ -307,14 +307,11 @@ def test_pinned_reproducers(
 
 REPORTS = sorted((ROOT / "docs" / "explanation").glob("vllm-report-*.md"))
 # The classes whose fixes each script applies as a patch; restored after the test.
+_V1 = "vllm.distributed.kv_transfer.kv_connector.v1."
 _PATCHED = (
-    ("vllm.distributed.kv_transfer.kv_connector.v1.moriio.moriio_connector", "MoRIIOConnectorScheduler", "on_new_request"),
-    (
-        "vllm.distributed.kv_transfer.kv_connector.v1.moriio.moriio_connector",
-        "MoRIIOConnectorScheduler",
-        "get_exchange_clipped_blocks",
-    ),
-    ("vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler", "NixlPullConnectorScheduler", "_prefill_backoff"),
+    (_V1 + "moriio.moriio_connector", "MoRIIOConnectorScheduler", "on_new_request"),
+    (_V1 + "moriio.moriio_connector", "MoRIIOConnectorScheduler", "get_exchange_clipped_blocks"),
+    (_V1 + "nixl.pull_scheduler", "NixlPullConnectorScheduler", "_prefill_backoff"),
 )
 
 
