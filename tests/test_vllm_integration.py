@@ -452,7 +452,7 @@ def _by_position(p_table: list[list[int]], c_table: list[list[int]], pairs: obje
 def test_proxy_appended_token_at_a_block_boundary_50558(vllm: Any, connector: str, outcome: str | None) -> None:
     """vLLM #50558: the decoder's prompt has the first sampled token appended, N % B == 0, one block more.
 
-    Recorded on the findings page (#proxy-appended-token). At N = 40 (not a
+    Recorded on the findings page (tracker bugs checked against vLLM 0.33.0). At N = 40 (not a
     boundary) every connector pairs by position.
     """
     for n, boundary in ((32, True), (40, False)):
