@@ -389,7 +389,7 @@ def _drive_handoff(
     p_sched.get_num_new_matched_tokens(p_req, 0)
     va._prefill(p_engine, p_req, 0)
     p_req.append_output_token_ids(7)
-    p_req.status = va.import_vllm("vllm.v1.request").RequestStatus.FINISHED_LENGTH_CAPPED
+    p_req.status = adapters.import_vllm("vllm.v1.request").RequestStatus.FINISHED_LENGTH_CAPPED
     manager, computed = p_engine.manager, p_req.num_computed_tokens
     manager.remove_skipped_blocks(
         request_id="r", processed_computed_tokens=computed, num_prompt_tokens=p_req.num_prompt_tokens

@@ -450,7 +450,7 @@ def test_extra_retained_tokens_is_a_window_of_w_plus_e_56709(vllm: Any, window: 
     longer = loads = 0
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(adapters, "to_vllm_kv_cache_config", with_extra)
-        connector = adapters.make_connector("offloading")
+        connector = adapters.OffloadingConnector()
         scheduler = connector.scheduler(wide, offload)
         assert scheduler.config.kv_group_configs[1].kv_cache_spec.extra_retained_tokens == extra
         for i in range(40):
@@ -490,7 +490,7 @@ def test_max_load_tokens_caps_a_hit_on_the_chunk_grid(vllm: Any) -> None:
 
     config = _config("full/B4", "sw8/B4")
     offload = OffloadConfig(blocks_per_chunk=2, hash_block_size=4)
-    connector = adapters.make_connector("offloading")
+    connector = adapters.OffloadingConnector()
     cap: dict[str, int] = {}
     new_request = connector._new_request
 
@@ -557,7 +557,7 @@ def test_a_sync_load_is_the_same_load_set(vllm: Any) -> None:
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(adapters, "_offloading_vllm_config", with_budget)
         patch.setattr(adapters, "_kv_cache_blocks", hashed_at_allocation)
-        connector = adapters.make_connector("offloading")
+        connector = adapters.OffloadingConnector()
         scheduler = connector.scheduler(config, offload)
         assert scheduler.config.sync_load_budget_bytes == 1 << 30
         for local in (0, 4, 8):
