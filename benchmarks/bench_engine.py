@@ -17,6 +17,16 @@ When vLLM is importable (0.33), the same lists go through vLLM's own clip
 those methods read; the table prints the ratio. The page-by-page planner
 (``plan_transfer``'s fallback) is timed once per row as the baseline.
 
+State hybrids (Qwen3-Next: GDN + FA; Hymba: Mamba + SW + FA) run at 128k tokens
+after the attention models. Their state groups hold one slot per request;
+the state slot is clipped and paired by a stand-in for STATE-2 / STATE-3
+(keep the last slot before the speculative scratch slots) until kvspec's own
+state functions land, and the planner moves each state tensor's bytes
+(PLAN-1). The line "per-group figure" prints each state hybrid's
+clip + pairs + plan + descriptors time per KV-cache group as a ratio to
+Gemma 3 27B's (the sliding-window model) at the same length and allocation;
+the target is at most 1.2.
+
 Run: ``python benchmarks/bench_engine.py`` (``--quick`` for 8k and 32k only,
 ``--json PATH`` to write the results, ``--passes 3`` to spread the measurements
 over minutes; docs/_data/engine_bench.json, written with ``--passes 3``, is what
@@ -45,6 +55,10 @@ from kvspec._plan import _plan_page_by_page
 
 MODELS = ("gemma-3-27b", "gpt-oss-120b")
 TOKENS = (8 * 1024, 32 * 1024, 128 * 1024)
+STATE_MODELS = ("qwen3-next-80b", "hymba-1.5b")
+STATE_TOKENS = (128 * 1024,)
+PER_GROUP_BASELINE = "gemma-3-27b"
+PER_GROUP_TARGET = 1.2
 ALLOCATIONS = ("contiguous", "shuffled")
 GOALS = {"reference_us": 1000.0, "plan_ms_shuffled": 20.0, "plan_ms_contiguous": 2.0}
 DEFAULT_JSON = Path(__file__).resolve().parent.parent / "docs" / "_data" / "engine_bench.json"
@@ -95,11 +109,25 @@ def build_request(model: str, num_tokens: int, allocation: str, seed: int = 0) -
     producer, consumer = [], []
     for group in config.kv_cache_groups:
         spec = group.kv_cache_spec
+        if isinstance(spec, kvspec.MambaSpec):
+            # One state slot per request (cache mode "none"), then the speculative scratch slots (STATE-2).
+            slots = 1 + spec.num_speculative_blocks
+            producer.append([p_free.pop() for _ in range(slots)])
+            consumer.append([c_free.pop() for _ in range(slots)])
+            continue
         total = kvspec.get_logical_block_count(spec, num_tokens=num_tokens)
         producer.append([p_free.pop() for _ in range(total)])
         start = kvspec.get_needed_block_range(spec, num_tokens=num_tokens, prefix_hit_tokens=0).start
         consumer.append([kvspec.NULL_BLOCK_ID] * start + [c_free.pop() for _ in range(total - start)])
-    pruned = kvspec.get_pruned_block_ids(config, producer, num_computed_tokens=num_tokens).to_lists()
+    pruned = [
+        ids if isinstance(group.kv_cache_spec, kvspec.MambaSpec) else pruned_ids
+        for group, ids, pruned_ids in zip(
+            config.kv_cache_groups,
+            producer,
+            kvspec.get_pruned_block_ids(config, producer, num_computed_tokens=num_tokens).to_lists(),
+            strict=True,
+        )
+    ]
     return EngineRequest(
         model=model,
         num_tokens=num_tokens,
@@ -128,11 +156,74 @@ def best_time(fn: Callable[[], object], *, budget_s: float = 0.5, rounds: int = 
 # --------------------------------------------------------------------------- kvspec
 
 
+def _state_slot(ids: Sequence[int], spec: kvspec.MambaSpec) -> list[int]:
+    """Stand-in for STATE-2's clip: drop the trailing scratch slots, keep the last slot."""
+    return list(ids[: len(ids) - min(spec.num_speculative_blocks, len(ids) - 1)][-1:])
+
+
+def _steps_with_state(
+    config: KVCacheConfig, num_tokens: int
+) -> tuple[
+    Callable[[Sequence[Sequence[int]]], kvspec.BlockIds],
+    Callable[[kvspec.BlockIds, kvspec.BlockIds], kvspec.BlockPairs],
+]:
+    """Clip and pair for a config with state groups: the attention groups by kvspec, the state slots by STATE-2."""
+    state = {
+        g: s.kv_cache_spec
+        for g, s in enumerate(config.kv_cache_groups)
+        if isinstance(s.kv_cache_spec, kvspec.MambaSpec)
+    }
+    attention = kvspec.summary.without_state_groups(config)
+    budgets = kvspec.get_blocks_per_sw(config)
+    kept = [g for g in range(config.num_groups) if g not in state]
+
+    def clip(lists: Sequence[Sequence[int]]) -> kvspec.BlockIds:
+        clipped = kvspec.get_exchange_clipped_blocks([lists[g] for g in kept], [budgets[g] for g in kept])
+        out: list[Sequence[int]] = []
+        a = 0
+        for g in range(config.num_groups):
+            if g in state:
+                out.append(_state_slot(lists[g], state[g]))
+            else:
+                out.append(clipped[a])
+                a += 1
+        return kvspec.BlockIds(out)
+
+    def pairs_of(p: kvspec.BlockIds, c: kvspec.BlockIds) -> kvspec.BlockPairs:
+        assert attention is not None
+        sub = kvspec.compute_transfer_pairs(
+            attention,
+            num_tokens=num_tokens,
+            prefix_hit_tokens=0,
+            producer_block_ids=[p[g] for g in kept],
+            consumer_block_ids=[c[g] for g in kept],
+        )
+        producer, consumer, a = [], [], 0
+        for g in range(config.num_groups):
+            if g in state:
+                producer.append(p[g])
+                consumer.append(c[g])
+            else:
+                producer.append(sub.producer_block_ids[a])
+                consumer.append(sub.consumer_block_ids[a])
+                a += 1
+        return kvspec.BlockPairs(
+            producer_block_ids=kvspec.BlockIds(producer), consumer_block_ids=kvspec.BlockIds(consumer)
+        )
+
+    return clip, pairs_of
+
+
 def kvspec_steps(req: EngineRequest, *, baseline: bool = True) -> dict[str, Any]:
     """Time each step kvspec runs per request, on the engine's lists (and the page-by-page planner once)."""
     config, budgets, t = req.config, kvspec.get_blocks_per_sw(req.config), req.num_tokens
+    has_state = any(isinstance(g.kv_cache_spec, kvspec.MambaSpec) for g in config.kv_cache_groups)
+    if has_state:
+        clip_state, pairs_state = _steps_with_state(config, t)
 
     def clip_both() -> tuple[kvspec.BlockIds, kvspec.BlockIds]:
+        if has_state:
+            return clip_state(req.producer), clip_state(req.consumer)
         return (
             kvspec.get_exchange_clipped_blocks(req.producer, budgets),  # P, before advertising (CLIP-1)
             kvspec.get_exchange_clipped_blocks(req.consumer, budgets),  # C, symmetric (CLIP-1)
@@ -141,6 +232,8 @@ def kvspec_steps(req: EngineRequest, *, baseline: bool = True) -> dict[str, Any]
     producer, consumer = clip_both()
 
     def pairs_of(p: kvspec.BlockIds, c: kvspec.BlockIds) -> kvspec.BlockPairs:
+        if has_state:
+            return pairs_state(p, c)
         return kvspec.compute_transfer_pairs(
             config, num_tokens=t, prefix_hit_tokens=0, producer_block_ids=p, consumer_block_ids=c
         )
@@ -274,6 +367,8 @@ def run(
     other jobs on the machine does not decide a row.
     """
     requests = [build_request(model, t, allocation) for model in models for t in tokens for allocation in ALLOCATIONS]
+    if list(tokens) == list(TOKENS):  # the state hybrids at 128k, beside the full table only
+        requests += [build_request(m, t, a) for m in STATE_MODELS for t in STATE_TOKENS for a in ALLOCATIONS]
     rows: list[dict[str, Any]] = []
     for index in range(passes):
         for i, req in enumerate(requests):
@@ -286,7 +381,8 @@ def run(
                 "ids_in": req.ids_in,
             }
             row.update(kvspec_steps(req, baseline=index == 0))
-            if vllm is not None:
+            row["state_groups"] = sum(isinstance(g.kv_cache_spec, kvspec.MambaSpec) for g in req.config.kv_cache_groups)
+            if vllm is not None and not row["state_groups"]:  # the vLLM stand-ins model attention groups only
                 row.update(vllm_steps(vllm, req))
             if index == 0:
                 rows.append(row)
@@ -317,7 +413,7 @@ def print_row(row: dict[str, Any], with_vllm: bool) -> None:
         f"{row['plan_ms'] * 1e6 / max(row['pages'], 1):>7.1f} {row['descriptors_ms']:>7.2f} "
         f"{row['plan_page_by_page_ms']:>8.1f}"
     )
-    if with_vllm:
+    if with_vllm and "vllm_clip_pair_us" in row:
         line += (
             f" | {row['vllm_clip_pair_us']:>8.1f} {row['reference_us'] / row['vllm_clip_pair_us']:>6.0f}x"
             f" {row['vllm_desc_ids_ms']:>8.3f}"
@@ -342,6 +438,27 @@ def print_goals(rows: Sequence[dict[str, Any]]) -> None:
         )
 
 
+def per_group_us(row: dict[str, Any]) -> float:
+    """kvspec's whole per-request cost (clip both, coverage, pairs, plan, descriptors) per KV-cache group."""
+    total_us = float(row["reference_us"]) + 1e3 * (float(row["plan_ms"]) + float(row["descriptors_ms"]))
+    return total_us / int(row["groups"])
+
+
+def print_per_group(rows: Sequence[dict[str, Any]]) -> None:
+    """Each state hybrid's per-group figure as a ratio to the sliding-window model's, same tokens and allocation."""
+    base = {(r["tokens"], r["allocation"]): r for r in rows if r["model"] == PER_GROUP_BASELINE}
+    for row in rows:
+        ref = base.get((row["tokens"], row["allocation"]))
+        if not row["state_groups"] or ref is None:
+            continue
+        ratio = per_group_us(row) / per_group_us(ref)
+        print(
+            f"per-group figure: {row['model']} ({row['groups']} groups, {row['state_groups']} state) at "
+            f"{row['tokens']} tokens, {row['allocation']}: {per_group_us(row):.1f} us/group = {ratio:.2f} x "
+            f"{PER_GROUP_BASELINE}'s {per_group_us(ref):.1f} us/group (target <= {PER_GROUP_TARGET})"
+        )
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="8k and 32k tokens only")
@@ -355,6 +472,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     print(HEADER + (" | vllm c+p us  ratio vllm ids ms  ratio" if vllm else ""))
     rows = run(MODELS, tokens, vllm, passes=args.passes)
     print_goals(rows)
+    print_per_group(rows)
     print(
         "ref = clip both sides + coverage + pairs, on plain lists; ns/id per id handed over (both sides); "
         "plan = plan_transfer, all layers; base = the page-by-page planner, once"

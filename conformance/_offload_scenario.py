@@ -9,8 +9,11 @@ is valid Python, so a failing case prints it as a reproducer.
    rows of ``f`` pages each, sub-block ``s`` of row ``r`` at
    ``get_sub_block_offset(r, s)`` (OFF-7). Both are filled with keyed noise.
    Two agents of the backend register them ("gpu" and "chunks"); every store
-   and load is a descriptor list posted through the backend (WRITE or READ,
-   whichever mode the backend has).
+   and load is an offload session (:class:`kvspec.exchange.OffloadSession`)
+   that the driver of the agent posting it carries out, as it carries out the
+   exchange's sessions (:data:`kvspec.exchange.OFFLOAD`): posted through the
+   backend (WRITE or READ, whichever mode the backend has), polled, and failed
+   on its deadline.
 2. Requests run one after another. Each belongs to a *stream*: requests of
    one stream share their prefix, so a chunk is named by (stream, group,
    chunk index), which is what OFF-2's chained-hash key identifies. A
@@ -49,6 +52,7 @@ import attrs
 from kvspec import (
     NULL_BLOCK_ID,
     BlockIds,
+    FailureReason,
     KVCacheConfig,
     KVCacheTensor,
     KVSpecError,
@@ -60,8 +64,19 @@ from kvspec import (
     get_sub_block_offset,
 )
 from kvspec.connector import OffloadConnector, ReferenceOffloadConnector
+from kvspec.exchange import (
+    OFFLOAD,
+    ChunkCopy,
+    Driver,
+    LiveRequest,
+    OffloadKind,
+    OffloadSession,
+    OffloadState,
+    Operation,
+    poll_until,
+)
 from kvspec.testing import PagePool, allocate_pool, expected_page, fill_background
-from kvspec.transport import Backend, Descriptor, TransferState, Transport
+from kvspec.transport import Backend, Transport
 
 from ._scenario import ConfigSource, PresetConfig, replay_call
 
@@ -356,8 +371,7 @@ class _ChunkManager:
 
 @attrs.define(eq=False)
 class _Pending:
-    handle: Any
-    agent: Transport
+    request: LiveRequest[OffloadSession]
     what: str
     request_id: str
     on_done: Callable[[], None]
@@ -373,6 +387,17 @@ class _Run:
     next_chunk: list[int]
     loaded_chunks: list[int] = attrs.field(factory=list)  # per group, chunks below this came from the load
     offered: set[Key] = attrs.field(factory=set)  # every chunk a store set of this run offered
+
+
+_Copy = LiveRequest[OffloadSession]
+
+
+def _no_blocks(request: _Copy, block_ids: BlockIds) -> None:
+    """A copy frees no block: the scenario's own tables hold them."""
+
+
+def _ended(request: _Copy) -> None:
+    """The scenario reads the copy's session where it waits for it."""
 
 
 class _OffloadPlay:
@@ -396,6 +421,7 @@ class _OffloadPlay:
         self.scrubs = 0
         self.labels: dict[bytes, str] = {}
         self.in_flight_pages: dict[tuple[int, int], int] = {}  # chunk-pool pages a pending store may be writing
+        self.posted = 0
         modes = backend.capabilities.modes
         self.write_ok, self.read_ok = TransferMode.WRITE in modes, TransferMode.READ in modes
 
@@ -421,6 +447,9 @@ class _OffloadPlay:
                 self.chunk_agent.register_memory(chunks.regions)
                 self.chunk_name = self.gpu_agent.add_remote_agent(self.chunk_agent.get_agent_metadata())
                 self.gpu_name = self.chunk_agent.add_remote_agent(self.gpu_agent.get_agent_metadata())
+                # Every copy is an offload session, carried out by the driver of the agent that posts it.
+                self.gpu_driver = self._driver(self.gpu_agent)
+                self.chunk_driver = self._driver(self.chunk_agent)
                 for spec in self.scenario.requests:
                     self._request(spec)
                 self._drain()
@@ -509,58 +538,63 @@ class _OffloadPlay:
 
     # -- copies through the backend
 
-    def _post(self, to_chunks: bool, copies: list[tuple[int, int, int, int, int]], what: str) -> tuple[Any, Transport]:
-        """Post (gpu region, gpu offset, chunk region, chunk offset, nbytes) copies; the GPU agent posts if it can."""
-        if (to_chunks and self.write_ok) or (not to_chunks and self.read_ok):
-            agent, peer, mode = self.gpu_agent, self.chunk_name, TransferMode.WRITE if to_chunks else TransferMode.READ
-            descriptors = [
-                Descriptor(local_region=a, local_offset=b, remote_region=c, remote_offset=d, nbytes=n)
-                for a, b, c, d, n in copies
-            ]
-        else:
-            agent, peer, mode = self.chunk_agent, self.gpu_name, TransferMode.READ if to_chunks else TransferMode.WRITE
-            descriptors = [
-                Descriptor(local_region=c, local_offset=d, remote_region=a, remote_offset=b, nbytes=n)
-                for a, b, c, d, n in copies
-            ]
-        try:
-            return agent.post(mode, descriptors, peer=peer), agent
-        except KVSpecError as exc:
-            raise _Finding(f"the backend refused the {what}: {type(exc).__name__}: {exc}") from None
+    def _driver(self, agent: Transport) -> Driver[OffloadSession]:
+        return Driver(role=OFFLOAD, transport=agent, clock=time.monotonic, on_free=_no_blocks, on_end=_ended)
 
-    def _wait(self, handle: Any, agent: Transport, what: str) -> None:
-        other = self.chunk_agent if agent is self.gpu_agent else self.gpu_agent
-        stop = time.monotonic() + self.scenario.deadline
-        polls = 0
-        while True:
-            status = agent.check(handle)
-            if status.state is TransferState.DONE:
-                agent.release(handle)
-                return
-            if status.state is TransferState.FAILED:
-                agent.release(handle)
-                raise _Finding(f"the backend failed the {what}: {status.reason} {status.detail}")
-            other.get_notifications()  # a passive agent polls so its backend can progress
-            polls += 1
-            if time.monotonic() > stop:
-                raise _Finding(f"the {what} did not complete within {self.scenario.deadline}s")
-            if polls > 10:
-                time.sleep(0.0005)
+    def _post(self, to_chunks: bool, copies: list[tuple[int, int, int, int, int]], what: str) -> _Copy:
+        """Post (gpu region, gpu offset, chunk region, chunk offset, nbytes) copies; the GPU agent posts if it can."""
+        gpu_posts = self.write_ok if to_chunks else self.read_ok
+        mode = TransferMode.WRITE if to_chunks == gpu_posts else TransferMode.READ
+        driver, peer = (self.gpu_driver, self.chunk_name) if gpu_posts else (self.chunk_driver, self.gpu_name)
+        self.posted += 1
+        session = OffloadSession(
+            request_id=f"{what} (copy {self.posted})",
+            kind=OffloadKind.STORE if to_chunks else OffloadKind.LOAD,
+            mode=mode,
+            copies=[
+                ChunkCopy(gpu_region=a, gpu_offset=b, chunk_region=c, chunk_offset=d, nbytes=n)
+                for a, b, c, d, n in copies
+            ],
+            timeout=self.scenario.deadline,
+        )
+        request = driver.add(LiveRequest(session=session, peer=peer))
+        driver.execute(request, session.start(now=time.monotonic()))
+        for fault in driver.faults:
+            if fault.request_id == session.request_id and fault.operation is Operation.POST:
+                raise _Finding(f"the backend refused the {what}: {type(fault.error).__name__}: {fault.error}")
+        return request
+
+    def _poll(self) -> None:
+        # Both agents: the passive one polls so that its backend can progress.
+        self.gpu_driver.poll()
+        self.chunk_driver.poll()
+
+    def _wait(self, request: _Copy, what: str) -> None:
+        session = request.session
+        # The copy's own timeout (the scenario's deadline) bounds the wait (FAIL-1).
+        poll_until(self._poll, done=lambda: session.is_terminal, spin=10)
+        if session.state is OffloadState.DONE:
+            return
+        if session.reason is FailureReason.TIMEOUT:
+            raise _Finding(f"the {what} did not complete within {self.scenario.deadline}s")
+        reason = "" if session.reason is None else session.reason.value
+        raise _Finding(f"the backend failed the {what}: {reason} {session.detail}")
 
     def _drain(self) -> None:
         pending, self.pending = self.pending, []
         for item in pending:
-            self._wait(item.handle, item.agent, item.what)
+            self._wait(item.request, item.what)
             item.on_done()
             self._check(f"after the {item.what}")
 
     def _poll_pending(self) -> None:
         """Finish the pending copies that are done; keep the others (a deferred store lands when it lands)."""
+        self._poll()
         for item in list(self.pending):
-            if item.agent.check(item.handle).state is TransferState.PENDING:
+            if not item.request.session.is_terminal:
                 continue
             self.pending.remove(item)
-            self._wait(item.handle, item.agent, item.what)
+            self._wait(item.request, item.what)
             item.on_done()
             self._check(f"after the {item.what}")
 
@@ -834,7 +868,7 @@ class _OffloadPlay:
         if not copies:
             return
         what = f"store of {rid!r} at {o} tokens"
-        handle, agent = self._post(True, copies, what)
+        request = self._post(True, copies, what)
         self.stored_pages += len(copies)
 
         addresses = [self._chunk_address(layer, row, sub, g) for _, row, sub, g, layer in writes]
@@ -852,9 +886,9 @@ class _OffloadPlay:
         if defer:
             for address in addresses:
                 self.in_flight_pages[address] = self.in_flight_pages.get(address, 0) + 1
-            self.pending.append(_Pending(handle=handle, agent=agent, what=what, request_id=rid, on_done=landed))
+            self.pending.append(_Pending(request=request, what=what, request_id=rid, on_done=landed))
             return
-        self._wait(handle, agent, what)
+        self._wait(request, what)
         landed()
         self._check(f"after the {what}")
 
@@ -897,8 +931,7 @@ class _OffloadPlay:
                     self.gpu.expect(region, offset, self._final_page(stream, g, layer_index, position))
         what = f"load of {rid!r} ({t - c} tokens past C={c})"
         if copies:
-            handle, agent = self._post(False, copies, what)
-            self._wait(handle, agent, what)
+            self._wait(self._post(False, copies, what), what)
             self.loaded_pages += len(copies)
         self._check(f"after the {what}")
 

@@ -52,6 +52,7 @@ from kvspec import (
     ProducerSession,
     ProducerState,
     Release,
+    StateProfile,
     TransferMode,
     TransferParams,
     TransferPlan,
@@ -67,9 +68,15 @@ from kvspec import (
     is_hma_required,
 )
 from kvspec.connector import pair_keywords
-from kvspec.exchange import Driver, LiveRequest, Operation, reason_of
+from kvspec.exchange import CONSUMER, PRODUCER, Driver, LiveRequest, Operation, poll_until, reason_of
 from kvspec.presets import get_preset
 from kvspec.remote import PeerBackend, RemoteAgent, RemotePool
+from kvspec.spec.state import (
+    check_state_position,
+    get_scratch_slot_count,
+    get_state_clipped_blocks,
+    get_state_group_indices,
+)
 from kvspec.testing import (
     ExpectedLoad,
     PageMismatch,
@@ -170,6 +177,13 @@ class Request:
     ``producer_block_ends`` / ``consumer_block_ends`` are the ends each side
     declares for its list (protocol 1.1, ALIGN-1); ``None`` is a 1.0 side
     that declares none.
+
+    ``state_tokens`` (protocol 1.2, STATE-1) is how many tokens the producer
+    says its state absorbed; ``None`` means ``num_tokens`` (a correct
+    producer) where the config has state groups. ``send_state_tokens=False``
+    is a 1.1 producer that omits the key. Generated tables give each state
+    group ``cdiv(T + R, B)`` slots (null but the last, as vLLM prunes) plus
+    its ``num_speculative_blocks`` scratch slots; C gets one slot (STATE-2).
     """
 
     request_id: str
@@ -184,6 +198,8 @@ class Request:
     producer_block_ends: tuple[int, ...] | None = attrs.field(default=None, converter=_optional_ends)
     consumer_block_ends: tuple[int, ...] | None = attrs.field(default=None, converter=_optional_ends)
     kill_peer_after_polls: int | None = None
+    state_tokens: int | None = None
+    send_state_tokens: bool = True
 
     @property
     def listed_tokens(self) -> int:
@@ -241,7 +257,8 @@ class Scenario:
     (after DONE, after a release) is seen (DONE-1, SM-2). ``integrity`` turns
     INT-1 on in both drivers: the sender's block digests travel with the
     transfer parameters (READ) or the Completion (WRITE) and the consumer checks
-    them before LOADED.
+    them before LOADED. ``state_profile`` is both engines' state profile
+    where the configs have state groups (STATE-1).
     """
 
     config: ConfigSource
@@ -257,6 +274,7 @@ class Scenario:
     watch_late_writes: bool = False
     settle: float = 0.0
     integrity: bool = False
+    state_profile: str = attrs.field(default="recompute", validator=_one_of("recompute", "prebuilt"))
 
     def to_python(self, backend: str = "loopback", connector: str | tuple[str, str] | None = None) -> str:
         """A script that replays this scenario on ``backend`` and prints what the oracle found.
@@ -419,8 +437,8 @@ class _Play:
         self.p_config = _build(scenario.config)
         self.c_config = _build(scenario.consumer_config) if scenario.consumer_config is not None else self.p_config
         self.tables: dict[str, _Tables] = {}
-        self.producers: dict[str, LiveRequest] = {}
-        self.consumers: dict[str, LiveRequest] = {}
+        self.producers: dict[str, LiveRequest[ProducerSession]] = {}
+        self.consumers: dict[str, LiveRequest[ConsumerSession]] = {}
         self.received: dict[str, int] = {}
         self.polls: dict[str, int] = {}
         self.completed_early: list[tuple[str, ExpectedLoad, list[PageMismatch]]] = []
@@ -449,6 +467,7 @@ class _Play:
         self.p_alloc = _Allocator(self.p_config.num_blocks)
         self.c_alloc = _Allocator(self.c_config.num_blocks)
         self.p_driver = Driver(
+            role=PRODUCER,
             transport=self.producer,
             clock=time.monotonic,
             on_free=lambda request, _: self.p_alloc.release(self.tables[request.request_id].producer),
@@ -458,6 +477,7 @@ class _Play:
             integrity=self._digester(self.p_config, self.producer_pool),
         )
         self.c_driver = Driver(
+            role=CONSUMER,
             transport=self.consumer,
             clock=time.monotonic,
             on_free=self._free_consumer,
@@ -484,7 +504,11 @@ class _Play:
                 // group.kv_cache_spec.block_size,
                 total,
             )
-            groups.append([NULL_BLOCK_ID] * skipped + [self.p_alloc.allocate() for _ in range(total - skipped)])
+            # A state group's speculative scratch slots sit at the tail; the clip drops them (STATE-2).
+            scratch = get_scratch_slot_count(group.kv_cache_spec) if total else 0
+            groups.append(
+                [NULL_BLOCK_ID] * skipped + [self.p_alloc.allocate() for _ in range(total - skipped + scratch)]
+            )
         return BlockIds(groups)
 
     def _consumer_suffix(self, spec: Request) -> BlockIds:
@@ -511,7 +535,7 @@ class _Play:
             p_ids,
             num_tokens=spec.listed_tokens,
             salt=spec.request_id,
-            block_ends=spec.producer_block_ends,  # keyed by true position, so a shifted pairing shows (ALIGN-1)
+            block_ends=self._fill_ends(spec, p_ids),  # keyed by true position, so a shifted pairing shows (ALIGN-1)
         )
         self.producer_expected = self.producer_pool.snapshot()
         c_ids = self._consumer_suffix(spec)
@@ -529,6 +553,7 @@ class _Play:
             # Protocol 1.1: set only when the request sets them, so they travel through the params dict.
             producer_block_ends=spec.producer_block_ends,
             recomputed_tokens=spec.recomputed_tokens,
+            state_tokens=self._state_tokens(spec),
             # Above the consumer's drain timeout, as the lease rule asks (SM-1).
             release_grace=1.5 * scenario.drain,
             drain_timeout=scenario.drain,
@@ -548,7 +573,15 @@ class _Play:
         self.consumers[spec.request_id] = request
         if not consumer.is_prefix_hit:
             try:
-                # WIN-1 and ALIGN-1 before any byte moves; then every byte is planned (PLAN-1).
+                # The state must stand where C resumes (STATE-1); WIN-1 and ALIGN-1 before any byte moves;
+                # then every byte is planned (PLAN-1).
+                check_state_position(
+                    self.c_config,
+                    state_tokens=params.state_tokens,
+                    num_tokens=params.num_tokens,
+                    recomputed_tokens=params.recomputed_tokens,
+                    profile=self.scenario.state_profile,
+                )
                 request.plan = self._pair_and_plan(
                     request, spec, params, consumer.consumer_block_ids, consumer.consumer_block_ends
                 )
@@ -558,11 +591,28 @@ class _Play:
                 return
         self.c_driver.execute(request, consumer.start(now=now))
 
+    def _fill_ends(self, spec: Request, p_ids: BlockIds) -> tuple[int, ...] | None:
+        """Where P's lists end for keying its pages: a state group's scratch slots sit past its end (STATE-2)."""
+        states = get_state_group_indices(self.p_config)
+        if not states or len(p_ids) != self.p_config.num_groups:
+            return spec.producer_block_ends
+        ends = list(spec.producer_block_ends or get_block_ends_for(self.p_config, spec.listed_tokens))
+        for g in states:
+            scratch = min(get_scratch_slot_count(self.p_config.kv_cache_groups[g].kv_cache_spec), len(p_ids[g]) - 1)
+            ends[g] += max(scratch, 0)
+        return tuple(ends)
+
+    def _state_tokens(self, spec: Request) -> int | None:
+        """What P says its state absorbed: the request's value, else T where there is state (STATE-1)."""
+        if not spec.send_state_tokens or not get_state_group_indices(self.p_config):
+            return None
+        return spec.num_tokens if spec.state_tokens is None else spec.state_tokens
+
     # -- the role hooks
 
     def _pair_and_plan(
         self,
-        request: LiveRequest,
+        request: LiveRequest[ProducerSession] | LiveRequest[ConsumerSession],
         spec: Request,
         params: TransferParams,
         consumer_block_ids: BlockIds,
@@ -585,7 +635,7 @@ class _Play:
         request.pairs = pairs  # what the transfer moves: digested and checked with INT-1 on
         return self.connector.plan(producer_config=self.p_config, consumer_config=self.c_config, pairs=pairs)
 
-    def _plan_write(self, request: LiveRequest, offer: BlockOffer) -> TransferPlan:
+    def _plan_write(self, request: LiveRequest[ProducerSession], offer: BlockOffer) -> TransferPlan:
         spec = self.tables[request.request_id].spec
         return self._pair_and_plan(
             request, spec, request.session.params, offer.consumer_block_ids, offer.consumer_block_ends
@@ -595,10 +645,10 @@ class _Play:
         if isinstance(message, Release):
             self.received[request_id] = self.received.get(request_id, 0) + 1
 
-    def _free_consumer(self, request: LiveRequest, block_ids: BlockIds) -> None:
+    def _free_consumer(self, request: LiveRequest[ConsumerSession], block_ids: BlockIds) -> None:
         self.c_alloc.release(self.tables[request.request_id].consumer)
 
-    def _consumer_ended(self, request: LiveRequest) -> None:
+    def _consumer_ended(self, request: LiveRequest[ConsumerSession]) -> None:
         tables = self.tables[request.request_id]
         tables.ended = time.monotonic()
         if request.session.state is ConsumerState.LOADED:
@@ -618,8 +668,13 @@ class _Play:
         tables = self.tables[request_id]
         consumer = BlockIds([]) if not loaded and self._moved_nothing(request_id) else tables.consumer
         return ExpectedLoad(
-            producer_block_ids=get_exchange_clipped_blocks(tables.producer, get_blocks_per_sw(self.p_config)),
-            consumer_block_ids=get_exchange_clipped_blocks(consumer, get_blocks_per_sw(self.c_config)),
+            # A state group's one slot lands in C's one slot, both at the list's last position (STATE-2).
+            producer_block_ids=get_state_clipped_blocks(
+                self.p_config, get_exchange_clipped_blocks(tables.producer, get_blocks_per_sw(self.p_config))
+            ),
+            consumer_block_ids=get_state_clipped_blocks(
+                self.c_config, get_exchange_clipped_blocks(consumer, get_blocks_per_sw(self.c_config))
+            ),
             num_tokens=tables.spec.listed_tokens,
             salt=request_id,
             loaded=loaded,
@@ -631,8 +686,6 @@ class _Play:
     def _outcome(self, request_id: str) -> RequestOutcome:
         consumer = self.consumers[request_id].session
         producer = self.producers[request_id].session
-        if not isinstance(consumer, ConsumerSession) or not isinstance(producer, ProducerSession):
-            raise _ScenarioError("a driver swapped its sessions")  # pragma: no cover - built above
         reason: FailureReason | None = None
         detail = ""
         if consumer.failure is not None:
@@ -758,6 +811,7 @@ class _Play:
             mode=self.mode,
             hma_enabled=is_hma_required(config),
             transport_metadata=agent.get_agent_metadata(),
+            state_profile=StateProfile(self.scenario.state_profile) if get_state_group_indices(config) else None,
         )
 
     def _check_peers(self) -> None:
@@ -767,6 +821,8 @@ class _Play:
         for field, value in self.scenario.handshake_overrides:
             if field == "mode":
                 value = TransferMode(str(value))
+            if field == "state_profile" and value is not None:
+                value = StateProfile(str(value))
             consumer = attrs.evolve(consumer, **{field: value})  # type: ignore[arg-type]
         wire = encode(consumer)
         overrides = dict(self.scenario.handshake_overrides)
@@ -820,20 +876,11 @@ class _Play:
             settle = max(settle, max(cancelled) + 4 * self.scenario.drain)
         # A copy landing again after DONE is seen only if the pools are read after it (DONE-1).
         settle = max(settle, time.monotonic() + self.scenario.settle)
-        polls = 0
-        while polls < 20 or time.monotonic() < settle:
-            self._poll_once()
-            polls += 1
-            if polls > 20:
-                time.sleep(0.001)
+        poll_until(self._poll_once, done=lambda: time.monotonic() >= settle, min_polls=20, spin=20, pause=_settle_pause)
 
     def _drive(self, hard_stop: float) -> None:
-        idle = 0
-        while not self._settled() and time.monotonic() <= hard_stop:
-            self._poll_once()
-            idle += 1
-            if idle > 10:
-                time.sleep(0.0005)  # cross-process backends progress in their own processes
+        # After ten quick polls, a short sleep: cross-process backends progress in their own processes.
+        poll_until(self._poll_once, done=self._settled, until=hard_stop, spin=10)
 
     def _poll_once(self) -> None:
         self._inject_timed_faults()
@@ -853,7 +900,7 @@ class _Play:
             session = consumer.session
             if spec.abort_after_polls is not None and session.state is ConsumerState.LOADING:
                 polls = self.polls[request_id] = self.polls.get(request_id, 0) + 1
-                if polls > spec.abort_after_polls and isinstance(session, ConsumerSession):
+                if polls > spec.abort_after_polls:
                     self.c_driver.execute(consumer, session.abort(now=time.monotonic()))
             posted = initiator.requests.get(request_id)
             if spec.disconnect_after_polls is not None and posted is not None and posted.handle is not None:
@@ -875,6 +922,15 @@ class _Play:
         if not isinstance(agent, RemoteAgent):
             raise _ScenarioError("kill_peer_after_polls needs the producer on an agent server (kvspec conform --peer)")
         agent.kill()
+
+
+def _settle_pause() -> None:
+    time.sleep(0.001)
+
+
+def get_block_ends_for(config: KVCacheConfig, num_tokens: int) -> tuple[int, ...]:
+    """Each group's last block plus one for ``num_tokens`` tokens: where a whole table ends (WIN-1)."""
+    return tuple(get_logical_block_count(g.kv_cache_spec, num_tokens=num_tokens) for g in config.kv_cache_groups)
 
 
 def _fill_background(pool: PagePool, *, seed: str) -> None:

@@ -103,7 +103,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="MODULE:FACTORY",
         help="check your own connector logic (clip, pair, plan, admission, handshake) instead of kvspec's reference; "
         "vllm:moriio, vllm:nixl, vllm:nixl-push, vllm:mooncake or vllm:offloading run vLLM's own, "
-        "vllm:MODULE:CLASS any vLLM connector class (needs kvspec[vllm])",
+        "vllm:MODULE:CLASS any vLLM connector class (needs kvspec[vllm]); sglang:mooncake, sglang:nixl or "
+        "sglang:mori SGLang 0.5.23's own (needs kvspec[sglang])",
     )
     parser.add_argument(
         "--vllm-extra",
@@ -130,7 +131,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--expect-fail-file",
         metavar="PATH",
         help="a file of CASE_ID=REASON lines (# comments allowed), as --expect-fail; or a list kvspec ships, "
-        "e.g. vllm:nixl",
+        "e.g. vllm:nixl or sglang:mooncake",
     )
     parser.add_argument(
         "--peer",
@@ -218,6 +219,16 @@ def _load_connector(path: str, extra: Sequence[str] = ()) -> tuple[Connector, tu
     """The connector ``--connector`` names, and what the report says was tested; one line for anything wrong."""
     from kvspec.integrations.vllm import import_path
 
+    if path.startswith("sglang:"):
+        from kvspec.integrations.sglang import installed_sglang_version, make_connector
+
+        if extra:
+            raise SystemExit("kvspec conform: --vllm-extra needs --connector vllm:...")
+        try:
+            adapter = make_connector(path.partition(":")[2])
+        except KVSpecError as exc:
+            raise SystemExit(f"kvspec conform: --connector {path}: {exc}") from None
+        return adapter, (("connector", path), ("sglang", installed_sglang_version() or "?"))
     if path.startswith("vllm:"):
         from kvspec.integrations.vllm import parse_vllm_extra, vllm_connector
 

@@ -20,7 +20,7 @@ from kvspec import (
     SlidingWindowSpec,
 )
 
-__all__ = ["GroupShape", "chunked", "full", "make_config", "mamba", "mla", "sw", "sw_mla"]
+__all__ = ["GroupShape", "chunked", "full", "gdn", "make_config", "mamba", "mla", "sw", "sw_mla"]
 
 ConfigLayout = Literal["separate", "shared", "per_layer", "layers_first"]
 
@@ -32,6 +32,9 @@ class GroupShape:
     kind: Literal["full", "mla", "sw", "sw_mla", "chunked", "mamba"]
     block_size: int = 4
     window: int = 0
+    mamba_type: str = "mamba2"
+    cache_mode: str = "none"
+    num_speculative_blocks: int = 0
 
 
 def full(block_size: int = 4) -> GroupShape:
@@ -59,9 +62,24 @@ def chunked(chunk: int, block_size: int = 4) -> GroupShape:
     return GroupShape(kind="chunked", block_size=block_size, window=chunk)
 
 
-def mamba(block_size: int = 4) -> GroupShape:
-    """A Mamba state group (never admitted, ADM-1)."""
-    return GroupShape(kind="mamba", block_size=block_size)
+def mamba(
+    block_size: int = 4, *, mamba_type: str = "mamba2", cache_mode: str = "none", num_speculative_blocks: int = 0
+) -> GroupShape:
+    """A state group (STATE-1 .. STATE-5): Mamba-2 by default; ``mamba_type="gdn_attn"`` for Gated DeltaNet."""
+    return GroupShape(
+        kind="mamba",
+        block_size=block_size,
+        mamba_type=mamba_type,
+        cache_mode=cache_mode,
+        num_speculative_blocks=num_speculative_blocks,
+    )
+
+
+def gdn(block_size: int = 4, *, cache_mode: str = "none", num_speculative_blocks: int = 0) -> GroupShape:
+    """A Gated-DeltaNet state group (vLLM's ``GDN_ATTN``), two state tensors (STATE-5)."""
+    return mamba(
+        block_size, mamba_type="gdn_attn", cache_mode=cache_mode, num_speculative_blocks=num_speculative_blocks
+    )
 
 
 def _spec(shape: GroupShape, padded: int | None) -> AttentionSpec | MambaSpec:
@@ -77,7 +95,16 @@ def _spec(shape: GroupShape, padded: int | None) -> AttentionSpec | MambaSpec:
         return SlidingWindowMLASpec(**attn, sliding_window=shape.window)  # type: ignore[arg-type]
     if shape.kind == "chunked":
         return ChunkedLocalAttentionSpec(**attn, attention_chunk_size=shape.window)  # type: ignore[arg-type]
-    return MambaSpec(**common, shapes=[(2, 2)], dtypes=["int8"])  # type: ignore[arg-type]
+    # Mamba-2 keeps one small tensor (the suite's historic shape); GDN a conv and a temporal state.
+    shapes, dtypes = ([(2, 2)], ["int8"]) if shape.mamba_type != "gdn_attn" else ([(2, 2), (1, 4)], ["int8", "int8"])
+    return MambaSpec(
+        **common,  # type: ignore[arg-type]
+        shapes=shapes,
+        dtypes=dtypes,
+        mamba_type=shape.mamba_type,
+        cache_mode=shape.cache_mode,
+        num_speculative_blocks=shape.num_speculative_blocks,
+    )
 
 
 def make_config(

@@ -532,6 +532,100 @@ def check_vllm_findings_page(markdown: str, audit: Mapping[str, Any]) -> None:
         )
 
 
+SGLANG_AUDIT_JSON = ROOT / "docs" / "explanation" / "sglang-audit.json"
+SGLANG_FINDINGS_PAGE = "explanation/sglang-findings.md"
+
+
+def sglang_audit_snippets(audit: Mapping[str, Any]) -> dict[str, str]:
+    """Tables for the SGLang findings page from the committed ``kvspec sglang-audit --json`` output.
+
+    ``sglang-audit:summary`` is the per-backend table; ``sglang-audit:class:NAME``
+    is one deviation class: counts per backend and the smallest reproducer.
+    """
+    requests, pairs, closed = audit["requests"], audit["pairs"], audit["failed_closed"]
+    summary = [
+        "| Backend | Requests | Pairs posted | Refused by SGLang (probe) | Deviation classes (requests) |",
+        "|---|---:|---:|---:|---|",
+    ]
+    by_class: dict[str, list[Mapping[str, Any]]] = {}
+    for item in audit["classes"]:
+        by_class.setdefault(item["class"], []).append(item)
+    for backend, count in requests.items():
+        mine = [c for c in audit["classes"] if c["backend"] == backend]
+        listed = ", ".join(f"[{c['class']}](#{c['class']}) ({c['requests']})" for c in mine) or "none"
+        summary.append(f"| `{backend}` | {count:,} | {pairs[backend]:,} | {closed[backend]:,} | {listed} |")
+    snippets = {"sglang-audit:summary": "\n".join(summary) + "\n"}
+    for name, items in by_class.items():
+        probe = " (a probe: the audit made the lists unequal)" if items[0]["probe"] else ""
+        out = [
+            f"Rule **{items[0]['rule']}**{probe}. Found at seed {audit['seed']} in SGLang {audit['sglang_version']}:",
+            "",
+            "| Backend | Requests | Findings | Smallest reproducer |",
+            "|---|---:|---:|---|",
+        ]
+        for item in items:
+            r = item["reproducer"]
+            where = f"pool {r['group']}: {r['detail']}" + (f"; pair `{r['pair']}`" if r.get("pair") else "")
+            case = (
+                f"B={r['page_size']}, W={r['window']}, N={r['num_tokens']}, H={r['prefix_tokens']}; {where}"
+            ).replace("|", "\\|")
+            out.append(f"| `{item['backend']}` | {item['requests']} | {item['findings']} | {case} |")
+        first = items[0]["reproducer"]
+        out += [
+            "",
+            f"Pages of the first reproducer (`{items[0]['backend']}`), as paired, long ones shortened:",
+            "",
+            "```text",
+            f"producer {first['producer_list']}",
+            f"consumer {first['consumer_list']}",
+            "```",
+        ]
+        snippets[f"sglang-audit:class:{name}"] = "\n".join(out) + "\n"
+    return snippets
+
+
+def sglang_expected_failures() -> dict[str, dict[str, str]]:
+    """Backend name -> {case id: reason}, from the committed ``sglang-*.txt`` lists."""
+    from kvspec_conformance._runner import parse_expected_failures
+
+    return {
+        path.stem.removeprefix("sglang-"): parse_expected_failures(path.read_text(encoding="utf-8").splitlines())
+        for path in sorted(VLLM_EXPECTED.glob("sglang-*.txt"))
+        if path.stem != "sglang-audit"
+    }
+
+
+def sglang_expected_table(expected: Mapping[str, Mapping[str, str]]) -> str:
+    """One table of every failing case per SGLang backend, with its reason and a link to its section."""
+    out = ["| Connector | Failing case | Reason |", "|---|---|---|"]
+    for backend, cases in expected.items():
+        for case_id, reason in cases.items():
+            text, _, anchor = reason.rpartition(" (#")
+            link = f"[{text}](#{anchor.rstrip(')')})" if anchor else reason
+            out.append(f"| `sglang:{backend}` | `{case_id}` | {link} |")
+    return "\n".join(out) + "\n"
+
+
+def check_sglang_findings_page(markdown: str, audit: Mapping[str, Any]) -> None:
+    """Every SGLang audit class and expected failure has its section on the page, and nothing stale stays."""
+    headings = {slugify(m.group(1).strip(), "-") for m in re.finditer(r"^#{2,4}\s+(.+)$", markdown, re.MULTILINE)}
+    for backend, cases in sglang_expected_failures().items():
+        for case_id, reason in cases.items():
+            anchor = reason.rpartition(" (#")[2].rstrip(")")
+            if anchor not in headings:
+                raise PluginError(
+                    f"{SGLANG_FINDINGS_PAGE}: kvspec/integrations/expected/sglang-{backend}.txt explains {case_id} "
+                    f"with #{anchor}, which is no section of the page"
+                )
+    documented = set(re.findall(r"<!--\s*kvspec:sglang-audit:class:([\w-]+)\s*-->", markdown))
+    found = {c["class"] for c in audit["classes"]}
+    if documented != found:
+        raise PluginError(
+            f"{SGLANG_FINDINGS_PAGE}: deviation classes differ from {SGLANG_AUDIT_JSON.name}: "
+            f"undocumented {sorted(found - documented)}, no longer found {sorted(documented - found)}"
+        )
+
+
 def _bytes_table(rows: Sequence[tuple[str, int, int, int]]) -> str:
     out = ["| Model | Tokens | Unclipped | Clipped | Saved |", "|---|---:|---:|---:|---:|"]
     for model, tokens, unclipped, clipped in rows:
@@ -783,6 +877,9 @@ def on_files(files: Files, config: Any) -> Files:
     _STATE["vllm_audit"] = json.loads(VLLM_AUDIT_JSON.read_text(encoding="utf-8"))
     snippets.update(vllm_audit_snippets(_STATE["vllm_audit"]))
     snippets["vllm-expected:tables"] = vllm_expected_table(vllm_expected_failures())
+    _STATE["sglang_audit"] = json.loads(SGLANG_AUDIT_JSON.read_text(encoding="utf-8"))
+    snippets.update(sglang_audit_snippets(_STATE["sglang_audit"]))
+    snippets["sglang-expected:tables"] = sglang_expected_table(sglang_expected_failures())
     snippets["vector-functions"] = render_vector_functions()
     _STATE["snippets"] = snippets
 
@@ -811,6 +908,8 @@ def on_page_markdown(markdown: str, page: Any, config: Any, files: Files) -> str
         check_errors_page(markdown)
     if src == VLLM_FINDINGS_PAGE:
         check_vllm_findings_page(markdown, _STATE["vllm_audit"])
+    if src == SGLANG_FINDINGS_PAGE:
+        check_sglang_findings_page(markdown, _STATE["sglang_audit"])
     markdown = MARKER.sub(replace, markdown)
     if src.startswith("spec/") and src != CATALOGUE:
         markdown = link_rule_sections(markdown, src, _STATE["by_rule"])

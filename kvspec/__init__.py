@@ -39,6 +39,8 @@ from kvspec._errors import (
     ProtocolError,
     RemoteError,
     RemoteProtocolError,
+    StatePositionError,
+    StateSlotError,
     TransportError,
     UnknownRuleError,
     UnsupportedHybridError,
@@ -83,6 +85,7 @@ from kvspec._models import (
     SlidingWindowMLASpec,
     SlidingWindowSpec,
     SpecKind,
+    StateProfile,
 )
 
 # Offload rules (OFF-1 ... OFF-9): one contiguous block, kept apart for easy merges.
@@ -197,6 +200,9 @@ __all__ = [
     "SlidingWindowMLASpec",
     "SlidingWindowSpec",
     "SpecKind",
+    "StatePositionError",
+    "StateProfile",
+    "StateSlotError",
     "StoreSet",
     "TokenBasis",
     "TransferMode",

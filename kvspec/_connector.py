@@ -31,6 +31,7 @@ from kvspec._reference import (
     get_blocks_per_sw,
     get_exchange_clipped_blocks,
 )
+from kvspec.spec.state import get_state_clipped_blocks
 
 __all__ = [
     "Connector",
@@ -63,7 +64,7 @@ class Connector(Protocol):
         ...
 
     def clip_block_ids(self, config: KVCacheConfig, block_ids: BlockIds) -> BlockIds:
-        """Clip one side's list before it is exchanged (CLIP-1)."""
+        """Clip one side's list before it is exchanged: windows to budget, state to one slot (CLIP-1, STATE-2)."""
         ...
 
     def pair_block_ids(
@@ -105,8 +106,8 @@ class ReferenceConnector:
         check_compatibility(producer=producer, consumer=consumer)
 
     def clip_block_ids(self, config: KVCacheConfig, block_ids: BlockIds) -> BlockIds:
-        """``get_exchange_clipped_blocks(block_ids, get_blocks_per_sw(config))`` (CLIP-1)."""
-        return get_exchange_clipped_blocks(block_ids, get_blocks_per_sw(config))
+        """``get_exchange_clipped_blocks``, then ``get_state_clipped_blocks`` (CLIP-1, STATE-2)."""
+        return get_state_clipped_blocks(config, get_exchange_clipped_blocks(block_ids, get_blocks_per_sw(config)))
 
     def pair_block_ids(
         self,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 
-__all__ = ["FailureReason", "TransferMode"]
+__all__ = ["FailureReason", "StateProfile", "TransferMode"]
 
 
 class TransferMode(str, enum.Enum):
@@ -33,3 +33,16 @@ class FailureReason(str, enum.Enum):
     INCOMPATIBLE_PEER = "incompatible_peer"
     ABORTED = "aborted"
     PROTOCOL = "protocol"
+
+
+class StateProfile(str, enum.Enum):
+    """Where a transferred state group's state stands, and what the consumer does next (STATE-1).
+
+    ``recompute`` (vLLM): the state has absorbed ``T = N - b`` prompt tokens
+    and the consumer recomputes the last ``b``. ``prebuilt`` (SGLang): the
+    state has absorbed all ``N`` prompt tokens, the consumer recomputes
+    nothing and its first step consumes the sampled token.
+    """
+
+    RECOMPUTE = "recompute"
+    PREBUILT = "prebuilt"

@@ -26,6 +26,8 @@ __all__ = [
     "ProtocolError",
     "RemoteError",
     "RemoteProtocolError",
+    "StatePositionError",
+    "StateSlotError",
     "TransportError",
     "UnknownRuleError",
     "UnsupportedHybridError",
@@ -83,6 +85,19 @@ class GroupCountError(KVSpecError, ValueError):
 
 class BlockAlignmentError(KVSpecError, ValueError):
     """The consumer holds more blocks in a group than the producer offers (ALIGN-1)."""
+
+
+class StatePositionError(BlockAlignmentError):
+    """A state group's state has absorbed a different number of tokens than the consumer resumes at (STATE-1).
+
+    A :class:`BlockAlignmentError`: the state sits at the wrong position, as a
+    shifted block list does, and a request it ends fails with reason
+    ``block_alignment`` (docs/spec/decisions.md, decision 100).
+    """
+
+
+class StateSlotError(BlockAlignmentError):
+    """A state group's slot lists cannot give exactly one real slot per side (STATE-2, STATE-3)."""
 
 
 class WindowCoverageError(KVSpecError, ValueError):

@@ -41,13 +41,25 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Sequence
+from typing import Generic
 
 import attrs
 
 from kvspec._codec import decode, encode
 from kvspec._connector import Connector, ReferenceConnector, pair_keywords
-from kvspec._driver import Driver, DriverFault, LiveRequest, Operation, reason_of
-from kvspec._enums import FailureReason, TransferMode
+from kvspec._driver import (
+    CONSUMER,
+    PRODUCER,
+    Driver,
+    DriverFault,
+    LiveRequest,
+    Operation,
+    Role,
+    S,
+    poll_until,
+    reason_of,
+)
+from kvspec._enums import FailureReason, StateProfile, TransferMode
 from kvspec._errors import (
     ConfigError,
     IncompatiblePeerError,
@@ -60,7 +72,7 @@ from kvspec._errors import (
 from kvspec._handshake import check_compatibility
 from kvspec._integrity import PageDigester
 from kvspec._messages import BlockOffer, EngineDescriptor, Failure, Message, ReleaseOutcome, TransferParams
-from kvspec._models import NULL_BLOCK_ID, BlockIds, KVCacheConfig
+from kvspec._models import NULL_BLOCK_ID, BlockIds, KVCacheConfig, KVCacheSpec, MambaSpec
 from kvspec._plan import TransferPlan
 from kvspec._reference import (
     BlockPairs,
@@ -80,6 +92,7 @@ from kvspec._session import (
     ProducerSession,
     ProducerState,
 )
+from kvspec.spec.state import check_state_position, get_state_group_indices, get_state_paired_lists
 from kvspec.transport._base import MemoryRegion, Transport
 
 __all__ = [
@@ -212,7 +225,7 @@ class _Peer:
     descriptor: EngineDescriptor
 
 
-class _Endpoint:
+class _Endpoint(Generic[S]):
     """What both roles share: config, allocator, transport, peers, clock, and the driver core."""
 
     role = "engine"
@@ -220,6 +233,7 @@ class _Endpoint:
     def __init__(
         self,
         *,
+        side: Role[S],
         engine_id: str,
         config: KVCacheConfig,
         transport: Transport,
@@ -230,6 +244,7 @@ class _Endpoint:
         on_free: Callable[[list[int]], None] | None = None,
         connector: Connector | None = None,
         integrity: bool = False,
+        state_profile: StateProfile | str | None = None,
     ) -> None:
         if not isinstance(engine_id, str) or not engine_id:
             raise ConfigError(f"{type(self).__name__}.engine_id: expected a non-empty str, got {engine_id!r}")
@@ -250,14 +265,25 @@ class _Endpoint:
         self.clock = clock
         self.connector: Connector = ReferenceConnector() if connector is None else connector
         self.hma_enabled = is_hma_required(config, disable_hybrid_kv_cache_manager=disable_hybrid_kv_cache_manager)
+        self.disable_hybrid_kv_cache_manager = disable_hybrid_kv_cache_manager
+        # Where this engine's transferred state stands; only an engine with state groups has one (STATE-1).
+        self.state_profile: StateProfile | None = None
+        if get_state_group_indices(config):
+            try:
+                self.state_profile = StateProfile(state_profile or StateProfile.RECOMPUTE)
+            except ValueError:
+                raise ConfigError(
+                    f"{type(self).__name__}.state_profile: expected one of {[p.value for p in StateProfile]}, "
+                    f"got {state_profile!r}"
+                ) from None
         self.allocator = BlockAllocator(config.num_blocks, on_free=on_free)
         self._peers: dict[str, _Peer] = {}
-        self.driver = Driver(
+        self.driver: Driver[S] = Driver(
+            role=side,
             transport=transport,
             clock=clock,
             on_free=self._on_free,
             on_end=self._on_end,
-            plan_write=self._plan_write,
             fallback_peer=self._only_peer,
             integrity=PageDigester(config, [r.buffer for r in regions]) if integrity else None,
         )
@@ -287,6 +313,7 @@ class _Endpoint:
             mode=self.mode,
             hma_enabled=self.hma_enabled,
             transport_metadata=self.transport.get_agent_metadata(),
+            state_profile=self.state_profile,
         )
 
     def add_peer(self, descriptor: EngineDescriptor, config: KVCacheConfig) -> str:
@@ -338,17 +365,14 @@ class _Endpoint:
 
     # -- role hooks for the driver
 
-    def _on_free(self, request: LiveRequest, block_ids: BlockIds) -> None:
+    def _on_free(self, request: LiveRequest[S], block_ids: BlockIds) -> None:
         self.allocator.free_groups(block_ids)
 
-    def _on_end(self, request: LiveRequest) -> None:
+    def _on_end(self, request: LiveRequest[S]) -> None:
         raise NotImplementedError
 
-    def _plan_write(self, request: LiveRequest, offer: BlockOffer) -> TransferPlan:
-        raise LocalProtocolError(f"a {self.role} never plans a write")
 
-
-class ProducerEndpoint(_Endpoint):
+class ProducerEndpoint(_Endpoint[ProducerSession]):
     """The prefill engine: pins blocks per request and serves READs or posts WRITEs (SM-1).
 
     ``connector`` is the connector seam it clips and plans through (default
@@ -373,11 +397,13 @@ class ProducerEndpoint(_Endpoint):
         on_free: Callable[[list[int]], None] | None = None,
         connector: Connector | None = None,
         integrity: bool = False,
+        state_profile: StateProfile | str | None = None,
         lease_duration: float = DEFAULT_LEASE_DURATION,
         release_grace: float = DEFAULT_RELEASE_GRACE,
         drain_timeout: float = DEFAULT_DRAIN_TIMEOUT,
     ) -> None:
         super().__init__(
+            side=PRODUCER,
             engine_id=engine_id,
             config=config,
             transport=transport,
@@ -388,12 +414,14 @@ class ProducerEndpoint(_Endpoint):
             on_free=on_free,
             connector=connector,
             integrity=integrity,
+            state_profile=state_profile,
         )
         self.lease_duration = lease_duration
         self.release_grace = release_grace
         self.drain_timeout = drain_timeout
         self._tables: dict[str, BlockIds] = {}
         self._results: dict[str, ProducerResult] = {}
+        self.driver.plan_write = self._plan_write
         self.driver.on_message = self._refuse_offer_for_no_request
 
     def _refuse_offer_for_no_request(self, request_id: str, peer: str, message: Message) -> None:
@@ -418,7 +446,12 @@ class ProducerEndpoint(_Endpoint):
             self.driver.fault(Operation.SEND, exc, request_id, peer)
 
     def prefill(
-        self, request_id: str, *, num_tokens: int, fill: Callable[[BlockIds], None] | None = None
+        self,
+        request_id: str,
+        *,
+        num_tokens: int,
+        fill: Callable[[BlockIds], None] | None = None,
+        state_tokens: int | None = None,
     ) -> TransferParams:
         """Allocate, prune and clip the request's table, pin it, and return what the router forwards (CLIP-1, SM-1).
 
@@ -426,6 +459,9 @@ class ProducerEndpoint(_Endpoint):
         pages; with integrity on, the parameters carry the digests of the pages
         as they are once it returns (INT-1). Without ``fill`` the caller fills
         the pages of :meth:`block_table` before the consumer begins.
+        With state groups the parameters say how many tokens the state
+        absorbed: ``state_tokens``, by default ``num_tokens`` (STATE-1); a
+        test passes another value to play a producer that got it wrong.
         """
         if request_id in self.driver.requests or request_id in self._results:
             raise LocalProtocolError(f"producer request {request_id!r} already exists")
@@ -447,6 +483,7 @@ class ProducerEndpoint(_Endpoint):
             release_grace=self.release_grace,
             drain_timeout=self.drain_timeout,
             producer_block_digests=self.driver.digests(advertised),
+            state_tokens=(num_tokens if state_tokens is None else state_tokens) if self.state_profile else None,
         )
         self.driver.add(LiveRequest(session=session))
         self._tables[request_id] = advertised
@@ -459,7 +496,7 @@ class ProducerEndpoint(_Endpoint):
         ``remove_skipped_blocks`` leaves them; only the other positions get
         real blocks, so the pool never needs the whole unpruned table.
         """
-        totals = [get_logical_block_count(g.kv_cache_spec, num_tokens=num_tokens) for g in self.config.kv_cache_groups]
+        totals = [self._table_length(g.kv_cache_spec, num_tokens) for g in self.config.kv_cache_groups]
         shape = self.connector.clip_block_ids(
             self.config,
             get_pruned_block_ids(self.config, BlockIds([[1] * n for n in totals]), num_computed_tokens=num_tokens),
@@ -471,6 +508,14 @@ class ProducerEndpoint(_Endpoint):
             table.append([NULL_BLOCK_ID if b == NULL_BLOCK_ID else next(fresh) for b in group])
         return BlockIds(table)
 
+    @staticmethod
+    def _table_length(spec: KVCacheSpec, num_tokens: int) -> int:
+        """A group's table length: ``cdiv(T, B)``, plus a state group's speculative scratch slots (STATE-2)."""
+        blocks = get_logical_block_count(spec, num_tokens=num_tokens)
+        if isinstance(spec, MambaSpec) and blocks:
+            return blocks + spec.num_speculative_blocks  # scratch slots sit at the tail; the clip drops them
+        return blocks
+
     def block_table(self, request_id: str) -> BlockIds:
         """The advertised (pruned, clipped) block ids of a live request."""
         return self._tables[request_id]
@@ -478,28 +523,36 @@ class ProducerEndpoint(_Endpoint):
     def abort(self, request_id: str) -> None:
         """The producer engine gives up on a request (SM-1)."""
         request = self.driver.requests.get(request_id)
-        if request is not None and isinstance(request.session, ProducerSession):
+        if request is not None:
             self.driver.execute(request, request.session.abort(now=self.clock()))
 
     def result(self, request_id: str) -> ProducerResult | None:
         """The outcome of a finished request, or None while it is live."""
         return self._results.get(request_id)
 
-    def _plan_write(self, request: LiveRequest, offer: BlockOffer) -> TransferPlan:
+    def _plan_write(self, request: LiveRequest[ProducerSession], offer: BlockOffer) -> TransferPlan:
         # P does not know C's prefix hit: it aligns the offer to the tail of its own list, and
         # refuses it if both lists say where they end and the ends differ (ALIGN-1).
         peer = self._peer_by_agent(request.peer or "")
         params = request.session.params
+        # A state group's one slot pairs by STATE-3, not by its list's end.
+        producer_ids, consumer_ids, producer_ends, consumer_ends = get_state_paired_lists(
+            self.config,
+            params.producer_block_ids,
+            offer.consumer_block_ids,
+            params.producer_block_ends,
+            offer.consumer_block_ends,
+        )
         pairs = compute_block_pairs(
-            producer_block_ids=params.producer_block_ids,
-            consumer_block_ids=offer.consumer_block_ids,
-            producer_block_ends=params.producer_block_ends,
-            consumer_block_ends=offer.consumer_block_ends,
+            producer_block_ids=producer_ids,
+            consumer_block_ids=consumer_ids,
+            producer_block_ends=producer_ends,
+            consumer_block_ends=consumer_ends,
         )
         request.pairs = pairs  # what the write moves, for the Completion's digests (INT-1)
         return self.connector.plan(producer_config=self.config, consumer_config=peer.config, pairs=pairs)
 
-    def _on_end(self, request: LiveRequest) -> None:
+    def _on_end(self, request: LiveRequest[ProducerSession]) -> None:
         session = request.session
         self._tables.pop(request.request_id, None)
         self._results[request.request_id] = ProducerResult(
@@ -510,7 +563,7 @@ class ProducerEndpoint(_Endpoint):
         )
 
 
-class ConsumerEndpoint(_Endpoint):
+class ConsumerEndpoint(_Endpoint[ConsumerSession]):
     """The decode engine: allocates the uncached suffix, loads it, releases the producer once (SM-2, REL-1).
 
     ``connector`` is the connector seam it clips, pairs and plans through
@@ -534,11 +587,13 @@ class ConsumerEndpoint(_Endpoint):
         on_free: Callable[[list[int]], None] | None = None,
         connector: Connector | None = None,
         integrity: bool = False,
+        state_profile: StateProfile | str | None = None,
         transfer_timeout: float | None = None,
         drain_timeout: float = DEFAULT_DRAIN_TIMEOUT,
         start_margin: float = 0.0,
     ) -> None:
         super().__init__(
+            side=CONSUMER,
             engine_id=engine_id,
             config=config,
             transport=transport,
@@ -549,6 +604,7 @@ class ConsumerEndpoint(_Endpoint):
             on_free=on_free,
             connector=connector,
             integrity=integrity,
+            state_profile=state_profile,
         )
         self.transfer_timeout = transfer_timeout
         self.drain_timeout = drain_timeout
@@ -579,6 +635,15 @@ class ConsumerEndpoint(_Endpoint):
             check_error = IncompatiblePeerError({"mode": (params.mode.value, self.mode.value)})
         else:
             try:
+                if prefix_hit_tokens < params.num_tokens:
+                    # The state that moves must stand where C resumes, or nothing moves (STATE-1, STATE-4).
+                    check_state_position(
+                        self.config,
+                        state_tokens=params.state_tokens,
+                        num_tokens=params.num_tokens,
+                        recomputed_tokens=params.recomputed_tokens,
+                        profile=self.state_profile or StateProfile.RECOMPUTE,
+                    )
                 counts = get_consumer_block_counts(
                     self.config,
                     num_tokens=params.num_tokens,
@@ -641,7 +706,7 @@ class ConsumerEndpoint(_Endpoint):
     def abort(self, request_id: str) -> None:
         """The consumer engine gives up; blocks wait for the drain before reuse (SM-2)."""
         request = self.driver.requests.get(request_id)
-        if request is not None and isinstance(request.session, ConsumerSession):
+        if request is not None:
             self.driver.execute(request, request.session.abort(now=self.clock()))
 
     def finish(self, request_id: str) -> None:
@@ -654,10 +719,8 @@ class ConsumerEndpoint(_Endpoint):
         """The outcome of a finished request, or None while it is live."""
         return self._results.get(request_id)
 
-    def _on_end(self, request: LiveRequest) -> None:
+    def _on_end(self, request: LiveRequest[ConsumerSession]) -> None:
         session = request.session
-        if not isinstance(session, ConsumerSession):  # pragma: no cover - a consumer drives consumer sessions
-            raise LocalProtocolError("a consumer endpoint ended a producer session")
         request_id = request.request_id
         if session.state is ConsumerState.LOADED and not request.freed:
             self._loaded[request_id] = session.consumer_block_ids
@@ -695,8 +758,13 @@ def connect(producer: ProducerEndpoint, consumer: ConsumerEndpoint) -> None:
     consumer_desc = _through_codec(consumer.describe())
     check_compatibility(producer=producer_desc, consumer=consumer_desc)
     for endpoint in (producer, consumer):
-        if endpoint.hma_enabled:
-            check_hybrid_support(endpoint.config, mode=endpoint.mode)
+        # State groups are checked with the flag too: state without the hybrid manager is refused (ADM-1).
+        if endpoint.hma_enabled or endpoint.state_profile is not None:
+            check_hybrid_support(
+                endpoint.config,
+                mode=endpoint.mode,
+                disable_hybrid_kv_cache_manager=endpoint.disable_hybrid_kv_cache_manager,
+            )
     producer.add_peer(consumer_desc, consumer.config)
     consumer.add_peer(producer_desc, producer.config)
 
@@ -726,12 +794,17 @@ def run_request(
     params = producer.prefill(request_id, num_tokens=num_tokens, fill=fill)
     routed = TransferParams.from_kv_transfer_params(params.to_kv_transfer_params())
     consumer.begin(routed, prefix_hit_tokens=prefix_hit_tokens)
-    pause = idle if idle is not None else (lambda: time.sleep(0.0002))
-    while producer.result(request_id) is None or consumer.result(request_id) is None:
+
+    def both() -> None:
         consumer.poll()
         producer.poll()
-        if producer.result(request_id) is None or consumer.result(request_id) is None:
-            pause()
+
+    poll_until(
+        both,
+        done=lambda: producer.result(request_id) is not None and consumer.result(request_id) is not None,
+        pause=idle if idle is not None else (lambda: time.sleep(0.0002)),
+        clock=producer.clock,
+    )
     consumer_result, producer_result = consumer.result(request_id), producer.result(request_id)
     if consumer_result is None or producer_result is None:  # pragma: no cover - the loop above waits for both
         raise LocalProtocolError(f"request {request_id!r} did not end on both sides")

@@ -25,8 +25,12 @@ GROUP_FIELDS: tuple[str, ...] = (
     "head_size",
     "page_size_bytes",
     "layer_names",
+    "state_shapes",
+    "state_dtypes",
+    "mamba_type",
+    "conv_layout",
 )
-"""Per-group fields both peers must agree on (HS-1)."""
+"""Per-group fields both peers must agree on (HS-1); the last four are a state group's layout (STATE-5)."""
 
 
 def _plain(value: object) -> object:
@@ -55,6 +59,8 @@ def get_differences(producer: EngineDescriptor, consumer: EngineDescriptor) -> d
     # Heterogeneous TP (head slicing) is out of v1: equal TP sizes only.
     compare("tp_size", producer.tp_size, consumer.tp_size)
     compare("num_groups", len(producer.groups), len(consumer.groups))
+    # Where a transferred state stands differs between profiles; no rule converts one into the other (STATE-1).
+    compare("state_profile", producer.state_profile, consumer.state_profile)
     p_order, c_order = _group_order(producer.groups), _group_order(consumer.groups)
     if p_order != c_order and sorted(p_order) == sorted(c_order):
         # Same groups, another order: block ids would land in the wrong group.
@@ -72,7 +78,9 @@ def check_compatibility(*, producer: EngineDescriptor, consumer: EngineDescripto
     Peers must agree on the protocol major version, mode, HMA flag, TP size,
     group count and order, and every per-group field: kind, block size
     (block-size ratios are out of v1), window, chunk size, dtype, KV heads,
-    head size, page size and ordered layer names.
+    head size, page size and ordered layer names; for a state group also its
+    state shapes, dtypes, kind and conv layout (STATE-5), and both engines'
+    state profile (STATE-1).
     """
     diffs = get_differences(producer, consumer)
     if diffs:

@@ -30,7 +30,7 @@ from typing import Any, TypeAlias, TypeVar
 
 import attrs
 
-from kvspec._enums import FailureReason, TransferMode
+from kvspec._enums import FailureReason, StateProfile, TransferMode
 from kvspec._errors import (
     ConfigError,
     FieldError,
@@ -46,6 +46,7 @@ from kvspec._models import (
     BlockIds,
     KVCacheConfig,
     KVCacheGroupSpec,
+    MambaSpec,
     SpecKind,
 )
 
@@ -65,12 +66,15 @@ __all__ = [
     "TransportData",
 ]
 
-PROTOCOL_VERSION: tuple[int, int] = (1, 1)
+PROTOCOL_VERSION: tuple[int, int] = (1, 2)
 """(major, minor) of the wire protocol; independent of the package version (VER-1).
 
 1.1 added where each list ends (``producer_block_ends``, ``consumer_block_ends``)
 and the recomputed tokens (``recomputed_tokens``); a 1.0 peer omits them and
-keeps 1.0's behaviour (ALIGN-1, WIN-1).
+keeps 1.0's behaviour (ALIGN-1, WIN-1). 1.2 added state groups: the tokens a
+state absorbed (``state_tokens``), the state profile and the state layout of
+each group in the handshake; a 1.1 peer omits them and cannot exchange a
+model with state groups (STATE-1, STATE-5).
 """
 
 TransportData: TypeAlias = Mapping[str, str | int] | bytes
@@ -116,6 +120,11 @@ def _positive_int(inst: object, attribute: attrs.Attribute[Any], value: object) 
 def _non_negative_int(inst: object, attribute: attrs.Attribute[Any], value: object) -> None:
     if not _is_int(value) or value < 0:  # type: ignore[operator]
         raise FieldError(type(inst), attribute.name, "a non-negative int", value)
+
+
+def _optional_non_negative_int(inst: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if value is not None:
+        _non_negative_int(inst, attribute, value)
 
 
 def _optional_positive_int(inst: object, attribute: attrs.Attribute[Any], value: object) -> None:
@@ -239,6 +248,32 @@ def _digests_of(ids_field: str) -> Any:
 # --------------------------------------------------------------------------- handshake
 
 
+def _to_shapes(value: object) -> object:
+    if isinstance(value, (list, tuple)):
+        return tuple(tuple(shape) if isinstance(shape, (list, tuple)) else shape for shape in value)
+    return value
+
+
+def _optional_shapes(inst: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if value is None:
+        return
+    if not isinstance(value, tuple) or not value:
+        raise FieldError(type(inst), attribute.name, "a non-empty tuple of shapes", value)
+    for shape in value:
+        if not isinstance(shape, tuple) or not shape or not all(_is_int(d) and d > 0 for d in shape):
+            raise FieldError(type(inst), attribute.name, "shapes of positive ints", value)
+
+
+def _optional_names(inst: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if value is not None and (not isinstance(value, tuple) or not all(isinstance(v, str) and v for v in value)):
+        raise FieldError(type(inst), attribute.name, "a tuple of non-empty names", value)
+
+
+def _optional_profile(inst: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if value is not None and not isinstance(value, StateProfile):
+        raise FieldError(type(inst), attribute.name, f"one of {[p.value for p in StateProfile]} or None", value)
+
+
 def _layer_names(inst: object, attribute: attrs.Attribute[Any], value: object) -> None:
     if not isinstance(value, tuple) or not value or not all(isinstance(v, str) and v for v in value):
         raise FieldError(type(inst), attribute.name, "a non-empty tuple of non-empty layer names", value)
@@ -252,7 +287,9 @@ class GroupDescriptor:
 
     ``dtype``, ``num_kv_heads`` and ``head_size`` are ``None`` for groups
     that are not attention (Mamba state), ``sliding_window`` and
-    ``attention_chunk_size`` when the spec has none.
+    ``attention_chunk_size`` when the spec has none. ``state_shapes``,
+    ``state_dtypes``, ``mamba_type`` and ``conv_layout`` (protocol 1.2) describe a
+    state group's slot and are ``None`` for every other group (STATE-5).
     """
 
     kind: SpecKind = attrs.field(validator=_instance_of(SpecKind))
@@ -264,12 +301,19 @@ class GroupDescriptor:
     head_size: int | None = attrs.field(default=None, validator=_optional_positive_int)
     page_size_bytes: int = attrs.field(validator=_positive_int)
     layer_names: tuple[str, ...] = attrs.field(converter=_to_tuple, validator=_layer_names)
+    state_shapes: tuple[tuple[int, ...], ...] | None = attrs.field(
+        default=None, converter=_to_shapes, validator=_optional_shapes
+    )
+    state_dtypes: tuple[str, ...] | None = attrs.field(default=None, converter=_to_tuple, validator=_optional_names)
+    mamba_type: str | None = attrs.field(default=None, validator=_optional_non_empty_str)
+    conv_layout: str | None = attrs.field(default=None, validator=_optional_non_empty_str)
 
     @classmethod
     def from_group(cls, group: KVCacheGroupSpec) -> GroupDescriptor:
         """Describe one group of a :class:`kvspec.KVCacheConfig` (HS-1)."""
         spec = group.kv_cache_spec
         attention = spec if isinstance(spec, AttentionSpec) else None
+        state = spec if isinstance(spec, MambaSpec) else None
         return cls(
             kind=spec.kind,
             block_size=spec.block_size,
@@ -280,6 +324,10 @@ class GroupDescriptor:
             head_size=None if attention is None else attention.head_size,
             page_size_bytes=spec.page_size_bytes,
             layer_names=group.layer_names,
+            state_shapes=None if state is None else state.shapes,
+            state_dtypes=None if state is None else tuple(d.name for d in state.dtypes),
+            mamba_type=None if state is None else state.mamba_type,
+            conv_layout=None if state is None else state.conv_layout,
         )
 
 
@@ -295,6 +343,8 @@ class EngineDescriptor:
     ``transport_metadata`` is the backend's opaque agent metadata (NIXL's
     ``agent_metadata``), loaded only after the descriptors are found
     compatible. ``num_blocks`` bounds the block ids the peer may name.
+    ``state_profile`` (protocol 1.2) is set exactly when the engine has state
+    groups: where its transferred state stands (STATE-1).
     """
 
     protocol_version: tuple[int, int] = attrs.field(default=PROTOCOL_VERSION, converter=_to_tuple, validator=_version)
@@ -305,6 +355,7 @@ class EngineDescriptor:
     num_blocks: int = attrs.field(validator=_positive_int)
     tp_size: int = attrs.field(default=1, validator=_positive_int)
     transport_metadata: bytes = attrs.field(default=b"", validator=_bytes, repr=False)
+    state_profile: StateProfile | None = attrs.field(default=None, validator=_optional_profile)
 
     @classmethod
     def from_config(
@@ -316,8 +367,12 @@ class EngineDescriptor:
         hma_enabled: bool,
         tp_size: int = 1,
         transport_metadata: bytes = b"",
+        state_profile: StateProfile | None = None,
     ) -> EngineDescriptor:
-        """Describe an engine from its KV-cache config (HS-1)."""
+        """Describe an engine from its KV-cache config; one with state groups has a profile (HS-1, STATE-1)."""
+        has_state = any(isinstance(g.kv_cache_spec, MambaSpec) for g in config.kv_cache_groups)
+        if has_state and state_profile is None:
+            state_profile = StateProfile.RECOMPUTE
         return cls(
             engine_id=engine_id,
             mode=mode,
@@ -326,6 +381,7 @@ class EngineDescriptor:
             num_blocks=config.num_blocks,
             tp_size=tp_size,
             transport_metadata=transport_metadata,
+            state_profile=state_profile if has_state else None,
         )
 
 
@@ -345,6 +401,7 @@ _KEY_TRANSPORT_BYTES = "kvspec_transport_data"
 _KEY_BLOCK_ENDS = "kvspec_block_ends"  # protocol 1.1 (ALIGN-1)
 _KEY_RECOMPUTED = "kvspec_recomputed_tokens"  # protocol 1.1 (WIN-1)
 _KEY_DIGESTS = "kvspec_block_digests"  # protocol 1.1, INT-1 (optional)
+_KEY_STATE_TOKENS = "kvspec_state_tokens"  # protocol 1.2 (STATE-1)
 
 TRANSFER_PARAMS_KEYS: frozenset[str] = frozenset(
     {
@@ -361,6 +418,7 @@ TRANSFER_PARAMS_KEYS: frozenset[str] = frozenset(
         _KEY_BLOCK_ENDS,
         _KEY_RECOMPUTED,
         _KEY_DIGESTS,
+        _KEY_STATE_TOKENS,
     }
 )
 """Keys :meth:`TransferParams.to_kv_transfer_params` owns; transport data may not reuse them."""
@@ -401,6 +459,9 @@ class TransferParams:
     The lists cover ``num_tokens + recomputed_tokens`` tokens: C takes the KV
     of the first ``num_tokens`` and recomputes the rest (vLLM: 1, the last
     prompt token; WIN-1).
+    ``state_tokens`` (protocol 1.2) is how many tokens the state groups'
+    state absorbed; the consumer refuses any value but ``num_tokens``, and its
+    absence when it has state groups (STATE-1).
     ``lease_deadline`` is an absolute time on a clock both engines share
     (SM-1, the lease rule). ``transport_data`` is the transport's addressing data:
     named values travel as top-level keys of the vLLM dict (``remote_host``,
@@ -423,6 +484,7 @@ class TransferParams:
     producer_block_digests: BlockDigests | None = attrs.field(
         default=None, converter=_to_digests, validator=_digests_of("producer_block_ids")
     )
+    state_tokens: int | None = attrs.field(default=None, validator=_optional_non_negative_int)
 
     def to_kv_transfer_params(self) -> dict[str, object]:
         """The plain dict vLLM's router carries as ``kv_transfer_params`` to the consumer.
@@ -454,6 +516,8 @@ class TransferParams:
             out[_KEY_RECOMPUTED] = self.recomputed_tokens
         if self.producer_block_digests is not None:
             out[_KEY_DIGESTS] = [list(group) for group in self.producer_block_digests]
+        if self.state_tokens is not None:
+            out[_KEY_STATE_TOKENS] = self.state_tokens
         if isinstance(self.transport_data, bytes):
             out[_KEY_TRANSPORT_BYTES] = base64.b64encode(self.transport_data).decode("ascii")
         else:
@@ -483,6 +547,7 @@ class TransferParams:
             "producer_block_ends": _parse(_KEY_BLOCK_ENDS, lambda: _dict_block_ends(params)),
             "recomputed_tokens": _parse(_KEY_RECOMPUTED, lambda: _dict_recomputed(params)),
             "producer_block_digests": _parse(_KEY_DIGESTS, lambda: _dict_digests(params)),
+            "state_tokens": _parse(_KEY_STATE_TOKENS, lambda: _dict_state_tokens(params)),
         }
         try:
             return cls(transport_data=data, **fields)  # type: ignore[arg-type]
@@ -509,6 +574,7 @@ _DICT_KEYS = {
     "producer_block_ends": _KEY_BLOCK_ENDS,
     "recomputed_tokens": _KEY_RECOMPUTED,
     "producer_block_digests": _KEY_DIGESTS,
+    "state_tokens": _KEY_STATE_TOKENS,
 }
 """TransferParams field -> its key in vLLM's ``kv_transfer_params`` dict."""
 
@@ -590,6 +656,13 @@ def _dict_recomputed(params: Mapping[str, object]) -> int:
     if _KEY_RECOMPUTED not in params:
         return 0  # a 1.0 producer: C recomputes nothing the lists cover (WIN-1)
     value: int = _need(params, _KEY_RECOMPUTED, int)  # type: ignore[assignment]
+    return value
+
+
+def _dict_state_tokens(params: Mapping[str, object]) -> int | None:
+    if _KEY_STATE_TOKENS not in params:
+        return None  # no state groups, or a 1.1 producer: STATE-1 refuses the latter where state is needed
+    value: int = _need(params, _KEY_STATE_TOKENS, int)  # type: ignore[assignment]
     return value
 
 

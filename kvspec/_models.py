@@ -10,7 +10,7 @@ from typing import Any, ClassVar, overload
 
 import attrs
 
-from kvspec._enums import FailureReason, TransferMode
+from kvspec._enums import FailureReason, StateProfile, TransferMode
 from kvspec._errors import ConfigError, shown
 
 __all__ = [
@@ -31,6 +31,7 @@ __all__ = [
     "SlidingWindowMLASpec",
     "SlidingWindowSpec",
     "SpecKind",
+    "StateProfile",
     "TransferMode",
 ]
 

@@ -14,7 +14,7 @@ from kvspec._descriptors import DescriptorList
 from kvspec._enums import TransferMode
 from kvspec._errors import PlanError
 from kvspec._models import NULL_BLOCK_ID, KVCacheConfig
-from kvspec.spec.plan import BlockPairsLike, PageCopy
+from kvspec.spec.plan import BlockPairsLike, PageCopy, get_page_byte_ranges
 
 __all__ = [
     "BlockPairsLike",
@@ -27,12 +27,18 @@ __all__ = [
 
 @attrs.frozen(kw_only=True)
 class GroupPlan:
-    """What one KV-cache group contributes to a plan."""
+    """What one KV-cache group contributes to a plan.
+
+    ``page_size`` is the group's page, padding included; ``moved_per_page``
+    the bytes of each page that move when they are fewer: a state group's
+    state tensors, without the padding (PLAN-1). ``None``: the whole page.
+    """
 
     group_index: int
     num_pairs: int
     num_layers: int
     page_size: int
+    moved_per_page: int | None = None
 
     @property
     def num_pages(self) -> int:
@@ -40,9 +46,14 @@ class GroupPlan:
         return self.num_pairs * self.num_layers
 
     @property
+    def bytes_per_page(self) -> int:
+        """Bytes moved per page: the whole page, or a state group's state tensors."""
+        return self.page_size if self.moved_per_page is None else self.moved_per_page
+
+    @property
     def nbytes(self) -> int:
         """Bytes moved for this group."""
-        return self.num_pages * self.page_size
+        return self.num_pages * self.bytes_per_page
 
 
 _COPY_FIELDS = ("producer_region", "producer_offset", "consumer_region", "consumer_offset", "nbytes")
@@ -62,7 +73,8 @@ class TransferPlan:
     """Every byte one request moves, as merged role-named copies (PLAN-1).
 
     ``total_bytes`` is exactly the bytes of the paired pages: one page per
-    (layer of the group, pair), no more and no fewer. The copies are held as
+    (layer of the group, pair), no more and no fewer; of a state group's
+    page, its state tensors' bytes and never the padding. The copies are held as
     five int columns (one per :class:`PageCopy` field); ``copies`` builds the
     objects on first use, and :meth:`to_descriptors` packs the columns without
     building them.
@@ -185,7 +197,21 @@ def _check_group_layout(producer_config: KVCacheConfig, consumer_config: KVCache
             f"group {group}: page size differs: producer {page}, "
             f"consumer {consumer_group.kv_cache_spec.page_size_bytes} (HS-1)"
         )
+    producer_ranges = get_page_byte_ranges(producer_group.kv_cache_spec)
+    consumer_ranges = get_page_byte_ranges(consumer_group.kv_cache_spec)
+    if producer_ranges != consumer_ranges:
+        raise PlanError(
+            f"group {group}: state tensor byte ranges differ: producer {list(producer_ranges)}, "
+            f"consumer {list(consumer_ranges)} (STATE-5)"
+        )
     return page
+
+
+def _moved_per_page(config: KVCacheConfig, group: int) -> int | None:
+    """Bytes of each page that move when fewer than the page (a state group's tensors), else None (PLAN-1)."""
+    spec = config.kv_cache_groups[group].kv_cache_spec
+    moved = sum(nbytes for _, nbytes in get_page_byte_ranges(spec))
+    return None if moved == spec.page_size_bytes else moved
 
 
 def _check_page_fits(config: KVCacheConfig, role: str, group: int, layer: str, block_id: int, page: int) -> None:
@@ -216,6 +242,7 @@ def _page_copies(
             _check_block_id(producer_config, "producer", g, i, p_id)
             _check_block_id(consumer_config, "consumer", g, i, c_id)
         layers = producer_config.kv_cache_groups[g].layer_names
+        ranges = get_page_byte_ranges(producer_config.kv_cache_groups[g].kv_cache_spec)
         for layer in layers:
             p_loc = producer_config.locate(layer)
             c_loc = consumer_config.locate(layer)
@@ -230,10 +257,19 @@ def _page_copies(
             p_stride, c_stride = p_tensor.block_stride, c_tensor.block_stride
             p_region, c_region = p_loc.tensor_index, c_loc.tensor_index
             pages.extend(
-                (p_region, p_base + p_id * p_stride, c_region, c_base + c_id * c_stride, page)
+                (p_region, p_base + p_id * p_stride + start, c_region, c_base + c_id * c_stride + start, nbytes)
                 for p_id, c_id in zip(producer_ids, consumer_ids, strict=True)
+                for start, nbytes in ranges
             )
-        groups.append(GroupPlan(group_index=g, num_pairs=len(producer_ids), num_layers=len(layers), page_size=page))
+        groups.append(
+            GroupPlan(
+                group_index=g,
+                num_pairs=len(producer_ids),
+                num_layers=len(layers),
+                page_size=page,
+                moved_per_page=_moved_per_page(producer_config, g),
+            )
+        )
     return pages, groups
 
 
@@ -287,7 +323,12 @@ def _plan_page_by_page(
 
 @attrs.frozen
 class _Run:
-    """Layers of one group whose pages for one block sit side by side on both sides: one copy per pair."""
+    """Layers of one group whose pages for one block sit side by side on both sides: one copy per pair.
+
+    In a state group whose pages end in padding (``moved`` set), each layer's
+    page gives its own copy of ``moved`` bytes instead: the padding between
+    them never moves (PLAN-1).
+    """
 
     p_region: int
     p_base: int
@@ -295,12 +336,14 @@ class _Run:
     c_region: int
     c_base: int
     c_stride: int
-    nbytes: int
+    nbytes: int  # the run's pages, padding included: what its span covers
+    page: int
+    moved: int | None = None
 
     @property
     def linkable(self) -> bool:
         """Whether block b + 1's copy continues block b's on both sides (a block stride equal to the run)."""
-        return self.p_stride == self.nbytes and self.c_stride == self.nbytes
+        return self.moved is None and self.p_stride == self.nbytes and self.c_stride == self.nbytes
 
 
 @attrs.frozen
@@ -308,6 +351,7 @@ class _GroupLayout:
     runs: tuple[_Run, ...]
     num_layers: int
     page: int
+    moved_per_page: int | None  # a state group's state bytes per page, when fewer than the page
     p_max_id: int  # the largest producer id whose page fits in every layer's tensor
     c_max_id: int
 
@@ -331,8 +375,19 @@ def _layer_slot(config: KVCacheConfig, layer: str) -> tuple[int, int, int, int]:
 def _group_layout(producer: KVCacheConfig, consumer: KVCacheConfig, g: int) -> _GroupLayout | None:
     p_group, c_group = producer.kv_cache_groups[g], consumer.kv_cache_groups[g]
     page = p_group.kv_cache_spec.page_size_bytes
-    if p_group.layer_names != c_group.layer_names or c_group.kv_cache_spec.page_size_bytes != page:
-        return None  # the page-by-page planner raises the HS-1 error, in its order
+    ranges = get_page_byte_ranges(p_group.kv_cache_spec)
+    if (
+        p_group.layer_names != c_group.layer_names
+        or c_group.kv_cache_spec.page_size_bytes != page
+        or get_page_byte_ranges(c_group.kv_cache_spec) != ranges
+    ):
+        return None  # the page-by-page planner raises the HS-1 / STATE-5 error, in its order
+    # The moved bytes of a page are one range from its start (a state group's tensors lie back to back):
+    # one copy per page, as the page-by-page planner's merge makes of them.
+    end = ranges[-1][0] + ranges[-1][1]
+    if ranges[0][0] != 0 or any(a[0] + a[1] != b[0] for a, b in itertools.pairwise(ranges)):
+        return None
+    moved = None if end == page else end
     slots = sorted((_layer_slot(producer, name), _layer_slot(consumer, name)) for name in p_group.layer_names)
     runs: list[_Run] = []
     p_max_id = c_max_id = producer.num_blocks + consumer.num_blocks
@@ -348,9 +403,26 @@ def _group_layout(producer: KVCacheConfig, consumer: KVCacheConfig, g: int) -> _
         ):
             runs[-1] = attrs.evolve(last, nbytes=last.nbytes + page)  # the next layer's page follows on both sides
         else:
-            runs.append(_Run(p_region=pr, p_base=pb, p_stride=ps, c_region=cr, c_base=cb, c_stride=cs, nbytes=page))
+            runs.append(
+                _Run(
+                    p_region=pr,
+                    p_base=pb,
+                    p_stride=ps,
+                    c_region=cr,
+                    c_base=cb,
+                    c_stride=cs,
+                    nbytes=page,
+                    page=page,
+                    moved=moved,
+                )
+            )
     return _GroupLayout(
-        runs=tuple(runs), num_layers=len(p_group.layer_names), page=page, p_max_id=p_max_id, c_max_id=c_max_id
+        runs=tuple(runs),
+        num_layers=len(p_group.layer_names),
+        page=page,
+        moved_per_page=moved,
+        p_max_id=p_max_id,
+        c_max_id=c_max_id,
     )
 
 
@@ -491,7 +563,15 @@ def _plan_fast(
         if n != len(consumer_ids):
             raise PlanError(f"group {g}: {n} producer ids paired with {len(consumer_ids)} consumer ids")
         group = layout.groups[g]
-        group_plans.append(GroupPlan(group_index=g, num_pairs=n, num_layers=group.num_layers, page_size=group.page))
+        group_plans.append(
+            GroupPlan(
+                group_index=g,
+                num_pairs=n,
+                num_layers=group.num_layers,
+                page_size=group.page,
+                moved_per_page=group.moved_per_page,
+            )
+        )
         if not n:
             continue
         ordered = _sorted_pairs(
@@ -500,6 +580,13 @@ def _plan_fast(
         if ordered is None:
             return None  # the page-by-page planner names the first bad id, page or overlap
         for r, run in enumerate(group.runs):
+            if run.moved is not None:
+                # A state group's padded pages: one copy of the state bytes per layer page, in producer order.
+                layer_starts = range(0, run.nbytes, run.page)
+                p_offsets = [run.p_base + p_id * run.p_stride + at for p_id in ordered.p_ids for at in layer_starts]
+                c_offsets = [run.c_base + c_id * run.c_stride + at for c_id in ordered.c_ids for at in layer_starts]
+                pieces[g, r] = p_offsets, c_offsets, [run.moved] * len(p_offsets)
+                continue
             if run.linkable:
                 p_ids, c_ids = ordered.p_first, ordered.c_first
                 nbytes = [length * run.nbytes for length in ordered.lengths]
@@ -528,7 +615,9 @@ def plan_transfer(
 ) -> TransferPlan:
     """Turn aligned block pairs into the fewest copies that move exactly their pages (PLAN-1).
 
-    One page per (layer of the group, pair); layers pair by name. Copies that
+    One page per (layer of the group, pair); layers pair by name; of a state
+    group's page only its state tensors' bytes, never the padding
+    (:func:`kvspec.spec.get_page_byte_ranges`). Copies that
     are contiguous on both sides merge into one. Every block id is checked
     against ``num_blocks`` (the null block is refused, NULL-1) and every page
     against its tensor's size before a plan is returned, so nothing is posted

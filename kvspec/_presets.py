@@ -99,9 +99,11 @@ class ModelPreset:
 
         ``max_layers_per_group`` keeps only the first layers of each group, so
         tests can use a real model's group structure with a few KiB of memory.
-        ``dtype`` overrides the KV dtype (e.g. ``"fp8"``). ``head_size_divisor``
-        divides every attention head size (floor, at least 1) to shrink pages
-        for tests while windows, block sizes and group structure stay.
+        ``dtype`` overrides the KV dtype (e.g. ``"fp8"``; state tensors keep
+        theirs). ``head_size_divisor`` divides every attention head size and
+        the largest dimension of every state tensor (floor, at least 1) to
+        shrink pages for tests while windows, group structure and, near
+        enough, block sizes stay.
         """
         if not isinstance(num_blocks, int) or num_blocks <= 0:
             raise ConfigError(f"ModelPreset.build_config.num_blocks: expected a positive int, got {num_blocks!r}")
@@ -145,9 +147,18 @@ def _retarget(
         if isinstance(spec, AttentionSpec):
             head_size = max(1, spec.head_size // divisor)
             out.append(attrs.evolve(spec, block_size=block_size, head_size=head_size, dtype=new_dtype or spec.dtype))
+        elif isinstance(spec, MambaSpec):
+            shapes = [_shrink_largest(shape, divisor) for shape in spec.shapes]
+            out.append(attrs.evolve(spec, block_size=block_size, shapes=shapes))
         else:
             out.append(attrs.evolve(spec, block_size=block_size))
     return out
+
+
+def _shrink_largest(shape: tuple[int, ...], divisor: int) -> tuple[int, ...]:
+    # Divide the first largest dimension, so a state page shrinks about as much as an attention page.
+    i = shape.index(max(shape))
+    return (*shape[:i], max(1, shape[i] // divisor), *shape[i + 1 :])
 
 
 def _unify_page_sizes(specs: list[KVCacheSpec], block_size: int) -> list[KVCacheSpec]:
@@ -393,16 +404,43 @@ _LLAMA4_SCOUT = ModelPreset(
 )
 
 
-def _qwen3_next_linear() -> MambaSpec:
-    # Gated DeltaNet state at TP 1: conv state (kernel - 1, 2 * key_dim + value_dim), then the
-    # recurrent state (value heads, key head dim, value head dim).
-    key_dim, value_dim = 16 * 128, 32 * 128
-    return MambaSpec(
-        block_size=_B,
-        shapes=[(3, 2 * key_dim + value_dim), (32, 128, 128)],
-        dtypes=["bfloat16", "bfloat16"],
-        mamba_type="gdn_attention",
-    )
+# State groups (STATE-1 .. STATE-5). Shapes are vLLM 0.33's ``MambaStateShapeCalculator`` at TP 1 with the conv
+# state in DS layout, (conv dim, kernel - 1): the layout vLLM's NIXL path asserts (docs/spec/memory-layout.md); the SD
+# layout holds the same bytes transposed. Dtypes are vLLM's defaults for ``mamba_cache_dtype`` /
+# ``mamba_ssm_cache_dtype`` "auto" (``MambaStateDtypeCalculator``). No preset has speculative scratch slots
+# (``num_speculative_blocks`` 0, no MTP) or prefix caching (cache mode "none"). vLLM pads every state page to
+# the attention page (``_unify_page_sizes``), so each state group's page ends in padding that never travels.
+
+
+def _state(shapes: list[tuple[int, ...]], dtypes: list[str], mamba_type: str) -> MambaSpec:
+    return MambaSpec(block_size=_B, shapes=shapes, dtypes=dtypes, mamba_type=mamba_type)
+
+
+def _gdn_state(k_heads: int, v_heads: int, k_dim: int, v_dim: int, conv_kernel: int) -> MambaSpec:
+    # Gated DeltaNet: conv over Q, K and V (2 * k_heads * k_dim + v_heads * v_dim), recurrent (v_heads, v_dim, k_dim).
+    conv_dim = 2 * k_heads * k_dim + v_heads * v_dim
+    return _state([(conv_dim, conv_kernel - 1), (v_heads, v_dim, k_dim)], ["bfloat16", "bfloat16"], "gdn_attention")
+
+
+def _mamba1_state(inner: int, state: int, conv_kernel: int, dtype: str) -> MambaSpec:
+    # Mamba-1: conv state (inner, kernel - 1), SSM state (inner, state).
+    return _state([(inner, conv_kernel - 1), (inner, state)], [dtype, dtype], "mamba1")
+
+
+def _mamba2_state(
+    heads: int, head_dim: int, groups: int, state: int, conv_kernel: int, ssm_dtype: str = "bfloat16"
+) -> MambaSpec:
+    # Mamba-2: conv state (heads * head_dim + 2 * groups * state, kernel - 1), SSM state (heads, head_dim, state).
+    conv_dim = heads * head_dim + 2 * groups * state
+    return _state([(conv_dim, conv_kernel - 1), (heads, head_dim, state)], ["bfloat16", ssm_dtype], "mamba2")
+
+
+def _kda_state(heads: int, head_dim: int, conv_kernel: int) -> MambaSpec:
+    # Kimi Delta Attention: conv over Q, K and V (3 * heads * head_dim), recurrent (heads, head_dim, head_dim) kept
+    # in float32 (vLLM's kda_state_dtype for "auto"). vLLM 0.33 runs KDA through its GDN backend
+    # (kimi_gdn_linear_attn.py); kvspec names the kind "kda" because the state differs from GDN's.
+    shapes = [(3 * heads * head_dim, conv_kernel - 1), (heads, head_dim, head_dim)]
+    return _state(shapes, ["bfloat16", "float32"], "kda")
 
 
 _QWEN3_NEXT = ModelPreset(
@@ -414,18 +452,10 @@ _QWEN3_NEXT = ModelPreset(
         "linear_num_value_heads 32, linear_key_head_dim 128, linear_value_head_dim 128, linear_conv_kernel_dim 4, "
         "bfloat16). vLLM pads the attention block size so one page holds the linear-attention state."
     ),
-    layer_specs=_every_nth_global(48, 4, _qwen3_next_linear(), _full(2, 256)),
-    description="36 Gated-DeltaNet (Mamba-like state) + 12 full-attention layers: never admitted (ADM-1).",
+    layer_specs=_every_nth_global(48, 4, _gdn_state(16, 32, 128, 128, 4), _full(2, 256)),
+    description="36 Gated-DeltaNet + 12 full-attention layers: 3 state groups (gdn_attention: conv (8192, 3) and "
+    "recurrent (32, 128, 128), bf16), then 1 FA group; B = 544, state pages padded by 16 KiB.",
 )
-
-
-def _mamba1_state(hidden: int, expand: int, state: int, conv_kernel: int, dtype: str) -> MambaSpec:
-    # Mamba-1 at TP 1: conv state (kernel - 1, inner), SSM state (inner, state), inner = expand * hidden.
-    inner = expand * hidden
-    return MambaSpec(
-        block_size=_B, shapes=[(conv_kernel - 1, inner), (inner, state)], dtypes=[dtype, dtype], mamba_type="mamba1"
-    )
-
 
 _MAMBA_130M = ModelPreset(
     hf_id="state-spaces/mamba-130m-hf",
@@ -436,21 +466,10 @@ _MAMBA_130M = ModelPreset(
         "d_conv as state-spaces/mamba-130m). The state dtype is taken as float32, the checkpoint's, an "
         "assumption not checked against the file. One of vLLM's offloading e2e models (research note on offloading)."
     ),
-    layer_specs=[_mamba1_state(768, 2, 16, 4, "float32")] * 24,
-    description="24 Mamba-1 layers: one state group; refused by the exchange (ADM-1) and by offload (OFF-9).",
+    layer_specs=[_mamba1_state(2 * 768, 16, 4, "float32")] * 24,
+    description="24 Mamba-1 layers: one state group with no padding (no attention page to match); "
+    "refused by offload (OFF-9).",
 )
-
-
-def _falcon_h1_mamba() -> MambaSpec:
-    # Mamba-2 at TP 1: conv state (kernel - 1, heads * head_dim + 2 * groups * state), SSM (heads, head_dim, state).
-    heads, head_dim, state, groups = 24, 64, 128, 1
-    return MambaSpec(
-        block_size=_B,
-        shapes=[(3, heads * head_dim + 2 * groups * state), (heads, head_dim, state)],
-        dtypes=["bfloat16", "bfloat16"],
-        mamba_type="mamba2",
-    )
-
 
 _FALCON_H1_05B = ModelPreset(
     hf_id="tiiuae/Falcon-H1-0.5B-Instruct",
@@ -462,9 +481,93 @@ _FALCON_H1_05B = ModelPreset(
         "here, as is bfloat16. vLLM pads the attention block size so one page holds the state, so the two groups "
         "share one block size and offload runs with blocks_per_chunk 1 (research note on offloading)."
     ),
-    layer_specs=[spec for _ in range(36) for spec in (_full(2, 64), _falcon_h1_mamba())],
+    layer_specs=[spec for _ in range(36) for spec in (_full(2, 64), _mamba2_state(24, 64, 1, 128, 4))],
     description="36 attention + 36 Mamba-2 mixers (one of each per decoder layer; listed as 72 entries): "
-    "an attention group and a state group; refused by the exchange (ADM-1) and by offload (OFF-9).",
+    "an attention group and a state group; refused by offload (OFF-9).",
+)
+
+# Nemotron-H: M = Mamba-2 layer, * = attention layer, - = MLP layer (holds no cache, left out of the list).
+_NEMOTRON_H_8B_PATTERN = "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-"
+
+_NEMOTRON_H_8B = ModelPreset(
+    hf_id="nvidia/Nemotron-H-8B-Base-8K",
+    alias="nemotron-h-8b",
+    source=(
+        "https://huggingface.co/nvidia/Nemotron-H-8B-Base-8K/blob/main/config.json (num_hidden_layers 52, "
+        f"hybrid_override_pattern {_NEMOTRON_H_8B_PATTERN}, hidden_size 4096, num_attention_heads 32 so head_dim "
+        "128, num_key_value_heads 8, mamba_num_heads 128, mamba_head_dim 64, n_groups 8, ssm_state_size 128, "
+        "conv_kernel 4, bfloat16). vLLM keeps Nemotron-H's SSM state in float32 unless the config names another "
+        "mamba_ssm_cache_dtype (NemotronHForCausalLMConfig in vLLM 0.33's models/config.py)."
+    ),
+    layer_specs=[
+        _full(8, 128) if c == "*" else _mamba2_state(128, 64, 8, 128, 4, ssm_dtype="float32")
+        for c in _NEMOTRON_H_8B_PATTERN
+        if c != "-"
+    ],
+    description="24 Mamba-2 + 4 attention layers (the 24 MLP layers hold no cache): 6 state groups (conv (10240, 3) "
+    "bf16, SSM (128, 64, 128) float32), then 1 FA group; B = 1040.",
+)
+
+_JAMBA_MINI = ModelPreset(
+    hf_id="ai21labs/AI21-Jamba-Mini-1.5",
+    alias="jamba-mini-1.5",
+    source=(
+        "https://huggingface.co/ai21labs/AI21-Jamba-Mini-1.5/blob/main/config.json (num_hidden_layers 32, "
+        "hidden_size 4096, num_attention_heads 32, num_key_value_heads 8, attn_layer_period 8, attn_layer_offset 4, "
+        "bfloat16). The Mamba numbers (mamba_d_state 16, mamba_d_conv 4, mamba_expand 2) are those of "
+        "ai21labs/Jamba-v0.1's config.json; Jamba 1.5 keeps that architecture (arXiv 2408.12570), an assumption "
+        "not checked against the 1.5 file."
+    ),
+    layer_specs=[_full(8, 128) if i % 8 == 4 else _mamba1_state(2 * 4096, 16, 4, "bfloat16") for i in range(32)],
+    description="28 Mamba-1 + 4 attention layers: 7 state groups (conv (8192, 3), SSM (8192, 16), bf16), "
+    "then 1 FA group; B = 80.",
+)
+
+_KIMI_LINEAR_FULL = (4, 8, 12, 16, 20, 24, 27)  # 1-based, as the config lists them
+
+_KIMI_LINEAR = ModelPreset(
+    hf_id="moonshotai/Kimi-Linear-48B-A3B-Instruct",
+    alias="kimi-linear-48b",
+    source=(
+        "https://huggingface.co/moonshotai/Kimi-Linear-48B-A3B-Instruct/blob/main/config.json (num_hidden_layers "
+        "27, linear_attn_config: full_attn_layers [4, 8, 12, 16, 20, 24, 27] (1-based), the other 20 KDA, num_heads "
+        "32, head_dim 128, short_conv_kernel_size 4; MLA kv_lora_rank 512 + qk_rope_head_dim 64 = one 576-wide "
+        "latent per token; bfloat16)."
+    ),
+    layer_specs=[
+        MLAAttentionSpec(block_size=_B, num_kv_heads=1, head_size=576, dtype="bfloat16")
+        if i + 1 in _KIMI_LINEAR_FULL
+        else _kda_state(32, 128, 4)
+        for i in range(27)
+    ],
+    description="20 KDA + 7 MLA layers: 3 state groups (kda: conv (12288, 3) bf16, recurrent (32, 128, 128) "
+    "float32), then 1 MLA group; B = 1888.",
+)
+
+_HYMBA_GLOBAL = (0, 15, 31)
+
+_HYMBA_15B = ModelPreset(
+    hf_id="nvidia/Hymba-1.5B-Base",
+    alias="hymba-1.5b",
+    source=(
+        "https://huggingface.co/nvidia/Hymba-1.5B-Base/blob/main/config.json (num_hidden_layers 32, hidden_size "
+        "1600, num_attention_heads 25 so head_dim 64, num_key_value_heads 5, sliding_window 1024, global attention "
+        "in layers 0, 15 and 31 (global_attn_idx), bfloat16); every layer runs attention heads and an SSM mixer "
+        "side by side. Assumed, not checked against the file: a Mamba-1 mixer with mamba_expand 2, "
+        "mamba_d_state 16, mamba_d_conv 4. Simplified: every layer holds its own KV (the model shares KV between "
+        "some neighbouring layers, kv_reuse_group), and its 128 meta tokens are ordinary prompt tokens. vLLM 0.33 "
+        "does not serve Hymba; the preset is here for state, sliding-window and full attention in one model."
+    ),
+    layer_specs=[
+        spec
+        for i in range(32)
+        for spec in (
+            _full(5, 64) if i in _HYMBA_GLOBAL else _sliding(5, 64, 1024),
+            _mamba1_state(2 * 1600, 16, 4, "bfloat16"),
+        )
+    ],
+    description="32 Mamba-1 mixers + 29 sliding-window (W=1024) + 3 full-attention layers (listed as 64 entries): "
+    "1 FA group, 11 state groups, 10 SW groups; B = 96.",
 )
 
 _PRESETS: tuple[ModelPreset, ...] = (
@@ -480,6 +583,10 @@ _PRESETS: tuple[ModelPreset, ...] = (
     _QWEN3_NEXT,
     _MAMBA_130M,
     _FALCON_H1_05B,
+    _NEMOTRON_H_8B,
+    _JAMBA_MINI,
+    _KIMI_LINEAR,
+    _HYMBA_15B,
 )
 
 _BY_NAME: dict[str, ModelPreset] = {key.lower(): preset for preset in _PRESETS for key in (preset.hf_id, preset.alias)}

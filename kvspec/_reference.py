@@ -26,6 +26,7 @@ from kvspec.spec.coverage import get_block_ends, get_needed_block_range, get_nee
 from kvspec.spec.coverage import get_logical_block_count as _spec_get_logical_block_count
 from kvspec.spec.coverage import get_num_skipped_tokens as _spec_get_num_skipped_tokens
 from kvspec.spec.pairing import BlockPairs
+from kvspec.spec.state import check_state_prefix_hit, get_state_paired_lists, is_state_spec
 from kvspec.spec.window import (
     BlockIdsLike,
     TokenBasis,
@@ -246,13 +247,18 @@ def get_consumer_block_counts(
     ``max(H, T - W + 1) // B`` to the last block, capped by the budget (vLLM
     allocates nulls for skipped blocks; docs/spec/worked-example.md). Zero when ``H == T``.
     ``R`` (``recomputed_tokens``) is the trailing tokens C recomputes: its
-    list also holds the blocks they are written to (WIN-1).
+    list also holds the blocks they are written to (WIN-1). A state group
+    gets one slot, for the state it receives (STATE-2).
     """
     _check_prefix(config, num_tokens, prefix_hit_tokens)
     listed_tokens = num_tokens + _check_count("recomputed_tokens", recomputed_tokens)
     counts = []
     for group in config.kv_cache_groups:
         spec = group.kv_cache_spec
+        if is_state_spec(spec):
+            # One slot receives the state, none on a full hit (STATE-2, STATE-4).
+            counts.append(1 if prefix_hit_tokens < num_tokens else 0)
+            continue
         needed = get_needed_block_range(spec, num_tokens=num_tokens, prefix_hit_tokens=prefix_hit_tokens)
         count = get_logical_block_count(spec, num_tokens=listed_tokens) - needed.start if needed else 0
         budget = get_block_budget(spec)
@@ -266,12 +272,15 @@ def _check_prefix(config: KVCacheConfig, num_tokens: int, prefix_hit_tokens: int
     if h > t:
         raise ConfigError(f"prefix_hit_tokens: expected at most num_tokens={t}, got {h}")
     for g, group in enumerate(config.kv_cache_groups):
+        if is_state_spec(group.kv_cache_spec):
+            continue  # a state group's hit is a state boundary, checked below (STATE-4)
         # C's list is tail-aligned and starts on a block boundary, so H must be whole blocks (WIN-1).
         if h % group.kv_cache_spec.block_size:
             raise BlockAlignmentError(
                 f"prefix_hit_tokens={h} is not a multiple of group {g}'s block size "
                 f"{group.kv_cache_spec.block_size} (WIN-1)"
             )
+    check_state_prefix_hit(config, prefix_hit_tokens=h)
 
 
 def _check_side(
@@ -410,6 +419,8 @@ def _check_coverage(
     p_ends = _check_ends("producer", producer_block_ends, producer)
     c_ends = _check_ends("consumer", consumer_block_ends, consumer)
     for g, spec in enumerate(specs):
+        if is_state_spec(spec):
+            continue  # one state slot, no token positions: STATE-2 and STATE-3 check it, not WIN-1
         total = get_logical_block_count(spec, num_tokens=listed_tokens)
         hit_blocks = prefix_hit_tokens // spec.block_size
         p_end = total if p_ends is None else p_ends[g]
@@ -458,11 +469,15 @@ def compute_transfer_pairs(
         )
         producer_block_ends = lasts if producer_block_ends is None else producer_block_ends
         consumer_block_ends = lasts if consumer_block_ends is None else consumer_block_ends
+    # Each state group pairs its one slot by STATE-3; the other groups pair by tail (ALIGN-1).
+    producer, consumer, p_ends, c_ends = get_state_paired_lists(
+        config, producer, consumer, producer_block_ends, consumer_block_ends
+    )
     return compute_block_pairs(
         producer_block_ids=producer,
         consumer_block_ids=consumer,
-        producer_block_ends=producer_block_ends,
-        consumer_block_ends=consumer_block_ends,
+        producer_block_ends=p_ends,
+        consumer_block_ends=c_ends,
     )
 
 

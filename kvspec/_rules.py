@@ -30,6 +30,8 @@ class Rule:
     """For a rule no conformance case checks yet: the test module that checks the reference (OFF-*)."""
 
 
+_STATE_TESTS = "tests/test_state.py"
+
 RULES: tuple[Rule, ...] = (
     Rule(
         id="HMA-1",
@@ -41,14 +43,56 @@ RULES: tuple[Rule, ...] = (
         id="ADM-1",
         title="Fail closed on group kinds",
         level=Level.MUST,
-        summary="Under HMA only full attention (incl. MLA) and sliding window (incl. SW-MLA) groups are admitted; "
-        "anything else raises UnsupportedHybridError naming the group, its layers, kind and remedy.",
+        summary="Under HMA full attention (incl. MLA), sliding window (incl. SW-MLA) and state groups "
+        "(mamba1, mamba2, GDN, KDA) are admitted; other kinds, state with the flag or under pipeline parallelism "
+        "raise UnsupportedHybridError naming the group, its layers, kind and remedy.",
     ),
     Rule(
         id="ADM-2",
         title="READ and WRITE under HMA",
         level=Level.MUST,
         summary="Both modes are specified under HMA; a READ-only connector gets the same fail-closed check by keyword.",
+    ),
+    Rule(
+        id="STATE-1",
+        title="A transferred state stands where the consumer resumes",
+        level=Level.MUST,
+        summary="With state groups the transfer carries state_tokens t; t must equal T = num_tokens, else "
+        "StatePositionError before any byte moves; a missing t (a 1.1 peer) is refused; prebuilt needs R = 0; "
+        "peers of different state profiles are refused at handshake.",
+        checked_by=_STATE_TESTS,
+    ),
+    Rule(
+        id="STATE-2",
+        title="Exactly one state slot travels",
+        level=Level.MUST,
+        summary="Per state group drop min(num_speculative_blocks, len - 1) trailing scratch slots, keep the last: "
+        "one slot travels; a null kept slot is a StateSlotError.",
+        checked_by=_STATE_TESTS,
+    ),
+    Rule(
+        id="STATE-3",
+        title="State slots pair by slot",
+        level=Level.MUST,
+        summary="The producer's last slot pairs with the consumer's last; the consumer may list at most one more "
+        "slot; an empty list, a null slot or a longer consumer list is a StateSlotError.",
+        checked_by=_STATE_TESTS,
+    ),
+    Rule(
+        id="STATE-4",
+        title="Prefix hits end on a state boundary",
+        level=Level.MUST,
+        summary="In align mode a hit H must be a multiple of the state block size, in none mode 0; per-group hits "
+        "reconcile to their minimum; H == T transfers nothing.",
+        checked_by=_STATE_TESTS,
+    ),
+    Rule(
+        id="STATE-5",
+        title="State layouts match",
+        level=Level.MUST,
+        summary="Per state group the state shapes, dtypes, kind, conv layout and padded page size match between "
+        "peers, else IncompatiblePeerError naming the field.",
+        checked_by=_STATE_TESTS,
     ),
     Rule(
         id="SW-1",

@@ -682,6 +682,7 @@ class ProducerSession:
         producer_block_ends: Iterable[int] | None = None,
         recomputed_tokens: int = 0,
         producer_block_digests: Iterable[Iterable[str]] | None = None,
+        state_tokens: int | None = None,
     ) -> ProducerSession:
         """Pin clipped blocks for a consumer; ``session.params`` is what the router forwards (SM-1).
 
@@ -690,6 +691,8 @@ class ProducerSession:
         the tokens after ``num_tokens`` the lists cover but C recomputes (ALIGN-1, WIN-1).
         ``producer_block_digests`` (optional, INT-1) holds the digest of each
         advertised block, taken once its pages hold the prefill's output.
+        ``state_tokens`` (protocol 1.2, STATE-1) is how many tokens the state
+        groups' state absorbed; ``None`` when the config has no state groups.
         """
         _check_duration("ProducerSession.lease_duration", lease_duration)
         params = TransferParams(
@@ -702,6 +705,7 @@ class ProducerSession:
             transport_data={} if transport_data is None else transport_data,
             producer_block_ends=None if producer_block_ends is None else tuple(producer_block_ends),
             recomputed_tokens=recomputed_tokens,
+            state_tokens=state_tokens,
             producer_block_digests=None
             if producer_block_digests is None
             else tuple(tuple(group) for group in producer_block_digests),
@@ -724,6 +728,11 @@ class ProducerSession:
     def mode(self) -> TransferMode:
         """READ or WRITE, from the transfer parameters."""
         return self.params.mode
+
+    @property
+    def request_id(self) -> str:
+        """The producer's request id, from the transfer parameters."""
+        return self.params.request_id
 
     @property
     def offer(self) -> BlockOffer | None:
@@ -921,6 +930,11 @@ class ConsumerSession:
     def mode(self) -> TransferMode:
         """READ or WRITE, from the transfer parameters."""
         return self.params.mode
+
+    @property
+    def request_id(self) -> str:
+        """The producer's request id, from the transfer parameters."""
+        return self.params.request_id
 
     @property
     def is_prefix_hit(self) -> bool:

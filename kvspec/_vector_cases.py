@@ -95,6 +95,14 @@ from kvspec._vectors import (
     vector_schema,
 )
 from kvspec.spec.pins import Pin, pins_for
+from kvspec.spec.state import (
+    check_state_position,
+    check_state_prefix_hit,
+    get_state_clipped_blocks,
+    get_state_differences,
+    get_state_prefix_hit,
+    pair_state_slots,
+)
 
 __all__ = [
     "CASE_SETS",
@@ -1496,6 +1504,103 @@ def _gen_spec(rng: random.Random) -> Mapping[str, object]:
     return {"spec": _rand_spec(rng, _KINDS)}
 
 
+# --------------------------------------------------------------------------- STATE-1 .. STATE-5
+
+
+def _state_config(mode: str = "none", block_size: int = 16, scratch: int = 0) -> KVCacheConfig:
+    state = MambaSpec(
+        block_size=block_size,
+        shapes=[[2, 2], [1, 4]],
+        dtypes=["float32", "float32"],
+        mamba_type="gdn_attn",
+        cache_mode=mode,
+        num_speculative_blocks=scratch,
+    )
+    return _config([_full(), state], num_blocks=8)
+
+
+def _position(
+    state_tokens: int | None, num_tokens: int, recomputed: int, profile: str = "recompute"
+) -> dict[str, object]:
+    return {
+        "config": _state_config(),
+        "state_tokens": state_tokens,
+        "num_tokens": num_tokens,
+        "recomputed_tokens": recomputed,
+        "profile": profile,
+    }
+
+
+def _state1_pins() -> list[Case]:
+    no_state = _position(None, 9, 1) | {"config": _config([_full()], num_blocks=8)}
+    return [
+        Case(name="vllm_backoff", inputs=_position(9, 9, 1), description="vLLM: T = N - 1, state after T"),
+        Case(name="past_the_resume_point", inputs=_position(10, 9, 1), description="would double-apply a token"),
+        Case(name="short_of_the_resume_point", inputs=_position(8, 9, 1)),
+        Case(name="missing_from_a_1_1_peer", inputs=_position(None, 9, 1)),
+        Case(name="prebuilt", inputs=_position(10, 10, 0, "prebuilt"), description="SGLang: state after N"),
+        Case(name="prebuilt_recomputing", inputs=_position(10, 10, 1, "prebuilt")),
+        Case(name="no_state_groups", inputs=no_state),
+    ]
+
+
+def _state2_pins() -> list[Case]:
+    config = _state_config("align", scratch=2)
+    return [
+        Case(
+            name="drop_scratch_keep_last", inputs={"config": config, "block_ids": BlockIds([[1, 2], [0, 0, 5, 8, 9]])}
+        ),
+        Case(name="never_below_one", inputs={"config": config, "block_ids": BlockIds([[1], [7]])}),
+        Case(name="null_state_slot", inputs={"config": config, "block_ids": BlockIds([[1], [4, 0, 8, 9]])}),
+        Case(name="zero_groups_stay_zero", inputs={"config": config, "block_ids": BlockIds([])}),
+    ]
+
+
+def _state3_pins() -> list[Case]:
+    def pair(p: list[int], c: list[int]) -> dict[str, object]:
+        return {"producer_slots": p, "consumer_slots": c}
+
+    return [
+        Case(name="one_each", inputs=pair([5], [9])),
+        Case(name="producer_longer_takes_its_tail", inputs=pair([0, 0, 5], [9])),
+        Case(name="consumer_longer_by_one", inputs=pair([5], [0, 9])),
+        Case(name="consumer_longer_by_two", inputs=pair([5], [0, 0, 9])),
+        Case(name="producer_empty", inputs=pair([], [9])),
+        Case(name="null_consumer_slot", inputs=pair([5], [9, 0])),
+    ]
+
+
+def _state4_pins() -> list[Case]:
+    align, none = _state_config("align"), _state_config("none")
+    return [
+        Case(name="align_on_boundary", inputs={"config": align, "prefix_hit_tokens": 32}),
+        Case(name="align_off_boundary", inputs={"config": _state_config("align", 32), "prefix_hit_tokens": 16}),
+        Case(name="none_mode_no_hit", inputs={"config": none, "prefix_hit_tokens": 0}),
+        Case(name="none_mode_hit", inputs={"config": none, "prefix_hit_tokens": 16}),
+    ]
+
+
+def _state4_hit_pins() -> list[Case]:
+    config = _config([_full(4), _state_config("align", 8).kv_cache_groups[1].kv_cache_spec], num_blocks=8)
+    return [
+        Case(name="minimum", inputs={"config": config, "group_hits": [24, 16]}),
+        Case(name="minimum_on_every_boundary", inputs={"config": config, "group_hits": [12, 16]}),
+    ]
+
+
+def _state5_pins() -> list[Case]:
+    spec = _state_config().kv_cache_groups[1].kv_cache_spec
+    assert isinstance(spec, MambaSpec)
+    return [
+        Case(name="same", inputs={"producer": spec, "consumer": attrs.evolve(spec, cache_mode="align")}),
+        Case(name="conv_layout", inputs={"producer": spec, "consumer": attrs.evolve(spec, conv_layout="SD")}),
+        Case(
+            name="kind_and_dtypes",
+            inputs={"producer": spec, "consumer": attrs.evolve(spec, mamba_type="kda", dtypes=["float32", "bfloat16"])},
+        ),
+    ]
+
+
 CASE_SETS: tuple[CaseSet, ...] = (
     CaseSet(
         rule="HMA-1",
@@ -1510,6 +1615,12 @@ CASE_SETS: tuple[CaseSet, ...] = (
     CaseSet(
         rule="ADM-2", fn=check_hybrid_support, pinned=_pinned("ADM-2", "check_hybrid_support"), generate=_gen_admission
     ),
+    CaseSet(rule="STATE-1", fn=check_state_position, pinned=_state1_pins),
+    CaseSet(rule="STATE-2", fn=get_state_clipped_blocks, pinned=_state2_pins),
+    CaseSet(rule="STATE-3", fn=pair_state_slots, pinned=_state3_pins),
+    CaseSet(rule="STATE-4", fn=check_state_prefix_hit, pinned=_state4_pins),
+    CaseSet(rule="STATE-4", fn=get_state_prefix_hit, pinned=_state4_hit_pins),
+    CaseSet(rule="STATE-5", fn=get_state_differences, pinned=_state5_pins),
     CaseSet(rule="SW-1", fn=get_blocks_per_sw, pinned=_sw1_pins, generate=_gen_config(("full", "sw", "sw_mla", "mla"))),
     CaseSet(
         rule="CLIP-1",

@@ -88,6 +88,14 @@ from kvspec._reference import (
 from kvspec._rules import RULES
 from kvspec._session import ConsumerSession, Output, ProducerSession
 from kvspec._summary import blocks_needed_for, summarize_plan
+from kvspec.spec.state import (
+    check_state_position,
+    check_state_prefix_hit,
+    get_state_clipped_blocks,
+    get_state_differences,
+    get_state_prefix_hit,
+    pair_state_slots,
+)
 
 __all__ = [
     "FORMAT_VERSION",
@@ -344,6 +352,12 @@ PUBLIC_NAMES: Mapping[object, str] = {
     is_hma_required: "is_hma_required",
     is_full_attention_spec: "is_full_attention_spec",
     check_hybrid_support: "check_hybrid_support",
+    check_state_position: "check_state_position",
+    get_state_clipped_blocks: "get_state_clipped_blocks",
+    pair_state_slots: "pair_state_slots",
+    check_state_prefix_hit: "check_state_prefix_hit",
+    get_state_prefix_hit: "get_state_prefix_hit",
+    get_state_differences: "get_state_differences",
     get_blocks_per_sw: "get_blocks_per_sw",
     get_exchange_clipped_blocks: "get_exchange_clipped_blocks",
     get_token_basis_group: "get_token_basis_group",
@@ -474,6 +488,43 @@ _ENTRIES: tuple[VectorFunction, ...] = (
         lambda a: check_hybrid_support(
             a["config"], mode=a["mode"], read_only_hma=a["read_only_hma"], **{_FLAG: a[_FLAG]}
         ),
+    ),
+    # STATE-1 .. STATE-5
+    _entry(
+        check_state_position,
+        {"config": CONFIG, "state_tokens": OPTIONAL_INT, "num_tokens": INT, "recomputed_tokens": INT, "profile": STR},
+        lambda a: check_state_position(
+            a["config"],
+            state_tokens=a["state_tokens"],
+            num_tokens=a["num_tokens"],
+            recomputed_tokens=a["recomputed_tokens"],
+            profile=a["profile"],
+        ),
+    ),
+    _entry(
+        get_state_clipped_blocks,
+        {"config": CONFIG, "block_ids": BLOCK_IDS},
+        lambda a: get_state_clipped_blocks(a["config"], a["block_ids"]),
+    ),
+    _entry(
+        pair_state_slots,
+        {"producer_slots": INTS, "consumer_slots": INTS},
+        lambda a: pair_state_slots(a["producer_slots"], a["consumer_slots"]),
+    ),
+    _entry(
+        check_state_prefix_hit,
+        {"config": CONFIG, "prefix_hit_tokens": INT},
+        lambda a: check_state_prefix_hit(a["config"], prefix_hit_tokens=a["prefix_hit_tokens"]),
+    ),
+    _entry(
+        get_state_prefix_hit,
+        {"config": CONFIG, "group_hits": INTS},
+        lambda a: get_state_prefix_hit(a["config"], a["group_hits"]),
+    ),
+    _entry(
+        get_state_differences,
+        {"producer": SPEC, "consumer": SPEC},
+        lambda a: get_state_differences(a["producer"], a["consumer"]),
     ),
     # SW-1, CLIP-1, TOK-1
     _entry(get_blocks_per_sw, {"config": CONFIG}, lambda a: get_blocks_per_sw(a["config"])),

@@ -1,4 +1,4 @@
-"""The ``kvspec`` command line: ``plan`` a preset's transfer, ``conform`` a backend, ``vectors``, ``vllm-audit``."""
+"""The ``kvspec`` command line: ``plan`` a preset's transfer, ``conform`` a backend, ``vectors``, the engine audits."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from kvspec._offload import (
 )
 from kvspec._presets import get_preset, list_presets
 from kvspec._reference import check_hybrid_support, get_logical_block_count, get_pruned_block_ids
-from kvspec._summary import PlanSummary, blocks_needed_for, summarize_plan
+from kvspec._summary import PlanSummary, blocks_needed_for, summarize_plan, without_state_groups
 from kvspec._version import __version__
 
 __all__ = [
@@ -241,6 +241,45 @@ def build_parser() -> argparse.ArgumentParser:
     setup.add_argument("--print", action="store_true", required=True, help="print the shell commands")
     setup.add_argument("--python", default="python", help="the interpreter whose pip installs (default: python)")
     setup.set_defaults(handler=_run_vllm_setup)
+    saudit = sub.add_parser(
+        "sglang-audit",
+        help="drive random P/D requests through SGLang's own allocator, index building and pairing",
+        description=(
+            "Whole requests through SGLang 0.5.23's page allocator, its prefill and decode index building and each "
+            "backend's pairing; every pair is checked by logical position (ALIGN-1, NULL-1, WIN-1). Needs "
+            "kvspec[sglang] (kvspec sglang-setup --print | bash)."
+        ),
+    )
+    saudit.add_argument(
+        "--backend",
+        action="append",
+        choices=("mooncake", "nixl", "mori"),
+        help="backend whose pairing to drive; repeatable (default: mooncake, nixl, mori)",
+    )
+    saudit.add_argument(
+        "--expect-file",
+        metavar="NAME|PATH",
+        help="deviation classes known to be found, BACKEND/CLASS=REASON lines (or 'sglang-audit', the shipped list): "
+        "exit 0 when exactly these are found; without it any deviation exits 1",
+    )
+    saudit.add_argument(
+        "--requests",
+        type=_audit_requests,
+        default=200,
+        metavar="N",
+        help=f"random requests, at most {MAX_AUDIT_REQUESTS} (default 200)",
+    )
+    saudit.add_argument("--seed", type=_non_negative_int, default=11, metavar="S", help="random seed (default 11)")
+    saudit.add_argument("--json", metavar="PATH", help="also write the report as JSON (the findings page reads it)")
+    saudit.set_defaults(handler=_run_sglang_audit)
+    ssetup = sub.add_parser(
+        "sglang-setup",
+        help="print the commands that install SGLang for the CPU, as kvspec tests it (pipe them to bash)",
+        description="SGLang's wheel and what its disaggregation code imports, each with --no-deps (kvspec[sglang]).",
+    )
+    ssetup.add_argument("--print", action="store_true", required=True, help="print the shell commands")
+    ssetup.add_argument("--python", default="python", help="the interpreter whose pip installs (default: python)")
+    ssetup.set_defaults(handler=_run_sglang_setup)
     return parser
 
 
@@ -261,7 +300,12 @@ def plan_summary_to_dict(model: str, summary: PlanSummary) -> dict[str, Any]:
                 "block_size": g.block_size,
                 "sliding_window": g.sliding_window,
                 "num_layers": g.num_layers,
+                "role": "state" if g.is_state else "attention",
                 "page_size": g.page_size,
+                "bytes_per_page": g.bytes_per_page,
+                "state": (
+                    {"mamba_type": g.mamba_type, "tensor_bytes": list(g.state_tensor_bytes)} if g.is_state else None
+                ),
                 "blocks_unclipped": g.blocks_unclipped,
                 "blocks_clipped": g.blocks_clipped,
                 "bytes_unclipped": g.bytes_unclipped,
@@ -272,6 +316,8 @@ def plan_summary_to_dict(model: str, summary: PlanSummary) -> dict[str, Any]:
         "total": {
             "bytes_unclipped": summary.bytes_unclipped,
             "bytes_clipped": summary.bytes_clipped,
+            "attention_bytes_clipped": summary.attention_bytes_clipped,
+            "state_bytes_clipped": summary.state_bytes_clipped,
             "bytes_saved": summary.bytes_saved,
             "pages_unclipped": summary.pages_unclipped,
             "pages_clipped": summary.pages_clipped,
@@ -291,14 +337,15 @@ def _human(nbytes: int) -> str:
 
 
 def _print_table(model: str, summary: PlanSummary, out: TextIO) -> None:
-    header = ("group", "kind", "window", "layers", "page", "blocks", "clipped", "bytes", "clipped bytes")
+    header = ("group", "kind", "window", "layers", "page", "moves", "blocks", "clipped", "bytes", "clipped bytes")
     rows = [
         (
             str(g.group_index),
-            g.kind,
+            f"{g.kind} ({g.mamba_type})" if g.is_state else g.kind,
             "-" if g.sliding_window is None else str(g.sliding_window),
             str(g.num_layers),
             _human(g.page_size),
+            _human(g.bytes_per_page),
             str(g.blocks_unclipped),
             str(g.blocks_clipped),
             _human(g.bytes_unclipped),
@@ -306,7 +353,7 @@ def _print_table(model: str, summary: PlanSummary, out: TextIO) -> None:
         )
         for g in summary.groups
     ]
-    total = ("total", "", "", "", "", "", "", _human(summary.bytes_unclipped), _human(summary.bytes_clipped))
+    total = ("total", "", "", "", "", "", "", "", _human(summary.bytes_unclipped), _human(summary.bytes_clipped))
     widths = [max(len(r[i]) for r in (header, *rows, total)) for i in range(len(header))]
     print(
         f"{model}: {summary.num_tokens} tokens, prefix hit {summary.prefix_hit_tokens}, mode {summary.mode.value}",
@@ -317,6 +364,13 @@ def _print_table(model: str, summary: PlanSummary, out: TextIO) -> None:
     saved = summary.bytes_saved
     share = saved / summary.bytes_unclipped if summary.bytes_unclipped else 0.0
     print(f"clipping saves {_human(saved)} ({share:.1%})", file=out)
+    if any(g.is_state for g in summary.groups):
+        print(
+            f"clipped: attention {_human(summary.attention_bytes_clipped)}, state "
+            f"{_human(summary.state_bytes_clipped)} (one slot per state group, STATE-2; a state page moves its "
+            "state tensors, never its padding, PLAN-1)",
+            file=out,
+        )
     print(
         f"descriptors: {summary.descriptors_clipped} clipped, {summary.descriptors_unclipped} unclipped "
         f"(fresh contiguous allocation; pages: {summary.pages_clipped} / {summary.pages_unclipped})",
@@ -446,7 +500,11 @@ def _run_plan(args: argparse.Namespace, out: TextIO) -> int:
         return _run_offload_plan(args, preset, out)
     mode = TransferMode(args.mode)
     sizing = preset.build_config(num_blocks=2, block_size=args.block_size, layout=args.layout)
-    check_hybrid_support(sizing, mode=mode)
+    # State groups are summarized by STATE-2 whatever admission says of them; the attention groups are admitted
+    # as they would be on their own (ADM-1).
+    attention = without_state_groups(sizing)
+    if attention is not None:
+        check_hybrid_support(attention, mode=mode)
     config = preset.build_config(
         num_blocks=blocks_needed_for(sizing, num_tokens=args.tokens), block_size=args.block_size, layout=args.layout
     )
@@ -586,6 +644,35 @@ def _run_vllm_audit(args: argparse.Namespace, out: TextIO) -> int:
         out.write(f"FAILED {problem}\n")
     out.write(("FAILED" if problems else "PASSED") + f": {len(problems)} unexpected or vanished deviation classes\n")
     return 1 if problems else 0
+
+
+def _run_sglang_audit(args: argparse.Namespace, out: TextIO) -> int:
+    from kvspec.integrations.expectations import load_expected
+    from kvspec.integrations.sglang import check_sglang_version
+    from kvspec.integrations.sglang_audit import AUDIT_BACKENDS, check_expected, run_audit
+
+    try:
+        check_sglang_version()
+        expected = load_expected(args.expect_file) if args.expect_file else None
+        report = run_audit(backends=tuple(args.backend or AUDIT_BACKENDS), requests=args.requests, seed=args.seed)
+    except (KVSpecError, ValueError) as exc:
+        print(f"kvspec sglang-audit: {exc}", file=sys.stderr)
+        return 2
+    out.write(report.render())
+    if args.json:
+        report.write_json(args.json)
+    problems = check_expected(report, expected or {})
+    for problem in problems:
+        out.write(f"FAILED {problem}\n")
+    out.write(("FAILED" if problems else "PASSED") + f": {len(problems)} unexpected or vanished deviation classes\n")
+    return 1 if problems else 0
+
+
+def _run_sglang_setup(args: argparse.Namespace, out: TextIO) -> int:
+    from kvspec.integrations.sglang import cpu_setup_script
+
+    out.write(cpu_setup_script(args.python))
+    return 0
 
 
 def _run_vllm_setup(args: argparse.Namespace, out: TextIO) -> int:

@@ -3,10 +3,29 @@
 The sessions at the top level say what to do; these drivers do it, with a
 block allocator, a clock and a :class:`kvspec.transport.Transport`.
 :class:`Driver` is the core both the endpoints and the conformance suite's
-scenarios play through; it calls a :class:`kvspec.connector.Connector`.
+scenarios play through, one :class:`Role` per side (:data:`PRODUCER`,
+:data:`CONSUMER`, :data:`OFFLOAD` for an offload engine's copies, each an
+:class:`OffloadSession`); it calls a :class:`kvspec.connector.Connector`.
+:func:`poll_until` is the one loop that waits for requests to settle.
 """
 
-from kvspec._driver import Driver, DriverFault, LiveRequest, Operation, reason_of
+from kvspec._driver import (
+    CONSUMER,
+    INTEGRITY_ROWS,
+    OFFLOAD,
+    PRODUCER,
+    DrivenSession,
+    Driver,
+    DriverFault,
+    Evidence,
+    IntegrityRow,
+    LiveRequest,
+    Moment,
+    Operation,
+    Role,
+    poll_until,
+    reason_of,
+)
 from kvspec._exchange import (
     BlockAllocator,
     ConsumerEndpoint,
@@ -17,19 +36,34 @@ from kvspec._exchange import (
     connect,
     run_request,
 )
+from kvspec._offload_session import ChunkCopy, OffloadKind, OffloadSession, OffloadState
 
 __all__ = [
+    "CONSUMER",
+    "INTEGRITY_ROWS",
+    "OFFLOAD",
+    "PRODUCER",
     "BlockAllocator",
+    "ChunkCopy",
     "ConsumerEndpoint",
     "ConsumerResult",
+    "DrivenSession",
     "Driver",
     "DriverFault",
+    "Evidence",
     "ExchangeResult",
+    "IntegrityRow",
     "LiveRequest",
+    "Moment",
+    "OffloadKind",
+    "OffloadSession",
+    "OffloadState",
     "Operation",
     "ProducerEndpoint",
     "ProducerResult",
+    "Role",
     "connect",
+    "poll_until",
     "reason_of",
     "run_request",
 ]

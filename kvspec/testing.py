@@ -19,7 +19,9 @@ Theory of operation:
    :func:`check_pools` with one :class:`ExpectedLoad` per request. It checks
    every page of both pools: each paired consumer page holds the producer's
    page for the same logical position, every other byte is untouched, and the
-   producer pool is not modified at all.
+   producer pool is not modified at all. Of a state group's page only the
+   state tensors' bytes travel (PLAN-1): the consumer's padding after them
+   must stay as it was.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ import attrs
 from kvspec._deprecation import moved_names
 from kvspec._errors import ConfigError
 from kvspec._models import NULL_BLOCK_ID, BlockIds, KVCacheConfig
+from kvspec.spec.plan import get_page_byte_ranges
 from kvspec.transport._base import MemoryRegion
 
 __all__ = [
@@ -230,6 +233,19 @@ def expected_page(
     return _keyed_bytes(size, "page", salt, group, layer_index, position)
 
 
+def _moved_bytes(config: KVCacheConfig, group: int) -> int:
+    """Bytes at the start of each page of ``group`` that a transfer moves: the page, or a state group's tensors.
+
+    The oracle's own arithmetic from the shapes (PLAN-1), not the planner's.
+    """
+    spec = config.kv_cache_groups[group].kv_cache_spec
+    ranges = get_page_byte_ranges(spec)
+    end = ranges[-1][0] + ranges[-1][1]
+    if sum(nbytes for _, nbytes in ranges) != end or ranges[0][0] != 0:
+        raise ConfigError(f"group {group}: the oracle expects the moved bytes of a page as one run from its start")
+    return end
+
+
 def logical_positions(
     config: KVCacheConfig, block_ids: BlockIds, *, num_tokens: int, block_ends: Sequence[int] | None = None
 ) -> list[list[int]]:
@@ -410,15 +426,17 @@ def _producer_labels(producer: PagePool, before: PoolSnapshot, loads: Sequence[E
         )
         for g, (ids, group_positions) in enumerate(zip(load.producer_block_ids, positions, strict=True)):
             for block, position in zip(ids, group_positions, strict=True):
+                moved = _moved_bytes(config, g)
                 for layer_index, layer in enumerate(config.kv_cache_groups[g].layer_names):
                     page = expected_page(config, group=g, layer_index=layer_index, position=position, salt=load.salt)
+                    page = page[:moved]
                     labels.setdefault(
                         _digest(page),
                         f"the page of group {g}, layer {layer!r}, position {position}, salt {load.salt!r}"
                         f" (producer block {block})",
                     )
     for g, _, layer, block, tensor_index, offset in _pages(config):
-        size = config.kv_cache_groups[g].kv_cache_spec.page_size_bytes
+        size = _moved_bytes(config, g)
         page = before.regions[tensor_index][offset : offset + size]
         labels.setdefault(_digest(page), f"the producer's block {block} of group {g}, layer {layer!r}")
     return labels
@@ -427,21 +445,26 @@ def _producer_labels(producer: PagePool, before: PoolSnapshot, loads: Sequence[E
 def _expected_pages(
     config: KVCacheConfig, loads: Sequence[ExpectedLoad]
 ) -> tuple[dict[tuple[int, int], tuple[bytes, str]], dict[tuple[int, int], int]]:
-    """Consumer pages with a defined content ((tensor, offset) -> bytes, description), and undefined ones (-> size)."""
+    """Consumer pages with a defined content ((tensor, offset) -> bytes, description), and undefined ones (-> size).
+
+    The bytes are those a transfer moves: the whole page, or a state group's
+    tensors (the padding after them keeps its old bytes, PLAN-1).
+    """
     expected: dict[tuple[int, int], tuple[bytes, str]] = {}
     undefined: dict[tuple[int, int], int] = {}
     for load in loads:
         for copy in expected_pairs(config, load):
+            moved = _moved_bytes(config, copy.group)
             for layer_index, layer in enumerate(config.kv_cache_groups[copy.group].layer_names):
                 key = config.page_offset(layer, copy.consumer_block)
                 expected.pop(key, None)
                 undefined.pop(key, None)
                 if not load.loaded:
-                    undefined[key] = config.kv_cache_groups[copy.group].kv_cache_spec.page_size_bytes
+                    undefined[key] = moved
                     continue
                 page = expected_page(
                     config, group=copy.group, layer_index=layer_index, position=copy.position, salt=load.salt
-                )
+                )[:moved]
                 desc = f"the page of group {copy.group}, layer {layer!r}, position {copy.position}, salt {load.salt!r}"
                 expected[key] = (page, desc)
     return expected, undefined
@@ -532,14 +555,21 @@ def check_pools(
             if got == image[offset : offset + size]:
                 continue
             old = consumer_before.regions[index][offset : offset + size]
+            moved = _moved_bytes(config, g)
             if (index, offset) in expected:
                 want = expected[(index, offset)][1]
                 if got == old:
                     kind, what = MismatchKind.NOT_WRITTEN, f"expected {want}, but it was never written"
+                elif got[:moved] == image[offset : offset + moved]:
+                    kind = MismatchKind.WRONG_CONTENT
+                    what = (
+                        f"holds {want}, but the {size - moved} padding bytes after the state tensors changed; "
+                        "only the state tensors' bytes travel (PLAN-1)"
+                    )
                 else:
-                    kind, what = MismatchKind.WRONG_CONTENT, f"expected {want}, found {label(got)}"
+                    kind, what = MismatchKind.WRONG_CONTENT, f"expected {want}, found {label(got[:moved])}"
             else:
-                kind, what = MismatchKind.STRAY_WRITE, f"must be untouched, but now holds {label(got)}"
+                kind, what = MismatchKind.STRAY_WRITE, f"must be untouched, but now holds {label(got[:moved])}"
             mismatches.append(PageMismatch(side="consumer", kind=kind, group=g, layer=layer, block=block, what=what))
         if len(mismatches) == found_before:
             first = next(i for i, (a, b) in enumerate(zip(image, now, strict=False)) if a != b)

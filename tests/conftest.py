@@ -186,3 +186,20 @@ def vllm(pytestconfig: pytest.Config) -> ModuleType:
     module = require_backend_module(pytestconfig, "vllm", "vllm")
     assert module.__version__ == "0.33.0", f"these tests pin vllm==0.33.0, found {module.__version__}"
     return module
+
+
+@pytest.fixture(scope="session")
+def sglang(pytestconfig: pytest.Config) -> ModuleType:
+    """kvspec.integrations.sglang with SGLang 0.5.23 importable (skipped, or failed under ``--require-backends``)."""
+    from kvspec import BackendUnavailableError
+    from kvspec.integrations import sglang as integration
+
+    try:
+        integration.check_sglang_version()
+        integration.import_sglang("sglang.srt.disaggregation.prefill")
+    except BackendUnavailableError as exc:
+        message = f"SGLang is not usable ({exc}); install it with: kvspec sglang-setup --print | bash"
+        if pytestconfig.getoption("--require-backends"):
+            pytest.fail(f"--require-backends: {message}", pytrace=False)
+        pytest.skip(message)
+    return integration

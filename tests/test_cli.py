@@ -46,6 +46,47 @@ def test_plan_json_matches_the_reference_counts() -> None:
     assert total["descriptors_clipped"] >= 1
 
 
+def test_plan_json_reports_state_and_attention_bytes_per_group() -> None:
+    """Qwen3-Next at 128k: a GDN group moves one slot of conv + recurrent state, not the padding (STATE-2, PLAN-1)."""
+    status, text = run("plan", "qwen3-next-80b", "--tokens", "131072", "--json")
+    assert status == 0
+    data = json.loads(text)
+    conv, recurrent = (8192 * 3 * 2, 32 * 128 * 128 * 2)  # (2*16*128 + 32*128, kernel - 1) and (32, 128, 128), bf16
+    states = [g for g in data["groups"] if g["role"] == "state"]
+    (full,) = [g for g in data["groups"] if g["role"] == "attention"]
+    assert [g["num_layers"] for g in states] == [12, 12, 12]
+    for group in states:
+        assert group["state"] == {"mamba_type": "gdn_attention", "tensor_bytes": [conv, recurrent]}
+        assert group["page_size"] > group["bytes_per_page"] == conv + recurrent  # padded page; the padding stays
+        assert group["blocks_clipped"] == 1
+        assert group["bytes_clipped"] == 12 * (conv + recurrent)
+    # FA: 2 heads x (256 + 256) x 2 B per token; B = 544 so the page holds the state; 131072 tokens -> 241 blocks.
+    assert full["state"] is None
+    assert full["page_size"] == full["bytes_per_page"] == 544 * 2 * 512 * 2
+    assert full["bytes_clipped"] == 241 * 12 * full["page_size"]
+    total = data["total"]
+    assert total["state_bytes_clipped"] == 36 * (conv + recurrent)
+    assert total["attention_bytes_clipped"] == full["bytes_clipped"]
+    assert total["bytes_clipped"] == total["state_bytes_clipped"] + total["attention_bytes_clipped"]
+
+
+def test_plan_table_of_a_state_sliding_window_and_full_attention_model() -> None:
+    status, text = run("plan", "hymba-1.5b", "--tokens", "131072")
+    assert status == 0
+    assert "mamba (mamba1)" in text
+    assert "sliding_window" in text
+    assert "full_attention" in text
+    assert "one slot per state group, STATE-2" in text
+
+
+def test_plan_of_a_state_only_model_and_a_full_hit() -> None:
+    _, text = run("plan", "mamba-130m", "--tokens", "4096", "--json")
+    (group,) = json.loads(text)["groups"]
+    assert group["bytes_clipped"] == 24 * (1536 * 3 + 1536 * 16) * 4  # 24 layers, one unpadded float32 state each
+    _, text = run("plan", "mamba-130m", "--tokens", "4096", "--prefix-hit", "4096", "--json")
+    assert json.loads(text)["total"]["bytes_clipped"] == 0  # H == T: the consumer's own state is h(H) (STATE-4)
+
+
 def test_plan_accepts_hf_id_and_alias_alike() -> None:
     preset = get_preset("gemma-3-27b")
     _, by_alias = run("plan", preset.alias, "--tokens", "4096", "--json")
@@ -73,7 +114,7 @@ def test_plan_table_and_write_mode() -> None:
     ("argv", "message"),
     [
         (("plan", "no-such-model", "--tokens", "10"), "ConfigError"),
-        (("plan", "qwen3-next-80b", "--tokens", "10"), "UnsupportedHybridError"),
+        (("plan", "llama-4-scout", "--tokens", "10"), "UnsupportedHybridError"),
         (("plan", "gemma-3-27b", "--tokens", "100", "--prefix-hit", "5"), "BlockAlignmentError"),
     ],
 )

@@ -17,7 +17,7 @@ from kvspec import (
     TransferMode,
     TransportError,
 )
-from kvspec._driver import Driver, DriverFault, LiveRequest, Operation, reason_of
+from kvspec._driver import CONSUMER, PRODUCER, Driver, DriverFault, LiveRequest, Operation, Role, S, reason_of
 from kvspec._errors import BlockAlignmentError, LocalProtocolError, WindowCoverageError
 from kvspec.transport import Transport
 from kvspec.transport.loopback import LoopbackBackend
@@ -55,8 +55,9 @@ class _Clock:
         return self.now
 
 
-def _driver(transport: Transport, clock: _Clock, freed: list[BlockIds], ended: list[str]) -> Driver:
+def _driver(role: Role[S], transport: Transport, clock: _Clock, freed: list[BlockIds], ended: list[str]) -> Driver[S]:
     return Driver(
+        role=role,
         transport=transport,
         clock=clock,
         on_free=lambda request, ids: freed.append(ids),
@@ -71,7 +72,7 @@ def test_undecodable_notification_and_lost_offer_are_typed_faults(
     clock = _Clock()
     freed: list[BlockIds] = []
     ended: list[str] = []
-    consumer = _driver(consumer_agent, clock, freed, ended)
+    consumer = _driver(CONSUMER, consumer_agent, clock, freed, ended)
     producer_agent.send_notification(to_consumer, b"not a kvspec message")
     consumer.poll()
     (fault,) = consumer.faults
@@ -101,7 +102,7 @@ def test_undecodable_notification_and_lost_offer_are_typed_faults(
 
 def test_a_driver_never_drives_one_request_twice(agents: tuple[Transport, Transport, str, str]) -> None:
     _, consumer_agent, to_producer, _ = agents
-    driver = _driver(consumer_agent, _Clock(), [], [])
+    driver = _driver(CONSUMER, consumer_agent, _Clock(), [], [])
     _, session = _sessions(TransferMode.READ, 100.0)
     driver.add(LiveRequest(session=session, peer=to_producer))
     with pytest.raises(LocalProtocolError, match="already being driven"):
@@ -112,7 +113,7 @@ def test_producer_expiry_without_a_known_peer_is_a_route_fault(agents: tuple[Tra
     producer_agent, _, _, _ = agents
     clock = _Clock()
     freed: list[BlockIds] = []
-    driver = _driver(producer_agent, clock, freed, [])
+    driver = _driver(PRODUCER, producer_agent, clock, freed, [])
     session, _ = _sessions(TransferMode.WRITE, clock.now)
     driver.add(LiveRequest(session=session))
     clock.now += 10.0

@@ -15,6 +15,7 @@ from kvspec import (
     IncompatiblePeerError,
     KVCacheConfig,
     LocalProtocolError,
+    MambaSpec,
     OutOfBlocksError,
     ProducerState,
     TransferMode,
@@ -281,6 +282,16 @@ def test_incompatible_peers_refused_at_handshake() -> None:
 def test_unsupported_hybrid_refused_at_handshake() -> None:
     backend = LoopbackBackend()
     config = get_preset("qwen3-next-80b").build_config(num_blocks=4, max_layers_per_group=1, head_size_divisor=64)
+    # A state kind the exchange does not know fails closed at the handshake (ADM-1).
+    config = attrs.evolve(
+        config,
+        kv_cache_groups=[
+            attrs.evolve(g, kv_cache_spec=attrs.evolve(g.kv_cache_spec, mamba_type="short_conv"))
+            if isinstance(g.kv_cache_spec, MambaSpec)
+            else g
+            for g in config.kv_cache_groups
+        ],
+    )
     with allocate_pool(config, shared=False) as p_pool, allocate_pool(config, shared=False) as c_pool:
         producer = ProducerEndpoint(
             engine_id="P", config=config, transport=backend.create_agent("p"), regions=p_pool.regions,
@@ -290,7 +301,7 @@ def test_unsupported_hybrid_refused_at_handshake() -> None:
             engine_id="C", config=config, transport=backend.create_agent("c"), regions=c_pool.regions,
             mode=TransferMode.READ,
         )  # fmt: skip
-        with pytest.raises(UnsupportedHybridError, match=r"Mamba / linear-attention state is not exchanged in v1"):
+        with pytest.raises(UnsupportedHybridError, match=r"unsupported: group \d+ .*'short_conv'"):
             connect(producer, consumer)
         backend.close()
 

@@ -283,6 +283,46 @@ def kvspec_read() -> TransferMode:
     return TransferMode.READ
 
 
+# State hybrids (padded state pages, several state tensors) and a pure state model (no padding).
+STATE_MODELS = ("qwen3-next-80b", "hymba-1.5b", "kimi-linear-48b", "mamba-130m")
+
+
+@settings(max_examples=40)
+@given(
+    model=st.sampled_from(STATE_MODELS),
+    producer_layout=st.sampled_from(LAYOUTS),
+    consumer_layout=st.sampled_from(LAYOUTS),
+    producer_blocks=st.integers(2, 24),
+    consumer_blocks=st.integers(2, 24),
+    seed=st.integers(0, 2**32),
+)
+@example(
+    model="qwen3-next-80b", producer_layout="blocks_first", consumer_layout="layers_first",
+    producer_blocks=24, consumer_blocks=24, seed=1,
+)  # fmt: skip
+def test_fast_plan_of_state_groups_equals_the_definition(
+    model: str, producer_layout: Layout, consumer_layout: Layout, producer_blocks: int, consumer_blocks: int, seed: int
+) -> None:
+    """A state group's pages move their state tensors' bytes only, on the fast path as in the definition (PLAN-1)."""
+    producer = small_config(model, producer_layout, producer_blocks)
+    consumer = small_config(model, consumer_layout, consumer_blocks)
+    pairs = random_pairs(random.Random(seed), producer, consumer)
+    got = plan_or_error(producer, consumer, pairs)
+    definition = result_of(
+        lambda: plain.compute_page_copies(producer_config=producer, consumer_config=consumer, pairs=pairs)
+    )
+    if isinstance(got, TransferPlan):
+        assert got.copies == definition
+        assert got == _plan_page_by_page(producer, consumer, pairs)
+        moved = [plain.get_page_byte_ranges(g.kv_cache_spec)[-1] for g in producer.kv_cache_groups]
+        assert got.total_bytes == sum(
+            len(group.layer_names) * len(ids) * (end[0] + end[1])
+            for group, ids, end in zip(producer.kv_cache_groups, pairs.producer_block_ids, moved, strict=True)
+        )
+    else:
+        assert definition == (PlanError, got)
+
+
 def test_contiguous_shuffled_and_duplicate_ids_take_the_paths_they_should(monkeypatch: pytest.MonkeyPatch) -> None:
     """Consecutive ids merge into one copy per group; a duplicate producer id falls back and still plans."""
     config = small_config("gemma-3-27b", "blocks_first", 64)
@@ -438,3 +478,27 @@ def test_offload_hit_equals_the_definition_refusals_included(
         )
     )
     assert fast == definition
+
+
+def test_a_state_hybrid_takes_the_fast_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Qwen3-Next (padded GDN pages), blocks_first: one copy of state bytes per layer page, on the fast path."""
+    config = small_config("qwen3-next-80b", "blocks_first", 32)
+    calls: list[bool] = []
+    fast = plan_module._plan_fast
+
+    def spy(*args: Any) -> TransferPlan | None:
+        result = fast(*args)
+        calls.append(result is not None)
+        return result
+
+    monkeypatch.setattr(plan_module, "_plan_fast", spy)
+    ids = BlockIds([[1], [2], [3], range(4, 12)])  # one slot per state group, 8 FA blocks
+    pairs = Pairs(producer_block_ids=ids, consumer_block_ids=ids)
+    plan = plan_transfer(producer_config=config, consumer_config=config, pairs=pairs)
+    assert calls == [True]
+    assert plan == _plan_page_by_page(config, config, pairs)
+    state = config.kv_cache_groups[0].kv_cache_spec
+    moved = sum(nbytes for _, nbytes in plain.get_page_byte_ranges(state))
+    assert moved < state.page_size_bytes
+    assert plan.num_descriptors == 3 * 2 + 1  # two layers per state group, each its own copy; FA one run
+    assert [c.nbytes for c in plan.copies].count(moved) == 6

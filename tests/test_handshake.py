@@ -16,6 +16,7 @@ from kvspec import (
     GroupDescriptor,
     IncompatiblePeerError,
     SpecKind,
+    StateProfile,
     TransferMode,
     check_compatibility,
 )
@@ -90,6 +91,17 @@ MISMATCHES: list[tuple[str, Edit, str, tuple[object, object]]] = [
         (("layers.0", "layers.1"), ("layers.0", "layers.2")),
     ),
     ("tp size", lambda d: attrs.evolve(d, tp_size=2), "tp_size", (1, 2)),
+    # Protocol 1.2: a state group's layout (STATE-5) and the engines' state profile (STATE-1).
+    ("state shapes", _group(1, state_shapes=((3, 4),)), "groups[1].state_shapes", (None, ((3, 4),))),
+    ("state dtypes", _group(1, state_dtypes=("bfloat16",)), "groups[1].state_dtypes", (None, ("bfloat16",))),
+    ("state kind", _group(1, mamba_type="gdn_attn"), "groups[1].mamba_type", (None, "gdn_attn")),
+    ("conv layout", _group(1, conv_layout="SD"), "groups[1].conv_layout", (None, "SD")),
+    (
+        "state profile",
+        lambda d: attrs.evolve(d, state_profile=StateProfile.PREBUILT),
+        "state_profile",
+        (None, "prebuilt"),
+    ),
 ]
 
 

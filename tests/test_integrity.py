@@ -29,7 +29,7 @@ from kvspec import (
     decode,
     encode,
 )
-from kvspec._driver import Driver, LiveRequest
+from kvspec._driver import CONSUMER, Driver, LiveRequest
 from kvspec.exchange import ConsumerEndpoint, ProducerEndpoint, connect, run_request
 from kvspec.presets import get_preset
 from kvspec.testing import PagePool, allocate_pool, fill_background, fill_producer_pages
@@ -317,6 +317,7 @@ def test_only_a_loading_consumer_checks_a_completion() -> None:
         with allocate_pool(config, shared=False) as pool:
             digester = PageDigester(config, [r.buffer for r in pool.regions])
             driver = Driver(
+                role=CONSUMER,
                 transport=consumer_agent,
                 clock=lambda: 1.0,
                 on_free=lambda request, ids: None,

@@ -36,6 +36,7 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
                 "kvspec.spec.pairing",
                 "kvspec.spec.pins",
                 "kvspec.spec.plan",
+                "kvspec.spec.state",
                 "kvspec.spec.window",
             }
         ),
@@ -44,7 +45,10 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
         "rules",
         frozenset({"kvspec._reference", "kvspec._offload", "kvspec._messages", "kvspec._presets", "kvspec._integrity"}),
     ),
-    ("protocol", frozenset({"kvspec._plan", "kvspec._codec", "kvspec._handshake", "kvspec._session"})),
+    (
+        "protocol",
+        frozenset({"kvspec._plan", "kvspec._codec", "kvspec._handshake", "kvspec._session", "kvspec._offload_session"}),
+    ),
     ("reports", frozenset({"kvspec._schema", "kvspec._summary"})),
     (
         "spec",
@@ -94,6 +98,8 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
                 "kvspec.integrations.vllm",
                 "kvspec.integrations.vllm_audit",
                 "kvspec.integrations.vllm_offload_audit",
+                "kvspec.integrations.sglang",
+                "kvspec.integrations.sglang_audit",
             }
         ),
     ),

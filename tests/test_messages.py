@@ -360,12 +360,23 @@ def test_the_1_1_keys_travel_in_kv_transfer_params_only_when_they_say_something(
     plain = PARAMS.to_kv_transfer_params()
     assert "kvspec_block_ends" not in plain
     assert "kvspec_recomputed_tokens" not in plain
-    assert plain["kvspec_version"] == "1.1"
+    assert plain["kvspec_version"] == "1.2"
     params = attrs.evolve(PARAMS, producer_block_ends=(3, 5), recomputed_tokens=1)
     d = params.to_kv_transfer_params()
     assert (d["kvspec_block_ends"], d["kvspec_recomputed_tokens"]) == ([3, 5], 1)
     assert TransferParams.from_kv_transfer_params(d) == params
     assert TransferParams.from_kv_transfer_params(json.loads(json.dumps(d))) == params
+
+
+def test_the_1_2_state_tokens_travel_only_when_set() -> None:
+    assert "kvspec_state_tokens" not in PARAMS.to_kv_transfer_params()  # no state groups: absent (STATE-1)
+    params = attrs.evolve(PARAMS, state_tokens=PARAMS.num_tokens)
+    d = params.to_kv_transfer_params()
+    assert d["kvspec_state_tokens"] == PARAMS.num_tokens
+    assert TransferParams.from_kv_transfer_params(json.loads(json.dumps(d))) == params
+    for bad in (-1, "7", True):
+        with pytest.raises(MalformedMessageError, match="kvspec_state_tokens"):
+            TransferParams.from_kv_transfer_params(d | {"kvspec_state_tokens": bad})
 
 
 def test_a_1_0_producer_dict_keeps_1_0_behaviour() -> None:

@@ -130,6 +130,8 @@ def test_wheel_contents(dist: Path) -> None:
         "kvspec/integrations/expected/vllm-nixl.txt",
         "kvspec/integrations/expected/vllm-audit.txt",
         "kvspec/integrations/constraints/vllm-cpu.txt",
+        "kvspec/integrations/constraints/sglang-cpu.txt",
+        "kvspec/integrations/expected/sglang-audit.txt",
     ):
         assert required in names, f"{wheel.name} lacks {required}"
     assert not any(n.startswith(("tests/", "docs/", "conformance/")) for n in names), "stray top-level folders"

@@ -9,9 +9,19 @@ import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from kvspec import BlockIds, KVCacheConfig, PlanError, TransferMode
+from kvspec import (
+    BlockIds,
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheTensor,
+    MambaSpec,
+    PlanError,
+    TransferMode,
+)
 from kvspec._plan import PageCopy, TransferPlan, plan_transfer
 from kvspec.presets import Layout, get_preset
+from kvspec.spec import compute_page_copies, get_page_byte_ranges
 
 LAYOUTS = ("blocks_first", "layers_first", "per_layer", "shared")
 # Presets with several groups and different kinds; shrunk to a few KiB per pool.
@@ -223,3 +233,69 @@ def test_to_descriptors_maps_roles_to_initiator() -> None:
     assert (read.local_region, read.local_offset, read.remote_region, read.remote_offset) == (2, 200, 1, 100)
     assert (write.local_region, write.local_offset, write.remote_region, write.remote_offset) == (1, 100, 2, 200)
     assert read.nbytes == write.nbytes == 8
+
+
+# --------------------------------------------------------------------------- state groups: state bytes, never padding
+
+
+def fa_mamba2_config(num_blocks: int = 8, ssm_shape: tuple[int, ...] = (2, 2, 3)) -> KVCacheConfig:
+    """FA (one layer) + a Mamba-2 state group (two layers): conv (4, 3) fp16 = 24 B, SSM (2, 2, 3) fp32 = 48 B,
+    padded to the attention page of 96 B (6 tokens x 1 head x (4 + 4) x 2 B), blocks_first."""
+    fa = FullAttentionSpec(block_size=6, num_kv_heads=1, head_size=4, dtype="float16")
+    state = MambaSpec(block_size=6, shapes=[(4, 3), ssm_shape], dtypes=["float16", "float32"], page_size_padded=96)
+    return KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[
+            KVCacheTensor(size=num_blocks * 96, layers=["fa0"], layer_stride=96, block_stride=96),
+            KVCacheTensor(size=num_blocks * 192, layers=["m0", "m1"], layer_stride=96, block_stride=192),
+        ],
+        kv_cache_groups=[
+            KVCacheGroupSpec(layer_names=["fa0"], kv_cache_spec=fa),
+            KVCacheGroupSpec(layer_names=["m0", "m1"], kv_cache_spec=state),
+        ],
+    )
+
+
+def test_a_state_slot_moves_each_state_tensor_and_never_the_padding() -> None:
+    """Conv at page offset 0 (24 B), SSM right after it (48 B): 72 of the page's 96 bytes move (PLAN-1)."""
+    config = fa_mamba2_config()
+    assert get_page_byte_ranges(config.kv_cache_groups[1].kv_cache_spec) == ((0, 24), (24, 48))
+    pairs = Pairs(producer_block_ids=BlockIds([[1, 2], [5]]), consumer_block_ids=BlockIds([[3, 4], [2]]))
+    plan = plan_transfer(producer_config=config, consumer_config=config, pairs=pairs)
+    assert [attrs.astuple(c) for c in plan.copies] == [
+        (0, 96, 0, 288, 192),  # FA blocks 1, 2 -> 3, 4: whole pages, one run
+        (1, 5 * 192, 1, 2 * 192, 72),  # layer m0 of state slot 5 -> 2: conv + SSM, merged; padding stays
+        (1, 5 * 192 + 96, 1, 2 * 192 + 96, 72),  # layer m1
+    ]
+    assert plan.copies == compute_page_copies(producer_config=config, consumer_config=config, pairs=pairs)
+    state = plan.groups[1]
+    assert (state.page_size, state.moved_per_page, state.nbytes) == (96, 72, 2 * 72)
+    assert plan.total_bytes == 192 + 144
+
+
+def test_state_bytes_land_byte_exact_and_the_consumers_padding_is_untouched() -> None:
+    config = fa_mamba2_config()
+    pairs = Pairs(producer_block_ids=BlockIds([[], [5]]), consumer_block_ids=BlockIds([[], [2]]))
+    plan = plan_transfer(producer_config=config, consumer_config=config, pairs=pairs)
+    src, dst = fill(config, 1), fill(config, 2)
+    before = [bytes(b) for b in dst]
+    apply(plan, src, dst)
+    for layer in ("m0", "m1"):
+        (pr, po), (cr, co) = config.page_offset(layer, 5), config.page_offset(layer, 2)
+        assert dst[cr][co : co + 72] == src[pr][po : po + 72]
+        assert dst[cr][co + 72 : co + 96] == before[cr][co + 72 : co + 96]  # the 24 bytes of padding
+    changed = sum(a != b for region, old in zip(dst, before, strict=True) for a, b in zip(region, old, strict=True))
+    assert changed <= 2 * 72
+
+
+def test_state_tensors_laid_out_differently_are_refused() -> None:
+    """Same padded page, other SSM shape: the bytes would land in the wrong tensor (STATE-5)."""
+    producer = fa_mamba2_config()
+    consumer = fa_mamba2_config(ssm_shape=(3, 2, 2))  # same 48 B, same ranges: accepted
+    pairs = Pairs(producer_block_ids=BlockIds([[1], [2]]), consumer_block_ids=BlockIds([[1], [2]]))
+    plan_transfer(producer_config=producer, consumer_config=consumer, pairs=pairs)
+    consumer = fa_mamba2_config(ssm_shape=(2, 2, 4))  # 64 B: ranges differ
+    with pytest.raises(PlanError, match=r"group 1: state tensor byte ranges differ.*\(STATE-5\)"):
+        plan_transfer(producer_config=producer, consumer_config=consumer, pairs=pairs)
+    with pytest.raises(PlanError, match=r"state tensor byte ranges differ"):
+        compute_page_copies(producer_config=producer, consumer_config=consumer, pairs=pairs)

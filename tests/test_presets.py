@@ -9,6 +9,7 @@ from kvspec import (
     ConfigError,
     FullAttentionSpec,
     MambaSpec,
+    MLAAttentionSpec,
     SlidingWindowSpec,
     TokenBasis,
     UnsupportedHybridError,
@@ -18,6 +19,7 @@ from kvspec import (
     is_hma_required,
 )
 from kvspec.presets import ModelPreset, get_preset, list_presets
+from kvspec.spec import get_page_byte_ranges
 
 TINY = {"num_blocks": 3, "max_layers_per_group": 2, "head_size_divisor": 64}
 LAYOUTS = ["blocks_first", "layers_first", "per_layer", "shared"]
@@ -130,9 +132,9 @@ def test_llama4_and_qwen3_next_are_rejected_under_hma() -> None:
     qwen = get_preset("qwen3-next-80b").build_config(num_blocks=2, max_layers_per_group=1)
     assert any(isinstance(g.kv_cache_spec, MambaSpec) for g in qwen.kv_cache_groups)
     assert len({g.kv_cache_spec.page_size_bytes for g in qwen.kv_cache_groups}) == 1  # padded to one page
-    for flag in (False, True):
-        with pytest.raises(UnsupportedHybridError, match="mamba"):
-            check_hybrid_support(qwen, mode="read", disable_hybrid_kv_cache_manager=flag)
+    check_hybrid_support(qwen, mode="read")  # GDN state is admitted under HMA (ADM-1, STATE-1 .. STATE-5)
+    with pytest.raises(UnsupportedHybridError, match="mamba"):
+        check_hybrid_support(qwen, mode="read", disable_hybrid_kv_cache_manager=True)
 
 
 def test_layouts_follow_the_page_address_rule() -> None:
@@ -166,3 +168,63 @@ def test_overrides() -> None:
     for bad in ({"num_blocks": 0}, {"num_blocks": 2, "layout": "rows"}, {"num_blocks": 2, "max_layers_per_group": 0}):
         with pytest.raises(ConfigError, match=r"ModelPreset\.build_config\."):
             preset.build_config(**bad)
+
+
+# --------------------------------------------------------------------------- state presets (independent of admission)
+
+# alias -> (state groups, layers per state group, attention kind and layers, state tensor bytes per layer, block size)
+STATE_PRESETS = {
+    # GDN: conv (2*16*128 + 32*128, 3) and recurrent (32, 128, 128), bf16.
+    "qwen3-next-80b": (3, [12] * 3, [(FullAttentionSpec, 12)], [8192 * 3 * 2, 32 * 128 * 128 * 2], 544),
+    # Mamba-2: conv (128*64 + 2*8*128, 3) bf16 and SSM (128, 64, 128) float32; 24 M layers, 4 attention layers.
+    "nemotron-h-8b": (6, [4] * 6, [(FullAttentionSpec, 4)], [10240 * 3 * 2, 128 * 64 * 128 * 4], 1040),
+    # Mamba-1: conv (2*4096, 3) and SSM (2*4096, 16), bf16; attention every 8th layer from layer 4.
+    "jamba-mini-1.5": (7, [4] * 7, [(FullAttentionSpec, 4)], [8192 * 3 * 2, 8192 * 16 * 2], 80),
+    # KDA: conv (3*32*128, 3) bf16 and recurrent (32, 128, 128) float32; 7 MLA layers.
+    "kimi-linear-48b": (3, [7, 7, 6], [(MLAAttentionSpec, 7)], [12288 * 3 * 2, 32 * 128 * 128 * 4], 1888),
+    # Mamba-1 in every layer: conv (2*1600, 3) and SSM (2*1600, 16), bf16; 3 global + 29 sliding-window layers.
+    "hymba-1.5b": (
+        11,
+        [3] * 10 + [2],
+        [(FullAttentionSpec, 3), *[(SlidingWindowSpec, 3)] * 9, (SlidingWindowSpec, 2)],
+        [3200 * 3 * 2, 3200 * 16 * 2],
+        96,
+    ),
+}
+
+
+@pytest.mark.parametrize("alias", list(STATE_PRESETS))
+def test_state_presets_group_pad_and_size_their_state(alias: str) -> None:
+    groups_n, state_layers, attention, tensor_bytes, block_size = STATE_PRESETS[alias]
+    config = get_preset(alias).build_config(num_blocks=2)
+    state = [g for g in config.kv_cache_groups if isinstance(g.kv_cache_spec, MambaSpec)]
+    others = [g for g in config.kv_cache_groups if not isinstance(g.kv_cache_spec, MambaSpec)]
+    assert len(state) == groups_n
+    assert [len(g.layer_names) for g in state] == state_layers
+    assert [(type(g.kv_cache_spec), len(g.layer_names)) for g in others] == attention
+    pages = {g.kv_cache_spec.page_size_bytes for g in config.kv_cache_groups}
+    assert len(pages) == 1  # one page size: the state page padded to the attention page (vLLM)
+    for group in state:
+        spec = group.kv_cache_spec
+        assert isinstance(spec, MambaSpec)
+        assert [n for _, n in get_page_byte_ranges(spec)] == tensor_bytes
+        assert spec.conv_layout == "DS"
+        assert spec.shapes[0][1] == 3  # DS: (conv dim, kernel - 1)
+        assert spec.real_page_size_bytes == sum(tensor_bytes) <= spec.page_size_bytes
+        assert spec.block_size == block_size
+    # The attention block grew to the smallest multiple of 16 whose page holds the state.
+    per_token = others[0].kv_cache_spec.page_size_bytes // block_size
+    assert (block_size - 16) * per_token < sum(tensor_bytes) <= block_size * per_token
+
+
+def test_state_shrinks_with_the_head_size_divisor() -> None:
+    full = get_preset("qwen3-next-80b").build_config(num_blocks=2, max_layers_per_group=1)
+    small = get_preset("qwen3-next-80b").build_config(num_blocks=2, max_layers_per_group=1, head_size_divisor=32)
+    state = small.kv_cache_groups[0].kv_cache_spec
+    assert isinstance(state, MambaSpec)
+    assert state.shapes == ((8192 // 32, 3), (32, 128 // 32, 128))  # the first largest dimension of each tensor
+    assert state.block_size == full.kv_cache_groups[0].kv_cache_spec.block_size == 544
+    assert (
+        small.kv_cache_groups[0].kv_cache_spec.page_size_bytes * 32
+        == full.kv_cache_groups[0].kv_cache_spec.page_size_bytes
+    )

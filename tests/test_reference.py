@@ -113,10 +113,11 @@ def test_hma_pins() -> None:
 def test_admission_fails_closed(config: KVCacheConfig, mode: TransferMode, read_only: bool, flag: bool) -> None:
     spec_list = [g.kv_cache_spec for g in config.kv_cache_groups]
     hma = is_hma_required(config, disable_hybrid_kv_cache_manager=flag)
-    has_mamba = any(isinstance(s, MambaSpec) for s in spec_list)
-    refused = hma and any(not isinstance(s, (FullAttentionSpec, SlidingWindowSpec)) for s in spec_list)
+    # State groups are admitted under the hybrid manager and refused without it (ADM-1, STATE-1 .. STATE-5).
+    state_refused = flag and any(isinstance(s, MambaSpec) for s in spec_list)
+    refused = hma and any(not isinstance(s, (FullAttentionSpec, SlidingWindowSpec, MambaSpec)) for s in spec_list)
     write_refused = hma and read_only and mode is TransferMode.WRITE
-    if has_mamba or refused or write_refused:
+    if state_refused or refused or write_refused:
         with pytest.raises(UnsupportedHybridError, match=r"\(ADM-[12]\)") as info:
             check_hybrid_support(config, mode=mode, read_only_hma=read_only, disable_hybrid_kv_cache_manager=flag)
         assert isinstance(info.value, NotImplementedError)
@@ -138,11 +139,12 @@ def test_chunked_local_is_rejected_naming_group_layers_kind_and_remedy() -> None
     check_hybrid_support(config, mode="read", disable_hybrid_kv_cache_manager=True)
 
 
-def test_mamba_is_rejected_with_or_without_the_flag() -> None:
+def test_mamba_is_admitted_under_hma_and_refused_with_the_flag() -> None:
     config = config_from_specs([fa(), mamba()])
-    for flag in (False, True):
-        with pytest.raises(UnsupportedHybridError, match=r"group 1.*mamba"):
-            check_hybrid_support(config, mode=TransferMode.READ, disable_hybrid_kv_cache_manager=flag)
+    for mode in TransferMode:
+        check_hybrid_support(config, mode=mode)  # ADM-1: state groups travel by STATE-1 .. STATE-5
+    with pytest.raises(UnsupportedHybridError, match=r"group 1.*mamba.*--disable-hybrid-kv-cache-manager"):
+        check_hybrid_support(config, mode=TransferMode.READ, disable_hybrid_kv_cache_manager=True)
 
 
 def test_write_under_hma_is_rejected_only_for_read_only_connectors() -> None:

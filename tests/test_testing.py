@@ -18,6 +18,7 @@ from kvspec import (
     KVCacheConfig,
     KVCacheGroupSpec,
     KVCacheTensor,
+    MambaSpec,
     SlidingWindowSpec,
 )
 from kvspec.testing import (
@@ -250,3 +251,52 @@ def test_oracle_accepts_a_correct_copy_and_catches_any_flipped_byte(config: KVCa
         found = check_pools(producer=producer, consumer=consumer, producer_before=p0, consumer_before=c0, loads=[load])
         assert found, f"flipping byte {offset} of region {region} went unnoticed"
         assert {m.side for m in found} == {"producer" if side is producer else "consumer"}
+
+
+# --------------------------------------------------------------------------- state groups (PLAN-1)
+
+
+def fa_state_config(num_blocks: int = 8) -> KVCacheConfig:
+    """FA (B=6, page 96 B) + a state group of two layers: conv 24 B + SSM 48 B, padded to 96 B."""
+    fa = FullAttentionSpec(block_size=6, num_kv_heads=1, head_size=4, dtype="float16")
+    state = MambaSpec(block_size=6, shapes=[(4, 3), (2, 2, 3)], dtypes=["float16", "float32"], page_size_padded=96)
+    return KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[
+            KVCacheTensor(size=96 * num_blocks, layers=["fa0"], layer_stride=0, block_stride=96),
+            KVCacheTensor(size=192 * num_blocks, layers=["m0", "m1"], layer_stride=96, block_stride=192),
+        ],
+        kv_cache_groups=[
+            KVCacheGroupSpec(layer_names=["fa0"], kv_cache_spec=fa),
+            KVCacheGroupSpec(layer_names=["m0", "m1"], kv_cache_spec=state),
+        ],
+    )
+
+
+@pytest.mark.parametrize(
+    ("state_bytes", "expect"),
+    [
+        (72, None),  # conv + SSM: right
+        (96, "padding bytes after the state tensors changed"),  # the padding travelled too
+        (24, "found unrecognised bytes"),  # the SSM tensor was missed
+    ],
+)
+def test_the_oracle_checks_state_tensor_bytes_and_the_padding(state_bytes: int, expect: str | None) -> None:
+    config = fa_state_config()
+    load = ExpectedLoad(producer_block_ids=[[1, 2], [3]], consumer_block_ids=[[4, 5], [6]], num_tokens=12, salt="s")
+    with allocate_pool(config, shared=False) as producer, allocate_pool(config, shared=False) as consumer:
+        fill_background(producer, seed="p")
+        fill_background(consumer, seed="c")
+        fill_producer_pages(producer, load.producer_block_ids, num_tokens=12, salt="s")
+        p0, c0 = producer.snapshot(), consumer.snapshot()
+        for p_id, c_id in ((1, 4), (2, 5)):
+            consumer.page("fa0", c_id)[:] = producer.page("fa0", p_id)
+        for layer in ("m0", "m1"):
+            consumer.page(layer, 6)[:state_bytes] = producer.page(layer, 3)[:state_bytes]
+        found = check_pools(producer=producer, consumer=consumer, producer_before=p0, consumer_before=c0, loads=[load])
+    if expect is None:
+        assert found == []
+    else:
+        assert {(m.kind, m.group, m.block) for m in found} == {(MismatchKind.WRONG_CONTENT, 1, 6)}
+        assert len(found) == 2
+        assert expect in found[0].what

@@ -8,12 +8,14 @@ from hypothesis import strategies as st
 from kvspec import (
     BlockAlignmentError,
     FailureReason,
+    MambaSpec,
     TransferMode,
     UnsupportedHybridError,
     WindowCoverageError,
     check_hybrid_support,
 )
 from kvspec.presets import list_presets
+from kvspec.spec.state import check_state_prefix_hit
 
 from .._cases import case
 from .._context import CaseContext
@@ -332,10 +334,11 @@ def _hma_mla(ctx: CaseContext) -> None:
 
 @case("ADM-1", "unsupported-kinds-refused-before-setup")
 def _adm_refused(ctx: CaseContext) -> None:
-    """Chunked-local and Mamba groups are refused with UnsupportedHybridError before any agent exists."""
+    """Chunked-local groups and state kinds outside mamba1/mamba2/GDN/KDA are refused before any agent exists."""
     from ..configs import chunked, mamba
 
-    for config in (make_config(full(4), chunked(8, 4)), make_config(full(4), mamba(4))):
+    unknown_state = make_config(full(4), mamba(4, mamba_type="short_conv"))
+    for config in (make_config(full(4), chunked(8, 4)), unknown_state):
         for mode in _modes(ctx):
             result = ctx.run(Scenario(config=config, mode=mode, requests=[Request(request_id="r", num_tokens=9)]))
             if not isinstance(result.refused, UnsupportedHybridError):
@@ -405,7 +408,9 @@ def _plan_concurrent(ctx: CaseContext) -> None:
 def _plan_presets(ctx: CaseContext) -> None:
     """Every admitted model preset (few layers, small pages) moves its blocks correctly; others are refused."""
     for preset in list_presets():
-        config = PresetConfig(name=preset.alias, num_blocks=192, max_layers_per_group=1, head_size_divisor=32)
+        # A state hybrid's pages hold a whole state (a megabyte for Qwen3-Next): a few blocks serve one request.
+        blocks = 8 if any(isinstance(spec, MambaSpec) for spec in preset.layer_specs) else 192
+        config = PresetConfig(name=preset.alias, num_blocks=blocks, max_layers_per_group=1, head_size_divisor=32)
         try:
             check_hybrid_support(config.build(), mode=TransferMode.READ)
         except Exception:
@@ -413,10 +418,13 @@ def _plan_presets(ctx: CaseContext) -> None:
             if result.refused is None:
                 raise ctx.fail(f"PLAN-1: preset {preset.alias} must be refused at admission (ADM-1)") from None
             continue
-        requests = [
-            Request(request_id="r", num_tokens=100),
-            Request(request_id="hit", num_tokens=100, prefix_hit_tokens=64),
-        ]
+        requests = [Request(request_id="r", num_tokens=100)]
+        try:
+            # A state group in cache mode 'none' caches no state for a prefix: no hit to ask for (STATE-4).
+            check_state_prefix_hit(config.build(), prefix_hit_tokens=64)
+            requests.append(Request(request_id="hit", num_tokens=100, prefix_hit_tokens=64))
+        except BlockAlignmentError:
+            pass
         _all_loaded(ctx, Scenario(config=config, requests=requests), "PLAN-1")
 
 

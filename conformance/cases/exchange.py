@@ -7,7 +7,7 @@ import time
 import attrs
 
 from kvspec import ConsumerState, FailureReason, TransferMode, TransferParams
-from kvspec.exchange import ConsumerEndpoint, ProducerEndpoint, connect
+from kvspec.exchange import ConsumerEndpoint, ProducerEndpoint, connect, poll_until
 from kvspec.testing import (
     ExpectedLoad,
     PageMismatch,
@@ -44,6 +44,10 @@ class _Req:
     num_tokens: int
     prefix_hit_tokens: int = 0
     abort_after_polls: int | None = None
+
+
+def _pause() -> None:
+    time.sleep(0.0002)
 
 
 def _requests() -> list[_Req]:
@@ -121,13 +125,13 @@ def _run(backend: Backend, mode: TransferMode, requests: list[_Req], plan: Fault
             loads: dict[str, ExpectedLoad] = {}
             completed_early: list[tuple[str, ExpectedLoad, list[PageMismatch]]] = []
             polls = 0
-            hard_stop = time.monotonic() + 10.0 * scale
             by_id = {r.request_id: r for r in requests}
-            while any(producer.result(rid) is None or consumer.result(rid) is None for rid in by_id):
-                if time.monotonic() > hard_stop:
-                    stuck = [rid for rid in by_id if producer.result(rid) is None or consumer.result(rid) is None]
-                    problems.append(f"requests {stuck} did not end within the deadlines (FAIL-1)")
-                    break
+
+            def settled() -> bool:
+                return all(producer.result(rid) is not None and consumer.result(rid) is not None for rid in by_id)
+
+            def poll() -> None:
+                nonlocal polls
                 polls += 1
                 for r in requests:
                     if r.abort_after_polls is not None and polls == r.abort_after_polls + 1:
@@ -157,7 +161,10 @@ def _run(backend: Backend, mode: TransferMode, requests: list[_Req], plan: Fault
                         problems.append(
                             f"{rid}: FAILED {result.failure.reason.value}, expected one of {wanted} (FAIL-1)"
                         )
-                time.sleep(0.0002)
+
+            if not poll_until(poll, done=settled, until=time.monotonic() + 10.0 * scale, pause=_pause):
+                stuck = [rid for rid in by_id if producer.result(rid) is None or consumer.result(rid) is None]
+                problems.append(f"requests {stuck} did not end within the deadlines (FAIL-1)")
             for rid, load, at_completion in completed_early:
                 still_wrong = {(m.layer, m.block) for m in check_loaded_pages(c_pool, load)}
                 late = [m for m in at_completion if (m.layer, m.block) not in still_wrong]

@@ -19,6 +19,7 @@ from kvspec import (
     Release,
     ReleaseOutcome,
     SpecKind,
+    StateProfile,
     TransferMode,
     UnsupportedVersionError,
     decode,
@@ -157,6 +158,12 @@ def field_alone_rows() -> list[Row]:
             _group_row(1, layer_names=(*sw_group.layer_names[:-1], "other." + sw_group.layer_names[-1])),
             "groups[1].layer_names",
         ),
+        # Protocol 1.2: a state group's layout (STATE-5) and the engines' state profile (STATE-1).
+        ("state shapes", _group_row(1, state_shapes=((2, 4),)), "groups[1].state_shapes"),
+        ("state dtypes", _group_row(1, state_dtypes=("bfloat16",)), "groups[1].state_dtypes"),
+        ("state kind", _group_row(1, mamba_type="gdn_attn"), "groups[1].mamba_type"),
+        ("conv layout", _group_row(1, conv_layout="SD"), "groups[1].conv_layout"),
+        ("state profile", attrs.evolve(base, state_profile=StateProfile.PREBUILT), "state_profile"),
     ]
     rows = [(name, base, consumer, field) for name, consumer, field in rows]
     for a, b in equal_width_dtype_pairs():

@@ -11,9 +11,10 @@ takes the same blocks, then ``r1``'s parameters come back.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from kvspec import ConsumerState, KVSpecError, ProtocolError, TransferMode, TransferParams
-from kvspec.exchange import ConsumerEndpoint, ProducerEndpoint, connect
+from kvspec.exchange import ConsumerEndpoint, ProducerEndpoint, connect, poll_until
 from kvspec.testing import PagePool, allocate_pool, fill_background, fill_producer_pages
 from kvspec.transport import Backend, Transport
 
@@ -28,11 +29,12 @@ LEASE = 5.0  # r1's lease outlives the whole case: only its release ended it, as
 TIMEOUT = 0.3  # a consumer's transfer timeout; the bound a refused WRITE offer waits out
 
 
-def _poll(endpoints: list[ProducerEndpoint | ConsumerEndpoint], until: float, done: object) -> None:
-    while time.monotonic() < until and not (callable(done) and done()):
+def _poll(endpoints: list[ProducerEndpoint | ConsumerEndpoint], until: float, done: Callable[[], bool]) -> None:
+    def each() -> None:
         for endpoint in endpoints:
             endpoint.poll()
-        time.sleep(0.0005)
+
+    poll_until(each, done=done, until=until)
 
 
 def _snapshot(pool: PagePool) -> list[bytes]:

@@ -177,8 +177,8 @@ def bytes_rows() -> list[tuple[str, int, int, int]]:
                 num_blocks=blocks_needed_for(sizing, num_tokens=tokens), max_layers_per_group=1
             )
             groups = summarize_plan(config, num_tokens=tokens).groups
-            unclipped = sum(g.blocks_unclipped * g.page_size * n for g, n in zip(groups, layers, strict=True))
-            clipped = sum(g.blocks_clipped * g.page_size * n for g, n in zip(groups, layers, strict=True))
+            unclipped = sum(g.blocks_unclipped * g.bytes_per_page * n for g, n in zip(groups, layers, strict=True))
+            clipped = sum(g.blocks_clipped * g.bytes_per_page * n for g, n in zip(groups, layers, strict=True))
             rows.append((preset.hf_id, tokens, unclipped, clipped))
     return rows
 

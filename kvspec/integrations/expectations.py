@@ -37,13 +37,13 @@ def parse_expected(lines: Iterable[str], *, what: str = "expected failure") -> d
 
 
 def expected_names() -> list[str]:
-    """The names :func:`load_expected` knows: ``vllm:nixl``, ``vllm:mooncake``, ..., ``vllm-audit``."""
+    """The names :func:`load_expected` knows: ``vllm:nixl``, ..., ``vllm-audit``, ``sglang:mori``, ``sglang-audit``."""
     folder = resources.files(_PACKAGE).joinpath(_FOLDER)
     names = []
     for entry in sorted(e.name for e in folder.iterdir() if e.name.endswith(".txt")):
         stem = entry.removesuffix(".txt")
         prefix, _, rest = stem.partition("-")
-        names.append(f"{prefix}:{rest}" if prefix == "vllm" and rest != "audit" else stem)
+        names.append(f"{prefix}:{rest}" if prefix in ("vllm", "sglang") and rest != "audit" else stem)
     return names
 
 

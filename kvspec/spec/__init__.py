@@ -20,7 +20,22 @@ from kvspec.spec.coverage import (
 )
 from kvspec.spec.offload import check_offload_support, get_offload_hit_tokens
 from kvspec.spec.pairing import BlockPairs, compute_block_pairs, compute_transfer_pairs
-from kvspec.spec.plan import BlockPairsLike, PageCopy, compute_page_copies
+from kvspec.spec.plan import BlockPairsLike, PageCopy, compute_page_copies, get_page_byte_ranges
+from kvspec.spec.state import (
+    STATE_FIELDS,
+    STATE_KINDS,
+    check_state_position,
+    check_state_prefix_hit,
+    get_scratch_slot_count,
+    get_state_clipped_blocks,
+    get_state_clipped_slots,
+    get_state_differences,
+    get_state_group_indices,
+    get_state_paired_lists,
+    get_state_prefix_hit,
+    is_state_spec,
+    pair_state_slots,
+)
 from kvspec.spec.window import (
     BlockIdsLike,
     TokenBasis,
@@ -31,6 +46,8 @@ from kvspec.spec.window import (
 )
 
 __all__ = [
+    "STATE_FIELDS",
+    "STATE_KINDS",
     "BlockIdsLike",
     "BlockPairs",
     "BlockPairsLike",
@@ -38,6 +55,8 @@ __all__ = [
     "TokenBasis",
     "check_hybrid_support",
     "check_offload_support",
+    "check_state_position",
+    "check_state_prefix_hit",
     "check_window_coverage",
     "compute_block_pairs",
     "compute_page_copies",
@@ -52,8 +71,18 @@ __all__ = [
     "get_needed_token_range",
     "get_num_skipped_tokens",
     "get_offload_hit_tokens",
+    "get_page_byte_ranges",
     "get_pruned_block_ids",
+    "get_scratch_slot_count",
+    "get_state_clipped_blocks",
+    "get_state_clipped_slots",
+    "get_state_differences",
+    "get_state_group_indices",
+    "get_state_paired_lists",
+    "get_state_prefix_hit",
     "get_token_basis_group",
     "is_full_attention_spec",
     "is_hma_required",
+    "is_state_spec",
+    "pair_state_slots",
 ]

@@ -12,6 +12,7 @@ from kvspec._models import (
     SlidingWindowSpec,
     TransferMode,
 )
+from kvspec.spec.state import STATE_KINDS
 
 __all__ = ["check_hybrid_support", "is_full_attention_spec", "is_hma_required"]
 
@@ -41,35 +42,63 @@ def check_hybrid_support(
     mode: TransferMode | str,
     read_only_hma: bool = False,
     disable_hybrid_kv_cache_manager: bool = False,
+    pipeline_parallel_size: int = 1,
 ) -> None:
     """Raise :class:`UnsupportedHybridError` unless the exchange admits this config (ADM-1, ADM-2).
 
-    Mamba / linear-attention state is refused with or without the flag. With
-    HMA required, every group must be full attention (incl. MLA) or sliding
-    window (incl. SW-MLA). ``read_only_hma=True`` is a connector that supports
-    HMA only in READ mode (MoRIIO's policy): WRITE with HMA is refused (ADM-1, ADM-2).
+    State groups (``MambaSpec``) of kinds mamba1, mamba2, GDN and KDA, in
+    cache mode ``none`` or ``align``, are admitted in READ and WRITE, mixed
+    with full-attention and sliding-window groups; their rules are STATE-1 ..
+    STATE-5. Still refused: a state kind outside those, state with
+    ``--disable-hybrid-kv-cache-manager`` (vLLM then has no per-group state
+    table) and state under pipeline parallelism (vLLM's NIXL refuses it). With
+    HMA required, every other group must be full attention (incl. MLA) or
+    sliding window (incl. SW-MLA). ``read_only_hma=True`` is a connector that
+    supports HMA only in READ mode (MoRIIO's policy): WRITE with HMA is
+    refused (ADM-1, ADM-2).
     """
     try:
         transfer_mode = TransferMode(mode)
     except ValueError:
         raise ConfigError(f"mode: expected one of {[m.value for m in TransferMode]}, got {mode!r}") from None
+    if (
+        not isinstance(pipeline_parallel_size, int)
+        or isinstance(pipeline_parallel_size, bool)
+        or pipeline_parallel_size < 1
+    ):
+        raise ConfigError(f"pipeline_parallel_size: expected a positive int, got {pipeline_parallel_size!r}")
     groups = list(enumerate(config.kv_cache_groups))
-    # State pages are not a function of token positions: no pairing rule applies, flag or not (ADM-1).
-    mamba = [_describe(g, group) for g, group in groups if isinstance(group.kv_cache_spec, MambaSpec)]
-    if mamba:
+    states = [(g, group) for g, group in groups if isinstance(group.kv_cache_spec, MambaSpec)]
+    # A state kind whose tensors the exchange does not know fails closed, flag or not (ADM-1).
+    unknown = [
+        f"{_describe(g, group)}: mamba_type {group.kv_cache_spec.mamba_type!r}"  # type: ignore[attr-defined]
+        for g, group in states
+        if group.kv_cache_spec.mamba_type not in STATE_KINDS  # type: ignore[attr-defined]
+    ]
+    if unknown:
         raise UnsupportedHybridError(
-            f"Mamba / linear-attention state is not exchanged in v1, with or without {HMA_FLAG} (ADM-1): "
-            f"{'; '.join(mamba)}. Serve this model without disaggregated prefill."
+            f"state groups of kinds {sorted(STATE_KINDS)} are exchanged (ADM-1); unsupported: {'; '.join(unknown)}"
+        )
+    described = "; ".join(_describe(g, group) for g, group in states)
+    # Without the hybrid manager a state has no per-group slot table to pair (ADM-1).
+    if states and disable_hybrid_kv_cache_manager:
+        raise UnsupportedHybridError(
+            f"state groups are exchanged only under the hybrid KV-cache manager (ADM-1): {described}. Drop {HMA_FLAG}."
+        )
+    # vLLM's NIXL connector refuses Mamba under pipeline parallelism: each stage would hold part of the state.
+    if states and pipeline_parallel_size > 1:
+        raise UnsupportedHybridError(
+            f"pipeline_parallel_size: expected 1 with state groups, got {pipeline_parallel_size} (ADM-1): {described}"
         )
     if not is_hma_required(config, disable_hybrid_kv_cache_manager=disable_hybrid_kv_cache_manager):
         return
-    # Under HMA only kinds whose blocks the window rules cover are exchanged; the rest fail closed (ADM-1).
-    admitted = (FullAttentionSpec, SlidingWindowSpec)
+    # Under HMA only kinds whose blocks the window or state rules cover are exchanged; the rest fail closed (ADM-1).
+    admitted = (FullAttentionSpec, SlidingWindowSpec, MambaSpec)
     refused = [_describe(g, group) for g, group in groups if not isinstance(group.kv_cache_spec, admitted)]
     if refused:
         raise UnsupportedHybridError(
-            "under the hybrid KV-cache manager only full-attention (incl. MLA) and sliding-window (incl. SW-MLA) "
-            f"groups are exchanged (ADM-1); unsupported: {'; '.join(refused)}. "
+            "under the hybrid KV-cache manager only full-attention (incl. MLA), sliding-window (incl. SW-MLA) "
+            f"and state (Mamba, GDN, KDA) groups are exchanged (ADM-1); unsupported: {'; '.join(refused)}. "
             f"Pass {HMA_FLAG} to run without HMA."
         )
     # A READ-only connector (MoRIIO's policy) refuses WRITE under HMA (ADM-2).

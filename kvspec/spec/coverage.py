@@ -14,6 +14,7 @@ from kvspec._models import (
     MambaSpec,
     SlidingWindowSpec,
 )
+from kvspec.spec.state import check_state_prefix_hit, is_state_spec
 from kvspec.spec.window import BlockIdsLike, check_count
 
 __all__ = [
@@ -129,12 +130,15 @@ def _check_prefix(config: KVCacheConfig, num_tokens: int, prefix_hit_tokens: int
     if h > t:
         raise ConfigError(f"prefix_hit_tokens: expected at most num_tokens={t}, got {h}")
     for g, group in enumerate(config.kv_cache_groups):
+        if is_state_spec(group.kv_cache_spec):
+            continue  # a state group's hit is a state boundary, checked below (STATE-4)
         # C's list is tail-aligned and starts on a block boundary, so H must be whole blocks (WIN-1).
         if h % group.kv_cache_spec.block_size:
             raise BlockAlignmentError(
                 f"prefix_hit_tokens={h} is not a multiple of group {g}'s block size "
                 f"{group.kv_cache_spec.block_size} (WIN-1)"
             )
+    check_state_prefix_hit(config, prefix_hit_tokens=h)
 
 
 def _check_side(
@@ -207,6 +211,8 @@ def check_window_coverage(
     p_ends = get_checked_block_ends("producer", producer_block_ends, producer)
     c_ends = get_checked_block_ends("consumer", consumer_block_ends, consumer)
     for g, spec in enumerate(specs):
+        if is_state_spec(spec):
+            continue  # one state slot, no token positions: STATE-2 and STATE-3 check it, not WIN-1
         total = get_logical_block_count(spec, num_tokens=listed)
         p_end = total if p_ends is None else p_ends[g]
         c_end = total if c_ends is None else c_ends[g]

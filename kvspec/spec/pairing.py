@@ -10,6 +10,7 @@ import attrs
 from kvspec._errors import BlockAlignmentError, GroupCountError
 from kvspec._models import NULL_BLOCK_ID, BlockIds, KVCacheConfig
 from kvspec.spec.coverage import check_window_coverage, get_checked_block_ends, get_logical_block_count
+from kvspec.spec.state import get_state_paired_lists
 from kvspec.spec.window import BlockIdsLike
 
 __all__ = ["BlockPairs", "compute_block_pairs", "compute_transfer_pairs"]
@@ -118,7 +119,11 @@ def compute_transfer_pairs(
     producer_block_ends: Sequence[int] | None = None,
     consumer_block_ends: Sequence[int] | None = None,
 ) -> BlockPairs:
-    """Check WIN-1 before any byte moves, then pair the lists (WIN-1, ALIGN-1, NULL-1).
+    """Check WIN-1 before any byte moves, then pair the lists (WIN-1, ALIGN-1, NULL-1, STATE-3, STATE-4).
+
+    State groups are not checked by WIN-1: each pairs its one slot by
+    :func:`kvspec.spec.state.pair_state_slots` (STATE-3), after the prefix hit
+    is checked against their state boundaries (STATE-4).
 
     ``recomputed_tokens`` and the block ends are as in
     :func:`check_window_coverage`; where only one side declares its ends, the
@@ -144,9 +149,17 @@ def compute_transfer_pairs(
         )
         producer_block_ends = lasts if producer_block_ends is None else producer_block_ends
         consumer_block_ends = lasts if consumer_block_ends is None else consumer_block_ends
+    # Each state group pairs its one slot by STATE-3; the other groups pair by tail (ALIGN-1).
+    producer, consumer, p_ends, c_ends = get_state_paired_lists(
+        config,
+        _to_block_ids(producer_block_ids),
+        _to_block_ids(consumer_block_ids),
+        producer_block_ends,
+        consumer_block_ends,
+    )
     return compute_block_pairs(
-        producer_block_ids=producer_block_ids,
-        consumer_block_ids=consumer_block_ids,
-        producer_block_ends=producer_block_ends,
-        consumer_block_ends=consumer_block_ends,
+        producer_block_ids=producer,
+        consumer_block_ids=consumer,
+        producer_block_ends=p_ends,
+        consumer_block_ends=c_ends,
     )

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import itertools
+import math
 from typing import Protocol
 
 import attrs
 
 from kvspec._errors import PlanError
-from kvspec._models import NULL_BLOCK_ID, BlockIds, KVCacheConfig
+from kvspec._models import NULL_BLOCK_ID, BlockIds, KVCacheConfig, KVCacheSpec, MambaSpec
 
-__all__ = ["BlockPairsLike", "PageCopy", "compute_page_copies"]
+__all__ = ["BlockPairsLike", "PageCopy", "compute_page_copies", "get_page_byte_ranges"]
 
 
 class BlockPairsLike(Protocol):
@@ -42,6 +43,26 @@ class PageCopy:
     consumer_region: int
     consumer_offset: int
     nbytes: int
+
+
+def get_page_byte_ranges(spec: KVCacheSpec) -> tuple[tuple[int, int], ...]:
+    """The ``(offset, nbytes)`` ranges of one page that a transfer moves.
+
+    An attention page moves whole. A state group's page holds its state
+    tensors back to back from the page's start, then padding up to the
+    shared page size (docs/spec/memory-layout.md): tensor ``i`` starts after
+    the bytes of tensors ``0 .. i-1`` and is ``prod(shape) * itemsize``
+    bytes long. Those ranges move; the padding never does (PLAN-1).
+    """
+    if not isinstance(spec, MambaSpec):
+        return ((0, spec.page_size_bytes),)
+    ranges = []
+    offset = 0
+    for shape, dtype in zip(spec.shapes, spec.dtypes, strict=True):
+        nbytes = math.prod(shape) * dtype.itemsize
+        ranges.append((offset, nbytes))
+        offset += nbytes
+    return tuple(ranges)
 
 
 def _check_block_id(config: KVCacheConfig, role: str, group: int, position: int, block_id: int) -> None:
@@ -94,11 +115,20 @@ def _check_group_layout(producer_config: KVCacheConfig, consumer_config: KVCache
             f"consumer {list(consumer_group.layer_names)} (HS-1)"
         )
     page = producer_group.kv_cache_spec.page_size_bytes
-    # A page copied whole must be the same size on both sides (HS-1).
+    # A page copied must be the same size on both sides (HS-1).
     if consumer_group.kv_cache_spec.page_size_bytes != page:
         raise PlanError(
             f"group {group}: page size differs: producer {page}, "
             f"consumer {consumer_group.kv_cache_spec.page_size_bytes} (HS-1)"
+        )
+    # The bytes moved inside a page are read on one side and written at the same offsets on the other:
+    # a state group's tensors must lie alike on both sides; the handshake already refuses others (STATE-5).
+    producer_ranges = get_page_byte_ranges(producer_group.kv_cache_spec)
+    consumer_ranges = get_page_byte_ranges(consumer_group.kv_cache_spec)
+    if producer_ranges != consumer_ranges:
+        raise PlanError(
+            f"group {group}: state tensor byte ranges differ: producer {list(producer_ranges)}, "
+            f"consumer {list(consumer_ranges)} (STATE-5)"
         )
     return page
 
@@ -110,7 +140,9 @@ def compute_page_copies(
 
     One page per (layer of the group, pair); layers pair by name. Layer ``l``
     of block ``b`` starts at ``offset + l * layer_stride + b * block_stride``
-    in its tensor. Every id is checked against ``num_blocks`` (the null block
+    in its tensor. Of each page, the ranges :func:`get_page_byte_ranges`
+    names move: the whole page for attention, each state tensor's bytes
+    (never the padding) for a state group. Every id is checked against ``num_blocks`` (the null block
     is refused, NULL-1) and every page against its tensor's size. Copies
     ordered by producer region and offset merge when the next one continues
     the last on both sides. Zero groups (full prefix hit) give no copies (PLAN-1).
@@ -134,15 +166,16 @@ def compute_page_copies(
             for p_id, c_id in zip(producer_ids, consumer_ids, strict=True):
                 p_region, p_offset = producer_config.page_offset(layer, p_id)
                 c_region, c_offset = consumer_config.page_offset(layer, c_id)
-                pages.append(
-                    PageCopy(
-                        producer_region=p_region,
-                        producer_offset=p_offset,
-                        consumer_region=c_region,
-                        consumer_offset=c_offset,
-                        nbytes=page,
+                for start, nbytes in get_page_byte_ranges(producer_config.kv_cache_groups[g].kv_cache_spec):
+                    pages.append(
+                        PageCopy(
+                            producer_region=p_region,
+                            producer_offset=p_offset + start,
+                            consumer_region=c_region,
+                            consumer_offset=c_offset + start,
+                            nbytes=nbytes,
+                        )
                     )
-                )
     # Two copies onto the same consumer bytes mean a duplicated consumer id (PLAN-1).
     landed = sorted((copy.consumer_region, copy.consumer_offset, copy.nbytes) for copy in pages)
     for (region_a, offset_a, nbytes_a), (region_b, offset_b, _) in itertools.pairwise(landed):

@@ -1,0 +1,179 @@
+"""kvspec.integrations.sglang against SGLang 0.5.23 itself: translation, index building, pairing, the audit.
+
+The tests marked ``sglang`` need SGLang (``kvspec sglang-setup --print | bash``): skipped without it,
+failed under ``--require-backends``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kvspec_conformance.configs import full, make_config, mamba, sw
+
+from kvspec import (
+    BlockAlignmentError,
+    BlockIds,
+    SlidingWindowSpec,
+    TransferMode,
+    UnsupportedHybridError,
+    get_needed_block_range,
+)
+from kvspec.integrations import sglang as integration
+from kvspec.integrations.expectations import expected_names, load_expected
+
+ROOT = Path(__file__).resolve().parent.parent
+AUDIT_JSON = ROOT / "docs" / "explanation" / "sglang-audit.json"
+
+
+def test_import_kvspec_never_imports_sglang() -> None:
+    code = "import sys, kvspec.integrations.sglang, kvspec.integrations.sglang_audit; print('sglang' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=os.environ)
+    assert out.stdout.strip() == "False", out.stderr[-2000:]
+
+
+def test_pool_config_round_trips() -> None:
+    pool = integration.SglangPoolConfig(
+        page_size=16,
+        full_attention_layer_ids=(0, 1),
+        swa_attention_layer_ids=(2, 3, 4),
+        sliding_window_size=127,
+        head_num=2,
+        head_dim=64,
+        num_pages=32,
+    )
+    config = integration.from_sglang_pool_config(pool)
+    windows = [g.kv_cache_spec for g in config.kv_cache_groups[1:]]
+    assert [s.sliding_window for s in windows if isinstance(s, SlidingWindowSpec)] == [128]  # W = W_sgl + 1
+    assert integration.to_sglang_pool_config(config) == pool
+
+
+@pytest.mark.parametrize(
+    ("shapes", "said"),
+    [([full(16), sw(64, 32)], "one page size"), ([full(16), sw(64, 16), sw(128, 16)], "one sliding window")],
+)
+def test_what_sglang_cannot_represent_is_refused(shapes: Any, said: str) -> None:
+    with pytest.raises(UnsupportedHybridError, match=said):
+        integration.to_sglang_pool_config(make_config(*shapes))
+
+
+def test_the_shipped_lists_are_named() -> None:
+    names = expected_names()
+    assert {"sglang:mooncake", "sglang:nixl", "sglang:mori", "sglang-audit"} <= set(names)
+    assert all(key.endswith("/front-pairs-on-drift") for key in load_expected("sglang-audit"))
+
+
+def test_setup_installs_the_constraints_list() -> None:
+    listed = (ROOT / "kvspec/integrations/constraints/sglang-cpu.txt").read_text(encoding="utf-8")
+    pins = [line for line in listed.splitlines() if line and not line.startswith("#")]
+    assert "sglang==0.5.23" in pins
+    assert all("==" in p for p in pins)
+    script = integration.cpu_setup_script()
+    assert f"install --no-deps {' '.join(pins)}" in script
+    setup = (ROOT / "scripts" / "setup").read_text(encoding="utf-8")
+    assert "constraints/sglang-cpu.txt" in setup
+    assert "--no-deps $sglang_imports" in setup
+
+
+# --------------------------------------------------------------------------- SGLang's own code
+
+
+@pytest.mark.sglang
+@pytest.mark.parametrize(
+    ("window", "block", "tokens", "prefix"), [(9, 4, 23, 0), (128, 16, 129, 0), (33, 16, 200, 176)]
+)
+def test_sglang_selects_the_blocks_kvspec_needs(sglang: Any, window: int, block: int, tokens: int, prefix: int) -> None:
+    spec = make_config(sw(window, block)).kv_cache_groups[0].kv_cache_spec
+    blocks = -(-tokens // block)
+    producer = list(range(100, 100 + blocks))
+    consumer = list(range(500, 500 + blocks))
+    kw = {"first_block": 0, "num_tokens": tokens, "prefix_tokens": prefix}
+    needed = get_needed_block_range(spec, num_tokens=tokens, prefix_hit_tokens=prefix)
+    assert sglang.producer_pages(spec, producer, **kw) == [producer[b] for b in needed]
+    assert sglang.consumer_pages(spec, consumer, **kw) == [consumer[b] for b in needed]
+
+
+@pytest.mark.sglang
+def test_backends_pair_as_sglang_does(sglang: Any) -> None:
+    """Equal lists pair index by index; a one-page drift: Mooncake and MORI pair the fronts, NIXL refuses."""
+    for backend in ("mooncake", "mori", "nixl"):
+        assert sglang.pair_pages(backend, [3, 4, 5], [7, 8, 9]) == ([3, 4, 5], [7, 8, 9])
+    for backend in ("mooncake", "mori"):
+        assert sglang.pair_pages(backend, [3, 4, 5], [8, 9]) == ([3, 4], [8, 9])  # ALIGN-1 would pair (4, 8), (5, 9)
+    with pytest.raises(BlockAlignmentError, match=r"SGLang nixl refuses to pair.*prefill=3, dst=2"):
+        sglang.pair_pages("nixl", [3, 4, 5], [8, 9])
+
+
+@pytest.mark.sglang
+def test_connector_seam_pairs_by_position(sglang: Any) -> None:
+    config = make_config(full(4), sw(9, 4))
+    connector = sglang.make_connector("mooncake")
+    connector.check_admission(config, TransferMode.READ)
+    producer = BlockIds([[11, 12, 13, 14, 15, 16], [0, 0, 0, 24, 25, 26]])
+    consumer = BlockIds([[32, 33, 34, 35, 36], [0, 0, 44, 45, 46]])  # a one-block prefix hit on the full group
+    pairs = connector.pair_block_ids(
+        config, num_tokens=23, prefix_hit_tokens=4, producer_block_ids=producer, consumer_block_ids=consumer
+    )
+    assert [list(g) for g in pairs.producer_block_ids] == [[12, 13, 14, 15, 16], [24, 25, 26]]
+    assert [list(g) for g in pairs.consumer_block_ids] == [[32, 33, 34, 35, 36], [44, 45, 46]]
+    with pytest.raises(UnsupportedHybridError, match="MambaSpec"):
+        connector.check_admission(make_config(full(16), mamba(16)), TransferMode.READ)
+
+
+@pytest.mark.sglang
+def test_committed_audit_matches_a_fresh_run(sglang: Any) -> None:
+    from kvspec.integrations.sglang_audit import run_audit
+
+    committed = json.loads(AUDIT_JSON.read_text(encoding="utf-8"))
+    fresh = run_audit(requests=committed["requests"]["mooncake"], seed=committed["seed"])
+    assert fresh.to_dict() == committed, (
+        "docs/explanation/sglang-audit.json is stale: regenerate it with kvspec sglang-audit --requests "
+        f"{committed['requests']['mooncake']} --seed {committed['seed']} --json docs/explanation/sglang-audit.json "
+        "(then update docs/explanation/sglang-findings.md)\n" + fresh.render()
+    )
+
+
+@pytest.mark.sglang
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["mooncake", "nixl", "mori"])
+def test_every_failing_case_is_a_documented_expected_failure(sglang: Any, backend: str) -> None:
+    """The whole suite against SGLang's code: no error, every failure one the findings page explains."""
+    listed = ROOT / "kvspec" / "integrations" / "expected" / f"sglang-{backend}.txt"
+    command = [sys.executable, "-m", "kvspec", "conform", "loopback", "--connector", f"sglang:{backend}", "-q"]
+    out = subprocess.run(
+        [*command, "--expect-fail-file", str(listed)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=os.environ,
+        timeout=1200,
+    )
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
+    assert " 0 failed, 0 errors" in out.stdout
+
+
+@pytest.mark.sglang
+def test_the_audit_catches_a_broken_pairing(sglang: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pairing one page off, or reading the null page, is reported by class: the audit can fail."""
+    from kvspec.integrations import sglang_audit
+
+    real = sglang.BACKENDS["mooncake"]
+
+    def shifted(producer: Any, consumer: Any, *, window: bool) -> Any:
+        p, c = real(producer, consumer, window=window)
+        return (p[1:], c[:-1]) if window else (p, c)
+
+    def nulled(producer: Any, consumer: Any, *, window: bool) -> Any:
+        p, c = real(producer, consumer, window=window)
+        return ([0, *p[1:]], c) if p else (p, c)
+
+    for broken, found in ((shifted, "shifted-pair"), (nulled, "reads-null-block")):
+        monkeypatch.setitem(sglang.BACKENDS, "mooncake", broken)
+        report = sglang_audit.run_audit(backends=("mooncake",), requests=12, seed=3)
+        assert found in {c.deviation for c in report.classes}, report.render()
+        assert "needed-block-not-transferred" in {c.deviation for c in report.classes}, report.render()
