@@ -17,7 +17,7 @@ import pytest
 from kvspec_conformance import run_suite
 from kvspec_conformance._report import Outcome
 
-from kvspec import ConfigError
+from kvspec import PROTOCOL_VERSION, ConfigError
 from kvspec.connector import Connector
 from kvspec.integrations.expectations import expected_names, load_expected, parse_expected
 from kvspec.integrations.vllm_audit import AuditReport, ClassResult, check_expected
@@ -237,7 +237,10 @@ def test_report_names_what_was_tested() -> None:
 
     tested = attrs.evolve(report, tested=(("connector", "my_connector:MyConnector"), ("vllm", "0.33.0")))
     header = tested.render().splitlines()[1]
-    assert header == "  protocol version 1.1, connector my_connector:MyConnector, vllm 0.33.0"
+    assert (
+        header
+        == f"  protocol version {PROTOCOL_VERSION[0]}.{PROTOCOL_VERSION[1]}, connector my_connector:MyConnector, vllm 0.33.0"
+    )
     document = tested.to_dict()
     assert (document["connector"], document["vllm"], document["protocol_version"]) == (
         "my_connector:MyConnector",
