@@ -237,15 +237,13 @@ def test_report_names_what_was_tested() -> None:
 
     tested = attrs.evolve(report, tested=(("connector", "my_connector:MyConnector"), ("vllm", "0.33.0")))
     header = tested.render().splitlines()[1]
-    assert (
-        header
-        == f"  protocol version {PROTOCOL_VERSION[0]}.{PROTOCOL_VERSION[1]}, connector my_connector:MyConnector, vllm 0.33.0"
-    )
+    protocol = ".".join(map(str, PROTOCOL_VERSION))
+    assert header == f"  protocol version {protocol}, connector my_connector:MyConnector, vllm 0.33.0"
     document = tested.to_dict()
     assert (document["connector"], document["vllm"], document["protocol_version"]) == (
         "my_connector:MyConnector",
         "0.33.0",
-        "1.1",
+        protocol,
     )
     assert '<property name="connector" value="my_connector:MyConnector" />' in tested.to_junit()
     assert '<property name="vllm" value="0.33.0" />' in tested.to_junit()
