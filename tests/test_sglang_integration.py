@@ -150,7 +150,7 @@ def test_connector_seam_pairs_by_position(sglang: Any) -> None:
 
 @pytest.mark.sglang
 def test_one_mamba_slot_moves_through_sglangs_own_code(sglang: Any) -> None:
-    """Both sides read their one slot through SGLang's Mamba payloads; each backend's Mamba path pairs them (STATE-3)."""
+    """Each side's one slot through SGLang's Mamba payloads; each backend's Mamba path pairs them (STATE-3)."""
     spec = make_config(full(4), mamba(4, num_speculative_blocks=1)).kv_cache_groups[1].kv_cache_spec
     kw = {"first_block": 0, "num_tokens": 10, "prefix_tokens": 0}
     assert sglang.producer_pages(spec, [0, 0, 7, 9], **kw) == [7]  # the scratch slot 9 stays (STATE-2)
@@ -159,6 +159,11 @@ def test_one_mamba_slot_moves_through_sglangs_own_code(sglang: Any) -> None:
         assert sglang.pair_pages(backend, [7], [5], state=True) == ([7], [5])
         with pytest.raises(StateSlotError, match="single state index"):
             sglang.pair_pages(backend, [7, 8], [5, 6], state=True)
+    # Lists SGLang's pool never builds (findings page): Mooncake takes decode's first slot, NIXL sends nothing.
+    assert sglang.pair_pages("mooncake", [7], [5, 6], state=True) == ([7], [5])
+    assert sglang.pair_pages("nixl", [], [5], state=True) == ([], [])
+    with pytest.raises(StateSlotError, match="single state index"):
+        sglang.pair_pages("mori", [7], [5, 6], state=True)
     with pytest.raises(StateSlotError, match="null block"):
         sglang.producer_pages(spec, [3, 0, 9], **kw)
 
@@ -183,10 +188,12 @@ def test_prebuilt_state_exchange_through_the_suite(sglang: Any, monkeypatch: pyt
     connector = sglang.make_connector("mooncake")
     result = run_scenario(_state_scenario(), connector=connector)
     assert result.ok, result.summary()
-    assert result.outcome("a").loaded and result.outcome("hit").loaded
+    assert result.outcome("a").loaded
+    assert result.outcome("hit").loaded
     assert isinstance(result.outcome("late").error, StatePositionError)
     refused = run_scenario(_state_scenario("recompute"), connector=connector)
-    assert isinstance(refused.refused, IncompatiblePeerError) and "state_profile" in str(refused.refused)
+    assert isinstance(refused.refused, IncompatiblePeerError)
+    assert "state_profile" in str(refused.refused)
     assert connector.state_profile(_state_scenario().config) == "prebuilt"
 
     def with_scratch(spec: Any, block_ids: Any, *, group: int = 0) -> list[int]:

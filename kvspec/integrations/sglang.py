@@ -17,7 +17,13 @@ Nothing here imports SGLang until a function needs it; ``import kvspec`` and
   transfer call replaced by a recorder: Mooncake ``maybe_send_extra`` and
   ``send_kvcache`` (both end in ``_send_kvcache_generic``), MORI
   ``_send_swa_dsa_state`` (``_submit_batch_transfer_plan``), NIXL
-  ``_send_prepared_states`` (``agent.make_prepped_xfer``).
+  ``_send_prepared_states`` (``agent.make_prepped_xfer``);
+* a state group (profile ``prebuilt``, :data:`STATE_PROFILE`): each side's one
+  Mamba slot through the ``_mamba_payload`` closures of the same two methods
+  (``req_index_to_mamba_index_mapping``), paired by Mooncake's
+  ``_send_mamba_state`` (``_transfer_data`` recorded), NIXL's
+  ``_send_prepared_states`` and MORI's ``_send_mamba_state``
+  (``engine.batch_write`` recorded) (decisions 175-180).
 
 kvspec re-implements none of these decisions. SGLang exchanges no clipped
 lists (each side computes its window itself), so :meth:`SglangConnector.clip_block_ids`
@@ -74,7 +80,7 @@ from kvspec._models import (
 )
 from kvspec._plan import BlockPairsLike, TransferPlan, plan_transfer
 from kvspec._reference import BlockPairs
-from kvspec.spec.state import get_state_clipped_slots, get_state_group_indices, is_state_spec
+from kvspec.spec.state import STATE_KINDS, get_state_clipped_slots, get_state_group_indices, is_state_spec
 
 __all__ = [
     "BACKENDS",
@@ -88,6 +94,7 @@ __all__ = [
     "from_sglang_pool_config",
     "import_sglang",
     "installed_sglang_version",
+    "load_state_slot",
     "make_connector",
     "pair_pages",
     "producer_pages",
@@ -289,6 +296,9 @@ def to_sglang_pool_config(config: KVCacheConfig) -> SglangPoolConfig:
                 f"(admitted: {', '.join(c.__name__ for c in _ADMITTED)}) (ADM-1)"
             )
     states = [s for s in specs if isinstance(s, MambaSpec)]
+    unknown = sorted({s.mamba_type for s in states} - STATE_KINDS)
+    if unknown:
+        raise UnsupportedHybridError(f"state kinds {unknown}: the state rules cover {sorted(STATE_KINDS)} (ADM-1)")
     # SGLang's one Mamba pool holds every state layer with one cache layout (Mamba2CacheParams).
     layouts = {(s.shapes, s.dtypes, s.mamba_type) for s in states}
     if len(layouts) > 1:
@@ -383,7 +393,9 @@ def from_sglang_pool_config(pool: SglangPoolConfig) -> KVCacheConfig:
         kinds.append((pool.swa_attention_layer_ids, swa))
     if pool.mamba_layer_ids:
         if not pool.mamba_state_shapes:
-            raise ConfigError("SglangPoolConfig.mamba_state_shapes: expected the state shapes with Mamba layers, got ()")
+            raise ConfigError(
+                "SglangPoolConfig.mamba_state_shapes: expected the state shapes with Mamba layers, got ()"
+            )
         state = MambaSpec(
             block_size=pool.page_size,
             shapes=pool.mamba_state_shapes,
@@ -501,7 +513,10 @@ def producer_pages(
     sent: list[tuple[Any, Any]] = []
     # A state group has no token pages: its row reads the null page, its slot sits in the Mamba mapping.
     table = _row(
-        [] if state else block_ids, first_block=0 if state else first_block, page_size=spec.block_size, num_tokens=num_tokens
+        [] if state else block_ids,
+        first_block=0 if state else first_block,
+        page_size=spec.block_size,
+        num_tokens=num_tokens,
     )
     sender = types.SimpleNamespace(
         supports_host_tensor_indices=False,
@@ -570,7 +585,10 @@ def consumer_pages(
     state = is_state_spec(spec)
     slots = load_state_slot(spec, block_ids) if state else None
     table = _row(
-        [] if state else block_ids, first_block=0 if state else first_block, page_size=spec.block_size, num_tokens=num_tokens
+        [] if state else block_ids,
+        first_block=0 if state else first_block,
+        page_size=spec.block_size,
+        num_tokens=num_tokens,
     )
     window = _sgl_window(spec)
     common = import_sglang("sglang.srt.mem_cache.common")

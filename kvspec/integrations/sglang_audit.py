@@ -280,7 +280,7 @@ class _Pools:
         return [int(i) // page_size for i in indices[::page_size]]
 
     def take_slot(self, side: str) -> int:
-        """One Mamba slot from SGLang's ``MambaSlotAllocator`` of ``side``, as ``HybridReqToTokenPool.alloc`` takes it."""
+        """One Mamba slot from ``side``'s ``MambaSlotAllocator``, as ``HybridReqToTokenPool.alloc`` takes it."""
         key = (side, "mamba", 0)
         if key not in self._allocators:
             mamba = import_sglang("sglang.srt.mem_cache.allocator.mamba")
