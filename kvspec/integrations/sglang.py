@@ -305,9 +305,8 @@ def to_sglang_pool_config(config: KVCacheConfig) -> SglangPoolConfig:
         raise UnsupportedHybridError(
             f"SGLang has one Mamba pool of one state layout; the state groups have {len(layouts)} (ADM-1)"
         )
-    specs = [s for s in specs if not isinstance(s, MambaSpec)]  # a state slot has no page size (STATE-2)
-    if not specs:
-        raise UnsupportedHybridError("SGLang's pools need an attention group next to the state groups (ADM-1)")
+    # A state slot has no page size (STATE-2): the token pools' page size is the attention groups'.
+    specs = [s for s in specs if not isinstance(s, MambaSpec)] or list[KVCacheSpec](states[:1])
     sizes = sorted({s.block_size for s in specs})
     if len(sizes) > 1:
         raise UnsupportedHybridError(f"SGLang has one page size; the groups' block_size values are {sizes} (ADM-1)")
@@ -326,16 +325,23 @@ def to_sglang_pool_config(config: KVCacheConfig) -> SglangPoolConfig:
         ids = range(layer, layer + len(group.layer_names))
         layer += len(group.layer_names)
         (state if isinstance(spec, MambaSpec) else swa if _is_window(spec) else full).extend(ids)
-    first: Any = specs[0]  # an attention spec: admitted kinds only
+    first: Any = specs[0]  # an attention spec, or the state spec of a model without attention
+    heads = (
+        {}
+        if isinstance(first, MambaSpec)
+        else {
+            "head_num": getattr(first, "num_kv_heads", 1),
+            "head_dim": getattr(first, "head_size", 128),
+            "v_head_dim": None if first.value_head_size == getattr(first, "head_size", None) else first.value_head_size,
+            "dtype": first.dtype.name,
+        }
+    )
     return SglangPoolConfig(
         page_size=sizes[0],
         full_attention_layer_ids=tuple(full),
         swa_attention_layer_ids=tuple(swa),
         sliding_window_size=windows[0] - 1 if windows else None,
-        head_num=getattr(first, "num_kv_heads", 1),
-        head_dim=getattr(first, "head_size", 128),
-        v_head_dim=None if first.value_head_size == getattr(first, "head_size", None) else first.value_head_size,
-        dtype=first.dtype.name,
+        **heads,
         num_pages=config.num_blocks,
         use_mla=mla == [True],
         mamba_layer_ids=tuple(state),
