@@ -77,11 +77,27 @@ def test_pool_config_with_a_mamba_pool_round_trips() -> None:
 
 @pytest.mark.parametrize(
     ("shapes", "said"),
-    [([full(16), sw(64, 32)], "one page size"), ([full(16), sw(64, 16), sw(128, 16)], "one sliding window")],
+    [
+        ([full(16), sw(64, 32)], "one page size"),
+        ([full(16), sw(64, 16), sw(128, 16)], "one sliding window"),
+        ([full(16), mamba(16, mamba_type="short_conv")], "state kinds"),
+    ],
 )
 def test_what_sglang_cannot_represent_is_refused(shapes: Any, said: str) -> None:
     with pytest.raises(UnsupportedHybridError, match=said):
         integration.to_sglang_pool_config(make_config(*shapes))
+
+
+@pytest.mark.parametrize("name", ["qwen3-next-80b", "kimi-linear-48b", "hymba-1.5b", "mamba-130m"])
+def test_state_presets_are_one_mamba_pool(name: str) -> None:
+    """Every state layer of a preset lands in SGLang's one Mamba pool, whatever its page size (decision 180)."""
+    from kvspec.presets import get_preset
+
+    config = get_preset(name).build_config(num_blocks=16)
+    pool = integration.to_sglang_pool_config(config)
+    states = [g for g in config.kv_cache_groups if type(g.kv_cache_spec).__name__ == "MambaSpec"]
+    assert len(pool.mamba_layer_ids) == sum(len(g.layer_names) for g in states)
+    assert pool.mamba_type == states[0].kv_cache_spec.mamba_type  # type: ignore[attr-defined]
 
 
 def test_the_shipped_lists_are_named() -> None:
