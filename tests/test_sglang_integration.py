@@ -14,12 +14,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kvspec_conformance.configs import full, make_config, mamba, sw
+from kvspec_conformance.configs import full, gdn, make_config, mamba, sw
 
 from kvspec import (
     BlockAlignmentError,
     BlockIds,
+    IncompatiblePeerError,
     SlidingWindowSpec,
+    StatePositionError,
+    StateSlotError,
     TransferMode,
     UnsupportedHybridError,
     get_needed_block_range,
@@ -53,13 +56,48 @@ def test_pool_config_round_trips() -> None:
     assert integration.to_sglang_pool_config(config) == pool
 
 
+def test_pool_config_with_a_mamba_pool_round_trips() -> None:
+    pool = integration.SglangPoolConfig(
+        page_size=16,
+        full_attention_layer_ids=(0,),
+        head_num=2,
+        head_dim=64,
+        num_pages=32,
+        mamba_layer_ids=(1, 2, 3),
+        mamba_state_shapes=((3, 8), (2, 4, 4)),
+        mamba_state_dtypes=("float16", "float32"),
+        mamba_type="gdn_attn",
+    )
+    config = integration.from_sglang_pool_config(pool)
+    assert [type(g.kv_cache_spec).__name__ for g in config.kv_cache_groups] == ["FullAttentionSpec", "MambaSpec"]
+    assert integration.to_sglang_pool_config(config) == pool
+    with pytest.raises(UnsupportedHybridError, match="one Mamba pool of one state layout"):
+        integration.to_sglang_pool_config(make_config(full(16), mamba(16), gdn(16)))
+
+
 @pytest.mark.parametrize(
     ("shapes", "said"),
-    [([full(16), sw(64, 32)], "one page size"), ([full(16), sw(64, 16), sw(128, 16)], "one sliding window")],
+    [
+        ([full(16), sw(64, 32)], "one page size"),
+        ([full(16), sw(64, 16), sw(128, 16)], "one sliding window"),
+        ([full(16), mamba(16, mamba_type="short_conv")], "state kinds"),
+    ],
 )
 def test_what_sglang_cannot_represent_is_refused(shapes: Any, said: str) -> None:
     with pytest.raises(UnsupportedHybridError, match=said):
         integration.to_sglang_pool_config(make_config(*shapes))
+
+
+@pytest.mark.parametrize("name", ["qwen3-next-80b", "kimi-linear-48b", "hymba-1.5b", "mamba-130m"])
+def test_state_presets_are_one_mamba_pool(name: str) -> None:
+    """Every state layer of a preset lands in SGLang's one Mamba pool, whatever its page size (decision 180)."""
+    from kvspec.presets import get_preset
+
+    config = get_preset(name).build_config(num_blocks=16)
+    pool = integration.to_sglang_pool_config(config)
+    states = [g for g in config.kv_cache_groups if type(g.kv_cache_spec).__name__ == "MambaSpec"]
+    assert len(pool.mamba_layer_ids) == sum(len(g.layer_names) for g in states)
+    assert pool.mamba_type == states[0].kv_cache_spec.mamba_type  # type: ignore[attr-defined]
 
 
 def test_the_shipped_lists_are_named() -> None:
@@ -121,8 +159,65 @@ def test_connector_seam_pairs_by_position(sglang: Any) -> None:
     )
     assert [list(g) for g in pairs.producer_block_ids] == [[12, 13, 14, 15, 16], [24, 25, 26]]
     assert [list(g) for g in pairs.consumer_block_ids] == [[32, 33, 34, 35, 36], [44, 45, 46]]
-    with pytest.raises(UnsupportedHybridError, match="MambaSpec"):
-        connector.check_admission(make_config(full(16), mamba(16)), TransferMode.READ)
+
+
+# --------------------------------------------------------------------------- state groups (prebuilt)
+
+
+@pytest.mark.sglang
+def test_one_mamba_slot_moves_through_sglangs_own_code(sglang: Any) -> None:
+    """Each side's one slot through SGLang's Mamba payloads; each backend's Mamba path pairs them (STATE-3)."""
+    spec = make_config(full(4), mamba(4, num_speculative_blocks=1)).kv_cache_groups[1].kv_cache_spec
+    kw = {"first_block": 0, "num_tokens": 10, "prefix_tokens": 0}
+    assert sglang.producer_pages(spec, [0, 0, 7, 9], **kw) == [7]  # the scratch slot 9 stays (STATE-2)
+    assert sglang.consumer_pages(spec, [5], **kw) == [5]
+    for backend in ("mooncake", "nixl", "mori"):
+        assert sglang.pair_pages(backend, [7], [5], state=True) == ([7], [5])
+        with pytest.raises(StateSlotError, match="single state index"):
+            sglang.pair_pages(backend, [7, 8], [5, 6], state=True)
+    # Lists SGLang's pool never builds (findings page): Mooncake takes decode's first slot, NIXL sends nothing.
+    assert sglang.pair_pages("mooncake", [7], [5, 6], state=True) == ([7], [5])
+    assert sglang.pair_pages("nixl", [], [5], state=True) == ([], [])
+    with pytest.raises(StateSlotError, match="single state index"):
+        sglang.pair_pages("mori", [7], [5, 6], state=True)
+    with pytest.raises(StateSlotError, match="null block"):
+        sglang.producer_pages(spec, [3, 0, 9], **kw)
+
+
+def _state_scenario(profile: str = "prebuilt") -> Any:
+    from kvspec_conformance import Request, Scenario
+
+    config = make_config(full(4), sw(8, 4), gdn(4, cache_mode="align", num_speculative_blocks=1))
+    requests = [
+        Request(request_id="a", num_tokens=10),
+        Request(request_id="hit", num_tokens=17, prefix_hit_tokens=4),
+        Request(request_id="late", num_tokens=9, state_tokens=8),  # P's state stands one token short (STATE-1)
+    ]
+    return Scenario(config=config, requests=requests, state_profile=profile)
+
+
+@pytest.mark.sglang
+def test_prebuilt_state_exchange_through_the_suite(sglang: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The suite's scenario with SGLang's code: the slot lands, a wrong position and a recompute peer are refused."""
+    from kvspec_conformance import run_scenario
+
+    connector = sglang.make_connector("mooncake")
+    result = run_scenario(_state_scenario(), connector=connector)
+    assert result.ok, result.summary()
+    assert result.outcome("a").loaded
+    assert result.outcome("hit").loaded
+    assert isinstance(result.outcome("late").error, StatePositionError)
+    refused = run_scenario(_state_scenario("recompute"), connector=connector)
+    assert isinstance(refused.refused, IncompatiblePeerError)
+    assert "state_profile" in str(refused.refused)
+    assert connector.state_profile(_state_scenario().config) == "prebuilt"
+
+    def with_scratch(spec: Any, block_ids: Any, *, group: int = 0) -> list[int]:
+        return [int(block_ids[-1])]  # a broken load: the scratch slot travels instead of the state
+
+    monkeypatch.setattr(sglang, "load_state_slot", with_scratch)
+    broken = run_scenario(_state_scenario(), connector=connector)
+    assert not broken.ok, broken.summary()
 
 
 @pytest.mark.sglang
@@ -164,16 +259,23 @@ def test_the_audit_catches_a_broken_pairing(sglang: Any, monkeypatch: pytest.Mon
 
     real = sglang.BACKENDS["mooncake"]
 
-    def shifted(producer: Any, consumer: Any, *, window: bool) -> Any:
-        p, c = real(producer, consumer, window=window)
+    def shifted(producer: Any, consumer: Any, *, window: bool, state: bool = False) -> Any:
+        p, c = real(producer, consumer, window=window, state=state)
         return (p[1:], c[:-1]) if window else (p, c)
 
-    def nulled(producer: Any, consumer: Any, *, window: bool) -> Any:
-        p, c = real(producer, consumer, window=window)
-        return ([0, *p[1:]], c) if p else (p, c)
+    def nulled(producer: Any, consumer: Any, *, window: bool, state: bool = False) -> Any:
+        p, c = real(producer, consumer, window=window, state=state)
+        return ([0, *p[1:]], c) if p and not state else (p, c)
+
+    def foreign_state(producer: Any, consumer: Any, *, window: bool, state: bool = False) -> Any:
+        p, c = real(producer, consumer, window=window, state=state)
+        return ([x + 1 for x in p], c) if state else (p, c)
 
     for broken, found in ((shifted, "shifted-pair"), (nulled, "reads-null-block")):
         monkeypatch.setitem(sglang.BACKENDS, "mooncake", broken)
         report = sglang_audit.run_audit(backends=("mooncake",), requests=12, seed=3)
         assert found in {c.deviation for c in report.classes}, report.render()
         assert "needed-block-not-transferred" in {c.deviation for c in report.classes}, report.render()
+    monkeypatch.setitem(sglang.BACKENDS, "mooncake", foreign_state)
+    report = sglang_audit.run_audit(backends=("mooncake",), requests=3, seed=3)
+    assert "state-slot-mismatch" in {c.deviation for c in report.classes}, report.render()

@@ -17,7 +17,13 @@ Nothing here imports SGLang until a function needs it; ``import kvspec`` and
   transfer call replaced by a recorder: Mooncake ``maybe_send_extra`` and
   ``send_kvcache`` (both end in ``_send_kvcache_generic``), MORI
   ``_send_swa_dsa_state`` (``_submit_batch_transfer_plan``), NIXL
-  ``_send_prepared_states`` (``agent.make_prepped_xfer``).
+  ``_send_prepared_states`` (``agent.make_prepped_xfer``);
+* a state group (profile ``prebuilt``, :data:`STATE_PROFILE`): each side's one
+  Mamba slot through the ``_mamba_payload`` closures of the same two methods
+  (``req_index_to_mamba_index_mapping``), paired by Mooncake's
+  ``_send_mamba_state`` (``_transfer_data`` recorded), NIXL's
+  ``_send_prepared_states`` and MORI's ``_send_mamba_state``
+  (``engine.batch_write`` recorded) (decisions 175-180).
 
 kvspec re-implements none of these decisions. SGLang exchanges no clipped
 lists (each side computes its window itself), so :meth:`SglangConnector.clip_block_ids`
@@ -48,7 +54,14 @@ from typing import Any
 
 import attrs
 
-from kvspec._errors import BackendUnavailableError, BlockAlignmentError, ConfigError, UnsupportedHybridError
+from kvspec._errors import (
+    BackendUnavailableError,
+    BlockAlignmentError,
+    ConfigError,
+    IncompatiblePeerError,
+    StateSlotError,
+    UnsupportedHybridError,
+)
 from kvspec._handshake import check_compatibility
 from kvspec._models import (
     NULL_BLOCK_ID,
@@ -59,6 +72,7 @@ from kvspec._models import (
     KVCacheGroupSpec,
     KVCacheSpec,
     KVCacheTensor,
+    MambaSpec,
     MLAAttentionSpec,
     SlidingWindowMLASpec,
     SlidingWindowSpec,
@@ -66,6 +80,7 @@ from kvspec._models import (
 )
 from kvspec._plan import BlockPairsLike, TransferPlan, plan_transfer
 from kvspec._reference import BlockPairs
+from kvspec.spec.state import STATE_KINDS, get_state_clipped_slots, get_state_group_indices, is_state_spec
 
 __all__ = [
     "BACKENDS",
@@ -79,6 +94,7 @@ __all__ = [
     "from_sglang_pool_config",
     "import_sglang",
     "installed_sglang_version",
+    "load_state_slot",
     "make_connector",
     "pair_pages",
     "producer_pages",
@@ -91,9 +107,9 @@ SGLANG_VERSION = "0.5.23"
 STATE_PROFILE = "prebuilt"
 """SGLang's state convention (the Mamba state after all N prompt tokens; decode's first step a PREBUILT batch).
 
-The state rules live with the state-groups work; this adapter refuses Mamba
-groups at admission until that profile exists (decision 133). The hook:
-:meth:`SglangConnector.state_profile`.
+``state_tokens`` is N and nothing is recomputed (STATE-1). The adapters
+admit state groups under this profile and refuse a peer of another one at
+the handshake (decisions 175, 177). The hook: :meth:`SglangConnector.state_profile`.
 """
 
 _DISAGG = "sglang.srt.disaggregation."
@@ -241,7 +257,11 @@ class SglangPoolConfig:
     (``models/gpt_oss.py``); the layer ids are the model's
     ``full_attention_layer_ids`` and ``swa_attention_layer_ids`` as
     ``SWAKVPool`` takes them; ``head_num``, ``head_dim`` and ``dtype`` as
-    ``MHATokenToKVPool`` takes them; ``num_pages`` per pool.
+    ``MHATokenToKVPool`` takes them; ``num_pages`` per pool. The Mamba
+    pool (``HybridReqToTokenPool``): ``mamba_layer_ids``, one state layout
+    (``mamba_state_shapes``, ``mamba_state_dtypes``: conv then SSM, as
+    ``Mamba2CacheParams`` gives them) and ``mamba_type``; one slot per
+    request, so no page size.
     """
 
     page_size: int
@@ -254,6 +274,10 @@ class SglangPoolConfig:
     dtype: str = "bfloat16"
     num_pages: int = 1024
     use_mla: bool = False
+    mamba_layer_ids: tuple[int, ...] = ()
+    mamba_state_shapes: tuple[tuple[int, ...], ...] = ()
+    mamba_state_dtypes: tuple[str, ...] = ()
+    mamba_type: str = "mamba2"
 
 
 def to_sglang_pool_config(config: KVCacheConfig) -> SglangPoolConfig:
@@ -269,9 +293,20 @@ def to_sglang_pool_config(config: KVCacheConfig) -> SglangPoolConfig:
         if type(spec) not in _ADMITTED:
             raise UnsupportedHybridError(
                 f"kv_cache_groups[{index}]: SGLang's adapters model {type(spec).__name__} not "
-                f"(admitted: {', '.join(c.__name__ for c in _ADMITTED)}; Mamba waits for state profile "
-                f"{STATE_PROFILE!r}) (ADM-1)"
+                f"(admitted: {', '.join(c.__name__ for c in _ADMITTED)}) (ADM-1)"
             )
+    states = [s for s in specs if isinstance(s, MambaSpec)]
+    unknown = sorted({s.mamba_type for s in states} - STATE_KINDS)
+    if unknown:
+        raise UnsupportedHybridError(f"state kinds {unknown}: the state rules cover {sorted(STATE_KINDS)} (ADM-1)")
+    # SGLang's one Mamba pool holds every state layer with one cache layout (Mamba2CacheParams).
+    layouts = {(s.shapes, s.dtypes, s.mamba_type) for s in states}
+    if len(layouts) > 1:
+        raise UnsupportedHybridError(
+            f"SGLang has one Mamba pool of one state layout; the state groups have {len(layouts)} (ADM-1)"
+        )
+    # A state slot has no page size (STATE-2): the token pools' page size is the attention groups'.
+    specs = [s for s in specs if not isinstance(s, MambaSpec)] or list[KVCacheSpec](states[:1])
     sizes = sorted({s.block_size for s in specs})
     if len(sizes) > 1:
         raise UnsupportedHybridError(f"SGLang has one page size; the groups' block_size values are {sizes} (ADM-1)")
@@ -283,28 +318,41 @@ def to_sglang_pool_config(config: KVCacheConfig) -> SglangPoolConfig:
         raise UnsupportedHybridError("SGLang's pools are all MLA or all MHA; this config mixes them (ADM-1)")
     full: list[int] = []
     swa: list[int] = []
+    state: list[int] = []
     layer = 0
-    for spec, group in zip(specs, config.kv_cache_groups, strict=True):
+    for group in config.kv_cache_groups:
+        spec = group.kv_cache_spec
         ids = range(layer, layer + len(group.layer_names))
         layer += len(group.layer_names)
-        (swa if isinstance(spec, (SlidingWindowSpec, SlidingWindowMLASpec)) else full).extend(ids)
-    first: Any = specs[0]  # an attention spec: admitted kinds only
+        (state if isinstance(spec, MambaSpec) else swa if _is_window(spec) else full).extend(ids)
+    first: Any = specs[0]  # an attention spec, or the state spec of a model without attention
+    heads = (
+        {}
+        if isinstance(first, MambaSpec)
+        else {
+            "head_num": getattr(first, "num_kv_heads", 1),
+            "head_dim": getattr(first, "head_size", 128),
+            "v_head_dim": None if first.value_head_size == getattr(first, "head_size", None) else first.value_head_size,
+            "dtype": first.dtype.name,
+        }
+    )
     return SglangPoolConfig(
         page_size=sizes[0],
         full_attention_layer_ids=tuple(full),
         swa_attention_layer_ids=tuple(swa),
         sliding_window_size=windows[0] - 1 if windows else None,
-        head_num=getattr(first, "num_kv_heads", 1),
-        head_dim=getattr(first, "head_size", 128),
-        v_head_dim=None if first.value_head_size == getattr(first, "head_size", None) else first.value_head_size,
-        dtype=first.dtype.name,
+        **heads,
         num_pages=config.num_blocks,
         use_mla=mla == [True],
+        mamba_layer_ids=tuple(state),
+        mamba_state_shapes=states[0].shapes if states else (),
+        mamba_state_dtypes=tuple(d.name for d in states[0].dtypes) if states else (),
+        mamba_type=states[0].mamba_type if states else "mamba2",
     )
 
 
 def from_sglang_pool_config(pool: SglangPoolConfig) -> KVCacheConfig:
-    """kvspec's model of SGLang's pools: a full group and, with a window, an SWA group of window + 1 (SW-1).
+    """kvspec's model of SGLang's pools: a full group, with a window an SWA group of window + 1 (SW-1), a state group.
 
     SGLang's ``sliding_window_size`` excludes the current token; kvspec's
     window, like Hugging Face's, includes it (decision 128).
@@ -349,6 +397,18 @@ def from_sglang_pool_config(pool: SglangPoolConfig) -> KVCacheConfig:
             )
         )
         kinds.append((pool.swa_attention_layer_ids, swa))
+    if pool.mamba_layer_ids:
+        if not pool.mamba_state_shapes:
+            raise ConfigError(
+                "SglangPoolConfig.mamba_state_shapes: expected the state shapes with Mamba layers, got ()"
+            )
+        state = MambaSpec(
+            block_size=pool.page_size,
+            shapes=pool.mamba_state_shapes,
+            dtypes=tuple(DType.from_name(d) for d in pool.mamba_state_dtypes),
+            mamba_type=pool.mamba_type,
+        )
+        kinds.append((pool.mamba_layer_ids, state))
     tensors = []
     for layers, spec in kinds:
         names = [f"model.layers.{i}" for i in layers]
@@ -365,6 +425,7 @@ _ADMITTED: tuple[type[KVCacheSpec], ...] = (
     MLAAttentionSpec,
     SlidingWindowSpec,
     SlidingWindowMLASpec,
+    MambaSpec,
 )
 
 
@@ -396,6 +457,44 @@ def _row(block_ids: Sequence[int], *, first_block: int, page_size: int, num_toke
     return (page * page_size + offset).reshape(1, -1)
 
 
+def load_state_slot(spec: KVCacheSpec, block_ids: Sequence[int], *, group: int = 0) -> list[int]:
+    """The one Mamba slot SGLang's pool holds for a state group's list: STATE-2's kept slot (decision 176).
+
+    SGLang allocates one slot per request (``HybridReqToTokenPool.alloc``)
+    and keeps it in ``req_index_to_mamba_index_mapping``; kvspec's tables are
+    vLLM's shape (null placeholders, the state's slot, scratch slots). Loading
+    a table into SGLang's pool keeps the slot STATE-2 keeps; a null kept slot
+    is :class:`StateSlotError` (STATE-2), and so is a list with no slot, which
+    SGLang's pool cannot hold (STATE-3).
+    """
+    if not isinstance(spec, MambaSpec):
+        raise ConfigError(f"group {group}: {type(spec).__name__} is not a state group; expected MambaSpec")
+    kept = list(get_state_clipped_slots(spec, block_ids, group=group))
+    if not kept:
+        raise StateSlotError(
+            f"group {group} ({spec.mamba_type}): the list holds no state slot; SGLang holds exactly one Mamba slot "
+            "per request (STATE-3)"
+        )
+    return kept
+
+
+def _req_to_token_pool(table: Any, slots: Sequence[int] | None) -> Any:
+    """SGLang's request pool for request row 0: its token row and, for a state group, its one Mamba slot.
+
+    ``translate_mamba_indices`` is SGLang's own ``HybridReqToTokenPool``
+    method (the identity for a static pool), bound to the stand-in.
+    """
+    if slots is None:
+        return types.SimpleNamespace(req_to_token=table)
+    torch = import_sglang("torch")
+    memory_pool = import_sglang("sglang.srt.mem_cache.memory_pool")
+    pool = types.SimpleNamespace(
+        req_to_token=table, req_index_to_mamba_index_mapping=torch.tensor(list(slots), dtype=torch.int32)
+    )
+    pool.translate_mamba_indices = types.MethodType(memory_pool.HybridReqToTokenPool.translate_mamba_indices, pool)
+    return pool
+
+
 def _sgl_window(spec: KVCacheSpec) -> int | None:
     return spec.sliding_window - 1 if isinstance(spec, (SlidingWindowSpec, SlidingWindowMLASpec)) else None
 
@@ -407,20 +506,31 @@ def producer_pages(
 
     ``block_ids`` start at logical block ``first_block``; ``prefix_tokens`` is
     decode's prefix (``req.disagg_decode_prefix_len``). A window group reads
-    the SWA state payload, any other group the KV pages the sender is given.
+    the SWA state payload, a state group the Mamba payload (its one slot,
+    :func:`load_state_slot`, through ``req_index_to_mamba_index_mapping``;
+    STATE-2), any other group the KV pages the sender is given.
     """
     prefill = import_sglang(_DISAGG + "prefill")
     state_type = import_sglang(_DISAGG + "base.conn").StateType
     window = _sgl_window(spec)
+    state = is_state_spec(spec)
+    if state:
+        block_ids = load_state_slot(spec, block_ids)
     sent: list[tuple[Any, Any]] = []
-    table = _row(block_ids, first_block=first_block, page_size=spec.block_size, num_tokens=num_tokens)
+    # A state group has no token pages: its row reads the null page, its slot sits in the Mamba mapping.
+    table = _row(
+        [] if state else block_ids,
+        first_block=0 if state else first_block,
+        page_size=spec.block_size,
+        num_tokens=num_tokens,
+    )
     sender = types.SimpleNamespace(
         supports_host_tensor_indices=False,
         get_max_transfer_tokens=lambda: None,
         should_send_kv_chunk=lambda count, last: True,
         send=lambda pages, state, num_kv_tokens=None: sent.append((pages, state)),
     )
-    state_types = [state_type.SWA] if window is not None else []
+    state_types = [state_type.SWA] if window is not None else [state_type.MAMBA] if state else []
     identity: Callable[[Any], Any] = lambda indices: indices  # noqa: E731  # one pool per group: no translation
     scheduler = types.SimpleNamespace(
         token_to_kv_pool_allocator=types.SimpleNamespace(
@@ -430,7 +540,7 @@ def producer_pages(
             translate_kv_indices_for_transfer=identity,
         ),
         sliding_window_size=window,
-        req_to_token_pool=types.SimpleNamespace(req_to_token=table),
+        req_to_token_pool=_req_to_token_pool(table, block_ids if state else None),
         enable_staging=False,
         disagg_metadata_buffers=types.SimpleNamespace(set_buf=lambda req: None),
         disagg_prefill_bootstrap_queue=types.SimpleNamespace(
@@ -450,8 +560,8 @@ def producer_pages(
     prefill.SchedulerDisaggregationPrefillMixin._send_kv_chunk(scheduler, req, last_chunk=True)
     if not sent:
         return []
-    pages, state = sent[-1]
-    chosen = state[0] if window is not None and state else pages
+    pages, payloads = sent[-1]
+    chosen = payloads[0] if (window is not None or state) and payloads else pages
     return [int(p) for p in chosen]
 
 
@@ -472,20 +582,28 @@ def consumer_pages(
 ) -> list[int]:
     """The pages SGLang's decode pre-allocation offers for one group (WIN-1, ALIGN-1).
 
-    A window group runs ``pop_preallocated``'s own ``_swa_payload`` closure;
-    any other group the suffix ``pop_preallocated`` slices,
-    ``req_to_token[total_prefix_len:origin_input_len]`` through SGLang's
-    ``kv_to_page_indices``.
+    A window group runs ``pop_preallocated``'s own ``_swa_payload`` closure,
+    a state group its ``_mamba_payload`` closure (the one slot,
+    :func:`load_state_slot`; STATE-2); any other group the suffix
+    ``pop_preallocated`` slices, ``req_to_token[total_prefix_len:origin_input_len]``
+    through SGLang's ``kv_to_page_indices``.
     """
-    table = _row(block_ids, first_block=first_block, page_size=spec.block_size, num_tokens=num_tokens)
+    state = is_state_spec(spec)
+    slots = load_state_slot(spec, block_ids) if state else None
+    table = _row(
+        [] if state else block_ids,
+        first_block=0 if state else first_block,
+        page_size=spec.block_size,
+        num_tokens=num_tokens,
+    )
     window = _sgl_window(spec)
     common = import_sglang("sglang.srt.mem_cache.common")
-    if window is None:
+    if window is None and not state:
         return [int(p) for p in common.kv_to_page_indices(table[0, prefix_tokens:num_tokens], spec.block_size)]
-    decode, code = _decode_closure("_swa_payload")
+    decode, code = _decode_closure("_mamba_payload" if state else "_swa_payload")
     queue = types.SimpleNamespace(
         scheduler=types.SimpleNamespace(sliding_window_size=window),
-        req_to_token_pool=types.SimpleNamespace(req_to_token=table),
+        req_to_token_pool=_req_to_token_pool(table, slots),
         token_to_kv_pool_allocator=types.SimpleNamespace(translate_swa_indices_for_transfer=lambda indices: indices),
     )
     values = {
@@ -497,10 +615,10 @@ def consumer_pages(
     }
     missing = [n for n in code.co_freevars if n not in values]
     if missing:
-        raise BackendUnavailableError(f"SGLang's decode _swa_payload closes over {missing}, unknown to the adapter")
+        raise BackendUnavailableError(f"SGLang's decode {code.co_name} closes over {missing}, unknown to the adapter")
     closure = tuple(types.CellType(values[n]) for n in code.co_freevars)
     payload = types.FunctionType(code, decode.__dict__, code.co_name, None, closure)
-    return [int(p) for p in payload()]
+    return [int(p) for p in payload()]  # a state group's payload: one slot
 
 
 # --------------------------------------------------------------------------- each backend's pairing
@@ -509,7 +627,7 @@ PagePairs = tuple[list[int], list[int]]
 """(producer pages, consumer pages) in the order a backend would copy them: the i-th of one to the i-th of the other."""
 
 
-def _mooncake(producer: Sequence[int], consumer: Sequence[int], *, window: bool) -> PagePairs:
+def _mooncake(producer: Sequence[int], consumer: Sequence[int], *, window: bool, state: bool = False) -> PagePairs:
     module = import_sglang(_DISAGG + "mooncake.conn")
     manager = module.MooncakeKVManager
     state_type = import_sglang(_DISAGG + "base.conn").StateType
@@ -519,9 +637,14 @@ def _mooncake(producer: Sequence[int], consumer: Sequence[int], *, window: bool)
         copied.append(([int(p) for p in kwargs["prefill_data_indices"]], [int(d) for d in kwargs["dst_data_indices"]]))
         return 0
 
+    def transfer(session_id: str, blocks: Sequence[tuple[int, int, int]]) -> int:
+        # Mamba's copies: (src_addr, dst_addr, length) with base 0 and item length 1, so each address is the slot.
+        copied.append(([int(b[0]) for b in blocks], [int(b[1]) for b in blocks]))
+        return 0
+
     stand_in = types.SimpleNamespace(
         kv_args=types.SimpleNamespace(
-            state_types=[state_type.SWA],
+            state_types=[state_type.MAMBA if state else state_type.SWA],
             state_data_ptrs=[[0]],
             state_item_lens=[[1]],
             state_dim_per_tensor=[],
@@ -536,14 +659,28 @@ def _mooncake(producer: Sequence[int], consumer: Sequence[int], *, window: bool)
         is_mla_backend=False,
         is_hybrid_mla_backend=False,
         _send_kvcache_generic=record,
+        _transfer_data=transfer,
         _validate_envelope_kv_layout=lambda *args: None,
         request_status={},
     )
     stand_in._is_generic_kvcache_state_type = types.MethodType(manager._is_generic_kvcache_state_type, stand_in)
     stand_in._requires_exact_state_index_match = types.MethodType(manager._requires_exact_state_index_match, stand_in)
+    stand_in._send_mamba_state = types.MethodType(manager._send_mamba_state, stand_in)
     src = module.np.array(list(producer), dtype=module.np.int32)
     dst = module.np.array(list(consumer), dtype=module.np.int32)
-    if window:
+    if state:
+        # The decode peer as registered: one state buffer of item length 1, the same TP size (no re-slicing).
+        peer = types.SimpleNamespace(
+            dst_state_data_ptrs=[[0]],
+            dst_state_item_lens=[[1]],
+            dst_state_dim_per_tensor=[[]],
+            dst_state_layer_ids=[[]],
+            dst_attn_tp_size=1,
+            dst_tp_rank=0,
+        )
+        request = types.SimpleNamespace(dst_state_indices=[dst], mooncake_session_id="kvspec", room=0)
+        _rebind(manager.maybe_send_extra, get_memory=lambda: _MEMORY)(stand_in, request, [src], None, peer)
+    elif window:
         request = types.SimpleNamespace(dst_state_indices=[dst], mooncake_session_id="kvspec", room=0)
         _rebind(manager.maybe_send_extra, get_memory=lambda: _MEMORY)(stand_in, request, [src], None, None)
     else:
@@ -553,8 +690,10 @@ def _mooncake(producer: Sequence[int], consumer: Sequence[int], *, window: bool)
     return copied[-1]
 
 
-def _mori(producer: Sequence[int], consumer: Sequence[int], *, window: bool) -> PagePairs:
+def _mori(producer: Sequence[int], consumer: Sequence[int], *, window: bool, state: bool = False) -> PagePairs:
     module = import_sglang(_DISAGG + "mori.conn")
+    if state:
+        return _mori_state(module, producer, consumer)
     plans: list[Any] = []
 
     def submit(src_desc: object, dst_desc: object, plan: Any) -> list[Any]:
@@ -584,7 +723,31 @@ def _mori(producer: Sequence[int], consumer: Sequence[int], *, window: bool) -> 
     return out_p, out_c
 
 
-def _nixl(producer: Sequence[int], consumer: Sequence[int], *, window: bool) -> PagePairs:
+def _mori_state(module: Any, producer: Sequence[int], consumer: Sequence[int]) -> PagePairs:
+    """MORI's ``_send_mamba_state`` with its engine's ``batch_write`` recorded: offsets are slots (item length 1)."""
+    written: list[tuple[int, int]] = []
+
+    def batch_write(src: object, src_offsets: Any, dst: object, dst_offsets: Any, sizes: Any, uids: Any) -> list[Any]:
+        written.extend((int(s[0]), int(d[0])) for s, d in zip(src_offsets, dst_offsets, strict=True))
+        return []
+
+    stand_in = types.SimpleNamespace(
+        state_tp_size=1,
+        pp_size=1,
+        kv_args=types.SimpleNamespace(engine_rank=0),
+        engine=types.SimpleNamespace(allocate_transfer_uid=lambda: 0, batch_write=batch_write),
+        _record_submitted_statuses=lambda statuses: None,
+    )
+    peer = types.SimpleNamespace(decode_tp_size=1, decode_tp_rank=0)
+    src = module.np.array(list(producer), dtype=module.np.int32)
+    dst = module.np.array(list(consumer), dtype=module.np.int32)
+    module.MoriKVManager._send_mamba_state(
+        stand_in, peer, src, dst, [None], [None], [1], [1], [], [], [None], [1], [], []
+    )
+    return [p for p, _ in written], [c for _, c in written]
+
+
+def _nixl(producer: Sequence[int], consumer: Sequence[int], *, window: bool, state: bool = False) -> PagePairs:
     module = import_sglang(_DISAGG + "nixl.conn")
     state_type = import_sglang(_DISAGG + "base.conn").StateType
     made: list[tuple[Any, Any]] = []
@@ -596,7 +759,7 @@ def _nixl(producer: Sequence[int], consumer: Sequence[int], *, window: bool) -> 
 
     agent = types.SimpleNamespace(make_prepped_xfer=make_prepped_xfer)
     stand_in = types.SimpleNamespace(
-        kv_args=types.SimpleNamespace(state_types=[state_type.SWA]),
+        kv_args=types.SimpleNamespace(state_types=[state_type.MAMBA if state else state_type.SWA]),
         agent=agent,
         _post_xfer=lambda handle, message: None,
     )
@@ -619,18 +782,29 @@ BACKENDS: dict[str, Callable[..., PagePairs]] = {"mooncake": _mooncake, "mori": 
 """Backend name -> its pairing, each SGLang's own method on a stand-in manager."""
 
 
-def pair_pages(backend: str, producer: Sequence[int], consumer: Sequence[int], *, window: bool = True) -> PagePairs:
-    """The pages ``backend`` would copy for two index lists: SGLang's own pairing (ALIGN-1).
+def pair_pages(
+    backend: str, producer: Sequence[int], consumer: Sequence[int], *, window: bool = True, state: bool = False
+) -> PagePairs:
+    """The pages ``backend`` would copy for two index lists: SGLang's own pairing (ALIGN-1, STATE-3).
 
-    A refusal by SGLang (NIXL on any length mismatch, MORI on no overlap)
-    becomes :class:`BlockAlignmentError` with SGLang's message kept.
+    With ``state`` the lists are Mamba slot indices and the backend's Mamba
+    path pairs them: Mooncake ``maybe_send_extra`` into ``_send_mamba_state``
+    (``_transfer_data`` recorded), NIXL ``_send_prepared_states`` for a MAMBA
+    component, MORI ``_send_mamba_state`` (``batch_write`` recorded). A
+    refusal by SGLang (NIXL on any length mismatch, MORI on no overlap, any
+    backend on more than one Mamba slot) becomes :class:`BlockAlignmentError`
+    with SGLang's message kept; for state, :class:`StateSlotError`.
     """
     if backend not in BACKENDS:
         raise ConfigError(f"SGLang backend {backend!r}: expected one of {sorted(BACKENDS)}")
     try:
+        if state:
+            return BACKENDS[backend](producer, consumer, window=False, state=True)
         return BACKENDS[backend](producer, consumer, window=window)
-    except (RuntimeError, ValueError) as exc:
-        raise BlockAlignmentError(f"SGLang {backend} refuses to pair (ALIGN-1): {type(exc).__name__}: {exc}") from exc
+    except (AssertionError, RuntimeError, ValueError) as exc:
+        error = StateSlotError if state else BlockAlignmentError
+        rule = "STATE-3" if state else "ALIGN-1"
+        raise error(f"SGLang {backend} refuses to pair ({rule}): {type(exc).__name__}: {exc}") from exc
 
 
 # --------------------------------------------------------------------------- the Connector seam
@@ -664,12 +838,8 @@ class SglangConnector:
         return "from kvspec.integrations.sglang import SglangConnector\n", f"SglangConnector({self.backend!r})"
 
     def state_profile(self, config: KVCacheConfig) -> str | None:
-        """The state convention a Mamba group would follow: :data:`STATE_PROFILE` once the state rules exist.
-
-        The hook for the state-groups work (decision 133): today no group has
-        one, and admission refuses Mamba groups.
-        """
-        return None
+        """SGLang's state convention, :data:`STATE_PROFILE`, for a config with state groups; else None (STATE-1)."""
+        return STATE_PROFILE if get_state_group_indices(config) else None
 
     def check_admission(self, config: KVCacheConfig, mode: TransferMode) -> None:
         """What SGLang can represent: one page size, one window, full and SWA pools (ADM-1, decision 132).
@@ -681,12 +851,32 @@ class SglangConnector:
         to_sglang_pool_config(config)
 
     def check_peer(self, producer: Any, consumer: Any) -> None:
-        """kvspec's ``check_compatibility``: SGLang checks its peer's layout in its bootstrap threads (HS-1)."""
+        """kvspec's ``check_compatibility`` (SGLang checks its peer's layout in its bootstrap threads, HS-1).
+
+        An engine with state groups is SGLang's only under :data:`STATE_PROFILE`:
+        a descriptor of another profile describes an engine these adapters do
+        not model, refused naming ``state_profile`` (STATE-1, decision 177).
+        """
         check_compatibility(producer=producer, consumer=consumer)
+        profiles = [getattr(p, "value", p) for p in (producer.state_profile, consumer.state_profile)]
+        if any(p is not None and p != STATE_PROFILE for p in profiles):
+            field = f"state_profile (SGLang {SGLANG_VERSION}'s is {STATE_PROFILE!r}, STATE-1)"
+            raise IncompatiblePeerError({field: (profiles[0], profiles[1])})
 
     def clip_block_ids(self, config: KVCacheConfig, block_ids: BlockIds) -> BlockIds:
-        """The list as it is: SGLang exchanges no clipped lists, each side selects its window itself (CLIP-1)."""
-        return BlockIds([list(group) for group in block_ids])
+        """The attention lists as they are; a state group's list is its one Mamba slot (CLIP-1, STATE-2).
+
+        SGLang exchanges no clipped lists: each side selects its window itself.
+        A state group's list is what SGLang's pool holds and sends for it, the
+        one slot :func:`load_state_slot` loads (decision 176); an empty list
+        stays empty, pairing refuses it.
+        """
+        states = set(get_state_group_indices(config)) if len(block_ids) == config.num_groups else set()
+        out: list[list[int]] = []
+        for index, group in enumerate(block_ids):
+            spec = config.kv_cache_groups[index].kv_cache_spec if index in states else None
+            out.append(load_state_slot(spec, group, group=index) if spec is not None and group else list(group))
+        return BlockIds(out)
 
     def pair_block_ids(
         self,
@@ -707,7 +897,11 @@ class SglangConnector:
         entry, and handed to SGLang with ``seq_len`` the tokens the lists cover
         (``num_tokens + recomputed_tokens``: SGLang ships every prompt token and
         recomputes none) and decode's prefix ``prefix_hit_tokens``. A page SGLang reads where the list has
-        none shows as the null id, which NULL-1 refuses.
+        none shows as the null id, which NULL-1 refuses. A state group's lists
+        are each loaded as the request's one Mamba slot (:func:`load_state_slot`),
+        read back through SGLang's Mamba payloads and paired by the backend's
+        Mamba path; SGLang sends the state on any decode prefix, so STATE-4 is
+        not checked, as in SGLang (decision 178).
         """
         if len(consumer_block_ids) == 0:
             return BlockPairs(producer_block_ids=[], consumer_block_ids=[])
@@ -724,8 +918,19 @@ class SglangConnector:
         out_c: list[list[int]] = []
         for index, group in enumerate(groups):
             spec = group.kv_cache_spec
-            blocks = -(-listed // spec.block_size)
             p_ids, c_ids = list(producer_block_ids[index]), list(consumer_block_ids[index])
+            if is_state_spec(spec):
+                # One slot per side through SGLang's Mamba payloads, paired by the backend's Mamba path (STATE-3).
+                keywords = {"first_block": 0, "num_tokens": listed, "prefix_tokens": prefix_hit_tokens}
+                p_slot = load_state_slot(spec, p_ids, group=index)
+                c_slot = load_state_slot(spec, c_ids, group=index)
+                src = producer_pages(spec, p_slot, **keywords)
+                dst = consumer_pages(spec, c_slot, **keywords)
+                paired_p, paired_c = pair_pages(self.backend, src, dst, state=True)
+                out_p.append(paired_p)
+                out_c.append(paired_c)
+                continue
+            blocks = -(-listed // spec.block_size)
             p_first = _placed(p_ids, None if producer_block_ends is None else producer_block_ends[index], blocks)
             c_first = _placed(c_ids, None if consumer_block_ends is None else consumer_block_ends[index], blocks)
             if p_first < 0 or c_first < 0:

@@ -11,7 +11,10 @@ SGLang's prefill (``_send_kv_chunk``) and decode (``pop_preallocated``'s
 own method (:mod:`kvspec.integrations.sglang`). Both sides' tables say which
 logical block each id holds, so every pair is checked by position (ALIGN-1),
 for the null page (NULL-1), and against the blocks kvspec says the consumer
-needs (WIN-1).
+needs (WIN-1). Every request also holds a Mamba slot per side from SGLang's
+``MambaSlotAllocator``, read back through ``req_index_to_mamba_index_mapping``
+by both sides' Mamba payloads and paired by each backend's Mamba path; the
+state pair must be the request's two slots (STATE-3, decision 179).
 
 SGLang computes both lists with one formula, so on a consistent request the
 two are of equal length. Its Mooncake and MORI pairing is written to
@@ -37,7 +40,7 @@ from typing import Any
 import attrs
 
 from kvspec._errors import BlockAlignmentError
-from kvspec._models import NULL_BLOCK_ID, FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
+from kvspec._models import NULL_BLOCK_ID, FullAttentionSpec, KVCacheSpec, MambaSpec, SlidingWindowSpec
 from kvspec._reference import get_needed_block_range
 from kvspec.integrations.sglang import (
     BACKENDS,
@@ -86,6 +89,11 @@ DEVIATIONS: dict[str, Deviation] = {
     "needed-block-not-transferred": Deviation(
         "WIN-1", "a block the consumer needs is not transferred", "the consumer attends a page nobody wrote"
     ),
+    "state-slot-mismatch": Deviation(
+        "STATE-3",
+        "the Mamba state is not copied from the request's slot into the consumer's slot",
+        "the consumer decodes from a stale or foreign state",
+    ),
     "front-pairs-on-drift": Deviation(
         "ALIGN-1",
         "lists one page apart in length are paired at their fronts",
@@ -107,11 +115,13 @@ class AuditCase:
     prefix_tokens: int
 
     def specs(self) -> list[tuple[str, KVCacheSpec]]:
-        """The pools as kvspec specs: ``full`` and, with a window, ``swa``."""
+        """The pools as kvspec specs: ``full``, with a window ``swa``, and a Mamba pool ``mamba`` (decision 179)."""
         common = {"block_size": self.page_size, "num_kv_heads": 1, "head_size": 8, "dtype": "float16"}
         out: list[tuple[str, KVCacheSpec]] = [("full", FullAttentionSpec(**common))]  # type: ignore[arg-type]
         if self.window:
             out.append(("swa", SlidingWindowSpec(sliding_window=self.window, **common)))  # type: ignore[arg-type]
+        state = MambaSpec(block_size=self.page_size, shapes=((3, 8), (2, 4, 4)), dtypes=("float16", "float32"))
+        out.append(("mamba", state))
         return out
 
     def describe(self) -> str:
@@ -269,9 +279,23 @@ class _Pools:
             raise RuntimeError(f"SGLang's {side} {pool} allocator is out of pages for {count}")
         return [int(i) // page_size for i in indices[::page_size]]
 
+    def take_slot(self, side: str) -> int:
+        """One Mamba slot from ``side``'s ``MambaSlotAllocator``, as ``HybridReqToTokenPool.alloc`` takes it."""
+        key = (side, "mamba", 0)
+        if key not in self._allocators:
+            mamba = import_sglang("sglang.srt.mem_cache.allocator.mamba")
+            self._allocators[key] = mamba.MambaSlotAllocator(size=64, device="cpu")
+        slot = self._allocators[key].alloc(1)
+        if slot is None:
+            raise RuntimeError(f"SGLang's {side} Mamba allocator is out of slots")
+        return int(slot[0])
+
     def give_back(self, side: str, pool: str, page_size: int, pages: Sequence[int]) -> None:
         """Free ``pages`` (shuffled, so later requests get scattered ids) through SGLang's ``free``."""
         torch = import_sglang("torch")
+        if pool == "mamba":
+            self._allocators[(side, "mamba", 0)].free(torch.tensor(list(pages), dtype=torch.int64))
+            return
         real = [p for p in pages if p != NULL_BLOCK_ID]
         self._rng.shuffle(real)
         if real:
@@ -297,6 +321,8 @@ def _swa_tail_len(page_size: int, sgl_window: int, seq_len: int, radix: bool) ->
 
 def _tables(pools: _Pools, case: AuditCase, pool: str, spec: KVCacheSpec) -> tuple[list[int], list[int]]:
     """Both sides' whole page tables for one pool: page id per logical block, null where none is held."""
+    if isinstance(spec, MambaSpec):  # one slot per request and side: SGLang's table for a state pool
+        return [pools.take_slot("prefill")], [pools.take_slot("decode")]
     size, tokens = case.page_size, case.num_tokens
     blocks = -(-tokens // size)
     producer = pools.take("prefill", pool, size, blocks)
@@ -319,6 +345,11 @@ def _check(
     deviation_on_shift: str = "shifted-pair",
 ) -> list[Finding]:
     producer, consumer = tables
+    if isinstance(spec, MambaSpec):
+        if (list(pairs[0]), list(pairs[1])) != (producer, consumer):
+            detail = f"slot {producer} should be copied into slot {consumer}; the copies are {pairs[0]} -> {pairs[1]}"
+            return [Finding(backend, "state-slot-mismatch", case, pool, detail, None, tuple(pairs[0]), tuple(pairs[1]))]
+        return []
     p_block = {page: i for i, page in enumerate(producer) if page != NULL_BLOCK_ID}
     c_block = {page: i for i, page in enumerate(consumer) if page != NULL_BLOCK_ID}
     lists = (tuple(pairs[0]), tuple(pairs[1]))
@@ -378,10 +409,11 @@ def run_audit(*, backends: Sequence[str] = AUDIT_BACKENDS, requests: int = 200, 
             src = producer_pages(spec, tables[0], first_block=0, **keywords)
             dst = consumer_pages(spec, tables[1], first_block=0, **keywords)
             window = isinstance(spec, SlidingWindowSpec)
+            state = isinstance(spec, MambaSpec)
             first = tables[0].index(src[0]) if src else 0
             for backend in backends:
                 try:
-                    paired = pair_pages(backend, src, dst, window=window)
+                    paired = pair_pages(backend, src, dst, window=window, state=state)
                 except BlockAlignmentError:
                     closed[backend] += 1
                     continue
