@@ -10,6 +10,7 @@ from mutants import (
     DRIVER_MUTANTS,
     ENDPOINT_MUTANTS,
     SCORE,
+    STATE_ENDPOINT_MUTANTS,
     DriverMutant,
     EndpointMutant,
     MutantBackend,
@@ -72,6 +73,17 @@ def test_endpoint_mutant_fails_the_stale_reference_case(
     mutant: type[EndpointMutant], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Endpoints that serve or accept a consumed transfer reference fail SM-1/stale-transfer-reference (#52234)."""
+    mutant.patch(monkeypatch)
+    report = run_suite(LoopbackBackend(), rules=list(mutant.caught_by), max_examples=5)
+    SCORE[mutant.__name__] = _rejected(report, mutant.breaks, mutant.caught_by)
+    assert SCORE[mutant.__name__], f"expected {mutant.caught_by} to fail:\n{_failures(report)}"
+
+
+@pytest.mark.parametrize("mutant", STATE_ENDPOINT_MUTANTS, ids=lambda m: m.__name__)
+def test_state_endpoint_mutant_fails_the_case_it_names(
+    mutant: type[EndpointMutant], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Endpoints that place the state at the wrong t, or move it after advertising its slot, fail STATE-1/STATE-3."""
     mutant.patch(monkeypatch)
     report = run_suite(LoopbackBackend(), rules=list(mutant.caught_by), max_examples=5)
     SCORE[mutant.__name__] = _rejected(report, mutant.breaks, mutant.caught_by)

@@ -166,7 +166,13 @@ def _clip_state(ctx: CaseContext) -> None:
 
 
 def _pair(
-    ctx: CaseContext, config_name: str, producer: list[list[int]], consumer: list[list[int]], *, num_tokens: int, hit: int
+    ctx: CaseContext,
+    config_name: str,
+    producer: list[list[int]],
+    consumer: list[list[int]],
+    *,
+    num_tokens: int,
+    hit: int,
 ) -> object:
     config = {"FA_MAMBA": FA_MAMBA, "GDN_ALIGN": GDN_ALIGN}[config_name]
     _direct(
@@ -260,7 +266,7 @@ def _layouts(ctx: CaseContext) -> None:
     ctx.last_reproducer = None
     for field, value in changes.items():
         groups = list(base.groups)
-        groups[state] = attrs.evolve(group, **{field: value})
+        groups[state] = attrs.evolve(group, **{field: value})  # type: ignore[arg-type]
         try:
             ctx.connector.check_peer(base, attrs.evolve(base, groups=tuple(groups)))
         except (IncompatiblePeerError, UnsupportedVersionError) as exc:
@@ -322,7 +328,11 @@ def run_state_endpoints(
         try:
             agents += [backend.create_agent("producer"), backend.create_agent("consumer")]
             producer = ProducerEndpoint(
-                engine_id="producer", config=config, transport=agents[0], regions=p_pool.regions, mode=TransferMode(mode)
+                engine_id="producer",
+                config=config,
+                transport=agents[0],
+                regions=p_pool.regions,
+                mode=TransferMode(mode),
             )
             consumer = ConsumerEndpoint(
                 engine_id="consumer",
