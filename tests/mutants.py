@@ -547,7 +547,13 @@ class StateNotMoved(ReferenceConnector):
     """Pairs the attention groups and drops every state pair: the state never moves, yet the load is DONE."""
 
     breaks = "STATE-2"
-    caught_by = ("STATE-2/one-slot-moves", "STATE-2/state-window-and-full", "STATE-2/scratch-slots-never-travel")
+    caught_by = (
+        "STATE-2/one-slot-moves",
+        "STATE-2/state-window-and-full",
+        "STATE-2/scratch-slots-never-travel",
+        "STATE-1/recomputed-tokens-0-to-3",
+        "STATE-4/align-prefix-hits",
+    )
 
     def pair_block_ids(self, config: KVCacheConfig, **kwargs: Any) -> BlockPairsLike:
         pairs = super().pair_block_ids(config, **kwargs)
@@ -612,6 +618,22 @@ class PairsNullSlot(ReferenceConnector):
         return raw  # type: ignore[return-value]
 
 
+class PairsConsumerHead(ReferenceConnector):
+    """Pairs P's state slot with the FIRST slot C lists, not its last (C's list may be one longer, STATE-3)."""
+
+    breaks = "STATE-3"
+    caught_by = ("STATE-3/slots-pair-last-with-last",)
+
+    def pair_block_ids(self, config: KVCacheConfig, *, consumer_block_ids: BlockIds, **kwargs: Any) -> BlockPairsLike:
+        pairs = super().pair_block_ids(config, consumer_block_ids=consumer_block_ids, **kwargs)
+        states = set(get_state_group_indices(config))
+        consumer = [
+            list(consumer_block_ids[g][:1]) if g in states and ids else list(ids)
+            for g, ids in enumerate(pairs.consumer_block_ids)
+        ]
+        return BlockPairs(producer_block_ids=pairs.producer_block_ids, consumer_block_ids=consumer)
+
+
 class IgnoresStateBoundary(ReferenceConnector):
     """Pairs state slots by STATE-3 and the rest by tail, but never checks the hit against state boundaries."""
 
@@ -655,6 +677,7 @@ CONNECTOR_MUTANTS: tuple[type[ReferenceConnector], ...] = (
     StateNotMoved,
     SendsScratchSlot,
     PairsNullSlot,
+    PairsConsumerHead,
     IgnoresStateBoundary,
     IgnoresStateLayout,
 )
