@@ -28,7 +28,7 @@ from kvspec import (
     TransferParams,
     UnsupportedHybridError,
     _driver,
-    _exchange,
+    _engine,
 )
 from kvspec._driver import LiveRequest, Moment
 from kvspec._messages import BlockOffer, Message
@@ -864,7 +864,7 @@ class ResumesAtWrongT(EndpointMutant):
         def shifted(config: KVCacheConfig, *, num_tokens: int, **kwargs: Any) -> None:
             check(config, num_tokens=num_tokens + 1, **kwargs)
 
-        monkeypatch.setattr(_exchange, "check_state_position", shifted)
+        monkeypatch.setattr(_engine, "check_state_position", shifted)
 
 
 class MovesStateSlotAfterOffer(EndpointMutant):
