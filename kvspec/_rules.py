@@ -30,8 +30,6 @@ class Rule:
     """For a rule no conformance case checks yet: the test module that checks the reference (OFF-*)."""
 
 
-_STATE_TESTS = "tests/test_state.py"
-
 RULES: tuple[Rule, ...] = (
     Rule(
         id="HMA-1",
@@ -60,7 +58,6 @@ RULES: tuple[Rule, ...] = (
         summary="With state groups the transfer carries state_tokens t; t must equal T = num_tokens, else "
         "StatePositionError before any byte moves; a missing t (a 1.1 peer) is refused; prebuilt needs R = 0; "
         "peers of different state profiles are refused at handshake.",
-        checked_by=_STATE_TESTS,
     ),
     Rule(
         id="STATE-2",
@@ -68,7 +65,6 @@ RULES: tuple[Rule, ...] = (
         level=Level.MUST,
         summary="Per state group drop min(num_speculative_blocks, len - 1) trailing scratch slots, keep the last: "
         "one slot travels; a null kept slot is a StateSlotError.",
-        checked_by=_STATE_TESTS,
     ),
     Rule(
         id="STATE-3",
@@ -76,7 +72,6 @@ RULES: tuple[Rule, ...] = (
         level=Level.MUST,
         summary="The producer's last slot pairs with the consumer's last; the consumer may list at most one more "
         "slot; an empty list, a null slot or a longer consumer list is a StateSlotError.",
-        checked_by=_STATE_TESTS,
     ),
     Rule(
         id="STATE-4",
@@ -84,7 +79,6 @@ RULES: tuple[Rule, ...] = (
         level=Level.MUST,
         summary="In align mode a hit H must be a multiple of the state block size, in none mode 0; per-group hits "
         "reconcile to their minimum; H == T transfers nothing.",
-        checked_by=_STATE_TESTS,
     ),
     Rule(
         id="STATE-5",
@@ -92,7 +86,6 @@ RULES: tuple[Rule, ...] = (
         level=Level.MUST,
         summary="Per state group the state shapes, dtypes, kind, conv layout and padded page size match between "
         "peers, else IncompatiblePeerError naming the field.",
-        checked_by=_STATE_TESTS,
     ),
     Rule(
         id="SW-1",

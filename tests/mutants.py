@@ -25,15 +25,19 @@ from kvspec import (
     KVCacheConfig,
     PageDigester,
     TransferMode,
+    TransferParams,
     UnsupportedHybridError,
     _driver,
+    _engine,
 )
 from kvspec._driver import LiveRequest, Moment
 from kvspec._messages import BlockOffer, Message
 from kvspec._plan import BlockPairsLike
-from kvspec._reference import BlockPairs, check_window_coverage
+from kvspec._reference import BlockPairs, check_window_coverage, compute_block_pairs
 from kvspec._session import ProducerSession
 from kvspec.exchange import ConsumerEndpoint, ProducerEndpoint
+from kvspec.spec import get_blocks_per_sw, get_exchange_clipped_blocks
+from kvspec.spec.state import check_state_position, get_state_group_indices, get_state_paired_lists
 from kvspec.transport import Backend, Capabilities, Descriptor, MemoryRegion, Notification, TransferHandle
 from kvspec.transport._base import TransferState, TransferStatus, Transport
 from kvspec.transport.loopback import LoopbackBackend
@@ -44,6 +48,7 @@ __all__ = [
     "DRIVER_MUTANTS",
     "ENDPOINT_MUTANTS",
     "SCORE",
+    "STATE_ENDPOINT_MUTANTS",
     "DriverMutant",
     "EndpointMutant",
     "MutantBackend",
@@ -557,12 +562,147 @@ class WidthOnlyHandshake(ReferenceConnector):
         super().check_peer(_width_class(producer), _width_class(consumer))
 
 
+# --------------------------------------------------------------------------- state connector mutants (STATE-2..5)
+
+
+class StateNotMoved(ReferenceConnector):
+    """Pairs the attention groups and drops every state pair: the state never moves, yet the load is DONE."""
+
+    breaks = "STATE-2"
+    caught_by = (
+        "STATE-2/one-slot-moves",
+        "STATE-2/state-window-and-full",
+        "STATE-2/scratch-slots-never-travel",
+        "STATE-1/recomputed-tokens-0-to-3",
+        "STATE-4/align-prefix-hits",
+    )
+
+    def pair_block_ids(self, config: KVCacheConfig, **kwargs: Any) -> BlockPairsLike:
+        pairs = super().pair_block_ids(config, **kwargs)
+        states = set(get_state_group_indices(config))
+
+        def keep(lists: BlockIds) -> list[list[int]]:
+            return [[] if g in states else list(ids) for g, ids in enumerate(lists)]
+
+        return BlockPairs(
+            producer_block_ids=keep(pairs.producer_block_ids), consumer_block_ids=keep(pairs.consumer_block_ids)
+        )
+
+
+class SendsScratchSlot(ReferenceConnector):
+    """Clips a state group to its list's last slot, scratch or not: a speculative scratch slot travels."""
+
+    breaks = "STATE-2"
+    caught_by = ("STATE-2/scratch-slots-never-travel", "STATE-2/clip-keeps-the-state-slot")
+
+    def clip_block_ids(self, config: KVCacheConfig, block_ids: BlockIds) -> BlockIds:
+        clipped = get_exchange_clipped_blocks(block_ids, get_blocks_per_sw(config))
+        states = set(get_state_group_indices(config))
+        return BlockIds([ids[-1:] if g in states else ids for g, ids in enumerate(clipped)])
+
+
+@attrs.frozen(kw_only=True)
+class _RawPairs:
+    """Pairs as plain lists, unchecked: what a connector that builds its own pairs returns."""
+
+    producer_block_ids: list[list[int]]
+    consumer_block_ids: list[list[int]]
+
+
+_STAND_IN = 10**9  # an id no pool has, standing for the null block while the reference pairs
+
+
+class PairsNullSlot(ReferenceConnector):
+    """Pairs a state group's last slots even when one is the null block, instead of refusing (STATE-3)."""
+
+    breaks = "STATE-3"
+    caught_by = ("STATE-3/null-state-slot-refused",)
+
+    def pair_block_ids(
+        self, config: KVCacheConfig, *, producer_block_ids: BlockIds, consumer_block_ids: BlockIds, **kwargs: Any
+    ) -> BlockPairsLike:
+        states = set(get_state_group_indices(config))
+
+        def hide(lists: BlockIds) -> BlockIds:
+            return BlockIds([[_STAND_IN if g in states and b == 0 else b for b in ids] for g, ids in enumerate(lists)])
+
+        pairs = super().pair_block_ids(
+            config, producer_block_ids=hide(producer_block_ids), consumer_block_ids=hide(consumer_block_ids), **kwargs
+        )
+
+        def show(lists: BlockIds) -> list[list[int]]:
+            return [[0 if b == _STAND_IN else b for b in ids] for ids in lists]
+
+        # Plain lists: BlockPairs itself refuses the null block (NULL-1), which is what this connector forgot.
+        raw = _RawPairs(
+            producer_block_ids=show(pairs.producer_block_ids), consumer_block_ids=show(pairs.consumer_block_ids)
+        )
+        return raw  # type: ignore[return-value]
+
+
+class PairsConsumerHead(ReferenceConnector):
+    """Pairs P's state slot with the FIRST slot C lists, not its last (C's list may be one longer, STATE-3)."""
+
+    breaks = "STATE-3"
+    caught_by = ("STATE-3/slots-pair-last-with-last",)
+
+    def pair_block_ids(self, config: KVCacheConfig, *, consumer_block_ids: BlockIds, **kwargs: Any) -> BlockPairsLike:
+        pairs = super().pair_block_ids(config, consumer_block_ids=consumer_block_ids, **kwargs)
+        states = set(get_state_group_indices(config))
+        consumer = [
+            list(consumer_block_ids[g][:1]) if g in states and ids else list(ids)
+            for g, ids in enumerate(pairs.consumer_block_ids)
+        ]
+        return BlockPairs(producer_block_ids=pairs.producer_block_ids, consumer_block_ids=consumer)
+
+
+class IgnoresStateBoundary(ReferenceConnector):
+    """Pairs state slots by STATE-3 and the rest by tail, but never checks the hit against state boundaries."""
+
+    breaks = "STATE-4"
+    caught_by = ("STATE-4/hit-off-a-state-boundary-refused",)
+
+    def pair_block_ids(
+        self, config: KVCacheConfig, *, producer_block_ids: BlockIds, consumer_block_ids: BlockIds, **kwargs: Any
+    ) -> BlockPairsLike:
+        if len(consumer_block_ids) == 0:
+            return BlockPairs(producer_block_ids=[], consumer_block_ids=[])
+        producer, consumer, _, _ = get_state_paired_lists(config, producer_block_ids, consumer_block_ids)
+        return compute_block_pairs(producer_block_ids=producer, consumer_block_ids=consumer)
+
+
+def _same_state_layout(producer: EngineDescriptor, consumer: EngineDescriptor) -> EngineDescriptor:
+    # The consumer's state fields replaced by the producer's: what a check that skips them sees.
+    fields = ("state_shapes", "state_dtypes", "mamba_type", "conv_layout")
+    groups = tuple(
+        attrs.evolve(c, **{f: getattr(p, f) for f in fields}) if p.mamba_type is not None else c
+        for p, c in zip(producer.groups, consumer.groups, strict=False)
+    )
+    return attrs.evolve(consumer, groups=groups + consumer.groups[len(groups) :])
+
+
+class IgnoresStateLayout(ReferenceConnector):
+    """Compares every descriptor field but the state layout's: shapes, dtypes, kind and conv layout (STATE-5)."""
+
+    breaks = "STATE-5"
+    caught_by = ("STATE-5/state-layouts-must-match",)
+
+    def check_peer(self, producer: EngineDescriptor, consumer: EngineDescriptor) -> None:
+        super().check_peer(producer, _same_state_layout(producer, consumer))
+
+
 CONNECTOR_MUTANTS: tuple[type[ReferenceConnector], ...] = (
     FrontTrim,
     ProducerIdsAsConsumerIds,
     NoClipping,
     WidthOnlyHandshake,
     SkipsLastGroup,
+    StateNotMoved,
+    SendsScratchSlot,
+    PairsNullSlot,
+    PairsConsumerHead,
+    IgnoresStateBoundary,
+    IgnoresStateLayout,
 )
 
 # --------------------------------------------------------------------------- driver mutants (INT-1)
@@ -687,6 +827,85 @@ class ForgetsConsumedRequests(EndpointMutant):
 
 
 ENDPOINT_MUTANTS: tuple[type[EndpointMutant], ...] = (ServesReleasedBlocks, ForgetsConsumedRequests)
+
+
+# --------------------------------------------------------------------------- state endpoint mutants (STATE-1, STATE-3)
+# Where a state stands and which slot holds it are the engines' business: these patch kvspec's endpoints.
+
+
+class StateOneTokenLate(EndpointMutant):
+    """The producer ships the state one token late: it declares t = T + 1 (the recomputed token applied twice)."""
+
+    breaks = "STATE-1"
+    caught_by = ("STATE-1/endpoints-state-at-t-loads",)
+
+    @classmethod
+    def patch(cls, monkeypatch: pytest.MonkeyPatch) -> None:
+        prefill = ProducerEndpoint.prefill
+
+        def late(self: ProducerEndpoint, request_id: str, *, num_tokens: int, **kwargs: Any) -> TransferParams:
+            if kwargs.get("state_tokens") is None:
+                kwargs["state_tokens"] = num_tokens + 1
+            return prefill(self, request_id, num_tokens=num_tokens, **kwargs)
+
+        monkeypatch.setattr(ProducerEndpoint, "prefill", late)
+
+
+class ResumesAtWrongT(EndpointMutant):
+    """The consumer resumes one token late: it checks t against T + 1, so it refuses t == T and takes t == T + 1."""
+
+    breaks = "STATE-1"
+    caught_by = ("STATE-1/endpoints-state-at-t-loads", "STATE-1/endpoints-state-off-t-refused")
+
+    @classmethod
+    def patch(cls, monkeypatch: pytest.MonkeyPatch) -> None:
+        check = check_state_position
+
+        def shifted(config: KVCacheConfig, *, num_tokens: int, **kwargs: Any) -> None:
+            check(config, num_tokens=num_tokens + 1, **kwargs)
+
+        monkeypatch.setattr(_engine, "check_state_position", shifted)
+
+
+class MovesStateSlotAfterOffer(EndpointMutant):
+    """The producer moves the state to a fresh slot after advertising the old one (as align mode copies states).
+
+    The advertised slot keeps whatever it held before; the consumer reads it.
+    """
+
+    breaks = "STATE-3"
+    caught_by = ("STATE-3/endpoints-advertised-slot-holds-the-state",)
+
+    @classmethod
+    def patch(cls, monkeypatch: pytest.MonkeyPatch) -> None:
+        prefill = ProducerEndpoint.prefill
+
+        def moved(
+            self: ProducerEndpoint,
+            request_id: str,
+            *,
+            num_tokens: int,
+            fill: Callable[[BlockIds], None] | None = None,
+            **kwargs: Any,
+        ) -> TransferParams:
+            def fill_elsewhere(ids: BlockIds) -> None:
+                states = set(get_state_group_indices(self.config))
+                fresh = iter(self.allocator.allocate(len(states)))
+                assert fill is not None
+                fill(BlockIds([[*g[:-1], next(fresh)] if i in states and g else g for i, g in enumerate(ids)]))
+
+            return prefill(
+                self, request_id, num_tokens=num_tokens, fill=None if fill is None else fill_elsewhere, **kwargs
+            )
+
+        monkeypatch.setattr(ProducerEndpoint, "prefill", moved)
+
+
+STATE_ENDPOINT_MUTANTS: tuple[type[EndpointMutant], ...] = (
+    StateOneTokenLate,
+    ResumesAtWrongT,
+    MovesStateSlotAfterOffer,
+)
 
 # Mutant name -> whether the suite rejected it, filled by tests/test_conformance_mutants.py; the summary prints it.
 SCORE: dict[str, bool] = {}

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import pytest
-from kvspec_conformance import ReferenceConnector, Report, run_suite
+from kvspec_conformance import ReferenceConnector, Report, run_suite, select_cases
 from mutants import (
     BACKEND_MUTANTS,
     CONNECTOR_MUTANTS,
     DRIVER_MUTANTS,
     ENDPOINT_MUTANTS,
     SCORE,
+    STATE_ENDPOINT_MUTANTS,
     DriverMutant,
     EndpointMutant,
     MutantBackend,
@@ -45,7 +46,8 @@ def test_backend_mutant_fails_its_rule(mutant: type[MutantBackend]) -> None:
 def test_connector_mutant_fails_its_rule(mutant: type[ReferenceConnector]) -> None:
     rule: str = mutant.breaks  # type: ignore[attr-defined]
     caught_by: tuple[str, ...] = getattr(mutant, "caught_by", ())
-    report = run_suite(LoopbackBackend(), rules=[rule], connector=mutant(), max_examples=5)
+    # The cases named to catch it may belong to other rules (a state not moved fails STATE-1 and STATE-4 too).
+    report = run_suite(LoopbackBackend(), rules=[rule, *caught_by], connector=mutant(), max_examples=5)
     SCORE[mutant.__name__] = _rejected(report, rule, caught_by)
     assert rule in report.failed_rules(), _failures(report)
     assert SCORE[mutant.__name__], f"expected {caught_by} to fail:\n{_failures(report)}"
@@ -76,6 +78,26 @@ def test_endpoint_mutant_fails_the_stale_reference_case(
     report = run_suite(LoopbackBackend(), rules=list(mutant.caught_by), max_examples=5)
     SCORE[mutant.__name__] = _rejected(report, mutant.breaks, mutant.caught_by)
     assert SCORE[mutant.__name__], f"expected {mutant.caught_by} to fail:\n{_failures(report)}"
+
+
+@pytest.mark.parametrize("mutant", STATE_ENDPOINT_MUTANTS, ids=lambda m: m.__name__)
+def test_state_endpoint_mutant_fails_the_case_it_names(
+    mutant: type[EndpointMutant], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Endpoints that place the state at the wrong t, or move it after advertising its slot, fail STATE-1/STATE-3."""
+    mutant.patch(monkeypatch)
+    report = run_suite(LoopbackBackend(), rules=list(mutant.caught_by), max_examples=5)
+    SCORE[mutant.__name__] = _rejected(report, mutant.breaks, mutant.caught_by)
+    assert SCORE[mutant.__name__], f"expected {mutant.caught_by} to fail:\n{_failures(report)}"
+
+
+def test_every_state_case_is_proven_by_a_mutant() -> None:
+    """Each STATE-* case is named by a mutant that must fail it (issue 25: at least 12 such cases)."""
+    cases = {c.id for c in select_cases(rules=["STATE-1", "STATE-2", "STATE-3", "STATE-4", "STATE-5"])}
+    mutants = [*CONNECTOR_MUTANTS, *STATE_ENDPOINT_MUTANTS]
+    named = {case_id for m in mutants for case_id in getattr(m, "caught_by", ())}
+    assert len(cases) >= 12
+    assert sorted(cases - named) == []
 
 
 def test_reference_driver_passes_integrity_and_skips_it_when_off() -> None:
