@@ -23,6 +23,7 @@ from kvspec import (
     EngineDescriptor,
     IncompatiblePeerError,
     KVSpecError,
+    StateProfile,
     TransferMode,
     TransferParams,
     UnsupportedVersionError,
@@ -55,10 +56,29 @@ def _modes(ctx: CaseContext) -> list[str]:
     return [m.value for m in (TransferMode.READ, TransferMode.WRITE) if m in ctx.capabilities.modes]
 
 
+def _profile(ctx: CaseContext, config: object) -> str:
+    """The connector's state profile for ``config`` (its ``state_profile`` hook), else "recompute" (STATE-1)."""
+    hook = getattr(ctx.connector, "state_profile", None)
+    answer = hook(config) if callable(hook) else None
+    return str(getattr(answer, "value", answer)) if answer is not None else "recompute"
+
+
 def _play(ctx: CaseContext, config: object, requests: Sequence[Request], rule: str) -> None:
-    """Every request LOADED in every mode, the state slot byte-exact (the page oracle)."""
+    """Every request LOADED in every mode, the state slot byte-exact (the page oracle).
+
+    Under the connector's own state profile: a "prebuilt" engine ships the
+    state after all N tokens and recomputes none, so there each request runs
+    with recomputed_tokens=0, once per (tokens, prefix hit) (STATE-1, decision 187).
+    """
+    profile = _profile(ctx, config)
+    if profile == "prebuilt":
+        seen: dict[tuple[int, int], Request] = {}
+        for r in requests:
+            seen.setdefault((r.num_tokens, r.prefix_hit_tokens), attrs.evolve(r, recomputed_tokens=0))
+        requests = list(seen.values())
     for mode in _modes(ctx):
-        result = ctx.run(Scenario(config=config, mode=mode, requests=tuple(requests)))  # type: ignore[arg-type]
+        scenario = Scenario(config=config, mode=mode, requests=tuple(requests), state_profile=profile)  # type: ignore[arg-type]
+        result = ctx.run(scenario)
         ctx.expect(result, loaded=[r.request_id for r in requests], rule=f"{rule} ({mode})")
 
 
@@ -246,14 +266,22 @@ def _off_boundary(ctx: CaseContext) -> None:
         raise ctx.fail("STATE-4: " + "\n".join(problems))
 
 
-def _descriptor(config: object) -> EngineDescriptor:
-    return EngineDescriptor.from_config(engine_id="e", config=config, mode=TransferMode.READ, hma_enabled=True)  # type: ignore[arg-type]
+def _descriptor(config: object, profile: str) -> EngineDescriptor:
+    return EngineDescriptor.from_config(
+        engine_id="e",
+        config=config,  # type: ignore[arg-type]
+        mode=TransferMode.READ,
+        hma_enabled=True,
+        state_profile=StateProfile(profile),
+    )
 
 
 @case("STATE-5", "state-layouts-must-match")
 def _layouts(ctx: CaseContext) -> None:
     """Peers whose state shapes, dtypes, kind or conv layout differ are refused by name; cache mode may differ."""
-    base = _descriptor(GDN_ALIGN)
+    # Both peers of the connector's own profile: a profile mismatch is STATE-1's, not this case's (decision 187).
+    profile = _profile(ctx, GDN_ALIGN)
+    base = _descriptor(GDN_ALIGN, profile)
     state = get_state_group_indices(GDN_ALIGN)[0]
     group = base.groups[state]
     changes: dict[str, object] = {
@@ -276,7 +304,7 @@ def _layouts(ctx: CaseContext) -> None:
             problems.append(f"{field} differs: expected IncompatiblePeerError, got {type(exc).__name__}: {exc}")
         else:
             problems.append(f"{field} differs ({getattr(group, field)!r} vs {value!r}): accepted (STATE-5)")
-    other = _descriptor(make_config(full(4), gdn(4), num_blocks=96))  # cache mode 'none', no scratch slots
+    other = _descriptor(make_config(full(4), gdn(4), num_blocks=96), profile)  # cache mode 'none', no scratch slots
     try:
         ctx.connector.check_peer(base, other)
     except KVSpecError as exc:
