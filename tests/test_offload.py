@@ -201,7 +201,9 @@ def _lcm(values: Sequence[int]) -> int:
 
 
 @st.composite
-def hit_cases(draw: st.DrawFn, *, states: bool = False) -> tuple[KVCacheConfig, OffloadConfig, list[list[bool]], int, int]:
+def hit_cases(
+    draw: st.DrawFn, *, states: bool = False
+) -> tuple[KVCacheConfig, OffloadConfig, list[list[bool]], int, int]:
     config, off_config = draw(offload_configs(states=states))
     blocks = [g.kv_cache_spec.block_size for g in config.kv_cache_groups]
     step = _lcm(blocks)
@@ -809,7 +811,9 @@ def test_a_state_group_without_prefix_caching_or_with_several_blocks_per_chunk_f
     none_mode = make_config(fa(4), MambaSpec(block_size=4, shapes=[(2, 3)], dtypes=["float16"]))
     for call in (
         lambda: check_offload_support(none_mode),
-        lambda: get_offload_hit_tokens(none_mode, [[True], [True]], num_tokens=5, local_hit_tokens=0, offload=offload()),
+        lambda: get_offload_hit_tokens(
+            none_mode, [[True], [True]], num_tokens=5, local_hit_tokens=0, offload=offload()
+        ),
         lambda: get_load_set(none_mode, [[1], [2]], num_tokens=4, local_hit_tokens=0, offload=offload()),
         lambda: get_store_set(none_mode, [[1], [2]], num_offloadable_tokens=4, next_chunk=[0, 0], offload=offload()),
     ):
@@ -838,10 +842,15 @@ FA_STATE = make_config(fa(4), state(4))
         (16, 8, [0, 0, 1, 0], 4),  # earlier states are not read: only the chunk ending the hit
     ],
 )
-def test_a_state_hit_ends_on_a_present_state_chunk(num_tokens: int, local: int, state_present: list[int], hit: int) -> None:
+def test_a_state_hit_ends_on_a_present_state_chunk(
+    num_tokens: int, local: int, state_present: list[int], hit: int
+) -> None:
     """OFF-5: the state group supports an end only on its chunk grid, with that chunk present (vLLM #44599)."""
     present = [[True] * (num_tokens // 4), [bool(p) for p in state_present][: num_tokens // 4]]
-    assert get_offload_hit_tokens(FA_STATE, present, num_tokens=num_tokens, local_hit_tokens=local, offload=offload()) == hit
+    assert (
+        get_offload_hit_tokens(FA_STATE, present, num_tokens=num_tokens, local_hit_tokens=local, offload=offload())
+        == hit
+    )
     definition = plain.get_offload_hit_tokens(
         FA_STATE, present, num_tokens=num_tokens, local_hit_tokens=local, chunk_sizes=(4, 4)
     )
@@ -860,7 +869,8 @@ def test_a_state_load_restores_one_slot_and_says_which_t_it_holds() -> None:
     with pytest.raises(WindowCoverageError, match=r"block_ids\[1\]\[2\]"):
         get_load_set(FA_STATE, [[1, 2, 3, 4], [5, 6, 0, 8]], num_tokens=12, local_hit_tokens=0, offload=offload())
     nothing = get_load_set(FA_STATE, [[1, 2], [5, 6]], num_tokens=8, local_hit_tokens=8, offload=offload())
-    assert nothing.state_tokens == (None, None) and nothing.num_blocks == (0, 0)
+    assert nothing.state_tokens == (None, None)
+    assert nothing.num_blocks == (0, 0)
     with pytest.raises(ConfigError, match=r"LoadSet.state_tokens\[1\]: expected None or a non-negative int"):
         attrs.evolve(load, state_tokens=(None, -1))
 
@@ -880,10 +890,12 @@ def test_a_state_hit_restores_exactly_the_state_the_resume_point_needs(
     for g, group in enumerate(config.kv_cache_groups):
         spec = group.kv_cache_spec
         if isinstance(spec, MambaSpec):
-            assert t % spec.block_size == 0 and t < num_tokens  # the last token is recomputed
+            assert t % spec.block_size == 0
+            assert t < num_tokens
             assert present[g][t // spec.block_size - 1]
             assert load.chunk_ranges[g] == (t // spec.block_size - 1, t // spec.block_size)
-            assert load.state_tokens[g] == t and load.num_blocks[g] == 1
+            assert load.state_tokens[g] == t
+            assert load.num_blocks[g] == 1
         else:
             assert load.state_tokens[g] is None
 

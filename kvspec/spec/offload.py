@@ -92,7 +92,11 @@ def get_offload_hit_tokens(
     specs = [group.kv_cache_spec for group in config.kv_cache_groups]
     # One GPU block per chunk in a state group: its chunk size is its block size (OFF-9).
     blocks_per_chunk = max(
-        [size // spec.block_size for spec, size in zip(specs, chunk_sizes, strict=False) if isinstance(spec, MambaSpec)],
+        [
+            size // spec.block_size
+            for spec, size in zip(specs, chunk_sizes, strict=False)
+            if isinstance(spec, MambaSpec)
+        ],
         default=1,
     )
     check_offload_support(config, blocks_per_chunk=blocks_per_chunk)
