@@ -761,7 +761,9 @@ class _OffloadPlay:
         Windows are not clipped when storing: a later, longer request may need any chunk.
         """
         for g, (ids, size) in enumerate(zip(run.table, self.sizes, strict=True)):
-            if _window(self.config, g) is not None and not self.scenario.require_window_stores:
+            # Windows and state groups: vLLM's retention stores only what a hit at the replay boundary reads (SHOULD).
+            windowed = _window(self.config, g) is not None or _is_state(self.config, g)
+            if windowed and not self.scenario.require_window_stores:
                 continue
             for k in range(run.loaded_chunks[g], run.computed // size):
                 last = k * self.f + self.f - 1
