@@ -222,6 +222,8 @@ def _to_vllm_spec(spec: KVCacheSpec) -> Any:
             dtypes=tuple(_torch_dtype(d) for d in spec.dtypes),
             page_size_padded=spec.page_size_padded,
             mamba_type=spec.mamba_type,
+            mamba_cache_mode=spec.cache_mode,  # align: vLLM rounds offload hits to the state grid (OFF-5)
+            num_speculative_blocks=spec.num_speculative_blocks,
         )
     assert isinstance(spec, (FullAttentionSpec, SlidingWindowSpec, ChunkedLocalAttentionSpec, CrossAttentionSpec))
     kwargs: dict[str, Any] = {name: getattr(spec, name) for name in _ATTENTION_FIELDS + _EXTRA_FIELDS[cls]}
@@ -245,6 +247,8 @@ def _from_vllm_spec(spec: Any, where: str) -> KVCacheSpec:
                 dtypes=[str(d) for d in spec.dtypes],
                 page_size_padded=spec.page_size_padded,
                 mamba_type=str(getattr(spec.mamba_type, "value", spec.mamba_type)),
+                cache_mode=str(spec.mamba_cache_mode),
+                num_speculative_blocks=int(spec.num_speculative_blocks),
             )
         else:
             kwargs: dict[str, Any] = {n: getattr(spec, n) for n in _ATTENTION_FIELDS + _EXTRA_FIELDS[cls]}
