@@ -15,6 +15,7 @@ from kvspec import (
     check_hybrid_support,
 )
 from kvspec.presets import list_presets
+from kvspec.summary import blocks_needed_for
 from kvspec.spec.state import check_state_prefix_hit
 
 from .._cases import case
@@ -408,8 +409,11 @@ def _plan_concurrent(ctx: CaseContext) -> None:
 def _plan_presets(ctx: CaseContext) -> None:
     """Every admitted model preset (few layers, small pages) moves its blocks correctly; others are refused."""
     for preset in list_presets():
-        # A state hybrid's pages hold a whole state (a megabyte for Qwen3-Next): a few blocks serve one request.
-        blocks = 8 if any(isinstance(spec, MambaSpec) for spec in preset.layer_specs) else 192
+        # A state hybrid's pages hold a whole state (a megabyte for Qwen3-Next): only the blocks two requests need.
+        blocks = 192
+        if any(isinstance(spec, MambaSpec) for spec in preset.layer_specs):
+            sizing = PresetConfig(name=preset.alias, num_blocks=2, max_layers_per_group=1, head_size_divisor=32)
+            blocks = 2 * blocks_needed_for(sizing.build(), num_tokens=100) + 2
         config = PresetConfig(name=preset.alias, num_blocks=blocks, max_layers_per_group=1, head_size_divisor=32)
         try:
             check_hybrid_support(config.build(), mode=TransferMode.READ)
