@@ -131,6 +131,10 @@ class OffloadKey:
         return self.block_hash + self.group.to_bytes(4, "big")
 
 
+def _state_tuple(value: Sequence[int | None]) -> tuple[int | None, ...]:
+    return tuple(value)
+
+
 def _int_pairs(value: Sequence[Sequence[int]]) -> tuple[tuple[int, int], ...]:
     pairs = []
     for g, pair in enumerate(value):
@@ -270,7 +274,7 @@ class LoadSet(_GroupTransfers):
     tuple says nothing, which a config with state groups refuses (OFF-6).
     """
 
-    state_tokens: tuple[int | None, ...] = attrs.field(default=(), converter=tuple)
+    state_tokens: tuple[int | None, ...] = attrs.field(default=(), converter=_state_tuple)
 
     def __attrs_post_init__(self) -> None:
         _check_transfer(self)

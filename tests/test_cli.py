@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+import kvspec
 import kvspec.cli
 from kvspec.cli import main
 from kvspec.presets import get_preset
@@ -92,13 +93,13 @@ def test_plan_of_a_state_only_model_and_a_full_hit() -> None:
 def test_plan_admits_the_whole_config_state_groups_included(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """ADM-1 takes the whole config, state groups and all, as the exchange does (decision 167)."""
     seen: list[tuple[str, ...]] = []
-    admit = kvspec.cli.check_hybrid_support
+    admit = kvspec.check_hybrid_support
 
     def spy(config: Any, **kwargs: Any) -> None:
         seen.append(tuple(g.kv_cache_spec.kind.value for g in config.kv_cache_groups))
         admit(config, **kwargs)
 
-    monkeypatch.setattr(kvspec.cli, "check_hybrid_support", spy)
+    monkeypatch.setattr("kvspec.cli.check_hybrid_support", spy)
     status, _ = run("plan", "hymba-1.5b", "--tokens", "256", "--mode", mode, "--json")
     assert status == 0
     assert len(seen) == 1

@@ -15,8 +15,8 @@ from kvspec import (
     check_hybrid_support,
 )
 from kvspec.presets import list_presets
-from kvspec.summary import blocks_needed_for
 from kvspec.spec.state import check_state_prefix_hit
+from kvspec.summary import blocks_needed_for
 
 from .._cases import case
 from .._context import CaseContext
