@@ -10,11 +10,16 @@ plays it on a backend:
 2. Each side keeps a free-block list (most recently freed first, so that a
    block freed too early is reused at once and a late write into it is seen).
 3. Each request is one :class:`kvspec.ProducerSession` and one
-   :class:`kvspec.ConsumerSession` (SM-1, SM-2), carried out by two
-   :class:`kvspec._driver.Driver` cores, one per agent: the same code that
-   runs kvspec's exchange endpoints. The connector under test clips, pairs
-   and plans (the connector seam); the scenario's deadline is the consumer's
-   transfer timeout, its lease and drain the sessions' lease and drain.
+   :class:`kvspec.ConsumerSession` (SM-1, SM-2), played by kvspec's engine
+   roles (:class:`kvspec.exchange.ProducerEngine`,
+   :class:`kvspec.exchange.ConsumerEngine`: clip, session, check, pair,
+   plan, start) and carried out by two :class:`kvspec.exchange.Driver`
+   cores, one per agent: the same code that runs kvspec's exchange
+   endpoints. The scenario gives them its blocks and, for a WRITE, the
+   producer's pairing through the connector under test with the request's
+   prefix hit. The connector under test clips, pairs and plans (the
+   connector seam); the scenario's deadline is the consumer's transfer
+   timeout, its lease and drain the sessions' lease and drain.
 4. What is the scenario's own: its data, its fault timing (a consumer abort
    or the initiator forgetting its peer after so many polls), and the
    oracle. Polling runs until every request ended on both sides, wave by
@@ -39,6 +44,7 @@ from kvspec import (
     NULL_BLOCK_ID,
     BlockIds,
     BlockOffer,
+    BlockPairsLike,
     ConsumerSession,
     ConsumerState,
     EngineDescriptor,
@@ -55,7 +61,6 @@ from kvspec import (
     StateProfile,
     TransferMode,
     TransferParams,
-    TransferPlan,
     UnsupportedVersionError,
     decode,
     encode,
@@ -68,11 +73,19 @@ from kvspec import (
     is_hma_required,
 )
 from kvspec.connector import pair_keywords
-from kvspec.exchange import CONSUMER, PRODUCER, Driver, LiveRequest, Operation, poll_until, reason_of
+from kvspec.exchange import (
+    CONSUMER,
+    PRODUCER,
+    ConsumerEngine,
+    Driver,
+    LiveRequest,
+    Operation,
+    ProducerEngine,
+    poll_until,
+)
 from kvspec.presets import get_preset
 from kvspec.remote import PeerBackend, RemoteAgent, RemotePool
 from kvspec.spec.state import (
-    check_state_position,
     get_scratch_slot_count,
     get_state_clipped_blocks,
     get_state_group_indices,
@@ -422,11 +435,11 @@ class _Tables:
 
 
 class _Play:
-    """Plays one scenario: two driver cores (kvspec._driver) over the backend's agents, then the oracle.
+    """Plays one scenario: two engine roles over two driver cores on the backend's agents, then the oracle.
 
-    Only scenario data, fault timing and the oracle live here; the request
-    lifecycle is the sessions', carried out by the same driver core as the
-    exchange endpoints.
+    Only scenario data, fault timing and the oracle live here; a request's
+    steps are kvspec's engine roles', its lifecycle the sessions', carried
+    out by the same driver core as the exchange endpoints.
     """
 
     def __init__(self, scenario: Scenario, backend: Backend, connector: Connector) -> None:
@@ -472,7 +485,6 @@ class _Play:
             clock=time.monotonic,
             on_free=lambda request, _: self.p_alloc.release(self.tables[request.request_id].producer),
             on_end=lambda request: None,
-            plan_write=self._plan_write,
             on_message=self._on_producer_message,
             integrity=self._digester(self.p_config, self.producer_pool),
         )
@@ -483,6 +495,25 @@ class _Play:
             on_free=self._free_consumer,
             on_end=self._consumer_ended,
             integrity=self._digester(self.c_config, self.consumer_pool),
+        )
+        # The engine roles are kvspec's, the endpoints' own: the scenario gives them its blocks and its pairing.
+        self.p_engine = ProducerEngine(
+            engine_id="producer",
+            config=self.p_config,
+            connector=self.connector,
+            driver=self.p_driver,
+            peer_config=lambda request: self.c_config,
+            pair_offer=self._pair_offer,
+        )
+        self.c_engine = ConsumerEngine(
+            engine_id="consumer",
+            config=self.c_config,
+            mode=self.mode,
+            connector=self.connector,
+            driver=self.c_driver,
+            state_profile=StateProfile(self.scenario.state_profile),
+            transfer_timeout=self.scenario.deadline,
+            drain_timeout=self.scenario.drain,
         )
 
     def _digester(self, config: KVCacheConfig, pool: PagePool) -> PageDigester | None:
@@ -540,56 +571,35 @@ class _Play:
         self.producer_expected = self.producer_pool.snapshot()
         c_ids = self._consumer_suffix(spec)
         self.tables[spec.request_id] = _Tables(spec=spec, producer=p_ids, consumer=c_ids, started=now)
-        advertised = self.connector.clip_block_ids(self.p_config, p_ids)
-        producer = ProducerSession.create(
-            request_id=spec.request_id,
-            producer_engine_id="producer",
-            producer_block_ids=advertised,
-            producer_block_digests=self.p_driver.digests(advertised),  # None unless INT-1 is on
+        producer = self.p_engine.hold(
+            spec.request_id,
+            advertised=self.p_engine.clip(p_ids),
             num_tokens=spec.num_tokens,
             mode=self.mode,
             now=now,
             lease_duration=scenario.lease,
+            # Above the consumer's drain timeout, as the lease rule asks (SM-1).
+            release_grace=1.5 * scenario.drain,
+            drain_timeout=scenario.drain,
+            peer=self.consumer_name,
             # Protocol 1.1: set only when the request sets them, so they travel through the params dict.
             producer_block_ends=spec.producer_block_ends,
             recomputed_tokens=spec.recomputed_tokens,
             state_tokens=self._state_tokens(spec),
-            # Above the consumer's drain timeout, as the lease rule asks (SM-1).
-            release_grace=1.5 * scenario.drain,
-            drain_timeout=scenario.drain,
         )
-        self.producers[spec.request_id] = self.p_driver.add(LiveRequest(session=producer, peer=self.consumer_name))
+        self.producers[spec.request_id] = producer
         # The parameters reach the consumer as vLLM's dict, through the router.
-        params = TransferParams.from_kv_transfer_params(producer.params.to_kv_transfer_params())
-        consumer = ConsumerSession(
-            params=params,
-            consumer_engine_id="consumer",
-            consumer_block_ids=self.connector.clip_block_ids(self.c_config, c_ids),
-            transfer_timeout=scenario.deadline,
-            drain_timeout=scenario.drain,
+        params = TransferParams.from_kv_transfer_params(producer.session.params.to_kv_transfer_params())
+        # The consumer engine plays the rest: session, STATE-1, WIN-1 and ALIGN-1, PLAN-1, then start.
+        self.consumers[spec.request_id] = self.c_engine.begin(
+            params,
+            prefix_hit_tokens=spec.prefix_hit_tokens,
+            peer=self.producer_name,
+            peer_config=self.p_config,
+            suffix=lambda: c_ids,
             consumer_block_ends=spec.consumer_block_ends,  # a WRITE offer carries them (ALIGN-1)
+            now=now,
         )
-        request = self.c_driver.add(LiveRequest(session=consumer, peer=self.producer_name))
-        self.consumers[spec.request_id] = request
-        if not consumer.is_prefix_hit:
-            try:
-                # The state must stand where C resumes (STATE-1); WIN-1 and ALIGN-1 before any byte moves;
-                # then every byte is planned (PLAN-1).
-                check_state_position(
-                    self.c_config,
-                    state_tokens=params.state_tokens,
-                    num_tokens=params.num_tokens,
-                    recomputed_tokens=params.recomputed_tokens,
-                    profile=self.scenario.state_profile,
-                )
-                request.plan = self._pair_and_plan(
-                    request, spec, params, consumer.consumer_block_ids, consumer.consumer_block_ends
-                )
-            except KVSpecError as exc:
-                self.c_driver.fault(Operation.CHECK, exc, spec.request_id)
-                self.c_driver.execute(request, consumer.fail(reason_of(exc), now=now, detail=str(exc)))
-                return
-        self.c_driver.execute(request, consumer.start(now=now))
 
     def _fill_ends(self, spec: Request, p_ids: BlockIds) -> tuple[int, ...] | None:
         """Where P's lists end for keying its pages: a state group's scratch slots sit past its end (STATE-2)."""
@@ -610,35 +620,27 @@ class _Play:
 
     # -- the role hooks
 
-    def _pair_and_plan(
-        self,
-        request: LiveRequest[ProducerSession] | LiveRequest[ConsumerSession],
-        spec: Request,
-        params: TransferParams,
-        consumer_block_ids: BlockIds,
-        consumer_block_ends: tuple[int, ...] | None,
-    ) -> TransferPlan:
-        pairs = self.connector.pair_block_ids(
+    def _pair_offer(self, request: LiveRequest[ProducerSession], offer: BlockOffer) -> BlockPairsLike:
+        """The producer's pairing of an offer, through the connector under test with the request's prefix hit.
+
+        A real producer does not know it (:func:`kvspec.exchange.pair_offer_by_ends`); the suite does, and
+        so puts the connector's own pairing under the WRITE it moves (WIN-1, ALIGN-1).
+        """
+        spec = self.tables[request.request_id].spec
+        params = request.session.params
+        return self.connector.pair_block_ids(
             self.p_config,
             num_tokens=spec.num_tokens,
             prefix_hit_tokens=spec.prefix_hit_tokens,
             producer_block_ids=params.producer_block_ids,
-            consumer_block_ids=consumer_block_ids,
+            consumer_block_ids=offer.consumer_block_ids,
             # Protocol 1.1 keywords only when the request uses them, so a 1.0 connector
             # still runs every case that does not (VER-1).
             **pair_keywords(
                 recomputed_tokens=params.recomputed_tokens,
                 producer_block_ends=params.producer_block_ends,
-                consumer_block_ends=consumer_block_ends,
+                consumer_block_ends=offer.consumer_block_ends,
             ),
-        )
-        request.pairs = pairs  # what the transfer moves: digested and checked with INT-1 on
-        return self.connector.plan(producer_config=self.p_config, consumer_config=self.c_config, pairs=pairs)
-
-    def _plan_write(self, request: LiveRequest[ProducerSession], offer: BlockOffer) -> TransferPlan:
-        spec = self.tables[request.request_id].spec
-        return self._pair_and_plan(
-            request, spec, request.session.params, offer.consumer_block_ids, offer.consumer_block_ends
         )
 
     def _on_producer_message(self, request_id: str, peer: str, message: Message) -> None:

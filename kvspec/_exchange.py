@@ -46,7 +46,7 @@ from typing import Generic
 import attrs
 
 from kvspec._codec import decode, encode
-from kvspec._connector import Connector, ReferenceConnector, pair_keywords
+from kvspec._connector import Connector, ReferenceConnector
 from kvspec._driver import (
     CONSUMER,
     PRODUCER,
@@ -57,13 +57,11 @@ from kvspec._driver import (
     Role,
     S,
     poll_until,
-    reason_of,
 )
+from kvspec._engine import ConsumerEngine, ProducerEngine
 from kvspec._enums import FailureReason, StateProfile, TransferMode
 from kvspec._errors import (
     ConfigError,
-    IncompatiblePeerError,
-    KVSpecError,
     LocalProtocolError,
     OutOfBlocksError,
     PlanError,
@@ -73,11 +71,9 @@ from kvspec._handshake import check_compatibility
 from kvspec._integrity import PageDigester
 from kvspec._messages import BlockOffer, EngineDescriptor, Failure, Message, ReleaseOutcome, TransferParams
 from kvspec._models import NULL_BLOCK_ID, BlockIds, KVCacheConfig, KVCacheSpec, MambaSpec
-from kvspec._plan import TransferPlan
 from kvspec._reference import (
     BlockPairs,
     check_hybrid_support,
-    compute_block_pairs,
     get_consumer_block_counts,
     get_logical_block_count,
     get_pruned_block_ids,
@@ -92,7 +88,7 @@ from kvspec._session import (
     ProducerSession,
     ProducerState,
 )
-from kvspec.spec.state import check_state_position, get_state_group_indices, get_state_paired_lists
+from kvspec.spec.state import get_state_group_indices
 from kvspec.transport._base import MemoryRegion, Transport
 
 __all__ = [
@@ -421,7 +417,14 @@ class ProducerEndpoint(_Endpoint[ProducerSession]):
         self.drain_timeout = drain_timeout
         self._tables: dict[str, BlockIds] = {}
         self._results: dict[str, ProducerResult] = {}
-        self.driver.plan_write = self._plan_write
+        # The engine role clips, holds and plans; the peer's layout comes from the handshake.
+        self.engine = ProducerEngine(
+            engine_id=engine_id,
+            config=config,
+            connector=self.connector,
+            driver=self.driver,
+            peer_config=lambda request: self._peer_by_agent(request.peer or "").config,
+        )
         self.driver.on_message = self._refuse_offer_for_no_request
 
     def _refuse_offer_for_no_request(self, request_id: str, peer: str, message: Message) -> None:
@@ -468,10 +471,9 @@ class ProducerEndpoint(_Endpoint[ProducerSession]):
         advertised = self._allocate_table(num_tokens)
         if fill is not None:
             fill(advertised)
-        session = ProducerSession.create(
-            request_id=request_id,
-            producer_engine_id=self.engine_id,
-            producer_block_ids=advertised,
+        request = self.engine.hold(
+            request_id,
+            advertised=advertised,
             # The unclipped table starts at logical block 0 and holds every block of the request (ALIGN-1).
             producer_block_ends=[
                 get_logical_block_count(g.kv_cache_spec, num_tokens=num_tokens) for g in self.config.kv_cache_groups
@@ -482,12 +484,10 @@ class ProducerEndpoint(_Endpoint[ProducerSession]):
             lease_duration=self.lease_duration,
             release_grace=self.release_grace,
             drain_timeout=self.drain_timeout,
-            producer_block_digests=self.driver.digests(advertised),
             state_tokens=(num_tokens if state_tokens is None else state_tokens) if self.state_profile else None,
         )
-        self.driver.add(LiveRequest(session=session))
         self._tables[request_id] = advertised
-        return session.params
+        return request.session.params
 
     def _allocate_table(self, num_tokens: int) -> BlockIds:
         """The request's table as vLLM leaves it after prefill, pruned and clipped (WIN-1, CLIP-1).
@@ -497,8 +497,7 @@ class ProducerEndpoint(_Endpoint[ProducerSession]):
         real blocks, so the pool never needs the whole unpruned table.
         """
         totals = [self._table_length(g.kv_cache_spec, num_tokens) for g in self.config.kv_cache_groups]
-        shape = self.connector.clip_block_ids(
-            self.config,
+        shape = self.engine.clip(
             get_pruned_block_ids(self.config, BlockIds([[1] * n for n in totals]), num_computed_tokens=num_tokens),
         )
         real = self.allocator.allocate_groups([sum(1 for b in group if b != NULL_BLOCK_ID) for group in shape])
@@ -529,28 +528,6 @@ class ProducerEndpoint(_Endpoint[ProducerSession]):
     def result(self, request_id: str) -> ProducerResult | None:
         """The outcome of a finished request, or None while it is live."""
         return self._results.get(request_id)
-
-    def _plan_write(self, request: LiveRequest[ProducerSession], offer: BlockOffer) -> TransferPlan:
-        # P does not know C's prefix hit: it aligns the offer to the tail of its own list, and
-        # refuses it if both lists say where they end and the ends differ (ALIGN-1).
-        peer = self._peer_by_agent(request.peer or "")
-        params = request.session.params
-        # A state group's one slot pairs by STATE-3, not by its list's end.
-        producer_ids, consumer_ids, producer_ends, consumer_ends = get_state_paired_lists(
-            self.config,
-            params.producer_block_ids,
-            offer.consumer_block_ids,
-            params.producer_block_ends,
-            offer.consumer_block_ends,
-        )
-        pairs = compute_block_pairs(
-            producer_block_ids=producer_ids,
-            consumer_block_ids=consumer_ids,
-            producer_block_ends=producer_ends,
-            consumer_block_ends=consumer_ends,
-        )
-        request.pairs = pairs  # what the write moves, for the Completion's digests (INT-1)
-        return self.connector.plan(producer_config=self.config, consumer_config=peer.config, pairs=pairs)
 
     def _on_end(self, request: LiveRequest[ProducerSession]) -> None:
         session = request.session
@@ -609,7 +586,18 @@ class ConsumerEndpoint(_Endpoint[ConsumerSession]):
         self.transfer_timeout = transfer_timeout
         self.drain_timeout = drain_timeout
         self.start_margin = start_margin
-        self._pairs: dict[str, BlockPairs | None] = {}
+        # The engine role plays each request's steps: allocate, clip, session, check, pair, plan, start.
+        self.engine = ConsumerEngine(
+            engine_id=engine_id,
+            config=config,
+            mode=self.mode,
+            connector=self.connector,
+            driver=self.driver,
+            state_profile=self.state_profile,
+            transfer_timeout=transfer_timeout,
+            drain_timeout=drain_timeout,
+            start_margin=start_margin,
+        )
         self._results: dict[str, ConsumerResult] = {}
         self._loaded: dict[str, BlockIds] = {}
 
@@ -622,86 +610,33 @@ class ConsumerEndpoint(_Endpoint[ConsumerSession]):
         request_id = params.request_id
         if request_id in self.driver.requests or request_id in self._results:
             raise LocalProtocolError(f"consumer request {request_id!r} already exists")
-        now = self.clock()
         peer = self._peers.get(params.producer_engine_id)
-        consumer_ids = BlockIds([])
-        consumer_ends: tuple[int, ...] | None = None
-        check_error: KVSpecError | None = None
-        if peer is None:
-            check_error = TransportError(
-                f"no handshake with engine {params.producer_engine_id!r}", reason=FailureReason.PEER_DISCONNECTED.value
+        moves = prefix_hit_tokens < params.num_tokens
+
+        def suffix() -> BlockIds:
+            counts = get_consumer_block_counts(
+                self.config,
+                num_tokens=params.num_tokens,
+                prefix_hit_tokens=prefix_hit_tokens,
+                recomputed_tokens=params.recomputed_tokens,
             )
-        elif params.mode is not self.mode:
-            check_error = IncompatiblePeerError({"mode": (params.mode.value, self.mode.value)})
-        else:
-            try:
-                if prefix_hit_tokens < params.num_tokens:
-                    # The state that moves must stand where C resumes, or nothing moves (STATE-1, STATE-4).
-                    check_state_position(
-                        self.config,
-                        state_tokens=params.state_tokens,
-                        num_tokens=params.num_tokens,
-                        recomputed_tokens=params.recomputed_tokens,
-                        profile=self.state_profile or StateProfile.RECOMPUTE,
-                    )
-                counts = get_consumer_block_counts(
-                    self.config,
-                    num_tokens=params.num_tokens,
-                    prefix_hit_tokens=prefix_hit_tokens,
-                    recomputed_tokens=params.recomputed_tokens,
-                )
-                if prefix_hit_tokens < params.num_tokens:
-                    suffix = self.allocator.allocate_groups(counts)
-                    # The counts are already within budget; clipping again is the CLIP-1 exchange point.
-                    consumer_ids = self.connector.clip_block_ids(self.config, suffix)
-                    # C's suffix ends at the request's last block, T + R tokens (ALIGN-1, protocol 1.1).
-                    listed_tokens = params.num_tokens + params.recomputed_tokens
-                    consumer_ends = tuple(
-                        get_logical_block_count(g.kv_cache_spec, num_tokens=listed_tokens)
-                        for g in self.config.kv_cache_groups
-                    )
-            except KVSpecError as exc:
-                check_error = exc
-        session = ConsumerSession(
-            params=params,
-            consumer_engine_id=self.engine_id,
-            consumer_block_ids=consumer_ids,
-            start_margin=self.start_margin,
-            transfer_timeout=self.transfer_timeout,
-            drain_timeout=self.drain_timeout,
-            consumer_block_ends=consumer_ends,
+            return self.allocator.allocate_groups(counts) if moves else BlockIds([])
+
+        self.engine.begin(
+            params,
+            prefix_hit_tokens=prefix_hit_tokens,
+            peer=None if peer is None else peer.agent,
+            peer_config=None if peer is None else peer.config,
+            suffix=suffix,
+            # C's suffix ends at the request's last block, T + R tokens (ALIGN-1, protocol 1.1).
+            consumer_block_ends=tuple(
+                get_logical_block_count(g.kv_cache_spec, num_tokens=params.num_tokens + params.recomputed_tokens)
+                for g in self.config.kv_cache_groups
+            )
+            if moves
+            else None,
+            now=self.clock(),
         )
-        request = self.driver.add(LiveRequest(session=session, peer=None if peer is None else peer.agent))
-        self._pairs[request_id] = None
-        if check_error is None and peer is not None and len(consumer_ids):
-            try:
-                # WIN-1 and ALIGN-1 before any byte moves; then every byte is planned (PLAN-1).
-                pairs = self.connector.pair_block_ids(
-                    self.config,
-                    num_tokens=params.num_tokens,
-                    prefix_hit_tokens=prefix_hit_tokens,
-                    producer_block_ids=params.producer_block_ids,
-                    consumer_block_ids=consumer_ids,
-                    # Protocol 1.1 keywords only when they say something, so a 1.0 connector still runs (VER-1).
-                    **pair_keywords(
-                        recomputed_tokens=params.recomputed_tokens,
-                        producer_block_ends=params.producer_block_ends,
-                        consumer_block_ends=consumer_ends,
-                    ),
-                )
-                request.pairs = self._pairs[request_id] = BlockPairs(
-                    producer_block_ids=pairs.producer_block_ids, consumer_block_ids=pairs.consumer_block_ids
-                )
-                request.plan = self.connector.plan(
-                    producer_config=peer.config, consumer_config=self.config, pairs=pairs
-                )
-            except KVSpecError as exc:
-                check_error = exc
-        if check_error is not None:
-            self.driver.fault(Operation.CHECK, check_error, request_id)
-            self.driver.execute(request, session.fail(reason_of(check_error), now=now, detail=str(check_error)))
-            return
-        self.driver.execute(request, session.start(now=now))
 
     def abort(self, request_id: str) -> None:
         """The consumer engine gives up; blocks wait for the drain before reuse (SM-2)."""
@@ -730,7 +665,12 @@ class ConsumerEndpoint(_Endpoint[ConsumerSession]):
             state=session.state,
             consumer_block_ids=session.consumer_block_ids,
             producer_block_ids=session.params.producer_block_ids,
-            pairs=self._pairs.pop(request_id, None),
+            pairs=None
+            if request.pairs is None
+            else BlockPairs(
+                producer_block_ids=request.pairs.producer_block_ids,
+                consumer_block_ids=request.pairs.consumer_block_ids,
+            ),
             num_bytes=0 if request.plan is None else request.plan.total_bytes,
             failure=session.failure,
             release=None if session.release is None else session.release.outcome,

@@ -103,6 +103,13 @@ def _audit_requests(text: str) -> int:
     return value
 
 
+def _audit_state_requests(text: str) -> int:
+    value = _non_negative_int(text)
+    if value > MAX_AUDIT_REQUESTS:
+        raise argparse.ArgumentTypeError(f"expected at most {MAX_AUDIT_REQUESTS} requests, got {value}")
+    return value
+
+
 def _plan_tokens(text: str) -> int:
     value = _positive_int(text)
     if value > MAX_PLAN_TOKENS:  # refuse before building ids for every block of the request
@@ -223,6 +230,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=200,
         metavar="N",
         help=f"random requests, at most {MAX_AUDIT_REQUESTS} (default 200)",
+    )
+    audit.add_argument(
+        "--state-requests",
+        type=_audit_state_requests,
+        metavar="N",
+        help="random requests on FA + Mamba/GDN configs (align and none cache modes, speculative slots), after "
+        "the attention ones; 0 for none (default: --requests // 4)",
     )
     audit.add_argument("--seed", type=_non_negative_int, default=11, metavar="S", help="random seed (default 11)")
     audit.add_argument("--json", metavar="PATH", help="also write the report as JSON (the findings page reads it)")
@@ -629,7 +643,12 @@ def _run_vllm_audit(args: argparse.Namespace, out: TextIO) -> int:
         ]
         if warning:
             print(f"kvspec vllm-audit: {warning}", file=sys.stderr)
-        report = run_audit(connectors=connectors, requests=args.requests, seed=args.seed)  # type: ignore[arg-type]
+        report = run_audit(
+            connectors=connectors,  # type: ignore[arg-type]
+            requests=args.requests,
+            seed=args.seed,
+            state_requests=args.state_requests,
+        )
     except (KVSpecError, ValueError) as exc:
         print(f"kvspec vllm-audit: {exc}", file=sys.stderr)
         return 2

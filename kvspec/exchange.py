@@ -6,6 +6,9 @@ block allocator, a clock and a :class:`kvspec.transport.Transport`.
 scenarios play through, one :class:`Role` per side (:data:`PRODUCER`,
 :data:`CONSUMER`, :data:`OFFLOAD` for an offload engine's copies, each an
 :class:`OffloadSession`); it calls a :class:`kvspec.connector.Connector`.
+:class:`ProducerEngine` and :class:`ConsumerEngine` are the engine roles:
+the steps each side plays for a request (allocate, clip, session, check,
+pair, plan, start), shared by the endpoints and the suite's scenarios.
 :func:`poll_until` is the one loop that waits for requests to settle.
 """
 
@@ -26,6 +29,7 @@ from kvspec._driver import (
     poll_until,
     reason_of,
 )
+from kvspec._engine import ConsumerEngine, PairOffer, ProducerEngine, pair_offer_by_ends
 from kvspec._exchange import (
     BlockAllocator,
     ConsumerEndpoint,
@@ -46,6 +50,7 @@ __all__ = [
     "BlockAllocator",
     "ChunkCopy",
     "ConsumerEndpoint",
+    "ConsumerEngine",
     "ConsumerResult",
     "DrivenSession",
     "Driver",
@@ -59,10 +64,13 @@ __all__ = [
     "OffloadSession",
     "OffloadState",
     "Operation",
+    "PairOffer",
     "ProducerEndpoint",
+    "ProducerEngine",
     "ProducerResult",
     "Role",
     "connect",
+    "pair_offer_by_ends",
     "poll_until",
     "reason_of",
     "run_request",

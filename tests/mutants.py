@@ -515,6 +515,28 @@ class NoClipping(ReferenceConnector):
         return block_ids
 
 
+class SkipsLastGroup(ReferenceConnector):
+    """Leaves the config's last group out of the transfer and loads the rest (vLLM #54926).
+
+    vLLM #54926: a model's draft (MTP) KV-cache group was excluded from the
+    connector's transfer groups, so decode started from a draft cache never
+    written, with no error. Pairing nothing for a group that needs blocks is
+    the same silence at kvspec's seam: the request loads, one group's pages
+    never land.
+    """
+
+    breaks = "ALIGN-1"
+    caught_by = ("ALIGN-1/prefix-hit-every-length",)
+
+    def pair_block_ids(self, config: KVCacheConfig, **kwargs: Any) -> BlockPairsLike:
+        pairs = super().pair_block_ids(config, **kwargs)
+        if len(pairs.producer_block_ids) < 2:
+            return pairs
+        producer = [list(g) for g in pairs.producer_block_ids[:-1]] + [[]]
+        consumer = [list(g) for g in pairs.consumer_block_ids[:-1]] + [[]]
+        return BlockPairs(producer_block_ids=producer, consumer_block_ids=consumer)
+
+
 def _width_class(descriptor: EngineDescriptor) -> EngineDescriptor:
     # Every dtype replaced by one name per width: what a check comparing item sizes sees.
     by_width = {1: "int8", 2: "float16", 4: "float32"}
@@ -540,6 +562,7 @@ CONNECTOR_MUTANTS: tuple[type[ReferenceConnector], ...] = (
     ProducerIdsAsConsumerIds,
     NoClipping,
     WidthOnlyHandshake,
+    SkipsLastGroup,
 )
 
 # --------------------------------------------------------------------------- driver mutants (INT-1)

@@ -24,6 +24,10 @@ def _failures(report: Report) -> str:
     return "\n\n".join(f"{r.case_id}: {r.message}\n{r.reproducer}" for r in report.results if r.is_failure)
 
 
+# By name through run_suite, as `kvspec conform torch` does. Behind --run-slow (decision 148): every SMOKE case
+# runs in the default run on the same backends, tests/test_torch_backend.py and tests/test_nixl_backend.py
+# TestConformance (every case); this copy would start two more workers with torch (~10 s of CPU) and NIXL.
+@pytest.mark.slow
 @pytest.mark.parametrize(("backend", "module", "extra"), BACKENDS)
 def test_smoke(backend: str, module: str, extra: str, require_module: Callable[..., ModuleType]) -> None:
     require_module(module, extra)

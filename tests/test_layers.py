@@ -82,6 +82,7 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
             {
                 "kvspec._connector",
                 "kvspec._driver",
+                "kvspec._engine",
                 "kvspec._exchange",
                 "kvspec.connector",
                 "kvspec.exchange",

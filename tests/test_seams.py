@@ -5,6 +5,8 @@
 * kvspec imports nothing of kvspec_conformance, not even through ``importlib.import_module("...")``:
   its CLI finds the suite through the ``kvspec.suite`` entry point.
 * Every error class kvspec raises is defined in kvspec/_errors.py.
+* The engine steps are written once: only the engine roles (kvspec/_engine.py) create exchange
+  sessions; the endpoints and the suite's scenarios play through them (decision 181).
 
 Each check is shown to catch the code it forbids (the sources of before the change).
 """
@@ -142,3 +144,40 @@ def test_the_error_class_check_catches_a_class_defined_elsewhere() -> None:
         "class OffloadingDisagreementError(BlockAlignmentError):\n    pass\n"
     )
     assert error_classes_outside(before) == ["WireError", "OffloadingDisagreementError"]
+
+
+# Where an exchange session may be created: the engine roles, and the session module itself.
+_PLAYERS = ("kvspec/_exchange.py", "conformance/_scenario.py")
+
+
+def sessions_created(source: str | ast.Module) -> list[str]:
+    """Every ``ConsumerSession(...)`` or ``ProducerSession.create(...)``/``ProducerSession(...)`` call in a source."""
+    found: list[str] = []
+    for node in ast.walk(_parsed(source)):
+        if not isinstance(node, ast.Call):
+            continue
+        func = node.func
+        if isinstance(func, ast.Name) and func.id in ("ConsumerSession", "ProducerSession"):
+            found.append(func.id)
+        elif (
+            isinstance(func, ast.Attribute)
+            and isinstance(func.value, ast.Name)
+            and (func.value.id, func.attr) == ("ProducerSession", "create")
+        ):
+            found.append("ProducerSession.create")
+    return found
+
+
+def test_the_endpoints_and_the_scenarios_create_no_session_of_their_own() -> None:
+    trees = {**_trees("kvspec"), **_trees("conformance")}
+    found = {path: names for path in _PLAYERS if (names := sessions_created(trees[path]))}
+    assert found == {}, "an engine step written outside kvspec.exchange.ProducerEngine/ConsumerEngine"
+    assert sessions_created(trees["kvspec/_engine.py"]) == ["ProducerSession.create", "ConsumerSession"]
+
+
+def test_the_session_creation_check_catches_what_the_scenario_did() -> None:
+    before = (
+        "producer = ProducerSession.create(request_id=spec.request_id, producer_engine_id='producer')\n"
+        "consumer = ConsumerSession(params=params, consumer_engine_id='consumer', consumer_block_ids=ids)\n"
+    )
+    assert sessions_created(before) == ["ProducerSession.create", "ConsumerSession"]

@@ -276,11 +276,16 @@ def test_endpoints_move_the_state_slot_byte_exactly(config: KVCacheConfig, mode:
         assert bad.state is ConsumerState.LOADED  # a correct one, as a control
         producer_prefill = producer.prefill
         producer.prefill = lambda rid, **kw: producer_prefill(rid, **kw, state_tokens=11)  # type: ignore[method-assign]
+        free_before = consumer.allocator.num_free
         wrong = run_request(producer, consumer, request_id="wrong", num_tokens=10, fill=fill)
         assert wrong.state is ConsumerState.FAILED
         assert wrong.consumer.failure is not None
         assert "t=11" in wrong.consumer.failure.detail
         assert wrong.consumer.num_bytes == 0
+        # The session held its suffix when the check refused it; its one release gave the blocks back (decision 182).
+        assert len(wrong.consumer.consumer_block_ids)
+        assert wrong.consumer.release is not None
+        assert consumer.allocator.num_free == free_before
         backend.close()
 
 

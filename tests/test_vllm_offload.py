@@ -390,3 +390,187 @@ def test_vllm_0_33_never_touches_keys(vllm: Any) -> None:
     # The spy works: calling the manager's touch records it.
     manager.touch([], None)
     assert touched == [[]]
+
+
+# --------------------------------------------------------------------------- 0.33's offload rules (issue 26, item 3)
+
+
+def _random_present(rng: Any, config: Any, num_tokens: int, offload: OffloadConfig) -> list[list[bool]]:
+    sizes = [g.kv_cache_spec.block_size * offload.blocks_per_chunk for g in config.kv_cache_groups]
+    return [[rng.random() < 0.8 for _ in range(num_tokens // size)] for size in sizes]
+
+
+def _window_table(config: Any, tokens: int, local: int) -> list[list[int]]:
+    """vLLM's allocation for ``tokens``: window blocks wholly before the window of token ``tokens`` are null."""
+    table = []
+    for g, group in enumerate(config.kv_cache_groups):
+        spec = group.kv_cache_spec
+        blocks = -(-tokens // spec.block_size)
+        window = getattr(spec, "sliding_window", 0) or 0
+        first = max(local, tokens - window + 1) // spec.block_size if window else 0
+        table.append([0 if k < first else 100 * g + k + 1 for k in range(blocks)])
+    return table
+
+
+@pytest.mark.parametrize(("window", "extra", "f"), [(8, 1, 1), (8, 4, 1), (13, 3, 1), (8, 5, 2), (10, 2, 2)])
+def test_extra_retained_tokens_is_a_window_of_w_plus_e_56709(vllm: Any, window: int, extra: int, f: int) -> None:
+    """vLLM #56709 (in 0.33.0): a window group retaining E extra tokens hits and loads as kvspec's window of W + E.
+
+    vLLM's spec ``SlidingWindowSpec(sliding_window=W, extra_retained_tokens=E)``
+    under the adapter, kvspec's reference on ``sw(W + E)``: every hit and
+    every load set agree (decision 118). The reference on ``sw(W)`` (E
+    ignored) would report a longer hit somewhere: it verifies fewer window
+    chunks than vLLM's allocation then restores (#56701's "Chunk not found").
+    """
+    import random
+
+    from kvspec.integrations import vllm as adapters
+
+    wide = _config("full/B4", f"sw{window + extra}/B4")
+    narrow = _config("full/B4", f"sw{window}/B4")
+    offload = OffloadConfig(blocks_per_chunk=f, hash_block_size=4)
+    translate = adapters.to_vllm_kv_cache_config
+
+    def with_extra(config: Any) -> Any:
+        vllm_config = translate(config)
+        if config == wide:
+            group = vllm_config.kv_cache_groups[1]
+            spec = group.kv_cache_spec
+            group.kv_cache_spec = type(spec)(
+                block_size=spec.block_size,
+                num_kv_heads=spec.num_kv_heads,
+                head_size=spec.head_size,
+                dtype=spec.dtype,
+                sliding_window=window,
+                extra_retained_tokens=extra,
+            )
+        return vllm_config
+
+    rng = random.Random(window * 100 + extra * 10 + f)
+    longer = loads = 0
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(adapters, "to_vllm_kv_cache_config", with_extra)
+        connector = adapters.OffloadingConnector()
+        scheduler = connector.scheduler(wide, offload)
+        assert scheduler.config.kv_group_configs[1].kv_cache_spec.extra_retained_tokens == extra
+        for i in range(40):
+            n = rng.randint(9, 48)
+            local = 4 * f * rng.randint(0, (n - 1) // (4 * f)) if rng.random() < 0.5 else 0
+            present = _random_present(rng, wide, n, offload)
+            rid = f"e{i}"
+            hit = connector.get_offload_hit_tokens(
+                wide, present, request_id=rid, num_tokens=n, local_hit_tokens=local, offload=offload
+            )
+            expected = get_offload_hit_tokens(wide, present, num_tokens=n, local_hit_tokens=local, offload=offload)
+            assert hit == expected, (n, local, present)
+            ignoring = get_offload_hit_tokens(narrow, present, num_tokens=n, local_hit_tokens=local, offload=offload)
+            longer += ignoring > hit
+            if hit:
+                loads += 1
+                table = _window_table(wide, local + hit, local)
+                load = connector.get_load_set(
+                    wide, table, request_id=rid, num_tokens=local + hit, local_hit_tokens=local, offload=offload
+                )
+                assert load == get_load_set(
+                    wide, table, num_tokens=local + hit, local_hit_tokens=local, offload=offload
+                )
+            connector.finish_request(rid)
+    assert loads > 10, "too few hits to compare load sets"
+    chunk = 4 * f
+    if -(-(window + extra - 1) // chunk) > -(-(window - 1) // chunk):
+        assert longer, "ignoring E never changed a hit: the cases do not reach the window's edge"
+
+
+def test_max_load_tokens_caps_a_hit_on_the_chunk_grid(vllm: Any) -> None:
+    """``max_load_tokens`` (a request's kv_transfer_params): vLLM's hit is at most the cap, rounded down to a chunk,
+    and never past the rule: every position the token at the hit's end reads is present (OFF-5, decision 119)."""
+    import random
+
+    from kvspec.integrations import vllm as adapters
+
+    config = _config("full/B4", "sw8/B4")
+    offload = OffloadConfig(blocks_per_chunk=2, hash_block_size=4)
+    connector = adapters.OffloadingConnector()
+    cap: dict[str, int] = {}
+    new_request = connector._new_request
+
+    def capped(request_id: str, num_tokens: int, hash_block_size: int) -> Any:
+        request = new_request(request_id, num_tokens, hash_block_size)
+        request.kv_transfer_params = {"max_load_tokens": cap[request_id]}
+        return request
+
+    rng = random.Random(7)
+    shorter = 0
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(connector, "_new_request", capped)
+        for i in range(60):
+            n = rng.randint(9, 64)
+            local = 8 * rng.randint(0, (n - 1) // 8) if rng.random() < 0.4 else 0
+            present = _random_present(rng, config, n, offload)
+            rid = f"m{i}"
+            cap[rid] = rng.randint(0, n)
+            hit = connector.get_offload_hit_tokens(
+                config, present, request_id=rid, num_tokens=n, local_hit_tokens=local, offload=offload
+            )
+            free = get_offload_hit_tokens(config, present, num_tokens=n, local_hit_tokens=local, offload=offload)
+            assert hit <= cap[rid]
+            assert hit <= free
+            assert hit % 8 == 0  # on the chunk grid (C_g = 8)
+            shorter += hit < free
+            if hit:
+                # The end is one the rule accepts: the reference, asked for a request ending right after it, agrees.
+                end = local + hit
+                trimmed = [row[: (end + 1) // 8] for row in present]
+                assert (
+                    get_offload_hit_tokens(config, trimmed, num_tokens=end + 1, local_hit_tokens=local, offload=offload)
+                    == hit
+                ), (n, local, present, cap[rid])
+            connector.finish_request(rid)
+    assert shorter, "no cap ever shortened a hit"
+
+
+def test_a_sync_load_is_the_same_load_set(vllm: Any) -> None:
+    """``sync_load_budget_bytes``: a hit that fits loads inside the step (no async wait); vLLM then finds the load start
+    by position among blocks hashed at allocation. The load set is the reference's all the same (OFF-6, decision 120).
+    """
+    from kvspec.integrations import vllm as adapters
+
+    config = _config("full/B4", "sw8/B4")
+    offload = OffloadConfig(blocks_per_chunk=1, hash_block_size=4)
+    make_vllm_config = adapters._offloading_vllm_config
+
+    def with_budget(*args: Any, **kwargs: Any) -> Any:
+        vllm_config = make_vllm_config(*args, **kwargs)
+        vllm_config.kv_transfer_config.kv_connector_extra_config["sync_load_budget_bytes"] = 1 << 30
+        return vllm_config
+
+    make_blocks = adapters._kv_cache_blocks
+
+    def hashed_at_allocation(lists: Any, kvspec_config: Any, local_hit_tokens: int) -> Any:
+        blocks = make_blocks(lists, kvspec_config, local_hit_tokens)
+        for group in blocks.blocks:
+            for position, block in enumerate(group):
+                if not block.is_null and block.block_hash is None:
+                    block._block_hash = b"kvspec-sync-load" + position.to_bytes(8, "big")
+        return blocks
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(adapters, "_offloading_vllm_config", with_budget)
+        patch.setattr(adapters, "_kv_cache_blocks", hashed_at_allocation)
+        connector = adapters.OffloadingConnector()
+        scheduler = connector.scheduler(config, offload)
+        assert scheduler.config.sync_load_budget_bytes == 1 << 30
+        for local in (0, 4, 8):
+            rid = f"s{local}"
+            present = [[True] * 7, [True] * 7]
+            request = connector._request(config, offload, rid, 30)
+            scheduler.manager.present[rid] = present
+            hit, load_async = scheduler.get_num_new_matched_tokens(request, local)
+            scheduler._release_step()
+            assert (hit, load_async) == (28 - local, False)  # a sync load: the forward waits for nothing
+            table = _window_table(config, 28, local)
+            load = connector.get_load_set(
+                config, table, request_id=rid, num_tokens=28, local_hit_tokens=local, offload=offload
+            )
+            assert load == get_load_set(config, table, num_tokens=28, local_hit_tokens=local, offload=offload)
+            connector.finish_request(rid)

@@ -17,7 +17,7 @@ import pytest
 from kvspec_conformance import run_suite
 from kvspec_conformance._report import Outcome
 
-from kvspec import ConfigError
+from kvspec import PROTOCOL_VERSION, ConfigError
 from kvspec.connector import Connector
 from kvspec.integrations.expectations import expected_names, load_expected, parse_expected
 from kvspec.integrations.vllm_audit import AuditReport, ClassResult, check_expected
@@ -237,12 +237,13 @@ def test_report_names_what_was_tested() -> None:
 
     tested = attrs.evolve(report, tested=(("connector", "my_connector:MyConnector"), ("vllm", "0.33.0")))
     header = tested.render().splitlines()[1]
-    assert header == "  protocol version 1.1, connector my_connector:MyConnector, vllm 0.33.0"
+    protocol = ".".join(map(str, PROTOCOL_VERSION))
+    assert header == f"  protocol version {protocol}, connector my_connector:MyConnector, vllm 0.33.0"
     document = tested.to_dict()
     assert (document["connector"], document["vllm"], document["protocol_version"]) == (
         "my_connector:MyConnector",
         "0.33.0",
-        "1.1",
+        protocol,
     )
     assert '<property name="connector" value="my_connector:MyConnector" />' in tested.to_junit()
     assert '<property name="vllm" value="0.33.0" />' in tested.to_junit()

@@ -30,7 +30,7 @@ module load by ``sglang/srt/multimodal/internvl_utils.py``; PyPI's wheels are
 CUDA builds that fail with CPU torch) and AMD's ``mori`` (imported by
 ``disaggregation/mori/conn.py``). Both are empty modules whose attributes are
 an inert placeholder class; nothing on the paths called here uses them
-(shared/research/sglang_on_cpu.md).
+(docs/reference/sglang.md, "Installing on a CPU machine").
 """
 
 from __future__ import annotations

@@ -216,13 +216,14 @@ def _to_vllm_spec(spec: KVCacheSpec) -> Any:
         raise ConfigError(f"to_vllm_kv_cache_config: spec {cls.__name__} has no vLLM counterpart")
     target = getattr(interface, _SPEC_NAMES[cls])
     if isinstance(spec, MambaSpec):
+        # Cache mode and scratch slots reach vLLM's spec: its Mamba manager and clip_ssm_state_blocks read them.
         return target(
             block_size=spec.block_size,
             shapes=tuple(spec.shapes),
             dtypes=tuple(_torch_dtype(d) for d in spec.dtypes),
             page_size_padded=spec.page_size_padded,
-            mamba_type=spec.mamba_type,
-            mamba_cache_mode=spec.cache_mode,  # align: vLLM rounds offload hits to the state grid (OFF-5)
+            mamba_type=_vllm_mamba_type(spec.mamba_type),
+            mamba_cache_mode=spec.cache_mode,
             num_speculative_blocks=spec.num_speculative_blocks,
         )
     assert isinstance(spec, (FullAttentionSpec, SlidingWindowSpec, ChunkedLocalAttentionSpec, CrossAttentionSpec))
@@ -231,6 +232,22 @@ def _to_vllm_spec(spec: KVCacheSpec) -> Any:
     if not isinstance(spec, (MLAAttentionSpec, SlidingWindowMLASpec)):
         kwargs["head_size_v"] = spec.value_head_size
     return target(**kwargs)
+
+
+_VLLM_MAMBA_TYPES = {"mamba1": "MAMBA1", "mamba2": "MAMBA2", "gdn": "GDN_ATTN", "gdn_attn": "GDN_ATTN"}
+"""kvspec's state kinds that name a member of vLLM's ``MambaAttentionBackendEnum``; others pass as the string."""
+
+
+def _vllm_mamba_type(kind: str) -> Any:
+    member = _VLLM_MAMBA_TYPES.get(kind)
+    if member is None:
+        return kind
+    return getattr(import_vllm("vllm.v1.attention.backends.registry").MambaAttentionBackendEnum, member)
+
+
+def _kvspec_mamba_type(value: Any) -> str:
+    name = getattr(value, "name", None)
+    return str(name).lower() if isinstance(name, str) else str(value)
 
 
 def _from_vllm_spec(spec: Any, where: str) -> KVCacheSpec:
@@ -246,9 +263,9 @@ def _from_vllm_spec(spec: Any, where: str) -> KVCacheSpec:
                 shapes=spec.shapes,
                 dtypes=[str(d) for d in spec.dtypes],
                 page_size_padded=spec.page_size_padded,
-                mamba_type=str(getattr(spec.mamba_type, "value", spec.mamba_type)),
-                cache_mode=str(spec.mamba_cache_mode),
-                num_speculative_blocks=int(spec.num_speculative_blocks),
+                mamba_type=_kvspec_mamba_type(spec.mamba_type),
+                cache_mode=spec.mamba_cache_mode,
+                num_speculative_blocks=spec.num_speculative_blocks,
             )
         else:
             kwargs: dict[str, Any] = {n: getattr(spec, n) for n in _ATTENTION_FIELDS + _EXTRA_FIELDS[cls]}
@@ -521,16 +538,22 @@ RawPairs = tuple[list[list[int]], list[list[int]]]
 
 
 def pair_moriio(scheduler: Any, producer: Sequence[Sequence[int]], consumer: Sequence[Sequence[int]]) -> RawPairs:
-    """MoRI-IO READ: per group, ``MoRIIOConnectorScheduler._align_read_blocks`` on the clipped lists (ALIGN-1)."""
+    """MoRI-IO READ: per group, ``MoRIIOConnectorScheduler._align_read_blocks`` on the clipped lists (ALIGN-1).
+
+    A state group's tail allowance is MoRI-IO's ``_MAX_LOCAL_MAMBA_TAIL_BLOCKS``
+    (the slot of the token the consumer recomputes), an attention group's the
+    scheduler's ``_max_decode_tail_blocks``, as its hybrid READ path pairs them (STATE-3).
+    """
     local_out: list[list[int]] = []
     remote_out: list[list[int]] = []
     if len(producer) != len(consumer):
         raise GroupCountError(f"vLLM moriio: producer has {len(producer)} groups, consumer {len(consumer)} (ALIGN-1)")
-    for local, remote in zip(consumer, producer, strict=True):
+    state_groups = set(getattr(scheduler, "_mamba_group_ids", ()))
+    state_tail = import_vllm(_V1 + "moriio.moriio_connector")._MAX_LOCAL_MAMBA_TAIL_BLOCKS
+    for g, (local, remote) in enumerate(zip(consumer, producer, strict=True)):
+        tail = state_tail if g in state_groups else scheduler._max_decode_tail_blocks
         try:
-            aligned_local, aligned_remote = scheduler._align_read_blocks(
-                list(local), list(remote), scheduler._max_decode_tail_blocks
-            )
+            aligned_local, aligned_remote = scheduler._align_read_blocks(list(local), list(remote), tail)
         except ValueError as exc:
             raise _vllm_error("moriio", exc, "MoRIIOConnectorScheduler._align_read_blocks") from exc
         local_out.append(list(aligned_local))
@@ -538,14 +561,27 @@ def pair_moriio(scheduler: Any, producer: Sequence[Sequence[int]], consumer: Seq
     return remote_out, local_out
 
 
-def pair_nixl(producer: Sequence[Sequence[int]], consumer: Sequence[Sequence[int]], *, connector: str) -> RawPairs:
-    """NIXL: the worker's ``_apply_prefix_caching`` (decode list, prefill list), logical ids (ALIGN-1).
+def pair_nixl(
+    producer: Sequence[Sequence[int]],
+    consumer: Sequence[Sequence[int]],
+    *,
+    connector: str,
+    config: KVCacheConfig | None = None,
+) -> RawPairs:
+    """NIXL: the worker's ``_apply_prefix_caching`` (decode list, prefill list), logical ids (ALIGN-1, STATE-3).
 
-    The method reads only ``_has_mamba`` from its worker; a namespace carrying
-    that attribute stands in for the worker, whose constructor needs a device.
+    The method reads ``_has_mamba`` and, with state groups, ``_group_spec_types``
+    from its worker; a namespace carrying them, set as the worker's constructor
+    sets them from ``config``, stands in for the worker (whose constructor
+    needs a device). Without ``config`` the model has no state group.
     """
-    worker = import_vllm("vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker").NixlBaseConnectorWorker
-    stand_in = types.SimpleNamespace(_has_mamba=False)
+    module = import_vllm("vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker")
+    worker = module.NixlBaseConnectorWorker
+    stand_in = types.SimpleNamespace(_has_mamba=False, _group_spec_types=())
+    if config is not None:
+        groups = to_vllm_kv_cache_config(config).transfer_groups
+        stand_in._group_spec_types = tuple(module.get_representative_spec_type(g.kv_cache_spec) for g in groups)
+        stand_in._has_mamba = any(isinstance(g.kv_cache_spec, MambaSpec) for g in config.kv_cache_groups)
     if len(producer) != len(consumer):
         raise GroupCountError(f"vLLM {connector}: producer has {len(producer)} groups, consumer {len(consumer)}")
     try:
@@ -648,6 +684,11 @@ class VllmHooks:
             "(kvspec.integrations.vllm.VllmHooks; docs/how-to/own-vllm-connector.md)"
         )
 
+    def finish(self, scheduler: Any, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
+        """The producer's ``request_finished`` for a finished request, as vLLM's scheduler calls it (CLIP-1)."""
+        result: tuple[bool, dict[str, Any] | None] = scheduler.request_finished(request, block_ids)
+        return result
+
     def sent_block_ids(self, scheduler: Any, request_id: str, params: Mapping[str, Any] | None) -> list[list[int]]:
         """The producer's lists for a finished request: ``request_finished``'s ``remote_block_ids`` (CLIP-1)."""
         if not params or "remote_block_ids" not in params:
@@ -696,7 +737,7 @@ class _NixlHooks(VllmHooks):
     def pair(
         self, scheduler: Any, config: KVCacheConfig, producer: list[list[int]], consumer: list[list[int]]
     ) -> RawPairs:
-        return pair_nixl(producer, consumer, connector=self.shape)
+        return pair_nixl(producer, consumer, connector=self.shape, config=config)
 
     def received_block_ids(self, scheduler: Any, request_id: str) -> list[list[int]]:
         return _as_lists(scheduler._reqs_need_recv[request_id][1])
@@ -741,6 +782,26 @@ class _MoriioHooks(VllmHooks):
             extra["read_mode"] = True
         return extra
 
+    def finish(self, scheduler: Any, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
+        """MoRI-IO's ``request_finished_all_groups`` (its hybrid READ split of the state groups) on ``scheduler``."""
+        connector = import_vllm(_V1 + "moriio.moriio_connector").MoRIIOConnector
+        result: tuple[bool, dict[str, Any] | None] = connector.request_finished_all_groups(
+            types.SimpleNamespace(connector_scheduler=scheduler), request, block_ids
+        )
+        return result
+
+    def clip(self, scheduler: Any, block_ids: list[list[int]]) -> list[list[int]]:
+        """With state groups, MoRI-IO's ``split_block_groups`` (``clip_ssm_state_blocks`` per state group), back in
+        the config's group order; otherwise its ``get_exchange_clipped_blocks`` (CLIP-1, STATE-2)."""
+        if not getattr(scheduler, "_has_mamba", False) or not block_ids:
+            return super().clip(scheduler, block_ids)
+        attention, states = scheduler.split_block_groups(block_ids)
+        out = _as_lists(block_ids)
+        out[scheduler._attn_group_ids[0]] = list(attention)
+        for g, slots in zip(scheduler._mamba_group_ids, states, strict=True):
+            out[g] = list(slots)
+        return out
+
     def pair(
         self, scheduler: Any, config: KVCacheConfig, producer: list[list[int]], consumer: list[list[int]]
     ) -> RawPairs:
@@ -758,7 +819,11 @@ class _MoriioHooks(VllmHooks):
     ) -> tuple[RawPairs, RawPairs]:
         _, local = scheduler._reqs_need_recv[request_id]
         saved = scheduler._req_kv_params.get(request_id, {})
-        aligned = _as_lists(saved.get("remote_block_ids", remote) if external_tokens > 0 else [[] for _ in remote])
+        if external_tokens <= 0:
+            # Nothing loads: MoRI-IO posts no read, whatever lists it recorded.
+            nothing: RawPairs = ([[] for _ in remote], [[] for _ in remote])
+            return nothing, nothing
+        aligned = _as_lists(saved.get("remote_block_ids", remote))
         # MoRI-IO's consumer list is its whole table, prefix hit included; kvspec is shown the
         # uncached suffix of the aligned lists (its convention), the pairs are MoRI-IO's own.
         held = [

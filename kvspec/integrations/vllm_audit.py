@@ -29,6 +29,7 @@ pairing on NIXL's tables: the oracle must then find nothing.
 from __future__ import annotations
 
 import json
+import math
 import random
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -45,6 +46,7 @@ from kvspec._models import (
     KVCacheConfig,
     KVCacheGroupSpec,
     KVCacheTensor,
+    MambaSpec,
     SlidingWindowSpec,
     TransferMode,
 )
@@ -62,6 +64,7 @@ from kvspec.integrations.vllm import (
     installed_vllm_version,
     to_vllm_kv_cache_config,
 )
+from kvspec.spec.state import get_state_clipped_blocks, is_state_spec
 
 __all__ = [
     "AUDIT_CONNECTORS",
@@ -77,6 +80,7 @@ __all__ = [
     "check_expected",
     "check_kvspec",
     "generate_cases",
+    "generate_state_cases",
     "run_audit",
 ]
 
@@ -141,6 +145,32 @@ DEVIATIONS: dict[str, Deviation] = {
             consequence="wrong KV read: the block keeps whatever it held before",
         ),
         Deviation(
+            id="state-position",
+            rule="STATE-1",
+            title="the producer's state has absorbed a different number of tokens than the consumer resumes at",
+            consequence="wrong recurrent state: tokens skipped, or the recomputed ones applied twice",
+        ),
+        Deviation(
+            id="state-wrong-slot",
+            rule="STATE-3",
+            title="a state group's pair reads a slot other than the one holding the producer's state, or writes one "
+            "the consumer does not resume from",
+            consequence="wrong recurrent state: a scratch or stale slot travels, or the state lands where no kernel "
+            "reads it",
+        ),
+        Deviation(
+            id="state-scratch-travels",
+            rule="STATE-2",
+            title="a speculative scratch slot travels, besides the state",
+            consequence="extra bytes moved into the consumer's scratch slot; the state itself is right",
+        ),
+        Deviation(
+            id="state-not-transferred",
+            rule="STATE-3",
+            title="the consumer loads tokens but no pair fills the slot it resumes from",
+            consequence="wrong recurrent state: decode starts from whatever the slot held (a zeroed or stale state)",
+        ),
+        Deviation(
             id="refused",
             rule="FAIL-1",
             title="the connector raises while handling a request the engines admitted",
@@ -167,13 +197,25 @@ DEVIATIONS: dict[str, Deviation] = {
 
 @attrs.frozen(kw_only=True)
 class GroupShape:
-    """One group of an audit config: full attention, or a sliding window of ``window`` tokens."""
+    """One group of an audit config: full attention, a sliding window of ``window`` tokens, or a state group.
+
+    A state group (``state`` names its kind, e.g. ``gdn_attn``) has vLLM's
+    ``cache_mode`` (``align``: prefix caching, one slot per ``block_size``
+    tokens; ``none``: one slot) and ``num_speculative_blocks`` scratch slots
+    (STATE-2, STATE-4).
+    """
 
     block_size: int
     window: int = 0
+    state: str = ""
+    cache_mode: str = "none"
+    num_speculative_blocks: int = 0
 
     def describe(self) -> str:
-        """``full/B16`` or ``sw128/B16``."""
+        """``full/B16``, ``sw128/B16``, or ``gdn_attn/align/B16`` (``+spec2`` with scratch slots)."""
+        if self.state:
+            spec = f"+spec{self.num_speculative_blocks}" if self.num_speculative_blocks else ""
+            return f"{self.state}/{self.cache_mode}/B{self.block_size}{spec}"
         return f"sw{self.window}/B{self.block_size}" if self.window else f"full/B{self.block_size}"
 
 
@@ -253,15 +295,75 @@ def generate_cases(count: int, seed: int) -> list[AuditCase]:
     return cases
 
 
+_STATE_KINDS = ("mamba1", "mamba2", "gdn_attn")
+"""The state kinds the audit draws: those vLLM's NIXL path transfers (Mamba-1, Mamba-2, GDN)."""
+
+
+def generate_state_cases(count: int, seed: int, first_index: int = 0) -> list[AuditCase]:
+    """``count`` random requests on FA + state-group configs, reproducible from ``seed`` (STATE-1 .. STATE-4).
+
+    Each config is one full-attention group and one or two state groups of
+    one kind, cache mode and scratch count (MoRI-IO requires identical state
+    specs). ``align`` mode is vLLM's prefix caching: about half its requests
+    get a consumer prefix hit on a state boundary. Speculative decoding draws
+    ``lookahead`` tokens and as many scratch slots per state group.
+    """
+    rng = random.Random(f"state-{seed}")
+    cases = []
+    for index in range(first_index, first_index + count):
+        block_size = rng.choice(_BLOCK_SIZES)
+        kind = rng.choice(_STATE_KINDS)
+        mode = rng.choice(("none", "align"))
+        lookahead = rng.choice((0, 0, 0, 1, 2, 3))
+        state = GroupShape(block_size=block_size, state=kind, cache_mode=mode, num_speculative_blocks=lookahead)
+        groups = (GroupShape(block_size=block_size), *([state] * rng.choice((1, 1, 2))))
+        roll = rng.random()
+        if roll < 0.15:
+            n = rng.randint(1, 4 * block_size)
+        elif roll < 0.55:
+            # (N - 1) % B == 0: the token the consumer recomputes starts a new state slot in align mode.
+            n = rng.randint(1, 300) * block_size + 1
+        elif roll < 0.7:
+            n = rng.randint(1, 300) * block_size + rng.choice((0, 2, -1))
+        else:
+            n = int(2 ** rng.uniform(4, 16))
+        n = max(1, min(_MAX_TOKENS, n))
+        cached = 0
+        if mode == "align" and n > block_size + 1 and rng.random() < 0.5:
+            cached = rng.randint(1, (n - 2) // block_size) * block_size
+        cases.append(
+            AuditCase(index=index, groups=groups, num_tokens=n, cached_prefix_tokens=cached, lookahead=lookahead)
+        )
+    return cases
+
+
+def _state_spec(g: GroupShape, page: int) -> MambaSpec:
+    # Tiny conv and SSM tensors (every kind has both), padded to the attention page as vLLM pads them; "none"
+    # mode's block is max_model_len.
+    shapes = [(2, 2), (1, 4)]
+    return MambaSpec(
+        block_size=g.block_size if g.cache_mode == "align" else _MAX_MODEL_LEN,
+        shapes=shapes,
+        dtypes=["int8"] * len(shapes),
+        page_size_padded=page,
+        mamba_type=g.state,
+        cache_mode=g.cache_mode,
+        num_speculative_blocks=g.num_speculative_blocks,
+    )
+
+
 def _config(groups: Sequence[GroupShape], num_blocks: int) -> KVCacheConfig:
     # One byte per head element and one layer per group: pages are tiny, only block ids matter here.
-    specs = [
+    attention = [
         SlidingWindowSpec(block_size=g.block_size, num_kv_heads=1, head_size=2, dtype="int8", sliding_window=g.window)
         if g.window
         else FullAttentionSpec(block_size=g.block_size, num_kv_heads=1, head_size=2, dtype="int8")
         for g in groups
+        if not g.state
     ]
-    page = max(s.page_size_bytes for s in specs)
+    page = max(s.page_size_bytes for s in attention)
+    it = iter(attention)
+    specs = [_state_spec(g, page) if g.state else next(it) for g in groups]
     names = [f"g{i}" for i in range(len(groups))]
     return KVCacheConfig(
         num_blocks=num_blocks,
@@ -283,19 +385,30 @@ class _Engine:
     hasher: Any
 
 
+_MAX_MODEL_LEN = _MAX_TOKENS + 4096
+
+
 def _engine(config: KVCacheConfig, block_size: int) -> _Engine:
+    """vLLM's manager as its engine builds it: scheduler block size the lcm of the groups', hashes per block, or
+    per scheduler block when a "none"-mode state group turns prefix caching off (``resolve_kv_cache_block_sizes``)."""
+    caching = not any(
+        isinstance(s, MambaSpec) and s.cache_mode == "none" for s in (g.kv_cache_spec for g in config.kv_cache_groups)
+    )
+    scheduler_block_size = math.lcm(*(g.kv_cache_spec.block_size for g in config.kv_cache_groups))
+    hash_block_size = block_size if caching else scheduler_block_size
     kv_cache_manager = import_vllm("vllm.v1.core.kv_cache_manager")
     utils = import_vllm("vllm.v1.core.kv_cache_utils")
     hashing = import_vllm("vllm.utils.hashing")
     utils.init_none_hash(hashing.sha256)
     manager = kv_cache_manager.KVCacheManager(
         to_vllm_kv_cache_config(config),
-        max_model_len=_MAX_TOKENS + 4096,
-        scheduler_block_size=block_size,
-        hash_block_size=block_size,
-        enable_caching=True,
+        max_model_len=_MAX_MODEL_LEN,
+        scheduler_block_size=scheduler_block_size,
+        hash_block_size=hash_block_size,
+        # vLLM turns prefix caching off with a state group in "none" mode (MambaModelConfig).
+        enable_caching=caching,
     )
-    return _Engine(manager=manager, hasher=utils.get_request_block_hasher(block_size, hashing.sha256))
+    return _Engine(manager=manager, hasher=utils.get_request_block_hasher(hash_block_size, hashing.sha256))
 
 
 def _request(engine: _Engine, request_id: str, tokens: list[int], params: dict[str, Any] | None) -> Any:
@@ -314,12 +427,20 @@ def _request(engine: _Engine, request_id: str, tokens: list[int], params: dict[s
 _CHUNK = 8192
 
 
-def _prefill(engine: _Engine, request: Any, lookahead: int, start: int = 0) -> None:
-    """Compute the prompt in chunks, as the scheduler's prefill steps do."""
+def _prefill(engine: _Engine, request: Any, lookahead: int, start: int = 0, checkpoint: int = 0) -> None:
+    """Compute the prompt in chunks, as the scheduler's prefill steps do.
+
+    ``checkpoint`` (align-mode state groups): a chunk also ends there, as
+    vLLM's ``_mamba_block_aligned_split`` ends one at the prefill checkpoint,
+    so the state after that many tokens is cached (STATE-4).
+    """
     done = start
     n = request.num_tokens
     while done < n:
+        engine.manager.new_step_starts()
         step = min(_CHUNK, n - done)
+        if done < checkpoint < done + step:
+            step = checkpoint - done
         blocks = engine.manager.allocate_slots(request, step, num_lookahead_tokens=lookahead)
         if blocks is None:
             raise RuntimeError(f"vLLM's KVCacheManager has no room for {n} tokens")
@@ -327,10 +448,23 @@ def _prefill(engine: _Engine, request: Any, lookahead: int, start: int = 0) -> N
         request.num_computed_tokens = done
 
 
-def _warm_prefix(engine: _Engine, tokens: list[int], request_id: str) -> None:
+def _checkpoint(config: KVCacheConfig, num_tokens: int) -> int:
+    """vLLM's prefill checkpoint for align-mode state groups (``get_mamba_prefill_checkpoint_position``); else 0."""
+    aligned = [
+        s.block_size
+        for s in (g.kv_cache_spec for g in config.kv_cache_groups)
+        if isinstance(s, MambaSpec) and s.cache_mode == "align"
+    ]
+    if not aligned:
+        return 0
+    interface = import_vllm("vllm.v1.kv_cache_interface")
+    return int(interface.get_mamba_prefill_checkpoint_position(num_tokens, aligned[0], False))
+
+
+def _warm_prefix(engine: _Engine, tokens: list[int], request_id: str, config: KVCacheConfig) -> None:
     """Run a request over ``tokens`` and free it, so its blocks stay in the prefix cache."""
     request = _request(engine, request_id, tokens, None)
-    _prefill(engine, request, 0)
+    _prefill(engine, request, 0, checkpoint=_checkpoint(config, len(tokens)))
     engine.manager.free(request)
 
 
@@ -341,6 +475,9 @@ class _Drive:
     num_tokens: int
     prefix_hit_tokens: int
     first_computed: int
+    producer_tokens: int = -1
+    """The prompt tokens the producer computed (after vLLM's prefill backoff): its state has absorbed them (-1: not
+    recorded, a drive built by hand without state groups)."""
     producer_table: tuple[tuple[int, ...], ...]
     consumer_table: tuple[tuple[int, ...], ...]
     producer_list: tuple[tuple[int, ...], ...]
@@ -348,6 +485,8 @@ class _Drive:
     pairs: tuple[tuple[tuple[int, int], ...], ...] | None
     refusal: str | None = None
     failed_closed: str | None = None
+    load_async: bool = True
+    """Whether the consumer's load lands before the recomputing step (NIXL, Mooncake) or within it (MoRI-IO READ)."""
 
 
 def _tuples(groups: Iterable[Iterable[int]]) -> tuple[tuple[int, ...], ...]:
@@ -386,7 +525,8 @@ def _drive(
     p_manager = producer_engine.manager
     _, p_hit, *_ = p_manager.get_computed_blocks(p_req)
     producer_sched.get_num_new_matched_tokens(p_req, p_hit)
-    _prefill(producer_engine, p_req, case.lookahead)
+    _prefill(producer_engine, p_req, case.lookahead, checkpoint=_checkpoint(config, p_req.num_tokens))
+    producer_tokens = p_req.num_computed_tokens
     request_status = import_vllm("vllm.v1.request").RequestStatus
     p_req.append_output_token_ids(7)
     p_req.status = request_status.FINISHED_LENGTH_CAPPED
@@ -399,7 +539,7 @@ def _drive(
         request_id=rid, num_computed_tokens=p_req.num_computed_tokens
     )
     producer_table = _tuples(p_manager.get_block_ids(rid))
-    _, returned = producer_sched.request_finished(p_req, p_blocks)
+    _, returned = hooks.finish(producer_sched, p_req, p_blocks)
     if connector == "reference":
         remote_ids = _tuples(p_blocks)
     else:
@@ -407,7 +547,7 @@ def _drive(
     p_manager.free(p_req)
     # -- consumer: the decode leg
     if case.cached_prefix_tokens:
-        _warm_prefix(consumer_engine, tokens[: case.cached_prefix_tokens + block_size // 2], rid + "-warm")
+        _warm_prefix(consumer_engine, tokens[: case.cached_prefix_tokens + block_size // 2], rid + "-warm", config)
     c_params: dict[str, Any] = {
         "do_remote_prefill": True,
         "remote_block_ids": [list(g) for g in remote_ids],
@@ -422,6 +562,7 @@ def _drive(
     if hasattr(consumer_sched, "on_new_request"):
         consumer_sched.on_new_request(c_req)
     c_manager = consumer_engine.manager
+    c_manager.new_step_starts()
     computed_blocks, hit, *_ = c_manager.get_computed_blocks(c_req)
     # ``reference`` runs NIXL's consumer scheduler here, so its table is NIXL's: the asynchronous load
     # of N tokens, rolled back to N - 1 when it lands (the findings page's "same vLLM tables").
@@ -460,6 +601,7 @@ def _drive(
         num_tokens=n,
         prefix_hit_tokens=hit,
         first_computed=first,
+        producer_tokens=producer_tokens,
         producer_table=producer_table,
         consumer_table=consumer_table,
         producer_list=lists[0],
@@ -467,6 +609,7 @@ def _drive(
         pairs=pairs,
         refusal=refusal,
         failed_closed=failed_closed,
+        load_async=bool(load_async),
     )
 
 
@@ -498,20 +641,25 @@ def _pair(
         table = manager.get_block_ids(rid)
         _check_held(config, table, num_tokens, hit)
         budgets = get_blocks_per_sw(config)
+        # A state group's whole list goes to kvspec's state clip (STATE-2); attention lists cover the tokens.
         producer = get_exchange_clipped_blocks(
             [
-                g[: -(-num_tokens // s.kv_cache_spec.block_size)]
+                g if is_state_spec(s.kv_cache_spec) else g[: -(-num_tokens // s.kv_cache_spec.block_size)]
                 for g, s in zip(remote, config.kv_cache_groups, strict=True)
             ],
             budgets,
         )
         consumer = get_exchange_clipped_blocks(
             [
-                t[hit // s.kv_cache_spec.block_size : -(-num_tokens // s.kv_cache_spec.block_size)]
+                t
+                if is_state_spec(s.kv_cache_spec)
+                else t[hit // s.kv_cache_spec.block_size : -(-num_tokens // s.kv_cache_spec.block_size)]
                 for t, s in zip(table, config.kv_cache_groups, strict=True)
             ],
             budgets,
         )
+        producer = get_state_clipped_blocks(config, BlockIds(producer))
+        consumer = get_state_clipped_blocks(config, BlockIds(consumer))
         if hit >= num_tokens:
             return (_tuples(producer), ()), ()
         paired = compute_transfer_pairs(
@@ -535,6 +683,8 @@ def _check_held(config: KVCacheConfig, table: Sequence[Sequence[int]], num_token
     """
     for g, (group, ids) in enumerate(zip(config.kv_cache_groups, table, strict=True)):
         spec = group.kv_cache_spec
+        if is_state_spec(spec):
+            continue
         for k in get_needed_block_range(spec, num_tokens=num_tokens, prefix_hit_tokens=0):
             if k < hit // spec.block_size and (k >= len(ids) or ids[k] == NULL_BLOCK_ID):
                 raise WindowCoverageError(
@@ -574,6 +724,9 @@ def check_drive(config: KVCacheConfig, drive: _Drive) -> list[Finding]:
         p_table, c_table = drive.producer_table[g], drive.consumer_table[g]
         p_index, c_index = _logical(p_table), _logical(c_table)
         pairs = drive.pairs[g] if g < len(drive.pairs) else ()
+        if isinstance(spec, MambaSpec):
+            findings += _check_state(g, spec, drive, pairs)
+            continue
         held = drive.prefix_hit_tokens // spec.block_size
         arrives: dict[int, tuple[int, int]] = {}
         for p, c in pairs:
@@ -631,6 +784,86 @@ def check_drive(config: KVCacheConfig, drive: _Drive) -> list[Finding]:
                 )
             elif not in_hit and k not in arrives:
                 findings.append(Finding(deviation="needed-block-not-transferred", group=g, detail=span))
+    return findings
+
+
+def _state_slot(table: Sequence[int], spec: MambaSpec, tokens: int) -> int:
+    """The slot of column ``(tokens - 1) // block_size`` of a state table: where the state after ``tokens`` is.
+
+    vLLM's Mamba kernels write a prefill's state in the column of its last
+    token; in "none" mode ``block_size`` is ``max_model_len``, so always
+    column 0 (STATE-3, STATE-4).
+    """
+    column = (tokens - 1) // spec.block_size
+    return table[column] if 0 <= column < len(table) else NULL_BLOCK_ID
+
+
+def _column(table: Sequence[int], block: int) -> int:
+    return table.index(block) if block in table else -1
+
+
+def _check_state(g: int, spec: MambaSpec, drive: _Drive, pairs: Sequence[tuple[int, int]]) -> list[Finding]:
+    """A state group's pairs against where the states are: P's state slot into C's resume slot (STATE-1 .. STATE-4).
+
+    The consumer resumes at ``first_computed`` tokens; when that is within its
+    prefix hit no state moves. Otherwise the producer's state must have
+    absorbed exactly those tokens, and exactly one pair must join the slot
+    holding it to the slot the consumer's kernel reads.
+    """
+    t = drive.first_computed
+    if t == 0:
+        return []  # the consumer computes from token 0: no kernel reads a state, whatever arrives
+    if t <= drive.prefix_hit_tokens:
+        return [
+            Finding(deviation="writes-cached-prefix", group=g, detail=f"state slot {c} on a full hit", pair=(p, c))
+            for p, c in pairs
+        ]
+    findings: list[Finding] = []
+    if drive.producer_tokens != t:
+        findings.append(
+            Finding(
+                deviation="state-position",
+                group=g,
+                detail=f"the producer's state has absorbed {drive.producer_tokens} tokens, the consumer resumes at {t}",
+            )
+        )
+    source = _state_slot(drive.producer_table[g], spec, drive.producer_tokens)
+    # The step that recomputes copies the state from column (t - 1) // B into the column of its last token,
+    # then runs (vLLM's preprocess_mamba, before the connector's start_load_kv). A load that landed before that
+    # step must fill the first; one that lands within it (MoRI-IO's synchronous READ) must fill the second.
+    target = _state_slot(drive.consumer_table[g], spec, t if drive.load_async else drive.num_tokens)
+    for p, c in pairs:
+        if c == NULL_BLOCK_ID:
+            findings.append(Finding(deviation="writes-null-block", group=g, detail="consumer id 0", pair=(p, c)))
+        elif p == NULL_BLOCK_ID:
+            findings.append(Finding(deviation="reads-null-block", group=g, detail="state read from id 0", pair=(p, c)))
+        elif p != source and _column(drive.producer_table[g], p) > _column(drive.producer_table[g], source) >= 0:
+            findings.append(
+                Finding(
+                    deviation="state-scratch-travels",
+                    group=g,
+                    detail=f"producer slot {p} is a scratch slot after the state slot {source}",
+                    pair=(p, c),
+                )
+            )
+        elif p != source or c != target:
+            findings.append(
+                Finding(
+                    deviation="state-wrong-slot",
+                    group=g,
+                    detail=f"expected slot {source} (P, state after {drive.producer_tokens} tokens) into slot "
+                    f"{target} (C, resumes at {t})",
+                    pair=(p, c),
+                )
+            )
+    if target != NULL_BLOCK_ID and (source, target) not in pairs:
+        findings.append(
+            Finding(
+                deviation="state-not-transferred",
+                group=g,
+                detail=f"consumer slot {target} (resumes at {t}) receives no state",
+            )
+        )
     return findings
 
 
@@ -712,12 +945,15 @@ class AuditReport:
     seed: int
     vllm_version: str
     requests: dict[str, int]
+    """Requests driven per connector, state-group requests included."""
     pairs: dict[str, int]
     failed_closed: dict[str, int]
     classes: tuple[ClassResult, ...]
     seconds: float
     connector_classes: dict[str, str] = attrs.field(factory=dict)
     """Each audited connector's vLLM class as ``MODULE:CLASS``, by the label the report uses."""
+    state_requests: int = 0
+    """How many of each connector's requests run on FA + state-group configs."""
 
     def deviations(self, connector: str | None = None) -> int:
         """Requests with a deviation, over the classes kvspec counts as such (not its own strictness)."""
@@ -734,6 +970,7 @@ class AuditReport:
             "connector_classes": self.connector_classes,
             "seed": self.seed,
             "requests": self.requests,
+            "state_requests": self.state_requests,
             "pairs": self.pairs,
             "failed_closed": self.failed_closed,
             "classes": [c.to_dict() for c in self.classes],
@@ -753,7 +990,10 @@ class AuditReport:
 
     def render(self) -> str:
         """The terminal table, then the smallest reproducer of each class."""
-        lines = [f"kvspec vllm-audit: vLLM {self.vllm_version}, seed {self.seed}, {self.seconds:.1f}s"]
+        lines = [
+            f"kvspec vllm-audit: vLLM {self.vllm_version}, seed {self.seed}, {self.seconds:.1f}s, "
+            f"{self.state_requests} of each connector's requests on state-group configs"
+        ]
         lines += [*self._tested_lines(), ""]
         width = max([10, *(len(name) for name in self.requests)])
         header = (
@@ -854,10 +1094,14 @@ def run_audit(
     requests: int = 100,
     seed: int = 0,
     progress: Callable[[int, int], None] | None = None,
+    state_requests: int | None = None,
 ) -> AuditReport:
     """Drive ``requests`` random requests through each connector and vLLM's managers; classify every deviation (WIN-1).
 
-    The same requests go through every connector. ``"reference"`` runs
+    ``requests`` attention requests (:func:`generate_cases`), then
+    ``state_requests`` (default ``requests // 4``) on FA + state-group configs
+    (:func:`generate_state_cases`, STATE-1 .. STATE-4); the same requests go
+    through every connector. ``"reference"`` runs
     kvspec's own clipping and pairing on the same vLLM tables; a
     ``MODULE:CLASS`` string or a :class:`~kvspec.integrations.vllm.VllmConnector`
     audits any vLLM connector class (labelled by its name).
@@ -872,7 +1116,8 @@ def run_audit(
         adapters[label] = VllmConnector(connector) if ":" in label and isinstance(connector, str) else connector
     labels = list(adapters)
     started = time.perf_counter()
-    cases = generate_cases(requests, seed)
+    state_count = requests // 4 if state_requests is None else state_requests
+    cases = generate_cases(requests, seed) + generate_state_cases(state_count, seed, first_index=requests)
     counts = dict.fromkeys(labels, 0)
     pairs = dict.fromkeys(labels, 0)
     closed = dict.fromkeys(labels, 0)
@@ -915,4 +1160,5 @@ def run_audit(
         failed_closed=closed,
         classes=tuple(classes),
         seconds=time.perf_counter() - started,
+        state_requests=state_count,
     )
