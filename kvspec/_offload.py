@@ -25,12 +25,13 @@ from typing import Any, TypeVar
 
 import attrs
 
-from kvspec._errors import ConfigError, GroupCountError, WindowCoverageError
+from kvspec._errors import ConfigError, GroupCountError, StatePositionError, WindowCoverageError
 from kvspec._models import (
     NULL_BLOCK_ID,
     BlockIds,
     KVCacheConfig,
     KVCacheSpec,
+    MambaSpec,
     SlidingWindowSpec,
 )
 from kvspec.spec.offload import check_offload_support
@@ -128,6 +129,10 @@ class OffloadKey:
     def to_bytes(self) -> bytes:
         """The hash followed by the group index as 4 big-endian bytes (OFF-2)."""
         return self.block_hash + self.group.to_bytes(4, "big")
+
+
+def _state_tuple(value: Sequence[int | None]) -> tuple[int | None, ...]:
+    return tuple(value)
 
 
 def _int_pairs(value: Sequence[Sequence[int]]) -> tuple[tuple[int, int], ...]:
@@ -263,14 +268,29 @@ class LoadSet(_GroupTransfers):
     destination blocks in order, ``first_block_indices[g]`` the per-group
     position ``L`` of the first destination and ``num_blocks[g]`` the count
     ``G - L``. The ``i``-th destination reads the sub-block
-    :func:`map_sub_blocks` names (OFF-7).
+    :func:`map_sub_blocks` names (OFF-7). ``state_tokens[g]`` is, for a
+    state group that loads, ``t``: the tokens the restored state absorbed,
+    which must be ``T`` (STATE-1); ``None`` for other groups. An empty
+    tuple says nothing, which a config with state groups refuses (OFF-6).
     """
+
+    state_tokens: tuple[int | None, ...] = attrs.field(default=(), converter=_state_tuple)
 
     def __attrs_post_init__(self) -> None:
         _check_transfer(self)
+        if self.state_tokens:
+            _check_groups_of(self, {"chunk_ranges": self.chunk_ranges, "state_tokens": self.state_tokens})
+        for g, t in enumerate(self.state_tokens):
+            if t is not None and (not _is_int(t) or t < 0):
+                raise ConfigError(f"LoadSet.state_tokens[{g}]: expected None or a non-negative int, got {t!r}")
 
 
 # --------------------------------------------------------------------------- OFF-9 admission
+
+
+def _check_support(config: KVCacheConfig, offload: OffloadConfig) -> None:
+    f = offload.blocks_per_chunk if isinstance(offload, OffloadConfig) else 1
+    check_offload_support(config, blocks_per_chunk=f)
 
 
 def _window(spec: KVCacheSpec) -> int | None:
@@ -395,6 +415,7 @@ def get_store_set(
     the window when storing. A chunk whose leading sub-blocks are null is
     written in part and never counts as present (OFF-4). (OFF-3)
     """
+    _check_support(config, offload)
     chunk_sizes = _chunk_sizes(config, offload)
     groups = _block_groups("get_store_set.block_ids", config, block_ids)
     _check_groups("get_store_set.next_chunk", config, next_chunk)
@@ -453,11 +474,13 @@ def _check_tokens(config: KVCacheConfig, num_tokens: int, local_hit_tokens: int,
 
 
 def _hit_order(config: KVCacheConfig) -> list[int]:
-    # Full attention first (their prefix runs only shrink the hit), then windows, largest first.
-    full = [g for g, group in enumerate(config.kv_cache_groups) if _window(group.kv_cache_spec) is None]
-    windows = [g for g in range(config.num_groups) if g not in full]
-    windows.sort(key=lambda g: -(_window(config.kv_cache_groups[g].kv_cache_spec) or 0))
-    return full + windows
+    # Full attention first (their prefix runs only shrink the hit), then windows, largest first, then state groups.
+    specs = [group.kv_cache_spec for group in config.kv_cache_groups]
+    states = [g for g, spec in enumerate(specs) if isinstance(spec, MambaSpec)]
+    full = [g for g, spec in enumerate(specs) if _window(spec) is None and g not in states]
+    windows = [g for g in range(config.num_groups) if g not in full and g not in states]
+    windows.sort(key=lambda g: -(_window(specs[g]) or 0))
+    return full + windows + states
 
 
 def _first_hit_end(num_tokens: int, *, has_window: bool) -> int:
@@ -473,6 +496,16 @@ def _full_hit_end(present: Sequence[bool], *, end: int, local: int, size: int) -
     except ValueError:
         absent = stop
     return min(end, absent * size)
+
+
+def _state_hit_end(present: Sequence[bool], *, end: int, local: int, size: int) -> int:
+    """The largest chunk end e <= end whose chunk e / C_g - 1 is present: the state after exactly e tokens (OFF-5)."""
+    e = end - end % size
+    while e - local >= size:
+        if present[e // size - 1]:
+            return e
+        e -= size
+    return local
 
 
 def _window_hit_end(present: Sequence[bool], *, end: int, local: int, size: int, window: int) -> int:
@@ -513,10 +546,13 @@ def get_offload_hit_tokens(
     attention groups, then window groups by window size, shrink ``M`` to the
     largest end their present chunks support: a prefix run from the local
     hit, or a window whose chunks cover ``[max(C, M - W + 1), M - 1]``; the
-    groups are checked again until ``M`` holds still. The hit is 0 when any
-    group could load less than one chunk. (OFF-5)
+    groups are checked again until ``M`` holds still. A state group (OFF-9)
+    recomputes the last token as a window does and supports only ends on its
+    chunk grid whose chunk is present: that chunk holds the state after
+    exactly ``M`` tokens (vLLM #44599, #51094). The hit is 0 when any group
+    could load less than one chunk. (OFF-5)
     """
-    check_offload_support(config)
+    _check_support(config, offload)
     chunk_sizes = _chunk_sizes(config, offload)
     _check_groups("get_offload_hit_tokens.present", config, present)
     n, local = _check_tokens(config, num_tokens, local_hit_tokens, "get_offload_hit_tokens")
@@ -528,7 +564,8 @@ def get_offload_hit_tokens(
             )
     order = _hit_order(config)
     windows = [_window(group.kv_cache_spec) for group in config.kv_cache_groups]
-    end = _first_hit_end(n, has_window=any(w is not None for w in windows))
+    states = [isinstance(group.kv_cache_spec, MambaSpec) for group in config.kv_cache_groups]
+    end = _first_hit_end(n, has_window=any(w is not None for w in windows) or any(states))
     end = min([end, *(len(p) * size for p, size in zip(present, chunk_sizes, strict=True))])
     while True:
         before = end
@@ -536,7 +573,9 @@ def get_offload_hit_tokens(
             size, window = chunk_sizes[g], windows[g]
             if end - local < size:
                 return 0
-            if window is None:
+            if states[g]:
+                end = _state_hit_end(present[g], end=end, local=local, size=size)
+            elif window is None:
                 end = _full_hit_end(present[g], end=end, local=local, size=size)
             else:
                 end = _window_hit_end(present[g], end=end, local=local, size=size, window=window)
@@ -565,19 +604,31 @@ def get_load_set(
     attention, ``max(C, T - W + 1) // B_g`` for a window (so
     ``G - L <= cdiv(W + B_g - 1, B_g)``, #48959), from chunks
     ``[L // f, cdiv(T, C_g))``. Every destination must be a real block, or
-    :class:`WindowCoverageError` names it. (OFF-6)
+    :class:`WindowCoverageError` names it. A state group (OFF-9) restores
+    one block, at position ``T / B_g - 1``, from chunk ``T / C_g - 1``: the
+    state after exactly ``T`` tokens, and ``state_tokens[g] = T`` says so
+    (STATE-1); ``T`` off its grid is a :class:`StatePositionError`. (OFF-6)
     """
-    check_offload_support(config)
+    _check_support(config, offload)
     chunk_sizes = _chunk_sizes(config, offload)
     groups = _block_groups("get_load_set.block_ids", config, block_ids)
     t, local = _check_tokens(config, num_tokens, local_hit_tokens, "get_load_set")
     f = offload.blocks_per_chunk
-    ranges, dests, firsts = [], [], []
+    ranges, dests, firsts, states = [], [], [], []
     for g, (ids, size, group) in enumerate(zip(groups, chunk_sizes, config.kv_cache_groups, strict=True)):
         block, window = group.kv_cache_spec.block_size, _window(group.kv_cache_spec)
         stop = _cdiv(t, block)
         first_token = local if window is None else max(local, t - window + 1)
         first = stop if first_token >= t else first_token // block  # nothing to restore: no blocks
+        state: int | None = None
+        if isinstance(group.kv_cache_spec, MambaSpec) and t > local:
+            # One state slot, the one that absorbed exactly T tokens; T off the grid has no such slot (OFF-6).
+            if t % block:
+                raise StatePositionError(
+                    f"get_load_set.num_tokens: group {g} is a state group of block size {block}; expected T a "
+                    f"multiple of it (a state is kept only at chunk ends), got T={t} (OFF-6, STATE-1)"
+                )
+            first, state = stop - 1, t
         if len(ids) < stop:
             raise ConfigError(
                 f"get_load_set.block_ids[{g}]: expected at least {stop} ids for {t} tokens, got {len(ids)}"
@@ -592,6 +643,7 @@ def get_load_set(
         ranges.append((first // f, _cdiv(t, size)) if dest else (0, 0))
         dests.append(dest)
         firsts.append(first)
+        states.append(state)
     return _trusted(
         LoadSet,
         blocks_per_chunk=f,
@@ -599,6 +651,7 @@ def get_load_set(
         block_ids=tuple(dests),
         first_block_indices=tuple(firsts),
         num_blocks=tuple(len(dest) for dest in dests),
+        state_tokens=tuple(states),
     )
 
 

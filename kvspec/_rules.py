@@ -230,15 +230,17 @@ RULES += (
         id="OFF-5",
         title="Hit length",
         level=Level.MUST,
-        summary="Hit end starts at N (N - 1 with a window group), at most keys * C_g; full attention needs a "
-        "prefix run, a window the chunks over [max(C, M-W+1), M-1]; re-check until stable; 0 below one chunk.",
+        summary="Hit end starts at N (N - 1 with a window or state group), at most keys * C_g; full attention "
+        "needs a prefix run, a window the chunks over [max(C, M-W+1), M-1], a state group a present chunk ending "
+        "at M; re-check until stable; 0 below one chunk.",
     ),
     Rule(
         id="OFF-6",
         title="Load set",
         level=Level.MUST,
         summary="Per group GPU [L, G) from chunks [L // f, cdiv(T, C_g)), G = cdiv(T, B), L = C // B or "
-        "max(C, T-W+1) // B for a window, so G - L <= cdiv(W + B - 1, B) (#48959); destinations are real.",
+        "max(C, T-W+1) // B for a window, so G - L <= cdiv(W + B - 1, B) (#48959); a state group one slot at "
+        "T / B - 1 with state_tokens = T; destinations are real.",
     ),
     Rule(
         id="OFF-7",
@@ -257,10 +259,10 @@ RULES += (
     ),
     Rule(
         id="OFF-9",
-        title="Offload admits attention groups only",
+        title="Offload admits attention groups and aligned state groups",
         level=Level.MUST,
-        summary="Full attention (incl. MLA) and sliding window (incl. SW-MLA) only; Mamba / linear state, "
-        "chunked-local, cross attention and unknown kinds raise UnsupportedHybridError.",
+        summary="Full attention (incl. MLA), sliding window (incl. SW-MLA) and align-mode state groups with "
+        "f = 1; none-mode state, chunked-local, cross attention and unknown kinds raise UnsupportedHybridError.",
     ),
 )
 

@@ -208,6 +208,8 @@ def _rand_spec(rng: random.Random, kinds: Sequence[str] = ("full", "sw")) -> KVC
         return CrossAttentionSpec(**common)
     if kind == "mamba":
         return MambaSpec(block_size=block, shapes=[[2, rng.choice([2, 4])]], dtypes=["float32"])
+    if kind == "mamba_align":  # pins only: a state group offload admits (OFF-9)
+        return MambaSpec(block_size=block, shapes=[[2, 2]], dtypes=["float32"], cache_mode="align")
     return KVCacheSpec(block_size=block, page_size_padded=64)
 
 
@@ -345,9 +347,7 @@ def _pin_inputs(pin: Pin) -> dict[str, object]:
         return _spec_tokens(spec, given["num_tokens"], given["prefix_hit_tokens"])
     if "groups" in given:  # OFF-1, OFF-5, OFF-8: full attention and window groups, 64 blocks
         groups = given["groups"]
-        config = _config(
-            [_full(g["block_size"]) if g["window"] is None else _sw(g["window"], g["block_size"]) for g in groups]
-        )
+        config = _config([_pin_group(g) for g in groups])
         f = given["blocks_per_chunk"]
         if pin.rule == "OFF-1":
             return {"config": config, "blocks_per_chunk": f, "hash_block_size": given["hash_block_size"]}
@@ -357,6 +357,13 @@ def _pin_inputs(pin: Pin) -> dict[str, object]:
     if pin.rule == "OFF-7":
         return dict(given)
     raise ConfigError(f"vectors: pins: rule {pin.rule!r} has no input convention")  # pragma: no cover
+
+
+def _pin_group(group: Mapping[str, Any]) -> KVCacheSpec:
+    """One pinned group: full attention, a window, or (``"state": true``) an align-mode Mamba-2 state group."""
+    if group.get("state"):
+        return MambaSpec(block_size=group["block_size"], shapes=[[2, 2]], dtypes=["float32"], cache_mode="align")
+    return _full(group["block_size"]) if group["window"] is None else _sw(group["window"], group["block_size"])
 
 
 def _table_cases(rule: str, function: str) -> list[Case]:
@@ -1427,6 +1434,10 @@ def _load(config: KVCacheConfig, ids: Sequence[Sequence[int]], t: int, c: int, f
     }
 
 
+def _fa_state() -> KVCacheConfig:
+    return _config([_full(4), _pin_group({"block_size": 4, "window": None, "state": True})], num_blocks=16)
+
+
 def _off6_pins() -> list[Case]:
     config, b12_b16 = _fa_sw(), _b12_b16()
     window = _config([_sw(4096, 32)], num_blocks=4096)
@@ -1434,6 +1445,16 @@ def _off6_pins() -> list[Case]:
     return [
         Case(name="hma_t12", inputs=_load(config, [[1, 2, 3], [4, 5, 6]], 12, 0), description="(0,0..2) (1,1..2)"),
         Case(name="hma_t16_c12", inputs=_load(config, [[1, 2, 3, 4], [0, 0, 7, 8]], 16, 12), description="(0,3) (1,3)"),
+        Case(
+            name="state_t12_c4",
+            inputs=_load(_fa_state(), [[1, 2, 3, 4], [0, 0, 7, 8]], 12, 4),
+            description="a state group restores one slot at T/B - 1 and says state_tokens = T = 12 (OFF-6, STATE-1)",
+        ),
+        Case(
+            name="state_t_off_the_grid",
+            inputs=_load(_fa_state(), [[1, 2, 3, 4], [0, 0, 7, 8]], 11, 0),
+            description="no slot holds the state after 11 tokens: StatePositionError",
+        ),
         Case(name="b12_b16_t48", inputs=_load(b12_b16, [[1, 2, 3, 4], [5, 6, 7]], 48, 0)),
         Case(
             name="b12_b16_t80_c48",

@@ -480,6 +480,28 @@ def test_offload_hit_equals_the_definition_refusals_included(
     assert fast == definition
 
 
+@settings(max_examples=40)
+@given(case=hit_cases(states=True), local_shift=st.sampled_from([0, 0, 1]))
+def test_offload_hit_with_state_groups_equals_the_definition(
+    case: tuple[KVCacheConfig, OffloadConfig, list[list[bool]], int, int], local_shift: int
+) -> None:
+    """With align-mode state groups, the fast hit's chunk-grid scan gives the definition's answer (OFF-5, OFF-9)."""
+    config, off_config, present, num_tokens, local = case
+    local += local_shift
+    sizes = get_chunk_sizes(config, blocks_per_chunk=off_config.blocks_per_chunk)
+    fast = result_of(
+        lambda: get_offload_hit_tokens(
+            config, present, num_tokens=num_tokens, local_hit_tokens=local, offload=off_config
+        )
+    )
+    definition = result_of(
+        lambda: plain.get_offload_hit_tokens(
+            config, present, num_tokens=num_tokens, local_hit_tokens=local, chunk_sizes=sizes
+        )
+    )
+    assert fast == definition
+
+
 def test_a_state_hybrid_takes_the_fast_path(monkeypatch: pytest.MonkeyPatch) -> None:
     """Qwen3-Next (padded GDN pages), blocks_first: one copy of state bytes per layer page, on the fast path."""
     config = small_config("qwen3-next-80b", "blocks_first", 32)

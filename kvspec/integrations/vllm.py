@@ -50,7 +50,7 @@ from kvspec._models import (
     SlidingWindowSpec,
     TransferMode,
 )
-from kvspec._offload import BlockIdGroups, LoadSet, OffloadConfig, StoreSet
+from kvspec._offload import BlockIdGroups, LoadSet, OffloadConfig, StoreSet, get_chunk_sizes
 from kvspec._plan import BlockPairsLike, TransferPlan, plan_transfer
 from kvspec._reference import BlockPairs
 
@@ -1511,6 +1511,12 @@ class OffloadingConnector(ReferenceConnector):
             )
         ranges = _chunk_ranges(manager, manager.loaded, state.req_context, config.num_groups, "load")
         dests, firsts, sizes = _split(jobs[0][1].dst_spec, config.num_groups, "load")
+        # A state chunk holds the state after its last token: what vLLM restores absorbed stop * C_g tokens (OFF-6).
+        chunk_sizes = get_chunk_sizes(config, blocks_per_chunk=offload.blocks_per_chunk)
+        states = [
+            ranges[g][1] * chunk_sizes[g] if isinstance(group.kv_cache_spec, MambaSpec) and sizes[g] else None
+            for g, group in enumerate(config.kv_cache_groups)
+        ]
         try:
             return LoadSet(
                 blocks_per_chunk=offload.blocks_per_chunk,
@@ -1518,6 +1524,7 @@ class OffloadingConnector(ReferenceConnector):
                 block_ids=dests,
                 first_block_indices=firsts,
                 num_blocks=sizes,
+                state_tokens=states,
             )
         except ConfigError as exc:
             raise OffloadingDisagreementError(f"vLLM's OffloadingConnector load job is not a LoadSet: {exc}") from exc
