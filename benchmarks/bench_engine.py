@@ -50,7 +50,7 @@ import attrs
 
 import kvspec
 from kvspec import KVCacheConfig, TransferMode
-from kvspec._plan import _plan_page_by_page
+from kvspec.protocol._plan import _plan_page_by_page
 from kvspec.spec.state import get_state_clipped_blocks
 
 MODELS = ("gemma-3-27b", "gpt-oss-120b")

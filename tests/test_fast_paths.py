@@ -22,7 +22,7 @@ from strategies import Scenario, build_scenario, scenarios
 from test_offload import FA_SW, hit_cases, offload
 from test_plan import LAYOUTS, MODELS, Pairs, small_config
 
-import kvspec._plan as plan_module
+import kvspec.protocol._plan as plan_module
 import kvspec.spec as plain
 from kvspec import (
     NULL_BLOCK_ID,
@@ -43,8 +43,8 @@ from kvspec import (
     get_offload_hit_tokens,
     get_pruned_block_ids,
 )
-from kvspec._plan import TransferPlan, _plan_page_by_page, plan_transfer
 from kvspec.presets import Layout, get_preset
+from kvspec.protocol._plan import TransferPlan, _plan_page_by_page, plan_transfer
 
 T = TypeVar("T")
 

@@ -17,7 +17,7 @@ import pytest
 from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
-import kvspec._offload as off
+import kvspec.reference._offload as off
 import kvspec.spec as plain
 from kvspec import (
     ChunkedLocalAttentionSpec,
@@ -50,9 +50,9 @@ from kvspec import (
     get_sub_block_offset,
     map_sub_blocks,
 )
-from kvspec._vector_cases import _pin_inputs as pin_inputs
 from kvspec.presets import get_preset
 from kvspec.spec.pins import Raises, pins_for
+from kvspec.tools._vector_cases import _pin_inputs as pin_inputs
 
 # --------------------------------------------------------------------------- helpers
 

@@ -23,8 +23,7 @@ from typing import Any
 
 import attrs
 
-from kvspec._connector import ReferenceConnector
-from kvspec._errors import (
+from kvspec.core._errors import (
     BackendUnavailableError,
     BlockAlignmentError,
     ConfigError,
@@ -32,8 +31,7 @@ from kvspec._errors import (
     OffloadingDisagreementError,
     UnsupportedHybridError,
 )
-from kvspec._handshake import check_compatibility
-from kvspec._models import (
+from kvspec.core._models import (
     NULL_BLOCK_ID,
     BlockIds,
     ChunkedLocalAttentionSpec,
@@ -50,9 +48,11 @@ from kvspec._models import (
     SlidingWindowSpec,
     TransferMode,
 )
-from kvspec._offload import BlockIdGroups, LoadSet, OffloadConfig, StoreSet, get_chunk_sizes
-from kvspec._plan import BlockPairsLike, TransferPlan, plan_transfer
-from kvspec._reference import BlockPairs
+from kvspec.drivers._connector import ReferenceConnector
+from kvspec.protocol._handshake import check_compatibility
+from kvspec.protocol._plan import BlockPairsLike, TransferPlan, plan_transfer
+from kvspec.reference._offload import BlockIdGroups, LoadSet, OffloadConfig, StoreSet, get_chunk_sizes
+from kvspec.reference._reference import BlockPairs
 
 __all__ = [
     "CONNECTORS",

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from kvspec._errors import ConfigError, UnsupportedHybridError, format_values
-from kvspec._models import (
+from kvspec.core._errors import ConfigError, UnsupportedHybridError, format_values
+from kvspec.core._models import (
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvspec._errors import ConfigError, GroupCountError, UnsupportedHybridError
-from kvspec._models import FullAttentionSpec, KVCacheConfig, MambaSpec, SlidingWindowSpec
+from kvspec.core._errors import ConfigError, GroupCountError, UnsupportedHybridError
+from kvspec.core._models import FullAttentionSpec, KVCacheConfig, MambaSpec, SlidingWindowSpec
 from kvspec.spec.coverage import get_needed_token_range
 
 __all__ = ["check_offload_support", "get_offload_hit_tokens"]

@@ -10,7 +10,7 @@ none keeps a copy:
   tests/test_pins.py checks every row against the reference, the committed
   vectors, the rendered docs and those examples;
 - the test vectors: ``kvspec vectors write`` makes one vector per row and
-  function (kvspec/_vector_cases.py); its expected output is computed by the
+  function (kvspec/tools/_vector_cases.py); its expected output is computed by the
   reference, and tests/test_pins.py checks it equals the row's;
 - the docs: ``<!-- kvspec:pins:RULE -->`` renders a rule's rows as a table
   (docs/hooks.py).

@@ -10,10 +10,10 @@ from typing import TypeAlias
 
 import attrs
 
-from kvspec._descriptors import DescriptorList
-from kvspec._enums import TransferMode
-from kvspec._errors import PlanError
-from kvspec._models import NULL_BLOCK_ID, KVCacheConfig
+from kvspec.core._descriptors import DescriptorList
+from kvspec.core._enums import TransferMode
+from kvspec.core._errors import PlanError
+from kvspec.core._models import NULL_BLOCK_ID, KVCacheConfig
 from kvspec.spec.plan import BlockPairsLike, PageCopy, get_page_byte_ranges
 
 __all__ = [

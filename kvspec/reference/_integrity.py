@@ -30,7 +30,7 @@ import hashlib
 from collections.abc import Sequence
 from typing import Protocol, TypeAlias
 
-from kvspec._models import NULL_BLOCK_ID, BlockIds, KVCacheConfig
+from kvspec.core._models import NULL_BLOCK_ID, BlockIds, KVCacheConfig
 
 __all__ = [
     "DIGEST_HEX_LENGTH",

@@ -14,7 +14,7 @@ exception and never a half-built message.
 
 The conversion is derived from the message classes' typed attrs fields, so
 adding a field to a message needs no codec change; the JSON Schema of
-:mod:`kvspec._schema` comes from the same converters.
+:mod:`kvspec.protocol._schema` comes from the same converters.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from typing import Any, Union
 
 import attrs
 
-from kvspec._errors import (
+from kvspec.core._errors import (
     ConfigError,
     FieldError,
     KVSpecError,
@@ -40,7 +40,8 @@ from kvspec._errors import (
     UnsupportedVersionError,
     shown,
 )
-from kvspec._messages import (
+from kvspec.core._models import BlockIds
+from kvspec.reference._messages import (
     PROTOCOL_VERSION,
     Abort,
     BlockOffer,
@@ -51,7 +52,6 @@ from kvspec._messages import (
     Release,
     TransferParams,
 )
-from kvspec._models import BlockIds
 
 __all__ = ["MESSAGE_TYPES", "decode", "encode", "field_codec", "message_type_name"]
 

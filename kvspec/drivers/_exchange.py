@@ -7,7 +7,7 @@ An endpoint is one engine: a :class:`KVCacheConfig`, a :class:`BlockAllocator`
 over its pool (block 0 is the null block and is never handed out), one
 :class:`Transport` agent with the pool's regions registered, and one sans-IO
 session per request (:class:`ProducerSession` / :class:`ConsumerSession`).
-The endpoint is a thin role over the driver core (:mod:`kvspec._driver`),
+The endpoint is a thin role over the driver core (:mod:`kvspec.drivers._driver`),
 which carries out what the sessions ask (send, post, cancel, free) and feeds
 them what happens (transfer status, notifications, time); the endpoint adds
 its block pool, its peers and the connector seam's planning.
@@ -45,9 +45,17 @@ from typing import Generic
 
 import attrs
 
-from kvspec._codec import decode, encode
-from kvspec._connector import Connector, ReferenceConnector
-from kvspec._driver import (
+from kvspec.core._enums import FailureReason, StateProfile, TransferMode
+from kvspec.core._errors import (
+    ConfigError,
+    LocalProtocolError,
+    OutOfBlocksError,
+    PlanError,
+    TransportError,
+)
+from kvspec.core._models import NULL_BLOCK_ID, BlockIds, KVCacheConfig, KVCacheSpec, MambaSpec
+from kvspec.drivers._connector import Connector, ReferenceConnector
+from kvspec.drivers._driver import (
     CONSUMER,
     PRODUCER,
     Driver,
@@ -58,28 +66,10 @@ from kvspec._driver import (
     S,
     poll_until,
 )
-from kvspec._engine import ConsumerEngine, ProducerEngine
-from kvspec._enums import FailureReason, StateProfile, TransferMode
-from kvspec._errors import (
-    ConfigError,
-    LocalProtocolError,
-    OutOfBlocksError,
-    PlanError,
-    TransportError,
-)
-from kvspec._handshake import check_compatibility
-from kvspec._integrity import PageDigester
-from kvspec._messages import BlockOffer, EngineDescriptor, Failure, Message, ReleaseOutcome, TransferParams
-from kvspec._models import NULL_BLOCK_ID, BlockIds, KVCacheConfig, KVCacheSpec, MambaSpec
-from kvspec._reference import (
-    BlockPairs,
-    check_hybrid_support,
-    get_consumer_block_counts,
-    get_logical_block_count,
-    get_pruned_block_ids,
-    is_hma_required,
-)
-from kvspec._session import (
+from kvspec.drivers._engine import ConsumerEngine, ProducerEngine
+from kvspec.protocol._codec import decode, encode
+from kvspec.protocol._handshake import check_compatibility
+from kvspec.protocol._session import (
     DEFAULT_DRAIN_TIMEOUT,
     DEFAULT_RELEASE_GRACE,
     ConsumerSession,
@@ -87,6 +77,16 @@ from kvspec._session import (
     FailureInfo,
     ProducerSession,
     ProducerState,
+)
+from kvspec.reference._integrity import PageDigester
+from kvspec.reference._messages import BlockOffer, EngineDescriptor, Failure, Message, ReleaseOutcome, TransferParams
+from kvspec.reference._reference import (
+    BlockPairs,
+    check_hybrid_support,
+    get_consumer_block_counts,
+    get_logical_block_count,
+    get_pruned_block_ids,
+    is_hma_required,
 )
 from kvspec.spec.state import get_state_group_indices
 from kvspec.transport._base import MemoryRegion, Transport

@@ -19,7 +19,7 @@ in the order the table row lists them (as h11 returns events):
   returns them to its pool; the consumer may reuse (or recompute into) them.
 
 ``output.send``, ``.post``, ``.cancel``, ``.free`` and ``.notification`` are
-views of ``actions``. kvspec's own driver is :mod:`kvspec._driver`.
+views of ``actions``. kvspec's own driver is :mod:`kvspec.drivers._driver`.
 
 Every deadline is derived from the lease deadline in the transfer parameters
 and the session's timeouts, so no state waits forever (FAIL-1). A driver
@@ -73,9 +73,10 @@ from typing import Any, Generic, Literal, TypeVar
 
 import attrs
 
-from kvspec._enums import FailureReason, TransferMode
-from kvspec._errors import ConfigError, LocalProtocolError, RemoteProtocolError
-from kvspec._messages import (
+from kvspec.core._enums import FailureReason, TransferMode
+from kvspec.core._errors import ConfigError, LocalProtocolError, RemoteProtocolError
+from kvspec.core._models import NULL_BLOCK_ID, BlockIds
+from kvspec.reference._messages import (
     Abort,
     BlockOffer,
     Completion,
@@ -86,7 +87,6 @@ from kvspec._messages import (
     TransferParams,
     TransportData,
 )
-from kvspec._models import NULL_BLOCK_ID, BlockIds
 
 __all__ = [
     "CONSUMER_DEADLINES",

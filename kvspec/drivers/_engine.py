@@ -3,10 +3,10 @@
 Theory of operation
 -------------------
 
-The driver core (:mod:`kvspec._driver`) carries out what a session asks; it
+The driver core (:mod:`kvspec.drivers._driver`) carries out what a session asks; it
 does not decide which blocks a request gets, nor whether the request may
 move at all. That is the engine's part, and it is written once, here, for
-both kvspec's exchange endpoints (:mod:`kvspec._exchange`) and the
+both kvspec's exchange endpoints (:mod:`kvspec.drivers._exchange`) and the
 conformance suite's scenarios:
 
 - :class:`ProducerEngine` clips the request's table (CLIP-1), creates its
@@ -32,16 +32,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from kvspec._connector import Connector, pair_keywords
-from kvspec._driver import Driver, LiveRequest, Operation, reason_of
-from kvspec._enums import FailureReason, StateProfile, TransferMode
-from kvspec._errors import IncompatiblePeerError, KVSpecError, TransportError
-from kvspec._integrity import BlockPairsLike
-from kvspec._messages import BlockOffer, TransferParams
-from kvspec._models import BlockIds, KVCacheConfig
-from kvspec._plan import TransferPlan
-from kvspec._reference import compute_block_pairs
-from kvspec._session import DEFAULT_DRAIN_TIMEOUT, ConsumerSession, ProducerSession
+from kvspec.core._enums import FailureReason, StateProfile, TransferMode
+from kvspec.core._errors import IncompatiblePeerError, KVSpecError, TransportError
+from kvspec.core._models import BlockIds, KVCacheConfig
+from kvspec.drivers._connector import Connector, pair_keywords
+from kvspec.drivers._driver import Driver, LiveRequest, Operation, reason_of
+from kvspec.protocol._plan import TransferPlan
+from kvspec.protocol._session import DEFAULT_DRAIN_TIMEOUT, ConsumerSession, ProducerSession
+from kvspec.reference._integrity import BlockPairsLike
+from kvspec.reference._messages import BlockOffer, TransferParams
+from kvspec.reference._reference import compute_block_pairs
 from kvspec.spec.state import check_state_position, get_state_paired_lists
 
 __all__ = ["ConsumerEngine", "PairOffer", "ProducerEngine", "pair_offer_by_ends"]

@@ -8,8 +8,8 @@ from typing import Literal
 
 import attrs
 
-from kvspec._errors import ConfigError
-from kvspec._models import (
+from kvspec.core._errors import ConfigError
+from kvspec.core._models import (
     AttentionSpec,
     ChunkedLocalAttentionSpec,
     DType,

@@ -1,6 +1,6 @@
 """JSON Schema of every protocol message, generated from the message classes through the codec (VER-1).
 
-``python -m kvspec._schema DIR`` (or :func:`dump_schemas`) writes one
+``python -m kvspec.protocol._schema DIR`` (or :func:`dump_schemas`) writes one
 ``<type>.schema.json`` per message; ``docs/schema/`` holds the committed copy
 and a test keeps it current.
 """
@@ -12,8 +12,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kvspec._codec import MESSAGE_TYPES, field_codec
-from kvspec._messages import PROTOCOL_VERSION
+from kvspec.protocol._codec import MESSAGE_TYPES, field_codec
+from kvspec.reference._messages import PROTOCOL_VERSION
 
 __all__ = ["SCHEMA_DIALECT", "dump_schemas", "message_schema", "message_schemas", "render_schema"]
 

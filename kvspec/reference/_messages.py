@@ -2,7 +2,7 @@
 
 Every message is a frozen attrs class validated on construction; a bad field
 raises :class:`kvspec.ConfigError` naming the class and the field. Messages
-carry no encoding logic: :mod:`kvspec._codec` turns them into canonical bytes.
+carry no encoding logic: :mod:`kvspec.protocol._codec` turns them into canonical bytes.
 The one exception is the dict form of :class:`TransferParams`, which is what
 vLLM's router already passes around as ``kv_transfer_params``.
 
@@ -30,8 +30,8 @@ from typing import Any, TypeAlias, TypeVar
 
 import attrs
 
-from kvspec._enums import FailureReason, StateProfile, TransferMode
-from kvspec._errors import (
+from kvspec.core._enums import FailureReason, StateProfile, TransferMode
+from kvspec.core._errors import (
     ConfigError,
     FieldError,
     KVSpecError,
@@ -39,8 +39,7 @@ from kvspec._errors import (
     UnsupportedVersionError,
     shown,
 )
-from kvspec._integrity import DIGEST_HEX_LENGTH, BlockDigests, is_block_digest
-from kvspec._models import (
+from kvspec.core._models import (
     NULL_BLOCK_ID,
     AttentionSpec,
     BlockIds,
@@ -49,6 +48,7 @@ from kvspec._models import (
     MambaSpec,
     SpecKind,
 )
+from kvspec.reference._integrity import DIGEST_HEX_LENGTH, BlockDigests, is_block_digest
 
 __all__ = [
     "PROTOCOL_VERSION",

@@ -13,10 +13,10 @@ from collections.abc import Sequence
 
 import attrs
 
-from kvspec._enums import TransferMode
-from kvspec._models import BlockIds, KVCacheConfig, KVCacheSpec, MambaSpec
-from kvspec._plan import plan_transfer
-from kvspec._reference import (
+from kvspec.core._enums import TransferMode
+from kvspec.core._models import BlockIds, KVCacheConfig, KVCacheSpec, MambaSpec
+from kvspec.protocol._plan import plan_transfer
+from kvspec.reference._reference import (
     BlockPairs,
     compute_transfer_pairs,
     get_blocks_per_sw,

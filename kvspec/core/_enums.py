@@ -1,6 +1,6 @@
 """The enums every layer shares: who moves the bytes, and why a request failed.
 
-They sit below :mod:`kvspec._errors` so that an error can carry a typed
+They sit below :mod:`kvspec.core._errors` so that an error can carry a typed
 :class:`FailureReason` (docs/spec/protocol-lifecycle.md, FAIL-1).
 """
 

@@ -6,15 +6,15 @@ import itertools
 import operator
 from collections.abc import Iterable, Sequence
 
-from kvspec._deprecation import keyword_only, warn_renamed
-from kvspec._enums import TransferMode
-from kvspec._errors import (
+from kvspec.core._deprecation import keyword_only, warn_renamed
+from kvspec.core._enums import TransferMode
+from kvspec.core._errors import (
     BlockAlignmentError,
     ConfigError,
     GroupCountError,
     WindowCoverageError,
 )
-from kvspec._models import (
+from kvspec.core._models import (
     NULL_BLOCK_ID,
     BlockIds,
     KVCacheConfig,

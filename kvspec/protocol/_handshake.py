@@ -9,9 +9,9 @@ mismatch never surfaces mid-transfer.
 
 from __future__ import annotations
 
-from kvspec._deprecation import keyword_only
-from kvspec._errors import ConfigError, IncompatiblePeerError
-from kvspec._messages import EngineDescriptor, GroupDescriptor
+from kvspec.core._deprecation import keyword_only
+from kvspec.core._errors import ConfigError, IncompatiblePeerError
+from kvspec.reference._messages import EngineDescriptor, GroupDescriptor
 
 __all__ = ["GROUP_FIELDS", "check_compatibility", "get_differences"]
 

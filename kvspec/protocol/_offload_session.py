@@ -37,10 +37,10 @@ from collections.abc import Iterable
 
 import attrs
 
-from kvspec._enums import FailureReason, TransferMode
-from kvspec._errors import ConfigError, LocalProtocolError, RemoteProtocolError
-from kvspec._messages import Message
-from kvspec._session import Cancel, Output, Post
+from kvspec.core._enums import FailureReason, TransferMode
+from kvspec.core._errors import ConfigError, LocalProtocolError, RemoteProtocolError
+from kvspec.protocol._session import Cancel, Output, Post
+from kvspec.reference._messages import Message
 
 __all__ = ["ChunkCopy", "OffloadKind", "OffloadSession", "OffloadState"]
 

@@ -10,8 +10,8 @@ from typing import Any, ClassVar, overload
 
 import attrs
 
-from kvspec._enums import FailureReason, StateProfile, TransferMode
-from kvspec._errors import ConfigError, shown
+from kvspec.core._enums import FailureReason, StateProfile, TransferMode
+from kvspec.core._errors import ConfigError, shown
 
 __all__ = [
     "DTYPE_SIZES",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import types
 from collections.abc import Mapping, Sequence
 
-from kvspec._enums import FailureReason
+from kvspec.core._enums import FailureReason
 
 __all__ = [
     "AgentAuthError",

@@ -7,7 +7,7 @@ A :class:`Driver` serves one engine's side of many requests: one sans-IO
 session each (:class:`ProducerSession` or :class:`ConsumerSession`, SM-1,
 SM-2), the transfer handle it posted, and the peer agent it talks to. It is
 the only code that turns session actions into I/O, and session inputs out of
-I/O; the exchange endpoints (:mod:`kvspec._exchange`) and the conformance
+I/O; the exchange endpoints (:mod:`kvspec.drivers._exchange`) and the conformance
 suite's scenarios are thin roles over it, so the request lifecycle is written
 once.
 
@@ -52,9 +52,8 @@ from typing import Generic, Protocol, TypeVar
 
 import attrs
 
-from kvspec._codec import decode, encode
-from kvspec._enums import FailureReason, TransferMode
-from kvspec._errors import (
+from kvspec.core._enums import FailureReason, TransferMode
+from kvspec.core._errors import (
     BlockAlignmentError,
     GroupCountError,
     IncompatiblePeerError,
@@ -64,12 +63,11 @@ from kvspec._errors import (
     TransportError,
     WindowCoverageError,
 )
-from kvspec._integrity import BlockDigests, BlockPairsLike, PageDigester
-from kvspec._messages import BlockOffer, Completion, Message, TransferParams
-from kvspec._models import BlockIds
-from kvspec._offload_session import OffloadSession
-from kvspec._plan import TransferPlan
-from kvspec._session import (
+from kvspec.core._models import BlockIds
+from kvspec.protocol._codec import decode, encode
+from kvspec.protocol._offload_session import OffloadSession
+from kvspec.protocol._plan import TransferPlan
+from kvspec.protocol._session import (
     Cancel,
     ConsumerSession,
     ConsumerState,
@@ -79,6 +77,8 @@ from kvspec._session import (
     ProducerSession,
     Send,
 )
+from kvspec.reference._integrity import BlockDigests, BlockPairsLike, PageDigester
+from kvspec.reference._messages import BlockOffer, Completion, Message, TransferParams
 from kvspec.transport._base import Descriptor, TransferHandle, TransferState, Transport
 
 __all__ = [

@@ -25,8 +25,8 @@ from typing import Any, TypeVar
 
 import attrs
 
-from kvspec._errors import ConfigError, GroupCountError, StatePositionError, WindowCoverageError
-from kvspec._models import (
+from kvspec.core._errors import ConfigError, GroupCountError, StatePositionError, WindowCoverageError
+from kvspec.core._models import (
     NULL_BLOCK_ID,
     BlockIds,
     KVCacheConfig,

@@ -10,13 +10,13 @@ session entry point): how to decode its JSON input into kvspec values, how to
 call the reference, and how to encode what comes back. :func:`answer_vector`
 is kvspec's own implementation of the contract an external implementation
 follows (one vector in, ``{"output": ...}`` or ``{"error": {...}}`` out); the
-writer (:mod:`kvspec._vector_cases`) computes every expected answer with it,
+writer (:mod:`kvspec.tools._vector_cases`) computes every expected answer with it,
 so the vectors are generated from the reference, never edited by hand.
 
 Everything is encoded generically from the value: attrs classes by their
 fields, enums by their value, block ids as lists of lists, protocol messages
 by the wire codec. A new function takes one :class:`VectorFunction` here and
-one case set in :mod:`kvspec._vector_cases`; a renamed one, one line of
+one case set in :mod:`kvspec.tools._vector_cases`; a renamed one, one line of
 :data:`PUBLIC_NAMES`.
 """
 
@@ -31,11 +31,8 @@ from typing import Any
 
 import attrs
 
-from kvspec._codec import MESSAGE_TYPES, decode, encode, field_codec
-from kvspec._errors import ConfigError, IncompatiblePeerError, KVSpecError, MalformedMessageError
-from kvspec._handshake import check_compatibility
-from kvspec._messages import PROTOCOL_VERSION, EngineDescriptor, TransferParams
-from kvspec._models import (
+from kvspec.core._errors import ConfigError, IncompatiblePeerError, KVSpecError, MalformedMessageError
+from kvspec.core._models import (
     BlockIds,
     ChunkedLocalAttentionSpec,
     CrossAttentionSpec,
@@ -53,7 +50,14 @@ from kvspec._models import (
     SpecKind,
     TransferMode,
 )
-from kvspec._offload import (
+from kvspec.core._rules import RULES
+from kvspec.protocol._codec import MESSAGE_TYPES, decode, encode, field_codec
+from kvspec.protocol._handshake import check_compatibility
+from kvspec.protocol._plan import TransferPlan, plan_transfer
+from kvspec.protocol._session import ConsumerSession, Output, ProducerSession
+from kvspec.protocol._summary import blocks_needed_for, summarize_plan
+from kvspec.reference._messages import PROTOCOL_VERSION, EngineDescriptor, TransferParams
+from kvspec.reference._offload import (
     OffloadConfig,
     OffloadKey,
     StoreSet,
@@ -67,8 +71,7 @@ from kvspec._offload import (
     get_sub_block_offset,
     map_sub_blocks,
 )
-from kvspec._plan import TransferPlan, plan_transfer
-from kvspec._reference import (
+from kvspec.reference._reference import (
     check_hybrid_support,
     check_window_coverage,
     compute_block_pairs,
@@ -85,9 +88,6 @@ from kvspec._reference import (
     is_full_attention_spec,
     is_hma_required,
 )
-from kvspec._rules import RULES
-from kvspec._session import ConsumerSession, Output, ProducerSession
-from kvspec._summary import blocks_needed_for, summarize_plan
 from kvspec.spec.state import (
     check_state_position,
     check_state_prefix_hit,

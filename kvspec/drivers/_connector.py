@@ -1,7 +1,7 @@
 """The connector seam: the block logic a connector computes before it posts, replaceable for testing.
 
 It sits above the reference functions and the planner and below the driver
-core (:mod:`kvspec._driver`), which calls it; the conformance suite plugs a
+core (:mod:`kvspec.drivers._driver`), which calls it; the conformance suite plugs a
 connector under test in here.
 """
 
@@ -10,11 +10,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
-from kvspec._enums import TransferMode
-from kvspec._handshake import check_compatibility
-from kvspec._messages import EngineDescriptor
-from kvspec._models import BlockIds, KVCacheConfig
-from kvspec._offload import (
+from kvspec.core._enums import TransferMode
+from kvspec.core._models import BlockIds, KVCacheConfig
+from kvspec.protocol._handshake import check_compatibility
+from kvspec.protocol._plan import BlockPairsLike, TransferPlan, plan_transfer
+from kvspec.reference._messages import EngineDescriptor
+from kvspec.reference._offload import (
     BlockIdGroups,
     LoadSet,
     OffloadConfig,
@@ -24,8 +25,7 @@ from kvspec._offload import (
     get_store_set,
     map_sub_blocks,
 )
-from kvspec._plan import BlockPairsLike, TransferPlan, plan_transfer
-from kvspec._reference import (
+from kvspec.reference._reference import (
     check_hybrid_support,
     compute_transfer_pairs,
     get_blocks_per_sw,
@@ -169,7 +169,7 @@ def pair_keywords(
 class OffloadConnector(Protocol):
     """What an offloading connector decides between the GPU block table and the chunk pool (OFF-3 ... OFF-7).
 
-    The hooks mirror the reference functions of :mod:`kvspec._offload`, with
+    The hooks mirror the reference functions of :mod:`kvspec.reference._offload`, with
     the same arguments plus ``request_id`` (keyword-only), so that a stateful
     connector (vLLM's offloading scheduler keeps per-request state) can keep
     one state per request; :meth:`finish_request` tells it the request is

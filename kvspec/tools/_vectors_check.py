@@ -30,9 +30,9 @@ from typing import IO, Any, TextIO
 
 import attrs
 
-from kvspec._errors import ConfigError
-from kvspec._vector_cases import DEFAULT_COUNT, DEFAULT_SEED, write_vectors
-from kvspec._vectors import Json, answer_schema, answer_vector, same_json, vector_schema
+from kvspec.core._errors import ConfigError
+from kvspec.tools._vector_cases import DEFAULT_COUNT, DEFAULT_SEED, write_vectors
+from kvspec.tools._vectors import Json, answer_schema, answer_vector, same_json, vector_schema
 
 __all__ = [
     "MAX_ANSWER_BYTES",

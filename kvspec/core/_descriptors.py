@@ -19,7 +19,7 @@ from typing import Any, TypeAlias, overload
 
 import attrs
 
-from kvspec._errors import ConfigError, PlanError
+from kvspec.core._errors import ConfigError, PlanError
 
 __all__ = [
     "Descriptor",

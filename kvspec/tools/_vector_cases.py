@@ -20,22 +20,8 @@ from typing import Any
 
 import attrs
 
-from kvspec._codec import decode, encode
-from kvspec._errors import ConfigError
-from kvspec._handshake import check_compatibility
-from kvspec._messages import (
-    PROTOCOL_VERSION,
-    Abort,
-    BlockOffer,
-    Completion,
-    EngineDescriptor,
-    Failure,
-    GroupDescriptor,
-    Release,
-    ReleaseOutcome,
-    TransferParams,
-)
-from kvspec._models import (
+from kvspec.core._errors import ConfigError
+from kvspec.core._models import (
     BlockIds,
     ChunkedLocalAttentionSpec,
     CrossAttentionSpec,
@@ -51,7 +37,25 @@ from kvspec._models import (
     SlidingWindowSpec,
     TransferMode,
 )
-from kvspec._offload import (
+from kvspec.core._rules import RULES
+from kvspec.protocol._codec import decode, encode
+from kvspec.protocol._handshake import check_compatibility
+from kvspec.protocol._plan import plan_transfer
+from kvspec.protocol._session import ConsumerSession, ProducerSession
+from kvspec.protocol._summary import blocks_needed_for, summarize_plan
+from kvspec.reference._messages import (
+    PROTOCOL_VERSION,
+    Abort,
+    BlockOffer,
+    Completion,
+    EngineDescriptor,
+    Failure,
+    GroupDescriptor,
+    Release,
+    ReleaseOutcome,
+    TransferParams,
+)
+from kvspec.reference._offload import (
     OffloadConfig,
     check_offload_support,
     get_chunk_sizes,
@@ -63,8 +67,7 @@ from kvspec._offload import (
     get_sub_block_offset,
     map_sub_blocks,
 )
-from kvspec._plan import plan_transfer
-from kvspec._reference import (
+from kvspec.reference._reference import (
     check_hybrid_support,
     check_window_coverage,
     compute_block_pairs,
@@ -81,19 +84,6 @@ from kvspec._reference import (
     is_full_attention_spec,
     is_hma_required,
 )
-from kvspec._rules import RULES
-from kvspec._session import ConsumerSession, ProducerSession
-from kvspec._summary import blocks_needed_for, summarize_plan
-from kvspec._vectors import (
-    FORMAT_VERSION,
-    FUNCTIONS,
-    PUBLIC_NAMES,
-    Json,
-    answer_schema,
-    answer_vector,
-    to_json,
-    vector_schema,
-)
 from kvspec.spec.pins import Pin, pins_for
 from kvspec.spec.state import (
     check_state_position,
@@ -102,6 +92,16 @@ from kvspec.spec.state import (
     get_state_differences,
     get_state_prefix_hit,
     pair_state_slots,
+)
+from kvspec.tools._vectors import (
+    FORMAT_VERSION,
+    FUNCTIONS,
+    PUBLIC_NAMES,
+    Json,
+    answer_schema,
+    answer_vector,
+    to_json,
+    vector_schema,
 )
 
 __all__ = [
@@ -145,7 +145,7 @@ class CaseSet:
 
     @property
     def function(self) -> str:
-        """The function's public name, from :data:`kvspec._vectors.PUBLIC_NAMES` (one line per rename)."""
+        """The function's public name, from :data:`kvspec.tools._vectors.PUBLIC_NAMES` (one line per rename)."""
         return PUBLIC_NAMES[self.fn]
 
 

@@ -6,7 +6,7 @@ import enum
 
 import attrs
 
-from kvspec._errors import UnknownRuleError
+from kvspec.core._errors import UnknownRuleError
 
 __all__ = ["RULES", "Level", "Rule", "get_rule"]
 
