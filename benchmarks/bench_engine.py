@@ -19,10 +19,9 @@ those methods read; the table prints the ratio. The page-by-page planner
 
 State hybrids (Qwen3-Next: GDN + FA; Hymba: Mamba + SW + FA) run at 128k tokens
 after the attention models. Their state groups hold one slot per request;
-the state slot is clipped and paired by a stand-in for STATE-2 / STATE-3
-(keep the last slot before the speculative scratch slots) until kvspec's own
-state functions land, and the planner moves each state tensor's bytes
-(PLAN-1). The line "per-group figure" prints each state hybrid's
+kvspec's own functions clip it (``get_state_clipped_blocks``, STATE-2) and
+pair it (``compute_transfer_pairs``, STATE-3), and the planner moves each
+state tensor's bytes (PLAN-1). The line "per-group figure" prints each state hybrid's
 clip + pairs + plan + descriptors time per KV-cache group as a ratio to
 Gemma 3 27B's (the sliding-window model) at the same length and allocation;
 the target is at most 1.2.
@@ -51,7 +50,8 @@ import attrs
 
 import kvspec
 from kvspec import KVCacheConfig, TransferMode
-from kvspec._plan import _plan_page_by_page
+from kvspec.protocol._plan import _plan_page_by_page
+from kvspec.spec.state import get_state_clipped_blocks
 
 MODELS = ("gemma-3-27b", "gpt-oss-120b")
 TOKENS = (8 * 1024, 32 * 1024, 128 * 1024)
@@ -156,84 +156,23 @@ def best_time(fn: Callable[[], object], *, budget_s: float = 0.5, rounds: int = 
 # --------------------------------------------------------------------------- kvspec
 
 
-def _state_slot(ids: Sequence[int], spec: kvspec.MambaSpec) -> list[int]:
-    """Stand-in for STATE-2's clip: drop the trailing scratch slots, keep the last slot."""
-    return list(ids[: len(ids) - min(spec.num_speculative_blocks, len(ids) - 1)][-1:])
-
-
-def _steps_with_state(
-    config: KVCacheConfig, num_tokens: int
-) -> tuple[
-    Callable[[Sequence[Sequence[int]]], kvspec.BlockIds],
-    Callable[[kvspec.BlockIds, kvspec.BlockIds], kvspec.BlockPairs],
-]:
-    """Clip and pair for a config with state groups: the attention groups by kvspec, the state slots by STATE-2."""
-    state = {
-        g: s.kv_cache_spec
-        for g, s in enumerate(config.kv_cache_groups)
-        if isinstance(s.kv_cache_spec, kvspec.MambaSpec)
-    }
-    attention = kvspec.summary.without_state_groups(config)
-    budgets = kvspec.get_blocks_per_sw(config)
-    kept = [g for g in range(config.num_groups) if g not in state]
-
-    def clip(lists: Sequence[Sequence[int]]) -> kvspec.BlockIds:
-        clipped = kvspec.get_exchange_clipped_blocks([lists[g] for g in kept], [budgets[g] for g in kept])
-        out: list[Sequence[int]] = []
-        a = 0
-        for g in range(config.num_groups):
-            if g in state:
-                out.append(_state_slot(lists[g], state[g]))
-            else:
-                out.append(clipped[a])
-                a += 1
-        return kvspec.BlockIds(out)
-
-    def pairs_of(p: kvspec.BlockIds, c: kvspec.BlockIds) -> kvspec.BlockPairs:
-        assert attention is not None
-        sub = kvspec.compute_transfer_pairs(
-            attention,
-            num_tokens=num_tokens,
-            prefix_hit_tokens=0,
-            producer_block_ids=[p[g] for g in kept],
-            consumer_block_ids=[c[g] for g in kept],
-        )
-        producer, consumer, a = [], [], 0
-        for g in range(config.num_groups):
-            if g in state:
-                producer.append(p[g])
-                consumer.append(c[g])
-            else:
-                producer.append(sub.producer_block_ids[a])
-                consumer.append(sub.consumer_block_ids[a])
-                a += 1
-        return kvspec.BlockPairs(
-            producer_block_ids=kvspec.BlockIds(producer), consumer_block_ids=kvspec.BlockIds(consumer)
-        )
-
-    return clip, pairs_of
-
-
 def kvspec_steps(req: EngineRequest, *, baseline: bool = True) -> dict[str, Any]:
     """Time each step kvspec runs per request, on the engine's lists (and the page-by-page planner once)."""
     config, budgets, t = req.config, kvspec.get_blocks_per_sw(req.config), req.num_tokens
     has_state = any(isinstance(g.kv_cache_spec, kvspec.MambaSpec) for g in config.kv_cache_groups)
-    if has_state:
-        clip_state, pairs_state = _steps_with_state(config, t)
+
+    def clip(lists: Sequence[Sequence[int]]) -> kvspec.BlockIds:
+        clipped = kvspec.get_exchange_clipped_blocks(lists, budgets)  # CLIP-1
+        # STATE-2: one slot per state group, as the reference connector's clip_block_ids does.
+        return get_state_clipped_blocks(config, clipped) if has_state else clipped
 
     def clip_both() -> tuple[kvspec.BlockIds, kvspec.BlockIds]:
-        if has_state:
-            return clip_state(req.producer), clip_state(req.consumer)
-        return (
-            kvspec.get_exchange_clipped_blocks(req.producer, budgets),  # P, before advertising (CLIP-1)
-            kvspec.get_exchange_clipped_blocks(req.consumer, budgets),  # C, symmetric (CLIP-1)
-        )
+        return clip(req.producer), clip(req.consumer)  # P before advertising, C symmetric (CLIP-1, STATE-2)
 
     producer, consumer = clip_both()
 
     def pairs_of(p: kvspec.BlockIds, c: kvspec.BlockIds) -> kvspec.BlockPairs:
-        if has_state:
-            return pairs_state(p, c)
+        # compute_transfer_pairs pairs state groups by STATE-3 and attention groups by ALIGN-1.
         return kvspec.compute_transfer_pairs(
             config, num_tokens=t, prefix_hit_tokens=0, producer_block_ids=p, consumer_block_ids=c
         )

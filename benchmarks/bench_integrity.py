@@ -15,9 +15,9 @@ import time
 from collections.abc import Callable
 
 from kvspec import BlockIds, KVCacheConfig, PageDigester, TransferMode
-from kvspec._summary import blocks_needed_for
 from kvspec.exchange import ConsumerEndpoint, ProducerEndpoint, connect, run_request
 from kvspec.presets import get_preset
+from kvspec.protocol._summary import blocks_needed_for
 from kvspec.testing import PagePool, allocate_pool, fill_background
 from kvspec.transport import load_backend
 

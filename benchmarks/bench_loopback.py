@@ -15,8 +15,8 @@ import time
 from collections.abc import Callable
 
 from kvspec import TransferMode, get_sub_block_offset, map_sub_blocks
-from kvspec._summary import blocks_needed_for, summarize_plan
 from kvspec.presets import get_preset
+from kvspec.protocol._summary import blocks_needed_for, summarize_plan
 from kvspec.transport import Descriptor, MemoryRegion, TransferState
 from kvspec.transport.loopback import LoopbackBackend
 

@@ -57,6 +57,7 @@ from kvspec import (
     KVCacheTensor,
     KVSpecError,
     LoadSet,
+    MambaSpec,
     OffloadConfig,
     SlidingWindowSpec,
     StoreSet,
@@ -218,6 +219,11 @@ def _window(config: KVCacheConfig, g: int) -> int | None:
     return spec.sliding_window if isinstance(spec, SlidingWindowSpec) else None
 
 
+def _is_state(config: KVCacheConfig, g: int) -> bool:
+    # An align-mode state group: position p holds the state after (p + 1) * B tokens (OFF-9, STATE-4).
+    return isinstance(config.kv_cache_groups[g].kv_cache_spec, MambaSpec)
+
+
 def expected_hit_tokens(
     config: KVCacheConfig, present: Sequence[Sequence[bool]], *, num_tokens: int, local_hit_tokens: int, f: int
 ) -> int:
@@ -226,18 +232,26 @@ def expected_hit_tokens(
     An end ``e`` is supported when, for every group, each chunk holding a
     token of ``[C, e)`` (full attention) or ``[max(C, e - W + 1), e)`` (a
     window) is present, and ``e - C`` is at least one chunk. It starts at
-    ``N`` (``N - 1`` with a window group) and at most the keys so far.
+    ``N`` (``N - 1`` with a window or state group) and at most the keys so
+    far. A state group supports ``e`` only when ``e`` ends one of its chunks
+    and that chunk is present: the state after exactly ``e`` tokens.
     """
     c = local_hit_tokens
     sizes = [group.kv_cache_spec.block_size * f for group in config.kv_cache_groups]
     windows = [_window(config, g) for g in range(config.num_groups)]
-    end = num_tokens - 1 if any(w is not None for w in windows) else num_tokens
+    states = [_is_state(config, g) for g in range(config.num_groups)]
+    end = num_tokens - 1 if any(w is not None for w in windows) or any(states) else num_tokens
     end = min([end, *(len(p) * size for p, size in zip(present, sizes, strict=True))])
     for e in range(end, c, -1):
         if any(e - c < size for size in sizes):
             return 0
         supported = True
         for g, (size, window) in enumerate(zip(sizes, windows, strict=True)):
+            if states[g]:
+                if e % size or not present[g][e // size - 1]:
+                    supported = False
+                    break
+                continue
             first = c if window is None else max(c, e - window + 1)
             if first < e and not all(present[g][t // size] for t in range(first, e)):
                 supported = False
@@ -251,20 +265,27 @@ def expected_load_positions(config: KVCacheConfig, *, num_tokens: int, local_hit
     """Per group, the GPU positions a load restores: ``[L, G)`` from token arithmetic (OFF-6).
 
     ``G = cdiv(T, B)``; the first needed token is ``C`` (full attention) or
-    ``max(C, T - W + 1)`` (a window), and none when it is ``T`` or later.
+    ``max(C, T - W + 1)`` (a window), and none when it is ``T`` or later; a
+    state group restores the one slot at ``T / B - 1`` when ``T > C``.
     """
     ranges = []
     for g, group in enumerate(config.kv_cache_groups):
         block, window = group.kv_cache_spec.block_size, _window(config, g)
         stop = _cdiv(num_tokens, block)
+        if _is_state(config, g):
+            ranges.append(range(stop - 1, stop) if num_tokens > local_hit_tokens else range(stop, stop))
+            continue
         first = local_hit_tokens if window is None else max(local_hit_tokens, num_tokens - window + 1)
         ranges.append(range(stop, stop) if first >= num_tokens else range(first // block, stop))
     return ranges
 
 
 def _skipped_blocks(config: KVCacheConfig, g: int, computed: int) -> int:
+    block = config.kv_cache_groups[g].kv_cache_spec.block_size
+    if _is_state(config, g):  # vLLM nulls the slots of earlier states: only the one that resumes stays
+        return max(0, computed - 1) // block
     window = _window(config, g)
-    return 0 if window is None else max(0, computed - window + 1) // config.kv_cache_groups[g].kv_cache_spec.block_size
+    return 0 if window is None else max(0, computed - window + 1) // block
 
 
 # --------------------------------------------------------------------------- pools and pages
@@ -740,7 +761,9 @@ class _OffloadPlay:
         Windows are not clipped when storing: a later, longer request may need any chunk.
         """
         for g, (ids, size) in enumerate(zip(run.table, self.sizes, strict=True)):
-            if _window(self.config, g) is not None and not self.scenario.require_window_stores:
+            # Windows and state groups: vLLM's retention stores only what a hit at the replay boundary reads (SHOULD).
+            windowed = _window(self.config, g) is not None or _is_state(self.config, g)
+            if windowed and not self.scenario.require_window_stores:
                 continue
             for k in range(run.loaded_chunks[g], run.computed // size):
                 last = k * self.f + self.f - 1
@@ -903,6 +926,7 @@ class _OffloadPlay:
             ),
         )
         maps = self._check_transfer("get_load_set", load, run)
+        self._check_state_tokens(load, t, c)
         copies: list[tuple[int, int, int, int, int]] = []
         for g, ((first, _stop), ids, mapping) in enumerate(zip(load.chunk_ranges, load.block_ids, maps, strict=True)):
             for block_id, (entry, sub) in zip(ids, mapping, strict=True):
@@ -934,6 +958,27 @@ class _OffloadPlay:
             self._wait(self._post(False, copies, what), what)
             self.loaded_pages += len(copies)
         self._check(f"after the {what}")
+
+    def _check_state_tokens(self, load: LoadSet, t: int, c: int) -> None:
+        """Each state group's load says its state absorbed exactly T tokens (STATE-1, OFF-6; vLLM #51094)."""
+        if t <= c:
+            return
+        given = tuple(getattr(load, "state_tokens", ()))
+        for g in range(self.config.num_groups):
+            if not _is_state(self.config, g):
+                continue
+            got = given[g] if g < len(given) else None
+            if got is None:
+                raise _Finding(
+                    f"get_load_set.state_tokens[{g}]: missing for state group {g}; the load must say how many tokens "
+                    f"the restored state absorbed (expected T={t}) (STATE-1, OFF-6)"
+                )
+            if got != t:
+                raise _Finding(
+                    f"get_load_set.state_tokens[{g}]: the restored state absorbed t={got} tokens but the request "
+                    f"resumes at T={t}; expected t == T, or tokens [{min(got, t)}, {max(got, t)}) are applied "
+                    "twice or never (STATE-1, OFF-6; vLLM #51094)"
+                )
 
 
 def run_offload_scenario(

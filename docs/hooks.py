@@ -47,7 +47,7 @@ class CatalogueError(PluginError):
 
 
 class RuleLike(Protocol):
-    """What the catalogue needs of a rule (``kvspec._rules.Rule``)."""
+    """What the catalogue needs of a rule (``kvspec.core._rules.Rule``)."""
 
     @property
     def id(self) -> str: ...
@@ -141,7 +141,7 @@ def check_catalogue(rules: Sequence[RuleLike], cases: Sequence[CaseLike]) -> dic
     by_rule: dict[str, list[CaseLike]] = {rule.id: [] for rule in rules}
     problems = []
     if len(by_rule) != len(rules):
-        problems.append("a rule id is listed twice in kvspec._rules.RULES")
+        problems.append("a rule id is listed twice in kvspec.core._rules.RULES")
     for case in cases:
         if case.rule not in by_rule:
             problems.append(f"case {case.id} cites unknown rule {case.rule!r}")
@@ -161,7 +161,7 @@ def check_catalogue(rules: Sequence[RuleLike], cases: Sequence[CaseLike]) -> dic
 
 def load_catalogue() -> tuple[Sequence[RuleLike], Sequence[CaseLike]]:
     """The rules from kvspec and every registered case from the installed suite."""
-    from kvspec._rules import RULES
+    from kvspec.core._rules import RULES
 
     try:
         import kvspec_conformance
@@ -192,7 +192,7 @@ def find_rule_sections(spec_pages: Mapping[str, str]) -> dict[str, tuple[str, st
 
 
 def check_spec_headings(spec_pages: Mapping[str, str], by_rule: Mapping[str, object]) -> None:
-    """A spec section may open only for a rule the rule list knows (add it to kvspec._rules first)."""
+    """A spec section may open only for a rule the rule list knows (add it to kvspec.core._rules first)."""
     unknown = sorted(
         f"{page}: {rule_id}"
         for page, text in spec_pages.items()
@@ -200,7 +200,7 @@ def check_spec_headings(spec_pages: Mapping[str, str], by_rule: Mapping[str, obj
         if rule_id not in by_rule
     )
     if unknown:
-        raise CatalogueError(f"spec headings name rules missing from kvspec._rules.RULES: {'; '.join(unknown)}")
+        raise CatalogueError(f"spec headings name rules missing from kvspec.core._rules.RULES: {'; '.join(unknown)}")
 
 
 def _rule_headings(text: str) -> list[str]:
@@ -231,7 +231,7 @@ def render_catalogue(
     out = [
         "# Rule catalogue",
         "",
-        "Generated at build time from the rule list (`kvspec._rules.RULES`) and the conformance",
+        "Generated at build time from the rule list (`kvspec.core._rules.RULES`) and the conformance",
         "suite's registry (`kvspec_conformance.catalogue()`). **The docs build fails** when a rule",
         "has no conformance case or a case cites an unknown rule, so this page cannot list a rule",
         "that nothing checks. The offload rules (OFF-*) have no suite case yet; each names the",
@@ -265,7 +265,7 @@ def render_catalogue(
 
 def _waiting_note(rule_id: str) -> str:
     """What a spec section says of a rule that has no conformance case yet."""
-    from kvspec._rules import RULES
+    from kvspec.core._rules import RULES
 
     checked_by = next((getattr(r, "checked_by", None) for r in RULES if r.id == rule_id), None)
     return f"none yet; `{checked_by}` checks the reference meanwhile" if checked_by else "none yet"
@@ -416,7 +416,7 @@ def render_diagrams_page(diagrams: Any) -> str:
         "# Diagrams",
         "",
         "Generated at build time. The state diagrams are drawn from the transition tables the",
-        "sessions execute (`kvspec._session.PRODUCER_TRANSITIONS`, `CONSUMER_TRANSITIONS`); the",
+        "sessions execute (`kvspec.protocol._session.PRODUCER_TRANSITIONS`, `CONSUMER_TRANSITIONS`); the",
         "sequence diagrams are recorded by running a `ProducerSession` and a `ConsumerSession`",
         "through each scenario, so every arrow is a message or an action the code really produced.",
         "Labels read `events / actions`; `|` separates events with different actions.",
@@ -719,16 +719,16 @@ def _clipping_lists(example: Mapping[str, Any]) -> str:
 API_PAGE = "reference/api.md"
 # The order of the API page's sections: the layers, from pure data up (docs/explanation/layers.md).
 API_ORDER = {
-    "kvspec._enums": "Enums",
-    "kvspec._models": "Models",
-    "kvspec._reference": "Reference functions",
-    "kvspec._plan": "Planner",
-    "kvspec._offload": "Offload rules",
-    "kvspec._messages": "Messages",
-    "kvspec._codec": "Codec",
-    "kvspec._handshake": "Handshake",
-    "kvspec._session": "Sessions",
-    "kvspec._errors": "Errors",
+    "kvspec.core._enums": "Enums",
+    "kvspec.core._models": "Models",
+    "kvspec.reference._reference": "Reference functions",
+    "kvspec.protocol._plan": "Planner",
+    "kvspec.reference._offload": "Offload rules",
+    "kvspec.reference._messages": "Messages",
+    "kvspec.protocol._codec": "Codec",
+    "kvspec.protocol._handshake": "Handshake",
+    "kvspec.protocol._session": "Sessions",
+    "kvspec.core._errors": "Errors",
 }
 
 
@@ -819,8 +819,8 @@ VECTORS_ARCHIVE = "vectors/kvspec-vectors.tar.gz"
 
 def render_vector_functions() -> str:
     """The vector registry as a table: each function, the rules whose vectors call it, its input fields."""
-    from kvspec._vector_cases import CASE_SETS
-    from kvspec._vectors import FUNCTIONS
+    from kvspec.tools._vector_cases import CASE_SETS
+    from kvspec.tools._vectors import FUNCTIONS
 
     rules: dict[str, list[str]] = {}
     for case_set in CASE_SETS:
@@ -884,7 +884,7 @@ def on_files(files: Files, config: Any) -> Files:
     _STATE["snippets"] = snippets
 
     # The release's test vectors, downloadable from the site (docs/how-to/implement-in-another-language.md).
-    from kvspec._vector_cases import build_archive
+    from kvspec.tools._vector_cases import build_archive
 
     _add(files, config, VECTORS_ARCHIVE, build_archive())
 

@@ -21,10 +21,10 @@ from kvspec import presets as presets
 from kvspec import rules as rules
 from kvspec import schema as schema
 from kvspec import summary as summary
-from kvspec._codec import decode, encode
-from kvspec._deprecation import moved_names
-from kvspec._enums import FailureReason, TransferMode
-from kvspec._errors import (
+from kvspec._version import __version__
+from kvspec.core._deprecation import moved_names
+from kvspec.core._enums import FailureReason, TransferMode
+from kvspec.core._errors import (
     BackendUnavailableError,
     BlockAlignmentError,
     ConfigError,
@@ -50,23 +50,7 @@ from kvspec._errors import (
     encode_error,
     format_error,
 )
-from kvspec._handshake import check_compatibility
-from kvspec._integrity import BlockDigests, PageDigester
-from kvspec._messages import (
-    PROTOCOL_VERSION,
-    Abort,
-    BlockOffer,
-    Completion,
-    EngineDescriptor,
-    Failure,
-    GroupDescriptor,
-    Message,
-    Release,
-    ReleaseOutcome,
-    TransferParams,
-    TransportData,
-)
-from kvspec._models import (
+from kvspec.core._models import (
     DTYPE_SIZES,
     NULL_BLOCK_ID,
     AttentionSpec,
@@ -87,9 +71,37 @@ from kvspec._models import (
     SpecKind,
     StateProfile,
 )
+from kvspec.protocol._codec import decode, encode
+from kvspec.protocol._handshake import check_compatibility
+from kvspec.protocol._plan import BlockPairsLike, GroupPlan, PageCopy, TransferPlan, plan_transfer
+from kvspec.protocol._session import (
+    ConsumerEvent,
+    ConsumerSession,
+    ConsumerState,
+    FailureInfo,
+    Output,
+    ProducerEvent,
+    ProducerSession,
+    ProducerState,
+)
+from kvspec.reference._integrity import BlockDigests, PageDigester
+from kvspec.reference._messages import (
+    PROTOCOL_VERSION,
+    Abort,
+    BlockOffer,
+    Completion,
+    EngineDescriptor,
+    Failure,
+    GroupDescriptor,
+    Message,
+    Release,
+    ReleaseOutcome,
+    TransferParams,
+    TransportData,
+)
 
 # Offload rules (OFF-1 ... OFF-9): one contiguous block, kept apart for easy merges.
-from kvspec._offload import (
+from kvspec.reference._offload import (
     LoadSet,
     OffloadConfig,
     OffloadKey,
@@ -104,8 +116,7 @@ from kvspec._offload import (
     get_sub_block_offset,
     map_sub_blocks,
 )
-from kvspec._plan import BlockPairsLike, GroupPlan, PageCopy, TransferPlan, plan_transfer
-from kvspec._reference import (
+from kvspec.reference._reference import (
     BlockIdsLike,
     BlockPairs,
     TokenBasis,
@@ -126,17 +137,6 @@ from kvspec._reference import (
     is_full_attention_spec,
     is_hma_required,
 )
-from kvspec._session import (
-    ConsumerEvent,
-    ConsumerSession,
-    ConsumerState,
-    FailureInfo,
-    Output,
-    ProducerEvent,
-    ProducerSession,
-    ProducerState,
-)
-from kvspec._version import __version__
 
 __all__ = [
     "DTYPE_SIZES",
@@ -253,7 +253,7 @@ __all__ = [
 # DeprecationWarning, until 0.3.0 (CHANGELOG.md lists each one).
 _MOVED: dict[str, tuple[str, str, str]] = {
     **{
-        name: ("kvspec._exchange", name, f"kvspec.exchange.{name}")
+        name: ("kvspec.drivers._exchange", name, f"kvspec.exchange.{name}")
         for name in (
             "BlockAllocator",
             "ConsumerEndpoint",
@@ -266,20 +266,20 @@ _MOVED: dict[str, tuple[str, str, str]] = {
         )
     },
     **{
-        name: ("kvspec._presets", name, f"kvspec.presets.{name}")
+        name: ("kvspec.reference._presets", name, f"kvspec.presets.{name}")
         for name in ("ModelPreset", "get_preset", "list_presets")
     },
-    **{name: ("kvspec._rules", name, f"kvspec.rules.{name}") for name in ("RULES", "Level", "Rule", "get_rule")},
+    **{name: ("kvspec.core._rules", name, f"kvspec.rules.{name}") for name in ("RULES", "Level", "Rule", "get_rule")},
     **{
-        name: ("kvspec._summary", name, f"kvspec.summary.{name}")
+        name: ("kvspec.protocol._summary", name, f"kvspec.summary.{name}")
         for name in ("GroupSummary", "PlanSummary", "blocks_needed_for", "summarize_plan")
     },
-    "message_schemas": ("kvspec._schema", "message_schemas", "kvspec.schema.message_schemas"),
-    "PairedBlocks": ("kvspec._plan", "BlockPairsLike", "kvspec.BlockPairsLike"),
-    "blocks_per_sw": ("kvspec._reference", "get_blocks_per_sw", "kvspec.get_blocks_per_sw"),
-    "align_block_ids": ("kvspec._reference", "compute_block_pairs", "kvspec.compute_block_pairs"),
+    "message_schemas": ("kvspec.protocol._schema", "message_schemas", "kvspec.schema.message_schemas"),
+    "PairedBlocks": ("kvspec.protocol._plan", "BlockPairsLike", "kvspec.BlockPairsLike"),
+    "blocks_per_sw": ("kvspec.reference._reference", "get_blocks_per_sw", "kvspec.get_blocks_per_sw"),
+    "align_block_ids": ("kvspec.reference._reference", "compute_block_pairs", "kvspec.compute_block_pairs"),
     "validate_hybrid_support": (
-        "kvspec._reference",
+        "kvspec.reference._reference",
         "validate_hybrid_support",
         "kvspec.check_hybrid_support(config, mode=...)",
     ),

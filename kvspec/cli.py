@@ -11,12 +11,14 @@ from collections.abc import Callable, Sequence
 from importlib.metadata import entry_points
 from typing import Any, NoReturn, TextIO
 
-from kvspec import _vectors_check
-from kvspec._enums import TransferMode
-from kvspec._errors import KVSpecError
-from kvspec._messages import PROTOCOL_VERSION
-from kvspec._models import BlockIds, KVCacheConfig, SlidingWindowSpec
-from kvspec._offload import (
+import kvspec.tools._vectors_check as _vectors_check
+from kvspec._version import __version__
+from kvspec.core._enums import TransferMode
+from kvspec.core._errors import KVSpecError
+from kvspec.core._models import BlockIds, KVCacheConfig, SlidingWindowSpec
+from kvspec.protocol._summary import PlanSummary, blocks_needed_for, summarize_plan
+from kvspec.reference._messages import PROTOCOL_VERSION
+from kvspec.reference._offload import (
     OffloadConfig,
     check_offload_support,
     get_chunk_sizes,
@@ -24,10 +26,8 @@ from kvspec._offload import (
     get_offload_hit_tokens,
     get_store_set,
 )
-from kvspec._presets import get_preset, list_presets
-from kvspec._reference import check_hybrid_support, get_logical_block_count, get_pruned_block_ids
-from kvspec._summary import PlanSummary, blocks_needed_for, summarize_plan, without_state_groups
-from kvspec._version import __version__
+from kvspec.reference._presets import get_preset, list_presets
+from kvspec.reference._reference import check_hybrid_support, get_logical_block_count, get_pruned_block_ids
 
 __all__ = [
     "MAX_PLAN_TOKENS",
@@ -514,11 +514,8 @@ def _run_plan(args: argparse.Namespace, out: TextIO) -> int:
         return _run_offload_plan(args, preset, out)
     mode = TransferMode(args.mode)
     sizing = preset.build_config(num_blocks=2, block_size=args.block_size, layout=args.layout)
-    # State groups are summarized by STATE-2 whatever admission says of them; the attention groups are admitted
-    # as they would be on their own (ADM-1).
-    attention = without_state_groups(sizing)
-    if attention is not None:
-        check_hybrid_support(attention, mode=mode)
+    # The whole config is admitted, state groups included (ADM-1; decision 167).
+    check_hybrid_support(sizing, mode=mode)
     config = preset.build_config(
         num_blocks=blocks_needed_for(sizing, num_tokens=args.tokens), block_size=args.block_size, layout=args.layout
     )

@@ -8,7 +8,7 @@ kvspec's reference functions behind them. The driver core
 hooks (docs/reference/connector.md).
 """
 
-from kvspec._connector import (
+from kvspec.drivers._connector import (
     Connector,
     OffloadConnector,
     ReferenceConnector,

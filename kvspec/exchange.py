@@ -12,7 +12,7 @@ pair, plan, start), shared by the endpoints and the suite's scenarios.
 :func:`poll_until` is the one loop that waits for requests to settle.
 """
 
-from kvspec._driver import (
+from kvspec.drivers._driver import (
     CONSUMER,
     INTEGRITY_ROWS,
     OFFLOAD,
@@ -29,8 +29,8 @@ from kvspec._driver import (
     poll_until,
     reason_of,
 )
-from kvspec._engine import ConsumerEngine, PairOffer, ProducerEngine, pair_offer_by_ends
-from kvspec._exchange import (
+from kvspec.drivers._engine import ConsumerEngine, PairOffer, ProducerEngine, pair_offer_by_ends
+from kvspec.drivers._exchange import (
     BlockAllocator,
     ConsumerEndpoint,
     ConsumerResult,
@@ -40,7 +40,7 @@ from kvspec._exchange import (
     connect,
     run_request,
 )
-from kvspec._offload_session import ChunkCopy, OffloadKind, OffloadSession, OffloadState
+from kvspec.protocol._offload_session import ChunkCopy, OffloadKind, OffloadSession, OffloadState
 
 __all__ = [
     "CONSUMER",

@@ -1,5 +1,5 @@
 """Model presets: KV-cache configs of real models, by Hugging Face repo id or alias."""
 
-from kvspec._presets import Layout, ModelPreset, get_preset, list_presets
+from kvspec.reference._presets import Layout, ModelPreset, get_preset, list_presets
 
 __all__ = ["Layout", "ModelPreset", "get_preset", "list_presets"]

@@ -38,9 +38,9 @@ from typing import TYPE_CHECKING
 
 import attrs
 
-from kvspec._deprecation import moved_names
-from kvspec._errors import ConfigError
-from kvspec._models import NULL_BLOCK_ID, BlockIds, KVCacheConfig
+from kvspec.core._deprecation import moved_names
+from kvspec.core._errors import ConfigError
+from kvspec.core._models import NULL_BLOCK_ID, BlockIds, KVCacheConfig
 from kvspec.spec.plan import get_page_byte_ranges
 from kvspec.transport._base import MemoryRegion
 

@@ -71,6 +71,7 @@ MOVES: dict[str, str] = {
     "_connector": "drivers",
     "_driver": "drivers",
     "_exchange": "drivers",
+    "_engine": "drivers",
     # tools
     "_vectors": "tools",
     "_vector_cases": "tools",

@@ -16,6 +16,8 @@ import attrs
 import pytest
 from kvspec_conformance import ReferenceConnector
 
+import kvspec.drivers._driver as _driver
+import kvspec.drivers._engine as _engine
 from kvspec import (
     BlockDigests,
     BlockIds,
@@ -27,15 +29,13 @@ from kvspec import (
     TransferMode,
     TransferParams,
     UnsupportedHybridError,
-    _driver,
-    _engine,
 )
-from kvspec._driver import LiveRequest, Moment
-from kvspec._messages import BlockOffer, Message
-from kvspec._plan import BlockPairsLike
-from kvspec._reference import BlockPairs, check_window_coverage, compute_block_pairs
-from kvspec._session import ProducerSession
+from kvspec.drivers._driver import LiveRequest, Moment
 from kvspec.exchange import ConsumerEndpoint, ProducerEndpoint
+from kvspec.protocol._plan import BlockPairsLike
+from kvspec.protocol._session import ProducerSession
+from kvspec.reference._messages import BlockOffer, Message
+from kvspec.reference._reference import BlockPairs, check_window_coverage, compute_block_pairs
 from kvspec.spec import get_blocks_per_sw, get_exchange_clipped_blocks
 from kvspec.spec.state import check_state_position, get_state_group_indices, get_state_paired_lists
 from kvspec.transport import Backend, Capabilities, Descriptor, MemoryRegion, Notification, TransferHandle

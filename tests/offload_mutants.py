@@ -10,19 +10,21 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import attrs
 from kvspec_conformance import ReferenceConnector, ReferenceOffloadConnector
 from mutants import MutantBackend, _Agent
 
 from kvspec import (
     KVCacheConfig,
     LoadSet,
+    MambaSpec,
     OffloadConfig,
     SlidingWindowSpec,
     StoreSet,
     TransferMode,
     get_blocks_per_sw,
 )
-from kvspec._offload import BlockIdGroups, _trusted, get_load_set, get_offload_hit_tokens, get_store_set
+from kvspec.reference._offload import BlockIdGroups, _trusted, get_load_set, get_offload_hit_tokens, get_store_set
 from kvspec.transport import Descriptor, TransferHandle
 
 __all__ = ["OFFLOAD_BACKEND_MUTANTS", "OFFLOAD_CONNECTOR_MUTANTS", "OffloadMutant"]
@@ -279,6 +281,105 @@ class HitIgnoresEvictedWindowChunk(OffloadMutant):
         )
 
 
+class StateHitOffTheGrid(OffloadMutant):
+    """vLLM before #44599: the state hit ends at N - 1 off the state's chunk grid, restoring a state past T."""
+
+    breaks = "OFF-5"
+    caught_by = ("OFF-5/state-hit-ends-on-a-state-chunk",)
+
+    def get_offload_hit_tokens(
+        self,
+        config: KVCacheConfig,
+        present: Sequence[Sequence[bool]],
+        *,
+        request_id: str,
+        num_tokens: int,
+        local_hit_tokens: int,
+        offload: OffloadConfig,
+    ) -> int:
+        right = get_offload_hit_tokens(
+            config, present, num_tokens=num_tokens, local_hit_tokens=local_hit_tokens, offload=offload
+        )
+        # A state group as a window of one chunk: the chunk holding token N - 2 is enough; no rounding down.
+        end = num_tokens - 1
+        sizes = [group.kv_cache_spec.block_size * offload.blocks_per_chunk for group in config.kv_cache_groups]
+        if end - local_hit_tokens >= max(sizes) and all(
+            all(keys[: _cdiv(end, size)]) and len(keys) >= _cdiv(end, size)
+            if not isinstance(group.kv_cache_spec, MambaSpec)
+            else len(keys) > (end - 1) // size and keys[(end - 1) // size]
+            for keys, size, group in zip(present, sizes, config.kv_cache_groups, strict=True)
+        ):
+            return end - local_hit_tokens
+        return right
+
+
+class StateLoadPastT(OffloadMutant):
+    """vLLM #51094: the load restores the state chunk after T, which already absorbed tokens the engine recomputes."""
+
+    breaks = "OFF-6"
+    caught_by = ("OFF-6/state-slot-restored-at-the-resume-point",)
+
+    def get_load_set(
+        self,
+        config: KVCacheConfig,
+        block_ids: BlockIdGroups,
+        *,
+        request_id: str,
+        num_tokens: int,
+        local_hit_tokens: int,
+        offload: OffloadConfig,
+    ) -> LoadSet:
+        right = get_load_set(
+            config, block_ids, num_tokens=num_tokens, local_hit_tokens=local_hit_tokens, offload=offload
+        )
+        ranges, states = list(right.chunk_ranges), list(right.state_tokens)
+        for g, group in enumerate(config.kv_cache_groups):
+            if isinstance(group.kv_cache_spec, MambaSpec) and right.block_ids[g]:
+                first, stop = ranges[g]
+                ranges[g] = (first + 1, stop + 1)  # the next state chunk: the state after T + C_g tokens
+                states[g] = num_tokens + group.kv_cache_spec.block_size * offload.blocks_per_chunk
+        return attrs.evolve(right, chunk_ranges=ranges, state_tokens=states)
+
+
+class StateAdmittedWithoutPrefixCaching(OffloadMutant):
+    """Admits a state group in ``none`` cache mode, where no state is kept at a chunk end: no hit, nothing loaded."""
+
+    breaks = "OFF-9"
+    caught_by = ("OFF-9/state-group-without-prefix-caching-refused",)
+
+    def get_offload_hit_tokens(
+        self,
+        config: KVCacheConfig,
+        present: Sequence[Sequence[bool]],
+        *,
+        request_id: str,
+        num_tokens: int,
+        local_hit_tokens: int,
+        offload: OffloadConfig,
+    ) -> int:
+        return 0
+
+    def get_load_set(
+        self,
+        config: KVCacheConfig,
+        block_ids: BlockIdGroups,
+        *,
+        request_id: str,
+        num_tokens: int,
+        local_hit_tokens: int,
+        offload: OffloadConfig,
+    ) -> LoadSet:
+        empty = tuple(() for _ in config.kv_cache_groups)
+        zeros = tuple(0 for _ in config.kv_cache_groups)
+        return LoadSet(
+            blocks_per_chunk=offload.blocks_per_chunk,
+            chunk_ranges=tuple((0, 0) for _ in config.kv_cache_groups),
+            block_ids=empty,
+            first_block_indices=zeros,
+            num_blocks=zeros,
+        )
+
+
 class _WrongRowAgent(_Agent):
     """Copies each page one page past where the descriptor says, on the chunk side: the next sub-block or row."""
 
@@ -316,5 +417,8 @@ OFFLOAD_CONNECTOR_MUTANTS: tuple[type[OffloadMutant], ...] = (
     WindowLoadLong,
     NegativeResidue,
     HitIgnoresEvictedWindowChunk,
+    StateHitOffTheGrid,
+    StateLoadPastT,
+    StateAdmittedWithoutPrefixCaching,
 )
 OFFLOAD_BACKEND_MUTANTS: tuple[type[MutantBackend], ...] = (WrongChunkRow,)

@@ -14,9 +14,11 @@ import types
 from collections.abc import Iterator
 from importlib.metadata import EntryPoint
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+import kvspec
 import kvspec.cli
 from kvspec.cli import main
 from kvspec.presets import get_preset
@@ -85,6 +87,24 @@ def test_plan_of_a_state_only_model_and_a_full_hit() -> None:
     assert group["bytes_clipped"] == 24 * (1536 * 3 + 1536 * 16) * 4  # 24 layers, one unpadded float32 state each
     _, text = run("plan", "mamba-130m", "--tokens", "4096", "--prefix-hit", "4096", "--json")
     assert json.loads(text)["total"]["bytes_clipped"] == 0  # H == T: the consumer's own state is h(H) (STATE-4)
+
+
+@pytest.mark.parametrize("mode", ["read", "write"])
+def test_plan_admits_the_whole_config_state_groups_included(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """ADM-1 takes the whole config, state groups and all, as the exchange does (decision 167)."""
+    seen: list[tuple[str, ...]] = []
+    admit = kvspec.check_hybrid_support
+
+    def spy(config: Any, **kwargs: Any) -> None:
+        seen.append(tuple(g.kv_cache_spec.kind.value for g in config.kv_cache_groups))
+        admit(config, **kwargs)
+
+    monkeypatch.setattr("kvspec.cli.check_hybrid_support", spy)
+    status, _ = run("plan", "hymba-1.5b", "--tokens", "256", "--mode", mode, "--json")
+    assert status == 0
+    assert len(seen) == 1
+    assert "mamba" in seen[0]
+    assert {"full_attention", "sliding_window"} <= set(seen[0])
 
 
 def test_plan_accepts_hf_id_and_alias_alike() -> None:

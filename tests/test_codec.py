@@ -34,9 +34,9 @@ from kvspec import (
     decode,
     encode,
 )
-from kvspec._codec import MESSAGE_TYPES, _decode
-from kvspec._messages import TRANSFER_PARAMS_KEYS
-from kvspec._schema import message_schema, render_schema
+from kvspec.protocol._codec import MESSAGE_TYPES, _decode
+from kvspec.protocol._schema import message_schema, render_schema
+from kvspec.reference._messages import TRANSFER_PARAMS_KEYS
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -347,9 +347,9 @@ def test_decode_accepts_bytearray_and_memoryview_and_refuses_text() -> None:
 @pytest.mark.parametrize("name", sorted(MESSAGE_TYPES))
 def test_committed_schemas_are_current(name: str) -> None:
     path = ROOT / "docs" / "schema" / f"{name}.schema.json"
-    assert path.exists(), f"run: python -m kvspec._schema docs/schema ({path} is missing)"
+    assert path.exists(), f"run: python -m kvspec.protocol._schema docs/schema ({path} is missing)"
     assert path.read_text(encoding="utf-8") == render_schema(name), (
-        f"{path} is stale; regenerate with: python -m kvspec._schema docs/schema"
+        f"{path} is stale; regenerate with: python -m kvspec.protocol._schema docs/schema"
     )
 
 

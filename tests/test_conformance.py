@@ -26,7 +26,7 @@ from kvspec_conformance import (
 from kvspec_conformance._cases import case, missing_capabilities
 
 from kvspec import TransferMode
-from kvspec._rules import RULES, Level, get_rule
+from kvspec.core._rules import RULES, Level, get_rule
 from kvspec.transport import Capabilities
 from kvspec.transport.loopback import LoopbackBackend
 

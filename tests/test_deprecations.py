@@ -11,6 +11,7 @@ import pytest
 from strategies import config_from_specs
 
 import kvspec
+import kvspec.reference._reference
 import kvspec.testing
 from kvspec import BlockIds, FullAttentionSpec, KVCacheConfig, SlidingWindowSpec
 
@@ -81,7 +82,7 @@ def test_new_names_do_not_warn() -> None:
         import kvspec.exchange
         import kvspec.presets
 
-        assert kvspec.exchange.run_request is _resolve("kvspec._exchange.run_request")
+        assert kvspec.exchange.run_request is _resolve("kvspec.drivers._exchange.run_request")
         assert kvspec.presets.get_preset("gemma-3-27b").alias
 
 
@@ -94,7 +95,7 @@ def _config() -> KVCacheConfig:
 def test_validate_hybrid_support_keeps_its_positional_mode_and_warns() -> None:
     config = _config()
     with pytest.warns(DeprecationWarning, match=r"use kvspec\.check_hybrid_support\(config, mode=mode\)"):
-        kvspec._reference.validate_hybrid_support(config, "read")
+        kvspec.reference._reference.validate_hybrid_support(config, "read")
 
 
 def test_positional_arguments_that_became_keyword_only_warn_and_still_work() -> None:
@@ -127,10 +128,10 @@ def _release(version: str) -> tuple[int, ...]:
 
 def test_the_aliases_live_until_the_release_renames_md_names() -> None:
     """RENAMES.md: every old name works through 0.2.x and goes in 0.3.0; this version must still carry them."""
-    from kvspec._deprecation import REMOVED_IN
+    from kvspec.core._deprecation import REMOVED_IN
 
     renames = (ROOT / "RENAMES.md").read_text(encoding="utf-8")
-    assert f"removed in {REMOVED_IN}" in renames, "RENAMES.md and kvspec._deprecation.REMOVED_IN disagree"
+    assert f"removed in {REMOVED_IN}" in renames, "RENAMES.md and kvspec.core._deprecation.REMOVED_IN disagree"
     assert _release(kvspec.__version__) < _release(REMOVED_IN), (
         f"kvspec {kvspec.__version__} reached {REMOVED_IN}: remove the aliases RENAMES.md lists, and this test"
     )

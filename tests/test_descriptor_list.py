@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 from transport_helpers import desc
 
 from kvspec import ConfigError, PlanError, TransferMode
-from kvspec._descriptors import merge_columns
-from kvspec._plan import PageCopy, TransferPlan
+from kvspec.core._descriptors import merge_columns
+from kvspec.protocol._plan import PageCopy, TransferPlan
 from kvspec.transport import Descriptor, DescriptorList, check_descriptors, merge_runs
 
 FIELDS = ("local_region", "local_offset", "remote_region", "remote_offset", "nbytes")

@@ -298,12 +298,12 @@ def _build_config() -> object:
 def test_the_build_stops_on_a_rule_without_a_case(monkeypatch: pytest.MonkeyPatch) -> None:
     from mkdocs.structure.files import Files
 
-    import kvspec._rules
+    import kvspec.core._rules
 
     hooks = _load_hooks()
     config = _build_config()
-    new = kvspec._rules.Rule(id="NEW-9", title="a new rule", level=kvspec._rules.Level.MUST, summary="s")
-    monkeypatch.setattr(kvspec._rules, "RULES", (*kvspec._rules.RULES, new))
+    new = kvspec.core._rules.Rule(id="NEW-9", title="a new rule", level=kvspec.core._rules.Level.MUST, summary="s")
+    monkeypatch.setattr(kvspec.core._rules, "RULES", (*kvspec.core._rules.RULES, new))
     with pytest.raises(hooks.CatalogueError, match="rule NEW-9 has no conformance case"):
         hooks.on_files(Files([]), config)
 

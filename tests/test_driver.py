@@ -1,4 +1,4 @@
-"""The driver core (kvspec._driver): actions carried out in table order, transfers polled first, typed faults."""
+"""The driver core (kvspec.drivers._driver): actions done in table order, transfers polled first, typed faults."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ from kvspec import (
     TransferMode,
     TransportError,
 )
-from kvspec._driver import CONSUMER, PRODUCER, Driver, DriverFault, LiveRequest, Operation, Role, S, reason_of
-from kvspec._errors import BlockAlignmentError, LocalProtocolError, WindowCoverageError
+from kvspec.core._errors import BlockAlignmentError, LocalProtocolError, WindowCoverageError
+from kvspec.drivers._driver import CONSUMER, PRODUCER, Driver, DriverFault, LiveRequest, Operation, Role, S, reason_of
 from kvspec.transport import Transport
 from kvspec.transport.loopback import LoopbackBackend
 

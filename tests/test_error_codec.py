@@ -28,7 +28,7 @@ from kvspec import (
     encode_error,
     format_error,
 )
-from kvspec._errors import _ERROR_CLASSES, MAX_ERROR_MESSAGE, RequestError
+from kvspec.core._errors import _ERROR_CLASSES, MAX_ERROR_MESSAGE, RequestError
 from kvspec.remote import _client, _server
 from kvspec.transport import _nixl_worker
 

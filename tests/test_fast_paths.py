@@ -22,7 +22,7 @@ from strategies import Scenario, build_scenario, scenarios
 from test_offload import FA_SW, hit_cases, offload
 from test_plan import LAYOUTS, MODELS, Pairs, small_config
 
-import kvspec._plan as plan_module
+import kvspec.protocol._plan as plan_module
 import kvspec.spec as plain
 from kvspec import (
     NULL_BLOCK_ID,
@@ -43,8 +43,8 @@ from kvspec import (
     get_offload_hit_tokens,
     get_pruned_block_ids,
 )
-from kvspec._plan import TransferPlan, _plan_page_by_page, plan_transfer
 from kvspec.presets import Layout, get_preset
+from kvspec.protocol._plan import TransferPlan, _plan_page_by_page, plan_transfer
 
 T = TypeVar("T")
 
@@ -466,6 +466,28 @@ def test_offload_hit_equals_the_definition_refusals_included(
     local += local_shift  # off a block boundary when the block size is above 1, or past the request
     present = [[*keys, True] for keys in present] if extra_key else present  # a key the request cannot have yet
     present = present[:-1] if drop_group else present
+    sizes = get_chunk_sizes(config, blocks_per_chunk=off_config.blocks_per_chunk)
+    fast = result_of(
+        lambda: get_offload_hit_tokens(
+            config, present, num_tokens=num_tokens, local_hit_tokens=local, offload=off_config
+        )
+    )
+    definition = result_of(
+        lambda: plain.get_offload_hit_tokens(
+            config, present, num_tokens=num_tokens, local_hit_tokens=local, chunk_sizes=sizes
+        )
+    )
+    assert fast == definition
+
+
+@settings(max_examples=40)
+@given(case=hit_cases(states=True), local_shift=st.sampled_from([0, 0, 1]))
+def test_offload_hit_with_state_groups_equals_the_definition(
+    case: tuple[KVCacheConfig, OffloadConfig, list[list[bool]], int, int], local_shift: int
+) -> None:
+    """With align-mode state groups, the fast hit's chunk-grid scan gives the definition's answer (OFF-5, OFF-9)."""
+    config, off_config, present, num_tokens, local = case
+    local += local_shift
     sizes = get_chunk_sizes(config, blocks_per_chunk=off_config.blocks_per_chunk)
     fast = result_of(
         lambda: get_offload_hit_tokens(

@@ -8,9 +8,9 @@ import attrs
 import pytest
 
 from kvspec import BlockIds, ConfigError, FailureReason, KVCacheConfig, TransferMode, TransportError
-from kvspec._exchange import ConsumerEndpoint, ProducerEndpoint, connect, run_request
-from kvspec._session import ConsumerState, ProducerState
+from kvspec.drivers._exchange import ConsumerEndpoint, ProducerEndpoint, connect, run_request
 from kvspec.presets import get_preset
+from kvspec.protocol._session import ConsumerState, ProducerState
 from kvspec.testing import (
     ExpectedLoad,
     PagePool,

@@ -20,8 +20,8 @@ from kvspec import (
     TransferMode,
     check_compatibility,
 )
-from kvspec._handshake import GROUP_FIELDS, get_differences
 from kvspec.presets import get_preset
+from kvspec.protocol._handshake import GROUP_FIELDS, get_differences
 
 SW = GroupDescriptor(
     kind=SpecKind.SLIDING_WINDOW,

@@ -29,7 +29,7 @@ from kvspec import (
     decode,
     encode,
 )
-from kvspec._driver import CONSUMER, Driver, LiveRequest
+from kvspec.drivers._driver import CONSUMER, Driver, LiveRequest
 from kvspec.exchange import ConsumerEndpoint, ProducerEndpoint, connect, run_request
 from kvspec.presets import get_preset
 from kvspec.testing import PagePool, allocate_pool, fill_background, fill_producer_pages

@@ -10,11 +10,15 @@ module again) is shown to fail the static check.
 from __future__ import annotations
 
 import ast
+import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
+from collections.abc import Iterable
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -22,9 +26,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # Bottom to top; a module may import from its own layer and the ones below.
 LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
-    ("base", frozenset({"kvspec._enums", "kvspec._deprecation", "kvspec._version"})),
-    ("errors", frozenset({"kvspec._errors"})),
-    ("data", frozenset({"kvspec._models", "kvspec._descriptors", "kvspec._rules"})),
+    ("base", frozenset({"kvspec.core", "kvspec.core._enums", "kvspec.core._deprecation", "kvspec._version"})),
+    ("errors", frozenset({"kvspec.core._errors"})),
+    ("data", frozenset({"kvspec.core._models", "kvspec.core._descriptors", "kvspec.core._rules"})),
     (
         "definitions",
         frozenset(
@@ -42,16 +46,34 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
         ),
     ),
     (
-        "rules",
-        frozenset({"kvspec._reference", "kvspec._offload", "kvspec._messages", "kvspec._presets", "kvspec._integrity"}),
+        "reference",
+        frozenset(
+            {
+                "kvspec.reference",
+                "kvspec.reference._reference",
+                "kvspec.reference._offload",
+                "kvspec.reference._messages",
+                "kvspec.reference._presets",
+                "kvspec.reference._integrity",
+            }
+        ),
     ),
     (
         "protocol",
-        frozenset({"kvspec._plan", "kvspec._codec", "kvspec._handshake", "kvspec._session", "kvspec._offload_session"}),
+        frozenset(
+            {
+                "kvspec.protocol",
+                "kvspec.protocol._plan",
+                "kvspec.protocol._codec",
+                "kvspec.protocol._handshake",
+                "kvspec.protocol._session",
+                "kvspec.protocol._offload_session",
+            }
+        ),
     ),
-    ("reports", frozenset({"kvspec._schema", "kvspec._summary"})),
+    ("reports", frozenset({"kvspec.protocol._schema", "kvspec.protocol._summary"})),
     (
-        "spec",
+        "api",
         frozenset({"kvspec", "kvspec.presets", "kvspec.rules", "kvspec.schema", "kvspec.summary", "kvspec.models"}),
     ),
     (
@@ -80,10 +102,11 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
         "drivers",
         frozenset(
             {
-                "kvspec._connector",
-                "kvspec._driver",
-                "kvspec._engine",
-                "kvspec._exchange",
+                "kvspec.drivers",
+                "kvspec.drivers._connector",
+                "kvspec.drivers._driver",
+                "kvspec.drivers._engine",
+                "kvspec.drivers._exchange",
                 "kvspec.connector",
                 "kvspec.exchange",
                 "kvspec.testing",
@@ -108,12 +131,13 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
         "tools",
         frozenset(
             {
+                "kvspec.tools",
                 "kvspec.cli",
                 "kvspec.__main__",
                 "kvspec.vectors",
-                "kvspec._vectors",
-                "kvspec._vector_cases",
-                "kvspec._vectors_check",
+                "kvspec.tools._vectors",
+                "kvspec.tools._vector_cases",
+                "kvspec.tools._vectors_check",
                 "kvspec.remote",
                 "kvspec.remote._client",
                 "kvspec.remote._server",
@@ -167,12 +191,12 @@ def test_imports_point_down(module: str) -> None:
 
 def test_the_check_catches_a_planner_that_imports_a_transport() -> None:
     # The mutant: the layering this issue removed (DescriptorList imported from the transport package).
-    source = SOURCES["kvspec._plan"].read_text(encoding="utf-8")
+    source = SOURCES["kvspec.protocol._plan"].read_text(encoding="utf-8")
     mutant = source.replace(
-        "from kvspec._descriptors import DescriptorList", "from kvspec.transport._base import DescriptorList"
+        "from kvspec.core._descriptors import DescriptorList", "from kvspec.transport._base import DescriptorList"
     )
     assert mutant != source
-    assert _upward_imports("kvspec._plan", mutant) == ["kvspec.transport._base"]
+    assert _upward_imports("kvspec.protocol._plan", mutant) == ["kvspec.transport._base"]
 
 
 def _loaded_by(module: str) -> set[str]:
@@ -189,9 +213,9 @@ def _loaded_by(module: str) -> set[str]:
 @pytest.mark.parametrize(
     ("module", "highest"),
     [
-        ("kvspec", "spec"),
-        ("kvspec._plan", "spec"),
-        ("kvspec._descriptors", "spec"),
+        ("kvspec", "api"),
+        ("kvspec.protocol._plan", "api"),
+        ("kvspec.core._descriptors", "api"),
         ("kvspec.transport", "transport"),
         ("kvspec.testing", "drivers"),
         ("kvspec.exchange", "drivers"),
@@ -204,6 +228,72 @@ def test_a_layer_imported_alone_loads_nothing_above_it(module: str, highest: str
 
 
 def test_importing_the_spec_loads_no_transport_module() -> None:
-    loaded = _loaded_by("kvspec._plan")
-    assert "kvspec._plan" in loaded
+    loaded = _loaded_by("kvspec.protocol._plan")
+    assert "kvspec.protocol._plan" in loaded
     assert not {m for m in loaded if m.startswith("kvspec.transport")}
+
+
+# --------------------------------------------------------------------------- the page and the layout
+
+PAGE = ROOT / "docs" / "explanation" / "layers.md"
+# Private modules that stay at kvspec's top level: packaging reads the version there.
+TOP_LEVEL_PRIVATE = frozenset({"kvspec.__main__", "kvspec._version"})
+
+
+def _page_hook() -> ModuleType:
+    """docs/_gen/layers.py, the build hook that reads the page's table and counts each layer's lines."""
+    pytest.importorskip("mkdocs")
+    spec = importlib.util.spec_from_file_location("kvspec_docs_layers", ROOT / "docs" / "_gen" / "layers.py")
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _expected_page() -> dict[str, list[str]]:
+    return {name: sorted(modules) for name, modules in LAYERS}
+
+
+def test_the_layers_page_lists_every_module_in_its_layer() -> None:
+    page: dict[str, list[str]] = _page_hook().page_layers(PAGE.read_text(encoding="utf-8"))
+    expected = _expected_page()
+    wrong = {
+        name: (sorted(set(page.get(name, [])) ^ set(modules)))
+        for name, modules in expected.items()
+        if sorted(page.get(name, [])) != modules
+    }
+    assert list(page) == list(expected), f"docs/explanation/layers.md lists {list(page)}, LAYERS {list(expected)}"
+    assert not wrong, f"docs/explanation/layers.md and LAYERS disagree on these layers' modules: {wrong}"
+
+
+def test_the_page_check_catches_a_module_missing_from_the_page() -> None:
+    text = PAGE.read_text(encoding="utf-8")
+    mutant = text.replace("`protocol._plan`, ", "", 1)
+    assert mutant != text
+    assert _page_hook().page_layers(mutant) != _expected_page()
+
+
+def test_the_docs_build_counts_each_layers_lines() -> None:
+    hook = _page_hook()
+    # Every count zeroed: the counts must come from the sources, not from the page.
+    text = PAGE.read_text(encoding="utf-8")
+    stale = "\n".join(re.sub(r"\| \d+ \|", "| 0 |", row) if row.startswith("| ") else row for row in text.split("\n"))
+    counted: dict[str, int] = hook.page_line_counts(hook.with_line_counts(stale, ROOT))
+    expected = {
+        name: sum(len(hook.module_file(m, ROOT).read_text(encoding="utf-8").splitlines()) for m in modules)
+        for name, modules in LAYERS
+    }
+    assert counted == expected
+
+
+def _flat_private(modules: Iterable[str]) -> list[str]:
+    return sorted(
+        m for m in modules if m.count(".") == 1 and m.split(".")[1].startswith("_") and m not in TOP_LEVEL_PRIVATE
+    )
+
+
+def test_private_modules_live_in_their_layers_package() -> None:
+    assert _flat_private(["kvspec._stray", "kvspec.cli", "kvspec.core._models"]) == ["kvspec._stray"]
+    flat = _flat_private(SOURCES)
+    assert not flat, f"move {flat} into its layer's package (docs/explanation/layers.md names them)"

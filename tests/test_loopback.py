@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import pytest
 
 from kvspec import ConfigError, PlanError, TransferMode, TransportError
-from kvspec._models import FailureReason
+from kvspec.core._models import FailureReason
 from kvspec.transport import (
     Backend,
     Descriptor,

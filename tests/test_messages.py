@@ -31,8 +31,8 @@ from kvspec import (
     TransferParams,
     UnsupportedVersionError,
 )
-from kvspec._messages import TRANSFER_PARAMS_KEYS
 from kvspec.presets import get_preset
+from kvspec.reference._messages import TRANSFER_PARAMS_KEYS
 
 PARAMS = TransferParams(
     request_id="cmpl-1",

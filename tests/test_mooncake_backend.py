@@ -22,7 +22,7 @@ from kvspec_conformance import BackendSuite, run_suite
 from transport_helpers import LOOPBACK, connect, desc, tcp_sockets, wait
 
 from kvspec import ConfigError, PlanError, TransferMode
-from kvspec._models import FailureReason
+from kvspec.core._models import FailureReason
 from kvspec.transport import TransferState, Transport, _mooncake_worker, load_backend
 from kvspec.transport.mooncake import MooncakeBackend
 

@@ -20,7 +20,7 @@ from kvspec_conformance import BackendSuite, Case, CaseContext, all_cases
 from transport_helpers import LOOPBACK, connect, desc, regions, tcp_sockets, wait
 
 from kvspec import ConfigError, PlanError, TransferMode, TransportError
-from kvspec._models import FailureReason
+from kvspec.core._models import FailureReason
 from kvspec.transport import (
     Backend,
     Descriptor,

@@ -14,10 +14,10 @@ from typing import TypeVar
 
 import attrs
 import pytest
-from hypothesis import assume, example, given
+from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
-import kvspec._offload as off
+import kvspec.reference._offload as off
 import kvspec.spec as plain
 from kvspec import (
     ChunkedLocalAttentionSpec,
@@ -36,6 +36,7 @@ from kvspec import (
     OffloadKey,
     SlidingWindowMLASpec,
     SlidingWindowSpec,
+    StatePositionError,
     StoreSet,
     UnsupportedHybridError,
     WindowCoverageError,
@@ -49,9 +50,9 @@ from kvspec import (
     get_sub_block_offset,
     map_sub_blocks,
 )
-from kvspec._vector_cases import _pin_inputs as pin_inputs
 from kvspec.presets import get_preset
 from kvspec.spec.pins import Raises, pins_for
+from kvspec.tools._vector_cases import _pin_inputs as pin_inputs
 
 # --------------------------------------------------------------------------- helpers
 
@@ -163,12 +164,20 @@ def naive_load_positions(config: KVCacheConfig, *, tokens: int, local: int) -> l
 # --------------------------------------------------------------------------- strategies
 
 
+def state(block_size: int) -> MambaSpec:
+    """An align-mode Mamba-2 state group: chunk k holds the state after (k + 1) * C_g tokens (OFF-9)."""
+    return MambaSpec(block_size=block_size, shapes=[(2, 3)], dtypes=["float16"], cache_mode="align")
+
+
 @st.composite
-def offload_configs(draw: st.DrawFn) -> tuple[KVCacheConfig, OffloadConfig]:
-    """1-3 groups of full attention or sliding window; one block size with f in 1..4, or mixed sizes with f = 1."""
+def offload_configs(draw: st.DrawFn, *, states: bool = False) -> tuple[KVCacheConfig, OffloadConfig]:
+    """1-3 groups of full attention or sliding window; one block size with f in 1..4, or mixed sizes with f = 1.
+
+    With ``states``, f = 1 and each group may be an align-mode state group (OFF-9).
+    """
     h = draw(st.sampled_from([1, 2, 4]))
     count = draw(st.integers(1, 3))
-    if draw(st.booleans()):
+    if draw(st.booleans()) and not states:
         f = draw(st.integers(1, 4))
         sizes = [h * draw(st.integers(1, 3))] * count
     else:
@@ -176,6 +185,9 @@ def offload_configs(draw: st.DrawFn) -> tuple[KVCacheConfig, OffloadConfig]:
         sizes = [h * draw(st.integers(1, 4)) for _ in range(count)]
     specs: list[KVCacheSpec] = []
     for size in sizes:
+        if states and draw(st.booleans()):
+            specs.append(state(size))
+            continue
         window = draw(st.one_of(st.none(), st.integers(1, 40)))
         specs.append(fa(size) if window is None else sw(window, size))
     return make_config(*specs), offload(f, h)
@@ -189,8 +201,10 @@ def _lcm(values: Sequence[int]) -> int:
 
 
 @st.composite
-def hit_cases(draw: st.DrawFn) -> tuple[KVCacheConfig, OffloadConfig, list[list[bool]], int, int]:
-    config, off_config = draw(offload_configs())
+def hit_cases(
+    draw: st.DrawFn, *, states: bool = False
+) -> tuple[KVCacheConfig, OffloadConfig, list[list[bool]], int, int]:
+    config, off_config = draw(offload_configs(states=states))
     blocks = [g.kv_cache_spec.block_size for g in config.kv_cache_groups]
     step = _lcm(blocks)
     num_tokens = draw(st.integers(1, 120))
@@ -776,13 +790,12 @@ def test_retained_chunks_suffice_and_are_needed(cfg: tuple[KVCacheConfig, Offloa
 @pytest.mark.parametrize(
     "spec",
     [
-        MambaSpec(block_size=4, shapes=[(2, 3)], dtypes=["float16"]),
         ChunkedLocalAttentionSpec(block_size=4, num_kv_heads=1, head_size=1, dtype="float16", attention_chunk_size=8),
         CrossAttentionSpec(block_size=4, num_kv_heads=1, head_size=1, dtype="float16"),
     ],
-    ids=["mamba", "chunked-local", "cross-attention"],
+    ids=["chunked-local", "cross-attention"],
 )
-def test_state_and_other_groups_fail_closed(spec: KVCacheSpec) -> None:
+def test_other_groups_fail_closed(spec: KVCacheSpec) -> None:
     config = make_config(fa(4), spec)
     kind = spec.kind.value
     with pytest.raises(UnsupportedHybridError, match=rf"offload: group 1 \(kind {kind}, .*not admitted \(OFF-9\)"):
@@ -791,6 +804,100 @@ def test_state_and_other_groups_fail_closed(spec: KVCacheSpec) -> None:
         get_offload_hit_tokens(config, [[True], [True]], num_tokens=5, local_hit_tokens=0, offload=offload())
     with pytest.raises(UnsupportedHybridError, match=rf"group 1 \(kind {kind}"):
         get_load_set(config, [[1], [2]], num_tokens=4, local_hit_tokens=0, offload=offload())
+
+
+def test_a_state_group_without_prefix_caching_or_with_several_blocks_per_chunk_fails_closed() -> None:
+    """none mode keeps no state at a chunk end; f > 1 puts one state and f - 1 nulls in a chunk (OFF-9, 161, 162)."""
+    none_mode = make_config(fa(4), MambaSpec(block_size=4, shapes=[(2, 3)], dtypes=["float16"]))
+    for call in (
+        lambda: check_offload_support(none_mode),
+        lambda: get_offload_hit_tokens(
+            none_mode, [[True], [True]], num_tokens=5, local_hit_tokens=0, offload=offload()
+        ),
+        lambda: get_load_set(none_mode, [[1], [2]], num_tokens=4, local_hit_tokens=0, offload=offload()),
+        lambda: get_store_set(none_mode, [[1], [2]], num_offloadable_tokens=4, next_chunk=[0, 0], offload=offload()),
+    ):
+        with pytest.raises(UnsupportedHybridError, match=r"group 1 \(kind mamba, mamba2\) has cache_mode='none'"):
+            call()
+    aligned = make_config(fa(4), state(4))
+    check_offload_support(aligned)
+    with pytest.raises(UnsupportedHybridError, match=r"group 1 .*blocks_per_chunk=2; expected 1 \(OFF-9\)"):
+        get_offload_hit_tokens(aligned, [[True], [True]], num_tokens=9, local_hit_tokens=0, offload=offload(2))
+    with pytest.raises(UnsupportedHybridError, match=r"blocks_per_chunk=2"):
+        plain.get_offload_hit_tokens(aligned, [[True], [True]], num_tokens=9, local_hit_tokens=0, chunk_sizes=(8, 8))
+
+
+# The research note's R6 example and #51094's shape: B = 4 full attention and an align-mode state group, f = 1.
+FA_STATE = make_config(fa(4), state(4))
+
+
+@pytest.mark.parametrize(
+    ("num_tokens", "local", "state_present", "hit"),
+    [
+        (16, 0, [1, 1, 1, 1], 12),  # M = N - 1 = 15 rounds down to 12: chunk 2, never chunk 3 (state after 16)
+        (17, 0, [1, 1, 1, 1], 16),  # N - 1 = 16 is on the grid
+        (16, 0, [1, 1, 0, 0], 8),  # the last present state chunk ends the hit
+        (16, 0, [0, 1, 0, 1], 8),  # chunk 3 is past N - 1; chunk 2 absent; chunk 1 holds the state after 8
+        (16, 4, [1, 0, 0, 1], 0),  # from C = 4, no present state ends at 8 or 12
+        (16, 8, [0, 0, 1, 0], 4),  # earlier states are not read: only the chunk ending the hit
+    ],
+)
+def test_a_state_hit_ends_on_a_present_state_chunk(
+    num_tokens: int, local: int, state_present: list[int], hit: int
+) -> None:
+    """OFF-5: the state group supports an end only on its chunk grid, with that chunk present (vLLM #44599)."""
+    present = [[True] * (num_tokens // 4), [bool(p) for p in state_present][: num_tokens // 4]]
+    assert (
+        get_offload_hit_tokens(FA_STATE, present, num_tokens=num_tokens, local_hit_tokens=local, offload=offload())
+        == hit
+    )
+    definition = plain.get_offload_hit_tokens(
+        FA_STATE, present, num_tokens=num_tokens, local_hit_tokens=local, chunk_sizes=(4, 4)
+    )
+    assert definition == hit
+
+
+def test_a_state_load_restores_one_slot_and_says_which_t_it_holds() -> None:
+    """OFF-6: one block at T / B - 1 from chunk T / C - 1, state_tokens = T; T off the grid is refused (STATE-1)."""
+    load = get_load_set(FA_STATE, [[1, 2, 3, 4], [0, 0, 7, 8]], num_tokens=12, local_hit_tokens=4, offload=offload())
+    assert load.block_ids == ((2, 3), (7,))
+    assert load.first_block_indices == (1, 2)
+    assert load.chunk_ranges == ((1, 3), (2, 3))
+    assert load.state_tokens == (None, 12)
+    with pytest.raises(StatePositionError, match=r"group 1 is a state group of block size 4; expected T a multiple"):
+        get_load_set(FA_STATE, [[1, 2, 3, 4], [0, 0, 7, 8]], num_tokens=11, local_hit_tokens=0, offload=offload())
+    with pytest.raises(WindowCoverageError, match=r"block_ids\[1\]\[2\]"):
+        get_load_set(FA_STATE, [[1, 2, 3, 4], [5, 6, 0, 8]], num_tokens=12, local_hit_tokens=0, offload=offload())
+    nothing = get_load_set(FA_STATE, [[1, 2], [5, 6]], num_tokens=8, local_hit_tokens=8, offload=offload())
+    assert nothing.state_tokens == (None, None)
+    assert nothing.num_blocks == (0, 0)
+    with pytest.raises(ConfigError, match=r"LoadSet.state_tokens\[1\]: expected None or a non-negative int"):
+        attrs.evolve(load, state_tokens=(None, -1))
+
+
+@settings(max_examples=40)
+@given(case=hit_cases(states=True))
+def test_a_state_hit_restores_exactly_the_state_the_resume_point_needs(
+    case: tuple[KVCacheConfig, OffloadConfig, list[list[bool]], int, int],
+) -> None:
+    """Every state group's load is one present chunk whose state absorbed exactly T = C + hit tokens (OFF-5, OFF-6)."""
+    config, off_config, present, num_tokens, local = case
+    hit = get_offload_hit_tokens(config, present, num_tokens=num_tokens, local_hit_tokens=local, offload=off_config)
+    assume(hit > 0)
+    t = local + hit
+    ids = [list(range(1, num_tokens // g.kv_cache_spec.block_size + 2)) for g in config.kv_cache_groups]
+    load = get_load_set(config, ids, num_tokens=t, local_hit_tokens=local, offload=off_config)
+    for g, group in enumerate(config.kv_cache_groups):
+        spec = group.kv_cache_spec
+        if isinstance(spec, MambaSpec):
+            assert t % spec.block_size == 0
+            assert t < num_tokens
+            assert present[g][t // spec.block_size - 1]
+            assert load.chunk_ranges[g] == (t // spec.block_size - 1, t // spec.block_size)
+            assert load.state_tokens[g] == t
+            assert load.num_blocks[g] == 1
+        else:
+            assert load.state_tokens[g] is None
 
 
 def test_mla_and_sliding_window_mla_are_admitted() -> None:

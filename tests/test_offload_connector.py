@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from kvspec._connector import (
+from kvspec.drivers._connector import (
     OffloadConnector,
     ReferenceConnector,
     ReferenceOffloadConnector,
     as_offload_connector,
 )
-from kvspec._offload import OffloadConfig, get_load_set, get_offload_hit_tokens, get_store_set
 from kvspec.presets import get_preset
+from kvspec.reference._offload import OffloadConfig, get_load_set, get_offload_hit_tokens, get_store_set
 
 
 class _Custom(ReferenceConnector, ReferenceOffloadConnector):

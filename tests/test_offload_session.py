@@ -11,15 +11,8 @@ from kvspec_conformance import OffloadRequest, OffloadScenario, run_offload_scen
 from kvspec_conformance.configs import full, make_config
 from mutants import MutantBackend, _Agent
 
-from kvspec import (
-    Abort,
-    FailureReason,
-    LocalProtocolError,
-    RemoteProtocolError,
-    TransferMode,
-    TransportError,
-    _driver,
-)
+import kvspec.drivers._driver as _driver
+from kvspec import Abort, FailureReason, LocalProtocolError, RemoteProtocolError, TransferMode, TransportError
 from kvspec.exchange import ChunkCopy, OffloadKind, OffloadSession, OffloadState, poll_until
 from kvspec.transport import Descriptor, TransferHandle, TransferState, TransferStatus
 

@@ -19,8 +19,8 @@ import test_offload
 import test_reference
 import test_spec
 
-from kvspec._vectors import answer_vector
 from kvspec.spec.pins import PINS, Pin, Raises, pins_for
+from kvspec.tools._vectors import answer_vector
 
 ROOT = Path(__file__).resolve().parent.parent
 VECTORS = ROOT / "vectors"

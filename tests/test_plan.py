@@ -19,8 +19,8 @@ from kvspec import (
     PlanError,
     TransferMode,
 )
-from kvspec._plan import PageCopy, TransferPlan, plan_transfer
 from kvspec.presets import Layout, get_preset
+from kvspec.protocol._plan import PageCopy, TransferPlan, plan_transfer
 from kvspec.spec import compute_page_copies, get_page_byte_ranges
 
 LAYOUTS = ("blocks_first", "layers_first", "per_layer", "shared")

@@ -24,7 +24,6 @@ import pytest
 from kvspec_conformance.configs import full, make_config
 
 from kvspec import ConfigError, KVSpecError, MalformedMessageError, TransferMode, TransportError
-from kvspec._vectors import to_json
 from kvspec.remote import (
     AgentAuthError,
     AgentClient,
@@ -35,6 +34,7 @@ from kvspec.remote import (
     WireError,
 )
 from kvspec.remote._server import PAGE_COST, _Guesses
+from kvspec.tools._vectors import to_json
 from kvspec.transport import Descriptor
 from kvspec.transport._wire import (
     MAGIC,

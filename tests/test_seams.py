@@ -4,8 +4,8 @@
   no ``from kvspec... import _x``, no ``kvspec._x`` attribute.
 * kvspec imports nothing of kvspec_conformance, not even through ``importlib.import_module("...")``:
   its CLI finds the suite through the ``kvspec.suite`` entry point.
-* Every error class kvspec raises is defined in kvspec/_errors.py.
-* The engine steps are written once: only the engine roles (kvspec/_engine.py) create exchange
+* Every error class kvspec raises is defined in kvspec/core/_errors.py.
+* The engine steps are written once: only the engine roles (kvspec/drivers/_engine.py) create exchange
   sessions; the endpoints and the suite's scenarios play through them (decision 181).
 
 Each check is shown to catch the code it forbids (the sources of before the change).
@@ -83,19 +83,19 @@ def test_the_suite_uses_only_public_kvspec_names() -> None:
 def test_the_private_name_check_catches_what_the_suite_did() -> None:
     before = (
         "import kvspec\n"
-        "from kvspec._driver import Driver\n"
-        "from kvspec._models import _DTYPE_SIZES\n"
+        "from kvspec.drivers._driver import Driver\n"
+        "from kvspec.core._models import _DTYPE_SIZES\n"
         "from kvspec.transport._registry import parse_backend_options\n"
         "from kvspec.connector import ReferenceConnector\n"
-        "import kvspec._offload\n"
-        "sizes = kvspec._models._DTYPE_SIZES\n"
+        "import kvspec.reference._offload\n"
+        "sizes = kvspec.core._models._DTYPE_SIZES\n"
     )
     assert set(private_kvspec_names(before)) == {
-        "kvspec._driver",
-        "kvspec._models",
-        "kvspec._models._DTYPE_SIZES",
+        "kvspec.drivers._driver",
+        "kvspec.core._models",
+        "kvspec.core._models._DTYPE_SIZES",
         "kvspec.transport._registry",
-        "kvspec._offload",
+        "kvspec.reference._offload",
     }
 
 
@@ -133,9 +133,11 @@ def error_classes_outside(source: str | ast.Module) -> list[str]:
 def test_every_error_class_is_defined_in_kvspec_errors() -> None:
     trees = _trees("kvspec").items()
     found = {
-        path: names for path, tree in trees if path != "kvspec/_errors.py" and (names := error_classes_outside(tree))
+        path: names
+        for path, tree in trees
+        if path != "kvspec/core/_errors.py" and (names := error_classes_outside(tree))
     }
-    assert found == {}, "error classes defined outside kvspec/_errors.py"
+    assert found == {}, "error classes defined outside kvspec/core/_errors.py"
 
 
 def test_the_error_class_check_catches_a_class_defined_elsewhere() -> None:
@@ -147,7 +149,7 @@ def test_the_error_class_check_catches_a_class_defined_elsewhere() -> None:
 
 
 # Where an exchange session may be created: the engine roles, and the session module itself.
-_PLAYERS = ("kvspec/_exchange.py", "conformance/_scenario.py")
+_PLAYERS = ("kvspec/drivers/_exchange.py", "conformance/_scenario.py")
 
 
 def sessions_created(source: str | ast.Module) -> list[str]:
@@ -172,7 +174,7 @@ def test_the_endpoints_and_the_scenarios_create_no_session_of_their_own() -> Non
     trees = {**_trees("kvspec"), **_trees("conformance")}
     found = {path: names for path in _PLAYERS if (names := sessions_created(trees[path]))}
     assert found == {}, "an engine step written outside kvspec.exchange.ProducerEngine/ConsumerEngine"
-    assert sessions_created(trees["kvspec/_engine.py"]) == ["ProducerSession.create", "ConsumerSession"]
+    assert sessions_created(trees["kvspec/drivers/_engine.py"]) == ["ProducerSession.create", "ConsumerSession"]
 
 
 def test_the_session_creation_check_catches_what_the_scenario_did() -> None:

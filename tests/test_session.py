@@ -27,7 +27,7 @@ from kvspec import (
     decode,
     encode,
 )
-from kvspec._session import (
+from kvspec.protocol._session import (
     CONSUMER_DEADLINES,
     CONSUMER_TRANSITIONS,
     PRODUCER_DEADLINES,

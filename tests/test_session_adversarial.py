@@ -390,7 +390,7 @@ TestConsumerAlone.settings = _BUDGET
 
 
 def _mutant_frees_on_abort_mid_write(monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvspec import _session as s
+    import kvspec.protocol._session as s
 
     row = s.Transition(
         source=s.ProducerState.WRITING,
@@ -403,7 +403,7 @@ def _mutant_frees_on_abort_mid_write(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _mutant_frees_on_abort_mid_read(monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvspec import _session as s
+    import kvspec.protocol._session as s
 
     row = s.Transition(
         source=s.ConsumerState.LOADING,
@@ -416,7 +416,7 @@ def _mutant_frees_on_abort_mid_read(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _mutant_short_quarantine(monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvspec import _session as s
+    import kvspec.protocol._session as s
 
     due = s.ConsumerSession._due
 

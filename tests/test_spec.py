@@ -29,7 +29,7 @@ T = TypeVar("T", bound=Callable[..., None])
 ROOT = Path(__file__).resolve().parent.parent
 SPEC_DIR = ROOT / "kvspec" / "spec"
 # What the definitions may build on: the models, the errors, and each other.
-ALLOWED = frozenset({"kvspec._models", "kvspec._errors"})
+ALLOWED = frozenset({"kvspec.core._models", "kvspec.core._errors"})
 RULE_IDS = re.compile(r"\(((?:[A-Z]{2,5}-\d+)(?:, [A-Z]{2,5}-\d+)*)\)\.?\s*$")
 MARKER = re.compile(r"^[ \t]*<!--\s*kvspec:spec:(?P<module>\w+)\.(?P<name>\w+)\s*-->[ \t]*$", re.MULTILINE)
 
@@ -51,9 +51,9 @@ def test_the_spec_imports_only_models_and_errors(path: Path) -> None:
 
 def test_the_import_check_catches_a_spec_module_that_imports_the_planner() -> None:
     source = (SPEC_DIR / "plan.py").read_text(encoding="utf-8")
-    mutant = source.replace("from kvspec._errors import PlanError", "from kvspec._plan import PlanError")
+    mutant = source.replace("from kvspec.core._errors import PlanError", "from kvspec.protocol._plan import PlanError")
     assert mutant != source
-    assert spec_imports(mutant) - ALLOWED == {"kvspec._plan"}
+    assert spec_imports(mutant) - ALLOWED == {"kvspec.protocol._plan"}
 
 
 def definitions() -> dict[str, tuple[str, ...]]:

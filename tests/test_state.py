@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from kvspec_conformance import Request, Scenario, run_scenario
 from kvspec_conformance.configs import full, gdn, make_config, mamba, sw
 
+import kvspec.reference._reference as fast
 from kvspec import (
     BlockAlignmentError,
     BlockIds,
@@ -28,7 +29,6 @@ from kvspec import (
     decode_error,
     encode_error,
 )
-from kvspec import _reference as fast
 from kvspec.exchange import ConsumerEndpoint, ProducerEndpoint, connect, run_request
 from kvspec.spec import (
     check_hybrid_support,

@@ -17,11 +17,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvspec import ConfigError, KVSpecError
-from kvspec._vector_cases import CASE_SETS, build_archive, build_vectors, dumps_json
-from kvspec._vectors import FUNCTIONS, PUBLIC_NAMES, answer_schema, answer_vector, vector_schema
-from kvspec._vectors_check import validate_json
 from kvspec.cli import main
 from kvspec.rules import RULES
+from kvspec.tools._vector_cases import CASE_SETS, build_archive, build_vectors, dumps_json
+from kvspec.tools._vectors import FUNCTIONS, PUBLIC_NAMES, answer_schema, answer_vector, vector_schema
+from kvspec.tools._vectors_check import validate_json
 from kvspec.vectors import check_vectors, write_vectors
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -421,9 +421,13 @@ def _every_residue(ctx: CaseContext) -> None:
 # --------------------------------------------------------------------------- OFF-9 admission
 
 
-@case("OFF-9", "mamba-group-refused", requires=["local_pools"])
+@case("OFF-9", "state-group-without-prefix-caching-refused", requires=["local_pools"])
 def _mamba(ctx: CaseContext) -> None:
-    """A Mamba group is refused with UnsupportedHybridError by the hit and the load hooks, before anything moves."""
+    """A state group in ``none`` cache mode is refused with UnsupportedHybridError by the hit and the load hooks.
+
+    Without prefix caching no state is kept at a chunk end, so no hit can say
+    which state it restores (decision 161). Nothing moves.
+    """
     hooks = _hooks(ctx)
     config = make_config(full(4), mamba(4), num_blocks=16)
     offload = OffloadConfig(blocks_per_chunk=1, hash_block_size=4)
@@ -441,8 +445,62 @@ def _mamba(ctx: CaseContext) -> None:
         except UnsupportedHybridError:
             continue
         except KVSpecError as exc:
-            raise ctx.fail(f"OFF-9: {name} on a Mamba group: expected UnsupportedHybridError, got {exc!r}") from None
-        raise ctx.fail(f"OFF-9: {name} admitted a config with a Mamba group (only attention groups are specified)")
+            raise ctx.fail(
+                f"OFF-9: {name} on a none-mode state group: expected UnsupportedHybridError, got {exc!r}"
+            ) from None
+        raise ctx.fail(
+            f"OFF-9: {name} admitted a state group in cache mode 'none' (no state is kept at a chunk end; "
+            "only align-mode state groups are specified)"
+        )
+
+
+# Full attention and an align-mode Mamba-2 state group, B = 4, f = 1: state chunk k holds the state after 4(k + 1).
+FULL_STATE = make_config(full(4), mamba(4, cache_mode="align"), num_blocks=96)
+
+
+@case("OFF-5", "state-hit-ends-on-a-state-chunk", requires=["local_pools"])
+def _state_hit(ctx: CaseContext) -> None:
+    """A state group's hit ends where a present state chunk ends, never at N - 1 off its grid (vLLM #44599, #51094).
+
+    A 16-token writer stores state chunks 0-3 (the states after 4, 8, 12 and
+    16 tokens). A 16-token reader recomputes its last token, so M = 15 rounds
+    down to 12: chunk 2. Loading chunk 3 would restore the state after 16
+    tokens and apply token 15 twice. A 17-token reader hits 16. With state
+    chunk 2 evicted, a 16-token reader hits 8 (state chunk 1), though every
+    attention chunk is present.
+    """
+    scenario = OffloadScenario(
+        config=FULL_STATE,
+        requests=[
+            OffloadRequest(request_id="w", num_tokens=16),
+            OffloadRequest(request_id="n16", num_tokens=16),
+            OffloadRequest(request_id="n17", num_tokens=17),
+            OffloadRequest(request_id="evicted", num_tokens=16, evict_before=[(1, 2)]),
+        ],
+    )
+    result = run_offload(ctx, scenario, rule="OFF-5")
+    _expect_hits(ctx, result, {"n16": (12,), "n17": (16,), "evicted": (8,)}, "OFF-5")
+
+
+@case("OFF-6", "state-slot-restored-at-the-resume-point", requires=["local_pools"])
+def _state_load(ctx: CaseContext) -> None:
+    """A state load restores one slot, the one at T / B - 1, and says its state absorbed t = T tokens (STATE-1).
+
+    After a GPU prefix hit of 4 tokens, a 16-token reader hits 8 (T = 12):
+    the state group restores only position 2 from state chunk 2, and the
+    load set's ``state_tokens`` is 12. The earlier slots are null, as vLLM
+    nulls the slots of earlier states; the attention group restores 1-2.
+    """
+    scenario = OffloadScenario(
+        config=FULL_STATE,
+        requests=[
+            OffloadRequest(request_id="w", num_tokens=24),
+            OffloadRequest(request_id="r", num_tokens=16, local_hit_tokens=4),
+            OffloadRequest(request_id="longer", num_tokens=29, local_hit_tokens=8),
+        ],
+    )
+    result = run_offload(ctx, scenario, rule="OFF-6")
+    _expect_hits(ctx, result, {"r": (8,), "longer": (16,)}, "OFF-6")
 
 
 # --------------------------------------------------------------------------- generated scenarios

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import kvspec
-from kvspec import _session
+import kvspec.protocol._session as _session
 
 __all__ = ["SEQUENCES", "sequence_diagram", "state_diagram", "transition_table"]
 

@@ -12,7 +12,7 @@ __all__ = ["ROOT_ERROR", "public_calls", "raised_by"]
 
 ROOT_ERROR = "KVSpecError"
 
-Key = tuple[str, str]  # (module, qualified name): ("kvspec._reference", "compute_block_pairs")
+Key = tuple[str, str]  # (module, qualified name): ("kvspec.reference._reference", "compute_block_pairs")
 
 
 @attrs.define

@@ -14,7 +14,7 @@ from matplotlib.patches import FancyArrowPatch, Rectangle
 from matplotlib.ticker import FuncFormatter
 
 import kvspec
-from kvspec._summary import blocks_needed_for, summarize_plan
+from kvspec.protocol._summary import blocks_needed_for, summarize_plan
 
 __all__ = [
     "BYTES_MODELS",

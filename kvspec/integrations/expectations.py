@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from importlib import resources
 from pathlib import Path
 
-from kvspec._errors import ConfigError
+from kvspec.core._errors import ConfigError
 
 __all__ = ["expected_names", "load_expected", "parse_expected", "read_expected"]
 

@@ -54,7 +54,7 @@ from typing import Any
 
 import attrs
 
-from kvspec._errors import (
+from kvspec.core._errors import (
     BackendUnavailableError,
     BlockAlignmentError,
     ConfigError,
@@ -62,8 +62,7 @@ from kvspec._errors import (
     StateSlotError,
     UnsupportedHybridError,
 )
-from kvspec._handshake import check_compatibility
-from kvspec._models import (
+from kvspec.core._models import (
     NULL_BLOCK_ID,
     BlockIds,
     DType,
@@ -78,8 +77,9 @@ from kvspec._models import (
     SlidingWindowSpec,
     TransferMode,
 )
-from kvspec._plan import BlockPairsLike, TransferPlan, plan_transfer
-from kvspec._reference import BlockPairs
+from kvspec.protocol._handshake import check_compatibility
+from kvspec.protocol._plan import BlockPairsLike, TransferPlan, plan_transfer
+from kvspec.reference._reference import BlockPairs
 from kvspec.spec.state import STATE_KINDS, get_state_clipped_slots, get_state_group_indices, is_state_spec
 
 __all__ = [
@@ -907,7 +907,7 @@ class SglangConnector:
             return BlockPairs(producer_block_ids=[], consumer_block_ids=[])
         groups = config.kv_cache_groups
         if len(producer_block_ids) != len(groups) or len(consumer_block_ids) != len(groups):
-            from kvspec._errors import GroupCountError
+            from kvspec.core._errors import GroupCountError
 
             raise GroupCountError(
                 f"sglang:{self.backend}: {len(groups)} groups, producer has {len(producer_block_ids)}, "

@@ -39,9 +39,8 @@ from typing import Any
 
 import attrs
 
-from kvspec._errors import BlockAlignmentError
-from kvspec._models import NULL_BLOCK_ID, FullAttentionSpec, KVCacheSpec, MambaSpec, SlidingWindowSpec
-from kvspec._reference import get_needed_block_range
+from kvspec.core._errors import BlockAlignmentError
+from kvspec.core._models import NULL_BLOCK_ID, FullAttentionSpec, KVCacheSpec, MambaSpec, SlidingWindowSpec
 from kvspec.integrations.sglang import (
     BACKENDS,
     SGLANG_VERSION,
@@ -50,6 +49,7 @@ from kvspec.integrations.sglang import (
     pair_pages,
     producer_pages,
 )
+from kvspec.reference._reference import get_needed_block_range
 
 __all__ = [
     "AUDIT_BACKENDS",
@@ -391,7 +391,7 @@ def run_audit(*, backends: Sequence[str] = AUDIT_BACKENDS, requests: int = 200, 
     """Audit ``requests`` random requests per backend (:func:`random_cases` with ``seed``) (ALIGN-1, NULL-1, WIN-1)."""
     for backend in backends:
         if backend not in BACKENDS:
-            from kvspec._errors import ConfigError
+            from kvspec.core._errors import ConfigError
 
             raise ConfigError(f"sglang-audit --backend {backend}: expected one of {sorted(BACKENDS)}")
     rng = random.Random(seed)

@@ -23,8 +23,7 @@ from typing import Any
 
 import attrs
 
-from kvspec._connector import ReferenceConnector
-from kvspec._errors import (
+from kvspec.core._errors import (
     BackendUnavailableError,
     BlockAlignmentError,
     ConfigError,
@@ -32,8 +31,7 @@ from kvspec._errors import (
     OffloadingDisagreementError,
     UnsupportedHybridError,
 )
-from kvspec._handshake import check_compatibility
-from kvspec._models import (
+from kvspec.core._models import (
     NULL_BLOCK_ID,
     BlockIds,
     ChunkedLocalAttentionSpec,
@@ -50,9 +48,11 @@ from kvspec._models import (
     SlidingWindowSpec,
     TransferMode,
 )
-from kvspec._offload import BlockIdGroups, LoadSet, OffloadConfig, StoreSet
-from kvspec._plan import BlockPairsLike, TransferPlan, plan_transfer
-from kvspec._reference import BlockPairs
+from kvspec.drivers._connector import ReferenceConnector
+from kvspec.protocol._handshake import check_compatibility
+from kvspec.protocol._plan import BlockPairsLike, TransferPlan, plan_transfer
+from kvspec.reference._offload import BlockIdGroups, LoadSet, OffloadConfig, StoreSet, get_chunk_sizes
+from kvspec.reference._reference import BlockPairs
 
 __all__ = [
     "CONNECTORS",
@@ -1511,6 +1511,12 @@ class OffloadingConnector(ReferenceConnector):
             )
         ranges = _chunk_ranges(manager, manager.loaded, state.req_context, config.num_groups, "load")
         dests, firsts, sizes = _split(jobs[0][1].dst_spec, config.num_groups, "load")
+        # A state chunk holds the state after its last token: what vLLM restores absorbed stop * C_g tokens (OFF-6).
+        chunk_sizes = get_chunk_sizes(config, blocks_per_chunk=offload.blocks_per_chunk)
+        states = [
+            ranges[g][1] * chunk_sizes[g] if isinstance(group.kv_cache_spec, MambaSpec) and sizes[g] else None
+            for g, group in enumerate(config.kv_cache_groups)
+        ]
         try:
             return LoadSet(
                 blocks_per_chunk=offload.blocks_per_chunk,
@@ -1518,6 +1524,7 @@ class OffloadingConnector(ReferenceConnector):
                 block_ids=dests,
                 first_block_indices=firsts,
                 num_blocks=sizes,
+                state_tokens=states,
             )
         except ConfigError as exc:
             raise OffloadingDisagreementError(f"vLLM's OffloadingConnector load job is not a LoadSet: {exc}") from exc

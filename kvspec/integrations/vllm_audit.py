@@ -38,8 +38,8 @@ from typing import Any
 
 import attrs
 
-from kvspec._errors import KVSpecError, WindowCoverageError
-from kvspec._models import (
+from kvspec.core._errors import KVSpecError, WindowCoverageError
+from kvspec.core._models import (
     NULL_BLOCK_ID,
     BlockIds,
     FullAttentionSpec,
@@ -50,19 +50,19 @@ from kvspec._models import (
     SlidingWindowSpec,
     TransferMode,
 )
-from kvspec._reference import (
-    check_window_coverage,
-    compute_transfer_pairs,
-    get_blocks_per_sw,
-    get_exchange_clipped_blocks,
-    get_needed_block_range,
-)
 from kvspec.integrations.vllm import (
     VllmConnector,
     VllmHooks,
     import_vllm,
     installed_vllm_version,
     to_vllm_kv_cache_config,
+)
+from kvspec.reference._reference import (
+    check_window_coverage,
+    compute_transfer_pairs,
+    get_blocks_per_sw,
+    get_exchange_clipped_blocks,
+    get_needed_block_range,
 )
 from kvspec.spec.state import get_state_clipped_blocks, is_state_spec
 

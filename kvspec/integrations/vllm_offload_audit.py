@@ -25,9 +25,8 @@ from typing import Any
 
 import attrs
 
-from kvspec._connector import OffloadConnector, ReferenceOffloadConnector
-from kvspec._errors import KVSpecError
-from kvspec._models import (
+from kvspec.core._errors import KVSpecError
+from kvspec.core._models import (
     NULL_BLOCK_ID,
     FullAttentionSpec,
     KVCacheConfig,
@@ -37,8 +36,9 @@ from kvspec._models import (
     MambaSpec,
     SlidingWindowSpec,
 )
-from kvspec._offload import LoadSet, OffloadConfig, StoreSet
+from kvspec.drivers._connector import OffloadConnector, ReferenceOffloadConnector
 from kvspec.integrations.vllm import VLLM_VERSION, OffloadingConnector
+from kvspec.reference._offload import LoadSet, OffloadConfig, StoreSet
 
 __all__ = [
     "OFFLOAD_CONNECTORS",

@@ -24,12 +24,12 @@ from typing import Any
 
 import attrs
 
-from kvspec._descriptors import Descriptor, DescriptorList
-from kvspec._enums import FailureReason, TransferMode
-from kvspec._errors import ConfigError, KVSpecError, MalformedMessageError, TransportError, decode_error
-from kvspec._models import BlockIds, KVCacheConfig
-from kvspec._vectors import to_json
+from kvspec.core._descriptors import Descriptor, DescriptorList
+from kvspec.core._enums import FailureReason, TransferMode
+from kvspec.core._errors import ConfigError, KVSpecError, MalformedMessageError, TransportError, decode_error
+from kvspec.core._models import BlockIds, KVCacheConfig
 from kvspec.testing import PagePool, allocate_pool, fill_background, fill_producer_pages
+from kvspec.tools._vectors import to_json
 from kvspec.transport import (
     Backend,
     Capabilities,

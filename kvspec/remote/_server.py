@@ -45,12 +45,12 @@ from typing import Any
 
 import attrs
 
-from kvspec._descriptors import DescriptorList, check_descriptors
-from kvspec._enums import FailureReason, TransferMode
-from kvspec._errors import ConfigError, KVSpecError, MalformedMessageError, PlanError, TransportError, encode_error
-from kvspec._models import BlockIds
-from kvspec._vectors import decode_config
+from kvspec.core._descriptors import DescriptorList, check_descriptors
+from kvspec.core._enums import FailureReason, TransferMode
+from kvspec.core._errors import ConfigError, KVSpecError, MalformedMessageError, PlanError, TransportError, encode_error
+from kvspec.core._models import BlockIds
 from kvspec.testing import PagePool, allocate_pool, fill_background, fill_producer_pages
+from kvspec.tools._vectors import decode_config
 from kvspec.transport import Backend, TransferHandle, Transport, load_backend
 from kvspec.transport._registry import parse_backend_options
 from kvspec.transport._wire import (

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from kvspec._errors import ConfigError, UnsupportedHybridError, format_values
-from kvspec._models import (
+from kvspec.core._errors import ConfigError, UnsupportedHybridError, format_values
+from kvspec.core._models import (
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
@@ -68,18 +68,18 @@ def check_hybrid_support(
     ):
         raise ConfigError(f"pipeline_parallel_size: expected a positive int, got {pipeline_parallel_size!r}")
     groups = list(enumerate(config.kv_cache_groups))
-    states = [(g, group) for g, group in groups if isinstance(group.kv_cache_spec, MambaSpec)]
+    states = [(g, group, spec) for g, group in groups if isinstance(spec := group.kv_cache_spec, MambaSpec)]
     # A state kind whose tensors the exchange does not know fails closed, flag or not (ADM-1).
     unknown = [
-        f"{_describe(g, group)}: mamba_type {group.kv_cache_spec.mamba_type!r}"  # type: ignore[attr-defined]
-        for g, group in states
-        if group.kv_cache_spec.mamba_type not in STATE_KINDS  # type: ignore[attr-defined]
+        f"{_describe(g, group)}: mamba_type {spec.mamba_type!r}"
+        for g, group, spec in states
+        if spec.mamba_type not in STATE_KINDS
     ]
     if unknown:
         raise UnsupportedHybridError(
             f"state groups of kinds {sorted(STATE_KINDS)} are exchanged (ADM-1); unsupported: {'; '.join(unknown)}"
         )
-    described = "; ".join(_describe(g, group) for g, group in states)
+    described = "; ".join(_describe(g, group) for g, group, _ in states)
     # Without the hybrid manager a state has no per-group slot table to pair (ADM-1).
     if states and disable_hybrid_kv_cache_manager:
         raise UnsupportedHybridError(

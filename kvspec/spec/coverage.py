@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvspec._errors import BlockAlignmentError, ConfigError, GroupCountError, WindowCoverageError
-from kvspec._models import (
+from kvspec.core._errors import BlockAlignmentError, ConfigError, GroupCountError, WindowCoverageError
+from kvspec.core._models import (
     NULL_BLOCK_ID,
     BlockIds,
     ChunkedLocalAttentionSpec,

@@ -4,30 +4,48 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvspec._errors import ConfigError, GroupCountError, UnsupportedHybridError
-from kvspec._models import FullAttentionSpec, KVCacheConfig, SlidingWindowSpec
+from kvspec.core._errors import ConfigError, GroupCountError, UnsupportedHybridError
+from kvspec.core._models import FullAttentionSpec, KVCacheConfig, MambaSpec, SlidingWindowSpec
 from kvspec.spec.coverage import get_needed_token_range
 
 __all__ = ["check_offload_support", "get_offload_hit_tokens"]
 
 
-def check_offload_support(config: KVCacheConfig) -> None:
-    """Raise :class:`UnsupportedHybridError` unless every group is full attention or sliding window (OFF-9).
+def check_offload_support(config: KVCacheConfig, *, blocks_per_chunk: int = 1) -> None:
+    """Raise :class:`UnsupportedHybridError` unless every group is attention or an aligned state group (OFF-9).
 
-    Full attention includes MLA; sliding window includes SW-MLA. A Mamba or
-    linear-attention state group, chunked-local attention, cross attention and
-    unknown kinds fail closed, naming the group, its kind and the remedy: a
-    state page is not a function of token positions, so no chunk rule here
-    can say which state a hit restores (#44599). (OFF-9)
+    Full attention includes MLA; sliding window includes SW-MLA. A state group
+    (Mamba, GDN, KDA: a ``MambaSpec``) is admitted in ``align`` cache mode with
+    one GPU block per chunk: then chunk ``k`` is the state slot that holds the
+    state after exactly ``(k + 1) * C_g`` tokens (STATE-4), so a hit can say
+    which state it restores. In ``none`` mode no state is kept at any chunk
+    end, and with ``blocks_per_chunk > 1`` a chunk holds one state and
+    ``f - 1`` null slots (decisions 161, 162). Chunked-local attention, cross
+    attention and unknown kinds fail closed too, naming the group, its kind and
+    the remedy. (OFF-9)
     """
     for g, group in enumerate(config.kv_cache_groups):
         spec = group.kv_cache_spec
+        # A state group stands at chunk ends only in align mode, one slot per chunk (OFF-9, decision 161).
+        if isinstance(spec, MambaSpec):
+            if spec.cache_mode != "align":
+                raise UnsupportedHybridError(
+                    f"offload: group {g} (kind mamba, {spec.mamba_type}) has cache_mode={spec.cache_mode!r}; expected "
+                    "'align' (OFF-9): without prefix caching no state is kept at a chunk end, so no hit can say which "
+                    "state it restores; remedy: enable prefix caching (mamba cache mode align)"
+                )
+            if blocks_per_chunk != 1:
+                raise UnsupportedHybridError(
+                    f"offload: group {g} (kind mamba, {spec.mamba_type}) with blocks_per_chunk={blocks_per_chunk}; "
+                    "expected 1 (OFF-9): a state chunk is one state slot; remedy: leave blocks_per_chunk at 1"
+                )
+            continue
         # Only kinds whose chunks are a function of token positions are specified (OFF-9).
         if not isinstance(spec, (FullAttentionSpec, SlidingWindowSpec)):
             raise UnsupportedHybridError(
                 f"offload: group {g} (kind {spec.kind.value}, layers {list(group.layer_names)[:4]}) is not admitted "
-                "(OFF-9): only full-attention (incl. MLA) and sliding-window (incl. SW-MLA) groups are specified; "
-                "remedy: disable the offloading connector for this model, or treat its state groups outside kvspec"
+                "(OFF-9): only full-attention (incl. MLA), sliding-window (incl. SW-MLA) and align-mode state groups "
+                "are specified; remedy: disable the offloading connector for this model"
             )
 
 
@@ -65,9 +83,23 @@ def get_offload_hit_tokens(
     group exists: the last token is recomputed) and ``M <= len(present[g]) *
     C_g`` such that every position each group needs for the token at ``M``
     (WIN-1's ranges with ``H = C``, ``T = M``) lies in a present chunk. The
-    hit is 0 when any group would load less than one chunk (OFF-5).
+    hit is 0 when any group would load less than one chunk. A state group
+    (OFF-9) forces ``N - 1`` as a window does, and supports ``M`` only when
+    ``M`` is a multiple of ``C_g`` and chunk ``M / C_g - 1`` is present: that
+    chunk is the state after exactly ``M`` tokens, so the recomputed tokens
+    are never applied twice (vLLM #44599, #51094) (OFF-5).
     """
-    check_offload_support(config)
+    specs = [group.kv_cache_spec for group in config.kv_cache_groups]
+    # One GPU block per chunk in a state group: its chunk size is its block size (OFF-9).
+    blocks_per_chunk = max(
+        [
+            size // spec.block_size
+            for spec, size in zip(specs, chunk_sizes, strict=False)
+            if isinstance(spec, MambaSpec)
+        ],
+        default=1,
+    )
+    check_offload_support(config, blocks_per_chunk=blocks_per_chunk)
     # One list of present chunks per group (OFF-5).
     if len(present) != config.num_groups:
         raise GroupCountError(
@@ -82,9 +114,8 @@ def get_offload_hit_tokens(
                 f"get_offload_hit_tokens.present[{g}]: expected at most {num_tokens // size} keys (complete chunks of "
                 f"{num_tokens} tokens), got {len(keys)}"
             )
-    specs = [group.kv_cache_spec for group in config.kv_cache_groups]
-    has_window = any(isinstance(spec, SlidingWindowSpec) for spec in specs)
-    last = num_tokens - 1 if has_window else num_tokens  # a window group recomputes the last token (OFF-5)
+    has_window = any(isinstance(spec, (SlidingWindowSpec, MambaSpec)) for spec in specs)
+    last = num_tokens - 1 if has_window else num_tokens  # a window or state group recomputes the last token (OFF-5)
     last = min([last, *(len(keys) * size for keys, size in zip(present, chunk_sizes, strict=True))])
     for end in range(last, local_hit_tokens, -1):
         # Less than one chunk to load in some group: no hit (OFF-5).
@@ -92,6 +123,10 @@ def get_offload_hit_tokens(
             return 0
         # The token at `end` reads WIN-1's positions of every group; each must lie in a present chunk (OFF-5).
         needed = [get_needed_token_range(spec, num_tokens=end, prefix_hit_tokens=local_hit_tokens) for spec in specs]
-        if all(present[g][t // chunk_sizes[g]] for g in range(len(specs)) for t in needed[g]):
+        states = [g for g, spec in enumerate(specs) if isinstance(spec, MambaSpec)]
+        # A state group restores the one chunk whose state absorbed exactly `end` tokens (OFF-5).
+        if any(end % chunk_sizes[g] or not present[g][end // chunk_sizes[g] - 1] for g in states):
+            continue
+        if all(present[g][t // chunk_sizes[g]] for g in range(len(specs)) if g not in states for t in needed[g]):
             return end - local_hit_tokens
     return 0

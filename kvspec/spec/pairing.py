@@ -7,8 +7,8 @@ from typing import Any
 
 import attrs
 
-from kvspec._errors import BlockAlignmentError, GroupCountError
-from kvspec._models import NULL_BLOCK_ID, BlockIds, KVCacheConfig
+from kvspec.core._errors import BlockAlignmentError, GroupCountError
+from kvspec.core._models import NULL_BLOCK_ID, BlockIds, KVCacheConfig
 from kvspec.spec.coverage import check_window_coverage, get_checked_block_ends, get_logical_block_count
 from kvspec.spec.state import get_state_paired_lists
 from kvspec.spec.window import BlockIdsLike

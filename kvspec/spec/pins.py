@@ -10,7 +10,7 @@ none keeps a copy:
   tests/test_pins.py checks every row against the reference, the committed
   vectors, the rendered docs and those examples;
 - the test vectors: ``kvspec vectors write`` makes one vector per row and
-  function (kvspec/_vector_cases.py); its expected output is computed by the
+  function (kvspec/tools/_vector_cases.py); its expected output is computed by the
   reference, and tests/test_pins.py checks it equals the row's;
 - the docs: ``<!-- kvspec:pins:RULE -->`` renders a rule's rows as a table
   (docs/hooks.py).
@@ -31,7 +31,8 @@ Inputs are plain JSON values, by rule and function:
   (``None`` for full attention), ``block_size``, ``num_tokens``,
   ``prefix_hit_tokens``; the output is ``{"start", "stop"}``.
 - OFF-5 ``get_offload_hit_tokens``: ``groups`` (per group ``block_size`` and
-  ``window``, ``None`` for full attention), ``present`` (per group and chunk),
+  ``window``, ``None`` for full attention; ``"state": true`` makes the group an
+  ``align``-mode Mamba-2 state group), ``present`` (per group and chunk),
   ``num_tokens``, ``local_hit_tokens``, ``blocks_per_chunk`` (``f``; the hash
   block size is 4); the output is the hit in tokens.
 - OFF-7 ``map_sub_blocks``: ``first_block_index``, ``num_blocks``,
@@ -147,11 +148,13 @@ _VLLM_HMA = "vLLM's offloading HMA test"
 _OFF5 = "OFF-5 (docs/spec/offload.md)"
 _FA_SW = ({"block_size": 4, "window": None}, {"block_size": 4, "window": 8})
 _B12_B16 = ({"block_size": 12, "window": None}, {"block_size": 16, "window": None})
+_FA_STATE = ({"block_size": 4, "window": None}, {"block_size": 4, "window": None, "state": True})
+_STATE_OFF5 = "OFF-5 (docs/spec/offload.md); vLLM 0.33 resolve_mamba_align_size (#44599)"
 
 
 def _off5(
     name: str,
-    groups: tuple[Mapping[str, int | None], ...],
+    groups: tuple[Mapping[str, int | bool | None], ...],
     present: list[list[int]],
     tokens: tuple[int, int],
     hit: object,
@@ -421,6 +424,10 @@ PINS: tuple[Pin, ...] = (
         _OFF5,
         "B=12 full, W=16 B=16 window chunks {0, 2}: M=36 needs chunks 1 and 2",
     ),
+    _off5("state_n16_rounds_down", _FA_STATE, [[1] * 4, [1] * 4], (16, 0), 12, _STATE_OFF5, "M = 15 rounds to 12"),
+    _off5("state_n17_on_the_grid", _FA_STATE, [[1] * 4, [1] * 4], (17, 0), 16, _STATE_OFF5, "N - 1 = 16"),
+    _off5("state_chunk_absent", _FA_STATE, [[1] * 4, [1, 1, 0, 0]], (16, 0), 8, _OFF5, "state chunk 1 ends the hit"),
+    _off5("state_only_the_last_chunk", _FA_STATE, [[1] * 4, [0, 0, 1, 0]], (16, 8), 4, _OFF5, "C = 8, chunk 2 only"),
     _off5("too_many_keys", _FA_SW, [[1] * 4, [1] * 4], (13, 0), Raises("ConfigError"), _OFF5, "keys past the request"),
     # OFF-7
     _off7(
@@ -446,7 +453,8 @@ PINS: tuple[Pin, ...] = (
     # OFF-9
     _off9("full_and_window", ["full", "sw"], None),
     _off9("mla_and_sw_mla", ["mla", "sw_mla"], None, "MLA is full attention, SW-MLA a window"),
-    _off9("mamba_refused", ["full", "mamba"], _REFUSED, "vLLM admits Mamba as a one-chunk window"),
+    _off9("mamba_refused", ["full", "mamba"], _REFUSED, "cache mode none: no state at a chunk end (decision 161)"),
+    _off9("mamba_align_admitted", ["full", "mamba_align"], None, "a state chunk is the state after its end"),
     _off9("chunked_local_refused", ["full", "chunked"], _REFUSED),
     _off9("cross_attention_refused", ["cross"], _REFUSED),
     _off9("unknown_kind_refused", ["unknown"], _REFUSED),

@@ -8,8 +8,8 @@ from typing import Protocol
 
 import attrs
 
-from kvspec._errors import PlanError
-from kvspec._models import NULL_BLOCK_ID, BlockIds, KVCacheConfig, KVCacheSpec, MambaSpec
+from kvspec.core._errors import PlanError
+from kvspec.core._models import NULL_BLOCK_ID, BlockIds, KVCacheConfig, KVCacheSpec, MambaSpec
 
 __all__ = ["BlockPairsLike", "PageCopy", "compute_page_copies", "get_page_byte_ranges"]
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from kvspec._errors import BlockAlignmentError, ConfigError, GroupCountError, StatePositionError, StateSlotError
-from kvspec._models import NULL_BLOCK_ID, BlockIds, KVCacheConfig, KVCacheSpec, MambaSpec, StateProfile
+from kvspec.core._errors import BlockAlignmentError, ConfigError, GroupCountError, StatePositionError, StateSlotError
+from kvspec.core._models import NULL_BLOCK_ID, BlockIds, KVCacheConfig, KVCacheSpec, MambaSpec, StateProfile
 
 __all__ = [
     "STATE_FIELDS",

@@ -7,8 +7,8 @@ from typing import TypeAlias
 
 import attrs
 
-from kvspec._errors import ConfigError, GroupCountError
-from kvspec._models import BlockIds, KVCacheConfig, KVCacheSpec, SlidingWindowSpec
+from kvspec.core._errors import ConfigError, GroupCountError
+from kvspec.core._models import BlockIds, KVCacheConfig, KVCacheSpec, SlidingWindowSpec
 from kvspec.spec.admission import is_full_attention_spec
 
 __all__ = [

@@ -8,9 +8,9 @@ from typing import Protocol, runtime_checkable
 
 import attrs
 
-from kvspec._descriptors import Descriptor, DescriptorBounds, DescriptorList, check_descriptors, merge_runs
-from kvspec._enums import FailureReason, TransferMode
-from kvspec._errors import ConfigError, TransportError
+from kvspec.core._descriptors import Descriptor, DescriptorBounds, DescriptorList, check_descriptors, merge_runs
+from kvspec.core._enums import FailureReason, TransferMode
+from kvspec.core._errors import ConfigError, TransportError
 
 __all__ = [
     "Capabilities",

@@ -39,7 +39,7 @@ import threading
 import time
 from typing import Any
 
-from kvspec._descriptors import merge_columns
+from kvspec.core._descriptors import merge_columns
 from kvspec.transport import _nixl_worker
 from kvspec.transport._nixl_worker import CONFIG, TRANSPORT, RequestError, handle, unpack_columns
 

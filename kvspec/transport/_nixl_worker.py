@@ -6,7 +6,7 @@ Theory of operation (docs/backends/nixl.md, How it is built):
   kvspec.transport._nixl_worker FD NAME`` with ``UCX_NET_DEVICES=lo`` (and
   ``UCX_TLS=tcp`` in tcp mode) and talks to it over one end of a socket pair,
   ``FD``, with pickled ``(op, *args)`` requests and ``("ok", value)`` /
-  ``("err", error)`` replies, ``error`` a :func:`kvspec._errors.encode_error` dict.
+  ``("err", error)`` replies, ``error`` a :func:`kvspec.core._errors.encode_error` dict.
 * The agent runs with its progress thread off (the library default spins a
   whole core); while no request is waiting, the loop calls
   ``get_new_notifs()`` every ``poll_interval`` seconds, because an agent that
@@ -40,8 +40,8 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
-from kvspec._descriptors import merge_columns
-from kvspec._errors import BackendUnavailableError, RequestError, TransportError, encode_error
+from kvspec.core._descriptors import merge_columns
+from kvspec.core._errors import BackendUnavailableError, RequestError, TransportError, encode_error
 
 __all__ = [
     "METADATA_MAGIC",
@@ -522,7 +522,7 @@ def _describe(exc: BaseException) -> str:
 
 
 def answer(worker: Any, op: str, args: list[Any]) -> tuple[Any, ...]:
-    """Run one request; ``("ok", value)`` or ``("err", error)`` (:func:`kvspec._errors.encode_error`)."""
+    """Run one request; ``("ok", value)`` or ``("err", error)`` (:func:`kvspec.core._errors.encode_error`)."""
     try:
         return ("ok", worker.ops[op](*args))
     except RequestError as exc:

@@ -25,7 +25,7 @@ import hashlib
 import hmac
 import secrets
 
-from kvspec._errors import PairKeyError  # the one import from kvspec: every error class lives there
+from kvspec.core._errors import PairKeyError  # the one import from kvspec: every error class lives there
 
 __all__ = [
     "GROUP_BITS",

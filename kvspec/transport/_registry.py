@@ -8,7 +8,7 @@ import typing
 from collections.abc import Callable, Sequence
 from importlib.metadata import entry_points
 
-from kvspec._errors import ConfigError
+from kvspec.core._errors import ConfigError
 from kvspec.transport._base import Backend
 
 __all__ = ["BUILTIN_BACKENDS", "ENTRY_POINT_GROUP", "is_factory_of", "load_backend", "parse_backend_options"]

@@ -67,7 +67,7 @@ from typing import Any
 import torch
 from torch.distributed import ProcessGroupGloo, TCPStore  # type: ignore[attr-defined]  # re-exported at run time
 
-from kvspec._errors import encode_error
+from kvspec.core._errors import encode_error
 from kvspec.transport._pairkey import (
     NONCE_BYTES,
     PairKeyError,

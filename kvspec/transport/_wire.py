@@ -40,8 +40,8 @@ import struct
 import time
 from typing import Any
 
-from kvspec._errors import AgentAuthError, AgentRefusedError, ConfigError, WireError
-from kvspec._models import KVCacheConfig
+from kvspec.core._errors import AgentAuthError, AgentRefusedError, ConfigError, WireError
+from kvspec.core._models import KVCacheConfig
 
 __all__ = [
     "DIGEST_SIZE",

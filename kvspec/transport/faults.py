@@ -8,8 +8,8 @@ from typing import Any
 
 import attrs
 
-from kvspec._enums import FailureReason, TransferMode
-from kvspec._errors import ConfigError, TransportError
+from kvspec.core._enums import FailureReason, TransferMode
+from kvspec.core._errors import ConfigError, TransportError
 from kvspec.transport._base import (
     Backend,
     Capabilities,

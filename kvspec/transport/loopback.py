@@ -11,8 +11,8 @@ from collections.abc import Sequence
 
 import attrs
 
-from kvspec._enums import FailureReason, TransferMode
-from kvspec._errors import ConfigError, PlanError, TransportError
+from kvspec.core._enums import FailureReason, TransferMode
+from kvspec.core._errors import ConfigError, PlanError, TransportError
 from kvspec.transport._base import (
     Capabilities,
     Descriptor,

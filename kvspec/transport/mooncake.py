@@ -36,8 +36,8 @@ from collections.abc import Mapping, Sequence
 from types import ModuleType
 from typing import ClassVar, cast
 
-from kvspec._enums import TransferMode
-from kvspec._errors import BackendUnavailableError, ConfigError
+from kvspec.core._enums import TransferMode
+from kvspec.core._errors import BackendUnavailableError, ConfigError
 from kvspec.transport import _mooncake_worker
 from kvspec.transport._base import Capabilities
 from kvspec.transport.nixl import WorkerAgent, WorkerBackend

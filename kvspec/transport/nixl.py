@@ -50,8 +50,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, ClassVar, Self, cast
 
-from kvspec._enums import FailureReason, TransferMode
-from kvspec._errors import BackendUnavailableError, ConfigError, PlanError, TransportError, decode_error
+from kvspec.core._enums import FailureReason, TransferMode
+from kvspec.core._errors import BackendUnavailableError, ConfigError, PlanError, TransportError, decode_error
 from kvspec.transport import _nixl_worker
 from kvspec.transport._base import (
     Capabilities,

@@ -42,9 +42,9 @@ from typing import Any
 
 import attrs
 
-from kvspec._descriptors import merge_columns
-from kvspec._enums import FailureReason, TransferMode
-from kvspec._errors import BackendUnavailableError, ConfigError, PlanError, TransportError, decode_error
+from kvspec.core._descriptors import merge_columns
+from kvspec.core._enums import FailureReason, TransferMode
+from kvspec.core._errors import BackendUnavailableError, ConfigError, PlanError, TransportError, decode_error
 from kvspec.transport._base import (
     Capabilities,
     Descriptor,

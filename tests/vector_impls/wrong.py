@@ -10,7 +10,7 @@ import json
 import sys
 from typing import Any
 
-from kvspec._vectors import answer_vector
+from kvspec.tools._vectors import answer_vector
 
 
 def _front_trimmed(producer: list[list[int]], consumer: list[list[int]]) -> dict[str, Any]:

@@ -1,0 +1,304 @@
+"""The connector seam: the block logic a connector computes before it posts, replaceable for testing.
+
+It sits above the reference functions and the planner and below the driver
+core (:mod:`kvspec.drivers._driver`), which calls it; the conformance suite plugs a
+connector under test in here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol, runtime_checkable
+
+from kvspec.core._enums import TransferMode
+from kvspec.core._models import BlockIds, KVCacheConfig
+from kvspec.protocol._handshake import check_compatibility
+from kvspec.protocol._plan import BlockPairsLike, TransferPlan, plan_transfer
+from kvspec.reference._messages import EngineDescriptor
+from kvspec.reference._offload import (
+    BlockIdGroups,
+    LoadSet,
+    OffloadConfig,
+    StoreSet,
+    get_load_set,
+    get_offload_hit_tokens,
+    get_store_set,
+    map_sub_blocks,
+)
+from kvspec.reference._reference import (
+    check_hybrid_support,
+    compute_transfer_pairs,
+    get_blocks_per_sw,
+    get_exchange_clipped_blocks,
+)
+from kvspec.spec.state import get_state_clipped_blocks
+
+__all__ = [
+    "Connector",
+    "OffloadConnector",
+    "ReferenceConnector",
+    "ReferenceOffloadConnector",
+    "as_offload_connector",
+    "pair_keywords",
+]
+
+
+@runtime_checkable
+class Connector(Protocol):
+    """What a KV connector decides between the engines' block tables and the transport.
+
+    The suite drives every scenario through these hooks, and its oracle
+    checks where each page landed by logical position, independently of them.
+    A connector author plugs their own logic in (``kvspec conform BACKEND
+    --connector module:factory`` or ``BackendSuite.connector_factory``) to have
+    their clipping, alignment and planning checked; the default is
+    :class:`ReferenceConnector`, kvspec's reference functions.
+    """
+
+    def check_admission(self, config: KVCacheConfig, mode: TransferMode) -> None:
+        """Refuse, before anything is set up, a config the exchange does not admit (HMA-1, ADM-1, ADM-2)."""
+        ...
+
+    def check_peer(self, producer: EngineDescriptor, consumer: EngineDescriptor) -> None:
+        """Refuse an incompatible peer at handshake, listing every difference (HS-1)."""
+        ...
+
+    def clip_block_ids(self, config: KVCacheConfig, block_ids: BlockIds) -> BlockIds:
+        """Clip one side's list before it is exchanged: windows to budget, state to one slot (CLIP-1, STATE-2)."""
+        ...
+
+    def pair_block_ids(
+        self,
+        config: KVCacheConfig,
+        *,
+        num_tokens: int,
+        prefix_hit_tokens: int,
+        producer_block_ids: BlockIds,
+        consumer_block_ids: BlockIds,
+        recomputed_tokens: int = 0,
+        producer_block_ends: tuple[int, ...] | None = None,
+        consumer_block_ends: tuple[int, ...] | None = None,
+    ) -> BlockPairsLike:
+        """Check window coverage, then pair the clipped lists (WIN-1, ALIGN-1, NULL-1).
+
+        Protocol 1.1: the lists cover ``num_tokens + recomputed_tokens`` tokens
+        (C recomputes the last ones), and each side may say where its list ends.
+        The suite passes these only in the cases that use them.
+        """
+        ...
+
+    def plan(
+        self, *, producer_config: KVCacheConfig, consumer_config: KVCacheConfig, pairs: BlockPairsLike
+    ) -> TransferPlan:
+        """Turn pairs into byte copies (PLAN-1)."""
+        ...
+
+
+class ReferenceConnector:
+    """The connector logic of the specification itself: kvspec's reference functions."""
+
+    def check_admission(self, config: KVCacheConfig, mode: TransferMode) -> None:
+        """``check_hybrid_support(config, mode=mode)`` (ADM-1, ADM-2)."""
+        check_hybrid_support(config, mode=mode)
+
+    def check_peer(self, producer: EngineDescriptor, consumer: EngineDescriptor) -> None:
+        """``check_compatibility(producer=producer, consumer=consumer)`` (HS-1)."""
+        check_compatibility(producer=producer, consumer=consumer)
+
+    def clip_block_ids(self, config: KVCacheConfig, block_ids: BlockIds) -> BlockIds:
+        """``get_exchange_clipped_blocks``, then ``get_state_clipped_blocks`` (CLIP-1, STATE-2)."""
+        return get_state_clipped_blocks(config, get_exchange_clipped_blocks(block_ids, get_blocks_per_sw(config)))
+
+    def pair_block_ids(
+        self,
+        config: KVCacheConfig,
+        *,
+        num_tokens: int,
+        prefix_hit_tokens: int,
+        producer_block_ids: BlockIds,
+        consumer_block_ids: BlockIds,
+        recomputed_tokens: int = 0,
+        producer_block_ends: tuple[int, ...] | None = None,
+        consumer_block_ends: tuple[int, ...] | None = None,
+    ) -> BlockPairsLike:
+        """``compute_transfer_pairs`` (WIN-1, ALIGN-1, NULL-1)."""
+        return compute_transfer_pairs(
+            config,
+            num_tokens=num_tokens,
+            prefix_hit_tokens=prefix_hit_tokens,
+            producer_block_ids=producer_block_ids,
+            consumer_block_ids=consumer_block_ids,
+            recomputed_tokens=recomputed_tokens,
+            producer_block_ends=producer_block_ends,
+            consumer_block_ends=consumer_block_ends,
+        )
+
+    def plan(
+        self, *, producer_config: KVCacheConfig, consumer_config: KVCacheConfig, pairs: BlockPairsLike
+    ) -> TransferPlan:
+        """``plan_transfer`` (PLAN-1)."""
+        return plan_transfer(producer_config=producer_config, consumer_config=consumer_config, pairs=pairs)
+
+    def __repr__(self) -> str:
+        return "ReferenceConnector()"
+
+
+def pair_keywords(
+    *,
+    recomputed_tokens: int = 0,
+    producer_block_ends: Sequence[int] | None = None,
+    consumer_block_ends: Sequence[int] | None = None,
+) -> dict[str, Any]:
+    """The protocol 1.1 keywords of :meth:`Connector.pair_block_ids` that say something (VER-1, ALIGN-1, WIN-1).
+
+    A connector written for protocol 1.0 takes none of them; passing only the
+    ones that differ from their defaults lets it run every request that does
+    not use them.
+    """
+    extra: dict[str, Any] = {}
+    if recomputed_tokens:
+        extra["recomputed_tokens"] = recomputed_tokens
+    if producer_block_ends is not None:
+        extra["producer_block_ends"] = tuple(producer_block_ends)
+    if consumer_block_ends is not None:
+        extra["consumer_block_ends"] = tuple(consumer_block_ends)
+    return extra
+
+
+@runtime_checkable
+class OffloadConnector(Protocol):
+    """What an offloading connector decides between the GPU block table and the chunk pool (OFF-3 ... OFF-7).
+
+    The hooks mirror the reference functions of :mod:`kvspec.reference._offload`, with
+    the same arguments plus ``request_id`` (keyword-only), so that a stateful
+    connector (vLLM's offloading scheduler keeps per-request state) can keep
+    one state per request; :meth:`finish_request` tells it the request is
+    gone. The suite owns the chunk pool, its keys and its evictions, and its
+    oracle checks every stored and loaded page by logical position,
+    independently of these hooks. A connector object may implement both
+    :class:`Connector` and this protocol; the suite uses
+    :func:`as_offload_connector` to find the offload hooks, with the reference
+    as default.
+    """
+
+    def get_store_set(
+        self,
+        config: KVCacheConfig,
+        block_ids: BlockIdGroups,
+        *,
+        request_id: str,
+        num_offloadable_tokens: int,
+        next_chunk: Sequence[int],
+        offload: OffloadConfig,
+    ) -> StoreSet:
+        """The chunks one store step offers and the GPU blocks it copies (OFF-3, OFF-4)."""
+        ...
+
+    def get_offload_hit_tokens(
+        self,
+        config: KVCacheConfig,
+        present: Sequence[Sequence[bool]],
+        *,
+        request_id: str,
+        num_tokens: int,
+        local_hit_tokens: int,
+        offload: OffloadConfig,
+    ) -> int:
+        """Tokens past the local hit the chunk pool can supply (OFF-5)."""
+        ...
+
+    def get_load_set(
+        self,
+        config: KVCacheConfig,
+        block_ids: BlockIdGroups,
+        *,
+        request_id: str,
+        num_tokens: int,
+        local_hit_tokens: int,
+        offload: OffloadConfig,
+    ) -> LoadSet:
+        """The chunks a hit reads and the GPU blocks they land in (OFF-6)."""
+        ...
+
+    def map_sub_blocks(
+        self, first_block_index: int, num_blocks: int, *, blocks_per_chunk: int
+    ) -> tuple[tuple[int, int], ...]:
+        """Which (chunk entry, sub-block) each GPU block of a store or load set pairs with (OFF-7)."""
+        ...
+
+    def finish_request(self, request_id: str) -> None:
+        """The request ended (finished, aborted or preempted); drop any state kept for it."""
+        ...
+
+
+class ReferenceOffloadConnector:
+    """The offload logic of the specification itself: kvspec's reference functions, stateless."""
+
+    def get_store_set(
+        self,
+        config: KVCacheConfig,
+        block_ids: BlockIdGroups,
+        *,
+        request_id: str,
+        num_offloadable_tokens: int,
+        next_chunk: Sequence[int],
+        offload: OffloadConfig,
+    ) -> StoreSet:
+        """``get_store_set`` (OFF-3, OFF-4)."""
+        return get_store_set(
+            config, block_ids, num_offloadable_tokens=num_offloadable_tokens, next_chunk=next_chunk, offload=offload
+        )
+
+    def get_offload_hit_tokens(
+        self,
+        config: KVCacheConfig,
+        present: Sequence[Sequence[bool]],
+        *,
+        request_id: str,
+        num_tokens: int,
+        local_hit_tokens: int,
+        offload: OffloadConfig,
+    ) -> int:
+        """``get_offload_hit_tokens`` (OFF-5)."""
+        return get_offload_hit_tokens(
+            config, present, num_tokens=num_tokens, local_hit_tokens=local_hit_tokens, offload=offload
+        )
+
+    def get_load_set(
+        self,
+        config: KVCacheConfig,
+        block_ids: BlockIdGroups,
+        *,
+        request_id: str,
+        num_tokens: int,
+        local_hit_tokens: int,
+        offload: OffloadConfig,
+    ) -> LoadSet:
+        """``get_load_set`` (OFF-6)."""
+        return get_load_set(
+            config, block_ids, num_tokens=num_tokens, local_hit_tokens=local_hit_tokens, offload=offload
+        )
+
+    def map_sub_blocks(
+        self, first_block_index: int, num_blocks: int, *, blocks_per_chunk: int
+    ) -> tuple[tuple[int, int], ...]:
+        """``map_sub_blocks`` (OFF-7)."""
+        return map_sub_blocks(first_block_index, num_blocks, blocks_per_chunk=blocks_per_chunk)
+
+    def finish_request(self, request_id: str) -> None:
+        """Nothing to drop: the reference keeps no state."""
+
+    def __repr__(self) -> str:
+        return "ReferenceOffloadConnector()"
+
+
+def as_offload_connector(connector: object) -> OffloadConnector:
+    """``connector`` itself when it implements :class:`OffloadConnector`, else the reference (OFF-3 ... OFF-7).
+
+    A connector under test that brings only exchange hooks has its offload
+    cases run with the reference offload logic, so they still check the
+    backend's copies.
+    """
+    if isinstance(connector, OffloadConnector):
+        return connector
+    return ReferenceOffloadConnector()

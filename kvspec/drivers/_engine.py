@@ -1,0 +1,274 @@
+"""The engine roles: one object per side that plays a request's steps, for the endpoints and the suite alike.
+
+Theory of operation
+-------------------
+
+The driver core (:mod:`kvspec.drivers._driver`) carries out what a session asks; it
+does not decide which blocks a request gets, nor whether the request may
+move at all. That is the engine's part, and it is written once, here, for
+both kvspec's exchange endpoints (:mod:`kvspec.drivers._exchange`) and the
+conformance suite's scenarios:
+
+- :class:`ProducerEngine` clips the request's table (CLIP-1), creates its
+  :class:`ProducerSession` with the digests of the advertised blocks (SM-1,
+  INT-1) and, in WRITE mode, pairs the consumer's offer and plans the write
+  (ALIGN-1, STATE-3, PLAN-1) when the driver asks for it.
+- :class:`ConsumerEngine` plays a consumer request's steps in one order:
+  the request arrives (a known peer, the same mode), its suffix is
+  allocated and clipped (CLIP-1), the :class:`ConsumerSession` is created,
+  and then, as steps of that session, the state position is checked
+  (STATE-1, STATE-4), the lists are paired (WIN-1, ALIGN-1) and every byte
+  is planned (PLAN-1). A step that refuses records a ``check`` fault and
+  ends the session FAILED with the typed reason and its one release
+  (FAIL-1, REL-1); otherwise the session starts.
+
+Block pools stay the caller's: an endpoint hands out blocks from its
+:class:`kvspec.exchange.BlockAllocator`, a scenario from the ids its case
+names. What varies is passed in as a callable, never decided by branching on
+the caller.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from kvspec.core._enums import FailureReason, StateProfile, TransferMode
+from kvspec.core._errors import IncompatiblePeerError, KVSpecError, TransportError
+from kvspec.core._models import BlockIds, KVCacheConfig
+from kvspec.drivers._connector import Connector, pair_keywords
+from kvspec.drivers._driver import Driver, LiveRequest, Operation, reason_of
+from kvspec.protocol._plan import TransferPlan
+from kvspec.protocol._session import DEFAULT_DRAIN_TIMEOUT, ConsumerSession, ProducerSession
+from kvspec.reference._integrity import BlockPairsLike
+from kvspec.reference._messages import BlockOffer, TransferParams
+from kvspec.reference._reference import compute_block_pairs
+from kvspec.spec.state import check_state_position, get_state_paired_lists
+
+__all__ = ["ConsumerEngine", "PairOffer", "ProducerEngine", "pair_offer_by_ends"]
+
+PairOffer = Callable[[LiveRequest[ProducerSession], BlockOffer], BlockPairsLike]
+"""How a producer pairs its list with a consumer's offer (ALIGN-1, STATE-3)."""
+
+
+def pair_offer_by_ends(config: KVCacheConfig) -> PairOffer:
+    """A producer's pairing that knows nothing of the consumer's prefix hit (ALIGN-1, STATE-3).
+
+    The offer is aligned to the tail of the producer's own list and refused
+    if both lists say where they end and the ends differ; a state group's one
+    slot pairs by STATE-3, not by its list's end.
+    """
+
+    def pair(request: LiveRequest[ProducerSession], offer: BlockOffer) -> BlockPairsLike:
+        params = request.session.params
+        producer_ids, consumer_ids, producer_ends, consumer_ends = get_state_paired_lists(
+            config,
+            params.producer_block_ids,
+            offer.consumer_block_ids,
+            params.producer_block_ends,
+            offer.consumer_block_ends,
+        )
+        return compute_block_pairs(
+            producer_block_ids=producer_ids,
+            consumer_block_ids=consumer_ids,
+            producer_block_ends=producer_ends,
+            consumer_block_ends=consumer_ends,
+        )
+
+    return pair
+
+
+class ProducerEngine:
+    """The prefill engine's steps: clip, hold the blocks in a session, pair and plan a WRITE (CLIP-1, SM-1, PLAN-1).
+
+    ``peer_config`` gives the layout of the consumer a request talks to;
+    ``pair_offer`` pairs an offer (default: :func:`pair_offer_by_ends`, as a
+    producer that does not know the consumer's prefix hit). The driver's
+    ``plan_write`` is :meth:`plan_write`.
+    """
+
+    def __init__(
+        self,
+        *,
+        engine_id: str,
+        config: KVCacheConfig,
+        connector: Connector,
+        driver: Driver[ProducerSession],
+        peer_config: Callable[[LiveRequest[ProducerSession]], KVCacheConfig],
+        pair_offer: PairOffer | None = None,
+    ) -> None:
+        self.engine_id = engine_id
+        self.config = config
+        self.connector = connector
+        self.driver = driver
+        self.peer_config = peer_config
+        self.pair_offer: PairOffer = pair_offer_by_ends(config) if pair_offer is None else pair_offer
+        driver.plan_write = self.plan_write
+
+    def clip(self, block_ids: BlockIds) -> BlockIds:
+        """The advertised form of a table: clipped through the connector seam (CLIP-1)."""
+        return self.connector.clip_block_ids(self.config, block_ids)
+
+    def hold(
+        self,
+        request_id: str,
+        *,
+        advertised: BlockIds,
+        num_tokens: int,
+        mode: TransferMode,
+        now: float,
+        lease_duration: float,
+        release_grace: float,
+        drain_timeout: float,
+        peer: str | None = None,
+        producer_block_ends: tuple[int, ...] | list[int] | None = None,
+        recomputed_tokens: int = 0,
+        state_tokens: int | None = None,
+    ) -> LiveRequest[ProducerSession]:
+        """Pin ``advertised`` (already clipped) in a new session the driver tracks (SM-1).
+
+        With integrity on, the parameters carry the digests of the blocks as
+        they are now, so the pages must be written first (INT-1).
+        """
+        session = ProducerSession.create(
+            request_id=request_id,
+            producer_engine_id=self.engine_id,
+            producer_block_ids=advertised,
+            producer_block_ends=producer_block_ends,
+            num_tokens=num_tokens,
+            mode=mode,
+            now=now,
+            lease_duration=lease_duration,
+            release_grace=release_grace,
+            drain_timeout=drain_timeout,
+            producer_block_digests=self.driver.digests(advertised),
+            recomputed_tokens=recomputed_tokens,
+            state_tokens=state_tokens,
+        )
+        return self.driver.add(LiveRequest(session=session, peer=peer))
+
+    def plan_write(self, request: LiveRequest[ProducerSession], offer: BlockOffer) -> TransferPlan:
+        """Pair the offer, keep the pairs for INT-1, and plan every byte of the WRITE (ALIGN-1, PLAN-1)."""
+        pairs = self.pair_offer(request, offer)
+        request.pairs = pairs  # what the write moves, for the Completion's digests (INT-1)
+        return self.connector.plan(producer_config=self.config, consumer_config=self.peer_config(request), pairs=pairs)
+
+
+class ConsumerEngine:
+    """The decode engine's steps for one request: arrive, allocate, clip, session, check, pair, plan, start.
+
+    ``state_profile`` is where this engine's transferred state stands (only
+    with state groups, STATE-1); ``transfer_timeout``, ``drain_timeout`` and
+    ``start_margin`` are the sessions' (SM-2).
+    """
+
+    def __init__(
+        self,
+        *,
+        engine_id: str,
+        config: KVCacheConfig,
+        mode: TransferMode,
+        connector: Connector,
+        driver: Driver[ConsumerSession],
+        state_profile: StateProfile | None = None,
+        transfer_timeout: float | None = None,
+        drain_timeout: float = DEFAULT_DRAIN_TIMEOUT,
+        start_margin: float = 0.0,
+    ) -> None:
+        self.engine_id = engine_id
+        self.config = config
+        self.mode = mode
+        self.connector = connector
+        self.driver = driver
+        self.state_profile = state_profile
+        self.transfer_timeout = transfer_timeout
+        self.drain_timeout = drain_timeout
+        self.start_margin = start_margin
+
+    def begin(
+        self,
+        params: TransferParams,
+        *,
+        prefix_hit_tokens: int,
+        peer: str | None,
+        peer_config: KVCacheConfig | None,
+        suffix: Callable[[], BlockIds],
+        consumer_block_ends: tuple[int, ...] | None,
+        now: float,
+    ) -> LiveRequest[ConsumerSession]:
+        """Play a request's steps to its start, or to FAILED with a typed reason (CLIP-1, WIN-1, PLAN-1, FAIL-1).
+
+        ``suffix`` allocates the uncached suffix (before clipping); it runs
+        only once the peer and the mode are known to be right. ``peer`` is the
+        producer's agent, ``peer_config`` its layout (``None``: no handshake).
+        """
+        refusal: KVSpecError | None = None
+        consumer_ids = BlockIds([])
+        if peer is None or peer_config is None:
+            refusal = TransportError(
+                f"no handshake with engine {params.producer_engine_id!r}", reason=FailureReason.PEER_DISCONNECTED.value
+            )
+        elif params.mode is not self.mode:
+            refusal = IncompatiblePeerError({"mode": (params.mode.value, self.mode.value)})
+        else:
+            try:
+                consumer_ids = self.connector.clip_block_ids(self.config, suffix())
+            except KVSpecError as exc:
+                refusal = exc
+        # The session sees the request before any check of its contents: a refusal is its outcome.
+        session = ConsumerSession(
+            params=params,
+            consumer_engine_id=self.engine_id,
+            consumer_block_ids=consumer_ids,
+            start_margin=self.start_margin,
+            transfer_timeout=self.transfer_timeout,
+            drain_timeout=self.drain_timeout,
+            consumer_block_ends=consumer_block_ends if refusal is None else None,
+        )
+        request = self.driver.add(LiveRequest(session=session, peer=peer))
+        if refusal is None and peer_config is not None and not session.is_prefix_hit:
+            try:
+                request.plan = self._check_pair_plan(
+                    request, prefix_hit_tokens=prefix_hit_tokens, peer_config=peer_config
+                )
+            except KVSpecError as exc:
+                refusal = exc
+        if refusal is not None:
+            self.refuse(request, refusal, now=now)
+        else:
+            self.driver.execute(request, session.start(now=now))
+        return request
+
+    def refuse(self, request: LiveRequest[ConsumerSession], error: KVSpecError, *, now: float) -> None:
+        """A step refused the request: a ``check`` fault, then FAILED with the typed reason and one release (FAIL-1)."""
+        self.driver.fault(Operation.CHECK, error, request.request_id)
+        self.driver.execute(request, request.session.fail(reason_of(error), now=now, detail=str(error)))
+
+    def _check_pair_plan(
+        self, request: LiveRequest[ConsumerSession], *, prefix_hit_tokens: int, peer_config: KVCacheConfig
+    ) -> TransferPlan:
+        session = request.session
+        params = session.params
+        # The state that moves must stand where C resumes, or nothing moves (STATE-1, STATE-4).
+        check_state_position(
+            self.config,
+            state_tokens=params.state_tokens,
+            num_tokens=params.num_tokens,
+            recomputed_tokens=params.recomputed_tokens,
+            profile=self.state_profile or StateProfile.RECOMPUTE,
+        )
+        # WIN-1 and ALIGN-1 before any byte moves; then every byte is planned (PLAN-1).
+        pairs = self.connector.pair_block_ids(
+            self.config,
+            num_tokens=params.num_tokens,
+            prefix_hit_tokens=prefix_hit_tokens,
+            producer_block_ids=params.producer_block_ids,
+            consumer_block_ids=session.consumer_block_ids,
+            # Protocol 1.1 keywords only when they say something, so a 1.0 connector still runs (VER-1).
+            **pair_keywords(
+                recomputed_tokens=params.recomputed_tokens,
+                producer_block_ends=params.producer_block_ends,
+                consumer_block_ends=session.consumer_block_ends,
+            ),
+        )
+        request.pairs = pairs  # what the transfer moves: digested and checked with INT-1 on
+        return self.connector.plan(producer_config=peer_config, consumer_config=self.config, pairs=pairs)

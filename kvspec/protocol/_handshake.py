@@ -1,0 +1,87 @@
+"""Handshake compatibility: compare two engine descriptors and report every difference (HS-1).
+
+Unlike NIXL's compatibility hash, which can only say "mismatch", the check
+names each differing field with both values, so an operator can fix the
+deployment from the error message alone. It runs once per peer, before any
+request is accepted and before the transport metadata is loaded, so a
+mismatch never surfaces mid-transfer.
+"""
+
+from __future__ import annotations
+
+from kvspec.core._deprecation import keyword_only
+from kvspec.core._errors import ConfigError, IncompatiblePeerError
+from kvspec.reference._messages import EngineDescriptor, GroupDescriptor
+
+__all__ = ["GROUP_FIELDS", "check_compatibility", "get_differences"]
+
+GROUP_FIELDS: tuple[str, ...] = (
+    "kind",
+    "block_size",
+    "sliding_window",
+    "attention_chunk_size",
+    "dtype",
+    "num_kv_heads",
+    "head_size",
+    "page_size_bytes",
+    "layer_names",
+    "state_shapes",
+    "state_dtypes",
+    "mamba_type",
+    "conv_layout",
+)
+"""Per-group fields both peers must agree on (HS-1); the last four are a state group's layout (STATE-5)."""
+
+
+def _plain(value: object) -> object:
+    # Enums travel as their wire values so the error message reads like the config.
+    return getattr(value, "value", value)
+
+
+def _group_order(groups: tuple[GroupDescriptor, ...]) -> tuple[tuple[str, ...], ...]:
+    return tuple(g.layer_names for g in groups)
+
+
+def get_differences(producer: EngineDescriptor, consumer: EngineDescriptor) -> dict[str, tuple[object, object]]:
+    """Every field the two descriptors must agree on but do not, with (producer, consumer) values (HS-1)."""
+    for role, value in (("producer", producer), ("consumer", consumer)):
+        if not isinstance(value, EngineDescriptor):
+            raise ConfigError(f"check_compatibility: expected the {role}'s EngineDescriptor, got {value!r}")
+    diffs: dict[str, tuple[object, object]] = {}
+
+    def compare(field: str, p: object, c: object) -> None:
+        if p != c:
+            diffs[field] = (_plain(p), _plain(c))
+
+    compare("protocol_version.major", producer.protocol_version[0], consumer.protocol_version[0])
+    compare("mode", producer.mode, consumer.mode)
+    compare("hma_enabled", producer.hma_enabled, consumer.hma_enabled)
+    # Heterogeneous TP (head slicing) is out of v1: equal TP sizes only.
+    compare("tp_size", producer.tp_size, consumer.tp_size)
+    compare("num_groups", len(producer.groups), len(consumer.groups))
+    # Where a transferred state stands differs between profiles; no rule converts one into the other (STATE-1).
+    compare("state_profile", producer.state_profile, consumer.state_profile)
+    p_order, c_order = _group_order(producer.groups), _group_order(consumer.groups)
+    if p_order != c_order and sorted(p_order) == sorted(c_order):
+        # Same groups, another order: block ids would land in the wrong group.
+        diffs["groups.order"] = (p_order, c_order)
+    for index, (p_group, c_group) in enumerate(zip(producer.groups, consumer.groups, strict=False)):
+        for name in GROUP_FIELDS:
+            compare(f"groups[{index}].{name}", getattr(p_group, name), getattr(c_group, name))
+    return diffs
+
+
+@keyword_only(0, "producer", "consumer")
+def check_compatibility(*, producer: EngineDescriptor, consumer: EngineDescriptor) -> None:
+    """Raise :class:`kvspec.IncompatiblePeerError` listing every difference, or return None (HS-1).
+
+    Peers must agree on the protocol major version, mode, HMA flag, TP size,
+    group count and order, and every per-group field: kind, block size
+    (block-size ratios are out of v1), window, chunk size, dtype, KV heads,
+    head size, page size and ordered layer names; for a state group also its
+    state shapes, dtypes, kind and conv layout (STATE-5), and both engines'
+    state profile (STATE-1).
+    """
+    diffs = get_differences(producer, consumer)
+    if diffs:
+        raise IncompatiblePeerError(diffs)

@@ -1,0 +1,167 @@
+"""Page digests for the optional integrity rule (INT-1): what the sender hashed, what the receiver checks.
+
+Theory of operation
+-------------------
+
+A **block digest** is BLAKE2b (16-byte digest, personalised ``kvspec-INT-1``)
+over the pages one block holds in its group: for block ``b`` of group ``g``,
+the page of ``b`` in every layer of the group, in the group's layer order,
+each ``page_size_bytes`` long, read where the engine's own layout puts it
+(:meth:`kvspec.KVCacheConfig.page_offset`). Both sides compute it over their
+own pool with their own layout, so two blocks hold the same KV exactly when
+their digests are equal, whatever the layouts. It travels as 32 lowercase hex
+characters; a null block (NULL-1) has the empty digest ``""``.
+
+The sender digests the blocks whose bytes it sends (READ: P's advertised
+blocks, in the transfer parameters; WRITE: the producer block written into
+each consumer block of the offer, in the Completion). The receiver digests the
+blocks that were written and compares before it reports LOADED (INT-1).
+
+The digest is not keyed: INT-1 catches bytes the transfer damaged, lost or
+misplaced, not a peer that lies (that is the transport's authentication).
+:mod:`hashlib`'s BLAKE2b is in every Python and in every language's standard
+crypto library, and each side reads every sent byte once (its cost:
+``benchmarks/bench_integrity.py``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from typing import Protocol, TypeAlias
+
+from kvspec.core._models import NULL_BLOCK_ID, BlockIds, KVCacheConfig
+
+__all__ = [
+    "DIGEST_HEX_LENGTH",
+    "BlockDigests",
+    "PageDigester",
+    "is_block_digest",
+]
+
+BlockDigests: TypeAlias = tuple[tuple[str, ...], ...]
+"""One hex digest per entry of a per-group block-id list; ``""`` for the null block (INT-1)."""
+
+_DIGEST_SIZE = 16
+_PERSON = b"kvspec-INT-1"
+DIGEST_HEX_LENGTH = 2 * _DIGEST_SIZE
+"""Characters in one block digest (INT-1)."""
+
+_HEX = frozenset("0123456789abcdef")
+
+
+def is_block_digest(value: object) -> bool:
+    """True for 32 lowercase hex characters: the text form of one block digest (INT-1)."""
+    return isinstance(value, str) and len(value) == DIGEST_HEX_LENGTH and _HEX.issuperset(value)
+
+
+class BlockPairsLike(Protocol):
+    """Aligned pairs: ``consumer_block_ids[g][i]`` receives ``producer_block_ids[g][i]`` (ALIGN-1)."""
+
+    @property
+    def producer_block_ids(self) -> BlockIds: ...
+
+    @property
+    def consumer_block_ids(self) -> BlockIds: ...
+
+
+Buffer: TypeAlias = memoryview | bytes | bytearray
+
+
+def _is_flat(buffer: Buffer) -> bool:
+    return not isinstance(buffer, memoryview) or (buffer.format == "B" and buffer.ndim == 1)
+
+
+def _same(sent: str, digester: PageDigester, group: int, block_id: int) -> bool:
+    return bool(sent) and digester.block_digest(group, block_id) == sent
+
+
+class PageDigester:
+    """Digests the blocks of one engine's pool: its layout (``config``) and its registered buffers (INT-1).
+
+    ``buffers`` holds one buffer per KV-cache tensor, in config order (the
+    regions the engine registered with its transport). The digester keeps
+    references to them and makes no lasting view, so a pool in shared memory
+    can still be closed while the digester exists.
+    """
+
+    def __init__(self, config: KVCacheConfig, buffers: Sequence[Buffer]) -> None:
+        self.config = config
+        self._buffers = list(buffers)
+        self._flat = all(_is_flat(b) for b in self._buffers)
+        # Per group: (tensor, base offset, block stride) per layer, in the group's layer order.
+        self._slots: list[list[tuple[int, int, int]]] = []
+        for group in config.kv_cache_groups:
+            slots = []
+            for layer in group.layer_names:
+                loc = config.locate(layer)
+                tensor = config.kv_cache_tensors[loc.tensor_index]
+                slots.append(
+                    (loc.tensor_index, tensor.offset + loc.layer_index * tensor.layer_stride, tensor.block_stride)
+                )
+            self._slots.append(slots)
+        self._pages = [g.kv_cache_spec.page_size_bytes for g in config.kv_cache_groups]
+
+    def block_digest(self, group: int, block_id: int) -> str:
+        """The digest of block ``block_id`` of group ``group``; ``""`` for the null block (INT-1)."""
+        if block_id == NULL_BLOCK_ID:
+            return ""
+        page = self._pages[group]
+        h = hashlib.blake2b(digest_size=_DIGEST_SIZE, person=_PERSON)
+        buffers = self._buffers
+        for region, base, stride in self._slots[group]:
+            start = base + block_id * stride
+            buffer = buffers[region] if self._flat else memoryview(buffers[region]).cast("B")
+            h.update(buffer[start : start + page])
+        return h.hexdigest()
+
+    def digests(self, block_ids: BlockIds) -> BlockDigests:
+        """One digest per entry of ``block_ids``, group by group (INT-1)."""
+        return tuple(tuple(self.block_digest(g, b) for b in ids) for g, ids in enumerate(block_ids))
+
+    def written_digests(self, pairs: BlockPairsLike, consumer_block_ids: BlockIds) -> BlockDigests:
+        """WRITE, on the producer: per entry of the offer, the digest of the producer block paired with it (INT-1).
+
+        ``""`` for an entry no pair writes (a null id, or one outside the pairs).
+        """
+        out = []
+        for g, ids in enumerate(consumer_block_ids):
+            source: dict[int, int] = {}
+            if g < len(pairs.consumer_block_ids):
+                source = dict(zip(pairs.consumer_block_ids[g], pairs.producer_block_ids[g], strict=True))
+            out.append(tuple(self.block_digest(g, source[c]) if c in source else "" for c in ids))
+        return tuple(out)
+
+    def check_read(
+        self, pairs: BlockPairsLike, producer_block_ids: BlockIds, producer_digests: BlockDigests
+    ) -> BlockIds:
+        """READ, on the consumer: the consumer blocks whose digest differs from the producer's (INT-1).
+
+        A paired producer block with no digest counts as differing: the
+        receiver cannot vouch for it.
+        """
+        bad: list[list[int]] = []
+        for g, (p_ids, c_ids) in enumerate(zip(pairs.producer_block_ids, pairs.consumer_block_ids, strict=True)):
+            sent: dict[int, str] = {}
+            if g < len(producer_block_ids) and g < len(producer_digests):
+                sent = dict(zip(producer_block_ids[g], producer_digests[g], strict=False))
+            bad.append([c for p, c in zip(p_ids, c_ids, strict=True) if not _same(sent.get(p, ""), self, g, c)])
+        return BlockIds(bad)
+
+    def check_written(self, consumer_block_ids: BlockIds, digests: BlockDigests) -> BlockIds:
+        """WRITE, on the consumer: the offered blocks whose digest differs from the Completion's (INT-1).
+
+        Entries with the empty digest were not written and are not checked;
+        a digest list of another shape than the offer fails every block.
+        """
+        shaped = len(digests) == len(consumer_block_ids) and all(
+            len(d) == len(ids) for d, ids in zip(digests, consumer_block_ids, strict=True)
+        )
+        if not shaped:
+            return BlockIds([[b for b in ids if b != NULL_BLOCK_ID] for ids in consumer_block_ids])
+        return BlockIds(
+            [
+                [c for c, d in zip(ids, sent, strict=True) if d and c != NULL_BLOCK_ID and self.block_digest(g, c) != d]
+                for g, (ids, sent) in enumerate(zip(consumer_block_ids, digests, strict=True))
+            ]
+        )
