@@ -317,54 +317,29 @@ def test_audit_catches_a_planted_hit_mutant(vllm: Any) -> None:
     assert longer[0].to_dict()["verdict"] == "unclassified"
 
 
-def test_cli_offload_audit_runs(vllm: Any, tmp_path: Path) -> None:
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "kvspec",
-            "vllm-audit",
-            "--offload",
-            "--requests",
-            "3",
-            "--json",
-            str(tmp_path / "a.json"),
-        ],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env=os.environ,
-        timeout=600,
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert "OFF-7" in out.stdout
+def test_cli_offload_audit_runs(vllm: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # The command line in this process, where vLLM is imported already (decision 147).
+    from kvspec.cli import main
+
+    status = main(["vllm-audit", "--offload", "--requests", "3", "--json", str(tmp_path / "a.json")])
+    out = capsys.readouterr()
+    assert status == 0, out.err[-2000:]
+    assert "OFF-7" in out.out
     assert json.loads((tmp_path / "a.json").read_text(encoding="utf-8"))["random_requests"] == 3
 
 
-def test_conform_with_vllm_offloading_has_no_error_and_only_listed_failures(vllm: Any) -> None:
+def test_conform_with_vllm_offloading_has_no_error_and_only_listed_failures(
+    vllm: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
     """The whole suite with ``--connector vllm:offloading``: no error, every failure listed (and explained)."""
+    from kvspec.cli import main
+
     listed = ROOT / "kvspec" / "integrations" / "expected" / "vllm-offloading.txt"
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "kvspec",
-            "conform",
-            "loopback",
-            "--connector",
-            "vllm:offloading",
-            "-q",
-            "--expect-fail-file",
-            str(listed),
-        ],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env=os.environ,
-        timeout=900,
-    )
-    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
-    assert " 0 failed, 0 errors" in out.stdout
+    # In this process, where vLLM is imported already (decision 147).
+    status = main(["conform", "loopback", "--connector", "vllm:offloading", "-q", "--expect-fail-file", str(listed)])
+    out = capsys.readouterr()
+    assert status == 0, out.out[-4000:] + out.err[-2000:]
+    assert " 0 failed, 0 errors" in out.out
 
 
 def test_vllm_0_33_never_touches_keys(vllm: Any) -> None:
