@@ -397,90 +397,10 @@ def rewrite_layers_test(text: str) -> str:
         edits.append((offset, offset, f'"{dotted}", '))
     text = _apply_edits(text, edits)
     if "def test_the_layers_page_lists_every_module_in_its_layer" not in text:
-        text = text.rstrip("\n") + "\n" + LAYERS_TEST_ADDITION
-        missing = [line for line in LAYERS_TEST_IMPORTS if line not in text.splitlines()]
-        # After the __future__ import; ruff sorts them into place (tidy).
-        future = "from __future__ import annotations\n"
-        if missing and future in text:
-            text = text.replace(future, future + "\n" + "\n".join(missing) + "\n", 1)
+        # The page checks and the docs hook were added by the run that made the layout (commit b37d726); the
+        # script no longer carries copies of them, which would drift from the committed files.
+        raise SystemExit(f"relayout: {LAYERS_TEST} lacks the layers-page tests of the first run; restore them from git")
     return text
-
-
-LAYERS_TEST_IMPORTS = (
-    "import importlib.util",
-    "import re",
-    "from collections.abc import Iterable",
-    "from types import ModuleType",
-)
-
-
-LAYERS_TEST_ADDITION = r'''
-
-# --------------------------------------------------------------------------- the page and the layout
-
-PAGE = ROOT / "docs" / "explanation" / "layers.md"
-# Private modules that stay at kvspec's top level: packaging reads the version there.
-TOP_LEVEL_PRIVATE = frozenset({"kvspec.__main__", "kvspec._version"})
-
-
-def _page_hook() -> ModuleType:
-    """docs/_gen/layers.py, the build hook that reads the page's table and counts each layer's lines."""
-    pytest.importorskip("mkdocs")
-    spec = importlib.util.spec_from_file_location("kvspec_docs_layers", ROOT / "docs" / "_gen" / "layers.py")
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def _expected_page() -> dict[str, list[str]]:
-    return {name: sorted(modules) for name, modules in LAYERS}
-
-
-def test_the_layers_page_lists_every_module_in_its_layer() -> None:
-    page: dict[str, list[str]] = _page_hook().page_layers(PAGE.read_text(encoding="utf-8"))
-    expected = _expected_page()
-    wrong = {
-        name: (sorted(set(page.get(name, [])) ^ set(modules)))
-        for name, modules in expected.items()
-        if sorted(page.get(name, [])) != modules
-    }
-    assert list(page) == list(expected), f"docs/explanation/layers.md lists {list(page)}, LAYERS {list(expected)}"
-    assert not wrong, f"docs/explanation/layers.md and LAYERS disagree on these layers' modules: {wrong}"
-
-
-def test_the_page_check_catches_a_module_missing_from_the_page() -> None:
-    text = PAGE.read_text(encoding="utf-8")
-    mutant = text.replace("`protocol._plan`, ", "", 1)
-    assert mutant != text
-    assert _page_hook().page_layers(mutant) != _expected_page()
-
-
-def test_the_docs_build_counts_each_layers_lines() -> None:
-    hook = _page_hook()
-    # Every count zeroed: the counts must come from the sources, not from the page.
-    text = PAGE.read_text(encoding="utf-8")
-    stale = "\n".join(re.sub(r"\| \d+ \|", "| 0 |", row) if row.startswith("| ") else row for row in text.split("\n"))
-    counted: dict[str, int] = hook.page_line_counts(hook.with_line_counts(stale, ROOT))
-    expected = {
-        name: sum(len(hook.module_file(m, ROOT).read_text(encoding="utf-8").splitlines()) for m in modules)
-        for name, modules in LAYERS
-    }
-    assert counted == expected
-
-
-def _flat_private(modules: Iterable[str]) -> list[str]:
-    return sorted(
-        m for m in modules if m.count(".") == 1 and m.split(".")[1].startswith("_") and m not in TOP_LEVEL_PRIVATE
-    )
-
-
-def test_private_modules_live_in_their_layers_package() -> None:
-    assert _flat_private(["kvspec._stray", "kvspec.cli", "kvspec.core._models"]) == ["kvspec._stray"]
-    flat = _flat_private(SOURCES)
-    assert not flat, f"move {flat} into its layer's package (docs/explanation/layers.md names them)"
-'''
 
 
 # --------------------------------------------------------------------------- docs/explanation/layers.md
@@ -582,90 +502,6 @@ def render_layers_page(text: str, layers: Sequence[tuple[str, list[str]]]) -> st
     return re.sub(r"\s+".join(map(re.escape, PAGE_CHECK_OLD.split())), PAGE_CHECK_NEW, page)
 
 
-LAYERS_HOOK_SOURCE = r'''"""MkDocs hook: each layer's line count on docs/explanation/layers.md, counted at every build.
-
-The page's table names each layer's modules below ``kvspec.``; this hook
-replaces the ``lines`` cell of each row with the sum of those modules' lines,
-so the published counts cannot drift. A module the table names that has no
-source stops the build. ``tests/test_layers.py`` checks that the table and its
-LAYERS agree.
-"""
-
-from __future__ import annotations
-
-import re
-from pathlib import Path
-from typing import Any
-
-from mkdocs.exceptions import PluginError
-
-ROOT = Path(__file__).resolve().parent.parent.parent
-PAGE = "explanation/layers.md"
-COLUMNS = ("layer", "package", "modules", "lines", "what it holds")
-TOKEN = re.compile(r"`([\w.]+)`")
-
-
-def _cells(line: str) -> list[str]:
-    return [cell.strip() for cell in line.strip().strip("|").split("|")]
-
-
-def _rows(markdown: str) -> list[tuple[int, list[str]]]:
-    """(line index, cells) of each row of the page's layer table."""
-    lines = markdown.splitlines()
-    start = next((i for i, line in enumerate(lines) if tuple(_cells(line)[:4]) == COLUMNS[:4]), None)
-    if start is None:
-        raise PluginError(f"{PAGE}: no table with the columns {' | '.join(COLUMNS)}")
-    rows = []
-    for index in range(start + 2, len(lines)):
-        if not lines[index].lstrip().startswith("|"):
-            break
-        rows.append((index, _cells(lines[index])))
-    return rows
-
-
-def module_file(module: str, root: Path = ROOT) -> Path:
-    """The source of a module (a package's ``__init__.py``)."""
-    path = root.joinpath(*module.split("."))
-    return path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
-
-
-def _modules(cell: str) -> list[str]:
-    """The modules a ``modules`` cell names below ``kvspec.`` (``kvspec`` itself as ``kvspec``), sorted."""
-    return sorted("kvspec" if t == "kvspec" else f"kvspec.{t}" for t in TOKEN.findall(cell))
-
-
-def page_layers(markdown: str) -> dict[str, list[str]]:
-    """Each layer of the page's table and its modules, full dotted names, sorted."""
-    return {cells[0]: _modules(cells[2]) for _, cells in _rows(markdown)}
-
-
-def page_line_counts(markdown: str) -> dict[str, int]:
-    """Each layer's line count as the page's table states it."""
-    return {cells[0]: int(cells[3]) for _, cells in _rows(markdown)}
-
-
-def with_line_counts(markdown: str, root: Path = ROOT) -> str:
-    """The page with every row's ``lines`` cell counted from the sources."""
-    lines = markdown.splitlines()
-    for index, cells in _rows(markdown):
-        total = 0
-        for module in _modules(cells[2]):
-            path = module_file(module, root)
-            if not path.is_file():
-                raise PluginError(f"{PAGE}: layer {cells[0]} names {module}, which has no source ({path})")
-            total += len(path.read_text(encoding="utf-8").splitlines())
-        cells[3] = str(total)
-        lines[index] = "| " + " | ".join(cells) + " |"
-    return "\n".join(lines) + ("\n" if markdown.endswith("\n") else "")
-
-
-def on_page_markdown(markdown: str, page: Any, config: Any, files: Any) -> str:
-    if page.file.src_uri != PAGE:
-        return markdown
-    return with_line_counts(markdown)
-'''
-
-
 # --------------------------------------------------------------------------- pyproject.toml, mkdocs.yml, RENAMES.md
 
 
@@ -751,8 +587,10 @@ def make_plan() -> Plan:
     page_new = render_layers_page(page_old, read_layers(test_text))
     if page_new != (ROOT / LAYERS_PAGE).read_text(encoding="utf-8"):
         plan.writes[LAYERS_PAGE] = page_new
-    if not (ROOT / LAYERS_HOOK).exists() or (ROOT / LAYERS_HOOK).read_text(encoding="utf-8") != LAYERS_HOOK_SOURCE:
-        plan.writes[LAYERS_HOOK] = LAYERS_HOOK_SOURCE
+    if not (ROOT / LAYERS_HOOK).exists():
+        raise SystemExit(
+            f"relayout: {LAYERS_HOOK} (the docs hook that counts each layer's lines) is missing; restore it"
+        )
     for path, rewrite in ((PYPROJECT, rewrite_pyproject), (MKDOCS, rewrite_mkdocs), (RENAMES, rewrite_renames)):
         _rewrite_into(plan, path, rewrite)
     return plan
