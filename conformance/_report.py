@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import json
+import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -204,12 +205,24 @@ class Report:
             lines += ["", "cases:"]
             lines += [f"  {r.outcome.value:<7} {r.level.value:<6} {r.case_id} ({r.seconds:.2f}s)" for r in self.results]
         failures = [r for r in self.results if r.is_failure]
+        lines += _start_here(self.by_rule())
+        # One failure a rule in full (the first); the rest of that rule's failures by id and first line, since
+        # one cause (a window list one block short) fails dozens of cases with the same story. --verbose: all.
+        shown: set[str] = set()
+        folded: list[CaseResult] = []
         for result in failures:
+            if result.rule in shown and not verbose:
+                folded.append(result)
+                continue
+            shown.add(result.rule)
             lines += ["", "=" * 78, f"{result.outcome.value.upper()} {result.case_id} [{result.level.value}]"]
             lines.append(f"  {result.title}")
             lines += ["", result.message.rstrip()]
             if result.reproducer:
                 lines += ["", "Reproducer (paste into python):", "", result.reproducer.rstrip()]
+        if folded:
+            lines += ["", f"{len(folded)} more failures of the rules above (--verbose prints each in full):"]
+            lines += [f"  {r.case_id}: {_clip(_first_line(r.message), 90)}" for r in folded]
         counts = self.counts()
         verdict = "PASSED" if self.passed else "FAILED (a MUST case failed)"
         expected = [r for r in self.results if r.outcome is Outcome.EXPECTED_FAILURE]
@@ -233,6 +246,48 @@ class Report:
     def print(self, stream: TextIO | None = None, *, verbose: bool = False) -> None:
         """Write :meth:`render` to ``stream`` (stdout by default)."""
         (stream or sys.stdout).write(self.render(verbose=verbose))
+
+
+def _start_here(by_rule: dict[str, list[CaseResult]]) -> list[str]:
+    """The report's lead when cases failed: the cause most failures share, and where it shows first.
+
+    One defect (a window list kept one block short) fails dozens of cases across many rules, each telling the
+    same story; the lead names that story once. Failures are grouped by the error they end in (the kvspec
+    error a case reports) or else by their first line, and rules are taken in the spec's order
+    (docs/spec/index.md), so "first seen" is the most basic rule that shows it.
+    """
+    failures = [r for results in by_rule.values() for r in results if r.is_failure]
+    if not failures:
+        return []
+    causes: dict[str, list[CaseResult]] = {}
+    for result in failures:
+        causes.setdefault(_cause(result.message), []).append(result)
+    cause, shared = max(causes.items(), key=lambda item: len(item[1]))  # ties: the first seen, by dict order
+    rules = list(dict.fromkeys(r.rule for r in shared))
+    lines = [
+        "",
+        f"Start here: {len(shared)} of {len(failures)} failures, in {len(rules)} rule(s), share one cause: {cause}.",
+        f"  First seen in {shared[0].case_id}: {_clip(_first_line(shared[0].message), 100)}",
+    ]
+    if len(rules) > 1:
+        lines.append(f"  Rules it fails: {', '.join(rules[:10])}{', ...' if len(rules) > 10 else ''}.")
+    if len(causes) > 1:
+        lines.append(f"  {len(causes) - 1} other cause(s) below; fix this one first, then rerun.")
+    return lines
+
+
+def _cause(message: str) -> str:
+    """A failure's cause for grouping: the kvspec error it names, else its first line without its numbers."""
+    error = re.search(r"\b([A-Z][A-Za-z]*Error)\b", message)
+    if error is not None:
+        reason = re.search(r"\breason ([a-z_]+)", message)
+        return error.group(1) + (f" (reason {reason.group(1)})" if reason else "")
+    return re.sub(r"\d+", "N", _first_line(message).partition(": ")[2] or _first_line(message))
+
+
+def _first_line(text: str) -> str:
+    stripped = text.strip()
+    return stripped.splitlines()[0] if stripped else "(no message)"
 
 
 def _rule_status(results: Sequence[CaseResult]) -> str:

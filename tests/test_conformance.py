@@ -15,6 +15,7 @@ import pytest
 from kvspec_conformance import (
     BackendSuite,
     CaseResult,
+    ReferenceConnector,
     Outcome,
     Report,
     all_cases,
@@ -25,7 +26,7 @@ from kvspec_conformance import (
 )
 from kvspec_conformance._cases import case, missing_capabilities
 
-from kvspec import TransferMode
+from kvspec import BlockIds, KVCacheConfig, TransferMode
 from kvspec.core._rules import RULES, Level, get_rule
 from kvspec.transport import Capabilities
 from kvspec.transport.loopback import LoopbackBackend
@@ -228,3 +229,31 @@ def test_backend_suite_marks_one_case_xfail_or_overrides_it(tmp_path: Path) -> N
     # strict: a known failure that passes again fails the run, so the stale entry is noticed.
     assert "FAILED test_sample.py::TestStaleXfail::test_clip_1_sw_tail_keeps_last_n" in out, out
     assert "2 failed, 1 passed, 1 xfailed" in out, out
+
+
+class _ClipsOneShort(ReferenceConnector):
+    """Keeps one block too few of every window list: one cause that fails many cases across many rules."""
+
+    def clip_block_ids(self, config: KVCacheConfig, block_ids: BlockIds) -> BlockIds:
+        from kvspec import get_blocks_per_sw
+
+        clipped = super().clip_block_ids(config, block_ids)
+        budgets = get_blocks_per_sw(config)
+        return BlockIds([list(ids[1:]) if budget and len(ids) >= budget else list(ids) for ids, budget in zip(clipped, budgets)])
+
+
+def test_report_leads_with_the_shared_cause_and_folds_the_rest() -> None:
+    report = run_suite("loopback", rules=["CLIP-1", "WIN-1", "PLAN-1"], connector=_ClipsOneShort())
+    failures = [r for r in report.results if r.is_failure]
+    rules = {r.rule for r in failures}
+    assert len(rules) >= 2 and len(failures) > len(rules), report.counts()
+    text = report.render()
+    start = text.index("Start here: ")
+    # The one cause of every failure here: the consumer's window list is a block short of the window.
+    lead = text[start : text.index("\n", start)]
+    assert "share one cause: WindowCoverageError" in lead, lead
+    assert start < text.index("=" * 78), "the lead comes before the first full failure"
+    # One full failure a rule; the others one line each, and all of them with --verbose.
+    assert text.count("=" * 78) == len(rules)
+    assert f"{len(failures) - len(rules)} more failures" in text
+    assert report.render(verbose=True).count("=" * 78) == len(failures)
