@@ -15,8 +15,8 @@ import pytest
 from kvspec_conformance import (
     BackendSuite,
     CaseResult,
-    ReferenceConnector,
     Outcome,
+    ReferenceConnector,
     Report,
     all_cases,
     case_test_name,
@@ -239,14 +239,16 @@ class _ClipsOneShort(ReferenceConnector):
 
         clipped = super().clip_block_ids(config, block_ids)
         budgets = get_blocks_per_sw(config)
-        return BlockIds([list(ids[1:]) if budget and len(ids) >= budget else list(ids) for ids, budget in zip(clipped, budgets)])
+        pairs = zip(clipped, budgets, strict=True)
+        return BlockIds([list(ids[1:]) if budget and len(ids) >= budget else list(ids) for ids, budget in pairs])
 
 
 def test_report_leads_with_the_shared_cause_and_folds_the_rest() -> None:
     report = run_suite("loopback", rules=["CLIP-1", "WIN-1", "PLAN-1"], connector=_ClipsOneShort())
     failures = [r for r in report.results if r.is_failure]
     rules = {r.rule for r in failures}
-    assert len(rules) >= 2 and len(failures) > len(rules), report.counts()
+    assert len(rules) >= 2, report.counts()
+    assert len(failures) > len(rules), report.counts()
     text = report.render()
     start = text.index("Start here: ")
     # The one cause of every failure here: the consumer's window list is a block short of the window.
