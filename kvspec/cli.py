@@ -11,11 +11,13 @@ from collections.abc import Callable, Sequence
 from importlib.metadata import entry_points
 from typing import Any, NoReturn, TextIO
 
+import attrs
+
 import kvspec.tools._vectors_check as _vectors_check
 from kvspec._version import __version__
 from kvspec.core._enums import TransferMode
 from kvspec.core._errors import KVSpecError
-from kvspec.core._models import BlockIds, KVCacheConfig, SlidingWindowSpec
+from kvspec.core._models import BlockIds, KVCacheConfig, MambaSpec, SlidingWindowSpec
 from kvspec.protocol._summary import PlanSummary, blocks_needed_for, summarize_plan
 from kvspec.reference._messages import PROTOCOL_VERSION
 from kvspec.reference._offload import (
@@ -164,6 +166,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         metavar="F",
         help="with --offload: GPU blocks per chunk (vLLM's blocks_per_chunk; default 1)",
+    )
+    plan.add_argument(
+        "--state-cache-mode",
+        choices=["none", "align"],
+        default=None,
+        help="how state groups (Mamba, GDN, KDA) keep their state: 'align' keeps it at block ends (prefix "
+        "caching on); default 'align' with --offload, which needs it (OFF-9), else 'none'",
     )
     plan.set_defaults(handler=_run_plan)
 
@@ -495,8 +504,32 @@ def _print_offload(model: str, summary: dict[str, Any], out: TextIO) -> None:
         )
 
 
+def _with_state_cache_mode(config: KVCacheConfig, mode: str | None) -> KVCacheConfig:
+    """``config`` with every state group's cache mode set to ``mode`` (unchanged when ``mode`` is None)."""
+    if mode is None:
+        return config
+    groups = [
+        attrs.evolve(g, kv_cache_spec=attrs.evolve(g.kv_cache_spec, cache_mode=mode))
+        if isinstance(g.kv_cache_spec, MambaSpec)
+        else g
+        for g in config.kv_cache_groups
+    ]
+    return attrs.evolve(config, kv_cache_groups=groups)
+
+
 def _run_offload_plan(args: argparse.Namespace, preset: Any, out: TextIO) -> int:
-    config = preset.build_config(num_blocks=2, block_size=args.block_size, layout=args.layout)
+    if args.state_cache_mode == "none" and any(isinstance(s, MambaSpec) for s in preset.layer_specs):
+        print(
+            f"kvspec plan: --offload with --state-cache-mode none: {preset.hf_id}'s state groups must keep their "
+            "state at block ends for a load to restore it (OFF-9); use --state-cache-mode align (the default)",
+            file=sys.stderr,
+        )
+        return 2
+    # Offload needs prefix caching, so state groups keep their state at block ends unless told otherwise (OFF-9).
+    config = _with_state_cache_mode(
+        preset.build_config(num_blocks=2, block_size=args.block_size, layout=args.layout),
+        args.state_cache_mode or "align",
+    )
     hash_block = min(g.kv_cache_spec.block_size for g in config.kv_cache_groups)
     offload = OffloadConfig(blocks_per_chunk=args.blocks_per_chunk, hash_block_size=hash_block)
     summary = offload_summary(config, num_tokens=args.tokens, offload=offload)
@@ -513,11 +546,16 @@ def _run_plan(args: argparse.Namespace, out: TextIO) -> int:
     if args.offload:
         return _run_offload_plan(args, preset, out)
     mode = TransferMode(args.mode)
-    sizing = preset.build_config(num_blocks=2, block_size=args.block_size, layout=args.layout)
+    sizing = _with_state_cache_mode(
+        preset.build_config(num_blocks=2, block_size=args.block_size, layout=args.layout), args.state_cache_mode
+    )
     # The whole config is admitted, state groups included (ADM-1; decision 167).
     check_hybrid_support(sizing, mode=mode)
-    config = preset.build_config(
-        num_blocks=blocks_needed_for(sizing, num_tokens=args.tokens), block_size=args.block_size, layout=args.layout
+    config = _with_state_cache_mode(
+        preset.build_config(
+            num_blocks=blocks_needed_for(sizing, num_tokens=args.tokens), block_size=args.block_size, layout=args.layout
+        ),
+        args.state_cache_mode,
     )
     summary = summarize_plan(config, num_tokens=args.tokens, prefix_hit_tokens=args.prefix_hit, mode=mode)
     if args.json:

@@ -51,10 +51,24 @@ def test_offload_text_table() -> None:
     assert "a full hit reads 16.8% of what the request stored" in text
 
 
-def test_offload_of_a_state_model_fails_closed(capsys: pytest.CaptureFixture[str]) -> None:
-    status, _ = run("plan", "qwen3-next-80b", "--tokens", "4096", "--offload")
+def test_offload_of_a_state_model_keeps_state_at_block_ends() -> None:
+    # Offload needs prefix caching, so state groups are in align mode by default (OFF-9): every state preset plans.
+    status, text = run("plan", "qwen3-next-80b", "--tokens", "4096", "--offload", "--json")
+    assert status == 0
+    data = json.loads(text)
+    state = [g for g in data["groups"] if g["kind"] == "mamba"]
+    assert len(state) == 3
+    # 4096 tokens on 544-token blocks: 7 complete chunks stored; a hit restores one state slot (OFF-6, OFF-9).
+    assert data["hit_tokens"] == 7 * 544
+    assert all((g["chunks_stored"], g["blocks_loaded"]) == (7, 1) for g in state)
+
+
+def test_offload_with_state_cache_mode_none_names_the_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    status, _ = run("plan", "qwen3-next-80b", "--tokens", "4096", "--offload", "--state-cache-mode", "none")
     assert status == 2
-    assert "UnsupportedHybridError: offload: group 0 (kind mamba" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "OFF-9" in err
+    assert "use --state-cache-mode align" in err
 
 
 def test_offload_f_above_one_with_mixed_block_sizes_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
