@@ -90,7 +90,7 @@ def _fresh_venv(where: Path) -> Path:
     return python
 
 
-def _install_and_check(artifact: Path, venv: Path, *, run_suite: bool = False) -> None:
+def _install_and_check(artifact: Path, venv: Path, *, run_suite: bool = False, cwd: Path | None = None) -> None:
     python = _fresh_venv(venv)
     env = {**os.environ, "PIP_NO_INDEX": "1", "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
     env.pop("PYTHONPATH", None)
@@ -112,13 +112,15 @@ def _install_and_check(artifact: Path, venv: Path, *, run_suite: bool = False) -
         env=env,
         cwd=venv,
     )
-    result = subprocess.run([str(python), "-c", CHECK], check=False, capture_output=True, text=True, env=env, cwd=venv)
+    result = subprocess.run(
+        [str(python), "-c", CHECK], check=False, capture_output=True, text=True, env=env, cwd=cwd or venv
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.startswith("ok")
     if run_suite:
         # The console script exists and the installed suite runs a rule's cases on loopback.
         command = [str(venv / "bin" / "kvspec"), "conform", "loopback", "--rule", "SW-1", "-q"]
-        result = subprocess.run(command, check=False, capture_output=True, text=True, env=env, cwd=venv)
+        result = subprocess.run(command, check=False, capture_output=True, text=True, env=env, cwd=cwd or venv)
         assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -150,7 +152,13 @@ def test_sdist_contents(dist: Path) -> None:
 
 
 def test_wheel_installs_in_a_fresh_venv(dist: Path, tmp_path: Path) -> None:
-    _install_and_check(_only(dist, "kvspec-*.whl"), tmp_path / "venv", run_suite=True)
+    # Run from a folder that holds a checkout named kvspec, as the own-connector how-to lays one out: the
+    # installed package must win over the checkout folder (an editable install loses to it: Python takes the
+    # folder for a namespace package, and `kvspec.presets` is missing).
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "kvspec").symlink_to(ROOT, target_is_directory=True)
+    _install_and_check(_only(dist, "kvspec-*.whl"), tmp_path / "venv", run_suite=True, cwd=work)
 
 
 def test_sdist_installs_in_a_fresh_venv(dist: Path, tmp_path: Path) -> None:
