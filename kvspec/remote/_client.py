@@ -51,6 +51,7 @@ from kvspec.transport._wire import (
     digest,
     digest_key,
     frame_key,
+    keep_alive,
     new_nonce,
     no_delay,
     recv_frame,
@@ -114,6 +115,7 @@ class AgentClient:
         deadline = time.monotonic() + timeout  # one deadline for the whole handshake
         try:
             no_delay(sock)
+            keep_alive(sock)  # a server host that vanishes without a FIN is noticed between calls too
             header, _ = recv_frame(sock, header_limit=PRE_AUTH_HEADER_LIMIT, payload_limit=0, deadline=deadline)
             if header.get("ok") is False:
                 raise _remote_error(header, f"agent server {host}:{port}")

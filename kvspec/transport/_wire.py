@@ -60,6 +60,7 @@ __all__ = [
     "digest_key",
     "digest_pages",
     "frame_key",
+    "keep_alive",
     "new_nonce",
     "no_delay",
     "page_table",
@@ -139,6 +140,24 @@ def send_frame(
 def no_delay(sock: socket.socket) -> None:
     """Send small frames at once (TCP_NODELAY): the channel is request-reply."""
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+KEEPALIVE_IDLE = 60  # seconds of silence before the first probe
+KEEPALIVE_INTERVAL = 10  # seconds between probes
+KEEPALIVE_PROBES = 6  # unanswered probes after which the kernel drops the connection
+
+
+def keep_alive(sock: socket.socket) -> None:
+    """TCP keepalive: a peer that vanished without FIN or RST is noticed within about two minutes."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in (
+        ("TCP_KEEPIDLE", KEEPALIVE_IDLE),
+        ("TCP_KEEPINTVL", KEEPALIVE_INTERVAL),
+        ("TCP_KEEPCNT", KEEPALIVE_PROBES),
+    ):
+        option = getattr(socket, name, None)  # Linux names; elsewhere the system's defaults stand
+        if option is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, option, value)
 
 
 def _recv_exactly(sock: socket.socket, nbytes: int, deadline: float | None = None) -> bytearray:
