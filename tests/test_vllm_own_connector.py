@@ -79,15 +79,39 @@ def test_audit_of_the_short_fork_reports_the_extra_class_and_exits_1(
     assert "FAILED vllm_forks:ShortClipConnector: unexpected deviation needed-block-not-transferred (WIN-1)" in out
 
 
-def test_module_specs_are_found_in_the_working_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("entry", ["", "cwd"])
+def test_class_paths_never_search_the_working_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, entry: str
+) -> None:
+    """A module planted in the working directory is not imported, even with ``""`` or the directory on sys.path.
+
+    Before issue 37 ``import_path`` put the working directory first on
+    sys.path (for good), so a planted ``einops.py`` ran when vLLM imported
+    einops. ``python -c`` puts ``""`` there, ``python -m`` the directory itself.
+    """
     from kvspec.integrations.vllm import import_path
 
-    (tmp_path / "kvspec_cwd_probe.py").write_text("ANSWER = 42\n", encoding="utf-8")
+    planted = tmp_path / "kvspec_cwd_probe.py"
+    planted.write_text("import sys\nsys.modules['kvspec_cwd_planted_ran'] = sys\nANSWER = 42\n", encoding="utf-8")
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
-    assert import_path("kvspec_cwd_probe:ANSWER") == 42
-    with pytest.raises(ConfigError, match="has no attribute 'NOPE'"):
-        import_path("kvspec_cwd_probe:NOPE")
+    monkeypatch.delenv("PYTHONPATH", raising=False)
+    path = [p for p in sys.path if p not in ("", str(tmp_path))]
+    monkeypatch.setattr(sys, "path", ["" if entry == "" else str(tmp_path), *path])
+    before = list(sys.path)
+    with pytest.raises(ConfigError, match=r"cannot import kvspec_cwd_probe.*working directory is not searched"):
+        import_path("kvspec_cwd_probe:ANSWER")
+    assert "kvspec_cwd_planted_ran" not in sys.modules
+    assert sys.path == before  # the user's sys.path is left as it was
+    # Named on purpose, the directory is searched.
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    monkeypatch.setattr(sys, "path", [str(tmp_path), *path])
+    try:
+        assert import_path("kvspec_cwd_probe:ANSWER") == 42
+        with pytest.raises(ConfigError, match="has no attribute 'NOPE'"):
+            import_path("kvspec_cwd_probe:NOPE")
+    finally:
+        sys.modules.pop("kvspec_cwd_probe", None)
+        sys.modules.pop("kvspec_cwd_planted_ran", None)
 
 
 def _report(*found: tuple[str, str]) -> AuditReport:

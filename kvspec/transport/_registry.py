@@ -4,14 +4,24 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import os
+import sys
 import typing
 from collections.abc import Callable, Sequence
 from importlib.metadata import entry_points
+from types import ModuleType
 
 from kvspec.core._errors import ConfigError
 from kvspec.transport._base import Backend
 
-__all__ = ["BUILTIN_BACKENDS", "ENTRY_POINT_GROUP", "is_factory_of", "load_backend", "parse_backend_options"]
+__all__ = [
+    "BUILTIN_BACKENDS",
+    "ENTRY_POINT_GROUP",
+    "import_named_module",
+    "is_factory_of",
+    "load_backend",
+    "parse_backend_options",
+]
 
 ENTRY_POINT_GROUP = "kvspec.backends"
 
@@ -24,11 +34,40 @@ BUILTIN_BACKENDS: dict[str, str] = {
 }
 
 
+def _implicit_working_directory() -> list[str]:
+    """The entries of ``sys.path`` that stand for the working directory without the user naming it.
+
+    ``""`` (``python -c``, the REPL) and the working directory itself
+    (``python -m``), unless ``PYTHONPATH`` names that directory.
+    """
+    here = os.path.realpath(os.getcwd())
+    named = {os.path.realpath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p}
+    return [p for p in sys.path if p in ("", os.curdir) or (os.path.realpath(p) == here and here not in named)]
+
+
+def import_named_module(module_name: str) -> ModuleType:
+    """Import the module of a ``module:name`` path the user gave, with the working directory off ``sys.path``.
+
+    A file that happens to sit in the working directory (a planted
+    ``einops.py``) is never imported in place of the module a package
+    imports. The user's own module is found as any other: installed, or in a
+    directory ``PYTHONPATH`` names (``PYTHONPATH=. kvspec ...`` names the
+    working directory on purpose).
+    """
+    implicit = _implicit_working_directory()
+    saved = list(sys.path)
+    sys.path[:] = [p for p in sys.path if p not in implicit]
+    try:
+        return importlib.import_module(module_name)
+    finally:
+        sys.path[:] = saved + [p for p in sys.path if p not in saved]  # what the import added (.pth) stays
+
+
 def _resolve(path: str) -> Callable[..., Backend]:
     module_name, _, attr = path.partition(":")
     if not module_name or not attr:
         raise ConfigError(f"backend: expected a built-in name or 'module:factory', got {path!r}")
-    module = importlib.import_module(module_name)
+    module = import_named_module(module_name)
     try:
         factory: Callable[..., Backend] = getattr(module, attr)
     except AttributeError:
