@@ -144,6 +144,7 @@ def test_a_silent_client_is_dropped_and_its_pools_freed() -> None:
     with _server(idle_timeout=0.5) as (server, log, _):
         client = AgentClient(*server.address, TOKEN, timeout=5.0)
         RemotePool(client, CONFIG)
+        client._closing.set()  # the client's host is gone: nothing more comes from it, not even its hello
         session = server._session
         assert session is not None
         (held,) = session.pools.values()
@@ -162,6 +163,15 @@ def test_a_silent_client_is_dropped_and_its_pools_freed() -> None:
         with AgentClient(*server.address, TOKEN, timeout=5.0) as again:
             assert again.backend_name == "loopback"
         client._sock.close()
+
+
+def test_a_client_with_nothing_to_ask_stays_connected() -> None:
+    """The client says hello a third of idle_timeout after its last call: only a vanished client is dropped."""
+    with _server(idle_timeout=0.3) as (server, log, _), AgentClient(*server.address, TOKEN, timeout=5.0) as client:
+        session = server._session
+        time.sleep(0.8)
+        assert server._session is session, log
+        assert client.call("hello")[0]["idle_timeout"] == 0.3
 
 
 # --------------------------------------------------------------------------- finding 6: posts, pre-auth slots

@@ -378,9 +378,10 @@ def _split_path(path: str, what: str) -> tuple[str, str]:
 def import_path(path: str, what: str = "vLLM connector") -> Any:
     """The object ``MODULE:NAME`` names, importing MODULE for the CPU first; one clear error if it cannot (ADM-1).
 
-    The working directory is not searched (nor ``""``): a file planted there
-    must not stand in for a module vLLM imports. MODULE is found installed or
-    in a directory ``PYTHONPATH`` names
+    kvspec puts no working directory on ``sys.path`` (and leaves ``""`` out
+    while importing): a file planted there must not stand in for a module vLLM
+    imports. MODULE is found installed or in a directory named on purpose,
+    ``PYTHONPATH=.`` for the working directory
     (:func:`kvspec.transport._registry.import_named_module`).
     """
     module, name = _split_path(path, what)
@@ -389,7 +390,7 @@ def import_path(path: str, what: str = "vLLM connector") -> Any:
         imported = import_named_module(module)
     except ImportError as exc:
         missing = isinstance(exc, ModuleNotFoundError) and exc.name == module.partition(".")[0]
-        hint = " (the working directory is not searched: give its directory in PYTHONPATH)" if missing else ""
+        hint = " (the working directory is not searched unless named: PYTHONPATH=.)" if missing else ""
         raise ConfigError(f"{what} {path}: cannot import {module}: {exc}{hint}") from exc
     try:
         return getattr(imported, name)

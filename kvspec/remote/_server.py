@@ -577,7 +577,9 @@ class AgentServer:
     # -- requests: (header, payload) -> (reply header, reply payload)
 
     def _hello(self, session: _Session, header: _Header, payload: bytes) -> _Reply:
-        return {"backend": self._backend.name, "capabilities": capabilities_to_json(self._backend)}, b""
+        # idle_timeout: the client says hello when it has nothing else to say for a third of it
+        caps = capabilities_to_json(self._backend)
+        return {"backend": self._backend.name, "capabilities": caps, "idle_timeout": self._idle_timeout}, b""
 
     def _pool_create(self, session: _Session, header: _Header, payload: bytes) -> _Reply:
         """A pool for ``config``; its regions and its bookkeeping (``PAGE_COST`` a page) count against --max-pool."""

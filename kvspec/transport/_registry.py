@@ -34,29 +34,23 @@ BUILTIN_BACKENDS: dict[str, str] = {
 }
 
 
-def _implicit_working_directory() -> list[str]:
-    """The entries of ``sys.path`` that stand for the working directory without the user naming it.
-
-    ``""`` (``python -c``, the REPL) and the working directory itself
-    (``python -m``), unless ``PYTHONPATH`` names that directory.
-    """
-    here = os.path.realpath(os.getcwd())
-    named = {os.path.realpath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p}
-    return [p for p in sys.path if p in ("", os.curdir) or (os.path.realpath(p) == here and here not in named)]
+_IMPLICIT = ("", os.curdir)  # "the working directory, wherever it is": python -c, the REPL
 
 
 def import_named_module(module_name: str) -> ModuleType:
-    """Import the module of a ``module:name`` path the user gave, with the working directory off ``sys.path``.
+    """Import the module of a ``module:name`` path the user gave, never from an implicit working directory.
 
-    A file that happens to sit in the working directory (a planted
-    ``einops.py``) is never imported in place of the module a package
-    imports. The user's own module is found as any other: installed, or in a
-    directory ``PYTHONPATH`` names (``PYTHONPATH=. kvspec ...`` names the
-    working directory on purpose).
+    kvspec adds nothing to ``sys.path``, and ``""`` (put there by ``python -c``
+    or the REPL) is left out while the module and what it imports load, so a
+    file that happens to sit in the working directory (a planted ``einops.py``)
+    never stands in for a module a package imports. The user's own module is
+    found as any other: installed, or in a directory named on purpose
+    (``PYTHONPATH=.`` names the working directory, as an absolute path).
+    ``python -m`` puts the working directory itself first (Python's rule;
+    ``python -P`` does not): the ``kvspec`` console script does not.
     """
-    implicit = _implicit_working_directory()
     saved = list(sys.path)
-    sys.path[:] = [p for p in sys.path if p not in implicit]
+    sys.path[:] = [p for p in sys.path if p not in _IMPLICIT]
     try:
         return importlib.import_module(module_name)
     finally:
