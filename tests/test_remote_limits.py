@@ -115,7 +115,7 @@ def test_overlapping_pages_are_charged_for_their_hashing() -> None:
 def test_stop_does_not_wait_for_a_digest(counting: type[_CountingBlake2b]) -> None:
     with _server() as (server, _, thread), AgentClient(*server.address, TOKEN, timeout=30.0) as client:
         pool = RemotePool(client, make_config(full(4), num_blocks=64))  # 128 pages
-        counting.delay = 0.02  # 2.5 s for the pages
+        counting.delay = 0.03  # 3.8 s for the pages
         answer: list[object] = []
 
         def snapshot() -> None:
@@ -131,7 +131,7 @@ def test_stop_does_not_wait_for_a_digest(counting: type[_CountingBlake2b]) -> No
         server.stop()
         thread.join(timeout=5)
         assert not thread.is_alive()
-        assert time.monotonic() - started < 1.0, "stop() waited for the digest"
+        assert time.monotonic() - started < 1.5, "stop() waited for the digest"
         caller.join(timeout=5)
         assert len(answer) == 1
         assert isinstance(answer[0], Exception), answer

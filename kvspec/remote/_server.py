@@ -148,6 +148,7 @@ class _Session:
     agents: dict[int, _Agent] = attrs.Factory(dict)
     next_id: int = 1
     last_request: float = attrs.Factory(time.monotonic)
+    posted: int = 0  # bytes its agents' unreleased posts count against max_posted
 
     def new_id(self) -> int:
         self.next_id += 1
@@ -299,7 +300,6 @@ class AgentServer:
         self.address: tuple[str, int] = self._listener.getsockname()[:2]
         self._lock = threading.Lock()  # guards _session, _pending and _closed across handshake threads
         self._pending: dict[socket.socket, str] = {}  # socket -> source host, oldest first
-        self._evicted_host = ""
         self._wake_r, self._wake_w = socket.socketpair()  # a handshake thread wakes the loop with a new session
         self._session: _Session | None = None
         self._stopping = False
@@ -388,7 +388,7 @@ class AgentServer:
             keep_alive(sock)  # the client's connection: a host that vanishes without a FIN is noticed
         host, peer = str(address[0]), f"{address[0]}:{address[1]}"
         wait = self._guesses.refused_for(host, time.monotonic())
-        evicted: socket.socket | None = None
+        evicted: tuple[socket.socket, str] | None = None
         with self._lock:
             if wait > 0:
                 why: AgentRefusedError | None = AgentRefusedError(
@@ -401,9 +401,9 @@ class AgentServer:
                 if why is None:
                     self._pending[sock] = host
         if evicted is not None:
-            self._log(f"evicted the oldest silent handshake from {self._evicted_host}: its slot went to {peer}")
+            self._log(f"evicted the oldest silent handshake from {evicted[1]}: its slot went to {peer}")
             with contextlib.suppress(OSError):  # its handshake thread sees the socket shut, logs and closes it
-                evicted.shutdown(socket.SHUT_RDWR)
+                evicted[0].shutdown(socket.SHUT_RDWR)
         if why is not None:
             self._log(f"refused {peer}: {why}")
             _refuse(sock, why)
@@ -412,8 +412,8 @@ class AgentServer:
             target=self._handshake, args=(sock, host, peer), name=f"kvspec-auth-{peer}", daemon=True
         ).start()
 
-    def _evict(self, host: str) -> tuple[socket.socket | None, AgentRefusedError | None]:
-        """Make room for a handshake from ``host`` (the lock held): the pending socket to shut, or why not.
+    def _evict(self, host: str) -> tuple[tuple[socket.socket, str] | None, AgentRefusedError | None]:
+        """Make room for a handshake from ``host`` (the lock held): the pending socket to shut and its host, or why not.
 
         Within the limits nothing is evicted. Past ``max_pending_per_host``
         the oldest silent handshake of ``host`` itself gives way; past
@@ -433,9 +433,8 @@ class AgentServer:
             return None, None
         for candidate, pending_host in self._pending.items():  # oldest first
             if pending_host == victim_host and _silent(candidate):
-                del self._pending[candidate]
-                self._evicted_host = victim_host
-                return candidate, None
+                del self._pending[candidate]  # its thread, finding it gone, never makes it the session
+                return (candidate, victim_host), None
         if victim_host == host:
             return None, AgentRefusedError(
                 f"{self._max_pending_per_host} handshakes from {host} in progress; retry later"
@@ -449,7 +448,9 @@ class AgentServer:
             session = self._authenticate(sock, host, peer)
         finally:
             with self._lock:
-                self._pending.pop(sock, None)
+                evicted = self._pending.pop(sock, None) is None
+                if evicted:
+                    session = None  # its slot went to a newer connection as it answered: it lost the race
                 taken = session is not None and (self._session is not None or self._closed or self._stopping)
                 if session is not None and not taken:
                     self._session = session
@@ -778,7 +779,7 @@ class AgentServer:
         if count > MAX_DESCRIPTORS:
             raise AgentRefusedError(f"agent.post payload: expected at most {MAX_DESCRIPTORS} descriptors, got {count}")
         charge = POST_COST + DESCRIPTOR_COST * count + (0 if notification is None else len(notification))
-        held = sum(sum(held.charges.values()) for held in session.agents.values())
+        held = session.posted
         if held + charge > self._max_posted:
             raise AgentRefusedError(
                 f"agent.post: expected at most {self._max_posted - held} more bytes of unreleased posts "
@@ -815,6 +816,7 @@ class AgentServer:
         handle_id = session.new_id()
         agent.handles[handle_id] = handle
         agent.charges[handle_id] = charge
+        session.posted += charge
         return {"handle": handle_id}, b""
 
     def _agent_check(self, session: _Session, header: _Header, payload: bytes) -> _Reply:
@@ -828,7 +830,7 @@ class AgentServer:
         agent = self._agent(session, header)
         handle_id, handle = self._handle(agent, header)
         del agent.handles[handle_id]
-        agent.charges.pop(handle_id, None)
+        session.posted -= agent.charges.pop(handle_id, 0)
         agent.transport.release(handle)
         return {}, b""
 
@@ -845,6 +847,7 @@ class AgentServer:
     def _agent_close(self, session: _Session, header: _Header, payload: bytes) -> _Reply:
         agent = self._agent(session, header, killed_ok=True)
         del session.agents[header["agent"]]
+        session.posted -= sum(agent.charges.values())
         agent.transport.close()
         return {}, b""
 
