@@ -344,7 +344,7 @@ class AgentServer:
                         self._end_session()
                 session = self._session
                 if session is not None and time.monotonic() - session.last_request > self._idle_timeout:
-                    self._log(f"dropping {session.peer}: no request for {self._idle_timeout:g} s (idle_timeout)")
+                    self._log(f"dropping {session.peer}: no request for {self._idle_timeout:g} s (--idle-timeout)")
                     self._end_session()
                     session = None
                 if serving is not None and (session is None or session.sock is not serving):
