@@ -599,6 +599,21 @@ def _add_agent_parser(sub: Any) -> None:
         help="most bytes of pool memory one client may hold at once (default 1 GiB)",
     )
     serve.add_argument(
+        "--max-posted",
+        type=_positive_int,
+        default=256 << 20,
+        metavar="BYTES",
+        help="most bytes one client's unreleased posts may hold: 40 a descriptor, 4096 a post, plus the "
+        "notification (default 256 MiB)",
+    )
+    serve.add_argument(
+        "--idle-timeout",
+        type=_positive_int,
+        default=600,
+        metavar="SECONDS",
+        help="drop a client that sends no request for this long and free what it held (default 600)",
+    )
+    serve.add_argument(
         "--option",
         action="append",
         default=[],

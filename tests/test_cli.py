@@ -281,7 +281,7 @@ def test_bad_input_is_one_line_and_a_non_zero_exit(
     one.mkdir(parents=True)
     shutil.copy(VECTORS / "SW-1" / "get_blocks_per_sw" / "w32_b16.json", one)
     argv = [a.format(tmp=tmp_path, file=tmp_path / "a-file", port=busy_port) for a in BAD_INPUTS[name]]
-    monkeypatch.setenv("KVSPEC_AGENT_TOKEN", "0123456789abcdef-token")
+    monkeypatch.setenv("KVSPEC_AGENT_TOKEN", "3f9a1c07e5b2d864")
     if name == "conform-bad-time-scale-env":
         monkeypatch.setenv("KVSPEC_CONFORM_TIME_SCALE", "abc")
     monkeypatch.setattr(sys, "stdin", io.StringIO(STDIN.get(name, "")))

@@ -115,3 +115,39 @@ def test_the_command_line_says_the_run_stopped(few_vectors: Path, capsys: pytest
     assert err == [
         "kvspec vectors check: stopped: 1 vectors in a row timed out (--max-timeouts 1); stopped after 1 of 4"
     ]
+
+
+# --------------------------------------------------------------------------- issue 37: the vector files themselves
+
+
+@pytest.mark.parametrize(("kind", "named"), [("zero", "a character device"), ("fifo", "a FIFO")])
+def test_vector_files_are_regular_files_only(
+    few_vectors: Path, tmp_path: Path, kind: str, named: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A link to /dev/zero was read without end (1 GiB and on), a FIFO hung the run: both refused by name."""
+    folder = tmp_path / "vectors"
+    shutil.copytree(few_vectors, folder)
+    odd = folder / "SW-1" / "get_blocks_per_sw" / "odd.json"
+    if kind == "zero":
+        odd.symlink_to("/dev/zero")
+    else:
+        os.mkfifo(odd)
+    argv = ["vectors", "check", str(folder), "--command", _command("die")]
+    status = _within(5.0, lambda: main(argv, out=io.StringIO()))
+    err = capsys.readouterr().err
+    assert status == 2, err
+    assert f"odd.json: expected a regular file, got {named}" in err
+    assert len(err.splitlines()) == 1, err
+
+
+def test_vector_files_are_read_up_to_a_bound(tmp_path: Path) -> None:
+    from kvspec.core._errors import ConfigError
+    from kvspec.tools._vectors_check import MAX_VECTOR_BYTES, read_vector_file
+
+    big = tmp_path / "big.json"
+    big.write_bytes(b" " * 200)
+    assert read_vector_file(big, limit=200) == " " * 200
+    with pytest.raises(ConfigError, match=r"big\.json: expected at most 100 bytes, got 200"):
+        read_vector_file(big, limit=100)
+    largest = max(path.stat().st_size for path in (ROOT / "vectors").glob("*/*/*.json"))
+    assert largest * 100 < MAX_VECTOR_BYTES  # the bound leaves room for far larger vectors

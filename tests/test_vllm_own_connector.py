@@ -79,15 +79,40 @@ def test_audit_of_the_short_fork_reports_the_extra_class_and_exits_1(
     assert "FAILED vllm_forks:ShortClipConnector: unexpected deviation needed-block-not-transferred (WIN-1)" in out
 
 
-def test_module_specs_are_found_in_the_working_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("entry", [None, ""])
+def test_class_paths_never_search_an_implicit_working_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, entry: str | None
+) -> None:
+    """A module planted in the working directory is not imported, whether or not ``""`` is on sys.path.
+
+    Before issue 37 ``import_path`` put the working directory first on
+    sys.path (for good) when neither it nor ``""`` was there (the console
+    script), so a planted ``einops.py`` ran when vLLM imported einops.
+    ``python -c`` and the REPL put ``""`` there: left out while importing.
+    """
     from kvspec.integrations.vllm import import_path
 
-    (tmp_path / "kvspec_cwd_probe.py").write_text("ANSWER = 42\n", encoding="utf-8")
+    planted = tmp_path / "kvspec_cwd_probe.py"
+    planted.write_text("import sys\nsys.modules['kvspec_cwd_planted_ran'] = sys\nANSWER = 42\n", encoding="utf-8")
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
-    assert import_path("kvspec_cwd_probe:ANSWER") == 42
-    with pytest.raises(ConfigError, match="has no attribute 'NOPE'"):
-        import_path("kvspec_cwd_probe:NOPE")
+    path = [p for p in sys.path if p not in ("", str(tmp_path))]
+    monkeypatch.setattr(sys, "path", path if entry is None else [entry, *path])
+    before = list(sys.path)
+    with pytest.raises(
+        ConfigError, match=r"cannot import kvspec_cwd_probe.*not searched unless named: PYTHONPATH=\.\)"
+    ):
+        import_path("kvspec_cwd_probe:ANSWER")
+    assert "kvspec_cwd_planted_ran" not in sys.modules
+    assert sys.path == before  # nothing added, nothing lost
+    # Named on purpose (PYTHONPATH=. puts the absolute path there), the directory is searched.
+    monkeypatch.setattr(sys, "path", [str(tmp_path), *path])
+    try:
+        assert import_path("kvspec_cwd_probe:ANSWER") == 42
+        with pytest.raises(ConfigError, match="has no attribute 'NOPE'"):
+            import_path("kvspec_cwd_probe:NOPE")
+    finally:
+        sys.modules.pop("kvspec_cwd_probe", None)
+        sys.modules.pop("kvspec_cwd_planted_ran", None)
 
 
 def _report(*found: tuple[str, str]) -> AuditReport:

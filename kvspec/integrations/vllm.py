@@ -16,7 +16,6 @@ import importlib
 import importlib.metadata
 import logging
 import os
-import sys
 import types
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -53,6 +52,7 @@ from kvspec.protocol._handshake import check_compatibility
 from kvspec.protocol._plan import BlockPairsLike, TransferPlan, plan_transfer
 from kvspec.reference._offload import BlockIdGroups, LoadSet, OffloadConfig, StoreSet, get_chunk_sizes
 from kvspec.reference._reference import BlockPairs
+from kvspec.transport._registry import import_named_module
 
 __all__ = [
     "CONNECTORS",
@@ -378,17 +378,20 @@ def _split_path(path: str, what: str) -> tuple[str, str]:
 def import_path(path: str, what: str = "vLLM connector") -> Any:
     """The object ``MODULE:NAME`` names, importing MODULE for the CPU first; one clear error if it cannot (ADM-1).
 
-    The working directory is searched as ``python -m`` does, so a console
-    script finds the module of the repository it runs in.
+    kvspec puts no working directory on ``sys.path`` (and leaves ``""`` out
+    while importing): a file planted there must not stand in for a module vLLM
+    imports. MODULE is found installed or in a directory named on purpose,
+    ``PYTHONPATH=.`` for the working directory
+    (:func:`kvspec.transport._registry.import_named_module`).
     """
     module, name = _split_path(path, what)
-    if os.getcwd() not in sys.path and "" not in sys.path:
-        sys.path.insert(0, os.getcwd())
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     try:
-        imported = importlib.import_module(module)
+        imported = import_named_module(module)
     except ImportError as exc:
-        raise ConfigError(f"{what} {path}: cannot import {module}: {exc}") from exc
+        missing = isinstance(exc, ModuleNotFoundError) and exc.name == module.partition(".")[0]
+        hint = " (the working directory is not searched unless named: PYTHONPATH=.)" if missing else ""
+        raise ConfigError(f"{what} {path}: cannot import {module}: {exc}{hint}") from exc
     try:
         return getattr(imported, name)
     except AttributeError:

@@ -51,6 +51,7 @@ from kvspec.transport._wire import (
     digest,
     digest_key,
     frame_key,
+    keep_alive,
     new_nonce,
     no_delay,
     recv_frame,
@@ -104,6 +105,8 @@ class AgentClient:
         self._broken: str | None = None
         self._pools: list[RemotePool] = []
         self._timeout = timeout
+        self._closing = threading.Event()
+        self._last_call = time.monotonic()
         try:
             sock = socket.create_connection((host, port), timeout=timeout)
         except OSError as exc:
@@ -114,6 +117,7 @@ class AgentClient:
         deadline = time.monotonic() + timeout  # one deadline for the whole handshake
         try:
             no_delay(sock)
+            keep_alive(sock)  # a server host that vanishes without a FIN is noticed between calls too
             header, _ = recv_frame(sock, header_limit=PRE_AUTH_HEADER_LIMIT, payload_limit=0, deadline=deadline)
             if header.get("ok") is False:
                 raise _remote_error(header, f"agent server {host}:{port}")
@@ -144,6 +148,16 @@ class AgentClient:
         hello, _ = self.call("hello")
         self.backend_name = _reply_field(hello, "backend", str, "hello")
         self.capabilities = _capabilities(_reply_field(hello, "capabilities", dict, "hello"))
+        idle = hello.get("idle_timeout")  # absent from servers before issue 37
+        if isinstance(idle, (int, float)) and not isinstance(idle, bool) and idle > 0:
+            threading.Thread(target=self._keep_session, args=(idle / 3,), name="kvspec-agent-ping", daemon=True).start()
+
+    def _keep_session(self, every: float) -> None:
+        """Say ``hello`` when no call went out for ``every`` seconds: the server drops only a client that is gone."""
+        while not self._closing.wait(every / 2) and self._broken is None:
+            if time.monotonic() - self._last_call >= every:
+                with contextlib.suppress(KVSpecError):
+                    self.call("hello")
 
     def call(self, op: str, payload: bytes | memoryview = b"", **fields: Any) -> tuple[dict[str, Any], bytes]:
         """One request and its reply; the server's kvspec error is raised here as the same class."""
@@ -160,10 +174,12 @@ class AgentClient:
                     mac=self._mac,
                 )
             except (OSError, WireError, AgentAuthError) as exc:
+                self._closing.set()
                 self._broken = f"agent server {self.address[0]}:{self.address[1]}: connection lost during {op} ({exc})"
                 with contextlib.suppress(OSError):
                     self._sock.close()
                 raise TransportError(self._broken, reason=FailureReason.PEER_DISCONNECTED) from None
+            self._last_call = time.monotonic()
         if reply.get("ok") is not True:
             raise _remote_error(reply, f"agent server {op}")
         return reply, body
@@ -180,6 +196,7 @@ class AgentClient:
 
     def close(self) -> None:
         """Say goodbye and close the connection; the server then frees everything this client held."""
+        self._closing.set()
         if self._broken is None:
             with contextlib.suppress(KVSpecError):
                 self.call("bye")

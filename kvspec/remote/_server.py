@@ -4,17 +4,25 @@ Theory of operation. One :class:`AgentServer` listens on one TCP address and
 serves one authenticated client at a time (a second connection is told it is
 busy and closed). Handshakes run in threads of their own, at most
 ``max_pending`` at once and ``max_pending_per_host`` from one address, each
-under one deadline for the whole handshake, so a silent or byte-dribbling
-connection holds neither the accept loop nor the real client, and SIGTERM
-wakes the loop at once. A source whose handshakes keep failing is refused for
-a while (online guessing, :class:`_Guesses`). For that client it owns:
+under one deadline for the whole handshake. A connection that finds the slots
+full takes the slot of the oldest handshake that has sent nothing yet, of its
+own address when that address holds its share, else of the address holding
+the most (:meth:`AgentServer._evict`): the real client answers its challenge
+at once, so silent or byte-dribbling connections, even from the client's own
+address, hold neither the accept loop nor the real client, and SIGTERM wakes
+the loop at once. A source whose handshakes keep failing is refused for a
+while (online guessing, :class:`_Guesses`). The client's connection has TCP
+keepalive, and a client silent for ``idle_timeout`` seconds is dropped, so
+one that vanished without a FIN frees what it held. For that client it owns:
 
 * pools (:class:`kvspec.testing.PagePool` in shared memory, so the backend's
   worker processes attach them), bounded together by ``max_pool`` bytes, and
   filled with the oracle's keyed pattern by :mod:`kvspec.testing`'s own fill
   functions, so the bytes are exactly those a local run writes;
 * agents of the backend it was started with, each registered with one pool;
-* the handles those agents posted.
+* the handles those agents posted and did not release yet, ``POST_COST``
+  bytes each plus their descriptors and notification, bounded together by
+  ``max_posted`` bytes.
 
 Every request names a pool, an agent or a handle by the id the server gave
 it; a name it did not give this client, a descriptor outside the agent's
@@ -22,7 +30,10 @@ pool or a read outside a region is refused. A field of the wrong type is a
 :class:`kvspec.MalformedMessageError` naming it. Every allocation a request
 causes is bounded before it is made: pools with their bookkeeping
 (``PAGE_COST`` bytes a page) by ``max_pool``, the rest by the per-request
-limits below. A killed agent (``agent.kill``, through its worker's process
+limits below. Page digests hash each distinct page extent once, and a pool
+whose distinct pages hold more bytes than its tensors (overlapping pages) is
+charged for them, so a digest's work is bounded by the bytes charged; it
+stops at SIGTERM. A killed agent (``agent.kill``, through its worker's process
 object, never a bare pid) answers nothing but ``agent.close``. When the client goes away,
 everything it owned is closed; SIGTERM closes the agents, frees the pools and
 stops the backend's workers before the process exits.
@@ -31,7 +42,9 @@ stops the backend's workers before the process exits.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import hmac
+import select
 import selectors
 import signal
 import socket
@@ -39,6 +52,7 @@ import sys
 import threading
 import time
 import traceback
+from array import array
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -54,6 +68,7 @@ from kvspec.tools._vectors import decode_config
 from kvspec.transport import Backend, TransferHandle, Transport, load_backend
 from kvspec.transport._registry import parse_backend_options
 from kvspec.transport._wire import (
+    DIGEST_SIZE,
     HEADER_LIMIT,
     PRE_AUTH_HEADER_LIMIT,
     AgentAuthError,
@@ -62,10 +77,9 @@ from kvspec.transport._wire import (
     WireError,
     check_token,
     client_mac,
-    digest,
     digest_key,
-    digest_pages,
     frame_key,
+    keep_alive,
     new_nonce,
     no_delay,
     page_table,
@@ -80,12 +94,15 @@ MAX_AGENTS = 8  # per client: the suite uses one at a time
 PAGE_COST = 320  # bytes of bookkeeping a pool's page costs (page table entry, digests), charged to --max-pool
 MAX_DESCRIPTORS = 1 << 20  # per agent.post
 MAX_NAME = 256  # characters of an agent's or a peer's name
+POST_COST = 4096  # bytes an unreleased post is charged beyond its descriptors and notification (its handle)
+DESCRIPTOR_COST = 40  # bytes an unreleased post is charged a descriptor (its five int64 columns)
 _Header = dict[str, Any]
 _Reply = tuple[dict[str, Any], bytes]
 _READ_LIMIT = 64 << 20  # one explanatory read
 _NOTE_LIMIT = 1 << 20
 _PAYLOAD_LIMIT = 64 << 20  # a request payload: descriptors, metadata or a notification
 _GUESS_HOSTS = 4096  # sources whose failed handshakes are remembered (oldest forgotten first)
+_DIGEST_CHUNK = 16 << 20  # a region is hashed in pieces this large, SIGTERM looked at between them
 
 
 def capabilities_to_json(transport: Transport | Backend) -> dict[str, Any]:
@@ -99,9 +116,17 @@ def capabilities_to_json(transport: Transport | Backend) -> dict[str, Any]:
 @attrs.define(eq=False)
 class _Pool:
     pool: PagePool
-    table: list[tuple[int, int, int]]
-    charge: int  # bytes counted against --max-pool: the regions and PAGE_COST a page
+    extents: list[tuple[int, int, int]]  # the distinct (tensor, offset, size) of the page table, in order
+    index: array[int]  # page -> its extent: aliasing pages (layers sharing a tensor) are hashed once
+    charge: int  # bytes counted against --max-pool: the regions (or the distinct pages, if more), PAGE_COST a page
     snapshot: bytes | None = None
+
+
+def _distinct_pages(table: list[tuple[int, int, int]]) -> tuple[list[tuple[int, int, int]], array[int]]:
+    """The distinct extents of ``table`` in first-seen order, and each page's index into them."""
+    position: dict[tuple[int, int, int], int] = {}
+    index = array("I", (position.setdefault(page, len(position)) for page in table))
+    return list(position), index
 
 
 @attrs.define(eq=False)
@@ -109,6 +134,7 @@ class _Agent:
     transport: Transport
     pool: int | None = None
     handles: dict[int, TransferHandle] = attrs.Factory(dict)
+    charges: dict[int, int] = attrs.Factory(dict)  # handle -> bytes it counts against max_posted
     killed: bool = False
 
 
@@ -121,6 +147,8 @@ class _Session:
     pools: dict[int, _Pool] = attrs.Factory(dict)
     agents: dict[int, _Agent] = attrs.Factory(dict)
     next_id: int = 1
+    last_request: float = attrs.Factory(time.monotonic)
+    posted: int = 0  # bytes its agents' unreleased posts count against max_posted
 
     def new_id(self) -> int:
         self.next_id += 1
@@ -205,13 +233,17 @@ class AgentServer:
 
     ``token`` is the shared secret (:func:`kvspec.remote.read_token`'s checks);
     ``max_pool`` bounds the bytes of all pools one client holds at once, their
-    bookkeeping included; ``options`` are the backend factory's keyword options
+    bookkeeping included; ``max_posted`` the bytes its unreleased posts hold
+    (``POST_COST`` a post, ``DESCRIPTOR_COST`` a descriptor, and the
+    notification); ``options`` are the backend factory's keyword options
     (:func:`kvspec.transport.load_backend`). ``auth_timeout`` bounds a whole
     handshake, ``max_pending`` the handshakes in progress at once
-    (``max_pending_per_host`` from one source address); after
-    ``auth_failures`` failed handshakes within ``auth_window`` seconds a source
-    host is refused for a while. A port in use or an address that cannot be
-    bound is a :class:`kvspec.ConfigError` naming it.
+    (``max_pending_per_host`` from one source address; a newcomer past them
+    takes the slot of the oldest silent one); after ``auth_failures`` failed
+    handshakes within ``auth_window`` seconds a source host is refused for a
+    while. A client that sends no request for ``idle_timeout`` seconds is
+    dropped and everything it held is freed. A port in use or an address that
+    cannot be bound is a :class:`kvspec.ConfigError` naming it.
     """
 
     def __init__(
@@ -222,9 +254,11 @@ class AgentServer:
         port: int,
         token: bytes,
         max_pool: int = 1 << 30,
+        max_posted: int = 256 << 20,
         options: dict[str, object] | None = None,
         auth_timeout: float = 10.0,
         request_timeout: float = 60.0,
+        idle_timeout: float = 600.0,
         max_pending: int = 16,
         max_pending_per_host: int = 4,
         auth_failures: int = 5,
@@ -234,14 +268,20 @@ class AgentServer:
         check_token(token, "AgentServer.token")
         if max_pool <= 0:
             raise ConfigError(f"AgentServer.max_pool: expected a positive number of bytes, got {max_pool}")
+        if max_posted <= 0:
+            raise ConfigError(f"AgentServer.max_posted: expected a positive number of bytes, got {max_posted}")
+        if not idle_timeout > 0:
+            raise ConfigError(f"AgentServer.idle_timeout: expected a positive number of seconds, got {idle_timeout}")
         if max_pending <= 0 or auth_failures <= 0:
             raise ConfigError(
                 f"AgentServer: expected positive max_pending and auth_failures, got {max_pending}, {auth_failures}"
             )
         self._token = token
         self._max_pool = max_pool
+        self._max_posted = max_posted
         self._auth_timeout = auth_timeout
         self._request_timeout = request_timeout
+        self._idle_timeout = idle_timeout
         self._max_pending = max_pending
         self._max_pending_per_host = max_pending_per_host
         self._guesses = _Guesses(auth_failures, auth_window)
@@ -259,7 +299,7 @@ class AgentServer:
             raise
         self.address: tuple[str, int] = self._listener.getsockname()[:2]
         self._lock = threading.Lock()  # guards _session, _pending and _closed across handshake threads
-        self._pending: dict[socket.socket, str] = {}  # socket -> source host
+        self._pending: dict[socket.socket, str] = {}  # socket -> source host, oldest first
         self._wake_r, self._wake_w = socket.socketpair()  # a handshake thread wakes the loop with a new session
         self._session: _Session | None = None
         self._stopping = False
@@ -271,8 +311,16 @@ class AgentServer:
         return self._backend
 
     def stop(self) -> None:
-        """Ask :meth:`serve_forever` to return (safe from a signal handler); it wakes the loop at once."""
+        """Ask :meth:`serve_forever` to return (safe from a signal handler); it wakes the loop at once.
+
+        A request being read ends at once (the client's socket is shut for
+        reading); one being answered stops at its next page (digests).
+        """
         self._stopping = True
+        session = self._session
+        if session is not None:
+            with contextlib.suppress(OSError):
+                session.sock.shutdown(socket.SHUT_RD)
         with contextlib.suppress(OSError):
             self._wake_w.send(b"!")
 
@@ -295,6 +343,10 @@ class AgentServer:
                     elif self._session is not None and not self._serve_one(self._session):
                         self._end_session()
                 session = self._session
+                if session is not None and time.monotonic() - session.last_request > self._idle_timeout:
+                    self._log(f"dropping {session.peer}: no request for {self._idle_timeout:g} s (--idle-timeout)")
+                    self._end_session()
+                    session = None
                 if serving is not None and (session is None or session.sock is not serving):
                     selector.unregister(serving)
                     serving = None
@@ -332,8 +384,11 @@ class AgentServer:
         except OSError as exc:  # e.g. out of file descriptors: the loop goes on
             self._log(f"accept failed: {exc}")
             return
+        with contextlib.suppress(OSError):
+            keep_alive(sock)  # the client's connection: a host that vanishes without a FIN is noticed
         host, peer = str(address[0]), f"{address[0]}:{address[1]}"
         wait = self._guesses.refused_for(host, time.monotonic())
+        evicted: tuple[socket.socket, str] | None = None
         with self._lock:
             if wait > 0:
                 why: AgentRefusedError | None = AgentRefusedError(
@@ -341,13 +396,14 @@ class AgentServer:
                 )
             elif self._session is not None:
                 why = AgentRefusedError("another client is connected; one client at a time")
-            elif len(self._pending) >= self._max_pending:
-                why = AgentRefusedError(f"{self._max_pending} handshakes already in progress; retry later")
-            elif sum(1 for h in self._pending.values() if h == host) >= self._max_pending_per_host:
-                why = AgentRefusedError(f"{self._max_pending_per_host} handshakes from {host} in progress; retry later")
             else:
-                why = None
-                self._pending[sock] = host
+                evicted, why = self._evict(host)
+                if why is None:
+                    self._pending[sock] = host
+        if evicted is not None:
+            self._log(f"evicted the oldest silent handshake from {evicted[1]}: its slot went to {peer}")
+            with contextlib.suppress(OSError):  # its handshake thread sees the socket shut, logs and closes it
+                evicted[0].shutdown(socket.SHUT_RDWR)
         if why is not None:
             self._log(f"refused {peer}: {why}")
             _refuse(sock, why)
@@ -356,6 +412,35 @@ class AgentServer:
             target=self._handshake, args=(sock, host, peer), name=f"kvspec-auth-{peer}", daemon=True
         ).start()
 
+    def _evict(self, host: str) -> tuple[tuple[socket.socket, str] | None, AgentRefusedError | None]:
+        """Make room for a handshake from ``host`` (the lock held): the pending socket to shut and its host, or why not.
+
+        Within the limits nothing is evicted. Past ``max_pending_per_host``
+        the oldest silent handshake of ``host`` itself gives way; past
+        ``max_pending`` the oldest silent one of the address holding the most
+        slots. Silent: nothing waiting to be read on it (a client answers its
+        challenge at once; bytes a slow frame already gave count for nothing).
+        So one source can take only its own slots, however many it opens.
+        """
+        counts: dict[str, int] = {}
+        for pending_host in self._pending.values():
+            counts[pending_host] = counts.get(pending_host, 0) + 1
+        if counts.get(host, 0) >= self._max_pending_per_host:
+            victim_host = host
+        elif len(self._pending) >= self._max_pending:
+            victim_host = max(counts, key=lambda h: counts[h])  # first reached on a tie: the oldest
+        else:
+            return None, None
+        for candidate, pending_host in self._pending.items():  # oldest first
+            if pending_host == victim_host and _silent(candidate):
+                del self._pending[candidate]  # its thread, finding it gone, never makes it the session
+                return (candidate, victim_host), None
+        if victim_host == host:
+            return None, AgentRefusedError(
+                f"{self._max_pending_per_host} handshakes from {host} in progress; retry later"
+            )
+        return None, AgentRefusedError(f"{self._max_pending} handshakes already in progress; retry later")
+
     def _handshake(self, sock: socket.socket, host: str, peer: str) -> None:
         """A handshake thread: authenticate, then hand the session to the loop (or refuse: busy, stopping)."""
         session = None
@@ -363,7 +448,9 @@ class AgentServer:
             session = self._authenticate(sock, host, peer)
         finally:
             with self._lock:
-                self._pending.pop(sock, None)
+                evicted = self._pending.pop(sock, None) is None
+                if evicted:
+                    session = None  # its slot went to a newer connection as it answered: it lost the race
                 taken = session is not None and (self._session is not None or self._closed or self._stopping)
                 if session is not None and not taken:
                     self._session = session
@@ -423,6 +510,7 @@ class AgentServer:
             if not isinstance(exc, ConnectionError):
                 self._log(f"dropping {session.peer}: {exc}")
             return False
+        session.last_request = time.monotonic()
         op = header.get("op")
         handler = _HANDLERS.get(op) if isinstance(op, str) else None
         reply_payload: bytes | memoryview = b""
@@ -490,7 +578,9 @@ class AgentServer:
     # -- requests: (header, payload) -> (reply header, reply payload)
 
     def _hello(self, session: _Session, header: _Header, payload: bytes) -> _Reply:
-        return {"backend": self._backend.name, "capabilities": capabilities_to_json(self._backend)}, b""
+        # idle_timeout: the client says hello when it has nothing else to say for a third of it
+        caps = capabilities_to_json(self._backend)
+        return {"backend": self._backend.name, "capabilities": caps, "idle_timeout": self._idle_timeout}, b""
 
     def _pool_create(self, session: _Session, header: _Header, payload: bytes) -> _Reply:
         """A pool for ``config``; its regions and its bookkeeping (``PAGE_COST`` a page) count against --max-pool."""
@@ -511,9 +601,22 @@ class AgentServer:
                 f"{self._max_pool}, {held} held), got {charge} ({pages} pages at {PAGE_COST} bytes of bookkeeping "
                 "each, plus the tensors)"
             )
+        extents, index = _distinct_pages(page_table(config))
+        # Layers sharing a tensor alias whole pages (hashed once); pages that overlap only in part are each hashed,
+        # so their bytes are charged where they exceed the regions': a digest never hashes more than was charged.
+        hashed = sum(size for _, _, size in extents)
+        tensors = sum(tensor.size for tensor in config.kv_cache_tensors)
+        if hashed > tensors:
+            charge += hashed - tensors
+            if held + charge > self._max_pool:
+                raise AgentRefusedError(
+                    f"pool.create config: expected at most {self._max_pool - held} more bytes (--max-pool "
+                    f"{self._max_pool}, {held} held), got {charge}: its pages overlap, and hashing them takes "
+                    f"{hashed} bytes against {tensors} bytes of tensors"
+                )
         pool_id = session.new_id()
         pool = allocate_pool(config, prefix="kvspec_agent")
-        session.pools[pool_id] = _Pool(pool=pool, table=page_table(config), charge=charge)
+        session.pools[pool_id] = _Pool(pool=pool, extents=extents, index=index, charge=charge)
         return {"pool": pool_id, "sizes": [t.size for t in config.kv_cache_tensors]}, b""
 
     def _pool_destroy(self, session: _Session, header: _Header, payload: bytes) -> _Reply:
@@ -559,24 +662,44 @@ class AgentServer:
         )
         return {}, b""
 
+    def _digest(self, key: bytes, data: memoryview) -> bytes:
+        """``digest(key, data)`` (keyed BLAKE2b), hashed in pieces so SIGTERM is not held by a large region."""
+        hasher = hashlib.blake2b(digest_size=DIGEST_SIZE, key=key)
+        for start in range(0, len(data), _DIGEST_CHUNK):
+            self._check_stopping()
+            hasher.update(data[start : start + _DIGEST_CHUNK])
+        return hasher.digest()
+
+    def _check_stopping(self) -> None:
+        if self._stopping:
+            raise AgentRefusedError("the agent server is stopping (SIGTERM)")
+
+    def _page_digests(self, session: _Session, pool: _Pool) -> bytes:
+        """Every page's digest in page-table order (``digest_pages``), each distinct extent hashed once."""
+        buffers = [region.buffer for region in pool.pool.regions]
+        hashed = []
+        for tensor, offset, size in pool.extents:
+            self._check_stopping()
+            hashed.append(self._digest(session.key, buffers[tensor][offset : offset + size]))
+        return b"".join(map(hashed.__getitem__, pool.index))
+
     def _pool_digests(self, session: _Session, header: _Header, payload: bytes) -> _Reply:
         pool = self._pool(session, header)
-        buffers = [region.buffer for region in pool.pool.regions]
-        regions = [digest(session.key, buffer).hex() for buffer in buffers]
-        pages = digest_pages(session.key, pool.table, buffers) if header.get("pages") else b""
+        regions = [self._digest(session.key, region.buffer).hex() for region in pool.pool.regions]
+        pages = self._page_digests(session, pool) if header.get("pages") else b""
         return {"regions": regions}, pages
 
     def _pool_snapshot(self, session: _Session, header: _Header, payload: bytes) -> _Reply:
         pool = self._pool(session, header)
-        pool.snapshot = digest_pages(session.key, pool.table, [region.buffer for region in pool.pool.regions])
-        return {"pages": len(pool.table)}, b""
+        pool.snapshot = self._page_digests(session, pool)
+        return {"pages": len(pool.index)}, b""
 
     def _pool_compare(self, session: _Session, header: _Header, payload: bytes) -> _Reply:
         pool = self._pool(session, header)
         if pool.snapshot is None:
             raise AgentRefusedError(f"pool.compare: pool {header['pool']} has no snapshot (pool.snapshot first)")
-        now = digest_pages(session.key, pool.table, [region.buffer for region in pool.pool.regions])
-        size = len(now) // max(1, len(pool.table))
+        now = self._page_digests(session, pool)
+        size = len(now) // max(1, len(pool.index))
         old = pool.snapshot
         starts = range(0, len(now), size)
         changed = [i for i, at in enumerate(starts) if now[at : at + size] != old[at : at + size]]
@@ -655,6 +778,14 @@ class AgentServer:
         count = len(payload) // 40
         if count > MAX_DESCRIPTORS:
             raise AgentRefusedError(f"agent.post payload: expected at most {MAX_DESCRIPTORS} descriptors, got {count}")
+        charge = POST_COST + DESCRIPTOR_COST * count + (0 if notification is None else len(notification))
+        held = session.posted
+        if held + charge > self._max_posted:
+            raise AgentRefusedError(
+                f"agent.post: expected at most {self._max_posted - held} more bytes of unreleased posts "
+                f"(--max-posted {self._max_posted}, {held} held), got {charge} ({count} descriptors at "
+                f"{DESCRIPTOR_COST} bytes, {POST_COST} a post, plus the notification); release finished posts"
+            )
         # Views, not lists: the columns are packed one at a time, nothing sized by a descriptor's values.
         columns = [memoryview(payload)[i * 8 * count : (i + 1) * 8 * count].cast("q") for i in range(5)]
         if count and (min(columns[2]) < 0 or min(columns[3]) < 0):
@@ -684,6 +815,8 @@ class AgentServer:
         handle = agent.transport.post(mode, descriptors, peer=peer, notification=notification)
         handle_id = session.new_id()
         agent.handles[handle_id] = handle
+        agent.charges[handle_id] = charge
+        session.posted += charge
         return {"handle": handle_id}, b""
 
     def _agent_check(self, session: _Session, header: _Header, payload: bytes) -> _Reply:
@@ -697,6 +830,7 @@ class AgentServer:
         agent = self._agent(session, header)
         handle_id, handle = self._handle(agent, header)
         del agent.handles[handle_id]
+        session.posted -= agent.charges.pop(handle_id, 0)
         agent.transport.release(handle)
         return {}, b""
 
@@ -713,6 +847,7 @@ class AgentServer:
     def _agent_close(self, session: _Session, header: _Header, payload: bytes) -> _Reply:
         agent = self._agent(session, header, killed_ok=True)
         del session.agents[header["agent"]]
+        session.posted -= sum(agent.charges.values())
         agent.transport.close()
         return {}, b""
 
@@ -737,6 +872,16 @@ class AgentServer:
 
     def _bye(self, session: _Session, header: _Header, payload: bytes) -> _Reply:
         return {}, b""
+
+
+def _silent(sock: socket.socket) -> bool:
+    """Whether nothing waits to be read on ``sock``, asked without waiting (its own timeout would make recv wait)."""
+    poller = select.poll()
+    try:
+        poller.register(sock, select.POLLIN)
+    except (OSError, ValueError):  # closed meanwhile by its handshake thread: its slot is being given back
+        return False
+    return not poller.poll(0)
 
 
 def _seed(header: dict[str, Any], name: str) -> int | str:
@@ -800,6 +945,8 @@ def serve_command(args: Any, out: Any) -> int:
         port=port,
         token=token,
         max_pool=args.max_pool,
+        max_posted=args.max_posted,
+        idle_timeout=args.idle_timeout,
         options=parse_backend_options(args.option),
     )
     signal.signal(signal.SIGINT, lambda signum, frame: server.stop())

@@ -21,6 +21,7 @@ import os
 import re
 import selectors
 import shlex
+import stat
 import subprocess
 import sys
 import time
@@ -36,11 +37,13 @@ from kvspec.tools._vectors import Json, answer_schema, answer_vector, same_json,
 
 __all__ = [
     "MAX_ANSWER_BYTES",
+    "MAX_VECTOR_BYTES",
     "CheckReport",
     "Outcome",
     "add_arguments",
     "check_vectors",
     "load_vectors",
+    "read_vector_file",
     "render_report",
     "run",
     "validate_json",
@@ -125,6 +128,40 @@ def validate_json(
 # --------------------------------------------------------------------------- loading
 
 
+MAX_VECTOR_BYTES = 16 << 20
+"""Most bytes one vector file may hold (the committed ones hold at most a few tens of KiB)."""
+
+
+def read_vector_file(path: Path, limit: int = MAX_VECTOR_BYTES) -> str:
+    """The text of a regular file of at most ``limit`` bytes; :class:`ConfigError` naming it otherwise.
+
+    A FIFO, a device (a link to ``/dev/zero``), a socket or a directory is
+    refused by its kind without being read: it is opened non-blocking (a FIFO
+    with no writer would wait for one) and checked on the opened descriptor,
+    so a file swapped in between the two is caught too.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError as exc:
+        raise ConfigError(f"vectors check: {path}: cannot open it ({exc.strerror})") from None
+    with os.fdopen(fd, "rb") as handle:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise ConfigError(f"vectors check: {path}: expected a regular file, got {_file_kind(info.st_mode)}")
+        if info.st_size > limit:
+            raise ConfigError(f"vectors check: {path}: expected at most {limit} bytes, got {info.st_size}")
+        data = handle.read(limit + 1)  # a file that grows meanwhile is still bounded
+    if len(data) > limit:
+        raise ConfigError(f"vectors check: {path}: expected at most {limit} bytes, got more")
+    return data.decode("utf-8")
+
+
+def _file_kind(mode: int) -> str:
+    kinds = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+             (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))  # fmt: skip
+    return next((name for test, name in kinds if test(mode)), f"file mode {oct(mode)}")
+
+
 def load_vectors(
     directory: str | Path, *, rule: str | None = None, function: str | None = None
 ) -> list[tuple[Path, dict[str, Json]]]:
@@ -135,7 +172,10 @@ def load_vectors(
     schema = vector_schema()
     found = []
     for path in sorted(folder.glob("*/*/*.json")):
-        vector = json.loads(path.read_text(encoding="utf-8"))
+        try:
+            vector = json.loads(read_vector_file(path))
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+            raise ConfigError(f"vectors check: {path} is not a JSON vector ({type(exc).__name__})") from None
         problems = validate_json(schema, vector)
         if problems:
             raise ConfigError(f"vectors check: {path} is not a valid vector: {'; '.join(problems[:3])}")

@@ -4,14 +4,24 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import os
+import sys
 import typing
 from collections.abc import Callable, Sequence
 from importlib.metadata import entry_points
+from types import ModuleType
 
 from kvspec.core._errors import ConfigError
 from kvspec.transport._base import Backend
 
-__all__ = ["BUILTIN_BACKENDS", "ENTRY_POINT_GROUP", "is_factory_of", "load_backend", "parse_backend_options"]
+__all__ = [
+    "BUILTIN_BACKENDS",
+    "ENTRY_POINT_GROUP",
+    "import_named_module",
+    "is_factory_of",
+    "load_backend",
+    "parse_backend_options",
+]
 
 ENTRY_POINT_GROUP = "kvspec.backends"
 
@@ -24,11 +34,34 @@ BUILTIN_BACKENDS: dict[str, str] = {
 }
 
 
+_IMPLICIT = ("", os.curdir)  # "the working directory, wherever it is": python -c, the REPL
+
+
+def import_named_module(module_name: str) -> ModuleType:
+    """Import the module of a ``module:name`` path the user gave, never from an implicit working directory.
+
+    kvspec adds nothing to ``sys.path``, and ``""`` (put there by ``python -c``
+    or the REPL) is left out while the module and what it imports load, so a
+    file that happens to sit in the working directory (a planted ``einops.py``)
+    never stands in for a module a package imports. The user's own module is
+    found as any other: installed, or in a directory named on purpose
+    (``PYTHONPATH=.`` names the working directory, as an absolute path).
+    ``python -m`` puts the working directory itself first (Python's rule;
+    ``python -P`` does not): the ``kvspec`` console script does not.
+    """
+    saved = list(sys.path)
+    sys.path[:] = [p for p in sys.path if p not in _IMPLICIT]
+    try:
+        return importlib.import_module(module_name)
+    finally:
+        sys.path[:] = saved + [p for p in sys.path if p not in saved]  # what the import added (.pth) stays
+
+
 def _resolve(path: str) -> Callable[..., Backend]:
     module_name, _, attr = path.partition(":")
     if not module_name or not attr:
         raise ConfigError(f"backend: expected a built-in name or 'module:factory', got {path!r}")
-    module = importlib.import_module(module_name)
+    module = import_named_module(module_name)
     try:
         factory: Callable[..., Backend] = getattr(module, attr)
     except AttributeError:

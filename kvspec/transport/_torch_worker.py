@@ -47,7 +47,6 @@ import contextlib
 import datetime
 import functools
 import hmac
-import importlib
 import itertools
 import json
 import mmap
@@ -1120,8 +1119,10 @@ def _resolve_group_factory(spec: str) -> Callable[..., Any]:
     """``"gloo"``, or ``"module:function"`` taking ``(store, rank, world_size, timeout)``."""
     if spec == "gloo":
         return ProcessGroupGloo
+    from kvspec.transport._registry import import_named_module  # the working directory stays off sys.path
+
     module_name, _, attr = spec.partition(":")
-    factory: Callable[..., Any] = getattr(importlib.import_module(module_name), attr)
+    factory: Callable[..., Any] = getattr(import_named_module(module_name), attr)
     return factory
 
 

@@ -60,6 +60,7 @@ __all__ = [
     "digest_key",
     "digest_pages",
     "frame_key",
+    "keep_alive",
     "new_nonce",
     "no_delay",
     "page_table",
@@ -69,6 +70,7 @@ __all__ = [
     "send_frame",
     "server_mac",
     "token_bits",
+    "token_pieces",
 ]
 
 MAGIC = b"KVA2"  # 2: frames after the handshake carry a tag
@@ -81,7 +83,7 @@ DIGEST_SIZE = 16
 _COALESCE = 1 << 16
 MAX_DEPTH = 32  # nesting of a header's arrays and objects; the protocol's deepest is 4
 MAX_NUMBER_CHARS = 40  # characters of one JSON number; an int64 has at most 20
-MIN_TOKEN_BITS = 64  # Shannon estimate over the token's characters
+MIN_TOKEN_BITS = 40  # token_bits: pieces x log2(alphabet); 16 random hex digits give 64 at most
 TOKEN_HOWTO = "make one with: python -c 'import secrets; print(secrets.token_hex(32))' > FILE"
 
 
@@ -139,6 +141,24 @@ def send_frame(
 def no_delay(sock: socket.socket) -> None:
     """Send small frames at once (TCP_NODELAY): the channel is request-reply."""
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+KEEPALIVE_IDLE = 60  # seconds of silence before the first probe
+KEEPALIVE_INTERVAL = 10  # seconds between probes
+KEEPALIVE_PROBES = 6  # unanswered probes after which the kernel drops the connection
+
+
+def keep_alive(sock: socket.socket) -> None:
+    """TCP keepalive: a peer that vanished without FIN or RST is noticed within about two minutes."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in (
+        ("TCP_KEEPIDLE", KEEPALIVE_IDLE),
+        ("TCP_KEEPINTVL", KEEPALIVE_INTERVAL),
+        ("TCP_KEEPCNT", KEEPALIVE_PROBES),
+    ):
+        option = getattr(socket, name, None)  # Linux names; elsewhere the system's defaults stand
+        if option is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, option, value)
 
 
 def _recv_exactly(sock: socket.socket, nbytes: int, deadline: float | None = None) -> bytearray:
@@ -257,24 +277,108 @@ def frame_key(token: bytes, server_nonce: bytes, client_nonce: bytes) -> bytes:
 
 
 def token_bits(token: bytes) -> float:
-    """A Shannon estimate of the token's entropy in bits: its length times the entropy of its byte frequencies.
+    """An estimate of the token's entropy in bits: its pieces (:func:`token_pieces`) times log2 of its alphabet.
 
-    It overestimates a structured token (``abcdefgh...``) but catches the
-    usual mistakes: a short, repeated or single-character secret.
+    The alphabet is 16 for hex digits (10 for digits alone), else the sum of
+    the classes present: 10 digits, 26 lowercase, 26 uppercase, 33 other
+    printable ASCII, 128 other bytes. It cannot prove a token random; it
+    refuses the usual mistakes: short, repeated, sequential or wordy secrets.
     """
-    counts = [token.count(byte) for byte in set(token)]
-    return max(0.0, -sum(c * math.log2(c / len(token)) for c in counts))
+    return token_pieces(token) * math.log2(_alphabet(token)) if token else 0.0
+
+
+_HEX = frozenset(b"0123456789abcdefABCDEF")
+_CLASSES = (
+    (frozenset(b"0123456789"), 10),
+    (frozenset(b"abcdefghijklmnopqrstuvwxyz"), 26),
+    (frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZ"), 26),
+    (frozenset(range(0x21, 0x7F)) - frozenset(b"0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"), 33),
+)
+_COMMON_WORDS = (  # lowercase; found case-insensitively anywhere in a token
+    b"password", b"passwd", b"changeme", b"change", b"secret", b"token", b"letmein", b"welcome", b"default",
+    b"example", b"admin", b"login", b"test", b"kvspec", b"agent", b"hello",
+)  # fmt: skip
+_KEYBOARD_ROWS = (b"qwertyuiop", b"asdfghjkl", b"zxcvbnm", b"poiuytrewq", b"lkjhgfdsa", b"mnbvcxz")
+_PATTERN = 4  # shortest run, sequence or repeat that counts as a pattern
+
+
+def _word_starts() -> dict[bytes, tuple[bytes, ...]]:
+    """Common words and keyboard walks (4+ keys along a row) by their first 4 characters."""
+    words = [*_COMMON_WORDS]
+    for row in _KEYBOARD_ROWS:
+        words += [row[at:end] for at in range(len(row)) for end in range(at + _PATTERN, len(row) + 1)]
+    starts: dict[bytes, tuple[bytes, ...]] = {}
+    for word in words:
+        starts[word[:_PATTERN]] = (*starts.get(word[:_PATTERN], ()), word)
+    return starts
+
+
+_WORD_STARTS = _word_starts()
+
+
+def _alphabet(token: bytes) -> int:
+    present = set(token)
+    if present <= _HEX:
+        return 10 if present <= _CLASSES[0][0] else 16
+    size = sum(count for members, count in _CLASSES if present & members)
+    return size + (128 if any(byte not in range(0x21, 0x7F) for byte in present) else 0)
+
+
+def _pattern_at(token: bytes, lowered: bytes, i: int) -> int:
+    """The length of the longest run, +-1 sequence, repeat of earlier text or common word starting at ``i``."""
+    n, best = len(token), 0
+    step = token[i + 1] - token[i]
+    if step in (-1, 0, 1):  # aaaa, abcd, dcba
+        j = i + 1
+        while j + 1 < n and token[j + 1] - token[j] == step:
+            j += 1
+        best = j + 1 - i
+    head = token[i : i + _PATTERN]
+    at = token.find(head, 0, i + _PATTERN - 1)  # an earlier start (overlap allowed)
+    while 0 <= at < i:
+        length = _PATTERN
+        while i + length < n and token[at + length] == token[i + length]:
+            length += 1
+        best = max(best, length)
+        at = token.find(head, at + 1, i + _PATTERN - 1)
+    for word in _WORD_STARTS.get(lowered[i : i + _PATTERN], ()):
+        if len(word) > best and lowered.startswith(word, i):
+            best = len(word)
+    return best
+
+
+def token_pieces(token: bytes) -> int:
+    """The token's length with each pattern of 4+ characters (:func:`_pattern_at`) counted as 2 characters."""
+    lowered, pieces, i = token.lower(), 0, 0
+    while i < len(token):
+        length = _pattern_at(token, lowered, i) if i + _PATTERN <= len(token) else 0
+        pieces, i = (pieces + 2, i + length) if length >= _PATTERN else (pieces + 1, i + 1)
+    return pieces
 
 
 def check_token(token: bytes, source: str) -> bytes:
-    """``token`` when it is at least 16 bytes and carries at least ``MIN_TOKEN_BITS``; else :class:`AgentAuthError`."""
+    """``token`` when it passes the three rules below; else :class:`AgentAuthError` naming the rule it fails.
+
+    At least 16 bytes (characters); at least half of them left when each run
+    (``aaaa``), sequence (``abcd``, ``4321``), repeat of earlier text or common
+    word (``password``, ``changeme``...), of 4+ characters, counts as 2
+    (:func:`token_pieces`); and at least ``MIN_TOKEN_BITS`` by
+    :func:`token_bits`. ``secrets.token_hex(8)`` (16 hex digits) and longer,
+    or ``secrets.token_urlsafe(12)`` and longer, pass.
+    """
     if len(token) < 16:
         raise AgentAuthError(f"agent token ({source}): expected at least 16 bytes, got {len(token)}; {TOKEN_HOWTO}")
+    pieces = token_pieces(token)
+    if 2 * pieces < len(token):
+        raise AgentAuthError(
+            f"agent token ({source}): expected a random token, got one mostly made of runs, sequences, repeats "
+            f"or common words ({pieces} pieces in {len(token)} characters, at least half expected); {TOKEN_HOWTO}"
+        )
     bits = token_bits(token)
     if bits < MIN_TOKEN_BITS:
         raise AgentAuthError(
-            f"agent token ({source}): expected at least {MIN_TOKEN_BITS} bits of entropy, got about {bits:.0f} "
-            f"(too few distinct characters); {TOKEN_HOWTO}"
+            f"agent token ({source}): expected at least {MIN_TOKEN_BITS} bits of entropy (pieces x log2 of its "
+            f"alphabet), got about {bits:.0f}; {TOKEN_HOWTO}"
         )
     return token
 
