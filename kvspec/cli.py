@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import os
 import sys
@@ -176,6 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("producer", "tp", "TP size of the producer (prefill) engine"),
         ("consumer", "tp", "TP size of the consumer (decode) engine"),
         ("producer", "pp", "PP stages of the producer engine, each holding a band of layers (PAR-7)"),
+        ("consumer", "dcp", "DCP size of the consumer engine: its ranks hold interleaved tokens (PAR-8)"),
     ):
         plan.add_argument(
             f"--{side}-{flag}",
@@ -184,6 +186,13 @@ def build_parser() -> argparse.ArgumentParser:
             metavar="N",
             help=f"{what}; any of these flags prints the plan per consumer rank (PAR-1 .. PAR-7)",
         )
+    plan.add_argument(
+        "--dcp-interleave",
+        type=_positive_int,
+        default=1,
+        metavar="I",
+        help="with --consumer-dcp: tokens dealt to each DCP rank in turn (default 1)",
+    )
     plan.add_argument(
         "--page-order",
         choices=[o.value for o in PageOrder if o is not PageOrder.OPAQUE],
@@ -536,11 +545,12 @@ def _run_offload_plan(args: argparse.Namespace, preset: Any, out: TextIO) -> int
 def parallel_plan_to_dict(model: str, summary: ParallelPlanSummary) -> dict[str, Any]:
     """The JSON shape of ``kvspec plan --producer-tp P --consumer-tp D --json``: per consumer rank, its reads."""
     ranks = []
-    for consumer_rank in range(summary.consumer_tp):
-        reads = [r for r in summary.reads if r.consumer_rank == consumer_rank]
+    for consumer_rank, dcp_rank in itertools.product(range(summary.consumer_tp), range(summary.consumer_dcp)):
+        reads = [r for r in summary.reads if (r.consumer_rank, r.consumer_dcp_rank) == (consumer_rank, dcp_rank)]
         ranks.append(
             {
                 "rank": consumer_rank,
+                "dcp_rank": dcp_rank,
                 "bytes": sum(r.nbytes for r in reads),
                 "descriptors": sum(r.descriptors for r in reads),
                 "notifies": list(summary.notified_ranks(consumer_rank)),
@@ -557,6 +567,7 @@ def parallel_plan_to_dict(model: str, summary: ParallelPlanSummary) -> dict[str,
                         "descriptors": r.descriptors,
                         "copies_per_page": [
                             {
+                                "producer_page": c.producer_page,
                                 "producer_offset": c.producer_offset,
                                 "consumer_offset": c.consumer_offset,
                                 "nbytes": c.nbytes,
@@ -578,7 +589,7 @@ def parallel_plan_to_dict(model: str, summary: ParallelPlanSummary) -> dict[str,
             "pp": summary.producer_pp,
             "completion_counts": [summary.completion_count(p) for p in range(summary.producer_tp)],
         },
-        "consumer": {"tp": summary.consumer_tp},
+        "consumer": {"tp": summary.consumer_tp, "dcp": summary.consumer_dcp, "dcp_interleave": summary.dcp_interleave},
         "consumer_ranks": ranks,
         "total_bytes": sum(r.nbytes for r in summary.reads),
     }
@@ -588,13 +599,15 @@ def _print_parallel(model: str, summary: ParallelPlanSummary, out: TextIO) -> No
     base = summary.base
     print(
         f"{model}: {base.num_tokens} tokens, prefix hit {base.prefix_hit_tokens}, mode {base.mode.value}; "
-        f"producer TP{summary.producer_tp} PP{summary.producer_pp} -> consumer TP{summary.consumer_tp}",
+        f"producer TP{summary.producer_tp} PP{summary.producer_pp} -> consumer TP{summary.consumer_tp}"
+        + (f" DCP{summary.consumer_dcp} (interleave {summary.dcp_interleave})" if summary.consumer_dcp > 1 else ""),
         file=out,
     )
-    for consumer_rank in range(summary.consumer_tp):
-        reads = [r for r in summary.reads if r.consumer_rank == consumer_rank]
+    for consumer_rank, dcp_rank in itertools.product(range(summary.consumer_tp), range(summary.consumer_dcp)):
+        reads = [r for r in summary.reads if (r.consumer_rank, r.consumer_dcp_rank) == (consumer_rank, dcp_rank)]
+        dcp = f" (DCP rank {dcp_rank})" if summary.consumer_dcp > 1 else ""
         print(
-            f"consumer rank {consumer_rank}: {_human(sum(r.nbytes for r in reads))} in "
+            f"consumer rank {consumer_rank}{dcp}: {_human(sum(r.nbytes for r in reads))} in "
             f"{sum(r.descriptors for r in reads)} descriptors; notifies producer ranks "
             f"{list(summary.notified_ranks(consumer_rank))}",
             file=out,
@@ -626,6 +639,8 @@ def _run_parallel_plan(args: argparse.Namespace, preset: Any, mode: TransferMode
         producer_tp=args.producer_tp or 1,
         consumer_tp=args.consumer_tp or 1,
         producer_pp=args.producer_pp or 1,
+        consumer_dcp=args.consumer_dcp or 1,
+        dcp_interleave=args.dcp_interleave,
     )
     if args.json:
         json.dump(parallel_plan_to_dict(preset.hf_id, summary), out, indent=2)
@@ -643,7 +658,7 @@ def _run_plan(args: argparse.Namespace, out: TextIO) -> int:
     sizing = preset.build_config(num_blocks=2, block_size=args.block_size, layout=args.layout)
     # The whole config is admitted, state groups included (ADM-1; decision 167).
     check_hybrid_support(sizing, mode=mode)
-    if (args.producer_tp, args.consumer_tp, args.producer_pp) != (None, None, None):
+    if (args.producer_tp, args.consumer_tp, args.producer_pp, args.consumer_dcp) != (None,) * 4:
         return _run_parallel_plan(args, preset, mode, out)
     config = preset.build_config(
         num_blocks=blocks_needed_for(sizing, num_tokens=args.tokens), block_size=args.block_size, layout=args.layout

@@ -30,6 +30,7 @@ from kvspec.spec.parallel import (
     RankLayout,
     SubBlock,
     check_coverage,
+    compute_dcp_copies,
     compute_rank_copies,
     get_candidate_ranks,
     get_completion_count,
@@ -139,6 +140,11 @@ def test_ownership_splits_replicates_and_refuses_by_name() -> None:
         get_owned_units(SubBlock(name="kv_heads", extent=5), tp_size=2, tp_rank=0)
     with pytest.raises(ParallelismError, match="tp_rank: expected below tp_size 2"):
         RankLayout(tp_size=2, tp_rank=2)
+    with pytest.raises(ParallelismError, match=r"tp_rank: expected in \[0, 4\)"):
+        get_owned_units(heads, tp_size=4, tp_rank=4)
+    with pytest.raises(ParallelismError, match=r"PageTensor\.order: expected one of \['hnd', 'nhd', 'opaque'\]"):
+        PageTensor(name="k", sub_blocks=[heads], rows=1, element_bytes=1, order="hdn")
+    assert RankLayout(layers="layers.0").layers == ("layers.0",)
     with pytest.raises(ParallelismError, match="consumer_tp: expected a multiple or a divisor of producer_tp 2"):
         compute_rank_copies(kv_page(2), producer_tp=2, consumer_tp=3, consumer_rank=0)
 
@@ -393,3 +399,139 @@ def test_kvspec_plan_gives_the_per_rank_plan_for_qwen3_next_tp1_to_tp4() -> None
     text = io.StringIO()
     assert main(argv[:-1], out=text) == 0
     assert "consumer rank 3:" in text.getvalue()
+
+
+# --------------------------------------------------------------------------- DCP: the oracle on the canonical block
+
+
+def canonical_row(page: CanonicalPage, offset: int) -> tuple[PageTensor, int, int]:
+    """The tensor, row and row stride of a canonical byte (for moving it to another row)."""
+    base = 0
+    for tensor in page.tensors:
+        units = [b.extent * b.width * tensor.element_bytes for b in tensor.sub_blocks]
+        size = tensor.rows * sum(units)
+        if offset < base + size:
+            inside = offset - base
+            if tensor.order is PageOrder.NHD:
+                return tensor, inside // sum(units), sum(units)
+            for block, width in zip(tensor.sub_blocks, units, strict=True):
+                if inside < tensor.rows * width:
+                    unit_bytes = block.width * tensor.element_bytes
+                    return tensor, (inside % (tensor.rows * unit_bytes)) // unit_bytes, unit_bytes
+                inside -= tensor.rows * width
+        base += size
+    raise AssertionError(offset)
+
+
+def run_dcp_oracle(page: CanonicalPage, p: int, d: int, size: int, interleave: int) -> None:
+    """Fill the canonical block (``size`` producer pages), project it into every producer rank's pages, run each
+    consumer rank's copies, and compare its page with its own projection of the block (PAR-2, PAR-3, PAR-8)."""
+    producer = {}
+    for rank in range(p):
+        for number in range(size):
+            labels: dict[int, tuple[int, int]] = {}
+            for run in get_rank_page_map(page, tp_size=p, tp_rank=rank):
+                labels |= {run.rank_offset + i: (number, run.canonical_offset + i) for i in range(run.nbytes)}
+            producer[rank, number] = labels
+    for c in range(d):
+        for dcp in range(size):
+            copies = compute_dcp_copies(
+                page, producer_tp=p, consumer_tp=d, consumer_rank=c, dcp_size=size, dcp_rank=dcp, interleave=interleave
+            )
+            got = {}
+            for copy in copies:
+                for i in range(copy.nbytes):
+                    assert copy.consumer_offset + i not in got, "a byte written twice"
+                    got[copy.consumer_offset + i] = producer[copy.producer_rank, copy.producer_page][
+                        copy.producer_offset + i
+                    ]
+            expected = {}
+            for run in get_rank_page_map(page, tp_size=d, tp_rank=c):
+                for i in range(run.nbytes):
+                    tensor, row, stride = canonical_row(page, run.canonical_offset + i)
+                    if not tensor.token_rows:
+                        expected[run.rank_offset + i] = (0, run.canonical_offset + i)
+                        continue
+                    token = get_dcp_token_position(row, dcp_size=size, dcp_rank=dcp, interleave=interleave)
+                    number, new_row = divmod(token, tensor.rows)
+                    expected[run.rank_offset + i] = (number, run.canonical_offset + i + (new_row - row) * stride)
+            assert got == expected, (p, d, c, size, dcp)
+
+
+@pytest.mark.parametrize("order", [PageOrder.HND, PageOrder.NHD])
+@pytest.mark.parametrize(("p", "d", "size", "interleave"), [(1, 2, 2, 1), (2, 1, 4, 2), (4, 2, 2, 4), (1, 1, 4, 1)])
+def test_dcp_consumer_ranks_get_their_interleaved_tokens(
+    order: PageOrder, p: int, d: int, size: int, interleave: int
+) -> None:
+    kv = [SubBlock(name="kv_heads", extent=2)]
+    state = PageTensor(name="ssm", sub_blocks=[SubBlock(name="heads", extent=4)], rows=1, element_bytes=2)
+    tensors = [PageTensor(name=n, sub_blocks=kv, rows=4, element_bytes=2, order=order, token_rows=True) for n in "kv"]
+    run_dcp_oracle(CanonicalPage(tensors=[*tensors, state]), p, d, size, interleave)
+
+
+@settings(max_examples=10, deadline=None)
+@given(page=pages(), producer_tp=st.sampled_from(SIZES), consumer_tp=st.sampled_from(SIZES))
+def test_dcp_of_one_is_the_tp_plan(page: CanonicalPage, producer_tp: int, consumer_tp: int) -> None:
+    for c in range(consumer_tp):
+        tp = compute_rank_copies(page, producer_tp=producer_tp, consumer_tp=consumer_tp, consumer_rank=c)
+        dcp = compute_dcp_copies(
+            page,
+            producer_tp=producer_tp,
+            consumer_tp=consumer_tp,
+            consumer_rank=c,
+            dcp_size=1,
+            dcp_rank=0,
+            interleave=1,
+        )
+        assert dcp == tp
+
+
+def test_the_oracle_catches_a_dcp_rank_reading_the_wrong_interleave() -> None:
+    kv = [SubBlock(name="kv_heads", extent=1)]
+    page = CanonicalPage(tensors=[PageTensor(name="k", sub_blocks=kv, rows=4, element_bytes=1, token_rows=True)])
+    good = compute_dcp_copies(page, producer_tp=1, consumer_tp=1, consumer_rank=0, dcp_size=2, dcp_rank=1, interleave=2)
+    bad = compute_dcp_copies(page, producer_tp=1, consumer_tp=1, consumer_rank=0, dcp_size=2, dcp_rank=1, interleave=1)
+    assert good != bad  # interleave 2: tokens 2, 3, 6, 7 (page 0 rows 2, 3, page 1 rows 2, 3); interleave 1: 1, 3, 5, 7
+    assert [(c.producer_page, c.producer_offset, c.nbytes) for c in good] == [(0, 2, 2), (1, 2, 2)]
+
+
+def test_the_dcp_oracle_fails_a_plan_that_ignores_the_interleave(monkeypatch: pytest.MonkeyPatch) -> None:
+    import kvspec.spec.parallel as parallel
+
+    # Mutant: every DCP rank reads its own rows of page 0, as if the consumer had no DCP (PAR-8).
+    monkeypatch.setattr(parallel, "get_dcp_token_position", lambda local_index, **_: local_index)
+    kv = [SubBlock(name="kv_heads", extent=2)]
+    page = CanonicalPage(tensors=[PageTensor(name="k", sub_blocks=kv, rows=4, element_bytes=2, token_rows=True)])
+    with pytest.raises(AssertionError):
+        run_dcp_oracle(page, 1, 2, 2, 1)
+
+
+def test_kvspec_plan_with_producer_pp_and_consumer_dcp() -> None:
+    out = io.StringIO()
+    argv = ["plan", "gemma-3-1b", "--tokens", "4096", "--producer-tp", "1", "--consumer-tp", "1", "--producer-pp", "2"]
+    assert main([*argv, "--json"], out=out) == 0
+    plan = json.loads(out.getvalue())
+    reads = plan["consumer_ranks"][0]["reads"]
+    # 26 layers in two bands of 13: every layer read once, from the stage that holds it (PAR-7).
+    assert {r["producer_stage"] for r in reads} == {0, 1}
+    assert sum(r["num_layers"] for r in reads) == 26
+    out = io.StringIO()
+    argv = ["plan", "deepseek-v2-lite", "--tokens", "4096", "--producer-tp", "2", "--consumer-tp", "1"]
+    assert main([*argv, "--consumer-dcp", "2", "--dcp-interleave", "4", "--json"], out=out) == 0
+    plan = json.loads(out.getvalue())
+    assert [(r["rank"], r["dcp_rank"]) for r in plan["consumer_ranks"]] == [(0, 0), (0, 1)]
+    assert plan["producer"]["completion_counts"] == [2, 2]  # both DCP ranks notify both producer ranks (PAR-6)
+    for rank in plan["consumer_ranks"]:
+        (read,) = rank["reads"]
+        assert read["producer_rank"] == 0  # the latent is replicated: one elected source (PAR-4)
+        assert read["pages"] == 4096 // 16 // 2
+        assert {c["producer_page"] for c in read["copies_per_page"]} == {0, 1}
+
+
+def test_kvspec_plan_refuses_sizes_that_do_not_divide_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["plan", "hymba-1.5b", "--tokens", "1024", "--producer-tp", "1", "--consumer-tp", "2"]
+    assert main(argv, out=io.StringIO()) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        "kvspec plan: ParallelismError: kv_heads.extent: expected a multiple or a divisor of tp_size 2, got 5 (PAR-1)"
+    )

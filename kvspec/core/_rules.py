@@ -317,7 +317,7 @@ RULES += (
         title="Completion count",
         level=Level.MUST,
         summary="Each consumer rank notifies every producer rank it faces, read or not; a producer rank frees after "
-        "exactly max(1, D/P) notifications.",
+        "exactly max(1, D/P) notifications, times the consumer's DCP size.",
         checked_by=_PARALLEL_TESTS,
     ),
     Rule(

@@ -36,6 +36,7 @@ __all__ = [
     "check_coverage",
     "check_page_sliceable",
     "check_tp_pair",
+    "compute_dcp_copies",
     "compute_rank_copies",
     "elect_source_rank",
     "get_candidate_ranks",
@@ -78,6 +79,24 @@ def _non_negative(inst: object, attribute: attrs.Attribute[Any], value: object) 
         raise ParallelismError(f"{type(inst).__name__}.{attribute.name}: expected a non-negative int, got {value!r}")
 
 
+def _name(inst: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if not isinstance(value, str) or not value:
+        raise ParallelismError(f"{type(inst).__name__}.{attribute.name}: expected a non-empty str, got {value!r}")
+
+
+def _to_order(value: object) -> PageOrder:
+    try:
+        return PageOrder(value)
+    except ValueError:
+        raise ParallelismError(
+            f"PageTensor.order: expected one of {[o.value for o in PageOrder]}, got {value!r}"
+        ) from None
+
+
+def _to_layers(value: Iterable[str]) -> tuple[str, ...]:
+    return (value,) if isinstance(value, str) else tuple(value)  # a bare name is one layer, not its characters
+
+
 @attrs.frozen(kw_only=True)
 class SubBlock:
     """One sub-block of a tensor's split axis: KV heads, a conv sub-projection (x, B, C or Q, K, V), SSM heads.
@@ -89,7 +108,7 @@ class SubBlock:
     every rank (the MLA latent, a PLE state); the others are split (PAR-1).
     """
 
-    name: str
+    name: str = attrs.field(validator=_name)
     extent: int = attrs.field(validator=_positive)
     width: int = attrs.field(default=1, validator=_positive)
     replicated: bool = False
@@ -110,11 +129,11 @@ class PageTensor:
     channel, ``head_dim * d_state * itemsize`` for an SSM head).
     """
 
-    name: str
+    name: str = attrs.field(validator=_name)
     sub_blocks: tuple[SubBlock, ...] = attrs.field(converter=_to_sub_blocks)
     rows: int = attrs.field(validator=_positive)
     element_bytes: int = attrs.field(validator=_positive)
-    order: PageOrder = attrs.field(default=PageOrder.HND, converter=PageOrder)
+    order: PageOrder = attrs.field(default=PageOrder.HND, converter=_to_order)
     token_rows: bool = False
 
     @sub_blocks.validator
@@ -159,7 +178,7 @@ class RankLayout:
 
     tp_size: int = attrs.field(default=1, validator=_positive)
     tp_rank: int = attrs.field(default=0, validator=_non_negative)
-    layers: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    layers: tuple[str, ...] = attrs.field(default=(), converter=_to_layers)
     dcp_size: int = attrs.field(default=1, validator=_positive)
     dcp_rank: int = attrs.field(default=0, validator=_non_negative)
     dcp_interleave: int = attrs.field(default=1, validator=_positive)
@@ -183,9 +202,15 @@ class ByteRun:
 
 @attrs.frozen(kw_only=True)
 class RankCopy:
-    """One contiguous copy from a producer rank's page to a consumer rank's page (offsets within the page) (PAR-3)."""
+    """One contiguous copy from a producer rank's page to a consumer rank's page (offsets within the page) (PAR-3).
+
+    ``producer_page`` says which of the producer's pages of the canonical block
+    it reads: always 0, except for a consumer with DCP, whose canonical block
+    spans ``dcp_size`` producer pages (PAR-8).
+    """
 
     producer_rank: int
+    producer_page: int = 0
     consumer_rank: int
     producer_offset: int
     consumer_offset: int
@@ -290,6 +315,9 @@ def get_owned_units(block: SubBlock, *, tp_size: int, tp_rank: int) -> tuple[int
     replicas of KV heads, B/C groups when ``n_groups < T``. Any other pair of
     sizes is refused by name (PAR-1).
     """
+    # A rank outside its engine holds nothing: never a slice computed past the last rank (PAR-1).
+    if tp_size <= 0 or not 0 <= tp_rank < tp_size:
+        raise ParallelismError(f"tp_rank: expected in [0, {tp_size}) with tp_size positive, got {tp_rank} (PAR-1)")
     if block.replicated:
         return 0, block.extent
     if block.extent % tp_size == 0:
@@ -394,8 +422,13 @@ def check_coverage(
     landed: list[tuple[int, int]] = []
     for i, copy in enumerate(copies):
         where = f"copies[{i}]"
+        if copy.nbytes <= 0 or copy.producer_offset < 0 or copy.consumer_offset < 0:
+            raise ParallelismError(f"{where}: expected a positive size at non-negative offsets, got {copy!r} (PAR-3)")
         if copy.consumer_rank != consumer_rank:
             raise ParallelismError(f"{where}.consumer_rank: expected {consumer_rank}, got {copy.consumer_rank} (PAR-3)")
+        # One canonical page is one producer page; a DCP consumer's copies are checked per token (PAR-8).
+        if copy.producer_page != 0:
+            raise ParallelismError(f"{where}.producer_page: expected 0 without DCP, got {copy.producer_page} (PAR-3)")
         if not 0 <= copy.producer_rank < producer_tp:
             raise ParallelismError(f"{where}.producer_rank: expected in [0, {producer_tp}), got {copy.producer_rank}")
         if copy.producer_rank not in producer_maps:
@@ -515,6 +548,7 @@ def _coalesce(copies: Iterable[RankCopy]) -> tuple[RankCopy, ...]:
         if (
             last is not None
             and last.producer_rank == copy.producer_rank
+            and last.producer_page == copy.producer_page
             and last.producer_offset + last.nbytes == copy.producer_offset
             and last.consumer_offset + last.nbytes == copy.consumer_offset
         ):
@@ -571,18 +605,88 @@ def compute_rank_copies(
     return _coalesce(copies)
 
 
+def _element_offset(tensor: PageTensor, index: int, unit: int, row: int, *, tp_size: int, tp_rank: int) -> int:
+    """Offset in a rank's tensor of one unit of sub-block ``index`` in one row (PAR-2)."""
+    owned = [get_owned_units(b, tp_size=tp_size, tp_rank=tp_rank) for b in tensor.sub_blocks]
+    unit_bytes = [b.width * tensor.element_bytes for b in tensor.sub_blocks]
+    before = sum((e - s) * u for (s, e), u in zip(owned[:index], unit_bytes[:index], strict=True))
+    local = unit - owned[index][0]
+    if tensor.order is PageOrder.NHD:
+        row_bytes = sum((e - s) * u for (s, e), u in zip(owned, unit_bytes, strict=True))
+        return row * row_bytes + before + local * unit_bytes[index]
+    return tensor.rows * before + (local * tensor.rows + row) * unit_bytes[index]
+
+
+def compute_dcp_copies(
+    page: CanonicalPage,
+    *,
+    producer_tp: int,
+    consumer_tp: int,
+    consumer_rank: int,
+    dcp_size: int,
+    dcp_rank: int,
+    interleave: int,
+) -> tuple[RankCopy, ...]:
+    """The copies that fill DCP rank ``dcp_rank`` of consumer TP rank ``consumer_rank`` from a producer without DCP.
+
+    The canonical block is ``dcp_size`` producer pages of ``rows`` tokens. In
+    a tensor whose rows are tokens, the consumer's row r holds canonical token
+    ``t = get_dcp_token_position(r, ...)``, which the producer keeps in page
+    ``t // rows``, row ``t % rows``; any other tensor (a state) is held whole
+    by every DCP rank and read from page 0. Each unit comes from its elected
+    source (PAR-4); copies that go on on both sides, in one producer page, merge.
+    With ``dcp_size`` 1 these are :func:`compute_rank_copies` (PAR-8).
+    """
+    check_page_sliceable(page, producer_tp=producer_tp, consumer_tp=consumer_tp)
+    for tensor in page.tensors:
+        # An opaque tensor has no addressable rows to deal out (PAR-5).
+        if dcp_size > 1 and tensor.token_rows and tensor.order is PageOrder.OPAQUE:
+            raise ParallelismError(f"{tensor.name}.order: expected 'hnd' or 'nhd' under DCP, got 'opaque' (PAR-5)")
+    copies: list[RankCopy] = []
+    candidates = get_candidate_ranks(producer_tp=producer_tp, consumer_tp=consumer_tp, consumer_rank=consumer_rank)
+    producer_base = dict.fromkeys(candidates, 0)
+    consumer_base = 0
+    for tensor in page.tensors:
+        for index, block in enumerate(tensor.sub_blocks):
+            unit_bytes = block.width * tensor.element_bytes
+            start, end = get_owned_units(block, tp_size=consumer_tp, tp_rank=consumer_rank)
+            for unit in range(start, end):
+                source = elect_source_rank(
+                    block, unit, producer_tp=producer_tp, consumer_tp=consumer_tp, consumer_rank=consumer_rank
+                )
+                for row in range(tensor.rows):
+                    token = get_dcp_token_position(row, dcp_size=dcp_size, dcp_rank=dcp_rank, interleave=interleave)
+                    producer_page, producer_row = divmod(token, tensor.rows) if tensor.token_rows else (0, row)
+                    copies.append(
+                        RankCopy(
+                            producer_rank=source,
+                            producer_page=producer_page,
+                            consumer_rank=consumer_rank,
+                            producer_offset=producer_base[source]
+                            + _element_offset(tensor, index, unit, producer_row, tp_size=producer_tp, tp_rank=source),
+                            consumer_offset=consumer_base
+                            + _element_offset(tensor, index, unit, row, tp_size=consumer_tp, tp_rank=consumer_rank),
+                            nbytes=unit_bytes,
+                        )
+                    )
+        for rank in candidates:
+            producer_base[rank] += _rank_tensor_bytes(tensor, producer_tp, rank)
+        consumer_base += _rank_tensor_bytes(tensor, consumer_tp, consumer_rank)
+    return _coalesce(copies)
+
+
 # --------------------------------------------------------------------------- PAR-6 completion count
 
 
-def get_completion_count(*, producer_tp: int, consumer_tp: int, producer_rank: int) -> int:
+def get_completion_count(*, producer_tp: int, consumer_tp: int, producer_rank: int, consumer_dcp: int = 1) -> int:
     """Notifications producer rank ``producer_rank`` waits for before it frees a request's blocks (PAR-6).
 
-    Every consumer rank notifies each of its candidate ranks (PAR-4) once,
-    whether it read from it or not (MLA with P > D reads one of them), so a
-    producer rank frees after exactly the consumer ranks that face it:
-    ``max(1, D / P)`` (PAR-6).
+    Every consumer rank, each DCP rank included, notifies each of its candidate
+    ranks (PAR-4) once, whether it read from it or not (MLA with P > D reads one
+    of them), so a producer rank frees after exactly the consumer ranks that
+    face it: ``max(1, D / P) * consumer_dcp`` (PAR-6).
     """
-    return sum(
+    return consumer_dcp * sum(
         producer_rank in get_candidate_ranks(producer_tp=producer_tp, consumer_tp=consumer_tp, consumer_rank=c)
         for c in range(consumer_tp)
     )

@@ -91,6 +91,7 @@ from kvspec.spec.parallel import (
     SubBlock,
     check_coverage,
     check_page_sliceable,
+    compute_dcp_copies,
     compute_rank_copies,
     elect_source_rank,
     get_completion_count,
@@ -1766,6 +1767,24 @@ def _par8_pins() -> list[Case]:
     ]
 
 
+def _par8_copies_pins() -> list[Case]:
+    def dcp(p: int, d: int, size: int, rank: int, interleave: int) -> dict[str, object]:
+        return {
+            "page": _kv_page(2),
+            "producer_tp": p,
+            "consumer_tp": d,
+            "consumer_rank": 0,
+            "dcp_size": size,
+            "dcp_rank": rank,
+            "interleave": interleave,
+        }
+
+    return [
+        Case(name="tp1_to_dcp2_rank1_interleave1", inputs=dcp(1, 1, 2, 1, 1), description="odd tokens of 2 pages"),
+        Case(name="tp2_to_tp1_dcp2_rank0_interleave2", inputs=dcp(2, 1, 2, 0, 2)),
+    ]
+
+
 CASE_SETS: tuple[CaseSet, ...] = (
     CaseSet(
         rule="HMA-1",
@@ -1895,6 +1914,7 @@ CASE_SETS: tuple[CaseSet, ...] = (
     CaseSet(rule="PAR-6", fn=get_completion_count, pinned=_par6_pins),
     CaseSet(rule="PAR-7", fn=pair_stage_layers, pinned=_par7_pins),
     CaseSet(rule="PAR-8", fn=get_dcp_token_position, pinned=_par8_pins),
+    CaseSet(rule="PAR-8", fn=compute_dcp_copies, pinned=_par8_copies_pins),
 )
 """Which vectors each rule gets for each function; a new function adds one entry here."""
 
