@@ -234,7 +234,7 @@ def render_catalogue(
         "Generated at build time from the rule list (`kvspec.core._rules.RULES`) and the conformance",
         "suite's registry (`kvspec_conformance.catalogue()`). **The docs build fails** when a rule",
         "has no conformance case or a case cites an unknown rule, so this page cannot list a rule",
-        "that nothing checks. The offload rules (OFF-*) have no suite case yet; each names the",
+        "that nothing checks. The offload (OFF-*) and parallelism (PAR-*) rules have no suite case yet; each names the",
         "tests that check the reference meanwhile.",
         "",
         f"{len(rules)} rules, {total} cases. Run one rule's cases with",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import os
 import sys
@@ -18,7 +19,13 @@ from kvspec._version import __version__
 from kvspec.core._enums import TransferMode
 from kvspec.core._errors import KVSpecError
 from kvspec.core._models import BlockIds, KVCacheConfig, MambaSpec, SlidingWindowSpec
-from kvspec.protocol._summary import PlanSummary, blocks_needed_for, summarize_plan
+from kvspec.protocol._summary import (
+    ParallelPlanSummary,
+    PlanSummary,
+    blocks_needed_for,
+    summarize_parallel_plan,
+    summarize_plan,
+)
 from kvspec.reference._messages import PROTOCOL_VERSION
 from kvspec.reference._offload import (
     OffloadConfig,
@@ -30,6 +37,7 @@ from kvspec.reference._offload import (
 )
 from kvspec.reference._presets import get_preset, list_presets
 from kvspec.reference._reference import check_hybrid_support, get_logical_block_count, get_pruned_block_ids
+from kvspec.spec.parallel import PageOrder
 
 __all__ = [
     "MAX_PLAN_TOKENS",
@@ -173,6 +181,32 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="how state groups (Mamba, GDN, KDA) keep their state: 'align' keeps it at block ends (prefix "
         "caching on); default 'align' with --offload, which needs it (OFF-9), else 'none'",
+    )
+    for side, flag, what in (
+        ("producer", "tp", "TP size of the producer (prefill) engine"),
+        ("consumer", "tp", "TP size of the consumer (decode) engine"),
+        ("producer", "pp", "PP stages of the producer engine, each holding a band of layers (PAR-7)"),
+        ("consumer", "dcp", "DCP size of the consumer engine: its ranks hold interleaved tokens (PAR-8)"),
+    ):
+        plan.add_argument(
+            f"--{side}-{flag}",
+            type=_positive_int,
+            default=None,
+            metavar="N",
+            help=f"{what}; any of these flags prints the plan per consumer rank (PAR-1 .. PAR-7)",
+        )
+    plan.add_argument(
+        "--dcp-interleave",
+        type=_positive_int,
+        default=1,
+        metavar="I",
+        help="with --consumer-dcp: tokens dealt to each DCP rank in turn (default 1)",
+    )
+    plan.add_argument(
+        "--page-order",
+        choices=[o.value for o in PageOrder if o is not PageOrder.OPAQUE],
+        default="hnd",
+        help="with --producer-tp/--consumer-tp: attention pages head-major (hnd, vLLM) or token-major (nhd, SGLang)",
     )
     plan.set_defaults(handler=_run_plan)
 
@@ -541,6 +575,114 @@ def _run_offload_plan(args: argparse.Namespace, preset: Any, out: TextIO) -> int
     return 0
 
 
+def parallel_plan_to_dict(model: str, summary: ParallelPlanSummary) -> dict[str, Any]:
+    """The JSON shape of ``kvspec plan --producer-tp P --consumer-tp D --json``: per consumer rank, its reads."""
+    ranks = []
+    for consumer_rank, dcp_rank in itertools.product(range(summary.consumer_tp), range(summary.consumer_dcp)):
+        reads = [r for r in summary.reads if (r.consumer_rank, r.consumer_dcp_rank) == (consumer_rank, dcp_rank)]
+        ranks.append(
+            {
+                "rank": consumer_rank,
+                "dcp_rank": dcp_rank,
+                "bytes": sum(r.nbytes for r in reads),
+                "descriptors": sum(r.descriptors for r in reads),
+                "notifies": list(summary.notified_ranks(consumer_rank)),
+                "reads": [
+                    {
+                        "group": r.group_index,
+                        "kind": r.kind,
+                        "producer_stage": r.producer_stage,
+                        "producer_rank": r.producer_rank,
+                        "num_layers": r.num_layers,
+                        "pages": r.pages,
+                        "bytes_per_page": r.bytes_per_page,
+                        "bytes": r.nbytes,
+                        "descriptors": r.descriptors,
+                        "copies_per_page": [
+                            {
+                                "producer_page": c.producer_page,
+                                "producer_offset": c.producer_offset,
+                                "consumer_offset": c.consumer_offset,
+                                "nbytes": c.nbytes,
+                            }
+                            for c in r.copies
+                        ],
+                    }
+                    for r in reads
+                ],
+            }
+        )
+    return {
+        "model": model,
+        "num_tokens": summary.base.num_tokens,
+        "prefix_hit_tokens": summary.base.prefix_hit_tokens,
+        "mode": summary.base.mode.value,
+        "producer": {
+            "tp": summary.producer_tp,
+            "pp": summary.producer_pp,
+            "completion_counts": [summary.completion_count(p) for p in range(summary.producer_tp)],
+        },
+        "consumer": {"tp": summary.consumer_tp, "dcp": summary.consumer_dcp, "dcp_interleave": summary.dcp_interleave},
+        "consumer_ranks": ranks,
+        "total_bytes": sum(r.nbytes for r in summary.reads),
+    }
+
+
+def _print_parallel(model: str, summary: ParallelPlanSummary, out: TextIO) -> None:
+    base = summary.base
+    print(
+        f"{model}: {base.num_tokens} tokens, prefix hit {base.prefix_hit_tokens}, mode {base.mode.value}; "
+        f"producer TP{summary.producer_tp} PP{summary.producer_pp} -> consumer TP{summary.consumer_tp}"
+        + (f" DCP{summary.consumer_dcp} (interleave {summary.dcp_interleave})" if summary.consumer_dcp > 1 else ""),
+        file=out,
+    )
+    for consumer_rank, dcp_rank in itertools.product(range(summary.consumer_tp), range(summary.consumer_dcp)):
+        reads = [r for r in summary.reads if (r.consumer_rank, r.consumer_dcp_rank) == (consumer_rank, dcp_rank)]
+        dcp = f" (DCP rank {dcp_rank})" if summary.consumer_dcp > 1 else ""
+        print(
+            f"consumer rank {consumer_rank}{dcp}: {_human(sum(r.nbytes for r in reads))} in "
+            f"{sum(r.descriptors for r in reads)} descriptors; notifies producer ranks "
+            f"{list(summary.notified_ranks(consumer_rank))}",
+            file=out,
+        )
+        for r in reads:
+            stage = f"stage {r.producer_stage} " if summary.producer_pp > 1 else ""
+            print(
+                f"  group {r.group_index} ({r.kind}) from {stage}rank {r.producer_rank}: {r.num_layers} layers x "
+                f"{r.pages} pages x {_human(r.bytes_per_page)} in {len(r.copies)} runs = {_human(r.nbytes)}",
+                file=out,
+            )
+    counts = [summary.completion_count(p) for p in range(summary.producer_tp)]
+    print(f"each producer rank frees after {counts} notifications (PAR-6)", file=out)
+
+
+def _run_parallel_plan(args: argparse.Namespace, preset: Any, mode: TransferMode, out: TextIO) -> int:
+    sizing = preset.build_config(num_blocks=2, block_size=args.block_size, layout=args.layout)
+    config = preset.build_config(
+        num_blocks=blocks_needed_for(sizing, num_tokens=args.tokens), block_size=args.block_size, layout=args.layout
+    )
+    order = PageOrder(args.page_order)
+    pages = [preset.get_canonical_page(g.kv_cache_spec, order=order) for g in config.kv_cache_groups]
+    summary = summarize_parallel_plan(
+        config,
+        pages,
+        num_tokens=args.tokens,
+        prefix_hit_tokens=args.prefix_hit,
+        mode=mode,
+        producer_tp=args.producer_tp or 1,
+        consumer_tp=args.consumer_tp or 1,
+        producer_pp=args.producer_pp or 1,
+        consumer_dcp=args.consumer_dcp or 1,
+        dcp_interleave=args.dcp_interleave,
+    )
+    if args.json:
+        json.dump(parallel_plan_to_dict(preset.hf_id, summary), out, indent=2)
+        print(file=out)
+    else:
+        _print_parallel(preset.hf_id, summary, out)
+    return 0
+
+
 def _run_plan(args: argparse.Namespace, out: TextIO) -> int:
     preset = get_preset(args.model)
     if args.offload:
@@ -551,6 +693,8 @@ def _run_plan(args: argparse.Namespace, out: TextIO) -> int:
     )
     # The whole config is admitted, state groups included (ADM-1; decision 167).
     check_hybrid_support(sizing, mode=mode)
+    if (args.producer_tp, args.consumer_tp, args.producer_pp, args.consumer_dcp) != (None,) * 4:
+        return _run_parallel_plan(args, preset, mode, out)
     config = _with_state_cache_mode(
         preset.build_config(
             num_blocks=blocks_needed_for(sizing, num_tokens=args.tokens), block_size=args.block_size, layout=args.layout

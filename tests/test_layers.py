@@ -38,6 +38,7 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
                 "kvspec.spec.coverage",
                 "kvspec.spec.offload",
                 "kvspec.spec.pairing",
+                "kvspec.spec.parallel",
                 "kvspec.spec.pins",
                 "kvspec.spec.plan",
                 "kvspec.spec.state",

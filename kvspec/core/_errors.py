@@ -22,6 +22,7 @@ __all__ = [
     "OffloadingDisagreementError",
     "OutOfBlocksError",
     "PairKeyError",
+    "ParallelismError",
     "PlanError",
     "ProtocolError",
     "RemoteError",
@@ -106,6 +107,15 @@ class WindowCoverageError(KVSpecError, ValueError):
 
 class PlanError(KVSpecError, ValueError):
     """A block id or byte range falls outside the registered memory (PLAN-1)."""
+
+
+class ParallelismError(KVSpecError, ValueError):
+    """Two engines' parallel layouts cannot exchange a page (PAR-1 .. PAR-8).
+
+    A size that does not divide, a layout that cannot be sliced, a layer no
+    stage holds, or copies that do not tile a rank's page; the message names
+    the field and the expected value.
+    """
 
 
 class IncompatiblePeerError(KVSpecError, ValueError):

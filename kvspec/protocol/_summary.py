@@ -9,6 +9,7 @@ tensors' bytes (PLAN-1); its figures are shown beside the attention groups'.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import attrs
@@ -25,9 +26,28 @@ from kvspec.reference._reference import (
     get_logical_block_count,
     get_pruned_block_ids,
 )
+from kvspec.spec.parallel import (
+    CanonicalPage,
+    RankCopy,
+    compute_dcp_copies,
+    compute_rank_copies,
+    get_candidate_ranks,
+    get_completion_count,
+    pair_stage_layers,
+)
 from kvspec.spec.plan import get_page_byte_ranges
 
-__all__ = ["GroupSummary", "PlanSummary", "blocks_needed_for", "summarize_plan", "without_state_groups"]
+__all__ = [
+    "GroupSummary",
+    "ParallelPlanSummary",
+    "PlanSummary",
+    "RankRead",
+    "blocks_needed_for",
+    "get_stage_bands",
+    "summarize_parallel_plan",
+    "summarize_plan",
+    "without_state_groups",
+]
 
 
 def _to_ints(value: Sequence[int]) -> tuple[int, ...]:
@@ -302,3 +322,169 @@ def _align_pairs_unchecked(producer_block_ids: BlockIds, consumer_block_ids: Blo
         return BlockPairs(producer_block_ids=BlockIds([]), consumer_block_ids=BlockIds([]))
     producer = [p[len(p) - len(c) :] for p, c in zip(producer_block_ids, consumer_block_ids, strict=True)]
     return BlockPairs(producer_block_ids=BlockIds(producer), consumer_block_ids=consumer_block_ids)
+
+
+# --------------------------------------------------------------------------- many ranks (PAR-1 .. PAR-7)
+
+
+def _to_copies(value: Sequence[RankCopy]) -> tuple[RankCopy, ...]:
+    return tuple(value)
+
+
+@attrs.frozen(kw_only=True)
+class RankRead:
+    """What one consumer rank reads from one producer rank for one group: the same copies in every paired page.
+
+    ``copies`` are offsets within one page of each side (PAR-3); they repeat
+    for each of ``num_layers * pages`` consumer pages (PLAN-1), so the bytes are
+    ``num_layers * pages * bytes_per_page``. Under consumer DCP a consumer page
+    gathers tokens from ``consumer_dcp`` producer pages (``RankCopy.producer_page``, PAR-8).
+    """
+
+    group_index: int
+    kind: str
+    producer_stage: int
+    producer_rank: int
+    consumer_rank: int
+    consumer_dcp_rank: int = 0
+    num_layers: int
+    pages: int
+    copies: tuple[RankCopy, ...] = attrs.field(converter=_to_copies)
+
+    @property
+    def bytes_per_page(self) -> int:
+        """Bytes read per paired page."""
+        return sum(copy.nbytes for copy in self.copies)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes read over the request."""
+        return self.num_layers * self.pages * self.bytes_per_page
+
+    @property
+    def descriptors(self) -> int:
+        """Copies over the request: one per run of a page, merged within the page (PAR-3)."""
+        return self.num_layers * self.pages * len(self.copies)
+
+
+def _to_reads(value: Sequence[RankRead]) -> tuple[RankRead, ...]:
+    return tuple(value)
+
+
+@attrs.frozen(kw_only=True)
+class ParallelPlanSummary:
+    """Per consumer rank, what it reads from which producer rank, and each producer rank's completion count."""
+
+    producer_tp: int
+    consumer_tp: int
+    producer_pp: int
+    consumer_dcp: int = 1
+    dcp_interleave: int = 1
+    base: PlanSummary
+    reads: tuple[RankRead, ...] = attrs.field(converter=_to_reads)
+
+    def completion_count(self, producer_rank: int) -> int:
+        """Notifications a producer rank (of any stage) waits for before freeing the request (PAR-6)."""
+        return get_completion_count(
+            producer_tp=self.producer_tp,
+            consumer_tp=self.consumer_tp,
+            producer_rank=producer_rank,
+            consumer_dcp=self.consumer_dcp,
+        )
+
+    def notified_ranks(self, consumer_rank: int) -> tuple[int, ...]:
+        """The producer TP ranks (in every stage) a consumer rank notifies when done (PAR-6)."""
+        return get_candidate_ranks(
+            producer_tp=self.producer_tp, consumer_tp=self.consumer_tp, consumer_rank=consumer_rank
+        )
+
+
+def _layer_order(name: str) -> tuple[int, str]:
+    parts = name.split(".")
+    return (int(parts[2]) if len(parts) > 2 and parts[2].isdigit() else 0), name
+
+
+def get_stage_bands(config: KVCacheConfig, stages: int) -> tuple[tuple[str, ...], ...]:
+    """The layer names each of ``stages`` PP stages holds: contiguous bands of the config's layers in order.
+
+    Layers are ordered by their index in the name (``model.layers.{i}...``),
+    then by name; stage ``s`` holds ``[s * L // S, (s + 1) * L // S)`` (PAR-7).
+    """
+    names = sorted((name for group in config.kv_cache_groups for name in group.layer_names), key=_layer_order)
+    return tuple(tuple(names[s * len(names) // stages : (s + 1) * len(names) // stages]) for s in range(stages))
+
+
+def summarize_parallel_plan(
+    config: KVCacheConfig,
+    pages: Sequence[CanonicalPage],
+    *,
+    num_tokens: int,
+    producer_tp: int,
+    consumer_tp: int,
+    producer_pp: int = 1,
+    consumer_dcp: int = 1,
+    dcp_interleave: int = 1,
+    prefix_hit_tokens: int = 0,
+    mode: TransferMode = TransferMode.READ,
+) -> ParallelPlanSummary:
+    """What each consumer rank reads from which producer rank for one request (PAR-1 .. PAR-8, CLIP-1, PLAN-1).
+
+    ``pages[g]`` is group ``g``'s canonical page. The pages paired per group
+    are those of :func:`summarize_plan` (clipped, one slot per state group);
+    each paired page moves the copies of :func:`kvspec.spec.parallel.compute_rank_copies`
+    for every consumer rank, from the producer stage that holds its layer (PAR-7).
+    With ``consumer_dcp`` > 1 each DCP rank's page gathers its interleaved
+    tokens from ``consumer_dcp`` producer pages (:func:`kvspec.spec.parallel.compute_dcp_copies`),
+    so a group with token rows has ``cdiv(pages, consumer_dcp)`` consumer pages,
+    the last counted whole (PAR-8).
+    """
+    base = summarize_plan(config, num_tokens=num_tokens, prefix_hit_tokens=prefix_hit_tokens, mode=mode)
+    everything = tuple(name for group in config.kv_cache_groups for name in group.layer_names)
+    stage_pairs = pair_stage_layers(get_stage_bands(config, producer_pp), [everything])
+    stage_of = {layer: pair.producer_stage for pair in stage_pairs for layer in pair.layers}
+    reads = []
+    for consumer_rank, dcp_rank in itertools.product(range(consumer_tp), range(consumer_dcp)):
+        for group, page, summary in zip(config.kv_cache_groups, pages, base.groups, strict=True):
+            copies = (
+                compute_dcp_copies(
+                    page,
+                    producer_tp=producer_tp,
+                    consumer_tp=consumer_tp,
+                    consumer_rank=consumer_rank,
+                    dcp_size=consumer_dcp,
+                    dcp_rank=dcp_rank,
+                    interleave=dcp_interleave,
+                )
+                if consumer_dcp > 1
+                else compute_rank_copies(
+                    page, producer_tp=producer_tp, consumer_tp=consumer_tp, consumer_rank=consumer_rank
+                )
+            )
+            tokens = any(tensor.token_rows for tensor in page.tensors)
+            consumer_pages = -(-summary.blocks_clipped // consumer_dcp) if tokens else summary.blocks_clipped
+            for stage in range(producer_pp):
+                layers = sum(stage_of[name] == stage for name in group.layer_names)
+                for producer_rank in sorted({copy.producer_rank for copy in copies}):
+                    if layers and consumer_pages:
+                        reads.append(
+                            RankRead(
+                                group_index=summary.group_index,
+                                kind=summary.kind,
+                                producer_stage=stage,
+                                producer_rank=producer_rank,
+                                consumer_rank=consumer_rank,
+                                consumer_dcp_rank=dcp_rank,
+                                num_layers=layers,
+                                pages=consumer_pages,
+                                copies=[copy for copy in copies if copy.producer_rank == producer_rank],
+                            )
+                        )
+    return ParallelPlanSummary(
+        producer_tp=producer_tp,
+        consumer_tp=consumer_tp,
+        producer_pp=producer_pp,
+        consumer_dcp=consumer_dcp,
+        dcp_interleave=dcp_interleave,
+        base=base,
+        reads=reads,
+    )

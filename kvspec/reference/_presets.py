@@ -22,6 +22,7 @@ from kvspec.core._models import (
     MLAAttentionSpec,
     SlidingWindowSpec,
 )
+from kvspec.spec.parallel import CanonicalPage, PageOrder, SubBlock, get_canonical_page
 
 __all__ = [
     "Layout",
@@ -59,6 +60,10 @@ def _to_specs(value: Sequence[KVCacheSpec]) -> tuple[KVCacheSpec, ...]:
     return tuple(value)
 
 
+def _to_state_blocks(value: Sequence[Sequence[SubBlock]]) -> tuple[tuple[SubBlock, ...], ...]:
+    return tuple(tuple(blocks) for blocks in value)
+
+
 @attrs.frozen(kw_only=True)
 class ModelPreset:
     """One model's per-layer KV-cache specs, with the public source of its numbers.
@@ -75,11 +80,21 @@ class ModelPreset:
     source: str
     layer_specs: tuple[KVCacheSpec, ...] = attrs.field(converter=_to_specs)
     description: str = ""
+    state_blocks: tuple[tuple[SubBlock, ...], ...] = attrs.field(default=(), converter=_to_state_blocks)
+    """Per state tensor (conv, then SSM), the sub-blocks of its split axis with their global extents (PAR-2).
+
+    Every state layer of a preset has one kind, so one list serves them all.
+    """
 
     @property
     def num_layers(self) -> int:
         """Decoder layers that hold KV cache or state."""
         return len(self.layer_specs)
+
+    def get_canonical_page(self, spec: KVCacheSpec, *, order: PageOrder = PageOrder.HND) -> CanonicalPage:
+        """The canonical page of one of this model's group specs, its state sub-blocks included (PAR-2)."""
+        blocks = self.state_blocks if isinstance(spec, MambaSpec) else ()
+        return get_canonical_page(spec, state_blocks=blocks, order=order)
 
     def get_group_layout(self) -> list[list[int]]:
         """Layer indices of each group, as vLLM groups them."""
@@ -435,6 +450,31 @@ def _mamba2_state(
     return _state([(conv_dim, conv_kernel - 1), (heads, head_dim, state)], ["bfloat16", ssm_dtype], "mamba2")
 
 
+# The sub-blocks of each state tensor's split axis, from the same config values (PAR-2): the conv state's
+# sub-projections in vLLM's channel order (Mamba-2 x, B, C; GDN and KDA Q, K, V), then the SSM state's heads.
+# Each is split by TP on its own, so B and C follow n_groups, not the TP ratio of the whole conv dim (#55208).
+
+
+def _gdn_blocks(k_heads: int, v_heads: int, k_dim: int, v_dim: int) -> list[list[SubBlock]]:
+    qkv = [SubBlock(name="q", extent=k_heads, width=k_dim), SubBlock(name="k", extent=k_heads, width=k_dim)]
+    return [[*qkv, SubBlock(name="v", extent=v_heads, width=v_dim)], [SubBlock(name="v_heads", extent=v_heads)]]
+
+
+def _mamba1_blocks(inner: int) -> list[list[SubBlock]]:
+    return [[SubBlock(name="x", extent=inner)], [SubBlock(name="inner", extent=inner)]]
+
+
+def _mamba2_blocks(heads: int, head_dim: int, groups: int, state: int) -> list[list[SubBlock]]:
+    x = SubBlock(name="x", extent=heads, width=head_dim)
+    b, c = (SubBlock(name=name, extent=groups, width=state) for name in ("B", "C"))
+    return [[x, b, c], [SubBlock(name="heads", extent=heads)]]
+
+
+def _kda_blocks(heads: int, head_dim: int) -> list[list[SubBlock]]:
+    qkv = [SubBlock(name=name, extent=heads, width=head_dim) for name in ("q", "k", "v")]
+    return [qkv, [SubBlock(name="heads", extent=heads)]]
+
+
 def _kda_state(heads: int, head_dim: int, conv_kernel: int) -> MambaSpec:
     # Kimi Delta Attention: conv over Q, K and V (3 * heads * head_dim), recurrent (heads, head_dim, head_dim) kept
     # in float32 (vLLM's kda_state_dtype for "auto"). vLLM 0.33 runs KDA through its GDN backend
@@ -453,6 +493,7 @@ _QWEN3_NEXT = ModelPreset(
         "bfloat16). vLLM pads the attention block size so one page holds the linear-attention state."
     ),
     layer_specs=_every_nth_global(48, 4, _gdn_state(16, 32, 128, 128, 4), _full(2, 256)),
+    state_blocks=_gdn_blocks(16, 32, 128, 128),
     description="36 Gated-DeltaNet + 12 full-attention layers: 3 state groups (gdn_attention: conv (8192, 3) and "
     "recurrent (32, 128, 128), bf16), then 1 FA group; B = 544, state pages padded by 16 KiB.",
 )
@@ -467,6 +508,7 @@ _MAMBA_130M = ModelPreset(
         "assumption not checked against the file. One of vLLM's offloading e2e models (research note on offloading)."
     ),
     layer_specs=[_mamba1_state(2 * 768, 16, 4, "float32")] * 24,
+    state_blocks=_mamba1_blocks(2 * 768),
     description="24 Mamba-1 layers: one state group with no padding (no attention page to match); "
     "refused by offload (OFF-9).",
 )
@@ -482,6 +524,7 @@ _FALCON_H1_05B = ModelPreset(
         "share one block size and offload runs with blocks_per_chunk 1 (research note on offloading)."
     ),
     layer_specs=[spec for _ in range(36) for spec in (_full(2, 64), _mamba2_state(24, 64, 1, 128, 4))],
+    state_blocks=_mamba2_blocks(24, 64, 1, 128),
     description="36 attention + 36 Mamba-2 mixers (one of each per decoder layer; listed as 72 entries): "
     "an attention group and a state group; refused by offload (OFF-9).",
 )
@@ -504,6 +547,7 @@ _NEMOTRON_H_8B = ModelPreset(
         for c in _NEMOTRON_H_8B_PATTERN
         if c != "-"
     ],
+    state_blocks=_mamba2_blocks(128, 64, 8, 128),
     description="24 Mamba-2 + 4 attention layers (the 24 MLP layers hold no cache): 6 state groups (conv (10240, 3) "
     "bf16, SSM (128, 64, 128) float32), then 1 FA group; B = 1040.",
 )
@@ -519,6 +563,7 @@ _JAMBA_MINI = ModelPreset(
         "not checked against the 1.5 file."
     ),
     layer_specs=[_full(8, 128) if i % 8 == 4 else _mamba1_state(2 * 4096, 16, 4, "bfloat16") for i in range(32)],
+    state_blocks=_mamba1_blocks(2 * 4096),
     description="28 Mamba-1 + 4 attention layers: 7 state groups (conv (8192, 3), SSM (8192, 16), bf16), "
     "then 1 FA group; B = 80.",
 )
@@ -540,6 +585,7 @@ _KIMI_LINEAR = ModelPreset(
         else _kda_state(32, 128, 4)
         for i in range(27)
     ],
+    state_blocks=_kda_blocks(32, 128),
     description="20 KDA + 7 MLA layers: 3 state groups (kda: conv (12288, 3) bf16, recurrent (32, 128, 128) "
     "float32), then 1 MLA group; B = 1888.",
 )
@@ -566,6 +612,7 @@ _HYMBA_15B = ModelPreset(
             _mamba1_state(2 * 1600, 16, 4, "bfloat16"),
         )
     ],
+    state_blocks=_mamba1_blocks(2 * 1600),
     description="32 Mamba-1 mixers + 29 sliding-window (W=1024) + 3 full-attention layers (listed as 64 entries): "
     "1 FA group, 11 state groups, 10 SW groups; B = 96.",
 )

@@ -84,6 +84,22 @@ from kvspec.reference._reference import (
     is_full_attention_spec,
     is_hma_required,
 )
+from kvspec.spec.parallel import (
+    CanonicalPage,
+    PageTensor,
+    RankCopy,
+    SubBlock,
+    check_coverage,
+    check_page_sliceable,
+    compute_dcp_copies,
+    compute_rank_copies,
+    elect_source_rank,
+    get_completion_count,
+    get_dcp_token_position,
+    get_owned_units,
+    get_rank_page_map,
+    pair_stage_layers,
+)
 from kvspec.spec.pins import Pin, pins_for
 from kvspec.spec.state import (
     check_state_position,
@@ -1622,6 +1638,153 @@ def _state5_pins() -> list[Case]:
     ]
 
 
+# --------------------------------------------------------------------------- PAR-1 .. PAR-8
+
+
+def _par_page(*, b_groups: int = 1, order: str = "hnd") -> CanonicalPage:
+    """The #55208 configuration: conv x 16 heads of 64 channels, B and C of 128, 3 taps, fp16; 16 SSM heads."""
+    conv = [
+        SubBlock(name="x", extent=16, width=64),
+        SubBlock(name="B", extent=b_groups, width=128),
+        SubBlock(name="C", extent=b_groups, width=128),
+    ]
+    return CanonicalPage(
+        tensors=[
+            PageTensor(name="conv", sub_blocks=conv, rows=1, element_bytes=3 * 2, order=order),
+            PageTensor(name="ssm", sub_blocks=[SubBlock(name="heads", extent=16)], rows=1, element_bytes=64 * 128 * 2),
+        ]
+    )
+
+
+def _kv_page(heads: int, *, order: str = "hnd") -> CanonicalPage:
+    kv = [SubBlock(name="kv_heads", extent=heads)]
+    return CanonicalPage(
+        tensors=[PageTensor(name=n, sub_blocks=kv, rows=4, element_bytes=8, order=order, token_rows=True) for n in "kv"]
+    )
+
+
+def _sub(extent: int, **kw: Any) -> SubBlock:
+    return SubBlock(name="kv_heads", extent=extent, **kw)
+
+
+def _par1_pins() -> list[Case]:
+    def owned(extent: int, tp: int, rank: int, **kw: Any) -> dict[str, object]:
+        return {"sub_block": _sub(extent, **kw), "tp_size": tp, "tp_rank": rank}
+
+    return [
+        Case(name="split_8_heads_tp4_rank3", inputs=owned(8, 4, 3)),
+        Case(name="gqa_replica_2_heads_tp8_rank5", inputs=owned(2, 8, 5), description="T > E: rank r holds r*E/T"),
+        Case(name="replicated_latent", inputs=owned(1, 4, 2, replicated=True)),
+        Case(name="refused_5_heads_tp2", inputs=owned(5, 2, 0), description="neither divides: refused by name"),
+    ]
+
+
+def _par2_pins() -> list[Case]:
+    return [
+        Case(name="issue_55208_tp2_rank1", inputs={"page": _par_page(), "tp_size": 2, "tp_rank": 1}),
+        Case(name="nhd_heads_tp2_rank1", inputs={"page": _kv_page(2, order="nhd"), "tp_size": 2, "tp_rank": 1}),
+    ]
+
+
+def _par3_pins() -> list[Case]:
+    # vLLM 0.33's remote_conv_offsets scales every sub-block by the TP ratio: rank 1 reads P's C as its B (#55208).
+    naive = [
+        RankCopy(producer_rank=0, consumer_rank=1, producer_offset=3072, consumer_offset=0, nbytes=3072),
+        RankCopy(producer_rank=0, consumer_rank=1, producer_offset=6912, consumer_offset=3072, nbytes=768),
+        RankCopy(producer_rank=0, consumer_rank=1, producer_offset=8448, consumer_offset=3840, nbytes=768),
+        RankCopy(producer_rank=0, consumer_rank=1, producer_offset=138752, consumer_offset=4608, nbytes=131072),
+    ]
+    inputs = {"page": _par_page(), "producer_tp": 1, "consumer_tp": 2, "consumer_rank": 1}
+    return [
+        Case(name="issue_55208_ratio_scaled_refused", inputs={**inputs, "copies": naive}),
+        Case(name="issue_55208_plan", inputs=inputs),
+    ]
+
+
+def _par3_check_pins() -> list[Case]:
+    return _par3_pins()[:1]
+
+
+def _par3_plan_pins() -> list[Case]:
+    return [
+        _par3_pins()[1],
+        Case(
+            name="tp8_to_tp2_two_heads",
+            inputs={"page": _kv_page(2), "producer_tp": 8, "consumer_tp": 2, "consumer_rank": 1},
+        ),
+    ]
+
+
+def _par4_pins() -> list[Case]:
+    def elect(extent: int, unit: int, p: int, d: int, c: int) -> dict[str, object]:
+        return {"sub_block": _sub(extent), "unit": unit, "producer_tp": p, "consumer_tp": d, "consumer_rank": c}
+
+    return [
+        Case(name="tp8_to_tp2_head_1_from_rank_4", inputs=elect(2, 1, 8, 2, 1), description="first replica faced"),
+        Case(name="tp1_to_tp4_head_0", inputs=elect(2, 0, 1, 4, 1)),
+        Case(name="tp3_refused", inputs=elect(2, 0, 2, 3, 0), description="one TP size must divide the other"),
+    ]
+
+
+def _par5_pins() -> list[Case]:
+    return [
+        Case(
+            name="opaque_split_refused",
+            inputs={"page": _kv_page(4, order="opaque"), "producer_tp": 1, "consumer_tp": 2},
+        ),
+        Case(
+            name="opaque_equal_tp_whole",
+            inputs={"page": _kv_page(4, order="opaque"), "producer_tp": 2, "consumer_tp": 2},
+        ),
+    ]
+
+
+def _par6_pins() -> list[Case]:
+    return [
+        Case(name="tp1_to_tp4", inputs={"producer_tp": 1, "consumer_tp": 4, "producer_rank": 0}),
+        Case(name="tp4_to_tp1_unread_rank_notified", inputs={"producer_tp": 4, "consumer_tp": 1, "producer_rank": 3}),
+    ]
+
+
+def _par7_pins() -> list[Case]:
+    layers = ["layers.0", "layers.1", "layers.2", "layers.3"]
+    return [
+        Case(name="pp2_to_pp1", inputs={"producer_stages": [layers[:2], layers[2:]], "consumer_stages": [layers]}),
+        Case(name="missing_layer_refused", inputs={"producer_stages": [layers[:3]], "consumer_stages": [layers]}),
+    ]
+
+
+def _par8_pins() -> list[Case]:
+    return [
+        Case(
+            name="dcp4_interleave2_rank1_token5",
+            inputs={"local_index": 5, "dcp_size": 4, "dcp_rank": 1, "interleave": 2},
+        ),
+        Case(
+            name="dcp2_interleave1_rank1_token0",
+            inputs={"local_index": 0, "dcp_size": 2, "dcp_rank": 1, "interleave": 1},
+        ),
+    ]
+
+
+def _par8_copies_pins() -> list[Case]:
+    def dcp(p: int, d: int, size: int, rank: int, interleave: int) -> dict[str, object]:
+        return {
+            "page": _kv_page(2),
+            "producer_tp": p,
+            "consumer_tp": d,
+            "consumer_rank": 0,
+            "dcp_size": size,
+            "dcp_rank": rank,
+            "interleave": interleave,
+        }
+
+    return [
+        Case(name="tp1_to_dcp2_rank1_interleave1", inputs=dcp(1, 1, 2, 1, 1), description="odd tokens of 2 pages"),
+        Case(name="tp2_to_tp1_dcp2_rank0_interleave2", inputs=dcp(2, 1, 2, 0, 2)),
+    ]
+
+
 CASE_SETS: tuple[CaseSet, ...] = (
     CaseSet(
         rule="HMA-1",
@@ -1742,6 +1905,16 @@ CASE_SETS: tuple[CaseSet, ...] = (
         pinned=_pinned("OFF-9", "check_offload_support"),
         generate=_gen_config(_KINDS),
     ),
+    CaseSet(rule="PAR-1", fn=get_owned_units, pinned=_par1_pins),
+    CaseSet(rule="PAR-2", fn=get_rank_page_map, pinned=_par2_pins),
+    CaseSet(rule="PAR-3", fn=check_coverage, pinned=_par3_check_pins),
+    CaseSet(rule="PAR-3", fn=compute_rank_copies, pinned=_par3_plan_pins),
+    CaseSet(rule="PAR-4", fn=elect_source_rank, pinned=_par4_pins),
+    CaseSet(rule="PAR-5", fn=check_page_sliceable, pinned=_par5_pins),
+    CaseSet(rule="PAR-6", fn=get_completion_count, pinned=_par6_pins),
+    CaseSet(rule="PAR-7", fn=pair_stage_layers, pinned=_par7_pins),
+    CaseSet(rule="PAR-8", fn=get_dcp_token_position, pinned=_par8_pins),
+    CaseSet(rule="PAR-8", fn=compute_dcp_copies, pinned=_par8_copies_pins),
 )
 """Which vectors each rule gets for each function; a new function adds one entry here."""
 

@@ -88,6 +88,22 @@ from kvspec.reference._reference import (
     is_full_attention_spec,
     is_hma_required,
 )
+from kvspec.spec.parallel import (
+    CanonicalPage,
+    PageTensor,
+    RankCopy,
+    SubBlock,
+    check_coverage,
+    check_page_sliceable,
+    compute_dcp_copies,
+    compute_rank_copies,
+    elect_source_rank,
+    get_completion_count,
+    get_dcp_token_position,
+    get_owned_units,
+    get_rank_page_map,
+    pair_stage_layers,
+)
 from kvspec.spec.state import (
     check_state_position,
     check_state_prefix_hit,
@@ -323,6 +339,43 @@ HASHES = Arg(
     schema={"type": "array", "items": {"type": "string"}, "description": "block hashes, base64"},
 )
 PRESENT = Arg(schema={"type": "array", "items": {"type": "array", "items": {"type": "boolean"}}})
+
+
+def _build(cls: Any, body: Json, what: str, **decoded: object) -> Any:
+    fields = {**_object(body, what), **decoded}
+    try:
+        return cls(**fields)
+    except TypeError as error:  # an unknown or missing field: a kvspec error, never a bare TypeError (VER-1)
+        raise ConfigError(f"vectors: {what}: {error}") from None
+
+
+def _decode_sub_block(body: Json) -> SubBlock:
+    return _build(SubBlock, body, "sub_block")  # type: ignore[no-any-return]
+
+
+def _list(body: Json, what: str) -> list[Json]:
+    if not isinstance(body, list):
+        raise ConfigError(f"vectors: {what}: expected a JSON array, got {body!r}")
+    return body
+
+
+def _decode_page(body: Json) -> CanonicalPage:
+    tensors = []
+    for tensor in _list(_object(body, "page").get("tensors"), "page.tensors"):
+        blocks = [
+            _decode_sub_block(b) for b in _list(_object(tensor, "page.tensors[]").get("sub_blocks"), "sub_blocks")
+        ]
+        tensors.append(_build(PageTensor, tensor, "page.tensors[]", sub_blocks=blocks))
+    return CanonicalPage(tensors=tensors)
+
+
+SUB_BLOCK = Arg(decode=_decode_sub_block, schema={"type": "object"})
+PAGE = Arg(decode=_decode_page, schema={"type": "object"})
+COPIES = Arg(
+    decode=lambda body: [_build(RankCopy, c, "copies[]") for c in _list(body, "copies")],
+    schema={"type": "array", "items": {"type": "object"}},
+)
+STAGES = Arg(schema={"type": "array", "items": {"type": "array", "items": {"type": "string"}}})
 OFFLOAD = Arg(decode=lambda body: OffloadConfig(**_object(body, "offload")), schema=_ref("offload"))
 
 
@@ -389,6 +442,16 @@ PUBLIC_NAMES: Mapping[object, str] = {
     map_sub_blocks: "map_sub_blocks",
     get_sub_block_offset: "get_sub_block_offset",
     get_retained_chunk_starts: "get_retained_chunk_starts",
+    get_owned_units: "get_owned_units",
+    get_rank_page_map: "get_rank_page_map",
+    check_coverage: "check_coverage",
+    compute_rank_copies: "compute_rank_copies",
+    compute_dcp_copies: "compute_dcp_copies",
+    elect_source_rank: "elect_source_rank",
+    check_page_sliceable: "check_page_sliceable",
+    get_completion_count: "get_completion_count",
+    pair_stage_layers: "pair_stage_layers",
+    get_dcp_token_position: "get_dcp_token_position",
 }
 
 
@@ -683,6 +746,87 @@ _ENTRIES: tuple[VectorFunction, ...] = (
         {"config": CONFIG, "num_computed_tokens": INT, "offload": OFFLOAD},
         lambda a: get_retained_chunk_starts(
             a["config"], num_computed_tokens=a["num_computed_tokens"], offload=a["offload"]
+        ),
+    ),
+)
+
+_TP_PAIR = {"producer_tp": INT, "consumer_tp": INT}
+_ENTRIES += (
+    # PAR-1 .. PAR-8
+    _entry(
+        get_owned_units,
+        {"sub_block": SUB_BLOCK, "tp_size": INT, "tp_rank": INT},
+        lambda a: get_owned_units(a["sub_block"], tp_size=a["tp_size"], tp_rank=a["tp_rank"]),
+    ),
+    _entry(
+        get_rank_page_map,
+        {"page": PAGE, "tp_size": INT, "tp_rank": INT},
+        lambda a: get_rank_page_map(a["page"], tp_size=a["tp_size"], tp_rank=a["tp_rank"]),
+    ),
+    _entry(
+        check_coverage,
+        {"page": PAGE, **_TP_PAIR, "consumer_rank": INT, "copies": COPIES},
+        lambda a: check_coverage(
+            a["page"],
+            producer_tp=a["producer_tp"],
+            consumer_tp=a["consumer_tp"],
+            consumer_rank=a["consumer_rank"],
+            copies=a["copies"],
+        ),
+    ),
+    _entry(
+        compute_rank_copies,
+        {"page": PAGE, **_TP_PAIR, "consumer_rank": INT},
+        lambda a: compute_rank_copies(
+            a["page"], producer_tp=a["producer_tp"], consumer_tp=a["consumer_tp"], consumer_rank=a["consumer_rank"]
+        ),
+    ),
+    _entry(
+        elect_source_rank,
+        {"sub_block": SUB_BLOCK, "unit": INT, **_TP_PAIR, "consumer_rank": INT},
+        lambda a: elect_source_rank(
+            a["sub_block"],
+            a["unit"],
+            producer_tp=a["producer_tp"],
+            consumer_tp=a["consumer_tp"],
+            consumer_rank=a["consumer_rank"],
+        ),
+    ),
+    _entry(
+        check_page_sliceable,
+        {"page": PAGE, **_TP_PAIR},
+        lambda a: check_page_sliceable(a["page"], producer_tp=a["producer_tp"], consumer_tp=a["consumer_tp"]),
+    ),
+    _entry(
+        get_completion_count,
+        {**_TP_PAIR, "producer_rank": INT},
+        lambda a: get_completion_count(
+            producer_tp=a["producer_tp"], consumer_tp=a["consumer_tp"], producer_rank=a["producer_rank"]
+        ),
+    ),
+    _entry(
+        pair_stage_layers,
+        {"producer_stages": STAGES, "consumer_stages": STAGES},
+        lambda a: pair_stage_layers(a["producer_stages"], a["consumer_stages"]),
+    ),
+    _entry(
+        compute_dcp_copies,
+        {"page": PAGE, **_TP_PAIR, "consumer_rank": INT, "dcp_size": INT, "dcp_rank": INT, "interleave": INT},
+        lambda a: compute_dcp_copies(
+            a["page"],
+            producer_tp=a["producer_tp"],
+            consumer_tp=a["consumer_tp"],
+            consumer_rank=a["consumer_rank"],
+            dcp_size=a["dcp_size"],
+            dcp_rank=a["dcp_rank"],
+            interleave=a["interleave"],
+        ),
+    ),
+    _entry(
+        get_dcp_token_position,
+        {"local_index": INT, "dcp_size": INT, "dcp_rank": INT, "interleave": INT},
+        lambda a: get_dcp_token_position(
+            a["local_index"], dcp_size=a["dcp_size"], dcp_rank=a["dcp_rank"], interleave=a["interleave"]
         ),
     ),
 )
