@@ -244,11 +244,12 @@ def test_a_reflected_reply_is_one_kvspec_error_for_the_client() -> None:
             with contextlib.suppress(OSError):
                 conn.recv(1)
 
+    host, port = listener.getsockname()[:2]
     thread = threading.Thread(target=serve, daemon=True)
     thread.start()
     try:
         with pytest.raises(TransportError, match=r"connection lost during hello \(payload 1 \('hello'\): it does not"):
-            AgentClient(*listener.getsockname()[:2], TOKEN, timeout=5.0)
+            AgentClient(host, port, TOKEN, timeout=5.0)
     finally:
         thread.join(timeout=5)
         listener.close()
