@@ -22,9 +22,11 @@ import pytest
 from conftest import require_backend_module
 from kvspec_conformance.configs import full, make_config
 
-from kvspec import BackendUnavailableError, KVSpecError, TransportError
+from kvspec import BackendUnavailableError, ConfigError, KVSpecError, TransportError
 from kvspec.remote import AgentAuthError, AgentClient, AgentServer, RemoteAgent, RemotePool
 from kvspec.remote._server import PAGE_COST
+from kvspec.transport import _netaddr
+from kvspec.transport._netaddr import interface_of
 from kvspec.transport._wire import (
     FrameMac,
     PayloadSeal,
@@ -129,12 +131,18 @@ def test_a_passive_observer_of_the_agent_channel_finds_no_agent_metadata() -> No
 
 
 @pytest.mark.nixl
-def test_nixl_metadata_and_pool_addresses_never_cross_in_the_clear(pytestconfig: pytest.Config) -> None:
-    """The observer finds neither NIXL's blob (UCX address) nor the addresses of the registered pool."""
+def test_nixl_metadata_and_pool_addresses_never_cross_in_the_clear(
+    pytestconfig: pytest.Config, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The observer finds neither NIXL's blob (UCX address) nor the addresses of the registered pool.
+
+    And the agent's UCX was created on the interface of the address the server serves (loopback here).
+    """
     require_backend_module(pytestconfig, "nixl_cu12", "nixl")
     require_backend_module(pytestconfig, "numpy", "nixl")
     from kvspec.transport._nixl_worker import unpack_metadata
 
+    monkeypatch.delenv("UCX_NET_DEVICES", raising=False)  # no user's choice: the served address decides
     with _server("nixl", in_process="producer") as (server, _):  # no worker to start: about 0.5 s
         tap = _Tap(server.address)
         with AgentClient(*tap.address, TOKEN, timeout=30.0) as client:
@@ -142,6 +150,10 @@ def test_nixl_metadata_and_pool_addresses_never_cross_in_the_clear(pytestconfig:
             agent = RemoteAgent(client, "producer")
             agent.register_memory(pool.regions)
             metadata = agent.get_agent_metadata()
+            assert server._session is not None
+            (served,) = server._session.agents.values()
+            info: Any = served.transport.info()  # type: ignore[attr-defined]
+            assert info["env"]["UCX_NET_DEVICES"] == interface_of("127.0.0.1") == "lo"
             agent.close()
             pool.close()
         seen = tap.close()
@@ -151,6 +163,51 @@ def test_nixl_metadata_and_pool_addresses_never_cross_in_the_clear(pytestconfig:
     for address, _ in regions:
         assert str(address).encode() not in seen
         assert address.to_bytes(8, "little") not in seen
+
+
+# --------------------------------------------------------------------------- UCX faces the peer
+
+
+def _worker_env(**options: Any) -> dict[str, str]:
+    """The environment the NIXL workers of an agent server on 127.0.0.1 start with (no worker is started)."""
+    from kvspec.transport.nixl import NixlBackend
+
+    server = AgentServer("nixl", host="127.0.0.1", port=0, token=TOKEN, options=options)
+    try:
+        assert isinstance(server.backend, NixlBackend)
+        return server.backend.worker_env()
+    finally:
+        server.close()
+
+
+@pytest.mark.nixl
+def test_the_agent_servers_nixl_workers_use_the_interface_it_serves_on(
+    pytestconfig: pytest.Config, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """UCX_NET_DEVICES is the interface that owns the served address (here a stand-in for a NIC), never all."""
+    require_backend_module(pytestconfig, "nixl_cu12", "nixl")
+    monkeypatch.delenv("UCX_NET_DEVICES", raising=False)
+    monkeypatch.setattr(_netaddr, "interface_of", {"127.0.0.1": "kvspec-nic0"}.get)
+    env = _worker_env()
+    assert (env["UCX_NET_DEVICES"], env.get("UCX_TLS")) == ("kvspec-nic0", "tcp")
+    assert _worker_env(net_devices="lo")["UCX_NET_DEVICES"] == "lo"  # an option wins
+
+
+@pytest.mark.nixl
+def test_a_users_ucx_net_devices_is_kept(pytestconfig: pytest.Config, monkeypatch: pytest.MonkeyPatch) -> None:
+    require_backend_module(pytestconfig, "nixl_cu12", "nixl")
+    from kvspec.transport.nixl import NixlBackend
+
+    monkeypatch.setenv("UCX_NET_DEVICES", "mlx5_0:1")
+    env = _worker_env()  # not the served address's lo
+    assert (env["UCX_NET_DEVICES"], env.get("UCX_TLS")) == ("mlx5_0:1", None)
+    with NixlBackend() as backend:
+        assert backend.worker_env()["UCX_NET_DEVICES"] == "mlx5_0:1"
+    with NixlBackend(net_devices="lo") as backend:
+        assert backend.worker_env()["UCX_NET_DEVICES"] == "lo"
+    monkeypatch.setenv("UCX_NET_DEVICES", "eth0;rm -rf")
+    with pytest.raises(ConfigError, match=r"NixlBackend\.net_devices: .*got 'eth0;rm -rf' \(from UCX_NET_DEVICES\)"):
+        NixlBackend()
 
 
 # --------------------------------------------------------------------------- the seal itself

@@ -55,6 +55,7 @@ from kvspec.core._models import BlockIds
 from kvspec.testing import PagePool, allocate_pool, fill_background, fill_producer_pages
 from kvspec.tools._vectors import decode_config
 from kvspec.transport import Backend, TransferHandle, Transport, load_backend
+from kvspec.transport._netaddr import derived_options
 from kvspec.transport._registry import parse_backend_options
 from kvspec.transport._wire import (
     HEADER_LIMIT,
@@ -217,7 +218,9 @@ class AgentServer:
     handshake, ``max_pending`` the handshakes in progress at once
     (``max_pending_per_host`` from one source address); after
     ``auth_failures`` failed handshakes within ``auth_window`` seconds a source
-    host is refused for a while. A port in use or an address that cannot be
+    host is refused for a while. The backend's interface options come from
+    ``host`` (:func:`kvspec.remote.derived_options`) unless ``options`` or the
+    environment (``UCX_NET_DEVICES``) name them. A port in use or an address that cannot be
     bound is a :class:`kvspec.ConfigError` naming it.
     """
 
@@ -254,7 +257,9 @@ class AgentServer:
         self._guesses = _Guesses(auth_failures, auth_window)
         self._log = log
         require_aead()  # before the backend starts: a missing package is one line saying how to install it
-        self._backend = load_backend(backend, **(options or {}))
+        given = dict(options or {})
+        # The backend faces the address it serves (NIXL's UCX listens on that interface alone); options win.
+        self._backend = load_backend(backend, **{**derived_options(backend, host, given), **given})
         try:
             self._listener = socket.create_server((host, port), reuse_port=False)
         except OSError as exc:
