@@ -211,7 +211,7 @@ def _loopback_to_a_remote_peer(backend: str, peer: str | None, options: dict[str
     return (
         f"the local {backend} agent would use {key}={value}, which cannot reach {host}; "
         f"no interface routes there (or --option {key} says loopback): give --option {key}=... for the interface "
-        f"that reaches {host}"
+        f"that reaches {host}" + (" (UCX_NET_DEVICES in the environment sets it too)" if key == "net_devices" else "")
     )
 
 

@@ -43,11 +43,13 @@ from kvspec.transport._wire import (
     MAGIC,
     MAX_DEPTH,
     FrameMac,
+    PayloadSeal,
     check_token,
     client_mac,
     frame_key,
     new_nonce,
     parse_header,
+    payload_key,
     read_token,
     recv_frame,
     send_frame,
@@ -227,8 +229,10 @@ def _impostor(reply_body: bytes) -> tuple[tuple[str, int], threading.Thread, soc
             theirs = bytes.fromhex(auth["nonce"])
             send_frame(conn, {"ok": True, "mac": server_mac(TOKEN, nonce, theirs).hex()})
             mac = FrameMac(frame_key(TOKEN, nonce, theirs), "server")
-            recv_frame(conn, header_limit=1 << 20, payload_limit=1 << 20, mac=mac)
-            conn.sendall(_raw_frame(mac, reply_body))
+            seal = PayloadSeal(payload_key(TOKEN, nonce, theirs), "server")
+            request, payload = recv_frame(conn, header_limit=1 << 20, payload_limit=1 << 20, mac=mac)
+            seal.open(request["op"], payload)
+            conn.sendall(_raw_frame(mac, reply_body, seal.seal(request["op"], b"")))
             with contextlib.suppress(OSError):
                 conn.recv(1)
 
@@ -430,7 +434,7 @@ def test_frames_after_the_handshake_need_the_session_tag() -> None:
         assert any("tag does not match" in line for line in log), log
         # Replay: a frame the client really sent, sent again, fails its sequence number.
         client = AgentClient(*server.address, TOKEN, timeout=5.0)
-        frame = _raw_frame(client._mac, b'{"op":"hello"}')
+        frame = _raw_frame(client._mac, b'{"op":"hello"}', client._seal.seal("hello", b""))
         client._sock.sendall(frame)
         recv_frame(client._sock, header_limit=1 << 20, payload_limit=1 << 20)
         client._sock.sendall(frame)

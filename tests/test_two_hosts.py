@@ -108,6 +108,12 @@ def _stop(process: subprocess.Popen[str]) -> str:
     return output
 
 
+def _env() -> dict[str, str]:
+    """This environment less ``UCX_NET_DEVICES``: the test command sets it to loopback for one-host runs, and a
+    user's ``UCX_NET_DEVICES`` is kept over the interface an address implies (no option here means none)."""
+    return {key: value for key, value in os.environ.items() if key != "UCX_NET_DEVICES"}
+
+
 @contextlib.contextmanager
 def _agent_server(hosts: Hosts, backend: str, options: list[str], token_file: Path) -> Iterator[subprocess.Popen[str]]:
     command = ["ip", "netns", "exec", hosts.agent, sys.executable, "-m", "kvspec", "agent", "serve", backend]
@@ -115,7 +121,7 @@ def _agent_server(hosts: Hosts, backend: str, options: list[str], token_file: Pa
     for option in options:
         command += ["--option", option]
     process = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True, env=_env()
     )
     try:
         assert process.stdout is not None
@@ -137,7 +143,7 @@ def _conform(
     for option in options:
         command += ["--option", option]
     process = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True, env=_env()
     )
     try:
         stdout, stderr = process.communicate(timeout=600)
@@ -210,8 +216,10 @@ def test_suite_across_two_hosts_with_no_option(
     _check(_run(hosts, tmp_path, backend, [], [], rules))
 
 
-def test_options_come_from_the_route_and_an_explicit_option_wins() -> None:
+def test_options_come_from_the_route_and_an_explicit_option_wins(monkeypatch: pytest.MonkeyPatch) -> None:
     from kvspec_conformance.cli import _peer_options
+
+    monkeypatch.delenv("UCX_NET_DEVICES", raising=False)  # the test command's loopback; a user's would be kept
 
     from kvspec.cli import _listen_options
     from kvspec.transport._netaddr import derived_options, interface_of, route_source
@@ -223,7 +231,9 @@ def test_options_come_from_the_route_and_an_explicit_option_wins() -> None:
     assert _listen_options("torch", f"{LOOPBACK}:{PORT}", ["host=127.0.0.2"]) == ["interface=lo"]
     assert _listen_options("nixl", f"0.0.0.0:{PORT}", []) == []  # a wildcard names no interface
     assert derived_options("loopback", LOOPBACK, {}) == {}
-    assert derived_options("nixl", LOOPBACK, {}) == {"net_devices": "lo"}  # tls=tcp only off loopback
+    assert derived_options("nixl", LOOPBACK, {}, environ={}) == {"net_devices": "lo"}  # tls=tcp only off loopback
+    theirs = {"UCX_NET_DEVICES": "mlx5_0:1"}
+    assert derived_options("nixl", SUITE_ADDRESS, {}, environ=theirs) == {"net_devices": "mlx5_0:1"}  # kept, no tls
     assert derived_options("mooncake", LOOPBACK, {}) == {"host": LOOPBACK}
 
 

@@ -46,6 +46,7 @@ from kvspec.transport._wire import (
     PRE_AUTH_HEADER_LIMIT,
     AgentAuthError,
     FrameMac,
+    PayloadSeal,
     WireError,
     client_mac,
     digest,
@@ -54,7 +55,9 @@ from kvspec.transport._wire import (
     keep_alive,
     new_nonce,
     no_delay,
+    payload_key,
     recv_frame,
+    require_aead,
     send_frame,
     server_mac,
 )
@@ -93,7 +96,10 @@ class AgentClient:
     under a key derived from the token and this handshake's nonces
     (:class:`kvspec.transport._wire.FrameMac`), so nobody without the token can
     send a request or a reply on this connection, even one who relayed the
-    handshake. Every call waits at most ``timeout`` seconds; a broken or silent
+    handshake, and every payload is encrypted under another key from the same
+    handshake (:class:`kvspec.transport._wire.PayloadSeal`), so an agent's
+    metadata (NIXL's UCX address and registered ranges) never crosses in the
+    clear. Every call waits at most ``timeout`` seconds; a broken or silent
     connection raises :class:`kvspec.TransportError` with reason
     ``PEER_DISCONNECTED``, so a driver ends its requests instead of hanging.
     Whatever the server sends, the client raises only kvspec errors.
@@ -107,6 +113,7 @@ class AgentClient:
         self._timeout = timeout
         self._closing = threading.Event()
         self._last_call = time.monotonic()
+        require_aead()  # before connecting: a missing package is one line saying how to install it
         try:
             sock = socket.create_connection((host, port), timeout=timeout)
         except OSError as exc:
@@ -145,6 +152,7 @@ class AgentClient:
         self._sock = sock
         self.key = digest_key(token, theirs, mine)
         self._mac = FrameMac(frame_key(token, theirs, mine), "client")
+        self._seal = PayloadSeal(payload_key(token, theirs, mine), "client")
         hello, _ = self.call("hello")
         self.backend_name = _reply_field(hello, "backend", str, "hello")
         self.capabilities = _capabilities(_reply_field(hello, "capabilities", dict, "hello"))
@@ -165,14 +173,15 @@ class AgentClient:
             if self._broken is not None:
                 raise TransportError(self._broken, reason=FailureReason.PEER_DISCONNECTED)
             try:
-                send_frame(self._sock, {"op": op, **fields}, payload, self._mac)
-                reply, body = recv_frame(
+                send_frame(self._sock, {"op": op, **fields}, self._seal.seal(op, payload), self._mac)
+                reply, sealed = recv_frame(
                     self._sock,
                     header_limit=HEADER_LIMIT,
-                    payload_limit=_REPLY_LIMIT,
+                    payload_limit=_REPLY_LIMIT + PayloadSeal.TAG_SIZE,
                     deadline=time.monotonic() + self._timeout,
                     mac=self._mac,
                 )
+                body = self._seal.open(op, sealed)
             except (OSError, WireError, AgentAuthError) as exc:
                 self._closing.set()
                 self._broken = f"agent server {self.address[0]}:{self.address[1]}: connection lost during {op} ({exc})"

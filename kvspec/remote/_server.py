@@ -24,7 +24,10 @@ one that vanished without a FIN frees what it held. For that client it owns:
   bytes each plus their descriptors and notification, bounded together by
   ``max_posted`` bytes.
 
-Every request names a pool, an agent or a handle by the id the server gave
+After the handshake every frame is tagged and every payload encrypted
+(:mod:`kvspec.transport._wire`), so an agent's metadata, which opens its
+worker's memory to whoever can reach it (UCX over TCP), never crosses in the
+clear. Every request names a pool, an agent or a handle by the id the server gave
 it; a name it did not give this client, a descriptor outside the agent's
 pool or a read outside a region is refused. A field of the wrong type is a
 :class:`kvspec.MalformedMessageError` naming it. Every allocation a request
@@ -66,6 +69,7 @@ from kvspec.core._models import BlockIds
 from kvspec.testing import PagePool, allocate_pool, fill_background, fill_producer_pages
 from kvspec.tools._vectors import decode_config
 from kvspec.transport import Backend, TransferHandle, Transport, load_backend
+from kvspec.transport._netaddr import derived_options
 from kvspec.transport._registry import parse_backend_options
 from kvspec.transport._wire import (
     DIGEST_SIZE,
@@ -74,6 +78,7 @@ from kvspec.transport._wire import (
     AgentAuthError,
     AgentRefusedError,
     FrameMac,
+    PayloadSeal,
     WireError,
     check_token,
     client_mac,
@@ -83,7 +88,9 @@ from kvspec.transport._wire import (
     new_nonce,
     no_delay,
     page_table,
+    payload_key,
     recv_frame,
+    require_aead,
     send_frame,
     server_mac,
 )
@@ -144,6 +151,7 @@ class _Session:
     peer: str
     key: bytes
     mac: FrameMac
+    seal: PayloadSeal
     pools: dict[int, _Pool] = attrs.Factory(dict)
     agents: dict[int, _Agent] = attrs.Factory(dict)
     next_id: int = 1
@@ -242,8 +250,11 @@ class AgentServer:
     takes the slot of the oldest silent one); after ``auth_failures`` failed
     handshakes within ``auth_window`` seconds a source host is refused for a
     while. A client that sends no request for ``idle_timeout`` seconds is
-    dropped and everything it held is freed. A port in use or an address that
-    cannot be bound is a :class:`kvspec.ConfigError` naming it.
+    dropped and everything it held is freed. The backend's interface options
+    come from ``host`` (:func:`kvspec.remote.derived_options`) unless
+    ``options`` or the environment (``UCX_NET_DEVICES``) name them. A port in
+    use or an address that cannot be bound is a :class:`kvspec.ConfigError`
+    naming it.
     """
 
     def __init__(
@@ -286,7 +297,10 @@ class AgentServer:
         self._max_pending_per_host = max_pending_per_host
         self._guesses = _Guesses(auth_failures, auth_window)
         self._log = log
-        self._backend = load_backend(backend, **(options or {}))
+        require_aead()  # before the backend starts: a missing package is one line saying how to install it
+        given = dict(options or {})
+        # The backend faces the address it serves (NIXL's UCX listens on that interface alone); options win.
+        self._backend = load_backend(backend, **{**derived_options(backend, host, given), **given})
         try:
             self._listener = socket.create_server((host, port), reuse_port=False)
         except OSError as exc:
@@ -471,7 +485,7 @@ class AgentServer:
         try:
             no_delay(sock)
             sock.settimeout(self._auth_timeout)
-            send_frame(sock, {"op": "challenge", "agent": "kvspec", "version": 2, "nonce": nonce.hex()})
+            send_frame(sock, {"op": "challenge", "agent": "kvspec", "version": 3, "nonce": nonce.hex()})
             header, _ = recv_frame(sock, header_limit=PRE_AUTH_HEADER_LIMIT, payload_limit=0, deadline=deadline)
             if header.get("op") != "auth":
                 raise WireError(f"expected an auth frame, got op {_show(header.get('op'))}")
@@ -494,24 +508,27 @@ class AgentServer:
             return None
         sock.settimeout(self._request_timeout)
         key, tags = digest_key(self._token, nonce, theirs), frame_key(self._token, nonce, theirs)
-        return _Session(sock=sock, peer=peer, key=key, mac=FrameMac(tags, "server"))
+        seal = PayloadSeal(payload_key(self._token, nonce, theirs), "server")
+        return _Session(sock=sock, peer=peer, key=key, mac=FrameMac(tags, "server"), seal=seal)
 
     def _serve_one(self, session: _Session) -> bool:
         """Answer one request; False when the client is gone or broke the framing (one log line)."""
         try:
-            header, payload = recv_frame(
+            header, sealed = recv_frame(
                 session.sock,
                 header_limit=HEADER_LIMIT,
-                payload_limit=_PAYLOAD_LIMIT,
+                payload_limit=_PAYLOAD_LIMIT + PayloadSeal.TAG_SIZE,
                 deadline=time.monotonic() + self._request_timeout,
                 mac=session.mac,
             )
+            op = header.get("op")
+            name = op if isinstance(op, str) else ""
+            payload = session.seal.open(name, sealed)  # every payload is encrypted; one that does not open ends it
         except (OSError, KVSpecError) as exc:
             if not isinstance(exc, ConnectionError):
                 self._log(f"dropping {session.peer}: {exc}")
             return False
         session.last_request = time.monotonic()
-        op = header.get("op")
         handler = _HANDLERS.get(op) if isinstance(op, str) else None
         reply_payload: bytes | memoryview = b""
         try:
@@ -526,7 +543,7 @@ class AgentServer:
             self._log(f"internal error on {op!r}: {type(exc).__name__}: {exc} ({where.filename}:{where.lineno})")
             reply = {"ok": False, "error": encode_error(exc, message=f"{type(exc).__name__}: {exc}")}
         try:
-            send_frame(session.sock, reply, reply_payload, session.mac)
+            send_frame(session.sock, reply, session.seal.seal(name, reply_payload), session.mac)
         except OSError:
             return False
         return op != "bye"

@@ -11,8 +11,11 @@ the interface is a network one: the derived device is a TCP interface, and
 UCX's TCP transport is the one every pair of hosts has (without it UCX may
 pick shared memory between two network namespaces of one machine). An
 ``--option`` the user gives always wins, and naming ``net_devices`` (an RDMA
-device, say) leaves ``tls`` to the user too
-(docs/how-to/run-across-two-hosts.md).
+device, say) leaves ``tls`` to the user too; so does ``UCX_NET_DEVICES`` set
+in the environment, which is kept as the user's ``net_devices``
+(docs/how-to/run-across-two-hosts.md). The NIXL worker's UCX then listens
+only on the interface that faces the peer, never on every interface: UCX over
+TCP lets whoever reaches that port read and write the worker's memory.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import ipaddress
+import os
 import socket
 import struct
 import subprocess
@@ -98,14 +102,24 @@ def interface_of(address: str) -> str | None:
     return None
 
 
-def derived_options(backend: str, local_address: str | None, given: Mapping[str, object]) -> dict[str, object]:
+def derived_options(
+    backend: str,
+    local_address: str | None,
+    given: Mapping[str, object],
+    environ: Mapping[str, str] | None = None,
+) -> dict[str, object]:
     """The options of built-in ``backend`` that ``local_address`` implies, less those in ``given`` (which win).
 
     ``torch``: ``host`` (control sockets and rendezvous) and ``interface`` (gloo); ``nixl``:
     ``net_devices``, and ``tls="tcp"`` off loopback unless ``given`` names ``net_devices``; ``mooncake``:
     ``host`` (the engine's name and the address its peers connect to). Nothing for other backends, or
-    when the address or its interface is unknown.
+    when the address or its interface is unknown. For ``nixl``, a ``UCX_NET_DEVICES`` in ``environ``
+    (default :data:`os.environ`) is the user's choice: it is kept as ``net_devices``, and ``tls`` left alone.
     """
+    if backend == "nixl" and "net_devices" not in given:
+        theirs = (os.environ if environ is None else environ).get("UCX_NET_DEVICES", "").strip()
+        if theirs:
+            return {"net_devices": theirs}
     if local_address is None or backend not in ("torch", "nixl", "mooncake"):
         return {}
     local = _ipv4(local_address)

@@ -21,7 +21,17 @@ direction | sequence number | frame)``, the frame key derived from the token and
 both nonces like the digest key. So a relay that passed the handshake through
 (someone between the client and the server) cannot send a request of its own,
 change, replay, reorder or drop a frame unnoticed: the session stays the
-client's. It still sees every byte (no encryption) and can cut the connection.
+client's.
+
+Every payload after the handshake is encrypted (:class:`PayloadSeal`):
+ChaCha20-Poly1305 under a key HKDF derives from the token and both nonces,
+each direction numbering its messages. Payloads are where a backend's
+addresses travel (``agent.metadata``'s reply, ``agent.add_remote``'s request:
+NIXL's UCX address and registered ranges, Mooncake's and torch's endpoints),
+and UCX over TCP lets whoever holds them read and write the worker's whole
+process, so nobody without the token may read them off the wire. Headers
+(ops, ids, sizes, configs) stay readable; someone on the path can still see
+them, and cut the connection.
 """
 
 from __future__ import annotations
@@ -38,9 +48,9 @@ import secrets
 import socket
 import struct
 import time
-from typing import Any
+from typing import Any, ClassVar
 
-from kvspec.core._errors import AgentAuthError, AgentRefusedError, ConfigError, WireError
+from kvspec.core._errors import AgentAuthError, AgentRefusedError, BackendUnavailableError, ConfigError, WireError
 from kvspec.core._models import KVCacheConfig
 
 __all__ = [
@@ -53,6 +63,7 @@ __all__ = [
     "AgentAuthError",
     "AgentRefusedError",
     "FrameMac",
+    "PayloadSeal",
     "WireError",
     "check_token",
     "client_mac",
@@ -65,15 +76,17 @@ __all__ = [
     "no_delay",
     "page_table",
     "parse_header",
+    "payload_key",
     "read_token",
     "recv_frame",
+    "require_aead",
     "send_frame",
     "server_mac",
     "token_bits",
     "token_pieces",
 ]
 
-MAGIC = b"KVA2"  # 2: frames after the handshake carry a tag
+MAGIC = b"KVA3"  # 2: frames after the handshake carry a tag; 3: and their payloads are encrypted
 _PREFIX = struct.Struct(">4sIQ")
 HEADER_LIMIT = 1 << 20  # a header is a small JSON object; notifications travel in it hex-encoded
 PRE_AUTH_HEADER_LIMIT = 512  # before authentication only the nonce and the MAC are accepted
@@ -120,6 +133,83 @@ class FrameMac:
             raise AgentAuthError(
                 f"frame {self._received}: its tag does not match (changed, replayed, reordered or not from the peer)"
             )
+
+
+_AEAD_HINT = "pip install 'kvspec[remote]' (or pip install cryptography)"
+
+
+def _aead() -> tuple[Any, type[Exception]]:
+    """cryptography's ChaCha20-Poly1305 class and its tag error; :class:`kvspec.BackendUnavailableError` if missing."""
+    try:
+        from cryptography.exceptions import InvalidTag
+        from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
+    except ImportError:
+        raise BackendUnavailableError(
+            f"the agent channel encrypts its payloads with the 'cryptography' package, which is not installed: "
+            f"{_AEAD_HINT}"
+        ) from None
+    return ChaCha20Poly1305, InvalidTag
+
+
+def require_aead() -> None:
+    """Check that :class:`PayloadSeal` can work here (a server or client checks before it listens or connects)."""
+    _aead()
+
+
+class PayloadSeal:
+    """The encryption of one session's payloads in both directions (see the module docstring).
+
+    ``key`` comes from :func:`payload_key`, fresh per handshake; ``role`` is
+    this end's, ``"client"`` or ``"server"``. Each direction numbers its
+    messages from 1; the AEAD nonce is the direction and the number, and the
+    associated data binds both and the request's op. So a payload that was
+    changed, replayed, reordered, sent back to its sender (reflected), moved
+    to another op or sealed under another session's key does not open:
+    :class:`AgentAuthError`, naming the message.
+    """
+
+    TAG_SIZE = 16
+    _LABEL: ClassVar[dict[str, bytes]] = {"client": b"c>s\x00", "server": b"s>c\x00"}
+
+    def __init__(self, key: bytes, role: str) -> None:
+        if role not in self._LABEL:
+            raise ConfigError(f"PayloadSeal.role: expected 'client' or 'server', got {role!r}")
+        aead, self._invalid = _aead()
+        self._aead = aead(key)
+        self._out = self._LABEL[role]
+        self._in = self._LABEL["server" if role == "client" else "client"]
+        self._sent = 0
+        self._received = 0
+
+    @staticmethod
+    def _nonce_and_data(direction: bytes, number: int, op: str) -> tuple[bytes, bytes]:
+        nonce = direction + number.to_bytes(8, "big")  # 12 bytes: never repeats under one key
+        return nonce, b"|".join((_CONTEXT, b"payload", nonce, op.encode("utf-8", "replace")))
+
+    def seal(self, op: str, payload: bytes | memoryview) -> bytes:
+        """The next outgoing payload of ``op`` (a request's, or the reply to it), encrypted and tagged."""
+        self._sent += 1
+        nonce, data = self._nonce_and_data(self._out, self._sent, op)
+        sealed: bytes = self._aead.encrypt(nonce, bytes(payload), data)
+        return sealed
+
+    def open(self, op: str, sealed: bytes) -> bytes:
+        """The next incoming payload of ``op``, decrypted; :class:`AgentAuthError` when it does not open."""
+        self._received += 1
+        nonce, data = self._nonce_and_data(self._in, self._received, op)
+        if len(sealed) < self.TAG_SIZE:
+            raise AgentAuthError(
+                f"payload {self._received} ({op!r:.60}): expected at least {self.TAG_SIZE} bytes (an encrypted "
+                f"payload), got {len(sealed)}"
+            )
+        try:
+            opened: bytes = self._aead.decrypt(nonce, sealed, data)
+        except self._invalid:
+            raise AgentAuthError(
+                f"payload {self._received} ({op!r:.60}): it does not decrypt under this session's key (changed, "
+                "replayed, reflected or not from the peer)"
+            ) from None
+        return opened
 
 
 def send_frame(
@@ -274,6 +364,20 @@ def digest_key(token: bytes, server_nonce: bytes, client_nonce: bytes) -> bytes:
 def frame_key(token: bytes, server_nonce: bytes, client_nonce: bytes) -> bytes:
     """The session's key for frame tags (:class:`FrameMac`), fresh per connection."""
     return hmac.new(token, b"|".join((_CONTEXT, b"frames", server_nonce, client_nonce)), hashlib.sha256).digest()
+
+
+def payload_key(token: bytes, server_nonce: bytes, client_nonce: bytes) -> bytes:
+    """The session's key for payloads (:class:`PayloadSeal`): HKDF-SHA256 of the token, salted with both nonces.
+
+    Each nonce is length-prefixed in the salt, so no two handshakes' nonce
+    pairs give the same salt; the key is fresh per connection.
+    """
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+    salt = b"".join(len(n).to_bytes(2, "big") + n for n in (server_nonce, client_nonce))
+    key: bytes = HKDF(algorithm=hashes.SHA256(), length=32, salt=salt, info=_CONTEXT + b"|payload").derive(token)
+    return key
 
 
 def token_bits(token: bytes) -> float:

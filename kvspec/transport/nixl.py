@@ -11,7 +11,8 @@ Theory of operation:
 * Regions must be ``multiprocessing.shared_memory`` blocks
   (``MemoryRegion.shm_name``); the worker attaches them by name and registers
   them with NIXL as host DRAM. Device memory (VRAM) is not supported.
-* Every worker runs with ``UCX_NET_DEVICES=lo`` (the ``net_devices`` option). ``post`` checks the
+* Every worker runs with ``UCX_NET_DEVICES=lo`` (the ``net_devices`` option; the environment's
+  ``UCX_NET_DEVICES`` when set), so UCX listens on those devices alone. ``post`` checks the
   descriptors here and queues the request; it reaches the worker with the
   next call, and the first ``check`` starts it, as loopback moves nothing
   until polled. By default UCX moves data with CMA (``process_vm_readv``/``writev``),
@@ -708,9 +709,11 @@ class NixlBackend(WorkerBackend):
     - ``env``: extra environment for the workers, e.g. ``{"UCX_LOG_LEVEL": "info"}``.
     - ``ucx_params``: UCX backend parameters, e.g. ``{"ucx_error_handling_mode": "none"}``.
     - ``net_devices``: ``UCX_NET_DEVICES`` of the workers and the in-process
-      agent: the network devices UCX may use, comma-separated (default
+      agent: the network devices UCX may use (and listen on), comma-separated
+      (default: ``UCX_NET_DEVICES`` where the environment sets it, else
       ``"lo"``: loopback only). Across hosts, the NIC that reaches the peer,
-      e.g. ``"eth0"`` or ``"mlx5_0:1"``.
+      e.g. ``"eth0"`` or ``"mlx5_0:1"``; ``kvspec agent serve`` and ``kvspec
+      conform --peer`` derive it from their addresses.
     - ``call_timeout``: seconds any call may wait for its worker (default 60).
     - ``start_timeout``: seconds a worker may take to start (default 60).
     - ``transfer_timeout``: seconds a transfer may stay in flight before it
@@ -746,13 +749,17 @@ class NixlBackend(WorkerBackend):
         max_idle_workers: int = 4,
         in_process: str | None = None,
         worker_command: Sequence[str] | None = None,
-        net_devices: str = "lo",
+        net_devices: str | None = None,
     ) -> None:
         _require_nixl()
+        source = ""
+        if net_devices is None:  # the user's UCX_NET_DEVICES is kept; loopback otherwise, never every interface
+            net_devices = os.environ.get("UCX_NET_DEVICES", "").strip() or "lo"
+            source = " (from UCX_NET_DEVICES)" if "UCX_NET_DEVICES" in os.environ else ""
         if not isinstance(net_devices, str) or not all(_DEVICE.match(d) for d in net_devices.split(",")):
             raise ConfigError(
                 f"NixlBackend.net_devices: expected UCX device names, comma-separated (e.g. 'lo', 'eth0', "
-                f"'mlx5_0:1'), got {net_devices!r}"
+                f"'mlx5_0:1'), got {net_devices!r}{source}"
             )
         self._net_devices = net_devices
         if tls not in (None, "tcp"):
