@@ -15,6 +15,7 @@ import contextlib
 import random
 import time
 from collections.abc import Callable, Iterator, Sequence
+from typing import cast
 
 import attrs
 
@@ -774,7 +775,8 @@ def _live_memory(ctx: CaseContext) -> None:
 # --------------------------------------------------------------------------- FAIL-1: where the peer dies, at what pace
 
 
-# Where the target dies: the initiator loaded its metadata only; both loaded each other's; a transfer was posted.
+# Where the target dies: right after both loaded each other's metadata (nothing moved yet, a cold pair); before
+# the next post of a pair that already moved a transfer (warm: connections up); after a post.
 _DEATHS = ("after metadata load", "before post", "after post")
 
 
@@ -787,39 +789,53 @@ def _progress_modes(ctx: CaseContext) -> list[tuple[str, Backend]]:
 
 
 def _die(ctx: CaseContext, backend: Backend, mode: TransferMode, death: str) -> str | None:
-    """The target dies at ``death``; what went wrong, or None. Every call is timed against LOSS_BOUND."""
+    """The target dies at ``death``; what went wrong, or None. Every call the initiator makes is timed."""
     bound = LOSS_BOUND * ctx.time_scale
-    with _pair(ctx, backend=backend, handshake=False) as pair:
-        initiator, target = pair.initiator(mode), pair.target(mode)
-        peer = initiator.add_remote_agent(target.get_agent_metadata())
-        if death != "after metadata load":
-            target.add_remote_agent(initiator.get_agent_metadata())
+    calls: dict[str, float] = {}
+
+    def timed(what: str, call: Callable[[], object]) -> object:
+        started = time.monotonic()
+        try:
+            return call()
+        finally:
+            calls[what] = time.monotonic() - started
+
+    with _pair(ctx, backend=backend) as pair:
+        initiator, target, peer = pair.initiator(mode), pair.target(mode), pair.peer(mode)
         rows = _spread(pair, mode, count=8, nbytes=2048)
+        if death == "before post":
+            warm = initiator.post(mode, rows[:1], peer=peer)
+            _expect_done(
+                ctx, "FAIL-1", f"{mode.value} before the peer dies", pair.wait(mode, [warm], DONE_BOUND), DONE_BOUND
+            )
+            initiator.release(warm)
         _fresh_source(pair, mode, rows, "die", death)
         wanted = _expected(pair, mode, rows, _snapshot(pair.c_pool))
         before = _snapshot(pair.c_pool)
         handle: TransferHandle | None = None
         if death == "after post":
             handle = initiator.post(mode, rows, peer=peer)
-        started = time.monotonic()
         target.close()
+        status: TransferStatus | None = None
         try:
             if handle is None:
-                handle = initiator.post(mode, rows, peer=peer)
+                handle = cast(TransferHandle, timed("post", lambda: initiator.post(mode, rows, peer=peer)))
         except TransportError:
-            status = None  # refused: the cleanest outcome when the peer is known dead
+            pass  # refused: the cleanest outcome when the peer is known dead
         else:
+            started = time.monotonic()
             [status] = pair.wait(mode, [handle], LOSS_BOUND)
-            initiator.release(handle)
-        took = time.monotonic() - started
-        initiator.close()
-        if time.monotonic() - started > bound + DONE_BOUND * ctx.time_scale:
-            return f"close of the initiator took {time.monotonic() - started - took:.1f} s (nothing may hang)"
+            calls["wait"] = time.monotonic() - started
+            timed("release", lambda: initiator.release(handle))
+        timed("close", initiator.close)
+        slow = [f"{what} took {took:.1f} s" for what, took in calls.items() if what != "wait" and took > bound]
+        if slow:
+            return ", ".join(slow) + f" (nothing may hang: bound {bound:.1f} s)"
         if status is None:
             moved = _diff("destination after a refused post", _snapshot(pair.c_pool), before)
             return None if moved is None else moved + " (a refused post moved bytes)"
         if status.state is TransferState.PENDING:
-            return f"still PENDING {took:.1f} s after the peer died (a dead peer must be reported within {bound:.1f} s)"
+            return f"still PENDING {calls['wait']:.1f} s after the peer died (a dead peer must be reported)"
         if status.state is TransferState.FAILED:
             return None if status.reason is not None else "FAILED without a typed reason"
         if death != "after post":
@@ -831,7 +847,9 @@ def _die(ctx: CaseContext, backend: Backend, mode: TransferMode, death: str) -> 
 def _peer_dies_matrix(ctx: CaseContext) -> None:
     """The target dies after metadata load, before post or after post, at each pace: refused, FAILED or whole DONE.
 
-    Before a post, the post is refused (TransportError) or the transfer ends
+    After metadata load: both agents loaded each other's metadata and nothing
+    moved yet; before post: one transfer already moved, so connections are up,
+    and the next is posted after the death. Before a post, the post is refused (TransportError) or the transfer ends
     FAILED with a reason; after a post, FAILED or DONE are both allowed, and
     DONE needs every byte. Nothing may stay PENDING past LOSS_BOUND (scaled),
     and a refused post moves no byte. Paces (kvspec.transport.pace) stand for
