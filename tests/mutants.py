@@ -8,6 +8,7 @@ and id mix-ups live in connector logic, not in a transport.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -54,6 +55,7 @@ __all__ = [
     "STATE_ENDPOINT_MUTANTS",
     "DriverMutant",
     "EndpointMutant",
+    "LogsErrors",
     "MutantBackend",
 ]
 
@@ -879,6 +881,24 @@ class SharedRegistry(MutantBackend):
     agent_class = _SharedRegistryAgent
     breaks = "FAIL-1"
     caught_by = ("FAIL-1/transport-registration-failure",)
+
+
+class _ErrorLoggingAgent(_Agent):
+    """Moves every byte right, and logs an error at every post (as an engine that complains about nothing)."""
+
+    def post(
+        self, mode: TransferMode, descriptors: Sequence[Descriptor], *, peer: str, notification: bytes | None = None
+    ) -> TransferHandle:
+        logging.getLogger(__name__).error("xfer %s to %s: unexpected completion queue entry", mode.value, peer)
+        return self.inner.post(mode, descriptors, peer=peer, notification=notification)
+
+
+class LogsErrors(MutantBackend):
+    """Every transfer right, yet an error logged at every post: the run fails on the log, naming the line."""
+
+    agent_class = _ErrorLoggingAgent
+    breaks = "DONE-1"
+    caught_by = ()
 
 
 FAULT_BACKEND_MUTANTS: tuple[type[MutantBackend], ...] = (SharedRegistry,)

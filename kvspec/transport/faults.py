@@ -483,6 +483,11 @@ class FaultyBackend:
         self._agents: list[FaultInjector] = []
 
     @property
+    def inner(self) -> Backend:
+        """The wrapped backend."""
+        return self._inner
+
+    @property
     def name(self) -> str:
         """``faulty(<inner name>)``."""
         return f"faulty({self._inner.name})"
