@@ -32,7 +32,15 @@ from typing import IO
 
 import attrs
 
-__all__ = ["BackendLogLine", "capture_backend_logs", "is_error_line", "relay_stderr", "terminal_mode"]
+__all__ = [
+    "BackendLogLine",
+    "capture_backend_logs",
+    "is_error_line",
+    "relay_lines",
+    "relay_stderr",
+    "send_stderr_lines",
+    "terminal_mode",
+]
 
 # glog, abseil: "E1207 00:17:03.123456 42 file.cc:12] ..."; c10, gloo: "[E socket.cpp:12] ..."; UCX: "... ERROR ...".
 _ERROR = re.compile(r"^\[?[EF]\d{4} |^\[?[EF] [\w./-]+:\d+\]|\bERROR\b|\bFATAL\b|^Traceback \(most recent call last\):")
@@ -73,13 +81,14 @@ def _emit(line: BackendLogLine) -> None:
         listener(line)
 
 
-def relay_stderr(stream: IO[bytes], *, source: str, quiet: Sequence[str] = ()) -> threading.Thread:
-    """Read ``stream`` (a worker's stderr) to its end in a thread; each line to the listeners and the terminal."""
+def relay_lines(receive: Callable[[], bytes], *, source: str, quiet: Sequence[str] = ()) -> threading.Thread:
+    """Call ``receive`` for lines (``b""``, EOFError or OSError ends) in a daemon thread; each to the listeners
+    and, as :func:`terminal_mode` says, to this process's stderr."""
 
     def run() -> None:
-        with contextlib.suppress(OSError, ValueError):
-            for raw in iter(lambda: stream.readline(MAX_LINE), b""):
-                text = raw.decode("utf-8", "replace").rstrip("\r\n")
+        with contextlib.suppress(OSError, ValueError, EOFError):
+            while raw := receive():
+                text = raw[:MAX_LINE].decode("utf-8", "replace").rstrip("\r\n")
                 noise = any(q in text for q in quiet)
                 _emit(BackendLogLine(source=source, text=text, error=not noise and is_error_line(text)))
                 mode = terminal_mode()
@@ -87,12 +96,41 @@ def relay_stderr(stream: IO[bytes], *, source: str, quiet: Sequence[str] = ()) -
                     with contextlib.suppress(OSError, ValueError):
                         sys.stderr.write(text + "\n")
                         sys.stderr.flush()
-        with contextlib.suppress(OSError):
-            stream.close()
 
     thread = threading.Thread(target=run, name=f"kvspec-logs-{source}", daemon=True)
     thread.start()
     return thread
+
+
+def relay_stderr(stream: IO[bytes], *, source: str, quiet: Sequence[str] = ()) -> threading.Thread:
+    """Relay a worker's stderr pipe line by line (:func:`relay_lines`), then close it."""
+
+    def receive() -> bytes:
+        line = stream.readline(MAX_LINE)
+        if not line:
+            stream.close()
+        return line
+
+    return relay_lines(receive, source=source, quiet=quiet)
+
+
+def send_stderr_lines(send: Callable[[bytes], None]) -> None:
+    """In a worker: point file descriptor 2 at a pipe and ``send`` each line written to it (C++ engines' logs too).
+
+    For workers whose parent cannot pipe their stderr itself (``multiprocessing``
+    spawn); the parent relays what ``send`` carries with :func:`relay_lines`.
+    """
+    read, write = os.pipe()
+    os.dup2(write, 2)
+    os.close(write)
+    stream = os.fdopen(read, "rb")
+
+    def run() -> None:
+        with contextlib.suppress(OSError, ValueError, EOFError):
+            while line := stream.readline(MAX_LINE):
+                send(line)
+
+    threading.Thread(target=run, name="kvspec-stderr", daemon=True).start()
 
 
 class _ErrorRecords(logging.Handler):
