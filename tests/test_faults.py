@@ -462,3 +462,18 @@ def test_bad_engine_fault_values_are_refused() -> None:
         FaultPlan(fail_registration=1)  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match=r"FaultPlan\.flip_status: expected a probability"):
         FaultPlan(flip_status=2)
+
+
+def test_a_held_post_refused_when_it_goes_ends_failed() -> None:
+    """A post held by post_latency whose peer is gone by then ends FAILED with the inner agent's reason."""
+    backend, a, _b, _ = _write_pair(FaultPlan(post_latency=0.02, agents="a"))
+    handle = a.post(TransferMode.WRITE, [_ALL], peer="b")
+    a.inner.remove_remote_agent("b")
+    time.sleep(0.03)
+    status = a.check(handle)
+    assert status.state is TransferState.FAILED
+    assert status.reason is FailureReason.PEER_DISCONNECTED
+    assert "delayed post refused" in status.detail
+    assert a.check(handle) == status
+    a.release(handle)
+    backend.close()

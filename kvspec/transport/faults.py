@@ -10,7 +10,7 @@ from typing import Any
 import attrs
 
 from kvspec.core._enums import FailureReason, TransferMode
-from kvspec.core._errors import ConfigError, TransportError
+from kvspec.core._errors import ConfigError, KVSpecError, TransportError
 from kvspec.transport._base import (
     Backend,
     Capabilities,
@@ -336,6 +336,8 @@ class FaultInjector:
             return self._finish(state, FailureReason.PEER_DISCONNECTED, "injected disconnect")
         if not self._issue(state):
             return TransferStatus(state=TransferState.PENDING)
+        if state.final is not None:  # the held post was refused when it reached the inner agent
+            return state.final
         status = self._inner.check(state.issued or handle)
         if status.state is not TransferState.DONE:
             if status.state is TransferState.FAILED:
@@ -364,10 +366,10 @@ class FaultInjector:
         state.held = None
         try:
             state.issued = self._inner.post(mode, descriptors, peer=state.peer, notification=notification)
-        except TransportError as exc:
-            self._finish(state, exc.reason, f"delayed post refused: {exc}")
+        except KVSpecError as exc:
+            reason = exc.reason if isinstance(exc, TransportError) else FailureReason.POST_FAILED
+            self._finish(state, reason, f"delayed post refused: {exc}")
             state.inner_released = True
-            return True
         return True
 
     def _issue_due(self) -> None:
