@@ -82,6 +82,9 @@ class CaseContext:
     shrink: bool = False
     integrity: bool = False
     last_reproducer: str | None = None
+    errors_expected: bool = False
+    """Set while a case injects a fault or loses a peer: the backend's error logs are then expected (the runner
+    resets it per case; :meth:`expect_error_logs` and :meth:`run` set it)."""
 
     @property
     def capabilities(self) -> Capabilities:
@@ -89,8 +92,15 @@ class CaseContext:
         declared = self.backend.capabilities
         return attrs.evolve(declared, integrity=True) if self.integrity and not declared.integrity else declared
 
+    def expect_error_logs(self) -> None:
+        """The case is about to inject a fault or lose a peer: the backend may log errors, and that is right."""
+        self.errors_expected = True
+
     def run(self, scenario: Scenario) -> ScenarioResult:
         """Play a scenario on the backend under test and remember it as the reproducer."""
+        timed = ("abort_after_polls", "disconnect_after_polls", "kill_peer_after_polls")
+        if scenario.faults is not None or any(getattr(r, f) is not None for r in scenario.requests for f in timed):
+            self.expect_error_logs()
         if self.time_scale != 1.0:
             scenario = attrs.evolve(
                 scenario,

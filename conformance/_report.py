@@ -78,11 +78,14 @@ class Report:
     tested: tuple[tuple[str, str], ...] = ()
     """What else was under test, as (field, value): the connector's import path, the installed vLLM."""
     pace: str | None = None  # "slow (seed 3)" under --pace: the seed replays the run
+    log_errors: tuple[str, ...] = ()
+    """Error lines the backend logged that no case expected (``"during CASE: SOURCE: TEXT"``): each fails the run."""
+    expected_log_errors: int = 0  # error lines logged while a case injected a fault or lost a peer, or allowed
 
     @property
     def passed(self) -> bool:
-        """True unless some MUST case failed or errored; SHOULD failures only warn."""
-        return not any(r.is_failure and r.level is Level.MUST for r in self.results)
+        """True unless some MUST case failed or errored, or the backend logged an error no case expected."""
+        return not self.log_errors and not any(r.is_failure and r.level is Level.MUST for r in self.results)
 
     @property
     def exit_status(self) -> int:
@@ -125,6 +128,8 @@ class Report:
             "seconds": round(self.seconds, 3),
             "max_examples": self.max_examples,
             "pace": self.pace,
+            "log_errors": list(self.log_errors),
+            "expected_log_errors": self.expected_log_errors,
             "counts": self.counts(),
             "rules": rules,
             "cases": [r.to_dict() for r in self.results],
@@ -176,6 +181,11 @@ class Report:
                     element.text = result.message + (
                         f"\n\nReproducer:\n{result.reproducer}" if result.reproducer else ""
                     )
+        if self.log_errors:
+            suite = ET.SubElement(root, "testsuite", name="backend-logs", tests="1", failures="1", errors="0")
+            testcase = ET.SubElement(suite, "testcase", classname="kvspec_conformance.logs", name="no unexpected error")
+            failure = ET.SubElement(testcase, "failure", message=self.log_errors[0][:500])
+            failure.text = "\n".join(self.log_errors)
         ET.indent(root)
         return '<?xml version="1.0" encoding="utf-8"?>\n' + ET.tostring(root, encoding="unicode") + "\n"
 
@@ -223,8 +233,21 @@ class Report:
         if folded:
             lines += ["", f"{len(folded)} more failures of the rules above (--verbose prints each in full):"]
             lines += [f"  {r.case_id}: {_clip(_first_line(r.message), 90)}" for r in folded]
+        if self.log_errors:
+            lines += ["", "=" * 78, "FAILED: the backend logged errors no case expected (a correct backend logs none):"]
+            lines += [f"  {_clip(line, 200)}" for line in self.log_errors[:20]]
+            if len(self.log_errors) > 20:
+                lines.append(f"  ... and {len(self.log_errors) - 20} more")
+            lines.append("  (allow a known one with --allow-log REGEX; KVSPEC_BACKEND_LOGS=1 shows every worker line)")
         counts = self.counts()
-        verdict = "PASSED" if self.passed else "FAILED (a MUST case failed)"
+        failed_case = any(r.is_failure and r.level is Level.MUST for r in self.results)
+        verdict = (
+            "PASSED"
+            if self.passed
+            else "FAILED (a MUST case failed)"
+            if failed_case
+            else "FAILED (the backend logged an unexpected error)"
+        )
         expected = [r for r in self.results if r.outcome is Outcome.EXPECTED_FAILURE]
         if expected:
             lines += ["", "expected failures:"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 import traceback
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -10,7 +11,8 @@ import attrs
 
 import kvspec
 from kvspec.rules import Level
-from kvspec.transport import Backend, Pace, PacedBackend, load_backend
+from kvspec.transport import Backend, FaultyBackend, Pace, PacedBackend, load_backend
+from kvspec.transport.backend_logs import BackendLogLine, capture_backend_logs
 
 from ._cases import Case, CaseFailure, CaseSkip, missing_capabilities, select_cases
 from ._connector import Connector, ReferenceConnector
@@ -18,7 +20,10 @@ from ._context import DEFAULT_MAX_EXAMPLES, CaseContext, PacedSpec, default_time
 from ._report import CaseResult, Outcome, Report
 from ._scenario import connector_replay
 
-__all__ = ["apply_expected_failures", "parse_expected_failures", "run_case", "run_suite"]
+__all__ = ["apply_expected_failures", "judge_logs", "parse_expected_failures", "run_case", "run_suite"]
+
+# The engines' own Python loggers, watched besides the backend's package: their errors count as the backend's.
+ENGINE_LOGGERS = ("nixl", "mooncake", "torch.distributed")
 
 Progress = Callable[[int, int, CaseResult], None]
 
@@ -44,6 +49,7 @@ def run_case(case: Case, context: CaseContext) -> CaseResult:
         hint = " (the drivers' INT-1 check provides it: kvspec conform --integrity)" if "integrity" in missing else ""
         return result(Outcome.SKIPPED, f"backend lacks capability {', '.join(missing)}{hint}")
     context.last_reproducer = None
+    context.errors_expected = False
     # Cases that drive the transport directly have no scenario; they replay as the one case.
     imports, connector = "", ""
     replay = connector_replay(context.connector)
@@ -129,6 +135,7 @@ def run_suite(
     integrity: bool = False,
     pace: str | Pace | None = None,
     pace_seed: int = 0,
+    allow_logs: Sequence[str] = (),
 ) -> Report:
     """Run the conformance suite and return its report.
 
@@ -143,6 +150,10 @@ def run_suite(
     ``pace`` (``"slow"``, ``"jitter"`` or a :class:`kvspec.transport.Pace`) wraps
     the backend in :class:`kvspec.transport.PacedBackend` seeded with
     ``pace_seed``: a correct backend passes every case at any pace.
+    ``allow_logs`` are regular expressions of error log lines the run may
+    see: any other error the backend logs (a worker's stderr, or an ERROR
+    record of its package's or its engine's logger) outside a case that
+    injects a fault fails the run (:func:`judge_logs`), as NIXL's own tests do.
     """
     started = time.perf_counter()
     spec = backend if isinstance(backend, str) else f"{type(backend).__module__}:{type(backend).__name__}"
@@ -165,15 +176,22 @@ def run_suite(
         integrity=integrity,
     )
     results: list[CaseResult] = []
-    try:
-        for index, case in enumerate(chosen):
-            outcome = apply_expected_failures(run_case(case, context), expected_failures or {})
-            results.append(outcome)
-            if progress is not None:
-                progress(index + 1, len(chosen), outcome)
-    finally:
-        if isinstance(backend, str):
-            inner.close()
+    windows: list[_Window] = []
+    with capture_backend_logs(_backend_loggers(inner)) as logged:
+        try:
+            for index, case in enumerate(chosen):
+                began = time.monotonic()
+                outcome = apply_expected_failures(run_case(case, context), expected_failures or {})
+                # A case that failed anyway, or was declared to, may log what it likes: its failure is the report.
+                allowed = context.errors_expected or outcome.outcome is not Outcome.PASSED
+                windows.append(_Window(case_id=case.id, began=began, ended=time.monotonic(), allowed=allowed))
+                results.append(outcome)
+                if progress is not None:
+                    progress(index + 1, len(chosen), outcome)
+        finally:
+            if isinstance(backend, str):
+                inner.close()
+    unexpected, expected_errors = judge_logs(logged, windows, allow=allow_logs, grace=_LOG_GRACE * context.time_scale)
     return Report(
         backend=resolved.name if not isinstance(backend, str) else backend,
         results=tuple(results),
@@ -181,4 +199,62 @@ def run_suite(
         max_examples=max_examples,
         kvspec_version=kvspec.__version__,
         pace=shown.describe() if shown is not None else None,
+        log_errors=tuple(unexpected),
+        expected_log_errors=expected_errors,
     )
+
+
+_LOG_GRACE = 1.0  # seconds (scaled) after a case that expected errors during which its late log lines still count
+
+
+@attrs.frozen(kw_only=True)
+class _Window:
+    """When one case ran, and whether error logs were expected then."""
+
+    case_id: str
+    began: float
+    ended: float
+    allowed: bool
+
+
+def _backend_loggers(backend: Backend) -> list[str]:
+    """The Python loggers whose errors are the backend's: its package's (under any wrapper) and the engines'."""
+    while isinstance(backend, (PacedBackend, FaultyBackend)):
+        backend = backend.inner
+    package = type(backend).__module__.partition(".")[0]
+    return [package, *ENGINE_LOGGERS]
+
+
+def judge_logs(
+    lines: Iterable[BackendLogLine], windows: Sequence[_Window], *, allow: Iterable[str] = (), grace: float = 1.0
+) -> tuple[list[str], int]:
+    """The error lines no case expected (each named with the case it came during or after), and how many were.
+
+    A line is expected when it came during a case that injected a fault or
+    lost a peer (or that failed anyway), after such a case and before the
+    next began, or within ``grace`` seconds into the next; or when it matches
+    a regular expression of ``allow``.
+    """
+    patterns = [re.compile(p) for p in allow]
+    unexpected: list[str] = []
+    expected = 0
+    for line in lines:
+        if not line.error:
+            continue
+        if any(p.search(line.text) for p in patterns):
+            expected += 1
+            continue
+        started = [w for w in windows if w.began <= line.at]
+        if not started:
+            unexpected.append(f"before the first case: {line.source}: {line.text}")
+            continue
+        last = started[-1]
+        during = line.at <= last.ended
+        # A late line of the case before, a fault case, arriving just after this one began, is that case's.
+        late = len(started) > 1 and started[-2].allowed and line.at - started[-2].ended <= grace
+        if last.allowed or (during and late):
+            expected += 1
+            continue
+        where = f"during {last.case_id}" if during else f"after {last.case_id}"
+        unexpected.append(f"{where}: {line.source}: {line.text}")
+    return unexpected, expected

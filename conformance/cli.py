@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import math
 import os
+import re
 import secrets
 import sys
 from collections.abc import Sequence
@@ -140,6 +141,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "token from --token-file or KVSPEC_AGENT_TOKEN)",
     )
     parser.add_argument("--token-file", metavar="F", help="with --peer: file holding the shared token")
+    parser.add_argument(
+        "--allow-log",
+        action="append",
+        default=[],
+        metavar="REGEX",
+        help="an error line the backend may log (a regular expression): any other error it logs outside a case that "
+        "injects a fault fails the run; repeatable",
+    )
+    parser.add_argument(
+        "--backend-logs",
+        action="store_true",
+        help="show every line the backend's worker processes write, its known noise too "
+        "(as KVSPEC_BACKEND_LOGS=1; KVSPEC_BACKEND_LOGS=0 shows none)",
+    )
     parser.add_argument("--json", metavar="PATH", help="write the report as JSON")
     parser.add_argument("--junit", metavar="PATH", help="write the report as JUnit XML")
     parser.add_argument("--list", action="store_true", help="list the selected cases and exit")
@@ -328,6 +343,14 @@ def run(args: argparse.Namespace) -> int:
             print(f"{c.id:<52} {c.level.value:<6} {c.title}{needs}")
         print(f"{len(cases)} cases over {len({c.rule for c in cases})} of {len(RULES)} rules")
         return 0
+    for pattern in args.allow_log:
+        try:
+            re.compile(pattern)
+        except re.error as exc:
+            print(f"kvspec conform: --allow-log {pattern!r}: expected a regular expression ({exc})", file=sys.stderr)
+            return 2
+    if args.backend_logs:
+        os.environ["KVSPEC_BACKEND_LOGS"] = "1"  # read by the relay of every worker's stderr, as it writes each line
     if args.pace_seed is not None and args.pace is None:
         print("kvspec conform: --pace-seed: expected --pace slow or --pace jitter with it", file=sys.stderr)
         return 2
@@ -387,6 +410,7 @@ def run(args: argparse.Namespace) -> int:
             integrity=args.integrity,
             pace=args.pace,
             pace_seed=args.pace_seed if args.pace_seed is not None else secrets.randbelow(1 << 16),
+            allow_logs=args.allow_log,
         )
     finally:
         backend.close()

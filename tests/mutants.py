@@ -8,6 +8,7 @@ and id mix-ups live in connector logic, not in a transport.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -28,6 +29,7 @@ from kvspec import (
     PageDigester,
     TransferMode,
     TransferParams,
+    TransportError,
     UnsupportedHybridError,
 )
 from kvspec.drivers._driver import LiveRequest, Moment
@@ -47,10 +49,13 @@ __all__ = [
     "CONNECTOR_MUTANTS",
     "DRIVER_MUTANTS",
     "ENDPOINT_MUTANTS",
+    "FAULT_BACKEND_MUTANTS",
+    "FAULT_DRIVER_MUTANTS",
     "SCORE",
     "STATE_ENDPOINT_MUTANTS",
     "DriverMutant",
     "EndpointMutant",
+    "LogsErrors",
     "MutantBackend",
 ]
 
@@ -182,6 +187,7 @@ class FailedAsDone(MutantBackend):
 
     agent_class = _FailedAsDoneAgent
     breaks = "FAIL-1"
+    caught_by = ("FAIL-1/transport-peer-dies-matrix",)
 
 
 class _SilentAgent(_Agent):
@@ -344,7 +350,7 @@ class DeafToPeerLoss(MutantBackend):
 
     agent_class = _DeafAgent
     breaks = "FAIL-1"
-    caught_by = ("FAIL-1/transport-peer-loss",)
+    caught_by = ("FAIL-1/transport-peer-loss", "FAIL-1/transport-peer-dies-matrix")
 
 
 class _TimeoutAgent(_Agent):
@@ -761,6 +767,141 @@ class DigestsTheNextBlock(DriverMutant):
 
 
 DRIVER_MUTANTS: tuple[type[DriverMutant], ...] = (SkipsIntegrityCheck, WriteSendsEmptyDigests, DigestsTheNextBlock)
+
+
+# --------------------------------------------------------------------------- mutants for the FaultPlan's engine faults
+# flip_status, post_latency and fail_registration (issue 37): the driver reads the status a backend reports, so two
+# of them patch the driver's check; the third is a backend that resolves memory it never registered.
+
+
+def _check_as(decide: Callable[[_driver.Driver[Any], LiveRequest[Any], TransferStatus], TransferStatus]) -> Any:
+    """A driver ``_check`` that sees each status through ``decide`` (the reference's, otherwise)."""
+
+    def check(self: _driver.Driver[Any], request: LiveRequest[Any]) -> None:
+        if request.handle is None:
+            return
+        try:
+            status = self.transport.check(request.handle)
+        except TransportError as exc:
+            self._drop_handle(request)
+            self.execute(request, request.session.transfer_failed(_driver.reason_of(exc), now=self.clock()))
+            return
+        status = decide(self, request, status)
+        if status.state is TransferState.PENDING:
+            return
+        self._drop_handle(request)
+        if status.state is TransferState.DONE:
+            self.execute(request, request.session.transfer_done(now=self.clock()))
+        else:
+            reason = status.reason or FailureReason.TRANSFER_ERROR
+            self.execute(request, request.session.transfer_failed(reason, now=self.clock(), detail=status.detail))
+
+    return check
+
+
+class TransferErrorLoads(DriverMutant):
+    """Takes FAILED(transfer_error) as a glitch and the transfer as done: a flipped status ends LOADED (FAIL-1)."""
+
+    breaks = "FAIL-1"
+    caught_by = ("FAIL-1/completed-reported-failed",)
+
+    @classmethod
+    def patch(cls, monkeypatch: pytest.MonkeyPatch) -> None:
+        def decide(driver: _driver.Driver[Any], request: LiveRequest[Any], status: TransferStatus) -> TransferStatus:
+            if status.state is TransferState.FAILED and status.reason is FailureReason.TRANSFER_ERROR:
+                return TransferStatus(state=TransferState.DONE)
+            return status
+
+        monkeypatch.setattr(_driver.Driver, "_check", _check_as(decide))
+
+
+class DoneAfterFixedTime(DriverMutant):
+    """Counts a transfer done 20 ms after its post, whatever check says: a slow post loads stale pages (DONE-1)."""
+
+    breaks = "DONE-1"
+    caught_by = ("DONE-1/slow-posts-load-when-done",)
+
+    @classmethod
+    def patch(cls, monkeypatch: pytest.MonkeyPatch) -> None:
+        posted_at: dict[int, float] = {}
+
+        def decide(driver: _driver.Driver[Any], request: LiveRequest[Any], status: TransferStatus) -> TransferStatus:
+            first = posted_at.setdefault(id(request.handle), time.monotonic())
+            if status.state is TransferState.PENDING and time.monotonic() - first > 0.02:
+                return TransferStatus(state=TransferState.DONE)
+            return status
+
+        monkeypatch.setattr(_driver.Driver, "_check", _check_as(decide))
+
+
+FAULT_DRIVER_MUTANTS: tuple[type[DriverMutant], ...] = (TransferErrorLoads, DoneAfterFixedTime)
+
+
+class _SharedRegistryAgent(_Agent):
+    """Resolves a region its agent (or its peer) never registered in a backend-wide table: the first agent's regions.
+
+    As a backend whose registrations are per process rather than per agent: an
+    agent whose own registration failed still reads and writes memory, someone else's.
+    """
+
+    def __init__(self, inner: Transport, backend: MutantBackend) -> None:
+        super().__init__(inner, backend)
+        self.faked: set[int] = set()
+
+    def post(
+        self, mode: TransferMode, descriptors: Sequence[Descriptor], *, peer: str, notification: bytes | None = None
+    ) -> TransferHandle:
+        mine, theirs = self.regions, self.backend.regions.get(peer, [])
+        if all(d.local_region < len(mine) and d.remote_region < len(theirs) for d in descriptors):
+            return self.inner.post(mode, descriptors, peer=peer, notification=notification)
+        shared = next(iter(self.backend.regions.values()), [])
+        local, remote = mine or shared, theirs or shared
+        for d in descriptors:
+            near = (local[d.local_region], d.local_offset)
+            far = (remote[d.remote_region], d.remote_offset)
+            (source, s_off), (dest, d_off) = (far, near) if mode is TransferMode.READ else (near, far)
+            dest[d_off : d_off + d.nbytes] = source[s_off : s_off + d.nbytes]
+        handle = TransferHandle(transfer_id=-1 - len(self.faked), peer=peer, mode=mode)
+        self.faked.add(handle.transfer_id)
+        return handle
+
+    def check(self, handle: TransferHandle) -> TransferStatus:
+        if handle.transfer_id in self.faked:
+            return TransferStatus(state=TransferState.DONE)
+        return self.inner.check(handle)
+
+    def release(self, handle: TransferHandle) -> None:
+        if handle.transfer_id not in self.faked:
+            self.inner.release(handle)
+
+
+class SharedRegistry(MutantBackend):
+    """Registration is backend-wide: an agent whose registration failed moves bytes from another agent's memory."""
+
+    agent_class = _SharedRegistryAgent
+    breaks = "FAIL-1"
+    caught_by = ("FAIL-1/transport-registration-failure",)
+
+
+class _ErrorLoggingAgent(_Agent):
+    """Moves every byte right, and logs an error at every post (as an engine that complains about nothing)."""
+
+    def post(
+        self, mode: TransferMode, descriptors: Sequence[Descriptor], *, peer: str, notification: bytes | None = None
+    ) -> TransferHandle:
+        logging.getLogger(__name__).error("xfer %s to %s: unexpected completion queue entry", mode.value, peer)
+        return self.inner.post(mode, descriptors, peer=peer, notification=notification)
+
+
+class LogsErrors(MutantBackend):
+    """Every transfer right, yet an error logged at every post: the run fails on the log, naming the line."""
+
+    agent_class = _ErrorLoggingAgent
+    breaks = "DONE-1"
+    caught_by = ()
+
+
+FAULT_BACKEND_MUTANTS: tuple[type[MutantBackend], ...] = (SharedRegistry,)
 
 # --------------------------------------------------------------------------- endpoint mutants (SM-1, stale references)
 # The stale-reference case runs kvspec's exchange endpoints; these patch one endpoint behaviour for one run.

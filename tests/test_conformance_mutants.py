@@ -9,6 +9,8 @@ from mutants import (
     CONNECTOR_MUTANTS,
     DRIVER_MUTANTS,
     ENDPOINT_MUTANTS,
+    FAULT_BACKEND_MUTANTS,
+    FAULT_DRIVER_MUTANTS,
     SCORE,
     STATE_ENDPOINT_MUTANTS,
     DriverMutant,
@@ -66,6 +68,27 @@ def test_driver_mutant_fails_integrity(mutant: type[DriverMutant], monkeypatch: 
     report = run_suite(LoopbackBackend(), rules=[mutant.breaks], integrity=True, max_examples=5)
     SCORE[mutant.__name__] = _rejected(report, mutant.breaks, mutant.caught_by)
     assert mutant.breaks in report.failed_rules(), _failures(report)
+    assert SCORE[mutant.__name__], f"expected {mutant.caught_by} to fail:\n{_failures(report)}"
+
+
+@pytest.mark.parametrize("mutant", FAULT_DRIVER_MUTANTS, ids=lambda m: m.__name__)
+def test_fault_driver_mutant_fails_its_fault_case(mutant: type[DriverMutant], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A driver that misreads a flipped status, or counts a slow post done by time, fails the case it names."""
+    mutant.patch(monkeypatch)
+    report = run_suite(LoopbackBackend(), rules=list(mutant.caught_by), max_examples=5)
+    SCORE[mutant.__name__] = _rejected(report, mutant.breaks, mutant.caught_by)
+    assert SCORE[mutant.__name__], f"expected {mutant.caught_by} to fail:\n{_failures(report)}"
+
+
+@pytest.mark.parametrize("mutant", FAULT_BACKEND_MUTANTS, ids=lambda m: m.__name__)
+def test_fault_backend_mutant_fails_its_fault_case(mutant: type[MutantBackend]) -> None:
+    """A backend that moves memory an agent never registered fails the registration-failure case."""
+    backend = mutant()
+    try:
+        report = run_suite(backend, rules=list(mutant.caught_by), max_examples=5)
+    finally:
+        backend.close()
+    SCORE[mutant.__name__] = _rejected(report, mutant.breaks, mutant.caught_by)
     assert SCORE[mutant.__name__], f"expected {mutant.caught_by} to fail:\n{_failures(report)}"
 
 

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import time
 from collections.abc import Iterator
 
 import attrs
 import pytest
 
-from kvspec import BlockIds, ConfigError, FailureReason, KVCacheConfig, TransferMode, TransportError
+from kvspec import BlockIds, ConfigError, FailureReason, KVCacheConfig, KVSpecError, TransferMode, TransportError
 from kvspec.drivers._exchange import ConsumerEndpoint, ProducerEndpoint, connect, run_request
 from kvspec.presets import get_preset
 from kvspec.protocol._session import ConsumerState, ProducerState
@@ -374,4 +376,104 @@ def test_partial_transfer_moves_some_bytes_then_fails() -> None:
     assert status.reason is FailureReason.PARTIAL_TRANSFER
     assert dst == bytearray(b"\x07" * 32 + b"\x00" * 32)
     assert b.get_notifications() == []
+    backend.close()
+
+
+def _write_pair(plan: FaultPlan) -> tuple[FaultyBackend, FaultInjector, FaultInjector, bytearray]:
+    backend = FaultyBackend(LoopbackBackend(), plan)
+    a, b = backend.create_agent("a"), backend.create_agent("b")
+    dst = bytearray(64)
+    a.register_memory([MemoryRegion(buffer=memoryview(bytearray(b"\x07" * 64)))])
+    b.register_memory([MemoryRegion(buffer=memoryview(dst))])
+    a.add_remote_agent(b.get_agent_metadata())
+    return backend, a, b, dst
+
+
+_ALL = Descriptor(local_region=0, local_offset=0, remote_region=0, remote_offset=0, nbytes=64)
+
+
+def test_flip_status_reports_a_completed_transfer_failed() -> None:
+    """Every byte lands and the notification goes, then FAILED(transfer_error), for good (FAIL-1)."""
+    backend, a, b, dst = _write_pair(FaultPlan(flip_status=1.0, agents="a"))
+    handle = a.post(TransferMode.WRITE, [_ALL], peer="b", notification=b"done")
+    statuses = [a.check(handle) for _ in range(5)]
+    assert [s.state for s in statuses[-2:]] == [TransferState.FAILED] * 2
+    assert statuses[-1].reason is FailureReason.TRANSFER_ERROR
+    assert "completed" in statuses[-1].detail
+    assert dst == bytearray(b"\x07" * 64)
+    assert [n.message for n in b.get_notifications()] == [b"done"]
+    assert [f.kind for f in backend.injected] == ["flip_status"]
+    backend.close()
+
+
+def test_flip_status_keeps_the_other_faults_sequence() -> None:
+    """A plan without a flip replays the faults it always did: the flip draws from a sequence of its own."""
+
+    def fired(plan: FaultPlan) -> list[str]:
+        backend, a, _b, _ = _write_pair(plan)
+        for _ in range(20):
+            with contextlib.suppress(TransportError):
+                a.release(a.post(TransferMode.WRITE, [_ALL], peer="b"))
+        backend.close()
+        return [f.detail for f in backend.injected if f.kind == "fail_post"]
+
+    assert fired(FaultPlan(seed=4, fail_post=0.5)) == fired(FaultPlan(seed=4, fail_post=0.5, flip_status=0.5))
+
+
+def test_post_latency_holds_the_post_then_moves_it() -> None:
+    """PENDING with no byte moved until the latency passed, then DONE with every byte (DONE-1)."""
+    backend, a, b, dst = _write_pair(FaultPlan(post_latency=0.05, agents="a"))
+    handle = a.post(TransferMode.WRITE, [_ALL], peer="b", notification=b"done")
+    assert a.check(handle).state is TransferState.PENDING
+    assert dst == bytearray(64)
+    assert b.get_notifications() == []
+    deadline = time.monotonic() + 5
+    while (status := a.check(handle)).state is TransferState.PENDING and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert status.state is TransferState.DONE
+    assert dst == bytearray(b"\x07" * 64)
+    a.release(handle)
+    # Released while held: nothing ever moves.
+    dst[:] = bytes(64)
+    a.release(a.post(TransferMode.WRITE, [_ALL], peer="b"))
+    time.sleep(0.06)
+    a.get_notifications()
+    assert dst == bytearray(64)
+    backend.close()
+
+
+def test_fail_registration_registers_nothing() -> None:
+    """register_memory raises TransportError and the inner agent has no memory: a post into it is refused."""
+    backend = FaultyBackend(LoopbackBackend(), FaultPlan(fail_registration=True, agents="b"))
+    a, b = backend.create_agent("a"), backend.create_agent("b")
+    a.register_memory([MemoryRegion(buffer=memoryview(bytearray(64)))])
+    with pytest.raises(TransportError, match="registration of 1 regions failed"):
+        b.register_memory([MemoryRegion(buffer=memoryview(bytearray(64)))])
+    a.add_remote_agent(b.get_agent_metadata())
+    with pytest.raises(KVSpecError):
+        a.post(TransferMode.WRITE, [_ALL], peer="b")
+    backend.close()
+
+
+def test_bad_engine_fault_values_are_refused() -> None:
+    with pytest.raises(ConfigError, match=r"FaultPlan\.post_latency: expected seconds in \[0, 60\], got -1"):
+        FaultPlan(post_latency=-1)
+    with pytest.raises(ConfigError, match=r"FaultPlan\.fail_registration: expected True or False, got 1"):
+        FaultPlan(fail_registration=1)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"FaultPlan\.flip_status: expected a probability"):
+        FaultPlan(flip_status=2)
+
+
+def test_a_held_post_refused_when_it_goes_ends_failed() -> None:
+    """A post held by post_latency whose peer is gone by then ends FAILED with the inner agent's reason."""
+    backend, a, _b, _ = _write_pair(FaultPlan(post_latency=0.02, agents="a"))
+    handle = a.post(TransferMode.WRITE, [_ALL], peer="b")
+    a.inner.remove_remote_agent("b")
+    time.sleep(0.03)
+    status = a.check(handle)
+    assert status.state is TransferState.FAILED
+    assert status.reason is FailureReason.PEER_DISCONNECTED
+    assert "delayed post refused" in status.detail
+    assert a.check(handle) == status
+    a.release(handle)
     backend.close()

@@ -35,6 +35,7 @@ from kvspec.transport import (
 )
 from kvspec.transport._pairkey import PairKeyError, SessionKey, connector_mac, listener_mac, parse_public
 from kvspec.transport._wire import recv_frame, send_frame
+from kvspec.transport.backend_logs import capture_backend_logs
 from kvspec.transport.torch_dist import TorchAgent, TorchDistributedBackend
 
 pytestmark = pytest.mark.torch
@@ -156,6 +157,25 @@ def test_is_a_backend_with_agents_in_two_other_processes(backend: TorchDistribut
     assert caps.observable_in_flight
     assert producer.torch_version is not None
     assert producer.torch_version.startswith("2.")
+
+
+def _write_fd2(worker: object, data: bytes) -> None:
+    """Run in a worker: write to file descriptor 2 as gloo's C++ code does, past sys.stderr."""
+    os.write(2, data)
+
+
+def test_worker_stderr_reaches_the_suite(pair: Pair, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The workers (multiprocessing spawn) send each stderr line home, to the suite's log capture (backend_logs)."""
+    monkeypatch.setenv("KVSPEC_BACKEND_LOGS", "0")
+    line = f"[E socket.cpp:1] gloo: connection reset by peer {os.getpid()}"
+    with capture_backend_logs() as got:
+        pair.producer.call_in_worker(_write_fd2, line.encode() + b"\n")
+        deadline = time.monotonic() + DEADLINE
+        while not any(g.text == line for g in got) and time.monotonic() < deadline:
+            time.sleep(0.005)
+    [found] = [g for g in got if g.text == line]
+    assert found.error
+    assert found.source == f"torch worker {pair.producer.pid}"
 
 
 def test_registry_builds_it_and_this_process_never_imports_torch(pytestconfig: pytest.Config) -> None:

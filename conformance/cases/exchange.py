@@ -210,6 +210,7 @@ def _check(ctx: CaseContext, mode: TransferMode, plan: FaultPlan | None, rule: s
         f"print(run_endpoints({ctx.backend_spec!r}, mode={mode.value!r}, plan={plan!r}, "
         f"time_scale={ctx.time_scale!r}))\n"
     )
+    ctx.expect_error_logs()  # the requests include an abort; under a plan, injected faults too
     problems = _run(ctx.backend, mode, _requests(), plan, ctx.time_scale)
     if problems:
         faults = f", faults {plan!r}" if plan else ""

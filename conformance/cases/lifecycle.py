@@ -284,6 +284,54 @@ def _fail_random(ctx: CaseContext) -> None:
             ctx.expect(result, loaded=loaded, failed=failed, rule="FAIL-1")
 
 
+@case("FAIL-1", "completed-reported-failed", requires=["notifications"])
+def _fail_flipped(ctx: CaseContext) -> None:
+    """A transfer that completed but is reported FAILED ends FAILED at its initiator, never LOADED on a FAILED.
+
+    The injector's ``flip_status`` lets every byte land and the notification
+    go, then reports ``FAILED(transfer_error)``. In READ mode the consumer is
+    told, so the request ends FAILED. In WRITE mode the producer is told, but
+    the consumer may already hold the Completion: it may end LOADED, and then
+    every page must be right; either way one release, nothing held (REL-1, SM-1).
+    """
+    for mode in _modes(ctx):
+        scenario = Scenario(
+            config=CONFIG,
+            mode=mode,
+            requests=[Request(request_id="a", num_tokens=13), Request(request_id="b", num_tokens=19)],
+            faults=FaultPlan(flip_status=1.0),
+            fault_side=_initiator(mode),
+            deadline=DEADLINE,
+            lease=LEASE,
+        )
+        result = ctx.run(scenario)
+        if mode == "read":
+            ctx.expect(result, failed={"a": _R.TRANSFER_ERROR, "b": _R.TRANSFER_ERROR}, rule="FAIL-1")
+            continue
+        loaded = [o.request_id for o in result.outcomes.values() if o.loaded]
+        ctx.expect(result, loaded=loaded, failed={r: None for r in ("a", "b") if r not in loaded}, rule="FAIL-1")
+
+
+@case("DONE-1", "slow-posts-load-when-done", requires=["notifications"])
+def _done_slow_posts(ctx: CaseContext) -> None:
+    """Every post held back 60 ms (scaled) before it moves a byte: requests load, none before its data is there.
+
+    The injector's ``post_latency`` keeps each transfer PENDING, with nothing
+    moved, for that long after ``post`` returned; a side that counts a
+    transfer done by time or by polls, not by ``check``, loads stale pages.
+    """
+    latency = min(0.06 * ctx.time_scale, 60.0)
+    for mode in _modes(ctx):
+        scenario = Scenario(
+            config=CONFIG,
+            mode=mode,
+            requests=[Request(request_id=f"r{i}", num_tokens=9 + 5 * i) for i in range(3)] + _next_wave("n"),
+            faults=FaultPlan(post_latency=latency),
+            fault_side=_initiator(mode),
+        )
+        ctx.expect(ctx.run(scenario), loaded=["r0", "r1", "r2", "n0", "n1"], rule="DONE-1")
+
+
 # --------------------------------------------------------------------------- SM-1, SM-2
 
 

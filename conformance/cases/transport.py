@@ -15,6 +15,7 @@ import contextlib
 import random
 import time
 from collections.abc import Callable, Iterator, Sequence
+from typing import cast
 
 import attrs
 
@@ -37,11 +38,14 @@ from kvspec.transport import (
     FaultPlan,
     FaultyBackend,
     Notification,
+    Pace,
+    PacedBackend,
     TransferHandle,
     TransferState,
     TransferStatus,
     Transport,
 )
+from kvspec.transport.pace import PACES
 
 from .._cases import case
 from .._context import CaseContext
@@ -130,7 +134,10 @@ class _Pair:
 
 
 @contextlib.contextmanager
-def _pair(ctx: CaseContext, *, config: KVCacheConfig = CONFIG, backend: Backend | None = None) -> Iterator[_Pair]:
+def _pair(
+    ctx: CaseContext, *, config: KVCacheConfig = CONFIG, backend: Backend | None = None, handshake: bool = True
+) -> Iterator[_Pair]:
+    """Two agents with their pools registered; ``handshake=False`` leaves loading each other's metadata to the case."""
     backend = backend or ctx.backend
     with allocate_pool(config) as p_pool, allocate_pool(config) as c_pool:
         for pool, side in ((p_pool, "producer"), (c_pool, "consumer")):
@@ -145,8 +152,10 @@ def _pair(ctx: CaseContext, *, config: KVCacheConfig = CONFIG, backend: Backend 
         try:
             producer.register_memory(p_pool.regions)
             consumer.register_memory(c_pool.regions)
-            producer_name = consumer.add_remote_agent(producer.get_agent_metadata())
-            consumer_name = producer.add_remote_agent(consumer.get_agent_metadata())
+            producer_name = consumer_name = ""
+            if handshake:
+                producer_name = consumer.add_remote_agent(producer.get_agent_metadata())
+                consumer_name = producer.add_remote_agent(consumer.get_agent_metadata())
             yield _Pair(
                 ctx=ctx,
                 producer=producer,
@@ -541,6 +550,7 @@ def _release_pending(ctx: CaseContext, *, wait_first: float) -> None:
 
     READ moves region 0 and WRITE region 1 of each side, so both modes are watched in one settle period.
     """
+    ctx.expect_error_logs()  # a lost peer, a cancel or an injected fault may be logged as an error
     with _pair(ctx, config=LARGE) as pair:
         size = pair.c_pool.regions[0].nbytes
         released: list[tuple[TransferMode, list[Descriptor]]] = []
@@ -613,6 +623,7 @@ def _peer_loss(ctx: CaseContext) -> None:
     later post to a removed peer, or a call on a closed agent, raises
     TransportError.
     """
+    ctx.expect_error_logs()  # a lost peer, a cancel or an injected fault may be logged as an error
     problems: list[str] = []
     bound = LOSS_BOUND * ctx.time_scale
     for mode in _modes(ctx):
@@ -681,6 +692,7 @@ def _peer_loss(ctx: CaseContext) -> None:
 @case("INT-1", "transport-integrity", requires=["local_pools", "integrity"])
 def _integrity(ctx: CaseContext) -> None:
     """A corrupted transfer is caught: by the backend's own check, or else by the INT-1 digests over its bytes."""
+    ctx.expect_error_logs()  # a lost peer, a cancel or an injected fault may be logged as an error
     if ctx.backend.capabilities.integrity:
         _native_integrity(ctx)
         return
@@ -761,3 +773,184 @@ def _live_memory(ctx: CaseContext) -> None:
                 stale = _diff(f"{mode.value} round {round_}: destination", _snapshot(pair.c_pool), wanted)
                 if stale:
                     raise ctx.fail(f"DONE-1: bytes written after registration did not travel: {stale}")
+
+
+# --------------------------------------------------------------------------- FAIL-1: where the peer dies, at what pace
+
+
+# Where the target dies: right after both loaded each other's metadata (nothing moved yet, a cold pair); before
+# the next post of a pair that already moved a transfer (warm: connections up); after a post.
+_DEATHS = ("after metadata load", "before post", "after post")
+
+
+def _progress_modes(ctx: CaseContext) -> list[tuple[str, Backend]]:
+    """The backend as given, and under each sound pace when its agents are in this process (cheap to make)."""
+    modes: list[tuple[str, Backend]] = [("as given", ctx.backend)]
+    if not isinstance(ctx.backend, PacedBackend) and not ctx.capabilities.cross_process:
+        modes += [(f"pace {name}", PacedBackend(ctx.backend, Pace.named(name, seed=0))) for name in PACES]
+    return modes
+
+
+def _die(ctx: CaseContext, backend: Backend, mode: TransferMode, death: str) -> str | None:
+    """The target dies at ``death``; what went wrong, or None. Every call the initiator makes is timed."""
+    bound = LOSS_BOUND * ctx.time_scale
+    calls: dict[str, float] = {}
+
+    def timed(what: str, call: Callable[[], object]) -> object:
+        started = time.monotonic()
+        try:
+            return call()
+        finally:
+            calls[what] = time.monotonic() - started
+
+    with _pair(ctx, backend=backend) as pair:
+        initiator, target, peer = pair.initiator(mode), pair.target(mode), pair.peer(mode)
+        rows = _spread(pair, mode, count=8, nbytes=2048)
+        if death == "before post":
+            warm = initiator.post(mode, rows[:1], peer=peer)
+            _expect_done(
+                ctx, "FAIL-1", f"{mode.value} before the peer dies", pair.wait(mode, [warm], DONE_BOUND), DONE_BOUND
+            )
+            initiator.release(warm)
+        _fresh_source(pair, mode, rows, "die", death)
+        wanted = _expected(pair, mode, rows, _snapshot(pair.c_pool))
+        before = _snapshot(pair.c_pool)
+        handle: TransferHandle | None = None
+        if death == "after post":
+            handle = initiator.post(mode, rows, peer=peer)
+        target.close()
+        status: TransferStatus | None = None
+        try:
+            if handle is None:
+                handle = cast(TransferHandle, timed("post", lambda: initiator.post(mode, rows, peer=peer)))
+        except TransportError:
+            pass  # refused: the cleanest outcome when the peer is known dead
+        else:
+            started = time.monotonic()
+            [status] = pair.wait(mode, [handle], LOSS_BOUND)
+            calls["wait"] = time.monotonic() - started
+            timed("release", lambda: initiator.release(handle))
+        timed("close", initiator.close)
+        slow = [f"{what} took {took:.1f} s" for what, took in calls.items() if what != "wait" and took > bound]
+        if slow:
+            return ", ".join(slow) + f" (nothing may hang: bound {bound:.1f} s)"
+        if status is None:
+            moved = _diff("destination after a refused post", _snapshot(pair.c_pool), before)
+            return None if moved is None else moved + " (a refused post moved bytes)"
+        if status.state is TransferState.PENDING:
+            return f"still PENDING {calls['wait']:.1f} s after the peer died (a dead peer must be reported)"
+        if status.state is TransferState.FAILED:
+            return None if status.reason is not None else "FAILED without a typed reason"
+        if death != "after post":
+            return "DONE, though the peer died before the transfer was posted"
+        return _diff("DONE after the peer died: destination", _snapshot(pair.c_pool), wanted)
+
+
+@case("FAIL-1", "transport-peer-dies-matrix", requires=["local_pools"])
+def _peer_dies_matrix(ctx: CaseContext) -> None:
+    """The target dies after metadata load, before post or after post, at each pace: refused, FAILED or whole DONE.
+
+    After metadata load: both agents loaded each other's metadata and nothing
+    moved yet; before post: one transfer already moved, so connections are up,
+    and the next is posted after the death. Before a post, the post is refused (TransportError) or the transfer ends
+    FAILED with a reason; after a post, FAILED or DONE are both allowed, and
+    DONE needs every byte. Nothing may stay PENDING past LOSS_BOUND (scaled),
+    and a refused post moves no byte. Paces (kvspec.transport.pace) stand for
+    the progress modes: a caller that checks rarely, or completions that come
+    late; agents in other processes run as given only (each pair costs two
+    processes).
+    """
+    ctx.expect_error_logs()  # a lost peer, a cancel or an injected fault may be logged as an error
+    for progress, backend in _progress_modes(ctx):
+        for mode in _modes(ctx):
+            for death in _DEATHS:
+                found = _die(ctx, backend, mode, death)
+                if found:
+                    # One is enough: a backend deaf to a dead peer would wait out LOSS_BOUND at every point.
+                    raise ctx.fail(f"FAIL-1: {mode.value}, {progress}, the target dies {death}: {found}")
+
+
+# --------------------------------------------------------------------------- FAIL-1: a registration that fails
+
+
+@case("FAIL-1", "transport-registration-failure", requires=["local_pools"])
+def _registration_failure(ctx: CaseContext) -> None:
+    """An agent whose memory registration failed moves no byte from or into that memory; a new agent works.
+
+    The injector's ``fail_registration`` makes the consumer's
+    ``register_memory`` raise without registering anything. Posts that name
+    the consumer's regions, a READ from its side or a WRITE into it, must be
+    refused (PlanError or TransportError) or end FAILED, with no byte of
+    either pool changed; closing both agents returns; a fresh pair then moves
+    every byte.
+    """
+    ctx.expect_error_logs()  # a lost peer, a cancel or an injected fault may be logged as an error
+    failing = FaultyBackend(ctx.backend, FaultPlan(fail_registration=True, agents=["consumer"]))
+    problems: list[str] = []
+    with allocate_pool(CONFIG) as p_pool, allocate_pool(CONFIG) as c_pool:
+        for pool, side in ((p_pool, "producer"), (c_pool, "consumer")):
+            for index, region in enumerate(pool.regions):
+                region.buffer[:] = _noise(region.nbytes, "background", side, index)
+        producer = failing.create_agent("producer")
+        consumer = failing.create_agent("consumer")
+        try:
+            producer.register_memory(p_pool.regions)
+            with contextlib.suppress(TransportError):
+                consumer.register_memory(c_pool.regions)
+            pair = _Pair(
+                ctx=ctx,
+                producer=producer,
+                consumer=consumer,
+                p_pool=p_pool,
+                c_pool=c_pool,
+                producer_name="",
+                consumer_name="",
+            )
+            try:
+                pair.producer_name = consumer.add_remote_agent(producer.get_agent_metadata())
+                pair.consumer_name = producer.add_remote_agent(consumer.get_agent_metadata())
+            except TransportError:
+                pass  # refusing the metadata of an agent with no memory is clean too
+            else:
+                for mode in _modes(ctx):
+                    rows = _spread(pair, mode, count=4, nbytes=512)
+                    _fresh_source(pair, mode, rows, "unregistered")
+                    before = (_snapshot(p_pool), _snapshot(c_pool))
+                    try:
+                        handle = pair.initiator(mode).post(mode, rows, peer=pair.peer(mode))
+                    except (PlanError, TransportError):
+                        pass
+                    else:
+                        [status] = pair.wait(mode, [handle], DONE_BOUND)
+                        pair.initiator(mode).release(handle)
+                        if status.state is not TransferState.FAILED:
+                            problems.append(
+                                f"{mode.value} naming the unregistered memory: {_status_text(status)}, "
+                                "expected a refused post or FAILED"
+                            )
+                    pair.poll()
+                    for what, pool, was in (("producer", p_pool, before[0]), ("consumer", c_pool, before[1])):
+                        moved = _diff(f"{mode.value}: {what} memory", _snapshot(pool), was)
+                        if moved:
+                            problems.append(moved + " (memory whose registration failed took part in a transfer)")
+        finally:
+            for agent in (consumer, producer):
+                with contextlib.suppress(KVSpecError):
+                    agent.close()
+    if not any(f.kind == "fail_registration" for f in failing.injected):
+        problems.append("the injected registration failure did not fire")
+    with _pair(ctx) as pair:
+        for mode in _modes(ctx):
+            rows = _spread(pair, mode, count=4, nbytes=512)
+            _fresh_source(pair, mode, rows, "after-failed-registration")
+            wanted = _expected(pair, mode, rows, _snapshot(pair.c_pool))
+            handle = pair.initiator(mode).post(mode, rows, peer=pair.peer(mode))
+            _expect_done(
+                ctx, "FAIL-1", f"{mode.value} by a new pair", pair.wait(mode, [handle], DONE_BOUND), DONE_BOUND
+            )
+            pair.initiator(mode).release(handle)
+            changed = _diff(f"{mode.value}: a new pair after a failed registration", _snapshot(pair.c_pool), wanted)
+            if changed:
+                problems.append(changed)
+    if problems:
+        raise ctx.fail("FAIL-1: " + "\n".join(problems))

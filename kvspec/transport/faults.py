@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 import attrs
 
 from kvspec.core._enums import FailureReason, TransferMode
-from kvspec.core._errors import ConfigError, TransportError
+from kvspec.core._errors import ConfigError, KVSpecError, TransportError
 from kvspec.transport._base import (
     Backend,
     Capabilities,
@@ -37,6 +38,16 @@ def _non_negative(inst: object, attribute: attrs.Attribute[Any], value: object) 
         raise ConfigError(f"FaultPlan.{attribute.name}: expected a non-negative int, got {value!r}")
 
 
+def _seconds(inst: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0.0 <= value <= 60.0:
+        raise ConfigError(f"FaultPlan.{attribute.name}: expected seconds in [0, 60], got {value!r}")
+
+
+def _flag(inst: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if not isinstance(value, bool):
+        raise ConfigError(f"FaultPlan.{attribute.name}: expected True or False, got {value!r}")
+
+
 def _to_names(value: str | Iterable[str] | None) -> frozenset[str] | None:
     if value is None:
         return None
@@ -57,6 +68,17 @@ class FaultPlan:
     flight then fail with ``peer_disconnected``, later posts and sends raise
     :class:`kvspec.TransportError`, and the peer's notifications are lost until
     it is added again. ``agents`` limits the faults to agents of those names.
+
+    Three faults the most trusted transfer engines' own tests inject as well:
+    ``flip_status`` (per post) reports a transfer that completed, every byte
+    landed and its notification sent, as ``FAILED(transfer_error)``: the
+    caller must end it FAILED, never LOADED (FAIL-1). ``post_latency`` holds
+    every post back that many seconds before it reaches the inner agent: the
+    transfer is PENDING meanwhile and moves no byte, as with an engine whose
+    post is slow to start (DONE-1). ``fail_registration`` makes
+    ``register_memory`` raise :class:`kvspec.TransportError` without
+    registering anything: the agent has no memory, and posts from or into it
+    must be refused (FAIL-1).
     """
 
     seed: int = 0
@@ -71,6 +93,9 @@ class FaultPlan:
     skip_posts: int = attrs.field(default=0, validator=_non_negative)
     disconnect_at_post: int | None = attrs.field(default=None, validator=_non_negative)
     agents: frozenset[str] | None = attrs.field(default=None, converter=_to_names)
+    flip_status: float = attrs.field(default=0.0, validator=_probability)
+    post_latency: float = attrs.field(default=0.0, validator=_seconds)
+    fail_registration: bool = attrs.field(default=False, validator=_flag)
 
     def applies_to(self, agent_name: str) -> bool:
         """Whether this plan injects faults into the agent named ``agent_name``."""
@@ -97,6 +122,11 @@ class _Posted:
     corrupt_at: tuple[int, int] | None = None
     inner_released: bool = False
     final: TransferStatus | None = None
+    # post_latency: the inner agent's handle, once the held post reached it (``inner`` is then the caller's).
+    issued: TransferHandle | None = None
+    # post_latency: the post reaches the inner agent at ``issue_at`` (monotonic); until then ``held`` keeps it.
+    issue_at: float = 0.0
+    held: tuple[TransferMode, list[Descriptor], bytes | None] | None = None
 
 
 @attrs.define(eq=False)
@@ -134,6 +164,8 @@ class FaultInjector:
         self._plan = plan
         self._active = plan.applies_to(inner.name)
         self._rng = random.Random(f"{plan.seed}:{inner.name}")
+        # The status flip draws from its own sequence, so plans without it replay the faults they always did.
+        self._flip_rng = random.Random(f"{plan.seed}:{inner.name}:flip")
         self._regions: list[memoryview] = []
         self._posted: dict[int, _Posted] = {}
         self._posts = 0
@@ -194,7 +226,12 @@ class FaultInjector:
         return self._inner.capabilities
 
     def register_memory(self, regions: Sequence[MemoryRegion]) -> None:
-        """Register through the inner agent; keep views for READ corruption."""
+        """Register through the inner agent; keep views for READ corruption. ``fail_registration``: refuse."""
+        if self._active and self._plan.fail_registration:
+            self._record("fail_registration", f"{len(regions)} regions, none registered")
+            raise TransportError(
+                f"fault injector: registration of {len(regions)} regions failed", reason=FailureReason.POST_FAILED.value
+            )
         self._inner.register_memory(regions)
         for region in regions:
             view = region.buffer
@@ -247,7 +284,18 @@ class FaultInjector:
         elif corrupt and descriptors:
             state.fault = "corrupt"
             descriptors = self._corrupt(mode, descriptors, state)
-        state.inner = self._inner.post(mode, descriptors, peer=peer, notification=notification)
+        flip = self._flip_rng.random() < self._plan.flip_status and self._active and eligible
+        if flip and state.fault is None:
+            state.fault = "flip"
+        if self._active and self._plan.post_latency > 0:
+            # The caller gets a handle now; the inner agent sees the post once the latency passed.
+            # A handle of its own (a negative id) until then; the inner agent's comes with the post.
+            state.inner = TransferHandle(transfer_id=-self._posts, peer=peer, mode=mode)
+            state.held = (mode, descriptors, notification)
+            state.issue_at = time.monotonic() + self._plan.post_latency
+            self._record("post_latency", f"post {self._posts}: {self._plan.post_latency:.3f} s")
+        else:
+            state.inner = self._inner.post(mode, descriptors, peer=peer, notification=notification)
         self._posted[id(state.inner)] = state
         if self._active and self._plan.disconnect_at_post == self._posts:
             self._disconnect_all()
@@ -286,7 +334,11 @@ class FaultInjector:
             # Cancel first, so that nothing lands after FAILED is reported (SM-2).
             self._release_inner(state)
             return self._finish(state, FailureReason.PEER_DISCONNECTED, "injected disconnect")
-        status = self._inner.check(handle)
+        if not self._issue(state):
+            return TransferStatus(state=TransferState.PENDING)
+        if state.final is not None:  # the held post was refused when it reached the inner agent
+            return state.final
+        status = self._inner.check(state.issued or handle)
         if status.state is not TransferState.DONE:
             if status.state is TransferState.FAILED:
                 state.final = status
@@ -297,8 +349,34 @@ class FaultInjector:
             region, offset = state.corrupt_at
             self._regions[region][offset] ^= 0xFF
             state.corrupt_at = None
+        if state.fault == "flip":
+            # Every byte landed and the notification went; the caller is told the transfer failed (FAIL-1).
+            self._record("flip_status", "a completed transfer reported FAILED")
+            return self._finish(state, FailureReason.TRANSFER_ERROR, "injected status flip: the transfer completed")
         state.final = status
         return status
+
+    def _issue(self, state: _Posted) -> bool:
+        """Whether ``state``'s post reached the inner agent; a held one goes once its latency passed (DONE-1)."""
+        if state.held is None:
+            return True
+        if time.monotonic() < state.issue_at:
+            return False
+        mode, descriptors, notification = state.held
+        state.held = None
+        try:
+            state.issued = self._inner.post(mode, descriptors, peer=state.peer, notification=notification)
+        except KVSpecError as exc:
+            reason = exc.reason if isinstance(exc, TransportError) else FailureReason.POST_FAILED
+            self._finish(state, reason, f"delayed post refused: {exc}")
+            state.inner_released = True
+        return True
+
+    def _issue_due(self) -> None:
+        """Let held posts whose latency passed reach the inner agent, as a progressing engine would."""
+        for state in list(self._posted.values()):
+            if state.held is not None and state.final is None and not self._is_disconnected(state.peer):
+                self._issue(state)
 
     def _finish(self, state: _Posted, reason: FailureReason, detail: str) -> TransferStatus:
         state.final = TransferStatus(state=TransferState.FAILED, reason=reason, detail=detail)
@@ -307,7 +385,10 @@ class FaultInjector:
     def _release_inner(self, state: _Posted) -> None:
         if not state.inner_released:
             state.inner_released = True
-            self._inner.release(state.inner)
+            if state.held is not None:
+                state.held = None  # never posted: nothing to cancel
+                return
+            self._inner.release(state.issued or state.inner)
 
     def release(self, handle: TransferHandle) -> None:
         """Release the inner handle (once)."""
@@ -324,6 +405,7 @@ class FaultInjector:
 
     def get_notifications(self) -> Sequence[Notification]:
         """The inner notifications after drop, delay, duplicate and reorder faults."""
+        self._issue_due()
         arrived = [n for n in self._inner.get_notifications() if not self._is_disconnected(n.peer)]
         out = self._release_delayed()
         # A notification held for reordering goes out right behind a later one (``mark``: fresh ones seen so far).
@@ -401,6 +483,11 @@ class FaultyBackend:
         self._inner = inner
         self._plan = plan
         self._agents: list[FaultInjector] = []
+
+    @property
+    def inner(self) -> Backend:
+        """The wrapped backend."""
+        return self._inner
 
     @property
     def name(self) -> str:

@@ -67,6 +67,7 @@ from kvspec.transport._base import (
     unknown_handle_error,
     unknown_peer_error,
 )
+from kvspec.transport.backend_logs import relay_stderr
 
 __all__ = ["INSTALL_HINT", "NixlAgent", "NixlBackend", "WorkerAgent", "WorkerBackend", "find_nixl"]
 
@@ -503,6 +504,9 @@ class WorkerBackend:
     protocol: ClassVar[ModuleType]
     install_hint: ClassVar[str]
     in_process_env: ClassVar[tuple[str, ...]]
+    # Substrings of worker stderr lines that are the engine's known noise: kept off the terminal unless
+    # KVSPEC_BACKEND_LOGS=1, and never counted as errors (kvspec.transport.backend_logs).
+    quiet_lines: ClassVar[tuple[str, ...]] = ()
 
     def _init_workers(
         self,
@@ -600,9 +604,12 @@ class WorkerBackend:
                 pass_fds=(theirs.fileno(),),
                 env=self.worker_env(),
                 stdin=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,  # relayed line by line: sorted, captured by the suite (backend_logs)
             )
         finally:
             theirs.close()
+        if process.stderr is not None:
+            relay_stderr(process.stderr, source=f"{self.label} worker {process.pid}", quiet=self.quiet_lines)
         self._processes[:] = [p for p in self._processes if p.poll() is None] + [process]
         return process, Connection(ours.detach())
 

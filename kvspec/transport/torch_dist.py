@@ -60,6 +60,7 @@ from kvspec.transport._base import (
     unreadable_metadata_error,
 )
 from kvspec.transport._pairkey import parse_nonce, parse_public
+from kvspec.transport.backend_logs import relay_lines, send_stderr_lines
 
 __all__ = ["TorchAgent", "TorchDistributedBackend"]
 
@@ -116,8 +117,16 @@ def _check_host(host: object) -> None:
         ) from None
 
 
-def _worker_entry(conn: Connection, events: Connection, name: str, options: dict[str, Any]) -> None:
-    """Process target: pin gloo to the chosen interface (``lo`` by default), then import torch and serve."""
+def _worker_entry(
+    conn: Connection, events: Connection, name: str, options: dict[str, Any], logs: Connection | None = None
+) -> None:
+    """Process target: pin gloo to the chosen interface (``lo`` by default), then import torch and serve.
+
+    ``logs`` carries every line written to the worker's stderr (gloo's and torch's C++ logs too) to the parent,
+    which relays them (kvspec.transport.backend_logs).
+    """
+    if logs is not None:
+        send_stderr_lines(logs.send_bytes)
     os.environ["GLOO_SOCKET_IFNAME"] = options["interface"]
     from kvspec.transport import _torch_worker
 
@@ -209,15 +218,18 @@ class TorchDistributedBackend:
     def _spawn(self, name: str) -> _WorkerProcess:
         parent, child = self._context.Pipe(duplex=True)
         events, events_child = self._context.Pipe(duplex=False)
+        logs, logs_child = self._context.Pipe(duplex=False)
         process = self._context.Process(
             target=_worker_entry,
-            args=(child, events_child, name, self._options),
+            args=(child, events_child, name, self._options, logs_child),
             name=f"kvspec-torch-{name}",
             daemon=True,
         )
         process.start()
         child.close()
         events_child.close()
+        logs_child.close()
+        relay_lines(logs.recv_bytes, source=f"torch worker {process.pid}")
         return _WorkerProcess(process=process, conn=parent, events=events)
 
     def _prestart(self, count: int) -> None:
