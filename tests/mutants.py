@@ -39,7 +39,12 @@ from kvspec.protocol._session import ProducerSession
 from kvspec.reference._messages import BlockOffer, Message
 from kvspec.reference._reference import BlockPairs, check_window_coverage, compute_block_pairs
 from kvspec.spec import get_blocks_per_sw, get_exchange_clipped_blocks
-from kvspec.spec.state import check_state_position, get_state_group_indices, get_state_paired_lists
+from kvspec.spec.state import (
+    check_state_position,
+    get_state_clipped_slots,
+    get_state_group_indices,
+    get_state_paired_lists,
+)
 from kvspec.transport import Backend, Capabilities, Descriptor, MemoryRegion, Notification, TransferHandle
 from kvspec.transport._base import TransferState, TransferStatus, Transport
 from kvspec.transport.loopback import LoopbackBackend
@@ -697,6 +702,85 @@ class IgnoresStateLayout(ReferenceConnector):
         super().check_peer(producer, _same_state_layout(producer, consumer))
 
 
+# --------------------------------------------------------------------------- several state groups (issue 37)
+# Real models have 3 to 11 state groups; each mutant gets the first one right and the others wrong.
+
+
+class FirstStateGroupOnly(ReferenceConnector):
+    """Clips and pairs the first state group by STATE-2 and STATE-3; later state groups as attention lists.
+
+    What code that looks up "the" state group (``get_state_group_indices(config)[0]``)
+    does: the later groups travel unclipped and tail-paired, so the consumer's
+    slot receives the producer's last scratch slot, and its placeholders more.
+    """
+
+    breaks = "STATE-3"
+    caught_by = (
+        "STATE-3/several-state-groups",
+        "STATE-3/slots-pair-last-with-last",
+        "STATE-2/clip-keeps-the-state-slot",
+    )
+
+    def clip_block_ids(self, config: KVCacheConfig, block_ids: BlockIds) -> BlockIds:
+        clipped = get_exchange_clipped_blocks(block_ids, get_blocks_per_sw(config))
+        first = get_state_group_indices(config)[:1]
+        return BlockIds(
+            [
+                get_state_clipped_slots(config.kv_cache_groups[g].kv_cache_spec, ids, group=g) if g in first else ids  # type: ignore[arg-type]
+                for g, ids in enumerate(clipped)
+            ]
+        )
+
+    def pair_block_ids(
+        self, config: KVCacheConfig, *, producer_block_ids: BlockIds, consumer_block_ids: BlockIds, **kwargs: Any
+    ) -> BlockPairsLike:
+        pairs = super().pair_block_ids(
+            config, producer_block_ids=producer_block_ids, consumer_block_ids=consumer_block_ids, **kwargs
+        )
+        if len(consumer_block_ids) == 0:
+            return pairs
+        producer, consumer = [list(g) for g in pairs.producer_block_ids], [list(g) for g in pairs.consumer_block_ids]
+        for g in get_state_group_indices(config)[1:]:
+            p_ids, c_ids = producer_block_ids[g], consumer_block_ids[g]
+            n = min(len(p_ids), len(c_ids))
+            kept = [(p, c) for p, c in zip(p_ids[len(p_ids) - n :], c_ids[len(c_ids) - n :], strict=True) if p and c]
+            producer[g], consumer[g] = [p for p, _ in kept], [c for _, c in kept]
+        return BlockPairs(producer_block_ids=producer, consumer_block_ids=consumer)
+
+
+def _first_state_spec_everywhere(config: KVCacheConfig) -> KVCacheConfig:
+    # Every state group given the first state group's spec: its block size and cache mode decide every boundary.
+    states = get_state_group_indices(config)
+    if not states:
+        return config
+    spec = config.kv_cache_groups[states[0]].kv_cache_spec
+    groups = [
+        attrs.evolve(group, kv_cache_spec=spec) if g in states else group
+        for g, group in enumerate(config.kv_cache_groups)
+    ]
+    return attrs.evolve(config, kv_cache_groups=groups)
+
+
+class StateBoundaryOfFirstGroup(ReferenceConnector):
+    """Checks a prefix hit against the first state group's boundary only (STATE-4 asks every state group's)."""
+
+    breaks = "STATE-4"
+    caught_by = ("STATE-4/hit-off-a-state-boundary-refused",)
+
+    def pair_block_ids(self, config: KVCacheConfig, **kwargs: Any) -> BlockPairsLike:
+        return super().pair_block_ids(_first_state_spec_everywhere(config), **kwargs)
+
+
+class IgnoresStateProfile(ReferenceConnector):
+    """Compares every descriptor field but the state profile: a recompute peer meets a prebuilt one (STATE-1)."""
+
+    breaks = "STATE-1"
+    caught_by = ("STATE-1/state-profiles-refused-at-handshake",)
+
+    def check_peer(self, producer: EngineDescriptor, consumer: EngineDescriptor) -> None:
+        super().check_peer(producer, attrs.evolve(consumer, state_profile=producer.state_profile))
+
+
 CONNECTOR_MUTANTS: tuple[type[ReferenceConnector], ...] = (
     FrontTrim,
     ProducerIdsAsConsumerIds,
@@ -709,6 +793,9 @@ CONNECTOR_MUTANTS: tuple[type[ReferenceConnector], ...] = (
     PairsConsumerHead,
     IgnoresStateBoundary,
     IgnoresStateLayout,
+    FirstStateGroupOnly,
+    StateBoundaryOfFirstGroup,
+    IgnoresStateProfile,
 )
 
 # --------------------------------------------------------------------------- driver mutants (INT-1)

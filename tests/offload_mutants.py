@@ -341,6 +341,58 @@ class StateLoadPastT(OffloadMutant):
         return attrs.evolve(right, chunk_ranges=ranges, state_tokens=states)
 
 
+def _state_groups(config: KVCacheConfig) -> list[int]:
+    return [g for g, group in enumerate(config.kv_cache_groups) if isinstance(group.kv_cache_spec, MambaSpec)]
+
+
+class StateHitFromFirstStateGroup(OffloadMutant):
+    """Reads every state group's presence from the first state group's keys: a later group's eviction is unseen."""
+
+    breaks = "OFF-5"
+    caught_by = ("OFF-5/several-state-groups-hit-every-group",)
+
+    def get_offload_hit_tokens(
+        self,
+        config: KVCacheConfig,
+        present: Sequence[Sequence[bool]],
+        *,
+        request_id: str,
+        num_tokens: int,
+        local_hit_tokens: int,
+        offload: OffloadConfig,
+    ) -> int:
+        states = _state_groups(config)
+        assumed = [list(present[states[0]]) if g in states else list(keys) for g, keys in enumerate(present)]
+        return get_offload_hit_tokens(
+            config, assumed, num_tokens=num_tokens, local_hit_tokens=local_hit_tokens, offload=offload
+        )
+
+
+class StateLoadFirstStateGroupOnly(OffloadMutant):
+    """Restores the first state group's slot only; the later state groups keep a stale state, said to be at T."""
+
+    breaks = "OFF-6"
+    caught_by = ("OFF-6/several-state-groups-restored",)
+
+    def get_load_set(
+        self,
+        config: KVCacheConfig,
+        block_ids: BlockIdGroups,
+        *,
+        request_id: str,
+        num_tokens: int,
+        local_hit_tokens: int,
+        offload: OffloadConfig,
+    ) -> LoadSet:
+        right = get_load_set(
+            config, block_ids, num_tokens=num_tokens, local_hit_tokens=local_hit_tokens, offload=offload
+        )
+        later = _state_groups(config)[1:]
+        ranges = [(0, 0) if g in later else r for g, r in enumerate(right.chunk_ranges)]
+        ids = [() if g in later else d for g, d in enumerate(right.block_ids)]
+        return attrs.evolve(right, chunk_ranges=ranges, block_ids=ids, num_blocks=[len(d) for d in ids])
+
+
 class StateAdmittedWithoutPrefixCaching(OffloadMutant):
     """Admits a state group in ``none`` cache mode, where no state is kept at a chunk end: no hit, nothing loaded."""
 
@@ -420,5 +472,7 @@ OFFLOAD_CONNECTOR_MUTANTS: tuple[type[OffloadMutant], ...] = (
     StateHitOffTheGrid,
     StateLoadPastT,
     StateAdmittedWithoutPrefixCaching,
+    StateHitFromFirstStateGroup,
+    StateLoadFirstStateGroupOnly,
 )
 OFFLOAD_BACKEND_MUTANTS: tuple[type[MutantBackend], ...] = (WrongChunkRow,)

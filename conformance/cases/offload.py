@@ -503,6 +503,56 @@ def _state_load(ctx: CaseContext) -> None:
     _expect_hits(ctx, result, {"r": (8,), "longer": (16,)}, "OFF-6")
 
 
+# Three align-mode state groups before full attention (Qwen3-Next's order), and with a window of 8 after them.
+SEVERAL_STATES = make_config(*[mamba(4, cache_mode="align")] * 3, full(4), num_blocks=160)
+SEVERAL_STATES_SW = make_config(*[mamba(4, cache_mode="align")] * 3, full(4), sw(8, 4), num_blocks=192)
+
+
+@case("OFF-5", "several-state-groups-hit-every-group", requires=["local_pools"])
+def _several_state_hits(ctx: CaseContext) -> None:
+    """With three state groups the hit ends where every state group's chunk is present, not only the first's.
+
+    A 16-token writer stores state chunks 0-3 of each group. A 16-token
+    reader hits 12 (state chunk 2 of every group). With the third state
+    group's chunk 2 and the second group's chunk 1 evicted it hits 4: 12
+    needs the third group's chunk 2, 8 the second's chunk 1. The first state
+    group still holds every chunk, so a hit read from it alone restores
+    states the other groups do not have.
+    """
+    scenario = OffloadScenario(
+        config=SEVERAL_STATES,
+        requests=[
+            OffloadRequest(request_id="w", num_tokens=16),
+            OffloadRequest(request_id="n16", num_tokens=16),
+            OffloadRequest(request_id="evicted", num_tokens=16, evict_before=[(2, 2), (1, 1)]),
+        ],
+    )
+    result = run_offload(ctx, scenario, rule="OFF-5")
+    _expect_hits(ctx, result, {"n16": (12,), "evicted": (4,)}, "OFF-5")
+
+
+@case("OFF-6", "several-state-groups-restored", requires=["local_pools"])
+def _several_state_loads(ctx: CaseContext) -> None:
+    """Each of three state groups restores its own slot at T / B - 1, beside full attention and a window of 8.
+
+    A 24-token writer stores; a 16-token reader with a 4-token GPU hit hits 8
+    (T = 12) and restores position 2 of every state group from its chunk 2;
+    a 29-token reader with an 8-token GPU hit restores position 5 (T = 24).
+    A load that restores only the first state group leaves the others'
+    slots stale (STATE-1, OFF-6).
+    """
+    scenario = OffloadScenario(
+        config=SEVERAL_STATES_SW,
+        requests=[
+            OffloadRequest(request_id="w", num_tokens=24),
+            OffloadRequest(request_id="r", num_tokens=16, local_hit_tokens=4),
+            OffloadRequest(request_id="longer", num_tokens=29, local_hit_tokens=8),
+        ],
+    )
+    result = run_offload(ctx, scenario, rule="OFF-6")
+    _expect_hits(ctx, result, {"r": (8,), "longer": (16,)}, "OFF-6")
+
+
 # --------------------------------------------------------------------------- generated scenarios
 
 

@@ -50,6 +50,25 @@ HYBRID = make_config(full(4), sw(8, 4), mamba(4, cache_mode="align", num_specula
 HYBRID_SHARED = make_config(
     full(4), sw(8, 4), mamba(4, cache_mode="align", num_speculative_blocks=1), num_blocks=96, layout="shared"
 )
+# Several state groups, as real models have (3 to 11): Qwen3-Next's three GDN groups before full attention, here
+# with two scratch slots each; Hymba's state groups between full attention and a sliding window, shared layout.
+SEVERAL = make_config(*[gdn(4, cache_mode="align", num_speculative_blocks=2)] * 3, full(4), num_blocks=160)
+SEVERAL_SW = make_config(
+    full(4),
+    *[mamba(4, cache_mode="align", num_speculative_blocks=1)] * 3,
+    sw(8, 4),
+    num_blocks=160,
+    layout="shared",
+)
+# State groups of two block sizes: a hit must end on a boundary of each, not only of the first (STATE-4).
+TWO_STATE_SIZES = make_config(gdn(4, cache_mode="align"), gdn(8, cache_mode="align"), full(4), num_blocks=32)
+CONFIGS = {
+    "FA_MAMBA": FA_MAMBA,
+    "GDN_ALIGN": GDN_ALIGN,
+    "SEVERAL": SEVERAL,
+    "SEVERAL_SW": SEVERAL_SW,
+    "TWO_STATE_SIZES": TWO_STATE_SIZES,
+}
 
 
 def _modes(ctx: CaseContext) -> list[str]:
@@ -63,8 +82,10 @@ def _profile(ctx: CaseContext, config: object) -> str:
     return str(getattr(answer, "value", answer)) if answer is not None else "recompute"
 
 
-def _play(ctx: CaseContext, config: object, requests: Sequence[Request], rule: str) -> None:
-    """Every request LOADED in every mode, the state slot byte-exact (the page oracle).
+def _play(
+    ctx: CaseContext, config: object, requests: Sequence[Request], rule: str, *, modes: Sequence[str] | None = None
+) -> None:
+    """Every request LOADED in every mode (or in ``modes``), the state slot byte-exact (the page oracle).
 
     Under the connector's own state profile: a "prebuilt" engine ships the
     state after all N tokens and recomputes none, so there each request runs
@@ -76,7 +97,7 @@ def _play(ctx: CaseContext, config: object, requests: Sequence[Request], rule: s
         for r in requests:
             seen.setdefault((r.num_tokens, r.prefix_hit_tokens), attrs.evolve(r, recomputed_tokens=0))
         requests = list(seen.values())
-    for mode in _modes(ctx):
+    for mode in _modes(ctx) if modes is None else modes:
         scenario = Scenario(config=config, mode=mode, requests=tuple(requests), state_profile=profile)  # type: ignore[arg-type]
         result = ctx.run(scenario)
         ctx.expect(result, loaded=[r.request_id for r in requests], rule=f"{rule} ({mode})")
@@ -129,6 +150,27 @@ def _hybrid(ctx: CaseContext) -> None:
         _play(ctx, config, requests, "STATE-2")
 
 
+@case("STATE-3", "several-state-groups")
+def _several(ctx: CaseContext) -> None:
+    """Three state groups beside full attention (and, in shared padded tensors, a window): each its own slot moves.
+
+    Each state group's slot travels into the consumer's slot of that group,
+    its scratch slots never, with recomputed tokens and align-mode hits; a
+    connector that pairs, clips or places only the first state group right
+    leaves the others' slots stale or filled from another slot (STATE-2,
+    STATE-3, STATE-4).
+    """
+    requests = [
+        Request(request_id=f"t{t}-b{b}-h{h}", num_tokens=t, recomputed_tokens=b, prefix_hit_tokens=h)
+        for t, b, h in ((14, 1, 0), (13, 2, 4), (21, 1, 12))
+    ]
+    # Each config in one mode, READ then WRITE where both are claimed: both pairings (C's, and P's of a WRITE
+    # offer) see several state groups, at half the scenarios of every config in every mode.
+    modes = _modes(ctx)
+    for i, config in enumerate((SEVERAL, SEVERAL_SW)):
+        _play(ctx, config, requests, "STATE-3", modes=modes[i % len(modes) :][:1])
+
+
 @case("STATE-4", "align-prefix-hits")
 def _align_hits(ctx: CaseContext) -> None:
     """Align-mode prefix hits on state boundaries: the state still moves; a full hit moves nothing."""
@@ -154,17 +196,21 @@ def _direct(ctx: CaseContext, call: str) -> None:
     )
 
 
-def _clip(ctx: CaseContext, ids: list[list[int]]) -> object:
-    _direct(ctx, f"clip_block_ids(state.GDN_ALIGN, BlockIds({ids!r}))")
+def _clip(ctx: CaseContext, ids: list[list[int]], config_name: str = "GDN_ALIGN") -> object:
+    _direct(ctx, f"clip_block_ids(state.{config_name}, BlockIds({ids!r}))")
     try:
-        return tuple(tuple(g) for g in ctx.connector.clip_block_ids(GDN_ALIGN, BlockIds(ids)))
+        return tuple(tuple(g) for g in ctx.connector.clip_block_ids(CONFIGS[config_name], BlockIds(ids)))
     except KVSpecError as exc:
         return exc
 
 
 @case("STATE-2", "clip-keeps-the-state-slot")
 def _clip_state(ctx: CaseContext) -> None:
-    """The clip drops min(2, len - 1) scratch slots and keeps the last slot; a null kept slot is refused."""
+    """The clip drops min(2, len - 1) scratch slots and keeps the last slot; a null kept slot is refused.
+
+    With several state groups (three GDN groups before full attention) each
+    group keeps its own slot, whatever the first group's list holds.
+    """
     problems = []
     # (P's table, the state slot that must be kept); two scratch slots (num_speculative_blocks=2).
     for table, kept in (
@@ -176,11 +222,21 @@ def _clip_state(ctx: CaseContext) -> None:
         got = _clip(ctx, table)
         if got != ((*table[0],), (kept,)):
             problems.append(f"clip_block_ids({table}): expected [{table[0]}, [{kept}]], got {got}")
+    # Three state groups of different list lengths (STATE-2 applies to each group on its own).
+    several = [[0, 0, 7, 8, 9], [0, 0, 0, 12, 13, 14], [15, 16, 17], [1, 2, 3]]
+    got = _clip(ctx, several, "SEVERAL")
+    if got != ((7,), (12,), (15,), (1, 2, 3)):
+        problems.append(f"SEVERAL: clip_block_ids({several}): expected [[7], [12], [15], [1, 2, 3]], got {got}")
     # Scratch dropped, the slot left is the null block: a missing state, never an empty transfer.
-    for table in ([[1, 2], [0, 8, 9]], [[1], [0, 8]]):
-        got = _clip(ctx, table)
+    for table, name in (([[1, 2], [0, 8, 9]], "GDN_ALIGN"), ([[1], [0, 8]], "GDN_ALIGN")):
+        got = _clip(ctx, table, name)
         if not isinstance(got, BlockAlignmentError):
             problems.append(f"clip_block_ids({table}): expected StateSlotError (a null state slot), got {got}")
+    # The third state group's slot is the null block: refused whatever the first group holds.
+    table = [[0, 7, 8, 9], [0, 12, 13, 14], [0, 15, 16], [1, 2, 3]]
+    got = _clip(ctx, table, "SEVERAL")
+    if not isinstance(got, BlockAlignmentError):
+        problems.append(f"SEVERAL: clip_block_ids({table}): expected StateSlotError (group 2's slot), got {got}")
     if problems:
         raise ctx.fail("STATE-2: " + "\n".join(problems))
 
@@ -194,7 +250,7 @@ def _pair(
     num_tokens: int,
     hit: int,
 ) -> object:
-    config = {"FA_MAMBA": FA_MAMBA, "GDN_ALIGN": GDN_ALIGN}[config_name]
+    config = CONFIGS[config_name]
     _direct(
         ctx,
         f"pair_block_ids(state.{config_name}, num_tokens={num_tokens}, prefix_hit_tokens={hit}, "
@@ -210,23 +266,47 @@ def _pair(
         )
     except KVSpecError as exc:
         return exc
-    state = get_state_group_indices(config)[0]
-    return (tuple(pairs.producer_block_ids[state]), tuple(pairs.consumer_block_ids[state]))
+    # Per state group in order: its one (P slot, C slot) pair, or both lists where it is not one pair (STATE-3).
+    found: list[object] = []
+    for g in get_state_group_indices(config):
+        p, c = tuple(pairs.producer_block_ids[g]), tuple(pairs.consumer_block_ids[g])
+        found.append((p[0], c[0]) if len(p) == len(c) == 1 else (p, c))
+    return tuple(found)
 
 
 @case("STATE-3", "slots-pair-last-with-last")
 def _pair_last(ctx: CaseContext) -> None:
-    """P's last slot pairs with C's last; C may list one more slot (its recomputed token's), not two."""
+    """P's last slot pairs with C's last; C may list one more slot (its recomputed token's), not two.
+
+    With several state groups each group pairs its own slots: three GDN
+    groups before full attention, lists of different lengths, scratch slots.
+    """
     problems = []
     for name, producer, consumer, hit, want in (
-        ("FA_MAMBA", [[1, 2, 3], [0, 0, 7]], [[4, 5, 6], [9]], 0, ((7,), (9,))),
-        ("FA_MAMBA", [[1, 2, 3], [7]], [[4, 5, 6], [8, 9]], 0, ((7,), (9,))),
+        ("FA_MAMBA", [[1, 2, 3], [0, 0, 7]], [[4, 5, 6], [9]], 0, ((7, 9),)),
+        ("FA_MAMBA", [[1, 2, 3], [7]], [[4, 5, 6], [8, 9]], 0, ((7, 9),)),
         # A consumer prefix hit: P's tail, past its two scratch slots (STATE-2, STATE-4).
-        ("GDN_ALIGN", [[1, 2, 3], [0, 0, 7, 20, 21]], [[6], [9]], 8, ((7,), (9,))),
+        ("GDN_ALIGN", [[1, 2, 3], [0, 0, 7, 20, 21]], [[6], [9]], 8, ((7, 9),)),
+        # Several state groups, unclipped on both sides: each group's last slot before its scratch pairs.
+        (
+            "SEVERAL",
+            [[0, 0, 7, 20, 21], [0, 8, 22, 23], [9, 24, 25], [1, 2, 3]],
+            [[10], [11, 12], [13], [4, 5, 6]],
+            0,
+            ((7, 10), (8, 11), (9, 13)),
+        ),
+        # The same after a prefix hit of 8 tokens: C lists the full group's last block only.
+        (
+            "SEVERAL",
+            [[0, 0, 7, 20, 21], [0, 0, 8, 22, 23], [0, 0, 9, 24, 25], [1, 2, 3]],
+            [[10], [11], [13], [6]],
+            8,
+            ((7, 10), (8, 11), (9, 13)),
+        ),
     ):
         got = _pair(ctx, name, producer, consumer, num_tokens=9, hit=hit)
         if got != want:
-            problems.append(f"{name} P {producer} C {consumer} hit {hit}: expected state pair {want}, got {got}")
+            problems.append(f"{name} P {producer} C {consumer} hit {hit}: expected state pairs {want}, got {got}")
     got = _pair(ctx, "FA_MAMBA", [[1, 2, 3], [7]], [[4, 5, 6], [8, 9, 10]], num_tokens=9, hit=0)
     if not isinstance(got, BlockAlignmentError):
         problems.append(f"a consumer listing two more state slots than P: expected StateSlotError, got {got}")
@@ -258,6 +338,8 @@ def _off_boundary(ctx: CaseContext) -> None:
         ("GDN_ALIGN", [[1, 2, 3], [0, 0, 7]], [[6], [9]], 10),
         ("GDN_ALIGN", [[1, 2, 3], [0, 0, 7]], [[5, 6], [9]], 6),
         ("FA_MAMBA", [[1, 2, 3], [0, 0, 7]], [[6], [9]], 8),
+        # On the first state group's boundary (4) but not the second's (8): every state group decides.
+        ("TWO_STATE_SIZES", [[0, 0, 7], [0, 8], [1, 2, 3]], [[9], [10], [5, 6]], 4),
     ):
         got = _pair(ctx, name, producer, consumer, num_tokens=11, hit=hit)
         if not isinstance(got, BlockAlignmentError):
@@ -311,6 +393,40 @@ def _layouts(ctx: CaseContext) -> None:
         problems.append(f"only cache mode and scratch slots differ, each side's own: refused: {exc}")
     if problems:
         raise ctx.fail("STATE-5: " + "\n".join(problems))
+
+
+@case("STATE-1", "state-profiles-refused-at-handshake")
+def _profiles(ctx: CaseContext) -> None:
+    """Peers of different state profiles (recompute, prebuilt) are refused at the handshake, before any byte moves.
+
+    Three state groups beside full attention; the consumer's descriptor
+    says the other profile. The refusal is an IncompatiblePeerError naming
+    ``state_profile``: no rule turns one engine's state into the other's
+    (STATE-1, decision 99). The oracle then finds both pools untouched. One
+    mode: the profile is compared the same way in both.
+    """
+    own = _profile(ctx, SEVERAL)
+    other = "prebuilt" if own == "recompute" else "recompute"
+    problems = []
+    for mode in _modes(ctx)[:1]:
+        scenario = Scenario(
+            config=SEVERAL,
+            mode=mode,
+            requests=(Request(request_id="r", num_tokens=8),),
+            state_profile=own,
+            handshake_overrides=(("state_profile", other),),
+        )
+        result = ctx.run(scenario)
+        refused = result.refused
+        if refused is None:
+            problems.append(f"{mode}: producer {own!r}, consumer {other!r}: accepted; expected IncompatiblePeerError")
+        elif not isinstance(refused, IncompatiblePeerError) or "state_profile" not in refused.differences:
+            problems.append(f"{mode}: refused, but not naming state_profile: {type(refused).__name__}: {refused}")
+        if result.outcomes or result.mismatches:
+            moved = [f"{o.request_id}: consumer {o.consumer_state.value}" for o in result.outcomes.values()]
+            problems.append(f"{mode}: requests ran or pages changed: {moved}, {len(result.mismatches)} pages differ")
+    if problems:
+        raise ctx.fail("STATE-1: " + "\n".join(problems))
 
 
 # --------------------------------------------------------------------------- endpoint cases
