@@ -490,6 +490,51 @@ def test_no_rendezvous_store_listens_for_strangers(pair: Pair) -> None:
     pair.consumer.release(handle)
 
 
+def _store_refusals(worker: Any) -> list[str]:
+    """In a worker: requests beyond the rendezvous store's bounds, as a hostile rank 1 would send them."""
+    import types
+
+    from kvspec.transport import _torch_worker as w
+
+    def fresh() -> Any:
+        return w._ChannelStore(types.SimpleNamespace(rank=0, name="peer"), 1.0)
+
+    refusals = []
+    big, store = fresh(), fresh()
+    for index in range(w._STORE_TOTAL_BYTES // w._STORE_VALUE_BYTES):  # up to the total: accepted
+        big.serve({"op": "store", "verb": "set", "keys": [f"k{index}"]}, bytes(w._STORE_VALUE_BYTES))
+    for index in range(w._STORE_KEYS):
+        store.serve({"op": "store", "verb": "set", "keys": [f"k{index}"]}, b"1")
+    for target, header, payload in [
+        (big, {"op": "store", "verb": "set", "keys": ["one-more"]}, b"x"),
+        (store, {"op": "store", "verb": "set", "keys": ["one-more"]}, b"x"),
+        (store, {"op": "store", "verb": "set", "keys": ["k0"]}, bytes(w._STORE_VALUE_BYTES + 1)),
+        (store, {"op": "store", "verb": "set", "keys": ["k" * (w._STORE_KEY_CHARS + 1)]}, b""),
+        (store, {"op": "store", "verb": "check", "keys": [f"k{i}" for i in range(17)]}, b""),
+        (store, {"op": "store", "verb": "delete_key", "keys": ["k0"]}, b""),
+        (store, {"op": "store", "verb": "add", "keys": ["k0"], "amount": 10**30}, b""),
+    ]:
+        try:
+            target.serve(header, payload)
+        except w._Failure as failure:
+            refusals.append(failure.detail)
+    return refusals
+
+
+def test_the_rendezvous_store_bounds_what_a_peer_can_put_in_it(pair: Pair) -> None:
+    """Rank 0 keeps at most 64 keys and 1 MiB per pairing; a request beyond that ends the pairing, naming why."""
+    refusals = pair.producer.call_in_worker(_store_refusals)
+    assert [r.split(":")[0] for r in refusals] == [
+        "store",
+        "store.keys",
+        "store.value",
+        "store.keys",
+        "store.keys",
+        "store.verb",
+        "store.amount",
+    ], refusals
+
+
 FIRST_FRAME_S = 3.0  # the workers' deadline for a connection's first frame (_torch_worker._FIRST_FRAME_S)
 
 
