@@ -492,12 +492,11 @@ def test_no_rendezvous_store_listens_for_strangers(pair: Pair) -> None:
 
 def _store_refusals(worker: Any) -> list[str]:
     """In a worker: requests beyond the rendezvous store's bounds, as a hostile rank 1 would send them."""
-    import types
-
     from kvspec.transport import _torch_worker as w
 
     def fresh() -> Any:
-        return w._ChannelStore(types.SimpleNamespace(rank=0, name="peer"), 1.0)
+        peer = w._Peer({"name": "peer", "uid": "b"}, "a")  # "a" < "b": this side is rank 0 and keeps the keys
+        return w._ChannelStore(peer, 1.0)
 
     refusals = []
     big, store = fresh(), fresh()
