@@ -23,6 +23,7 @@ from typing import Any, ClassVar
 import pytest
 from conftest import require_backend_module
 from kvspec_conformance import BackendSuite, Case, CaseContext
+from torch_worker_probes import store_refusals
 from transport_helpers import LOOPBACK, connect, desc, listening_ports, regions, tcp_sockets, wait
 
 from kvspec import ConfigError, PlanError, TransferMode, TransportError
@@ -490,39 +491,9 @@ def test_no_rendezvous_store_listens_for_strangers(pair: Pair) -> None:
     pair.consumer.release(handle)
 
 
-def _store_refusals(worker: Any) -> list[str]:
-    """In a worker: requests beyond the rendezvous store's bounds, as a hostile rank 1 would send them."""
-    from kvspec.transport import _torch_worker as w
-
-    def fresh() -> Any:
-        peer = w._Peer({"name": "peer", "uid": "b"}, "a")  # "a" < "b": this side is rank 0 and keeps the keys
-        return w._ChannelStore(peer, 1.0)
-
-    refusals = []
-    big, store = fresh(), fresh()
-    for index in range(w._STORE_TOTAL_BYTES // w._STORE_VALUE_BYTES):  # up to the total: accepted
-        big.serve({"op": "store", "verb": "set", "keys": [f"k{index}"]}, bytes(w._STORE_VALUE_BYTES))
-    for index in range(w._STORE_KEYS):
-        store.serve({"op": "store", "verb": "set", "keys": [f"k{index}"]}, b"1")
-    for target, header, payload in [
-        (big, {"op": "store", "verb": "set", "keys": ["one-more"]}, b"x"),
-        (store, {"op": "store", "verb": "set", "keys": ["one-more"]}, b"x"),
-        (store, {"op": "store", "verb": "set", "keys": ["k0"]}, bytes(w._STORE_VALUE_BYTES + 1)),
-        (store, {"op": "store", "verb": "set", "keys": ["k" * (w._STORE_KEY_CHARS + 1)]}, b""),
-        (store, {"op": "store", "verb": "check", "keys": [f"k{i}" for i in range(17)]}, b""),
-        (store, {"op": "store", "verb": "delete_key", "keys": ["k0"]}, b""),
-        (store, {"op": "store", "verb": "add", "keys": ["k0"], "amount": 10**30}, b""),
-    ]:
-        try:
-            target.serve(header, payload)
-        except w._Failure as failure:
-            refusals.append(failure.detail)
-    return refusals
-
-
 def test_the_rendezvous_store_bounds_what_a_peer_can_put_in_it(pair: Pair) -> None:
     """Rank 0 keeps at most 64 keys and 1 MiB per pairing; a request beyond that ends the pairing, naming why."""
-    refusals = pair.producer.call_in_worker(_store_refusals)
+    refusals = pair.producer.call_in_worker(store_refusals)
     assert [r.split(":")[0] for r in refusals] == [
         "store",
         "store.keys",
@@ -547,18 +518,26 @@ def _silent_connection(port: int, source: str) -> socket.socket:
 
 
 def test_silent_connections_neither_keep_a_peer_out_nor_stay_open(pair: Pair) -> None:
-    """40 silent connections from the peer's own address, and 3 from each of 8 others, before a new pairing.
+    """40 silent connections from the peer's own address, 3 from each of 8 others, then 4 that wait, before a pairing.
 
-    Each source holds at most 4 pending handshakes, a newcomer takes the slot of its source's oldest silent
-    connection, and a connection without a first frame is closed after 3 s: the pairing goes through and no
-    silent connection outlives the deadline. Before, the 40 filled the worker's 32 slots for the whole
-    handshake deadline (20 s here) and the real connector was refused.
+    Each source holds at most 4 pending handshakes, a newcomer takes the slot of its source's oldest silent (else
+    waiting) connection, and a connection without a first frame is closed after 3 s: the pairing goes through and
+    no silent connection outlives the deadline. The 4 that wait sent a valid first frame (the uid is in the
+    metadata) claiming an agent never added: they would hold their source's slots for the whole handshake
+    deadline. Before, the 40 filled the worker's 32 slots for that deadline (20 s here) and the real connector
+    was refused.
     """
-    port = json.loads(pair.producer.get_agent_metadata())["port"]
+    meta = json.loads(pair.producer.get_agent_metadata())
+    port, producer_uid = meta["port"], meta["uid"]
     silent = [_silent_connection(port, "127.0.0.1") for _ in range(40)]
     silent += [_silent_connection(port, f"127.0.0.{2 + index % 8}") for index in range(24)]
     opened = time.monotonic()
+    waiting = [_silent_connection(port, "127.0.0.1") for _ in range(4)]
     try:
+        for index, sock in enumerate(waiting):
+            hello = {"op": "auth", "from": f"never-added-{index}", "to": producer_uid, "nonce": os.urandom(32).hex()}
+            send_frame(sock, hello)
+            assert recv_frame(sock, header_limit=1024, payload_limit=0)[0] == {"op": "wait"}
         # A new pairing: the consumer's worker connects to the flooded producer's and authenticates.
         pair.consumer.remove_remote_agent("producer")
         pair.consumer.add_remote_agent(pair.producer.get_agent_metadata())
@@ -569,7 +548,7 @@ def test_silent_connections_neither_keep_a_peer_out_nor_stay_open(pair: Pair) ->
         still_open = [sock for sock in silent if not _closed_by_worker(sock, max(0.1, deadline - time.monotonic()))]
         assert not still_open, f"{len(still_open)} silent connections open {time.monotonic() - opened:.1f} s on"
     finally:
-        for sock in silent:
+        for sock in silent + waiting:
             sock.close()
 
 

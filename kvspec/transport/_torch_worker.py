@@ -95,7 +95,7 @@ _PRE_AUTH_HEADER_LIMIT = 1024
 _HEADER_LIMIT = 64 << 10
 _PAYLOAD_LIMIT = 64 << 20  # ~2.8 million spans of 24 bytes, or one notification
 # Connections authenticating at once, all sources together and from one source address. A newcomer beyond
-# either bound takes the slot of that source's (or the busiest source's) oldest silent connection, or is closed.
+# either bound takes the slot of that source's (or the busiest source's) oldest idle connection, or is closed.
 _MAX_PENDING_AUTH = 32
 _MAX_PENDING_PER_SOURCE = 4
 _FIRST_FRAME_S = 3.0  # a connection without a complete first frame by then is closed (the connector sends at once)
@@ -228,40 +228,46 @@ class _Peer:
 
 
 class _Pending:
-    """A control connection still authenticating: its source address and whether its first frame has come."""
+    """A control connection still authenticating: its source address and how far it got.
+
+    ``stage`` is ``"silent"`` (no complete first frame yet), ``"waiting"`` (a
+    first frame from a uid not added here yet: it waits for
+    ``add_remote_agent``) or ``"proving"`` (the MAC exchange, short). Silent
+    and waiting connections are idle: a newcomer may take their slot.
+    """
 
     def __init__(self, sock: socket.socket, address: tuple[str, int]) -> None:
         self.sock = sock
         self.address = address
         self.source = address[0]
-        self.silent = True  # no complete first frame yet: the connection may be evicted for a newcomer
+        self.stage = "silent"
         self.evicted = False
 
     def evict(self) -> None:
-        """Wake the thread serving it (it closes the socket: one owner, one close)."""
+        """Wake the thread serving it (it closes the socket: one owner, one close); the caller notifies the lock."""
         self.evicted = True
         with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)
 
 
 def _victim(pending: Sequence[_Pending], source: str) -> _Pending | None:
-    """The connection a newcomer from ``source`` replaces, if any (FIFO lists: the first match is the oldest).
+    """The connection a newcomer from ``source`` replaces, if any (``pending`` is oldest first).
 
-    Under the per-source bound, that source's oldest silent connection; under
-    the global bound, the oldest silent one of the source holding the most
-    slots, so one source cannot keep the others out.
+    Under the per-source bound, that source's oldest silent connection, else
+    its oldest waiting one; under the global bound, the same from the source
+    holding the most slots, so one source cannot keep the others out. A
+    connection proving its key is never replaced.
     """
-    own = [p for p in pending if p.source == source]
-    if len(own) >= _MAX_PENDING_PER_SOURCE:
-        return next((p for p in own if p.silent), None)
-    counts: dict[str, int] = {}
-    for p in pending:
-        if p.silent:
-            counts[p.source] = counts.get(p.source, 0) + 1
-    if not counts:
-        return None
-    busiest = max(counts, key=lambda s: sum(p.source == s for p in pending))
-    return next(p for p in pending if p.source == busiest and p.silent)
+    count = {p.source: sum(q.source == p.source for q in pending) for p in pending}
+    full = count.get(source, 0) >= _MAX_PENDING_PER_SOURCE
+    # Else the busiest source first (a stable sort: the one seen first on ties).
+    candidates = [source] if full else sorted(count, key=lambda s: -count[s])
+    for candidate in candidates:
+        for stage in ("silent", "waiting"):
+            for entry in pending:
+                if entry.source == candidate and entry.stage == stage:
+                    return entry
+    return None
 
 
 class _Transfer:
@@ -392,9 +398,10 @@ class _Worker:
                     self.pending.remove(victim)
                 if victim is not None or not crowded:
                     self.pending.append(entry)
-            if victim is not None:
-                victim.evict()
-            elif crowded:
+                if victim is not None:
+                    victim.evict()
+                    self.lock.notify_all()  # a victim waiting for add_remote_agent gives up
+            if victim is None and crowded:
                 _warn(self.name, f"refused a control connection from {address[0]}:{address[1]}: too many pending")
                 sock.close()
                 continue
@@ -409,7 +416,7 @@ class _Worker:
             uid = self._authenticate_incoming(entry)
         except Exception as exc:  # whatever the connector sent, one line and the connection is closed
             guard.cancel()
-            why = "evicted: a newer connection from the same source needed its slot" if entry.evicted else None
+            why = "evicted: a newer connection needed its slot" if entry.evicted else None
             _warn(self.name, f"refused a control connection from {address[0]}:{address[1]}: {why or _describe(exc)}")
             sock.close()
             return
@@ -442,7 +449,8 @@ class _Worker:
         3. connector: ``{op: auth, mac}``, checked in constant time.
 
         The first frame must be complete within ``_FIRST_FRAME_S`` (the connector sends it at once); until then the
-        connection counts as silent and may be evicted for a newcomer (:func:`_victim`).
+        connection counts as silent, and while it waits for ``add_remote_agent`` as waiting: either may be evicted
+        for a newcomer (:func:`_victim`).
         """
         sock = entry.sock
         first_frame_s = min(_FIRST_FRAME_S, self.timeout_s)
@@ -455,10 +463,6 @@ class _Worker:
             )
         except TimeoutError:
             raise _Failure("protocol", f"first frame: expected within {first_frame_s} s, got none") from None
-        with self.lock:
-            if entry.evicted:
-                raise _Failure("protocol", "evicted")
-            entry.silent = False
         sock.settimeout(self.timeout_s)  # the rest of the handshake: the whole-handshake deadline still holds
         if header.get("op") != "auth":
             raise _Failure("protocol", f"first frame: expected op 'auth', got {header.get('op')!r:.40}")
@@ -468,14 +472,19 @@ class _Worker:
         theirs = parse_nonce(header.get("nonce"), "auth.nonce")
         with self.lock:
             known = uid in self.authorized
+            entry.stage = "proving" if known else "waiting"
         if not known:
             send_frame(sock, {"op": "wait"})  # the connector's add_remote_agent returns; pairing goes on
         with self.lock:
-            if not self.lock.wait_for(lambda: uid in self.authorized or self.closed, timeout=self.timeout_s):
+            added = self.lock.wait_for(
+                lambda: uid in self.authorized or self.closed or entry.evicted, timeout=self.timeout_s
+            )
+            if entry.evicted or not added:
                 raise _Failure("protocol", f"auth.from: agent uid {uid!r:.80} was not added here (add_remote_agent)")
             meta = self.authorized.get(uid)
             if meta is None:
                 raise _Failure("protocol", "worker closed")
+            entry.stage = "proving"
             key = self._pair_key(meta)
             my_uid = self.uid
         mine = secrets.token_bytes(NONCE_BYTES)
