@@ -492,9 +492,10 @@ def test_no_rendezvous_store_listens_for_strangers(pair: Pair) -> None:
 
 
 def test_the_rendezvous_store_bounds_what_a_peer_can_put_in_it(pair: Pair) -> None:
-    """Rank 0 keeps at most 64 keys and 1 MiB per pairing; a request beyond that ends the pairing, naming why."""
+    """Rank 0 keeps at most 64 keys, 1 MiB and 16 parked waits per pairing; beyond that the pairing ends, naming why."""
     refusals = pair.producer.call_in_worker(store_refusals)
     assert [r.split(":")[0] for r in refusals] == [
+        "store.wait",
         "store",
         "store.keys",
         "store.value",

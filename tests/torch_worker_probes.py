@@ -21,7 +21,10 @@ def store_refusals(worker: Any) -> list[str]:
         big.serve({"op": "store", "verb": "set", "keys": [f"k{index}"]}, bytes(w._STORE_VALUE_BYTES))
     for index in range(w._STORE_KEYS):
         store.serve({"op": "store", "verb": "set", "keys": [f"k{index}"]}, b"1")
+    for ident in range(w._STORE_WAITS):  # waits for a key never set: parked, up to the bound
+        store.serve({"op": "store", "verb": "wait", "keys": ["absent"], "id": ident}, b"")
     for target, header, payload in [
+        (store, {"op": "store", "verb": "wait", "keys": ["absent"], "id": 99}, b""),
         (big, {"op": "store", "verb": "set", "keys": ["one-more"]}, b"x"),
         (store, {"op": "store", "verb": "set", "keys": ["one-more"]}, b"x"),
         (store, {"op": "store", "verb": "set", "keys": ["k0"]}, bytes(w._STORE_VALUE_BYTES + 1)),

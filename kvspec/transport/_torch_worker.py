@@ -646,7 +646,9 @@ class _Worker:
                     if peer.rank != 0 or peer.store is None:
                         raise _Failure("protocol", "store: expected only from the rank-1 worker of a pairing")
                     _field(header, "id", int)
-                    peer.send(*peer.store.serve(header, payload))
+                    reply = peer.store.serve(header, payload)
+                    if reply is not None:  # else a wait, answered by the set that completes it
+                        peer.send(*reply)
                 elif kind == "store_reply":
                     if peer.rank != 1 or peer.store is None:
                         raise _Failure("protocol", "store_reply: expected only by the rank-1 worker of a pairing")
@@ -1051,19 +1053,19 @@ _STORE_KEYS = 64
 _STORE_KEY_CHARS = 256
 _STORE_VALUE_BYTES = 64 << 10
 _STORE_TOTAL_BYTES = 1 << 20
-_STORE_VERBS = ("set", "get", "add", "check")
-_STORE_POLL_S = (0.001, 0.002, 0.005, 0.01, 0.02)  # rank 1's waits poll rank 0, backing off to 20 ms
+_STORE_WAITS = 16  # rank 1's waits parked on rank 0 at once
+_STORE_VERBS = ("set", "get", "add", "check", "wait")
 
 
 class _ChannelStore(Store):
     """The rendezvous of one pairing as frames on its authenticated control connections: no listening socket.
 
-    Rank 0 holds the keys (bounded: ``_STORE_*``) and answers rank 1's
-    ``store`` frames from its reader thread without ever blocking; rank 1
-    sends each ``set``, ``get``, ``add`` or ``check`` as a frame and waits
-    for the ``store_reply`` (its ``wait`` polls ``check``, backing off to
-    20 ms). Only the calls gloo and NCCL rendezvous with are served; the
-    others raise.
+    Rank 0 holds the keys (bounded: ``_STORE_*``) and serves rank 1's
+    ``store`` frames from its reader thread without ever blocking: a ``wait``
+    for keys not set yet is parked (at most ``_STORE_WAITS``) and answered by
+    the ``set`` that completes it. Rank 1 sends each call as a frame and waits
+    for its ``store_reply``. Only the calls gloo and NCCL rendezvous with
+    (``set``, ``get``, ``add``, ``check``, ``wait``) are served; the others raise.
     """
 
     def __init__(self, peer: _Peer, timeout_s: float) -> None:
@@ -1072,7 +1074,8 @@ class _ChannelStore(Store):
         self._timeout_s = timeout_s
         self._cond = threading.Condition()
         self._values: dict[str, bytes] = {}
-        self._replies: dict[int, tuple[dict[str, Any], bytes]] = {}
+        self._parked: list[tuple[int, list[str]]] = []  # rank 0: (request id, keys) of rank 1's waits
+        self._replies: dict[int, tuple[dict[str, Any], bytes]] = {}  # rank 1: answers by request id
         self._ids = itertools.count(1)
         self._closed = False
 
@@ -1097,31 +1100,28 @@ class _ChannelStore(Store):
         return bool(header.get("found"))
 
     def wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:
-        seconds = self._timeout_s if timeout is None else timeout.total_seconds()
-        deadline = time.monotonic() + (seconds if seconds > 0 else self._timeout_s)
-        if self._peer.rank == 0:
-            with self._cond:
-                self._cond.wait_for(
-                    lambda: self._closed or all(k in self._values for k in keys), max(0.0, deadline - time.monotonic())
-                )
-                ready = not self._closed and all(k in self._values for k in keys)
-        else:
-            for attempt in itertools.count():
-                ready = self.check(keys)
-                if ready or time.monotonic() >= deadline:
-                    break
-                time.sleep(_STORE_POLL_S[min(attempt, len(_STORE_POLL_S) - 1)])
+        seconds = self._timeout_s if timeout is None or timeout.total_seconds() <= 0 else timeout.total_seconds()
+        if self._peer.rank == 1:
+            self._request("wait", list(keys), timeout_s=seconds)
+            return
+        with self._cond:
+            ready = self._cond.wait_for(lambda: self._closed or self._holds(keys), seconds) and not self._closed
         if not ready:
             raise TimeoutError(f"rendezvous with {self._peer.name!r}: keys {keys} not set within {seconds} s")
 
     # ----- both ranks
 
-    def _request(self, verb: str, keys: list[str], value: bytes = b"", amount: int = 0) -> tuple[dict[str, Any], bytes]:
+    def _request(
+        self, verb: str, keys: list[str], value: bytes = b"", amount: int = 0, timeout_s: float | None = None
+    ) -> tuple[dict[str, Any], bytes]:
         header = {"op": "store", "verb": verb, "keys": keys, "amount": amount}
         if self._peer.rank == 0:
-            reply, payload = self.serve(header, value)
-            return reply, payload
-        deadline = time.monotonic() + self._timeout_s
+            reply = self.serve(header, value)
+            if reply is None:  # never: rank 0 waits on its own keys (see wait), only rank 1's waits are parked
+                raise TimeoutError(f"rendezvous with {self._peer.name!r}: {verb} {keys}: parked")
+            return reply
+        seconds = self._timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + seconds
         with self._cond:
             ident = next(self._ids)
         # Rank 0 may start the rendezvous before this side's own connection to it is up: wait for that.
@@ -1130,12 +1130,12 @@ class _ChannelStore(Store):
         with self._cond:
             self._cond.wait_for(lambda: ident in self._replies or self._closed, max(0.0, deadline - time.monotonic()))
             if ident not in self._replies:
-                why = "the pair was dropped" if self._closed else f"no answer within {self._timeout_s} s"
-                raise TimeoutError(f"rendezvous with {self._peer.name!r}: {why}")
+                why = "the pair was dropped" if self._closed else f"no answer within {seconds} s"
+                raise TimeoutError(f"rendezvous with {self._peer.name!r}: {verb} {keys}: {why}")
             return self._replies.pop(ident)
 
     def answer(self, header: dict[str, Any], payload: bytes) -> None:
-        """Rank 1: the reply to one of our requests (an unknown id is dropped)."""
+        """Rank 1: the reply to one of our requests (at most 16 kept unclaimed)."""
         ident = _field(header, "id", int)
         with self._cond:
             if len(self._replies) < 16:
@@ -1146,12 +1146,19 @@ class _ChannelStore(Store):
         """Wake every call waiting on this pairing: it is over."""
         with self._cond:
             self._closed = True
+            self._parked.clear()
             self._cond.notify_all()
 
     # ----- rank 0: the keys
 
-    def serve(self, header: dict[str, Any], payload: bytes) -> tuple[dict[str, Any], bytes]:
-        """Carry out one request (ours or rank 1's) at once; ``_Failure`` ``protocol`` when it breaks a bound."""
+    def _holds(self, keys: list[str]) -> bool:
+        return all(k in self._values for k in keys)
+
+    def serve(self, header: dict[str, Any], payload: bytes) -> tuple[dict[str, Any], bytes] | None:
+        """Carry out one request (ours or rank 1's) at once: its reply, or ``None`` for a wait parked until a set.
+
+        ``_Failure`` ``protocol`` when the request breaks a bound. A set answers the waits it completes.
+        """
         verb, keys = header.get("verb"), header.get("keys")
         if verb not in _STORE_VERBS:
             raise _Failure("protocol", f"store.verb: expected one of {_STORE_VERBS}, got {verb!r:.40}")
@@ -1162,8 +1169,13 @@ class _ChannelStore(Store):
         key = keys[0]
         reply: dict[str, Any] = {"op": "store_reply", "id": header.get("id"), "found": False, "amount": 0}
         with self._cond:
-            if verb == "check":
-                reply["found"] = all(k in self._values for k in keys)
+            if verb in ("check", "wait"):
+                reply["found"] = self._holds(keys)
+                if verb == "wait" and not reply["found"]:
+                    if len(self._parked) >= _STORE_WAITS:
+                        raise _Failure("protocol", f"store.wait: expected at most {_STORE_WAITS} waits at once")
+                    self._parked.append((_field(header, "id", int), keys))
+                    return None
                 return reply, b""
             if verb == "get":
                 value = self._values.get(key)
@@ -1187,6 +1199,10 @@ class _ChannelStore(Store):
                 raise _Failure("protocol", f"store: expected at most {_STORE_TOTAL_BYTES} bytes per pairing")
             self._values[key] = payload
             self._cond.notify_all()
+            done = [ident for ident, wanted in self._parked if self._holds(wanted)]
+            self._parked = [(ident, wanted) for ident, wanted in self._parked if ident not in done]
+        for ident in done:  # outside the lock: a send may block on a slow peer
+            _quiet(self._peer.send, {"op": "store_reply", "id": ident, "found": True, "amount": 0})
         return reply, b""
 
 
