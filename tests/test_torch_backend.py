@@ -182,7 +182,7 @@ def test_every_socket_of_both_workers_is_on_loopback(pair: Pair) -> None:
     for agent in (pair.producer, pair.consumer):
         addresses = tcp_sockets(agent.pid)
         assert addresses, "expected the control and gloo sockets"
-        # The rendezvous store's client may be an IPv6 socket to the IPv4-mapped loopback address (::ffff:127.0.0.1).
+        # A socket may be IPv6 to the IPv4-mapped loopback address (::ffff:127.0.0.1), as the old TCPStore client was.
         assert all(a.split(":")[0].removeprefix(MAPPED_V4) == LOOPBACK for a in addresses), addresses
 
 
