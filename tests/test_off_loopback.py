@@ -109,7 +109,7 @@ def _assert_on_the_chosen_address(result: dict[str, object]) -> None:
     assert isinstance(sockets, dict)
     for agent, addresses in sockets.items():
         assert addresses, f"expected TCP sockets in {agent}'s process"
-        # The torch rendezvous store's client may be an IPv6 socket to the IPv4-mapped address (::ffff:10.78.0.1).
+        # A socket may be IPv6 to the IPv4-mapped address (::ffff:10.78.0.1), as the old TCPStore client was.
         hosts = {a.split(":")[0].removeprefix("0000000000000000FFFF0000") for a in addresses}
         assert hosts == {ADDRESS_HEX}, (agent, addresses)  # every socket on 10.78.0.1, none on 127.0.0.1
         assert LOOPBACK_HEX not in hosts

@@ -9,11 +9,13 @@ import pickle
 import random
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import textwrap
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from multiprocessing import shared_memory
 from pathlib import Path
 from typing import Any, ClassVar
@@ -21,7 +23,8 @@ from typing import Any, ClassVar
 import pytest
 from conftest import require_backend_module
 from kvspec_conformance import BackendSuite, Case, CaseContext
-from transport_helpers import LOOPBACK, connect, desc, regions, tcp_sockets, wait
+from torch_worker_probes import store_refusals
+from transport_helpers import LOOPBACK, connect, desc, listening_ports, regions, tcp_sockets, wait
 
 from kvspec import ConfigError, PlanError, TransferMode, TransportError
 from kvspec.core._models import FailureReason
@@ -199,7 +202,7 @@ def test_every_socket_of_both_workers_is_on_loopback(pair: Pair) -> None:
     for agent in (pair.producer, pair.consumer):
         addresses = tcp_sockets(agent.pid)
         assert addresses, "expected the control and gloo sockets"
-        # The rendezvous store's client may be an IPv6 socket to the IPv4-mapped loopback address (::ffff:127.0.0.1).
+        # A socket may be IPv6 to the IPv4-mapped loopback address (::ffff:127.0.0.1), as the old TCPStore client was.
         assert all(a.split(":")[0].removeprefix(MAPPED_V4) == LOOPBACK for a in addresses), addresses
 
 
@@ -465,6 +468,109 @@ def test_pair_keys_agree_only_between_the_two_workers() -> None:
     for bad in ("0", "1", "", "zz", "f" * 600, 7):
         with pytest.raises(PairKeyError, match=r"metadata\.dh"):
             parse_public(bad, "metadata.dh")
+
+
+def _answers_as_tcp_store(port: int) -> bool:
+    """Whether a ``TCPStore`` serves ``port``: ask for its key count as any stranger could (it takes no credential).
+
+    TCPStore's protocol (torch 2.x): a VALIDATE query (0) with its magic number, then GETNUMKEYS (7), answered
+    with an int64. gloo's own listener answers nothing (1 s here), and a closed connection is no store either.
+    """
+    with socket.create_connection(("127.0.0.1", port), timeout=1.0) as sock:
+        sock.sendall(b"\x00" + struct.pack("<I", 0x3C85F7CE) + b"\x07")
+        reply = b""
+        try:
+            while len(reply) < 8 and (more := sock.recv(8 - len(reply))):
+                reply += more
+        except OSError:
+            return False
+    return len(reply) == 8
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_no_rendezvous_store_listens_for_strangers(pair: Pair) -> None:
+    """The pairing's rendezvous runs on the authenticated control connections: a stranger finds no store to read.
+
+    Before, the rank-0 worker served a ``TCPStore`` for as long as the pair lived; anyone who reached it read
+    the gloo addresses in it (and could fill it). Now each worker listens on its control port and on gloo's.
+    """
+    for agent in (pair.producer, pair.consumer):
+        control = json.loads(agent.get_agent_metadata())["port"]
+        listening = listening_ports(agent.pid)
+        assert control in listening, (control, listening)
+        with ThreadPoolExecutor() as pool:
+            stores = [
+                port
+                for port, answered in zip(listening, pool.map(_answers_as_tcp_store, listening), strict=True)
+                if answered
+            ]
+        assert not stores, f"worker {agent.name!r} serves a TCPStore on {stores}"
+    # Strangers poking gloo's listener leave the pair working.
+    handle = pair.consumer.post(TransferMode.READ, [desc(0, 0, 0, 0, PAGE)], peer="producer")
+    assert wait(pair.consumer, handle).state is TransferState.DONE
+    pair.consumer.release(handle)
+
+
+def test_the_rendezvous_store_bounds_what_a_peer_can_put_in_it(pair: Pair) -> None:
+    """Rank 0 keeps at most 64 keys, 1 MiB and 16 parked waits per pairing; beyond that the pairing ends, naming why."""
+    refusals = pair.producer.call_in_worker(store_refusals)
+    assert [r.split(":")[0] for r in refusals] == [
+        "store.wait",
+        "store",
+        "store.keys",
+        "store.value",
+        "store.keys",
+        "store.keys",
+        "store.verb",
+        "store.amount",
+    ], refusals
+
+
+FIRST_FRAME_S = 3.0  # the workers' deadline for a connection's first frame (_torch_worker._FIRST_FRAME_S)
+
+
+def _silent_connection(port: int, source: str) -> socket.socket:
+    """A connection from ``source`` (any 127.x.y.z is local) to a worker's control port that never sends a byte."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind((source, 0))
+    sock.settimeout(5.0)
+    sock.connect(("127.0.0.1", port))
+    return sock
+
+
+def test_silent_connections_neither_keep_a_peer_out_nor_stay_open(pair: Pair) -> None:
+    """40 silent connections from the peer's own address, 3 from each of 8 others, then 4 that wait, before a pairing.
+
+    Each source holds at most 4 pending handshakes, a newcomer takes the slot of its source's oldest silent (else
+    waiting) connection, and a connection without a first frame is closed after 3 s: the pairing goes through and
+    no silent connection outlives the deadline. The 4 that wait sent a valid first frame (the uid is in the
+    metadata) claiming an agent never added: they would hold their source's slots for the whole handshake
+    deadline. Before, the 40 filled the worker's 32 slots for that deadline (20 s here) and the real connector
+    was refused.
+    """
+    meta = json.loads(pair.producer.get_agent_metadata())
+    port, producer_uid = meta["port"], meta["uid"]
+    silent = [_silent_connection(port, "127.0.0.1") for _ in range(40)]
+    silent += [_silent_connection(port, f"127.0.0.{2 + index % 8}") for index in range(24)]
+    opened = time.monotonic()
+    waiting = [_silent_connection(port, "127.0.0.1") for _ in range(4)]
+    try:
+        for index, sock in enumerate(waiting):
+            hello = {"op": "auth", "from": f"never-added-{index}", "to": producer_uid, "nonce": os.urandom(32).hex()}
+            send_frame(sock, hello)
+            assert recv_frame(sock, header_limit=1024, payload_limit=0)[0] == {"op": "wait"}
+        # A new pairing: the consumer's worker connects to the flooded producer's and authenticates.
+        pair.consumer.remove_remote_agent("producer")
+        pair.consumer.add_remote_agent(pair.producer.get_agent_metadata())
+        handle = pair.consumer.post(TransferMode.READ, [desc(0, 0, 0, 0, PAGE)], peer="producer")
+        assert wait(pair.consumer, handle).state is TransferState.DONE
+        pair.consumer.release(handle)
+        deadline = opened + FIRST_FRAME_S + 3.0
+        still_open = [sock for sock in silent if not _closed_by_worker(sock, max(0.1, deadline - time.monotonic()))]
+        assert not still_open, f"{len(still_open)} silent connections open {time.monotonic() - opened:.1f} s on"
+    finally:
+        for sock in silent + waiting:
+            sock.close()
 
 
 # --------------------------------------------------------------------------- failures

@@ -11,7 +11,7 @@ import pytest
 
 from kvspec.transport import Descriptor, MemoryRegion, TransferHandle, TransferState, TransferStatus, Transport
 
-__all__ = ["LOOPBACK", "connect", "desc", "regions", "tcp_sockets", "wait"]
+__all__ = ["LOOPBACK", "connect", "desc", "listening_ports", "regions", "tcp_sockets", "wait"]
 
 # 127.0.0.1 as /proc/net/tcp writes a local address (little-endian hex).
 LOOPBACK = "0100007F"
@@ -57,8 +57,8 @@ def wait(agent: Transport, handle: TransferHandle, deadline: float = 20.0) -> Tr
     pytest.fail(f"transfer {handle.transfer_id} still PENDING after {deadline} s")
 
 
-def tcp_sockets(pid: int) -> list[str]:
-    """Local addresses of the TCP sockets process ``pid`` holds (from /proc)."""
+def tcp_sockets(pid: int, *, listening: bool = False) -> list[str]:
+    """Local addresses of the TCP sockets process ``pid`` holds, or of those it listens on (from /proc)."""
     inodes = set()
     for fd in os.listdir(f"/proc/{pid}/fd"):
         try:
@@ -72,6 +72,11 @@ def tcp_sockets(pid: int) -> list[str]:
         with open(f"/proc/{pid}/net/{table}") as f:
             for line in f.read().splitlines()[1:]:
                 fields = line.split()
-                if fields[9] in inodes:
+                if fields[9] in inodes and (not listening or fields[3] == "0A"):  # 0A: TCP_LISTEN
                     found.append(fields[1])
     return found
+
+
+def listening_ports(pid: int) -> list[int]:
+    """The ports process ``pid`` listens on over TCP (from /proc)."""
+    return sorted({int(address.rsplit(":", 1)[1], 16) for address in tcp_sockets(pid, listening=True)})

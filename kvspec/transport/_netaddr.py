@@ -110,7 +110,7 @@ def derived_options(
 ) -> dict[str, object]:
     """The options of built-in ``backend`` that ``local_address`` implies, less those in ``given`` (which win).
 
-    ``torch``: ``host`` (control sockets and rendezvous) and ``interface`` (gloo); ``nixl``:
+    ``torch``: ``host`` (control sockets, which carry the rendezvous) and ``interface`` (gloo); ``nixl``:
     ``net_devices``, and ``tls="tcp"`` off loopback unless ``given`` names ``net_devices``; ``mooncake``:
     ``host`` (the engine's name and the address its peers connect to). Nothing for other backends, or
     when the address or its interface is unknown. For ``nixl``, a ``UCX_NET_DEVICES`` in ``environ``

@@ -11,8 +11,9 @@ Theory of operation (one worker per agent, started by
   generation (bumped on ``reset``) so a proxy ignores an earlier life's.
 - Every pair of agents shares two control connections on the backend's ``host`` (127.0.0.1 by default; one per
   direction, ``TCP_NODELAY``) and one two-rank process group (gloo by default)
-  rendezvoused through a ``TCPStore`` that the lower-ranked worker serves on
-  ``host`` for the pairing only. Control messages are framed JSON
+  that rendezvous over those connections (:class:`_ChannelStore`: no
+  ``TCPStore``, no listening socket besides the control listener and gloo's
+  own). Control messages are framed JSON
   (:mod:`kvspec.transport._wire`, bounded): nothing a peer sends is unpickled.
 - A control connection is accepted only from a worker whose metadata this
   worker was given by ``add_remote_agent``: both derive a pair key from their
@@ -45,7 +46,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import functools
 import hmac
 import itertools
 import json
@@ -64,7 +64,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 import torch
-from torch.distributed import ProcessGroupGloo, TCPStore  # type: ignore[attr-defined]  # re-exported at run time
+from torch.distributed import ProcessGroupGloo, Store  # type: ignore[attr-defined]  # re-exported at run time
 
 from kvspec.core._errors import encode_error
 from kvspec.transport._pairkey import (
@@ -93,7 +93,11 @@ _DEBUG = bool(os.environ.get("KVSPEC_TORCH_DEBUG"))
 _PRE_AUTH_HEADER_LIMIT = 1024
 _HEADER_LIMIT = 64 << 10
 _PAYLOAD_LIMIT = 64 << 20  # ~2.8 million spans of 24 bytes, or one notification
-_MAX_PENDING_AUTH = 32  # connections authenticating at once; more are closed at once
+# Connections authenticating at once, all sources together and from one source address. A newcomer beyond
+# either bound takes the slot of that source's (or the busiest source's) oldest idle connection, or is closed.
+_MAX_PENDING_AUTH = 32
+_MAX_PENDING_PER_SOURCE = 4
+_FIRST_FRAME_S = 3.0  # a connection without a complete first frame by then is closed (the connector sends at once)
 _SPAN = struct.Struct("<QQQ")
 
 
@@ -169,8 +173,9 @@ class _Peer:
         self.out_lock = threading.Lock()
         self.close_lock = threading.Lock()
         self.out_closed = False
+        self.connected = threading.Event()  # set once the outgoing connection is up (or closed)
         self.group: Any = None
-        self.store: Any = None  # the rendezvous store, kept as long as the group
+        self.store: _ChannelStore | None = None  # the rendezvous, kept as long as the group
         self.ready = threading.Event()
         # Set once add_remote_agent may return: the pair is ready, dead, or waits for the peer to add us.
         self.settled = threading.Event()
@@ -194,6 +199,7 @@ class _Peer:
         with self.close_lock:
             if not self.out_closed:
                 self.out = conn
+                self.connected.set()
                 return
         conn.close()
         raise _Failure("peer_disconnected", f"peer {self.name!r} was dropped while connecting")
@@ -210,6 +216,7 @@ class _Peer:
             if self.out_closed:
                 return
             self.out_closed = True
+            self.connected.set()
             out = self.out
         if out is None:
             return
@@ -217,6 +224,49 @@ class _Peer:
             _shutdown(out.fileno())  # through a duplicate; the original is closed below, once
         with self.out_lock, contextlib.suppress(OSError):
             out.close()
+
+
+class _Pending:
+    """A control connection still authenticating: its source address and how far it got.
+
+    ``stage`` is ``"silent"`` (no complete first frame yet), ``"waiting"`` (a
+    first frame from a uid not added here yet: it waits for
+    ``add_remote_agent``) or ``"proving"`` (the MAC exchange, short). Silent
+    and waiting connections are idle: a newcomer may take their slot.
+    """
+
+    def __init__(self, sock: socket.socket, address: tuple[str, int]) -> None:
+        self.sock = sock
+        self.address = address
+        self.source = address[0]
+        self.stage = "silent"
+        self.evicted = False
+
+    def evict(self) -> None:
+        """Wake the thread serving it (it closes the socket: one owner, one close); the caller notifies the lock."""
+        self.evicted = True
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+
+
+def _victim(pending: Sequence[_Pending], source: str) -> _Pending | None:
+    """The connection a newcomer from ``source`` replaces, if any (``pending`` is oldest first).
+
+    Under the per-source bound, that source's oldest silent connection, else
+    its oldest waiting one; under the global bound, the same from the source
+    holding the most slots, so one source cannot keep the others out. A
+    connection proving its key is never replaced.
+    """
+    count = {p.source: sum(q.source == p.source for q in pending) for p in pending}
+    full = count.get(source, 0) >= _MAX_PENDING_PER_SOURCE
+    # Else the busiest source first (a stable sort: the one seen first on ties).
+    candidates = [source] if full else sorted(count, key=lambda s: -count[s])
+    for candidate in candidates:
+        for stage in ("silent", "waiting"):
+            for entry in pending:
+                if entry.source == candidate and entry.stage == stage:
+                    return entry
+    return None
 
 
 class _Transfer:
@@ -260,7 +310,7 @@ class _Worker:
         # Metadata given by add_remote_agent, by uid: the only workers whose connections are accepted.
         self.authorized: dict[str, dict[str, Any]] = {}
         self.pair_keys: dict[str, bytes] = {}
-        self.pending_auth = 0
+        self.pending: list[_Pending] = []  # connections authenticating, oldest first
         self.transfers: dict[int, _Transfer] = {}
         self.counter = itertools.count(1)
         self.spare_rings: list[list[torch.Tensor]] = []
@@ -336,32 +386,43 @@ class _Worker:
                 sock, address = self.listener.accept()
             except OSError:
                 continue
+            entry = _Pending(sock, address)
             with self.lock:
-                crowded = self.pending_auth >= _MAX_PENDING_AUTH
-                if not crowded:
-                    self.pending_auth += 1
-            if crowded:
+                crowded = (
+                    len(self.pending) >= _MAX_PENDING_AUTH
+                    or sum(p.source == entry.source for p in self.pending) >= _MAX_PENDING_PER_SOURCE
+                )
+                victim = _victim(self.pending, entry.source) if crowded else None
+                if victim is not None:
+                    self.pending.remove(victim)
+                if victim is not None or not crowded:
+                    self.pending.append(entry)
+                if victim is not None:
+                    victim.evict()
+                    self.lock.notify_all()  # a victim waiting for add_remote_agent gives up
+            if victim is None and crowded:
                 _warn(self.name, f"refused a control connection from {address[0]}:{address[1]}: too many pending")
                 sock.close()
                 continue
-            threading.Thread(
-                target=self._serve_connection, args=(sock, address), name="kvspec-peer", daemon=True
-            ).start()
+            threading.Thread(target=self._serve_connection, args=(entry,), name="kvspec-peer", daemon=True).start()
 
-    def _serve_connection(self, sock: socket.socket, address: tuple[str, int]) -> None:
+    def _serve_connection(self, entry: _Pending) -> None:
         """Authenticate one incoming control connection (in its own thread: a slow client blocks no one)."""
+        sock, address = entry.sock, entry.address
         _no_delay(sock)
         guard = _Deadline(sock, self.timeout_s)
         try:
-            uid = self._authenticate_incoming(sock)
+            uid = self._authenticate_incoming(entry)
         except Exception as exc:  # whatever the connector sent, one line and the connection is closed
             guard.cancel()
-            _warn(self.name, f"refused a control connection from {address[0]}:{address[1]}: {_describe(exc)}")
+            why = "evicted: a newer connection needed its slot" if entry.evicted else None
+            _warn(self.name, f"refused a control connection from {address[0]}:{address[1]}: {why or _describe(exc)}")
             sock.close()
             return
         finally:
             with self.lock:
-                self.pending_auth -= 1
+                if entry in self.pending:
+                    self.pending.remove(entry)
         if not guard.cancel():
             sock.close()  # the deadline shut it down in the meantime
             return
@@ -378,15 +439,30 @@ class _Worker:
             self.pair_keys[uid] = key
         return key
 
-    def _authenticate_incoming(self, sock: socket.socket) -> str:
+    def _authenticate_incoming(self, entry: _Pending) -> str:
         """The listener's half of the handshake; returns the connector's uid, or raises why it was refused.
 
         1. connector: ``{op: auth, from: its uid, to: our uid, nonce}``;
         2. listener: ``{op: wait}`` first when the connector's metadata was not added here yet, then, once it is,
            ``{op: auth, nonce, mac}``;
         3. connector: ``{op: auth, mac}``, checked in constant time.
+
+        The first frame must be complete within ``_FIRST_FRAME_S`` (the connector sends it at once); until then the
+        connection counts as silent, and while it waits for ``add_remote_agent`` as waiting: either may be evicted
+        for a newcomer (:func:`_victim`).
         """
-        header, _ = recv_frame(sock, header_limit=_PRE_AUTH_HEADER_LIMIT, payload_limit=0)
+        sock = entry.sock
+        first_frame_s = min(_FIRST_FRAME_S, self.timeout_s)
+        try:
+            header, _ = recv_frame(
+                sock,
+                header_limit=_PRE_AUTH_HEADER_LIMIT,
+                payload_limit=0,
+                deadline=time.monotonic() + first_frame_s,
+            )
+        except TimeoutError:
+            raise _Failure("protocol", f"first frame: expected within {first_frame_s} s, got none") from None
+        sock.settimeout(self.timeout_s)  # the rest of the handshake: the whole-handshake deadline still holds
         if header.get("op") != "auth":
             raise _Failure("protocol", f"first frame: expected op 'auth', got {header.get('op')!r:.40}")
         uid, target = header.get("from"), header.get("to")
@@ -395,14 +471,19 @@ class _Worker:
         theirs = parse_nonce(header.get("nonce"), "auth.nonce")
         with self.lock:
             known = uid in self.authorized
+            entry.stage = "proving" if known else "waiting"
         if not known:
             send_frame(sock, {"op": "wait"})  # the connector's add_remote_agent returns; pairing goes on
         with self.lock:
-            if not self.lock.wait_for(lambda: uid in self.authorized or self.closed, timeout=self.timeout_s):
+            added = self.lock.wait_for(
+                lambda: uid in self.authorized or self.closed or entry.evicted, timeout=self.timeout_s
+            )
+            if entry.evicted or not added:
                 raise _Failure("protocol", f"auth.from: agent uid {uid!r:.80} was not added here (add_remote_agent)")
             meta = self.authorized.get(uid)
             if meta is None:
                 raise _Failure("protocol", "worker closed")
+            entry.stage = "proving"
             key = self._pair_key(meta)
             my_uid = self.uid
         mine = secrets.token_bytes(NONCE_BYTES)
@@ -485,15 +566,10 @@ class _Worker:
             self._drop_peer(peer, failure)
             raise failure from exc
         if peer.rank == 0:
-            try:
-                store, port = _serve_store(self.host, self.timeout_s)
-            except Exception as exc:
-                failure = _Failure("peer_disconnected", f"rendezvous store for {peer.name!r}: {_describe(exc)}")
-                self._drop_peer(peer, failure)
-                raise failure from exc
-            peer.store = store
-            peer.send({"op": "group", "port": port})
-            self._start_group(peer, lambda: store)
+            # The rendezvous runs on this pair's control connections (no store listens): rank 0 keeps the keys.
+            peer.store = _ChannelStore(peer, self.timeout_s)
+            peer.send({"op": "group"})
+            self._start_group(peer)
 
     def _answers_live_pairing(self, uid: str, answered: str | None) -> bool:
         """A hello that answers one of our sessions counts only while that session's entry lives."""
@@ -503,10 +579,12 @@ class _Worker:
             entry = self.peers.get(uid)
             return entry is not None and entry.dead is None and entry.session == answered
 
-    def _start_group(self, peer: _Peer, store_factory: Callable[[], Any]) -> None:
+    def _start_group(self, peer: _Peer) -> None:
+        """Form the pair's process group in a thread, through the rendezvous in ``peer.store``."""
+        store = peer.store
+
         def form() -> None:
             try:
-                store = peer.store = store_factory()
                 timeout = datetime.timedelta(seconds=self.timeout_s)
                 peer.group = self.group_factory(store, peer.rank, 2, timeout)
             except Exception as exc:
@@ -524,6 +602,8 @@ class _Worker:
             for transfer in list(self.transfers.values()):
                 if transfer.peer is peer:
                     self._finish(transfer, failure)
+            if peer.store is not None:
+                peer.store.close()  # a rendezvous still waiting gives up
             if peer.group is not None or peer.store is not None:
                 self.graveyard.put((peer.group, peer.store))
                 peer.group = peer.store = None
@@ -557,9 +637,21 @@ class _Worker:
                 if peer is None or not current:
                     continue
                 if kind == "group":
-                    port = _field(header, "port", int)
-                    host, timeout = peer.meta["host"], self.timeout_s
-                    self._start_group(peer, functools.partial(_join_store, host, port, timeout))
+                    if peer.rank != 1 or peer.store is not None:
+                        raise _Failure("protocol", "group: expected once per pairing, from the rank-0 worker")
+                    peer.store = _ChannelStore(peer, self.timeout_s)
+                    self._start_group(peer)
+                elif kind == "store":
+                    if peer.rank != 0 or peer.store is None:
+                        raise _Failure("protocol", "store: expected only from the rank-1 worker of a pairing")
+                    _field(header, "id", int)
+                    reply = peer.store.serve(header, payload)
+                    if reply is not None:  # else a wait, answered by the set that completes it
+                        peer.send(*reply)
+                elif kind == "store_reply":
+                    if peer.rank != 1 or peer.store is None:
+                        raise _Failure("protocol", "store_reply: expected only by the rank-1 worker of a pairing")
+                    peer.store.answer(header, payload)
                 elif kind == "notif":
                     self._emit("notif", peer.name, payload)
                 elif kind == "read_req":
@@ -953,6 +1045,166 @@ class _Worker:
         _quiet(self.listener.close)
 
 
+# --------------------------------------------------------------------------- rendezvous over the pair channel
+
+# Bounds on one pairing's rendezvous keys (gloo sets one ~170-byte key per rank): a peer beyond them is dropped.
+_STORE_KEYS = 64
+_STORE_KEY_CHARS = 256
+_STORE_VALUE_BYTES = 64 << 10
+_STORE_TOTAL_BYTES = 1 << 20
+_STORE_WAITS = 16  # rank 1's waits parked on rank 0 at once
+_STORE_VERBS = ("set", "get", "add", "check", "wait")
+
+
+class _ChannelStore(Store):
+    """The rendezvous of one pairing as frames on its authenticated control connections: no listening socket.
+
+    Rank 0 holds the keys (bounded: ``_STORE_*``) and serves rank 1's
+    ``store`` frames from its reader thread without ever blocking: a ``wait``
+    for keys not set yet is parked (at most ``_STORE_WAITS``) and answered by
+    the ``set`` that completes it. Rank 1 sends each call as a frame and waits
+    for its ``store_reply``. Only the calls gloo and NCCL rendezvous with
+    (``set``, ``get``, ``add``, ``check``, ``wait``) are served; the others raise.
+    """
+
+    def __init__(self, peer: _Peer, timeout_s: float) -> None:
+        super().__init__()
+        self._peer = peer
+        self._timeout_s = timeout_s
+        self._cond = threading.Condition()
+        self._values: dict[str, bytes] = {}
+        self._parked: list[tuple[int, list[str]]] = []  # rank 0: (request id, keys) of rank 1's waits
+        self._replies: dict[int, tuple[dict[str, Any], bytes]] = {}  # rank 1: answers by request id
+        self._ids = itertools.count(1)
+        self._closed = False
+
+    # ----- the torch.distributed.Store interface (called by the process group, from C++)
+
+    def set(self, key: str, value: str | bytes) -> None:
+        self._request("set", [key], value.encode() if isinstance(value, str) else bytes(value))
+
+    def get(self, key: str) -> bytes:
+        self.wait([key])
+        header, value = self._request("get", [key])
+        if not header.get("found"):
+            raise KeyError(f"rendezvous key {key!r} vanished")
+        return value
+
+    def add(self, key: str, amount: int) -> int:
+        header, _ = self._request("add", [key], amount=int(amount))
+        return int(header["amount"])
+
+    def check(self, keys: list[str]) -> bool:
+        header, _ = self._request("check", list(keys))
+        return bool(header.get("found"))
+
+    def wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:
+        seconds = self._timeout_s if timeout is None or timeout.total_seconds() <= 0 else timeout.total_seconds()
+        if self._peer.rank == 1:
+            self._request("wait", list(keys), timeout_s=seconds)
+            return
+        with self._cond:
+            ready = self._cond.wait_for(lambda: self._closed or self._holds(keys), seconds) and not self._closed
+        if not ready:
+            raise TimeoutError(f"rendezvous with {self._peer.name!r}: keys {keys} not set within {seconds} s")
+
+    # ----- both ranks
+
+    def _request(
+        self, verb: str, keys: list[str], value: bytes = b"", amount: int = 0, timeout_s: float | None = None
+    ) -> tuple[dict[str, Any], bytes]:
+        header = {"op": "store", "verb": verb, "keys": keys, "amount": amount}
+        if self._peer.rank == 0:
+            reply = self.serve(header, value)
+            if reply is None:  # never: rank 0 waits on its own keys (see wait), only rank 1's waits are parked
+                raise TimeoutError(f"rendezvous with {self._peer.name!r}: {verb} {keys}: parked")
+            return reply
+        seconds = self._timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + seconds
+        with self._cond:
+            ident = next(self._ids)
+        # Rank 0 may start the rendezvous before this side's own connection to it is up: wait for that.
+        self._peer.connected.wait(self._timeout_s)
+        self._peer.send({**header, "id": ident}, value)
+        with self._cond:
+            self._cond.wait_for(lambda: ident in self._replies or self._closed, max(0.0, deadline - time.monotonic()))
+            if ident not in self._replies:
+                why = "the pair was dropped" if self._closed else f"no answer within {seconds} s"
+                raise TimeoutError(f"rendezvous with {self._peer.name!r}: {verb} {keys}: {why}")
+            return self._replies.pop(ident)
+
+    def answer(self, header: dict[str, Any], payload: bytes) -> None:
+        """Rank 1: the reply to one of our requests (at most 16 kept unclaimed)."""
+        ident = _field(header, "id", int)
+        with self._cond:
+            if len(self._replies) < 16:
+                self._replies[ident] = (header, payload)
+                self._cond.notify_all()
+
+    def close(self) -> None:
+        """Wake every call waiting on this pairing: it is over."""
+        with self._cond:
+            self._closed = True
+            self._parked.clear()
+            self._cond.notify_all()
+
+    # ----- rank 0: the keys
+
+    def _holds(self, keys: list[str]) -> bool:
+        return all(k in self._values for k in keys)
+
+    def serve(self, header: dict[str, Any], payload: bytes) -> tuple[dict[str, Any], bytes] | None:
+        """Carry out one request (ours or rank 1's) at once: its reply, or ``None`` for a wait parked until a set.
+
+        ``_Failure`` ``protocol`` when the request breaks a bound. A set answers the waits it completes.
+        """
+        verb, keys = header.get("verb"), header.get("keys")
+        if verb not in _STORE_VERBS:
+            raise _Failure("protocol", f"store.verb: expected one of {_STORE_VERBS}, got {verb!r:.40}")
+        if not isinstance(keys, list) or not 0 < len(keys) <= 16:
+            raise _Failure("protocol", "store.keys: expected a list of 1 to 16 keys")
+        if not all(isinstance(k, str) and 0 < len(k) <= _STORE_KEY_CHARS for k in keys):
+            raise _Failure("protocol", f"store.keys: expected strings of 1 to {_STORE_KEY_CHARS} characters")
+        key = keys[0]
+        reply: dict[str, Any] = {"op": "store_reply", "id": header.get("id"), "found": False, "amount": 0}
+        with self._cond:
+            if verb in ("check", "wait"):
+                reply["found"] = self._holds(keys)
+                if verb == "wait" and not reply["found"]:
+                    if len(self._parked) >= _STORE_WAITS:
+                        raise _Failure("protocol", f"store.wait: expected at most {_STORE_WAITS} waits at once")
+                    self._parked.append((_field(header, "id", int), keys))
+                    return None
+                return reply, b""
+            if verb == "get":
+                value = self._values.get(key)
+                reply["found"] = value is not None
+                return reply, value or b""
+            if verb == "add":
+                amount = _field(header, "amount", int)
+                try:
+                    total = int(self._values.get(key, b"0")) + amount
+                except ValueError:
+                    raise _Failure("protocol", f"store.add: key {key!r:.80} holds no integer") from None
+                payload = str(total).encode()
+                reply["amount"] = total
+            if len(payload) > _STORE_VALUE_BYTES:
+                raise _Failure("protocol", f"store.value: expected at most {_STORE_VALUE_BYTES} bytes")
+            old = self._values.get(key)
+            if old is None and len(self._values) >= _STORE_KEYS:
+                raise _Failure("protocol", f"store.keys: expected at most {_STORE_KEYS} keys per pairing")
+            used = sum(map(len, self._values.values())) - len(old or b"") + len(payload)
+            if used > _STORE_TOTAL_BYTES:
+                raise _Failure("protocol", f"store: expected at most {_STORE_TOTAL_BYTES} bytes per pairing")
+            self._values[key] = payload
+            self._cond.notify_all()
+            done = [ident for ident, wanted in self._parked if self._holds(wanted)]
+            self._parked = [(ident, wanted) for ident, wanted in self._parked if ident not in done]
+        for ident in done:  # outside the lock: a send may block on a slow peer
+            _quiet(self._peer.send, {"op": "store_reply", "id": ident, "found": True, "amount": 0})
+        return reply, b""
+
+
 # --------------------------------------------------------------------------- helpers
 
 
@@ -978,28 +1230,6 @@ def _listen(host: str) -> socket.socket:
     sock.bind((host, 0))
     sock.listen(64)
     return sock
-
-
-def _serve_store(host: str, timeout_s: float) -> tuple[Any, int]:
-    """A ``TCPStore`` for one pairing's rendezvous, listening on ``host`` (not every interface), any free port."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        sock.bind((host, 0))
-        sock.listen(8)
-        port = sock.getsockname()[1]
-    except BaseException:
-        sock.close()
-        raise
-    fd = sock.detach()  # the store owns the descriptor from here on
-    store = TCPStore(host, port, 2, True, _td(timeout_s), wait_for_workers=False, master_listen_fd=fd)
-    return store, port
-
-
-def _join_store(host: str, port: int, timeout_s: float) -> Any:
-    """The rank-1 side of the rendezvous: the store rank 0 serves at the address of its metadata."""
-    if not 0 < port < 65536:
-        raise ValueError(f"group.port: expected 1 to 65535, got {port}")
-    return TCPStore(host, port, 2, False, _td(timeout_s))
 
 
 def _field(header: dict[str, Any], name: str, kind: type) -> Any:

@@ -13,7 +13,8 @@ Theory of operation:
   two control connections on ``host`` (127.0.0.1 by default), authenticated
   with a key only the two workers can derive (docs/backends/torch.md,
   Security), and one two-rank process group (gloo on ``interface``,
-  ``GLOO_SOCKET_IFNAME``, ``lo`` by default) that meets through a TCP store.
+  ``GLOO_SOCKET_IFNAME``, ``lo`` by default) whose rendezvous runs over those
+  control connections (no store listens).
   ``post`` validates every descriptor here, before anything moves (PLAN-1),
   coalesces adjacent descriptors into runs, and hands them to the worker.
 - ``check`` asks the worker; a transfer whose peer process dies or that
@@ -637,7 +638,7 @@ def _stop(process: BaseProcess, conn: Connection) -> None:
 
 
 def _kill(process: BaseProcess) -> None:
-    """End a worker for sure (its rendezvous is a TCP store in the process: nothing is left on disk)."""
+    """End a worker for sure (its rendezvous lives in the process: nothing is left on disk)."""
     if process.is_alive():
         process.kill()
     process.join(5.0)
