@@ -92,13 +92,7 @@ class CaseContext:
     def run(self, scenario: Scenario) -> ScenarioResult:
         """Play a scenario on the backend under test and remember it as the reproducer."""
         if self.time_scale != 1.0:
-            scenario = attrs.evolve(
-                scenario,
-                deadline=scenario.deadline * self.time_scale,
-                lease=scenario.lease * self.time_scale,
-                drain=scenario.drain * self.time_scale,
-                settle=scenario.settle * self.time_scale,
-            )
+            scenario = scenario.scaled(self.time_scale)
         if self.integrity and not scenario.integrity:
             scenario = attrs.evolve(scenario, integrity=True)
         self.last_reproducer = scenario.to_python(self.backend_spec, connector_replay(self.connector))
