@@ -89,6 +89,17 @@ class CaseContext:
         declared = self.backend.capabilities
         return attrs.evolve(declared, integrity=True) if self.integrity and not declared.integrity else declared
 
+    def warm_up(self) -> None:
+        """Make the connector under test ready before any case: its ``warm_up()``, where it has one.
+
+        An engine adapter imports its engine's modules there (SGLang's take 27 s
+        cold), so that no case's deadline pays for them (FAIL-1). Within a
+        scenario the sessions' clock does not count a long call either (``_clock.py``).
+        """
+        warm_up = getattr(self.connector, "warm_up", None)
+        if callable(warm_up):
+            warm_up()
+
     def run(self, scenario: Scenario) -> ScenarioResult:
         """Play a scenario on the backend under test and remember it as the reproducer."""
         if self.time_scale != 1.0:

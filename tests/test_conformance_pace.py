@@ -245,7 +245,7 @@ def test_conform_pace_names_the_pace_and_seed(tmp_path: Path, capsys: pytest.Cap
     assert refused.value.code == 2
     assert "invalid choice: 'fast'" in capsys.readouterr().err
     assert main(["loopback", "--pace-seed", "3"]) == 2
-    assert "--pace-seed: expected --pace slow or --pace jitter with it" in capsys.readouterr().err
+    assert "--pace-seed: expected --pace slow, jitter or pieces with it" in capsys.readouterr().err
 
 
 def test_a_failure_under_a_pace_replays_under_that_pace(capsys: pytest.CaptureFixture[str]) -> None:
