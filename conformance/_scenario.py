@@ -801,7 +801,7 @@ class _Play:
                 except (IncompatiblePeerError, UnsupportedVersionError, MalformedMessageError) as exc:
                     refused = exc
                 else:
-                    self._loop(started)
+                    self._loop()
                 early = self._judge_early_completions()
                 loads = [
                     self._expected(rid, loaded=self.consumers[rid].session.state is ConsumerState.LOADED)
@@ -904,11 +904,12 @@ class _Play:
         """Every request ended on both sides, with every block back (or held by a loaded request)."""
         return not self.c_driver.requests and not self.p_driver.requests
 
-    def _loop(self, started: float) -> None:
+    def _loop(self) -> None:
         waves = sorted({r.wave for r in self.scenario.requests})
         scenario = self.scenario
         longest = max((scenario.lease_of(r) + scenario.deadline_of(r) for r in scenario.requests), default=0.0)
-        hard_stop = started + longest + 10.0
+        # On the sessions' clock: a busy machine that slowed the polls down has not used the requests' time up.
+        hard_stop = self.clock() + longest + 10.0
         for index, wave in enumerate(waves):
             if index:
                 self._handshake()  # again: a disconnect in the last wave must not strand the next one
@@ -939,7 +940,7 @@ class _Play:
 
     def _drive(self, hard_stop: float) -> None:
         # After ten quick polls, a short sleep: cross-process backends progress in their own processes.
-        poll_until(self._poll_once, done=self._settled, until=hard_stop, spin=10)
+        poll_until(self._poll_once, done=self._settled, until=hard_stop, spin=10, clock=self.clock)
 
     def _poll_once(self) -> None:
         self.clock.tick()

@@ -172,7 +172,7 @@ def _run(backend: Backend, mode: TransferMode, requests: list[_Req], plan: Fault
                             f"{rid}: FAILED {result.failure.reason.value}, expected one of {wanted} (FAIL-1)"
                         )
 
-            if not poll_until(poll, done=settled, until=time.monotonic() + 10.0 * scale, pause=_pause):
+            if not poll_until(poll, done=settled, until=clock() + 10.0 * scale, pause=_pause, clock=clock):
                 stuck = [rid for rid in by_id if producer.result(rid) is None or consumer.result(rid) is None]
                 problems.append(f"requests {stuck} did not end within the deadlines (FAIL-1)")
             for rid, load, at_completion in completed_early:

@@ -10,7 +10,6 @@ takes the same blocks, then ``r1``'s parameters come back.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 
 from kvspec import ConsumerState, KVSpecError, ProtocolError, TransferMode, TransferParams
@@ -38,7 +37,7 @@ def _poll(
         for endpoint in endpoints:
             endpoint.poll()
 
-    poll_until(each, done=done, until=until)
+    poll_until(each, done=done, until=until, clock=clock)
 
 
 def _snapshot(pool: PagePool) -> list[bytes]:
@@ -110,7 +109,7 @@ def _run(backend: Backend, mode: TransferMode, scale: float) -> list[str]:
             r1 = producer.prefill("r1", num_tokens=20)
             fill_producer_pages(p_pool, producer.block_table("r1"), num_tokens=20, salt="r1")
             consumer.begin(TransferParams.from_kv_transfer_params(r1.to_kv_transfer_params()))
-            _poll(everyone, time.monotonic() + 10.0 * scale, lambda: producer.result("r1") is not None, clock)
+            _poll(everyone, clock() + 10.0 * scale, lambda: producer.result("r1") is not None, clock)
             first, served = consumer.result("r1"), producer.result("r1")
             if first is None or first.state is not ConsumerState.LOADED or served is None:
                 return [f"setup: r1 did not load and release within {10.0 * scale:.1f} s: {first}, {served}"]
@@ -128,7 +127,7 @@ def _run(backend: Backend, mode: TransferMode, scale: float) -> list[str]:
             except ProtocolError:
                 pass  # refused by name before anything moved
             else:
-                _poll(everyone, time.monotonic() + 10.0 * scale, lambda: consumer.active_requests == (), clock)
+                _poll(everyone, clock() + 10.0 * scale, lambda: consumer.active_requests == (), clock)
                 again = consumer.result("r1")
                 problems.append(
                     "the consumer that consumed r1 accepted r1's transfer parameters again (REL-1: its release "
@@ -141,7 +140,7 @@ def _run(backend: Backend, mode: TransferMode, scale: float) -> list[str]:
             if mode is TransferMode.WRITE:
                 before = _snapshot(b_pool)
                 other.begin(stale)  # a consumer that never saw r1: only the producer can refuse it
-                _poll(everyone, time.monotonic() + 10.0 * scale, lambda: other.result("r1") is not None, clock)
+                _poll(everyone, clock() + 10.0 * scale, lambda: other.result("r1") is not None, clock)
                 ended = other.result("r1")
                 if ended is None or ended.state is not ConsumerState.FAILED or ended.failure is None:
                     state = "still running" if ended is None else ended.state.value
