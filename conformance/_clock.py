@@ -18,10 +18,10 @@ import time
 
 __all__ = ["DEFAULT_POLL_STEP", "PollClock"]
 
-# The longest gap between two polls that counts in full: several times the suite's own pause between polls
-# (0.5 ms), far below any deadline a case sets (50 ms and up): only a starved process, or a poll that
-# itself took long, loses time; a hung transfer still meets its deadline within a few times the wall time.
-DEFAULT_POLL_STEP = 0.002
+# The longest gap between two polls that counts in full: above a poll of a backend in another process or on
+# another host (a few round trips), far below any deadline a case sets (50 ms and up). Only a starved process,
+# or a call that took long, loses time; a deadline that must fire still fires after as many polls.
+DEFAULT_POLL_STEP = 0.01
 
 
 class PollClock:

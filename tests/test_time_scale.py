@@ -131,14 +131,14 @@ def test_the_poll_clock_counts_a_starved_gap_as_one_step() -> None:
 
 
 class _StallingLoopback(LoopbackBackend):
-    """A correct loopback whose checks take 30 ms each: a starved process's polls."""
+    """A correct loopback whose checks take 40 ms each: a starved process's polls."""
 
     def create_agent(self, name: str) -> LoopbackAgent:
         agent = super().create_agent(name)
         check = agent.check
 
         def slow_check(handle: TransferHandle) -> TransferStatus:
-            time.sleep(0.03)
+            time.sleep(0.04)
             return check(handle)
 
         agent.check = slow_check  # type: ignore[method-assign]
@@ -146,7 +146,7 @@ class _StallingLoopback(LoopbackBackend):
 
 
 def test_a_correct_backend_is_not_failed_for_the_time_its_polls_took() -> None:
-    """16 pieces, a check of 30 ms each: 0.5 s of wall time, past a 0.3 s deadline, though every check progressed."""
+    """16 pieces, a check of 40 ms each: 0.65 s of wall time, past a 0.3 s deadline, though every check progressed."""
     from kvspec_conformance import Request, Scenario, run_scenario
 
     from kvspec.transport import Pace, PacedBackend
