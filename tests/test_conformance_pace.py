@@ -190,8 +190,10 @@ def test_release_of_a_pending_transfer_cancels_it_at_once_with_its_notification(
 
 
 def test_pace_names_and_spans_are_checked() -> None:
-    with pytest.raises(ConfigError, match="pace: expected one of slow, jitter, got 'fast'"):
+    with pytest.raises(ConfigError, match="pace: expected one of slow, jitter, pieces, got 'fast'"):
         Pace.named("fast")
+    with pytest.raises(ConfigError, match=r"Pace.pieces: expected an int in \[1, 4096\], got 0"):
+        Pace(pieces=0)
     with pytest.raises(ConfigError, match=r"Pace.done_polls: expected \(low, high\)"):
         Pace(done_polls=(3, 1))
     with pytest.raises(ConfigError, match=r"PacedTransport\.pace: expected a Pace"):

@@ -158,7 +158,7 @@ def test_a_correct_backend_is_not_failed_for_the_time_its_polls_took() -> None:
 
 
 class _SlowFirstPairing(ReferenceConnector):
-    """Kvspec's reference connector whose first pairing takes 1.2 s, as an engine's lazy imports do."""
+    """Kvspec's reference connector whose first pairing takes 0.6 s, as an engine's lazy imports do."""
 
     def __init__(self) -> None:
         self.cold = True
@@ -170,7 +170,7 @@ class _SlowFirstPairing(ReferenceConnector):
     def pair_block_ids(self, config: KVCacheConfig, **keywords: Any) -> BlockPairsLike:
         if self.cold:
             self.cold = False
-            time.sleep(1.2)
+            time.sleep(0.6)
         return super().pair_block_ids(config, **keywords)
 
 
@@ -186,7 +186,7 @@ def test_an_engine_adapter_is_warmed_before_the_first_case_and_a_slow_call_costs
     assert seen == [True]
     from kvspec_conformance import Request, Scenario, run_scenario
 
-    # The first pairing (1.2 s) runs after the request started and its lease ran: it must not count.
-    scenario = Scenario(config=_CONFIG, requests=[Request(request_id="a", num_tokens=9)], deadline=1.0, lease=1.0)
+    # The first pairing (0.6 s) runs after the request started and its lease ran: it must not count.
+    scenario = Scenario(config=_CONFIG, requests=[Request(request_id="a", num_tokens=9)], deadline=0.4, lease=0.4)
     result = run_scenario(scenario, backend=LoopbackBackend(), connector=connector)
     assert result.outcome("a").loaded, result.summary()

@@ -9,7 +9,7 @@ from kvspec.transport import FaultPlan
 
 from .._cases import case
 from .._context import CaseContext
-from .._scenario import LOAD_DEADLINE, LOAD_LEASE, Request, Scenario
+from .._scenario import LOAD_DEADLINE, Request, Scenario
 from ..configs import full, make_config, sw
 
 __all__: list[str] = []
@@ -70,8 +70,12 @@ def _next_wave(prefix: str, wave: int = 1, count: int = 2, *, must_load: bool = 
 
 
 def _loading(request: Request) -> Request:
-    """``request`` with the deadline and lease of a request that must load, whatever the scenario's (FAIL-1)."""
-    return attrs.evolve(request, deadline=LOAD_DEADLINE, lease=LOAD_LEASE)
+    """``request`` with the deadline of a request that must load, whatever the scenario's (FAIL-1).
+
+    Its lease outlasts that deadline by the fault cases' own lease, not by a load's: a lease runs out in full
+    only where a release is lost, and there a broken backend would wait a load's lease out in every mode.
+    """
+    return attrs.evolve(request, deadline=LOAD_DEADLINE, lease=LOAD_DEADLINE + LEASE)
 
 
 # --------------------------------------------------------------------------- DONE-1
