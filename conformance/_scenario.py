@@ -170,9 +170,9 @@ def _optional_ends(value: Iterable[int] | None) -> tuple[int, ...] | None:
     return None if value is None else tuple(value)
 
 
-# A request that must load gets these (seconds, before --time-scale): far above what a correct backend needs,
-# paced too, as the sessions' clock does not count what a busy machine took from the suite (_clock.py). Fault
-# cases keep short ones for the requests a fault must end (conformance/cases/lifecycle.py).
+# A request that must load gets this deadline and (by default) this lease, in seconds before --time-scale: far
+# above what a correct backend needs, paced too, as the sessions' clock does not count what a busy machine took
+# from the suite (_clock.py). Fault cases keep short ones for the requests a fault must end (cases/lifecycle.py).
 LOAD_DEADLINE = 1.0
 LOAD_LEASE = 2.0
 
@@ -208,9 +208,9 @@ class Request:
 
     ``deadline`` and ``lease`` (seconds) replace the scenario's for this
     request alone: a fault case keeps its short ones for the requests a fault
-    must end, and gives the requests that must load :data:`LOAD_DEADLINE` and
-    :data:`LOAD_LEASE`, so that a correct backend that is slow, paced or on a
-    busy machine is never failed for taking its time (FAIL-1).
+    must end, and gives the requests that must load :data:`LOAD_DEADLINE`, so
+    that a correct backend that is slow, paced or on a busy machine is never
+    failed for taking its time (FAIL-1).
     """
 
     request_id: str
