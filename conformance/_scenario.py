@@ -510,6 +510,8 @@ class _Play:
         self.injectors: list[FaultInjector] = []
         # The sessions' clock: a starved process's lost time does not count against a deadline (FAIL-1).
         self.clock = PollClock()
+        # What bounds a wave (_loop): the sessions' clock, with a fifth of wall time as a floor.
+        self.stop_clock: Callable[[], float] = self.clock
 
     # -- setup
 
@@ -909,7 +911,10 @@ class _Play:
         scenario = self.scenario
         longest = max((scenario.lease_of(r) + scenario.deadline_of(r) for r in scenario.requests), default=0.0)
         # On the sessions' clock: a busy machine that slowed the polls down has not used the requests' time up.
-        hard_stop = self.clock() + longest + 10.0
+        # Wall time counts too, a fifth of it, so a backend whose every call hangs a long while still ends.
+        wall, virtual = time.monotonic(), self.clock()
+        self.stop_clock = lambda: max(self.clock(), virtual + (time.monotonic() - wall) / 5)
+        hard_stop = virtual + longest + 10.0
         for index, wave in enumerate(waves):
             if index:
                 self._handshake()  # again: a disconnect in the last wave must not strand the next one
@@ -940,7 +945,7 @@ class _Play:
 
     def _drive(self, hard_stop: float) -> None:
         # After ten quick polls, a short sleep: cross-process backends progress in their own processes.
-        poll_until(self._poll_once, done=self._settled, until=hard_stop, spin=10, clock=self.clock)
+        poll_until(self._poll_once, done=self._settled, until=hard_stop, spin=10, clock=self.stop_clock)
 
     def _poll_once(self) -> None:
         self.clock.tick()
