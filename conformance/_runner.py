@@ -147,7 +147,7 @@ def run_suite(
     deadline, lease, drain bound and quiet period; ``None`` takes
     :func:`default_time_scale` of the backend. ``integrity`` turns on the
     drivers' integrity check (INT-1) in every scenario, so the integrity cases run.
-    ``pace`` (``"slow"``, ``"jitter"`` or a :class:`kvspec.transport.Pace`) wraps
+    ``pace`` (``"slow"``, ``"jitter"``, ``"pieces"`` or a :class:`kvspec.transport.Pace`) wraps
     the backend in :class:`kvspec.transport.PacedBackend` seeded with
     ``pace_seed``: a correct backend passes every case at any pace.
     ``allow_logs`` are regular expressions of error log lines the run may
@@ -179,6 +179,7 @@ def run_suite(
     windows: list[_Window] = []
     with capture_backend_logs(_backend_loggers(inner)) as logged:
         try:
+            context.warm_up()  # imports and set-up before the first case's clock starts
             for index, case in enumerate(chosen):
                 began = time.monotonic()
                 outcome = apply_expected_failures(run_case(case, context), expected_failures or {})

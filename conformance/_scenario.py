@@ -103,6 +103,7 @@ from kvspec.testing import (
 )
 from kvspec.transport import Backend, FaultInjector, FaultPlan, InjectedFault, PacedBackend, PacedTransport, Transport
 
+from ._clock import PollClock
 from ._connector import Connector, ReferenceConnector
 
 __all__ = [
@@ -169,6 +170,13 @@ def _optional_ends(value: Iterable[int] | None) -> tuple[int, ...] | None:
     return None if value is None else tuple(value)
 
 
+# A request that must load gets this deadline and (by default) this lease, in seconds before --time-scale: far
+# above what a correct backend needs, paced too, as the sessions' clock does not count what a busy machine took
+# from the suite (_clock.py). Fault cases keep short ones for the requests a fault must end (cases/lifecycle.py).
+LOAD_DEADLINE = 1.0
+LOAD_LEASE = 2.0
+
+
 @attrs.frozen(kw_only=True)
 class Request:
     """One request of a scenario.
@@ -197,6 +205,12 @@ class Request:
     is a 1.1 producer that omits the key. Generated tables give each state
     group ``cdiv(T + R, B)`` slots (null but the last, as vLLM prunes) plus
     its ``num_speculative_blocks`` scratch slots; C gets one slot (STATE-2).
+
+    ``deadline`` and ``lease`` (seconds) replace the scenario's for this
+    request alone: a fault case keeps its short ones for the requests a fault
+    must end, and gives the requests that must load :data:`LOAD_DEADLINE`, so
+    that a correct backend that is slow, paced or on a busy machine is never
+    failed for taking its time (FAIL-1).
     """
 
     request_id: str
@@ -213,6 +227,8 @@ class Request:
     kill_peer_after_polls: int | None = None
     state_tokens: int | None = None
     send_state_tokens: bool = True
+    deadline: float | None = None
+    lease: float | None = None
 
     @property
     def listed_tokens(self) -> int:
@@ -280,14 +296,38 @@ class Scenario:
     consumer_config: ConfigSource | None = None
     faults: FaultPlan | None = None
     fault_side: str = attrs.field(default="both", validator=_one_of("producer", "consumer", "both"))
-    deadline: float = 1.0
-    lease: float = 2.0
+    deadline: float = LOAD_DEADLINE
+    lease: float = LOAD_LEASE
     drain: float = 0.1
     handshake_overrides: tuple[tuple[str, object], ...] = attrs.field(default=(), converter=_to_overrides)
     watch_late_writes: bool = False
     settle: float = 0.0
     integrity: bool = False
     state_profile: str = attrs.field(default="recompute", validator=_one_of("recompute", "prebuilt"))
+
+    def scaled(self, factor: float) -> Scenario:
+        """This scenario with every time multiplied by ``factor`` (``--time-scale``).
+
+        Deadlines, leases, the drain bound, the quiet period, each request's
+        own deadline and lease, and the fault plan's delays (FaultPlan.scaled).
+        """
+        return attrs.evolve(
+            self,
+            deadline=self.deadline * factor,
+            lease=self.lease * factor,
+            drain=self.drain * factor,
+            settle=self.settle * factor,
+            requests=tuple(_scaled_request(r, factor) for r in self.requests),
+            faults=None if self.faults is None else self.faults.scaled(factor),
+        )
+
+    def deadline_of(self, request: Request) -> float:
+        """The consumer's transfer timeout for ``request``: its own, else the scenario's (FAIL-1)."""
+        return self.deadline if request.deadline is None else request.deadline
+
+    def lease_of(self, request: Request) -> float:
+        """The producer's lease for ``request``: its own, else the scenario's (SM-1)."""
+        return self.lease if request.lease is None else request.lease
 
     def to_python(self, backend: str = "loopback", connector: str | tuple[str, str] | None = None) -> str:
         """A script that replays this scenario on ``backend`` and prints what the oracle found.
@@ -304,6 +344,17 @@ class Scenario:
             f"result = {call}\n"
             "print(result.summary())\n"
         )
+
+
+def _scaled_request(request: Request, factor: float) -> Request:
+    """``request`` with its own deadline and lease, where it has them, multiplied by ``factor``."""
+    if request.deadline is None and request.lease is None:
+        return request
+    return attrs.evolve(
+        request,
+        deadline=None if request.deadline is None else request.deadline * factor,
+        lease=None if request.lease is None else request.lease * factor,
+    )
 
 
 @attrs.frozen(kw_only=True)
@@ -457,6 +508,10 @@ class _Play:
         self.completed_early: list[tuple[str, ExpectedLoad, list[PageMismatch]]] = []
         self.problems: list[str] = []
         self.injectors: list[FaultInjector] = []
+        # The sessions' clock: a starved process's lost time does not count against a deadline (FAIL-1).
+        self.clock = PollClock()
+        # What bounds a wave (_loop): the sessions' clock, with a fifth of wall time as a floor.
+        self.stop_clock: Callable[[], float] = self.clock
 
     # -- setup
 
@@ -482,7 +537,7 @@ class _Play:
         self.p_driver = Driver(
             role=PRODUCER,
             transport=self.producer,
-            clock=time.monotonic,
+            clock=self.clock,
             on_free=lambda request, _: self.p_alloc.release(self.tables[request.request_id].producer),
             on_end=lambda request: None,
             on_message=self._on_producer_message,
@@ -491,7 +546,7 @@ class _Play:
         self.c_driver = Driver(
             role=CONSUMER,
             transport=self.consumer,
-            clock=time.monotonic,
+            clock=self.clock,
             on_free=self._free_consumer,
             on_end=self._consumer_ended,
             integrity=self._digester(self.c_config, self.consumer_pool),
@@ -577,7 +632,7 @@ class _Play:
             num_tokens=spec.num_tokens,
             mode=self.mode,
             now=now,
-            lease_duration=scenario.lease,
+            lease_duration=scenario.lease_of(spec),
             # Above the consumer's drain timeout, as the lease rule asks (SM-1).
             release_grace=1.5 * scenario.drain,
             drain_timeout=scenario.drain,
@@ -591,6 +646,8 @@ class _Play:
         # The parameters reach the consumer as vLLM's dict, through the router.
         params = TransferParams.from_kv_transfer_params(producer.session.params.to_kv_transfer_params())
         # The consumer engine plays the rest: session, STATE-1, WIN-1 and ALIGN-1, PLAN-1, then start.
+        # The consumer's transfer timeout is the request's own where it has one (a load among faults, FAIL-1).
+        self.c_engine.transfer_timeout = scenario.deadline_of(spec)
         self.consumers[spec.request_id] = self.c_engine.begin(
             params,
             prefix_hit_tokens=spec.prefix_hit_tokens,
@@ -652,7 +709,7 @@ class _Play:
 
     def _consumer_ended(self, request: LiveRequest[ConsumerSession]) -> None:
         tables = self.tables[request.request_id]
-        tables.ended = time.monotonic()
+        tables.ended = self.clock()
         if request.session.state is ConsumerState.LOADED:
             expected = self._expected(request.request_id, loaded=True)
             found = check_loaded_pages(self.consumer_pool, expected)
@@ -746,7 +803,7 @@ class _Play:
                 except (IncompatiblePeerError, UnsupportedVersionError, MalformedMessageError) as exc:
                     refused = exc
                 else:
-                    self._loop(started)
+                    self._loop()
                 early = self._judge_early_completions()
                 loads = [
                     self._expected(rid, loaded=self.consumers[rid].session.state is ConsumerState.LOADED)
@@ -849,13 +906,19 @@ class _Play:
         """Every request ended on both sides, with every block back (or held by a loaded request)."""
         return not self.c_driver.requests and not self.p_driver.requests
 
-    def _loop(self, started: float) -> None:
+    def _loop(self) -> None:
         waves = sorted({r.wave for r in self.scenario.requests})
-        hard_stop = started + self.scenario.lease + self.scenario.deadline + 10.0
+        scenario = self.scenario
+        longest = max((scenario.lease_of(r) + scenario.deadline_of(r) for r in scenario.requests), default=0.0)
+        # On the sessions' clock: a busy machine that slowed the polls down has not used the requests' time up.
+        # Wall time counts too, a fifth of it, so a backend whose every call hangs a long while still ends.
+        wall, virtual = time.monotonic(), self.clock()
+        self.stop_clock = lambda: max(self.clock(), virtual + (time.monotonic() - wall) / 5)
+        hard_stop = virtual + longest + 10.0
         for index, wave in enumerate(waves):
             if index:
                 self._handshake()  # again: a disconnect in the last wave must not strand the next one
-            now = time.monotonic()
+            now = self.clock()
             specs = [spec for spec in self.scenario.requests if spec.wave == wave]
             # Requests with explicit block ids claim theirs before fresh ones are handed out.
             specs.sort(key=lambda s: s.producer_block_ids is None and s.consumer_block_ids is None)
@@ -882,9 +945,10 @@ class _Play:
 
     def _drive(self, hard_stop: float) -> None:
         # After ten quick polls, a short sleep: cross-process backends progress in their own processes.
-        poll_until(self._poll_once, done=self._settled, until=hard_stop, spin=10)
+        poll_until(self._poll_once, done=self._settled, until=hard_stop, spin=10, clock=self.stop_clock)
 
     def _poll_once(self) -> None:
+        self.clock.tick()
         self._inject_timed_faults()
         self.c_driver.poll()
         self.p_driver.poll()
@@ -903,7 +967,7 @@ class _Play:
             if spec.abort_after_polls is not None and session.state is ConsumerState.LOADING:
                 polls = self.polls[request_id] = self.polls.get(request_id, 0) + 1
                 if polls > spec.abort_after_polls:
-                    self.c_driver.execute(consumer, session.abort(now=time.monotonic()))
+                    self.c_driver.execute(consumer, session.abort(now=self.clock()))
             posted = initiator.requests.get(request_id)
             if spec.disconnect_after_polls is not None and posted is not None and posted.handle is not None:
                 key = "disconnect:" + request_id

@@ -64,8 +64,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=os.environ.get("KVSPEC_CONFORM_TIME_SCALE"),  # a str default goes through type= (argparse)
         metavar="X",
         help=(
-            "multiply every scenario deadline, lease, drain bound and quiet period by X (slow backends; "
-            "default 1.0 for in-process backends, 2.0 for backends whose agents run in other processes)"
+            "multiply every time the suite relies on by X: deadlines, leases, drain bounds, quiet periods and "
+            "injected fault delays (slow backends; default 1.0 for in-process backends, 2.0 for backends whose "
+            "agents run in other processes, 4.0 with --peer)"
         ),
     )
     parser.add_argument(
@@ -83,7 +84,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--pace",
         choices=PACES,
         help="run the backend under a sound pacing wrapper (kvspec.transport.pace): slow = every transfer takes "
-        "several polls and some time, notifications arrive late; jitter = random delays, completions in any order. "
+        "several polls and some time, notifications arrive late; jitter = random delays, completions in any order; "
+        "pieces = every transfer moves in 32 pieces, one per poll (NIXL without a progress thread). "
         "A correct backend passes every case at any pace",
     )
     parser.add_argument(
@@ -352,7 +354,7 @@ def run(args: argparse.Namespace) -> int:
     if args.backend_logs:
         os.environ["KVSPEC_BACKEND_LOGS"] = "1"  # read by the relay of every worker's stderr, as it writes each line
     if args.pace_seed is not None and args.pace is None:
-        print("kvspec conform: --pace-seed: expected --pace slow or --pace jitter with it", file=sys.stderr)
+        print("kvspec conform: --pace-seed: expected --pace slow, jitter or pieces with it", file=sys.stderr)
         return 2
     options = _peer_options(args.backend, args.peer, _options(args.option))
     problem = _loopback_to_a_remote_peer(args.backend, args.peer, options)

@@ -135,6 +135,7 @@ class BackendSuite:
             integrity=cls.integrity,
         )
         try:
+            context.warm_up()  # imports and set-up before the first case's clock starts
             yield context
         finally:
             backend.close()

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -188,8 +190,10 @@ def test_release_of_a_pending_transfer_cancels_it_at_once_with_its_notification(
 
 
 def test_pace_names_and_spans_are_checked() -> None:
-    with pytest.raises(ConfigError, match="pace: expected one of slow, jitter, got 'fast'"):
+    with pytest.raises(ConfigError, match="pace: expected one of slow, jitter, pieces, got 'fast'"):
         Pace.named("fast")
+    with pytest.raises(ConfigError, match=r"Pace.pieces: expected an int in \[1, 4096\], got 0"):
+        Pace(pieces=0)
     with pytest.raises(ConfigError, match=r"Pace.done_polls: expected \(low, high\)"):
         Pace(done_polls=(3, 1))
     with pytest.raises(ConfigError, match=r"PacedTransport\.pace: expected a Pace"):
@@ -245,7 +249,7 @@ def test_conform_pace_names_the_pace_and_seed(tmp_path: Path, capsys: pytest.Cap
     assert refused.value.code == 2
     assert "invalid choice: 'fast'" in capsys.readouterr().err
     assert main(["loopback", "--pace-seed", "3"]) == 2
-    assert "--pace-seed: expected --pace slow or --pace jitter with it" in capsys.readouterr().err
+    assert "--pace-seed: expected --pace slow, jitter or pieces with it" in capsys.readouterr().err
 
 
 def test_a_failure_under_a_pace_replays_under_that_pace(capsys: pytest.CaptureFixture[str]) -> None:
@@ -291,3 +295,112 @@ class TestLoopbackPacedThroughBackendSuite(BackendSuite):
         assert isinstance(kvspec_context.backend, PacedBackend)
         assert kvspec_context.backend.pace == Pace.named("jitter", seed=2)
         assert ".paced(" in repr(kvspec_context.backend_spec)
+
+
+# --------------------------------------------------------------------------- pieces: a transfer a piece per poll
+
+PIECES = Pace.named("pieces")
+
+
+@pytest.mark.parametrize("pieces", [2, 3, 32])
+def test_pieces_move_every_byte_once_and_check_every_descriptor_first(pieces: int) -> None:
+    from kvspec.transport.pace import _split
+
+    rows = [*ROWS, attrs.evolve(ROWS[0], local_offset=4096, remote_offset=8192, nbytes=2)]
+    split = _split(rows, pieces)
+    assert 2 <= len(split) <= pieces
+    moved = [
+        (d.local_region, d.local_offset + i, d.remote_offset + i)
+        for part in split
+        for d in part
+        for i in range(d.nbytes)
+    ]
+    wanted = [(d.local_region, d.local_offset + i, d.remote_offset + i) for d in rows for i in range(d.nbytes)]
+    assert sorted(moved) == sorted(wanted)  # every byte, each once, to the same place
+    # The first piece holds both ends of every descriptor: the inner agent's post checks each one whole.
+    ends = {(d.local_offset, d.remote_offset) for d in split[0]} | {
+        (d.local_offset + d.nbytes - 1, d.remote_offset + d.nbytes - 1) for d in split[0]
+    }
+    for d in rows:
+        assert (d.local_offset, d.remote_offset) in ends
+        assert (d.local_offset + d.nbytes - 1, d.remote_offset + d.nbytes - 1) in ends
+
+
+@pytest.mark.parametrize("pair", [PIECES], indirect=True)
+def test_pieces_land_a_piece_at_a_time_then_done_with_the_notification(
+    pair: tuple[_Pair, list[memoryview], list[memoryview]],
+) -> None:
+    made, producer, consumer = pair
+    handle = made.consumer.post(TransferMode.READ, ROWS, peer="producer", notification=b"done")
+    seen: list[int] = []
+    checks = 0
+    while made.consumer.check(handle).state is TransferState.PENDING:
+        checks += 1
+        seen.append(sum(_landed(consumer, producer, [d]) for d in ROWS))
+        assert checks < 200
+    assert _landed(consumer, producer, ROWS)
+    assert checks >= 32  # one piece per check at most, each DONE a check after it landed
+    assert 0 in seen, seen  # nothing whole after the first piece
+    assert any(0 < n < len(ROWS) for n in seen), seen  # then the descriptors landed a few at a time
+    deadline = time.monotonic() + 1.0
+    notes: list[bytes] = []
+    while not notes and time.monotonic() < deadline:
+        notes += [n.message for n in made.producer.get_notifications()]
+    assert notes == [b"done"]
+    made.consumer.release(handle)
+    with pytest.raises(TransportError):
+        made.consumer.check(handle)  # released: the inner agent no longer knows it
+
+
+@pytest.mark.parametrize("pair", [PIECES], indirect=True)
+def test_pieces_release_mid_transfer_stops_the_rest(pair: tuple[_Pair, list[memoryview], list[memoryview]]) -> None:
+    made, producer, consumer = pair
+    handle = made.consumer.post(TransferMode.READ, ROWS, peer="producer")
+    for _ in range(6):
+        assert made.consumer.check(handle).state is TransferState.PENDING
+    made.consumer.release(handle)
+    before = [bytes(b) for b in consumer]
+    for _ in range(50):
+        made.consumer.get_notifications()
+        made.producer.get_notifications()
+    assert [bytes(b) for b in consumer] == before  # no piece posted after the release
+    assert not _landed(consumer, producer, ROWS)
+
+
+def test_suite_passes_descriptor_bounds_and_faults_in_pieces() -> None:
+    """A bad descriptor after a valid one is refused whole (PLAN-1); faults end typed (FAIL-1), paced in pieces."""
+    rules = ["PLAN-1/transport-descriptor-bounds", "FAIL-1/partial-transfer", "SM-2/transport-release-pending"]
+    report = run_suite("loopback", pace="pieces", pace_seed=0, rules=rules, max_examples=2)
+    assert report.pace == "pieces (seed 0)"
+    assert not [r for r in report.results if r.is_failure], _failures(report)
+
+
+@contextlib.contextmanager
+def _busy_cpus(count: int = 2) -> Iterator[None]:
+    """``count`` processes spinning on a CPU each, as a busy machine's other work (ended by their pids)."""
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
+    try:
+        time.sleep(0.2)  # both are spinning before the suite starts
+        yield
+    finally:
+        for spinner in spinners:
+            spinner.kill()
+            spinner.wait()
+
+
+# Where a 1-second deadline failed a correct paced backend on a busy machine (issue 37, findings 8 and 9).
+LOADED_RULES = ["REL-1/one-release-per-request", "FAIL-1/lost-notification", "DONE-1/read-done-means-visible"]
+
+
+def test_pieces_pass_deadline_cases_while_both_cpus_are_busy() -> None:
+    with _busy_cpus():
+        report = run_suite("loopback", pace="pieces", pace_seed=3, rules=LOADED_RULES, max_examples=2)
+    assert len(report.results) == 3
+    assert not [r for r in report.results if r.is_failure], _failures(report)
+
+
+@pytest.mark.slow
+def test_pieces_pass_every_case_while_both_cpus_are_busy() -> None:
+    with _busy_cpus():
+        report = run_suite("loopback", pace="pieces", pace_seed=1)
+    assert not [r for r in report.results if r.is_failure], _failures(report)

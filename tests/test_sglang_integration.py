@@ -279,3 +279,28 @@ def test_the_audit_catches_a_broken_pairing(sglang: Any, monkeypatch: pytest.Mon
     monkeypatch.setitem(sglang.BACKENDS, "mooncake", foreign_state)
     report = sglang_audit.run_audit(backends=("mooncake",), requests=3, seed=3)
     assert "state-slot-mismatch" in {c.deviation for c in report.classes}, report.render()
+
+
+@pytest.mark.parametrize("backend", ["mooncake", "nixl", "mori"])
+def test_an_adapter_imports_every_sglang_module_it_calls_when_made(
+    backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before any case: SGLang's lazy imports (27 s cold) once timed out the first STATE case's deadline."""
+    imported: list[str] = []
+    monkeypatch.setattr(integration, "check_sglang_version", lambda: None)
+    monkeypatch.setattr(integration, "import_sglang", lambda module="sglang": imported.append(module))
+    connector = integration.make_connector(backend)
+    disagg = "sglang.srt.disaggregation."
+    called = {
+        "torch",
+        "sglang.srt.mem_cache.memory_pool",
+        "sglang.srt.mem_cache.common",
+        f"{disagg}prefill",
+        f"{disagg}decode",
+        f"{disagg}base.conn",
+        f"{disagg}{backend}.conn",
+    }
+    assert called <= set(imported)
+    imported.clear()
+    connector.warm_up()  # what run_suite calls before the first case
+    assert called <= set(imported)

@@ -21,7 +21,9 @@ from kvspec.testing import (
 from kvspec.transport import Backend, FaultInjector, FaultPlan, Transport
 
 from .._cases import case
+from .._clock import PollClock
 from .._context import CaseContext
+from .._scenario import LOAD_DEADLINE, LOAD_LEASE
 from ..configs import full, make_config, sw
 
 __all__ = ["run_endpoints"]
@@ -31,9 +33,11 @@ CONFIG = make_config(full(4), sw(8, 4), num_blocks=160)
 _R = FailureReason
 # What the injected faults (failed and partial posts, dropped, delayed, duplicated notifications) and an abort
 # allow the consumer to report (FAIL-1, "Which reason"): a timeout only in WRITE mode, where C hears of a
-# failure from P's message alone and that message may be dropped.
+# failure from P's message alone and that message may be dropped; and in READ mode a read still PENDING at C's
+# short deadline (a slow backend, a busy machine) ends there too, as under the scenarios' random faults
+# (decision 80). Without faults every request but the aborted one must load, under a load's generous deadline.
 _ACCEPTED: dict[TransferMode, frozenset[FailureReason]] = {
-    TransferMode.READ: frozenset({_R.POST_FAILED, _R.PARTIAL_TRANSFER, _R.ABORTED}),
+    TransferMode.READ: frozenset({_R.POST_FAILED, _R.PARTIAL_TRANSFER, _R.ABORTED, _R.TIMEOUT, _R.LEASE_EXPIRED}),
     TransferMode.WRITE: frozenset({_R.POST_FAILED, _R.PARTIAL_TRANSFER, _R.ABORTED, _R.TIMEOUT, _R.LEASE_EXPIRED}),
 }
 
@@ -84,6 +88,9 @@ def run_endpoints(
 
 def _run(backend: Backend, mode: TransferMode, requests: list[_Req], plan: FaultPlan | None, scale: float) -> list[str]:
     problems: list[str] = []
+    # Short deadlines make a lost message cheap under faults; without faults every request must load (FAIL-1).
+    deadline, lease = (0.15, 0.25) if plan is not None else (LOAD_DEADLINE, LOAD_LEASE)
+    clock = PollClock()  # a starved process's lost time does not count against a deadline
     with allocate_pool(CONFIG) as p_pool, allocate_pool(CONFIG) as c_pool:
         fill_background(p_pool, seed="producer")
         fill_background(c_pool, seed="consumer")
@@ -97,9 +104,10 @@ def _run(backend: Backend, mode: TransferMode, requests: list[_Req], plan: Fault
                 transport=agents[0],
                 regions=p_pool.regions,
                 mode=mode,
-                lease_duration=0.25 * scale,
+                lease_duration=lease * scale,
                 release_grace=0.15 * scale,
                 drain_timeout=0.1 * scale,
+                clock=clock,
             )
             consumer = ConsumerEndpoint(
                 engine_id="consumer",
@@ -107,8 +115,9 @@ def _run(backend: Backend, mode: TransferMode, requests: list[_Req], plan: Fault
                 transport=agents[1],
                 regions=c_pool.regions,
                 mode=mode,
-                transfer_timeout=0.15 * scale,
+                transfer_timeout=deadline * scale,
                 drain_timeout=0.1 * scale,
+                clock=clock,
             )
             connect(producer, consumer)
             baseline = (producer.allocator.num_free, consumer.allocator.num_free)
@@ -133,6 +142,7 @@ def _run(backend: Backend, mode: TransferMode, requests: list[_Req], plan: Fault
             def poll() -> None:
                 nonlocal polls
                 polls += 1
+                clock.tick()
                 for r in requests:
                     if r.abort_after_polls is not None and polls == r.abort_after_polls + 1:
                         consumer.abort(r.request_id)
@@ -162,7 +172,7 @@ def _run(backend: Backend, mode: TransferMode, requests: list[_Req], plan: Fault
                             f"{rid}: FAILED {result.failure.reason.value}, expected one of {wanted} (FAIL-1)"
                         )
 
-            if not poll_until(poll, done=settled, until=time.monotonic() + 10.0 * scale, pause=_pause):
+            if not poll_until(poll, done=settled, until=clock() + 10.0 * scale, pause=_pause, clock=clock):
                 stuck = [rid for rid in by_id if producer.result(rid) is None or consumer.result(rid) is None]
                 problems.append(f"requests {stuck} did not end within the deadlines (FAIL-1)")
             for rid, load, at_completion in completed_early:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import attrs
+
 from kvspec import FailureReason, ProducerState
 from kvspec.transport import FaultPlan
 
 from .._cases import case
 from .._context import CaseContext
-from .._scenario import Request, Scenario
+from .._scenario import LOAD_DEADLINE, Request, Scenario
 from ..configs import full, make_config, sw
 
 __all__: list[str] = []
@@ -54,11 +56,26 @@ def _receiver(mode: str) -> str:
     return "producer" if mode == "read" else "consumer"
 
 
-def _next_wave(prefix: str, wave: int = 1, count: int = 2) -> list[Request]:
-    # Requests that start after the faulty ones ended: they reuse the freed blocks and must load cleanly.
+def _next_wave(prefix: str, wave: int = 1, count: int = 2, *, must_load: bool = True) -> list[Request]:
+    # Requests that start after the faulty ones ended: they reuse the freed blocks and must load cleanly. Those
+    # that must load get the generous deadline and lease of a load, so that a slow correct backend passes; the
+    # scenario's short ones stay for the requests its fault ends (FAIL-1).
     return [
-        Request(request_id=f"{prefix}{i}", num_tokens=14 + i, prefix_hit_tokens=4 * i, wave=wave) for i in range(count)
+        _loading(r) if must_load else r
+        for r in (
+            Request(request_id=f"{prefix}{i}", num_tokens=14 + i, prefix_hit_tokens=4 * i, wave=wave)
+            for i in range(count)
+        )
     ]
+
+
+def _loading(request: Request) -> Request:
+    """``request`` with the deadline of a request that must load, whatever the scenario's (FAIL-1).
+
+    Its lease outlasts that deadline by the fault cases' own lease, not by a load's: a lease runs out in full
+    only where a release is lost, and there a broken backend would wait a load's lease out in every mode.
+    """
+    return attrs.evolve(request, deadline=LOAD_DEADLINE, lease=LOAD_DEADLINE + LEASE)
 
 
 # --------------------------------------------------------------------------- DONE-1
@@ -113,7 +130,7 @@ def _fail_partial(ctx: CaseContext) -> None:
         scenario = Scenario(
             config=CONFIG,
             mode=mode,
-            requests=[Request(request_id="a", num_tokens=21), *_next_wave("n")],
+            requests=[Request(request_id="a", num_tokens=21), *_next_wave("n", must_load=False)],
             faults=FaultPlan(partial_transfer=1.0, skip_posts=0),
             fault_side=_initiator(mode),
             deadline=DEADLINE,
@@ -395,13 +412,14 @@ def _sm2_abort(ctx: CaseContext) -> None:
 def _sm2_failed_sticky(ctx: CaseContext) -> None:
     """A request that timed out stays FAILED when its completion arrives late (terminal states are sticky)."""
     # WRITE: the completion travels as a notification to the consumer; hold it for 400 polls (each at least a
-    # 0.5 ms pause): past the deadline even at --time-scale 3, and usually before lease + drain, so that the
-    # late completion meets the FAILING request (and otherwise the FAILED one).
+    # 0.5 ms pause) and for 0.25 s, five deadlines: the seconds follow --time-scale as the deadline does, so
+    # the completion comes past the deadline at any scale, and usually before lease + drain, so that it meets
+    # the FAILING request (and otherwise the FAILED one).
     scenario = Scenario(
         config=CONFIG,
         mode="write",
-        requests=[Request(request_id="a", num_tokens=13), *_next_wave("n")],
-        faults=FaultPlan(delay_notifications=1.0, delay_polls=400),
+        requests=[Request(request_id="a", num_tokens=13), *_next_wave("n", must_load=False)],
+        faults=FaultPlan(delay_notifications=1.0, delay_polls=400, delay_seconds=0.25),
         fault_side="consumer",
         deadline=0.05,
         lease=0.3,
@@ -418,8 +436,8 @@ def _rel_once(ctx: CaseContext) -> None:
     """Loaded, failed, aborted and full-prefix-hit requests each send exactly one release, and P gets each once."""
     for mode in _modes(ctx):
         requests = [
-            Request(request_id="loaded", num_tokens=13),
-            Request(request_id="full-hit", num_tokens=12, prefix_hit_tokens=12),
+            _loading(Request(request_id="loaded", num_tokens=13)),
+            _loading(Request(request_id="full-hit", num_tokens=12, prefix_hit_tokens=12)),
             Request(
                 request_id="window-fail",
                 num_tokens=14,

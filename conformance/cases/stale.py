@@ -10,7 +10,6 @@ takes the same blocks, then ``r1``'s parameters come back.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 
 from kvspec import ConsumerState, KVSpecError, ProtocolError, TransferMode, TransferParams
@@ -19,6 +18,7 @@ from kvspec.testing import PagePool, allocate_pool, fill_background, fill_produc
 from kvspec.transport import Backend, Transport
 
 from .._cases import case
+from .._clock import PollClock
 from .._context import CaseContext
 from ..configs import full, make_config, sw
 
@@ -29,12 +29,15 @@ LEASE = 5.0  # r1's lease outlives the whole case: only its release ended it, as
 TIMEOUT = 0.3  # a consumer's transfer timeout; the bound a refused WRITE offer waits out
 
 
-def _poll(endpoints: list[ProducerEndpoint | ConsumerEndpoint], until: float, done: Callable[[], bool]) -> None:
+def _poll(
+    endpoints: list[ProducerEndpoint | ConsumerEndpoint], until: float, done: Callable[[], bool], clock: PollClock
+) -> None:
     def each() -> None:
+        clock.tick()
         for endpoint in endpoints:
             endpoint.poll()
 
-    poll_until(each, done=done, until=until)
+    poll_until(each, done=done, until=until, clock=clock)
 
 
 def _snapshot(pool: PagePool) -> list[bytes]:
@@ -73,6 +76,7 @@ def _run(backend: Backend, mode: TransferMode, scale: float) -> list[str]:
         for pool, seed in ((p_pool, "producer"), (c_pool, "consumer"), (b_pool, "consumer-b")):
             fill_background(pool, seed=seed)
         agents: list[Transport] = []
+        clock = PollClock()  # r1 must load within TIMEOUT: a starved process's lost time does not count
         try:
             for name in ("producer", "consumer", "consumer-b"):
                 agents.append(backend.create_agent(name))
@@ -83,6 +87,7 @@ def _run(backend: Backend, mode: TransferMode, scale: float) -> list[str]:
                 regions=p_pool.regions,
                 mode=mode,
                 lease_duration=LEASE * scale,
+                clock=clock,
             )
             consumers = [
                 ConsumerEndpoint(
@@ -93,6 +98,7 @@ def _run(backend: Backend, mode: TransferMode, scale: float) -> list[str]:
                     mode=mode,
                     transfer_timeout=TIMEOUT * scale,
                     drain_timeout=0.1 * scale,
+                    clock=clock,
                 )
                 for engine_id, agent, pool in (("consumer", agents[1], c_pool), ("consumer-b", agents[2], b_pool))
             ]
@@ -103,7 +109,7 @@ def _run(backend: Backend, mode: TransferMode, scale: float) -> list[str]:
             r1 = producer.prefill("r1", num_tokens=20)
             fill_producer_pages(p_pool, producer.block_table("r1"), num_tokens=20, salt="r1")
             consumer.begin(TransferParams.from_kv_transfer_params(r1.to_kv_transfer_params()))
-            _poll(everyone, time.monotonic() + 10.0 * scale, lambda: producer.result("r1") is not None)
+            _poll(everyone, clock() + 10.0 * scale, lambda: producer.result("r1") is not None, clock)
             first, served = consumer.result("r1"), producer.result("r1")
             if first is None or first.state is not ConsumerState.LOADED or served is None:
                 return [f"setup: r1 did not load and release within {10.0 * scale:.1f} s: {first}, {served}"]
@@ -121,7 +127,7 @@ def _run(backend: Backend, mode: TransferMode, scale: float) -> list[str]:
             except ProtocolError:
                 pass  # refused by name before anything moved
             else:
-                _poll(everyone, time.monotonic() + 2 * TIMEOUT * scale, lambda: consumer.active_requests == ())
+                _poll(everyone, clock() + 10.0 * scale, lambda: consumer.active_requests == (), clock)
                 again = consumer.result("r1")
                 problems.append(
                     "the consumer that consumed r1 accepted r1's transfer parameters again (REL-1: its release "
@@ -134,7 +140,7 @@ def _run(backend: Backend, mode: TransferMode, scale: float) -> list[str]:
             if mode is TransferMode.WRITE:
                 before = _snapshot(b_pool)
                 other.begin(stale)  # a consumer that never saw r1: only the producer can refuse it
-                _poll(everyone, time.monotonic() + 2 * TIMEOUT * scale, lambda: other.result("r1") is not None)
+                _poll(everyone, clock() + 10.0 * scale, lambda: other.result("r1") is not None, clock)
                 ended = other.result("r1")
                 if ended is None or ended.state is not ConsumerState.FAILED or ended.failure is None:
                     state = "still running" if ended is None else ended.state.value

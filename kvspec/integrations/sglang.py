@@ -114,6 +114,17 @@ the handshake (decisions 175, 177). The hook: :meth:`SglangConnector.state_profi
 
 _DISAGG = "sglang.srt.disaggregation."
 
+# Every module the adapters call, beside each backend's own ``conn`` module: imported by
+# :meth:`SglangConnector.warm_up` before any case, never inside a scenario's deadline (27 s cold).
+_USED_MODULES = (
+    "torch",
+    "sglang.srt.mem_cache.memory_pool",
+    "sglang.srt.mem_cache.common",
+    _DISAGG + "prefill",
+    _DISAGG + "decode",
+    _DISAGG + "base.conn",
+)
+
 # --------------------------------------------------------------------------- importing SGLang on a CPU
 
 
@@ -837,6 +848,14 @@ class SglangConnector:
         """The import lines and the expression that rebuild this connector, for reproducers."""
         return "from kvspec.integrations.sglang import SglangConnector\n", f"SglangConnector({self.backend!r})"
 
+    def warm_up(self) -> None:
+        """Import every SGLang module this adapter calls, so that no case's deadline pays for it (27 s cold).
+
+        The suite calls it once before the first case (``run_suite``).
+        """
+        for module in (*_USED_MODULES, f"{_DISAGG}{self.backend}.conn"):
+            import_sglang(module)
+
     def state_profile(self, config: KVCacheConfig) -> str | None:
         """SGLang's state convention, :data:`STATE_PROFILE`, for a config with state groups; else None (STATE-1)."""
         return STATE_PROFILE if get_state_group_indices(config) else None
@@ -996,5 +1015,6 @@ def make_connector(name: str) -> SglangConnector:
     if name not in _CLASSES:
         raise ConfigError(f"--connector sglang:{name}: expected one of {', '.join('sglang:' + n for n in _CLASSES)}")
     check_sglang_version()
-    import_sglang(_DISAGG + "prefill")
-    return _CLASSES[name]()
+    made = _CLASSES[name]()
+    made.warm_up()
+    return made

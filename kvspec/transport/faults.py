@@ -31,6 +31,15 @@ def _probability(inst: object, attribute: attrs.Attribute[Any], value: object) -
         raise ConfigError(f"FaultPlan.{attribute.name}: expected a probability in [0, 1], got {value!r}")
 
 
+def _duration(inst: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0.0 <= value <= 600.0:
+        raise ConfigError(f"FaultPlan.{attribute.name}: expected seconds in [0, 600], got {value!r}")
+
+
+# Marks a FaultPlan field that is a time: FaultPlan.scaled (--time-scale) multiplies it.
+_SECONDS = {"seconds": True}
+
+
 def _non_negative(inst: object, attribute: attrs.Attribute[Any], value: object) -> None:
     if value is None and attribute.name == "disconnect_at_post":
         return
@@ -62,7 +71,10 @@ class FaultPlan:
 
     Probabilities apply per event: per received notification (``drop``,
     ``duplicate``, ``delay``, ``reorder``) or per post (``fail_post``,
-    ``partial_transfer``, ``corrupt_page``). ``skip_posts`` posts pass
+    ``partial_transfer``, ``corrupt_page``). A delayed notification is held
+    for ``delay_polls`` calls **and** ``delay_seconds`` of wall time; the
+    seconds, as every time in the plan, follow ``--time-scale``
+    (:meth:`scaled`), polls do not. ``skip_posts`` posts pass
     untouched before post faults may fire. ``disconnect_at_post=k`` cuts every
     peer off once the k-th post is made (0: before any post): transfers in
     flight then fail with ``peer_disconnected``, later posts and sends raise
@@ -87,6 +99,7 @@ class FaultPlan:
     delay_notifications: float = attrs.field(default=0.0, validator=_probability)
     reorder_notifications: float = attrs.field(default=0.0, validator=_probability)
     delay_polls: int = attrs.field(default=3, validator=_non_negative)
+    delay_seconds: float = attrs.field(default=0.0, validator=_duration, metadata=_SECONDS)
     fail_post: float = attrs.field(default=0.0, validator=_probability)
     partial_transfer: float = attrs.field(default=0.0, validator=_probability)
     corrupt_page: float = attrs.field(default=0.0, validator=_probability)
@@ -100,6 +113,11 @@ class FaultPlan:
     def applies_to(self, agent_name: str) -> bool:
         """Whether this plan injects faults into the agent named ``agent_name``."""
         return self.agents is None or agent_name in self.agents
+
+    def scaled(self, factor: float) -> FaultPlan:
+        """This plan with every time (each field marked ``_SECONDS``) multiplied by ``factor`` (``--time-scale``)."""
+        times = {f.name: getattr(self, f.name) * factor for f in attrs.fields(FaultPlan) if f.metadata.get("seconds")}
+        return attrs.evolve(self, **times)
 
 
 @attrs.frozen(kw_only=True)
@@ -134,6 +152,8 @@ class _Held:
     notification: Notification
     polls_left: int
     behind_next: bool = False
+    # A delayed notification also waits until then (time.monotonic(), FaultPlan.delay_seconds).
+    due_time: float = 0.0
 
 
 def _first_bytes(descriptors: Sequence[Descriptor], nbytes: int) -> list[Descriptor]:
@@ -439,7 +459,7 @@ class FaultInjector:
         for held in self._held:
             if not held.behind_next:
                 held.polls_left -= 1
-                if held.polls_left < 0:
+                if held.polls_left < 0 and time.monotonic() >= held.due_time:
                     out.append(held.notification)
                     continue
             still.append(held)
@@ -464,7 +484,8 @@ class FaultInjector:
         if delay or reorder:
             self._record("delay_notification" if delay else "reorder_notification", what)
             polls = plan.delay_polls if delay else max(plan.delay_polls, 1)
-            self._held.append(_Held(notification=note, polls_left=polls, behind_next=not delay))
+            due = time.monotonic() + plan.delay_seconds if delay else 0.0
+            self._held.append(_Held(notification=note, polls_left=polls, behind_next=not delay, due_time=due))
             return "hold"
         if duplicate:
             self._record("duplicate_notification", what)

@@ -17,9 +17,15 @@ correct backend behave so, without making it incorrect:
   within one peer (REL-1).
 - ``release`` releases the inner handle at once, so the inner backend's
   cancel semantics hold unchanged (SM-2); capabilities pass through.
+- With ``pieces`` above 1 a transfer moves in that many pieces, one after
+  the other, the next posted when a check finds the last DONE: bytes land a
+  piece per poll, as NIXL without a progress thread moves them. The first
+  piece holds the first and the last byte of every descriptor, so the inner
+  agent still checks every descriptor at the post and refuses a bad one whole
+  (PLAN-1); a release cancels the piece in flight and posts no more.
 
 The pace is seeded: the same :class:`Pace` replays the same delays.
-``kvspec conform BACKEND --pace slow|jitter`` runs the suite so.
+``kvspec conform BACKEND --pace slow|jitter|pieces`` runs the suite so.
 """
 
 from __future__ import annotations
@@ -49,9 +55,14 @@ from kvspec.transport._base import (
 
 __all__ = ["PACES", "Pace", "PacedBackend", "PacedTransport", "paced"]
 
-PACES = ("slow", "jitter")
+PACES = ("slow", "jitter", "pieces")
 
 _PENDING = TransferStatus(state=TransferState.PENDING)
+
+
+def _pieces(inst: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= 4096:
+        raise ConfigError(f"Pace.{attribute.name}: expected an int in [1, 4096], got {value!r}")
 
 
 def _span(inst: object, attribute: attrs.Attribute[Any], value: object) -> None:
@@ -68,8 +79,10 @@ class Pace:
     into its agent while it has a notification to send) and wall time, from
     the post, before DONE may be reported.
     ``notify_polls`` and ``notify_seconds``: calls into the receiving agent
-    and wall time a received notification is held. ``seed`` makes the draws
-    reproducible; the suite's report names it.
+    and wall time a received notification is held. ``pieces``: how many
+    pieces a transfer moves in, one after the other (1: the inner agent's
+    own way). ``seed`` makes the draws reproducible; the suite's report
+    names it.
     """
 
     name: str = "custom"
@@ -78,6 +91,7 @@ class Pace:
     done_seconds: tuple[float, float] = attrs.field(default=(0.002, 0.002), validator=_span)
     notify_polls: tuple[int, int] = attrs.field(default=(3, 3), validator=_span)
     notify_seconds: tuple[float, float] = attrs.field(default=(0.001, 0.001), validator=_span)
+    pieces: int = attrs.field(default=1, validator=_pieces)
 
     @classmethod
     def named(cls, name: str, *, seed: int = 0) -> Pace:
@@ -85,6 +99,10 @@ class Pace:
 
         ``jitter``: 0 to 16 checks and 0 to 3 ms a transfer, 0 to 6 calls and 0
         to 2 ms a notification, so completions come in any order.
+
+        ``pieces``: every transfer moves in 32 pieces, the next one posted when
+        a check finds the last one done (NIXL without a progress thread), and
+        every notification is held for one call.
         """
         if name == "slow":
             return cls(name=name, seed=seed)
@@ -96,6 +114,16 @@ class Pace:
                 done_seconds=(0.0, 0.003),
                 notify_polls=(0, 6),
                 notify_seconds=(0.0, 0.002),
+            )
+        if name == "pieces":
+            return cls(
+                name=name,
+                seed=seed,
+                done_polls=(0, 0),
+                done_seconds=(0.0, 0.0),
+                notify_polls=(1, 1),
+                notify_seconds=(0.0, 0.0),
+                pieces=32,
             )
         raise ConfigError(f"pace: expected one of {', '.join(PACES)}, got {name!r}")
 
@@ -114,6 +142,10 @@ class _Paced:
     polls_left: int
     due_time: float
     final: TransferStatus | None = None
+    # Pieces mode: the mode, the inner handle of the piece in flight and the pieces still to post.
+    mode: TransferMode = TransferMode.READ
+    current: TransferHandle | None = None
+    rest: deque[list[Descriptor]] = attrs.field(factory=deque)
 
 
 @attrs.define(eq=False)
@@ -186,8 +218,14 @@ class PacedTransport:
         peer: str,
         notification: bytes | None = None,
     ) -> TransferHandle:
-        """Post through the inner agent (which validates everything); the notification waits for DONE."""
-        handle = self._inner.post(mode, descriptors, peer=peer)
+        """Post through the inner agent (which validates everything); the notification waits for DONE.
+
+        In pieces mode the inner agent gets the first piece now (every
+        descriptor's first and last byte, so it refuses a bad one whole), the
+        others one by one as checks find the last done.
+        """
+        first, *rest = _split(descriptors, self._pace.pieces)
+        handle = self._inner.post(mode, first, peer=peer)
         polls = round(self._draw((float(self._pace.done_polls[0]), float(self._pace.done_polls[1]))))
         self._posted[id(handle)] = _Paced(
             handle=handle,
@@ -195,6 +233,9 @@ class PacedTransport:
             notification=None if notification is None else bytes(notification),
             polls_left=polls,
             due_time=time.monotonic() + self._draw(self._pace.done_seconds),
+            mode=mode,
+            current=handle,
+            rest=deque(rest),
         )
         return handle
 
@@ -203,12 +244,14 @@ class PacedTransport:
         if state.final is not None:
             return state.final
         state.polls_left -= 1
-        status = self._inner.check(state.handle)
+        status = self._inner.check(state.current or state.handle)
         if status.state is TransferState.FAILED:
             state.final = status
             return status
         if status.state is TransferState.PENDING:
             return status
+        if state.rest:
+            return self._next_piece(state)
         if state.polls_left > 0 or time.monotonic() < state.due_time:
             return _PENDING
         state.final = status
@@ -219,6 +262,20 @@ class PacedTransport:
             with contextlib.suppress(TransportError):
                 self._inner.send_notification(state.peer, note)
         return status
+
+    def _next_piece(self, state: _Paced) -> TransferStatus:
+        """The piece in flight is DONE: free its handle and post the next; PENDING, or FAILED if refused."""
+        done, state.current = state.current, None
+        if done is not None and done is not state.handle:
+            self._inner.release(done)  # the caller's handle (the first piece's) is released by the caller
+        try:
+            state.current = self._inner.post(state.mode, state.rest.popleft(), peer=state.peer)
+        except TransportError as exc:
+            # The first piece checked every descriptor: only the link can refuse a later one (FAIL-1).
+            state.rest.clear()
+            state.final = TransferStatus(state=TransferState.FAILED, reason=exc.reason, detail=str(exc))
+            return state.final
+        return _PENDING
 
     def _progress(self) -> None:
         """A call that is not ``check``: transfers with a notification to send progress, as in a backend.
@@ -241,8 +298,14 @@ class PacedTransport:
         return self._advance(state)
 
     def release(self, handle: TransferHandle) -> None:
-        """Release the inner handle at once (a PENDING one is cancelled, with its notification)."""
-        self._posted.pop(id(handle), None)
+        """Release the inner handle at once (a PENDING one is cancelled, with its notification).
+
+        In pieces mode the piece in flight is cancelled and no later one is posted.
+        """
+        state = self._posted.pop(id(handle), None)
+        if state is not None and state.current is not None and state.current is not handle:
+            state.rest.clear()
+            self._inner.release(state.current)
         self._inner.release(handle)
 
     def send_notification(self, peer: str, message: bytes) -> None:
@@ -271,6 +334,50 @@ class PacedTransport:
         self._posted.clear()
         self._held.clear()
         self._inner.close()
+
+
+def _split(descriptors: Sequence[Descriptor], pieces: int) -> list[list[Descriptor]]:
+    """``descriptors`` cut into up to ``pieces`` lists that together move the same bytes, each byte once.
+
+    The first list holds every descriptor's first and last byte (a descriptor
+    of fewer than three bytes, or an invalid one, whole), so a post of it
+    checks every region and both ends of every range; the others split the
+    bytes in between into runs of about equal size, in order.
+    """
+    if pieces <= 1:
+        return [list(descriptors)]
+    first: list[Descriptor] = []
+    middle: list[Descriptor] = []
+    for d in descriptors:
+        if d.nbytes < 3:
+            first.append(d)
+            continue
+        last = d.nbytes - 1
+        first.append(attrs.evolve(d, nbytes=1))
+        first.append(
+            attrs.evolve(d, local_offset=d.local_offset + last, remote_offset=d.remote_offset + last, nbytes=1)
+        )
+        middle.append(
+            attrs.evolve(d, local_offset=d.local_offset + 1, remote_offset=d.remote_offset + 1, nbytes=last - 1)
+        )
+    size = -(-sum(d.nbytes for d in middle) // (pieces - 1))  # ceil: at most pieces - 1 runs
+    runs: list[list[Descriptor]] = []
+    run: list[Descriptor] = []
+    room = size
+    for d in middle:
+        while d.nbytes > 0:
+            take = min(d.nbytes, room)
+            run.append(attrs.evolve(d, nbytes=take))
+            d = attrs.evolve(
+                d, local_offset=d.local_offset + take, remote_offset=d.remote_offset + take, nbytes=d.nbytes - take
+            )
+            room -= take
+            if room == 0:
+                runs.append(run)
+                run, room = [], size
+    if run:
+        runs.append(run)
+    return [first, *runs]
 
 
 class PacedBackend:
@@ -314,7 +421,7 @@ class PacedBackend:
 def paced(backend: Backend | str, pace: Pace | str, *, seed: int = 0, **options: object) -> PacedBackend:
     """``backend`` (a Backend, or a name for :func:`kvspec.transport.load_backend` with ``options``) paced.
 
-    ``pace`` is a :class:`Pace` or ``"slow"`` / ``"jitter"`` with ``seed``.
+    ``pace`` is a :class:`Pace` or ``"slow"``, ``"jitter"`` or ``"pieces"`` with ``seed``.
     """
     from kvspec.transport._registry import load_backend
 
