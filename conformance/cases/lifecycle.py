@@ -337,7 +337,7 @@ def _done_slow_posts(ctx: CaseContext) -> None:
     moved, for that long after ``post`` returned; a side that counts a
     transfer done by time or by polls, not by ``check``, loads stale pages.
     """
-    latency = min(0.06 * ctx.time_scale, 60.0)
+    latency = 0.06  # seconds, scaled with --time-scale by FaultPlan.scaled like every time in a plan
     for mode in _modes(ctx):
         scenario = Scenario(
             config=CONFIG,

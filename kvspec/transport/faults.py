@@ -107,7 +107,7 @@ class FaultPlan:
     disconnect_at_post: int | None = attrs.field(default=None, validator=_non_negative)
     agents: frozenset[str] | None = attrs.field(default=None, converter=_to_names)
     flip_status: float = attrs.field(default=0.0, validator=_probability)
-    post_latency: float = attrs.field(default=0.0, validator=_seconds)
+    post_latency: float = attrs.field(default=0.0, validator=_seconds, metadata=_SECONDS)
     fail_registration: bool = attrs.field(default=False, validator=_flag)
 
     def applies_to(self, agent_name: str) -> bool:
