@@ -431,7 +431,7 @@ def run_par_scenario(scenario: ParScenario, *, backend: Backend) -> ParResult:
     """Play one request across every rank pair over ``backend``; return what the oracle found."""
     producer_ids, consumer_ids, num_blocks = _block_ids(scenario)
     with _ranks(backend, scenario, num_blocks) as ranks:
-        for s, stage in enumerate(scenario.stages):
+        for s in range(len(scenario.stages)):
             for p in range(scenario.producer_tp):
                 rank = ranks[f"p{s}.{p}"]
                 for index, layer in enumerate(rank.layers):

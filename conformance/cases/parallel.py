@@ -75,7 +75,7 @@ def gdn_page(*, k_heads: int = 2, v_heads: int = 4) -> CanonicalPage:
 
 
 def kda_page(*, heads: int = 4) -> CanonicalPage:
-    """Kimi Delta Attention: conv over Q, K, V (heads each); a float32 recurrent state (head_dim x head_dim) per head."""
+    """Kimi Delta Attention: conv over Q, K, V (heads each); float32 recurrent state (head_dim^2) per head."""
     return _state_page([SubBlock(name=n, extent=heads, width=2) for n in ("q", "k", "v")], heads, 16)
 
 
