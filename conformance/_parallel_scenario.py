@@ -29,7 +29,7 @@ import hashlib
 import random
 import secrets
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from multiprocessing import shared_memory
 
 import attrs
@@ -56,6 +56,14 @@ class ParLayer:
     page: CanonicalPage
 
 
+def _to_layers(value: Iterable[ParLayer]) -> tuple[ParLayer, ...]:
+    return tuple(value)
+
+
+def _to_stages(value: Iterable[Iterable[str]]) -> tuple[tuple[str, ...], ...]:
+    return tuple(tuple(stage) for stage in value)
+
+
 @attrs.frozen(kw_only=True)
 class ParScenario:
     """One request between two engines of different parallelism; ``layers`` in the consumer's order.
@@ -66,10 +74,10 @@ class ParScenario:
     each of its blocks (PAR-8).
     """
 
-    layers: tuple[ParLayer, ...] = attrs.field(converter=tuple)
+    layers: tuple[ParLayer, ...] = attrs.field(converter=_to_layers)
     producer_tp: int
     consumer_tp: int
-    producer_stages: tuple[tuple[str, ...], ...] = attrs.field(default=(), converter=lambda v: tuple(map(tuple, v)))
+    producer_stages: tuple[tuple[str, ...], ...] = attrs.field(default=(), converter=_to_stages)
     consumer_dcp: int = 1
     dcp_interleave: int = 1
     mode: TransferMode = TransferMode.READ
@@ -396,7 +404,7 @@ class _Exchange:
                         )
                     self.heard[p_name].append(self.names.get((p_name, note.peer), note.peer))
                     waiting.discard(p_name)
-                self._maybe_free(p_name)
+                self.maybe_free(p_name)
             if waiting and time.monotonic() > self.deadline:
                 raise TimeoutError(
                     f"producer ranks {sorted(waiting)} heard no notification in {self.scenario.deadline}s"
@@ -404,7 +412,7 @@ class _Exchange:
             if waiting:
                 time.sleep(0.0005)
 
-    def _maybe_free(self, p_name: str) -> None:
+    def maybe_free(self, p_name: str) -> None:
         tp_rank = int(p_name.split(".")[1])
         count = par.get_completion_count(
             producer_tp=self.scenario.producer_tp,
@@ -442,10 +450,12 @@ def run_par_scenario(scenario: ParScenario, *, backend: Backend) -> ParResult:
             plans = _plan_all(scenario, ranks)
         except KVSpecError as exc:
             changed = [name for name, rank in ranks.items() if [bytes(r.buffer) for r in rank.regions] != before[name]]
-            problems = [f"{name}: bytes changed although planning was refused (PAR-5)" for name in changed]
-            return ParResult(problems=tuple(problems), refused=exc)
+            moved = tuple(f"{name}: bytes changed although planning was refused (PAR-5)" for name in changed)
+            return ParResult(problems=moved, refused=exc)
         exchange = _Exchange(scenario, ranks, plans)
         exchange.connect()
+        for p_name in exchange.heard:
+            exchange.maybe_free(p_name)  # a rank that expects no notification frees now, before any byte moves
         problems: list[str] = []
         try:
             for c in range(scenario.consumer_tp):
@@ -505,15 +515,31 @@ def _check_writes(scenario: ParScenario, ranks: dict[str, _Rank], plans: _Plans)
     return problems
 
 
-def _describe(layer: ParLayer, page: CanonicalPage, cells: dict[Cell, tuple[int, int]], got: bytes, want: bytes) -> str:
-    """Where the first wrong cell is and what its bytes are, named by canonical cell when they are one."""
-    for (t, b, unit, r), (offset, nbytes) in sorted(cells.items(), key=lambda kv: kv[1][0]):
+def _cell_name(page: CanonicalPage, cell: Cell) -> str:
+    t, b, unit, r = cell
+    return f"{page.tensors[t].name}.{page.tensors[t].sub_blocks[b].name}[{unit}] row {r}"
+
+
+def _labels(scenario: ParScenario, layer: ParLayer) -> dict[bytes, str]:
+    """Canonical cells' bytes -> their names, to say what a wrong cell holds instead (unique ones only)."""
+    canonical, _ = _cells(layer.page, 1, 0)
+    found: dict[bytes, str] = {}
+    for position in range(scenario.num_blocks * scenario.consumer_dcp):
+        content = _canonical(layer, position)
+        for cell, (at, nbytes) in canonical.items():
+            key = content[at : at + nbytes]
+            found[key] = "" if key in found else f"{_cell_name(layer.page, cell)} of canonical block {position}"
+    return found
+
+
+def _describe(
+    page: CanonicalPage, cells: dict[Cell, tuple[int, int]], got: bytes, want: bytes, labels: dict[bytes, str]
+) -> str:
+    """Where the first wrong cell is and, when its bytes are one canonical cell's, which one it holds."""
+    for cell, (offset, nbytes) in sorted(cells.items(), key=lambda kv: kv[1][0]):
         if got[offset : offset + nbytes] != want[offset : offset + nbytes]:
-            tensor = page.tensors[t]
-            return (
-                f"first wrong: {tensor.name}.{tensor.sub_blocks[b].name}[{unit}] row {r} at byte {offset} "
-                f"({nbytes} bytes)"
-            )
+            held = labels.get(got[offset : offset + nbytes]) or "bytes of no canonical cell (stale, reused or noise)"
+            return f"first wrong: {_cell_name(page, cell)} at byte {offset} ({nbytes} bytes) holds {held}"
     return "bytes outside every cell differ"
 
 
@@ -540,10 +566,10 @@ def _check_pages(
                         continue
                     if block in consumer_ids:
                         cells, _ = _cells(layer.page, scenario.consumer_tp, c)
-                        where = _describe(layer, layer.page, cells, g, bytes(w))
+                        where = _describe(layer.page, cells, g, bytes(w), _labels(scenario, layer))
                         problems.append(
                             f"{name}: layer {layer.name} block {block} (request block {consumer_ids.index(block)}) "
-                            f"differs from the canonical projection; {where} (PAR-2)"
+                            f"differs from the canonical projection; {where}"
                         )
                     else:
                         what = "the null block" if block == 0 else "a block outside the request"
