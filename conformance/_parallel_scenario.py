@@ -85,6 +85,11 @@ class ParScenario:
     deadline: float = 10.0
 
     @property
+    def num_ranks(self) -> int:
+        """Agents the scenario starts: every producer rank of every stage, every consumer rank of every DCP rank."""
+        return self.producer_tp * len(self.stages) + self.consumer_tp * self.consumer_dcp
+
+    @property
     def stages(self) -> tuple[tuple[str, ...], ...]:
         """The producer's stages, one holding every layer when none are given."""
         return self.producer_stages or (tuple(layer.name for layer in self.layers),)

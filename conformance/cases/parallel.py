@@ -167,9 +167,9 @@ _register(
 )
 _register(
     "PAR-2",
-    "nhd-page-tp-4-to-1-write",
-    "TP4 to TP1, NHD: four producer ranks each write their heads' run into every token row",
-    _scenario(_layers(("l0", attention_page(4, block_size=4, order=PageOrder.NHD))), 4, 1, mode=_WRITE),
+    "nhd-page-tp-2-to-1-write",
+    "TP2 to TP1, NHD: both producer ranks write their heads' run into every token row",
+    _scenario(_layers(("l0", attention_page(4, block_size=4, order=PageOrder.NHD))), 2, 1, mode=_WRITE),
 )
 
 # --------------------------------------------------------------------------- PAR-3 coverage of sub-blocks
@@ -218,6 +218,13 @@ _register(
     "mla-latent-tp-4-to-2",
     "MLA, TP4 to TP2: every producer rank holds the latent; one per consumer rank writes it",
     _scenario(_layers(("mla.0", mla_page())), 4, 2, mode=_WRITE),
+)
+
+_register(
+    "PAR-4",
+    "mla-latent-tp-2-to-1-write",
+    "MLA, TP2 to TP1: both producer ranks hold the latent; only the elected one writes it",
+    _scenario(_layers(("mla.0", mla_page())), 2, 1, mode=_WRITE),
 )
 
 # --------------------------------------------------------------------------- PAR-5 layout preconditions
@@ -280,7 +287,7 @@ _register(
 
 _register(
     "PAR-8",
-    "dcp-2",
+    "dcp-2-interleave-1",
     "TP1 to TP1 with DCP2: DCP rank r holds tokens r, r + 2, ... of two producer blocks in one block",
     _scenario(_layers(("l0", attention_page(2, block_size=4))), 1, 1, consumer_dcp=2),
 )
