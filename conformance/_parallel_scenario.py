@@ -342,12 +342,17 @@ def _flip(descriptors: list[Descriptor]) -> list[Descriptor]:
     ]
 
 
+class _Stopped(Exception):
+    """A transfer failed or a wait ran past the scenario's deadline; the message says which."""
+
+
 class _Exchange:
     """Runs the planned copies over the agents and keeps the producer ranks' notification counts (PAR-6)."""
 
     def __init__(self, scenario: ParScenario, ranks: dict[str, _Rank], plans: _Plans) -> None:
         self.scenario, self.ranks, self.plans = scenario, ranks, plans
         self.heard: dict[str, list[str]] = {name: [] for name in ranks if name.startswith("p")}
+        self.sent = dict.fromkeys(self.heard, 0)
         self.freed_after: dict[str, int] = {}
         self.problems: list[str] = []
         self.posted = 0
@@ -369,9 +374,9 @@ class _Exchange:
                 agent.release(handle)  # type: ignore[arg-type]
                 return
             if status.state is TransferState.FAILED:
-                raise TimeoutError(f"{what}: FAILED ({status.reason}, {status.detail})")
+                raise _Stopped(f"{what}: FAILED ({status.reason}, {status.detail})")
             if time.monotonic() > self.deadline:
-                raise TimeoutError(f"{what}: still {status.state.value} after {self.scenario.deadline}s")
+                raise _Stopped(f"{what}: still {status.state.value} after {self.scenario.deadline}s")
             time.sleep(0.0005)
 
     def serve(self, c_name: str) -> None:
@@ -391,6 +396,7 @@ class _Exchange:
                 self._wait(producer, handle, f"WRITE {p_name} -> {c_name}")
         for (_, p_name), _descriptors in pairs:
             consumer.send_notification(self.peers[(c_name, p_name)], _REQUEST)
+            self.sent[p_name] += 1
         self.collect({p_name for (_, p_name), _d in pairs})
 
     def collect(self, producers: set[str]) -> None:
@@ -408,11 +414,12 @@ class _Exchange:
                             f"at notification {self.freed_after[p_name]} (PAR-6)"
                         )
                     self.heard[p_name].append(self.names.get((p_name, note.peer), note.peer))
-                    waiting.discard(p_name)
                 self.maybe_free(p_name)
+                if len(self.heard[p_name]) >= self.sent[p_name]:
+                    waiting.discard(p_name)  # every notification sent to it so far has come
             if waiting and time.monotonic() > self.deadline:
-                raise TimeoutError(
-                    f"producer ranks {sorted(waiting)} heard no notification in {self.scenario.deadline}s"
+                raise _Stopped(
+                    f"producer ranks {sorted(waiting)} still wait for notifications after {self.scenario.deadline}s"
                 )
             if waiting:
                 time.sleep(0.0005)
@@ -466,12 +473,13 @@ def run_par_scenario(scenario: ParScenario, *, backend: Backend) -> ParResult:
             for c in range(scenario.consumer_tp):
                 for d in range(scenario.consumer_dcp):
                     exchange.serve(f"c{c}.{d}")
-        except (KVSpecError, TimeoutError) as exc:
+        except (KVSpecError, _Stopped) as exc:
             problems.append(f"the exchange stopped: {format_error(exc) if isinstance(exc, KVSpecError) else exc}")
         problems += exchange.problems
         problems += _check_counts(scenario, exchange)
         problems += _check_writes(scenario, ranks, plans)
         problems += _check_pages(scenario, ranks, before, consumer_ids)
+        problems += _check_producers(scenario, ranks, before, exchange.freed_after)
         return ParResult(problems=tuple(problems), posted=exchange.posted)
 
 
@@ -546,6 +554,25 @@ def _describe(
             held = labels.get(got[offset : offset + nbytes]) or "bytes of no canonical cell (stale, reused or noise)"
             return f"first wrong: {_cell_name(page, cell)} at byte {offset} ({nbytes} bytes) holds {held}"
     return "bytes outside every cell differ"
+
+
+def _check_producers(
+    scenario: ParScenario, ranks: dict[str, _Rank], before: dict[str, list[bytes]], freed: dict[str, int]
+) -> list[str]:
+    """No producer byte changed, but a freed rank's request blocks, which hold the next request's bytes (PAR-3)."""
+    producer_ids, _, _ = _block_ids(scenario)
+    problems = []
+    for name, rank in ranks.items():
+        if not name.startswith("p"):
+            continue
+        for index, layer in enumerate(rank.layers):
+            want = bytearray(before[name][index])
+            size = rank.page_sizes[index]
+            for block in producer_ids if name in freed else ():
+                want[block * size : (block + 1) * size] = _keyed(size, "reused", name, index, block)
+            if bytes(rank.regions[index].buffer) != want:
+                problems.append(f"{name}: layer {layer.name} changed on the producer side")
+    return problems
 
 
 def _check_pages(
