@@ -14,11 +14,13 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
+import kvspec_conformance._parallel_scenario as _par_scenario
 import pytest
-from kvspec_conformance import ReferenceConnector
+from kvspec_conformance import ReferenceConnector, select_cases
 
 import kvspec.drivers._driver as _driver
 import kvspec.drivers._engine as _engine
+import kvspec.spec.parallel as _parallel
 from kvspec import (
     BlockDigests,
     BlockIds,
@@ -39,6 +41,7 @@ from kvspec.protocol._session import ProducerSession
 from kvspec.reference._messages import BlockOffer, Message
 from kvspec.reference._reference import BlockPairs, check_window_coverage, compute_block_pairs
 from kvspec.spec import get_blocks_per_sw, get_exchange_clipped_blocks
+from kvspec.spec.parallel import CanonicalPage, PageOrder, PageTensor, RankCopy, SubBlock
 from kvspec.spec.state import (
     check_state_position,
     get_state_clipped_slots,
@@ -56,12 +59,14 @@ __all__ = [
     "ENDPOINT_MUTANTS",
     "FAULT_BACKEND_MUTANTS",
     "FAULT_DRIVER_MUTANTS",
+    "PARALLEL_MUTANTS",
     "SCORE",
     "STATE_ENDPOINT_MUTANTS",
     "DriverMutant",
     "EndpointMutant",
     "LogsErrors",
     "MutantBackend",
+    "ParallelMutant",
 ]
 
 
@@ -1133,6 +1138,203 @@ STATE_ENDPOINT_MUTANTS: tuple[type[EndpointMutant], ...] = (
     StateOneTokenLate,
     ResumesAtWrongT,
     MovesStateSlotAfterOffer,
+)
+
+# --------------------------------------------------------------------------- parallel mutants (PAR-*, issue 33)
+# The PAR-* cases plan every rank pair with kvspec.spec.parallel and count notifications with it, so each of these
+# patches one definition (or the suite's layer pairing) the way a connector gets it wrong; the cases' oracle keeps
+# its own arithmetic and must catch every one.
+
+
+def _parallel_cases(*rules: str) -> tuple[str, ...]:
+    return tuple(c.id for c in select_cases(rules=list(rules)))
+
+
+class ParallelMutant:
+    """Patches one parallel mapping for the length of a test; ``caught_by`` are the PAR cases it must fail."""
+
+    breaks = "PAR-1"
+    caught_by: tuple[str, ...] = ()
+
+    @classmethod
+    def patch(cls, monkeypatch: pytest.MonkeyPatch) -> None:
+        raise NotImplementedError
+
+
+class HeadOffsetOneOff(ParallelMutant):
+    """Every rank but the first starts its split units one unit early: a head (or, with replicas, head 0) off by one.
+
+    With 2 KV heads at TP4 ranks 2 and 3 read head 0 like ranks 0 and 1 (SGLang #23746).
+    """
+
+    caught_by = _parallel_cases("PAR-1")
+
+    @classmethod
+    def patch(cls, monkeypatch: pytest.MonkeyPatch) -> None:
+        right = _parallel.get_owned_units
+
+        def off(block: SubBlock, *, tp_size: int, tp_rank: int) -> tuple[int, int]:
+            start, end = right(block, tp_size=tp_size, tp_rank=tp_rank)
+            return (start - 1, end - 1) if start > 0 and not block.replicated else (start, end)
+
+        monkeypatch.setattr(_parallel, "get_owned_units", off)
+
+
+class NhdReadAsHnd(ParallelMutant):
+    """Plans an NHD page (SGLang's) as if it were HND: a rank's heads taken as one run instead of one run per token."""
+
+    breaks = "PAR-2"
+    caught_by = _parallel_cases("PAR-2")
+
+    @classmethod
+    def patch(cls, monkeypatch: pytest.MonkeyPatch) -> None:
+        right = _parallel.compute_rank_copies
+
+        def as_hnd(page: CanonicalPage, **kw: int) -> tuple[RankCopy, ...]:
+            tensors = [attrs.evolve(t, order=PageOrder.HND) if t.order is PageOrder.NHD else t for t in page.tensors]
+            return right(CanonicalPage(tensors=tensors), **kw)
+
+        monkeypatch.setattr(_parallel, "compute_rank_copies", as_hnd)
+
+
+class SubBlocksScaledByTpRatio(ParallelMutant):
+    """Slices a page's split axis as one block by the TP ratio, ignoring its sub-blocks (vLLM #55208).
+
+    With Mamba-2 ``n_groups=1`` from TP1 to TP2, rank 1 reads C as its B and
+    state bytes as its C; a GDN or KDA conv reads K channels as Q.
+    """
+
+    breaks = "PAR-3"
+    caught_by = _parallel_cases("PAR-3")
+
+    @classmethod
+    def patch(cls, monkeypatch: pytest.MonkeyPatch) -> None:
+        right = _parallel.compute_rank_copies
+
+        def scaled(page: CanonicalPage, **kw: int) -> tuple[RankCopy, ...]:
+            def merged(t: PageTensor) -> PageTensor:
+                units = sum(b.extent * b.width for b in t.sub_blocks)
+                return attrs.evolve(t, sub_blocks=[SubBlock(name=t.name, extent=units)])
+
+            return right(CanonicalPage(tensors=[merged(t) for t in page.tensors]), **kw)
+
+        monkeypatch.setattr(_parallel, "compute_rank_copies", scaled)
+
+
+class ReplicasWrittenTwice(ParallelMutant):
+    """Every producer rank holding a replica sends it: a replicated head or latent written by several ranks."""
+
+    breaks = "PAR-4"
+    caught_by = _parallel_cases("PAR-4")
+
+    @classmethod
+    def patch(cls, monkeypatch: pytest.MonkeyPatch) -> None:
+        right = _parallel.compute_rank_copies
+
+        def every_holder(
+            page: CanonicalPage, *, producer_tp: int, consumer_tp: int, consumer_rank: int
+        ) -> tuple[RankCopy, ...]:
+            copies = right(page, producer_tp=producer_tp, consumer_tp=consumer_tp, consumer_rank=consumer_rank)
+            maps = {
+                r: _parallel.get_rank_page_map(page, tp_size=producer_tp, tp_rank=r)
+                for r in _parallel.get_candidate_ranks(
+                    producer_tp=producer_tp, consumer_tp=consumer_tp, consumer_rank=consumer_rank
+                )
+            }
+            extra = [
+                attrs.evolve(c, producer_rank=r)
+                for c in copies
+                for r, runs in maps.items()
+                if r != c.producer_rank and runs == maps[c.producer_rank]
+            ]
+            return (*copies, *extra)
+
+        monkeypatch.setattr(_parallel, "compute_rank_copies", every_holder)
+
+
+class SlicesOpaquePages(ParallelMutant):
+    """Never checks the page layout: an opaque page (interleaved scales) is sliced as if it were HND."""
+
+    breaks = "PAR-5"
+    caught_by = _parallel_cases("PAR-5")
+
+    @classmethod
+    def patch(cls, monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch.setattr(_parallel, "check_page_sliceable", lambda page, **kw: None)
+
+
+class FreesAtFirstNotification(ParallelMutant):
+    """A producer rank frees a request's blocks at the first consumer rank's notification."""
+
+    breaks = "PAR-6"
+    caught_by = ("PAR-6/producer-waits-for-every-consumer-rank",)
+
+    @classmethod
+    def patch(cls, monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch.setattr(_parallel, "get_completion_count", lambda **kw: 1)
+
+
+class CountsOnlyReadRanks(ParallelMutant):
+    """A producer rank counts only the consumer ranks that read from it: with MLA and P > D, the unread ranks
+    expect no notification and free at once, then hear one for a freed request."""
+
+    breaks = "PAR-6"
+    caught_by = ("PAR-6/mla-unread-ranks-notify",)
+
+    @classmethod
+    def patch(cls, monkeypatch: pytest.MonkeyPatch) -> None:
+        right = _parallel.get_completion_count
+
+        def readers(*, producer_tp: int, consumer_tp: int, producer_rank: int, consumer_dcp: int = 1) -> int:
+            ratio = producer_tp // consumer_tp
+            if ratio > 1 and producer_rank % ratio:
+                return 0  # the elected rank is the first of each group: the others think nobody needs them
+            return right(
+                producer_tp=producer_tp, consumer_tp=consumer_tp, producer_rank=producer_rank, consumer_dcp=consumer_dcp
+            )
+
+        monkeypatch.setattr(_parallel, "get_completion_count", readers)
+
+
+class PairsLayersByPosition(ParallelMutant):
+    """Pairs the consumer's i-th layer with the i-th layer of the producer's stages in stage order (vllm-ascend
+    #15900): with the consumer's layers listed by group, attention reads a GDN layer's pages."""
+
+    breaks = "PAR-7"
+    caught_by = _parallel_cases("PAR-7")
+
+    @classmethod
+    def patch(cls, monkeypatch: pytest.MonkeyPatch) -> None:
+        def by_position(
+            producer_stages: Sequence[Sequence[str]], consumer_layers: Sequence[str]
+        ) -> dict[str, tuple[int, int]]:
+            flat = [(s, i) for s, stage in enumerate(producer_stages) for i in range(len(stage))]
+            return dict(zip(consumer_layers, flat, strict=True))
+
+        monkeypatch.setattr(_par_scenario, "pair_layers", by_position)
+
+
+class DcpRanksReadTheSameTokens(ParallelMutant):
+    """Every DCP rank takes the block's first tokens, ignoring its rank and the interleave."""
+
+    breaks = "PAR-8"
+    caught_by = _parallel_cases("PAR-8")
+
+    @classmethod
+    def patch(cls, monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch.setattr(_parallel, "get_dcp_token_position", lambda local_index, **kw: local_index)
+
+
+PARALLEL_MUTANTS: tuple[type[ParallelMutant], ...] = (
+    HeadOffsetOneOff,
+    NhdReadAsHnd,
+    SubBlocksScaledByTpRatio,
+    ReplicasWrittenTwice,
+    SlicesOpaquePages,
+    FreesAtFirstNotification,
+    CountsOnlyReadRanks,
+    PairsLayersByPosition,
+    DcpRanksReadTheSameTokens,
 )
 
 # Mutant name -> whether the suite rejected it, filled by tests/test_conformance_mutants.py; the summary prints it.

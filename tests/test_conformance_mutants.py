@@ -11,11 +11,13 @@ from mutants import (
     ENDPOINT_MUTANTS,
     FAULT_BACKEND_MUTANTS,
     FAULT_DRIVER_MUTANTS,
+    PARALLEL_MUTANTS,
     SCORE,
     STATE_ENDPOINT_MUTANTS,
     DriverMutant,
     EndpointMutant,
     MutantBackend,
+    ParallelMutant,
 )
 
 from kvspec.transport.loopback import LoopbackBackend
@@ -121,6 +123,26 @@ def test_every_state_case_is_proven_by_a_mutant() -> None:
     named = {case_id for m in mutants for case_id in getattr(m, "caught_by", ())}
     assert len(cases) >= 12
     assert sorted(cases - named) == []
+
+
+@pytest.mark.parametrize("mutant", PARALLEL_MUTANTS, ids=lambda m: m.__name__)
+def test_parallel_mutant_fails_its_cases(mutant: type[ParallelMutant], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A wrong rank mapping (planner, count, pairing) fails every PAR case named for it, as a failure with a reason."""
+    mutant.patch(monkeypatch)
+    report = run_suite(LoopbackBackend(), rules=list(mutant.caught_by))
+    SCORE[mutant.__name__] = _rejected(report, mutant.breaks, mutant.caught_by)
+    assert SCORE[mutant.__name__], f"expected {mutant.caught_by} to fail:\n{_failures(report)}"
+    assert all(r.reproducer for r in report.results if r.is_failure)
+
+
+def test_every_parallel_case_is_proven_by_a_mutant_and_passes_unmutated() -> None:
+    """Each PAR-* case is named by a mutant that must fail it (issue 33: 20 or more); loopback passes them all."""
+    cases = {c.id for c in select_cases(rules=["PAR-" + str(i) for i in range(1, 9)])}
+    named = {case_id for m in PARALLEL_MUTANTS for case_id in m.caught_by}
+    assert len(cases) >= 20
+    assert sorted(cases - named) == []
+    report = run_suite("loopback", rules=sorted(cases))
+    assert report.passed, _failures(report)
 
 
 def test_reference_driver_passes_integrity_and_skips_it_when_off() -> None:

@@ -17,7 +17,7 @@ import attrs
 import pytest
 from conftest import require_backend_module
 from kvspec_conformance import BackendSuite, Case, CaseContext, all_cases
-from transport_helpers import LOOPBACK, connect, desc, regions, tcp_sockets, wait
+from transport_helpers import LOOPBACK, connect, default_run_rules, desc, regions, tcp_sockets, wait
 
 from kvspec import ConfigError, PlanError, TransferMode, TransportError
 from kvspec.core._models import FailureReason
@@ -579,6 +579,7 @@ class TestConformance(BackendSuite):
     """Every case against NIXL over UCX's default transports (CMA); skips only for capabilities it does not claim."""
 
     backend_factory = staticmethod(NixlBackend)
+    rules = default_run_rules()  # the PAR cases with many ranks (one process each) with --run-slow
 
     @pytest.fixture(scope="class", autouse=True)
     @classmethod

@@ -24,7 +24,16 @@ import pytest
 from conftest import require_backend_module
 from kvspec_conformance import BackendSuite, Case, CaseContext
 from torch_worker_probes import store_refusals
-from transport_helpers import LOOPBACK, connect, desc, listening_ports, regions, tcp_sockets, wait
+from transport_helpers import (
+    LOOPBACK,
+    connect,
+    default_run_rules,
+    desc,
+    listening_ports,
+    regions,
+    tcp_sockets,
+    wait,
+)
 
 from kvspec import ConfigError, PlanError, TransferMode, TransportError
 from kvspec.core._models import FailureReason
@@ -733,6 +742,7 @@ class TestConformance(BackendSuite):
     """Every conformance case against the torch backend; a case skips only for a capability it lacks (integrity)."""
 
     backend_factory = staticmethod(_make_backend)
+    rules = default_run_rules()  # the PAR cases with many ranks (one process each) with --run-slow
     allowed_skips: ClassVar[set[str]] = {"INT-1/corruption-with-integrity", "INT-1/transport-integrity"}
 
     @pytest.fixture(scope="class", autouse=True)

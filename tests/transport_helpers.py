@@ -11,7 +11,24 @@ import pytest
 
 from kvspec.transport import Descriptor, MemoryRegion, TransferHandle, TransferState, TransferStatus, Transport
 
-__all__ = ["LOOPBACK", "connect", "desc", "listening_ports", "regions", "tcp_sockets", "wait"]
+__all__ = ["LOOPBACK", "connect", "default_run_rules", "desc", "listening_ports", "regions", "tcp_sockets", "wait"]
+
+
+def default_run_rules(max_ranks: int = 3) -> tuple[str, ...] | None:
+    """What a cross-process backend's TestConformance runs by default: every case, but of the PAR cases only those
+    with at most ``max_ranks`` agents; every case with --run-slow (KVSPEC_RUN_SLOW).
+
+    Each agent of such a backend is a process of its own: a case with twelve ranks starts about ten more (a minute
+    or more of CPU here), while three ranks reuse the backend's idle workers.
+    """
+    if os.environ.get("KVSPEC_RUN_SLOW"):
+        return None
+    from kvspec_conformance import all_cases
+    from kvspec_conformance.cases.parallel import SCENARIOS
+
+    many = {case_id for case_id, scenario in SCENARIOS.items() if scenario.num_ranks > max_ranks}
+    return tuple(c.id for c in all_cases() if c.id not in many)
+
 
 # 127.0.0.1 as /proc/net/tcp writes a local address (little-endian hex).
 LOOPBACK = "0100007F"

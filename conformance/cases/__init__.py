@@ -1,5 +1,17 @@
 """The conformance cases; importing this package registers every case."""
 
-from . import data, exchange, handshake, lifecycle, offload, peer, positions, stale, state, transport
+from . import data, exchange, handshake, lifecycle, offload, parallel, peer, positions, stale, state, transport
 
-__all__ = ["data", "exchange", "handshake", "lifecycle", "offload", "peer", "positions", "stale", "state", "transport"]
+__all__ = [
+    "data",
+    "exchange",
+    "handshake",
+    "lifecycle",
+    "offload",
+    "parallel",
+    "peer",
+    "positions",
+    "stale",
+    "state",
+    "transport",
+]

@@ -267,9 +267,8 @@ RULES += (
 )
 
 # Many ranks, one canonical page (docs/spec/parallelism.md). Definitions in kvspec/spec/parallel.py; the planner
-# and `kvspec plan --producer-tp/--consumer-tp` use them. The handshake still refuses different TP (HS-1): no
-# backend exchanges across ranks yet, so the reference's tests check the rules until the PAR-* suite cases land.
-_PARALLEL_TESTS = "tests/test_parallel.py"
+# and `kvspec plan --producer-tp/--consumer-tp` use them. The PAR-* suite cases (conformance/cases/parallel.py)
+# run one agent per rank over the backend under test; tests/test_parallel.py checks the definitions themselves.
 
 RULES += (
     Rule(
@@ -278,7 +277,6 @@ RULES += (
         level=Level.MUST,
         summary="Per sub-block of E units over T ranks: replicated, all; T divides E, [r*E/T, (r+1)*E/T); E divides "
         "T, unit r*E/T; otherwise ParallelismError naming the sub-block's extent.",
-        checked_by=_PARALLEL_TESTS,
     ),
     Rule(
         id="PAR-2",
@@ -286,7 +284,6 @@ RULES += (
         level=Level.MUST,
         summary="The canonical page holds one block of one layer at TP 1; a rank's page holds the same tensors and "
         "sub-blocks in order with its own units, one run per sub-block (hnd) or per row (nhd).",
-        checked_by=_PARALLEL_TESTS,
     ),
     Rule(
         id="PAR-3",
@@ -294,7 +291,6 @@ RULES += (
         level=Level.MUST,
         summary="Each copy reads the very canonical bytes it writes; the copies into a consumer rank tile its "
         "tensors with no gap, no overlap and no byte from padding or another tensor.",
-        checked_by=_PARALLEL_TESTS,
     ),
     Rule(
         id="PAR-4",
@@ -302,7 +298,6 @@ RULES += (
         level=Level.MUST,
         summary="One TP size divides the other; consumer rank c faces producer ranks c*P/D .. (P >= D) or c*P/D; "
         "each unit comes from the first of them that holds it.",
-        checked_by=_PARALLEL_TESTS,
     ),
     Rule(
         id="PAR-5",
@@ -310,7 +305,6 @@ RULES += (
         level=Level.MUST,
         summary="An opaque tensor moves whole only when source and destination ranks own the same units; otherwise "
         "ParallelismError naming the tensor's order, before any byte moves.",
-        checked_by=_PARALLEL_TESTS,
     ),
     Rule(
         id="PAR-6",
@@ -318,7 +312,6 @@ RULES += (
         level=Level.MUST,
         summary="Each consumer rank notifies every producer rank it faces, read or not; a producer rank frees after "
         "exactly max(1, D/P) notifications, times the consumer's DCP size.",
-        checked_by=_PARALLEL_TESTS,
     ),
     Rule(
         id="PAR-7",
@@ -326,14 +319,12 @@ RULES += (
         level=Level.MUST,
         summary="Each layer is held by one producer stage; a consumer layer no stage holds, or one held twice, is "
         "refused by name; never paired by position.",
-        checked_by=_PARALLEL_TESTS,
     ),
     Rule(
         id="PAR-8",
         title="DCP token interleaving",
         level=Level.MUST,
         summary="Local token i of DCP rank r of S, interleave I, is canonical token (i // I * S + r) * I + i % I.",
-        checked_by=_PARALLEL_TESTS,
     ),
 )
 
