@@ -83,6 +83,7 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
             {
                 "kvspec.transport",
                 "kvspec.transport._base",
+                "kvspec.transport.backend_logs",
                 "kvspec.transport._registry",
                 "kvspec.transport._nixl_worker",
                 "kvspec.transport._torch_worker",
