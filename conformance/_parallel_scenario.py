@@ -37,8 +37,7 @@ import attrs
 import kvspec.spec.parallel as par
 from kvspec import KVSpecError, TransferMode, format_error
 from kvspec.spec.parallel import CanonicalPage, PageOrder
-from kvspec.transport import Backend, Descriptor, MemoryRegion, Transport
-from kvspec.transport._base import TransferState
+from kvspec.transport import Backend, Descriptor, MemoryRegion, TransferState, Transport
 
 __all__ = ["ParLayer", "ParResult", "ParScenario", "pair_layers", "run_par_scenario"]
 
