@@ -215,6 +215,7 @@ class NeverNotifies(MutantBackend):
 
     agent_class = _SilentAgent
     breaks = "REL-1"
+    caught_by = ("REL-1/one-release-per-request",)
 
 
 class _WrongLayerAgent(_Agent):

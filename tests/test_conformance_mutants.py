@@ -36,8 +36,12 @@ def _rejected(report: Report, rule: str, caught_by: tuple[str, ...]) -> bool:
 @pytest.mark.parametrize("mutant", BACKEND_MUTANTS, ids=lambda m: m.__name__)
 def test_backend_mutant_fails_its_rule(mutant: type[MutantBackend]) -> None:
     backend = mutant()
+    # Where the mutant names the cases that catch it, and they are its rule's, those cases alone: a backend that
+    # never notifies waits out every deadline of every case of the rule (23 s for REL-1's four).
+    own = bool(mutant.caught_by) and all(case.startswith(f"{mutant.breaks}/") for case in mutant.caught_by)
     try:
-        report = run_suite(backend, rules=[mutant.breaks, *mutant.caught_by], max_examples=5)
+        rules = list(mutant.caught_by) if own else [mutant.breaks, *mutant.caught_by]
+        report = run_suite(backend, rules=rules, max_examples=5)
     finally:
         backend.close()
     SCORE[mutant.__name__] = _rejected(report, mutant.breaks, mutant.caught_by)
