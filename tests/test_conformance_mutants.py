@@ -170,8 +170,5 @@ def test_backend_mutants_pass_unrelated_pure_rules(mutant: type[MutantBackend]) 
     assert report.passed, _failures(report)
 
 
-def test_reference_connector_and_loopback_pass_the_mutated_rules() -> None:
-    rules = sorted({m.breaks for m in BACKEND_MUTANTS} | {m.breaks for m in CONNECTOR_MUTANTS})  # type: ignore[attr-defined]
-    report = run_suite("loopback", rules=rules, max_examples=5)
-    assert report.passed, _failures(report)
-    assert not report.failed_rules()
+# The control (the unmutated reference connector on loopback passes every rule these mutants break) is the whole
+# loopback suite: tests/test_conformance_cli.py::test_loopback_passes_every_case_within_budget.

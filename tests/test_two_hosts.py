@@ -196,9 +196,9 @@ def _require(backend: str, require_module: Callable[..., ModuleType]) -> None:
 # One line per backend: every one runs the whole suite with no --option on either side.
 BACKENDS = [
     pytest.param("nixl", id="nixl"),  # UCX over TCP on the veth pair (net_devices from the route)
-    pytest.param(
-        "torch", id="torch"
-    ),  # gloo and control sockets on each namespace's address, rendezvous on the control sockets
+    # gloo and control sockets on each namespace's address, rendezvous on the control sockets. With --run-slow:
+    # its pairings across the namespaces cost 35-60 s, and test_off_loopback.py pairs torch across them by default.
+    pytest.param("torch", id="torch", marks=pytest.mark.slow),
     pytest.param("mooncake", id="mooncake"),  # the Transfer Engine over TCP, each engine named by its address
 ]
 
