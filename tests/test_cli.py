@@ -325,6 +325,12 @@ def test_a_closed_pipe_ends_quietly() -> None:
     assert proc.returncode == 141  # as a command SIGPIPE killed
 
 
+def _default_sigint() -> None:
+    # A test run started in the background of a shell without job control inherits SIGINT ignored, and Python
+    # then installs no KeyboardInterrupt handler: give the child the terminal's default, as a user's shell does.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_is_one_line() -> None:
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvspec", "vectors", "answer", "--jsonl"],
@@ -332,6 +338,7 @@ def test_ctrl_c_is_one_line() -> None:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=_default_sigint,
     )
     assert proc.stdin is not None
     assert proc.stdout is not None
