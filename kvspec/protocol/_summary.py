@@ -462,23 +462,29 @@ def summarize_parallel_plan(
             )
             tokens = any(tensor.token_rows for tensor in page.tensors)
             consumer_pages = -(-summary.blocks_clipped // consumer_dcp) if tokens else summary.blocks_clipped
+            if not consumer_pages:
+                continue
+            by_source: dict[int, list[RankCopy]] = {}
+            for copy in copies:
+                by_source.setdefault(copy.producer_rank, []).append(copy)
             for stage in range(producer_pp):
                 layers = sum(stage_of[name] == stage for name in group.layer_names)
-                for producer_rank in sorted({copy.producer_rank for copy in copies}):
-                    if layers and consumer_pages:
-                        reads.append(
-                            RankRead(
-                                group_index=summary.group_index,
-                                kind=summary.kind,
-                                producer_stage=stage,
-                                producer_rank=producer_rank,
-                                consumer_rank=consumer_rank,
-                                consumer_dcp_rank=dcp_rank,
-                                num_layers=layers,
-                                pages=consumer_pages,
-                                copies=[copy for copy in copies if copy.producer_rank == producer_rank],
-                            )
-                        )
+                if not layers:
+                    continue
+                reads += [
+                    RankRead(
+                        group_index=summary.group_index,
+                        kind=summary.kind,
+                        producer_stage=stage,
+                        producer_rank=producer_rank,
+                        consumer_rank=consumer_rank,
+                        consumer_dcp_rank=dcp_rank,
+                        num_layers=layers,
+                        pages=consumer_pages,
+                        copies=by_source[producer_rank],
+                    )
+                    for producer_rank in sorted(by_source)
+                ]
     return ParallelPlanSummary(
         producer_tp=producer_tp,
         consumer_tp=consumer_tp,
