@@ -329,16 +329,13 @@ def spec_source_snippets() -> dict[str, str]:
 
     Spec pages include the normative code through these markers, never a copy (docs/explanation/layers.md).
     """
-    snippets = {}
-    for path in sorted(SPEC_PACKAGE.glob("*.py")):
-        lines = path.read_text(encoding="utf-8").splitlines()
-        for node in ast.parse("\n".join(lines)).body:
-            if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.end_lineno is not None:
-                first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
-                source = "\n".join(lines[first - 1 : node.end_lineno])
-                where = f"# kvspec/spec/{path.name}\n"
-                snippets[f"spec:{path.stem}.{node.name}"] = _fence("python", where + source)
-    return snippets
+    _import_generators()  # docs/_gen on sys.path
+    import spec_pages
+
+    return {
+        f"spec:{name}": _fence("python", f"# kvspec/spec/{name.split('.')[0]}.py\n{source}")
+        for name, source in spec_pages.definition_sources(SPEC_PACKAGE).items()
+    }
 
 
 def _pin_cell(value: object) -> str:
@@ -842,6 +839,12 @@ def on_files(files: Files, config: Any) -> Files:
     rules, cases = load_catalogue()
     by_rule = check_catalogue(rules, cases)
     check_spec_headings(spec_pages, by_rule)
+    # A definition of kvspec/spec on no page, on two, or under another rule's heading stops the build here.
+    _import_generators()
+    import spec_pages as literate
+
+    if problems := literate.check_spec_pages(spec_pages, literate.find_definitions(SPEC_PACKAGE)):
+        raise CatalogueError("spec pages and kvspec/spec part ways:\n" + "\n".join(problems))
     _STATE["by_rule"] = by_rule
     _add(files, config, CATALOGUE, render_catalogue(rules, by_rule, find_rule_sections(spec_pages)))
 

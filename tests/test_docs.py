@@ -337,3 +337,113 @@ def test_catalogue_lets_a_rule_wait_only_when_it_names_its_tests() -> None:
     assert by_rule["OFF-1"] == []
     with pytest.raises(hooks.CatalogueError, match="rule OFF-2 has no conformance case"):
         hooks.check_catalogue([_Rule(id="CLIP-1"), _WaitingRule(id="OFF-2", checked_by=None)], cases)
+
+
+# --------------------------------------------------------------------------- the spec pages render kvspec/spec
+
+
+def _load_spec_pages() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("kvspec_docs_spec_pages", DOCS / "_gen" / "spec_pages.py")
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_RULE_MODULE = '''"""Window budgets: SW-1, CLIP-1."""
+
+BUDGET = 3
+"""The budget (SW-1)."""
+
+
+def _helper() -> None:
+    pass
+
+
+def get_budget() -> int:
+    """The budget (SW-1)."""
+    return BUDGET
+
+
+def clip() -> None:
+    """Clip (CLIP-1)."""
+
+
+def check_count() -> None:
+    """A count, checked."""
+'''
+
+_RULE_PAGE = """# Window
+
+## SW-1 Budgets
+
+<!-- kvspec:spec:window.BUDGET -->
+
+<!-- kvspec:spec:window._helper -->
+
+<!-- kvspec:spec:window.get_budget -->
+
+### Boundaries
+
+<!-- kvspec:spec:window.check_count -->
+
+## CLIP-1 Clipping
+
+<!-- kvspec:spec:window.clip -->
+"""
+
+
+def test_spec_pages_fail_on_a_definition_missing_misplaced_or_twice(tmp_path: Path) -> None:
+    literate = _load_spec_pages()
+    (tmp_path / "window.py").write_text(_RULE_MODULE, encoding="utf-8")
+    (tmp_path / "pins.py").write_text('"""Pinned rows (SW-1)."""\n\nPINS = ()\n', encoding="utf-8")
+    definitions = literate.find_definitions(tmp_path)
+    assert [(d.name, sorted(d.rules)) for d in definitions] == [
+        ("BUDGET", ["SW-1"]),
+        ("get_budget", ["SW-1"]),
+        ("clip", ["CLIP-1"]),
+        ("check_count", ["CLIP-1", "SW-1"]),  # names no rule: its module's
+    ]
+    assert literate.check_spec_pages({"spec/window.md": _RULE_PAGE}, definitions) == []
+
+    missing = _RULE_PAGE.replace("<!-- kvspec:spec:window.get_budget -->", "")
+    assert literate.check_spec_pages({"spec/window.md": missing}, definitions) == [
+        "kvspec.spec.window.get_budget is on no spec page: "
+        "put <!-- kvspec:spec:window.get_budget --> under its rule's heading (SW-1)"
+    ]
+    twice = {"spec/window.md": _RULE_PAGE, "spec/example.md": "## SW-1 again\n\n<!-- kvspec:spec:window.get_budget -->\n"}
+    assert literate.check_spec_pages(twice, definitions) == [
+        "kvspec.spec.window.get_budget is rendered 2 times (spec/example.md:3, spec/window.md:9); expected exactly once"
+    ]
+    moved = _RULE_PAGE.replace("<!-- kvspec:spec:window.clip -->", "").replace(
+        "### Boundaries", "<!-- kvspec:spec:window.clip -->\n\n### Boundaries"
+    )
+    assert literate.check_spec_pages({"spec/window.md": moved}, definitions) == [
+        "spec/window.md:11: kvspec.spec.window.clip sits under the SW-1 heading; its docstring names CLIP-1"
+    ]
+    outside = "## Words\n\n<!-- kvspec:spec:window.clip -->\n" + _RULE_PAGE.replace("<!-- kvspec:spec:window.clip -->", "")
+    assert literate.check_spec_pages({"spec/window.md": outside}, definitions) == [
+        "spec/window.md:3: kvspec.spec.window.clip sits under no rule heading; its docstring names CLIP-1"
+    ]
+
+
+def test_spec_pages_fail_on_a_private_module_and_over_budget() -> None:
+    literate = _load_spec_pages()
+    page = "# P\n\nSee `kvspec.protocol._session` and kvspec/drivers/_driver.py; kvspec.spec is public.\n"
+    assert literate.check_spec_pages({"spec/p.md": page}, []) == [
+        "spec/p.md:3: names the private module kvspec.protocol._session; name the public definition instead",
+        "spec/p.md:3: names the private module kvspec/drivers/_driver.py; name the public definition instead",
+    ]
+    pages = {"spec/a.md": "x" * literate.SPEC_BUDGET, "spec/b.md": "é"}
+    assert literate.check_spec_pages(pages, []) == [
+        "docs/spec/*.md: 90,002 characters of markdown source, over the budget of 90,000"
+    ]
+
+
+def test_spec_pages_of_this_checkout_render_kvspec_spec() -> None:
+    literate = _load_spec_pages()
+    pages = {f"spec/{path.name}": path.read_text(encoding="utf-8") for path in (DOCS / "spec").glob("*.md")}
+    definitions = literate.find_definitions(ROOT / "kvspec" / "spec")
+    assert "compute_transfer_pairs" in {d.name for d in definitions}
+    assert literate.check_spec_pages(pages, definitions) == []
