@@ -52,10 +52,10 @@ def default_time_scale(backend: Backend) -> float:
     for an in-process backend; a backend whose agents run in other processes
     (``Capabilities.cross_process``) pays a pipe or socket round trip per call,
     so its deadlines, leases, drain bounds and quiet periods are doubled
-    (decision 68). One whose producer lives on another host
+    (decision 68 in decisions-testing.md). One whose producer lives on another host
     (``Capabilities.remote_pools``, ``kvspec conform --peer``) also pays the
     network and the agent server's relay on every call, so they are doubled
-    again (decision 97). ``--time-scale`` overrides it.
+    again (decision 97 in decisions-hosts.md). ``--time-scale`` overrides it.
     """
     if backend.capabilities.remote_pools:
         return 4.0

@@ -150,7 +150,7 @@ class OffloadScenario:
     flight is evicted. Every complete chunk whose last block is real must be
     offered by some store; for window groups only with
     ``require_window_stores`` (a window chunk left out costs later hits, never
-    data: decisions 56 and 53).
+    data: decisions 56 and 53 in decisions-offload.md).
     """
 
     config: ConfigSource

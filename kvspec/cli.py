@@ -691,7 +691,7 @@ def _run_plan(args: argparse.Namespace, out: TextIO) -> int:
     sizing = _with_state_cache_mode(
         preset.build_config(num_blocks=2, block_size=args.block_size, layout=args.layout), args.state_cache_mode
     )
-    # The whole config is admitted, state groups included (ADM-1; decision 167).
+    # The whole config is admitted, state groups included (ADM-1; decision 167 in decisions-offload.md).
     check_hybrid_support(sizing, mode=mode)
     if (args.producer_tp, args.consumer_tp, args.producer_pp, args.consumer_dcp) != (None,) * 4:
         return _run_parallel_plan(args, preset, mode, out)

@@ -91,7 +91,10 @@ def test_plan_of_a_state_only_model_and_a_full_hit() -> None:
 
 @pytest.mark.parametrize("mode", ["read", "write"])
 def test_plan_admits_the_whole_config_state_groups_included(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """ADM-1 takes the whole config, state groups and all, as the exchange does (decision 167)."""
+    """ADM-1 takes the whole config, state groups and all, as the exchange does.
+
+    Decision 167 in decisions-offload.md.
+    """
     seen: list[tuple[str, ...]] = []
     admit = kvspec.check_hybrid_support
 

@@ -32,7 +32,8 @@ def _failures(report: Report) -> str:
     return "\n\n".join(f"{r.case_id}: {r.message}\n{r.reproducer}" for r in report.results if r.is_failure)
 
 
-# By name through run_suite, as `kvspec conform torch` does. Behind --run-slow (decision 148): every SMOKE case
+# By name through run_suite, as `kvspec conform torch` does. Behind --run-slow (decision 148 in decisions-testing.md):
+# every SMOKE case
 # runs in the default run on the same backends, tests/test_torch_backend.py and tests/test_nixl_backend.py
 # TestConformance (every case); this copy would start two more workers with torch (~10 s of CPU) and NIXL.
 @pytest.mark.slow

@@ -87,7 +87,8 @@ def test_rule_and_level_selection_and_listing() -> None:
     assert "cannot load backend" in missing.stderr
 
 
-# Behind --run-slow (decision 148): tests/test_packaging.py::test_wheel_installs_in_a_fresh_venv builds the wheel,
+# Behind --run-slow (decision 148 in decisions-testing.md):
+# tests/test_packaging.py::test_wheel_installs_in_a_fresh_venv builds the wheel,
 # installs it where the checkout is not seen, checks kvspec and kvspec_conformance import from there and runs
 # `kvspec conform loopback` from it, in the default run; this second wheel build checks the same.
 @pytest.mark.slow

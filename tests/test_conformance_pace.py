@@ -273,7 +273,8 @@ def test_a_backend_paced_by_the_caller_is_named_in_the_report() -> None:
 
 
 def test_a_backend_slower_than_the_deadline_passes_the_random_faults_case() -> None:
-    """Every transfer 0.2 s, past the case's 0.15 s deadline: READs end ``timeout``, which FAIL-1 allows (decision 80).
+    """Every transfer 0.2 s, past the case's 0.15 s deadline: READs end ``timeout``, which FAIL-1 allows (decision 80
+    in decisions-testing.md).
 
     Before, the case accepted only post_failed and partial_transfer in READ mode and failed this correct backend.
     """

@@ -412,7 +412,10 @@ def test_spec_pages_fail_on_a_definition_missing_misplaced_or_twice(tmp_path: Pa
         "kvspec.spec.window.get_budget is on no spec page: "
         "put <!-- kvspec:spec:window.get_budget --> under its rule's heading (SW-1)"
     ]
-    twice = {"spec/window.md": _RULE_PAGE, "spec/example.md": "## SW-1 again\n\n<!-- kvspec:spec:window.get_budget -->\n"}
+    twice = {
+        "spec/window.md": _RULE_PAGE,
+        "spec/example.md": "## SW-1 again\n\n<!-- kvspec:spec:window.get_budget -->\n",
+    }
     assert literate.check_spec_pages(twice, definitions) == [
         "kvspec.spec.window.get_budget is rendered 2 times (spec/example.md:3, spec/window.md:9); expected exactly once"
     ]
@@ -422,7 +425,9 @@ def test_spec_pages_fail_on_a_definition_missing_misplaced_or_twice(tmp_path: Pa
     assert literate.check_spec_pages({"spec/window.md": moved}, definitions) == [
         "spec/window.md:11: kvspec.spec.window.clip sits under the SW-1 heading; its docstring names CLIP-1"
     ]
-    outside = "## Words\n\n<!-- kvspec:spec:window.clip -->\n" + _RULE_PAGE.replace("<!-- kvspec:spec:window.clip -->", "")
+    outside = "## Words\n\n<!-- kvspec:spec:window.clip -->\n" + _RULE_PAGE.replace(
+        "<!-- kvspec:spec:window.clip -->", ""
+    )
     assert literate.check_spec_pages({"spec/window.md": outside}, definitions) == [
         "spec/window.md:3: kvspec.spec.window.clip sits under no rule heading; its docstring names CLIP-1"
     ]

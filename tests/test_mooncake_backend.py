@@ -278,7 +278,8 @@ class TestConformance(BackendSuite):
     """Every case against the Transfer Engine over TCP; skips only for capabilities it does not claim."""
 
     backend_factory = staticmethod(MooncakeBackend)
-    # Each Mooncake agent is a process of its own (decision 92), so the whole suite takes about 130 s here. By
+    # Each Mooncake agent is a process of its own (decision 92 in decisions-hosts.md), so the whole suite takes about
+    # 130 s here. By
     # default: the rules a transport decides (completion, faults, both state machines, release); every case,
     # the generated ones at 5 examples, with --run-slow; `kvspec conform mooncake` runs them all at 15.
     rules = (

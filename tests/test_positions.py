@@ -76,7 +76,7 @@ def _trims_to_fit(
 ) -> BlockPairs:
     """Mutant: 'models' the recomputed token by trimming a list that is too long to the length that fits.
 
-    docs/spec/decisions.md (recomputed tokens, entry 25) rejects exactly this: it accepts a list really built for
+    Decision 42 (in docs/explanation/decisions-rules.md) rejects exactly this: it accepts a list really built for
     more tokens.
     """
     basis = num_tokens + recomputed_tokens

@@ -6,7 +6,7 @@
   its CLI finds the suite through the ``kvspec.suite`` entry point.
 * Every error class kvspec raises is defined in kvspec/core/_errors.py.
 * The engine steps are written once: only the engine roles (kvspec/drivers/_engine.py) create exchange
-  sessions; the endpoints and the suite's scenarios play through them (decision 181).
+  sessions; the endpoints and the suite's scenarios play through them (decision 181 in decisions-protocol.md).
 
 Each check is shown to catch the code it forbids (the sources of before the change).
 """

@@ -90,7 +90,10 @@ def test_what_sglang_cannot_represent_is_refused(shapes: Any, said: str) -> None
 
 @pytest.mark.parametrize("name", ["qwen3-next-80b", "kimi-linear-48b", "hymba-1.5b", "mamba-130m"])
 def test_state_presets_are_one_mamba_pool(name: str) -> None:
-    """Every state layer of a preset lands in SGLang's one Mamba pool, whatever its page size (decision 180)."""
+    """Every state layer of a preset lands in SGLang's one Mamba pool, whatever its page size.
+
+    Decision 180 in decisions-engines.md.
+    """
     from kvspec.presets import get_preset
 
     config = get_preset(name).build_config(num_blocks=16)

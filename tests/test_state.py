@@ -282,7 +282,8 @@ def test_endpoints_move_the_state_slot_byte_exactly(config: KVCacheConfig, mode:
         assert wrong.consumer.failure is not None
         assert "t=11" in wrong.consumer.failure.detail
         assert wrong.consumer.num_bytes == 0
-        # The session held its suffix when the check refused it; its one release gave the blocks back (decision 182).
+        # The session held its suffix when the check refused it; its one release gave the blocks back (decision 182 in
+        # decisions-protocol.md).
         assert len(wrong.consumer.consumer_block_ids)
         assert wrong.consumer.release is not None
         assert consumer.allocator.num_free == free_before

@@ -199,7 +199,8 @@ def test_short_names_run_the_suite(vllm: Any, capsys: pytest.CaptureFixture[str]
     report = run_suite("loopback", rules=["CLIP-1", "SW-1"], connector=make_connector("nixl"), max_examples=3)
     assert report.counts()["error"] == 0
     assert all(r.outcome is Outcome.PASSED for r in report.results), report.render()
-    # The command line in this process, where vLLM is imported already (decision 147): a process of its own
+    # The command line in this process, where vLLM is imported already (decision 147 in decisions-testing.md): a
+    # process of its own
     # imports it again (~20 s); the bad name below runs in one and fails before vLLM is needed.
     status = main(["conform", "loopback", "--connector", "vllm:nixl", "--rule", "SW-1", "-q"])
     out = capsys.readouterr()
@@ -252,7 +253,8 @@ def test_every_failing_case_is_a_documented_expected_failure(
 ) -> None:
     """The whole suite against vLLM's connector: no error, and every failure is one the findings page explains."""
     listed = ROOT / "kvspec" / "integrations" / "expected" / f"vllm-{name}.txt"
-    # The command line in this process, where vLLM is imported already (decision 147): a process of its own would
+    # The command line in this process, where vLLM is imported already (decision 147 in decisions-testing.md): a
+    # process of its own would
     # import it again (~15 s). test_short_names_run_the_suite runs `kvspec conform --connector vllm:...` in one.
     status = main(["conform", "loopback", "--connector", f"vllm:{name}", "-q", "--expect-fail-file", str(listed)])
     out = capsys.readouterr()

@@ -318,7 +318,7 @@ def test_audit_catches_a_planted_hit_mutant(vllm: Any) -> None:
 
 
 def test_cli_offload_audit_runs(vllm: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    # The command line in this process, where vLLM is imported already (decision 147).
+    # The command line in this process, where vLLM is imported already (decision 147 in decisions-testing.md).
     from kvspec.cli import main
 
     status = main(["vllm-audit", "--offload", "--requests", "3", "--json", str(tmp_path / "a.json")])
@@ -335,7 +335,7 @@ def test_conform_with_vllm_offloading_has_no_error_and_only_listed_failures(
     from kvspec.cli import main
 
     listed = ROOT / "kvspec" / "integrations" / "expected" / "vllm-offloading.txt"
-    # In this process, where vLLM is imported already (decision 147).
+    # In this process, where vLLM is imported already (decision 147 in decisions-testing.md).
     status = main(["conform", "loopback", "--connector", "vllm:offloading", "-q", "--expect-fail-file", str(listed)])
     out = capsys.readouterr()
     assert status == 0, out.out[-4000:] + out.err[-2000:]
@@ -393,7 +393,7 @@ def test_extra_retained_tokens_is_a_window_of_w_plus_e_56709(vllm: Any, window: 
 
     vLLM's spec ``SlidingWindowSpec(sliding_window=W, extra_retained_tokens=E)``
     under the adapter, kvspec's reference on ``sw(W + E)``: every hit and
-    every load set agree (decision 118). The reference on ``sw(W)`` (E
+    every load set agree (decision 118 in decisions-offload.md). The reference on ``sw(W)`` (E
     ignored) would report a longer hit somewhere: it verifies fewer window
     chunks than vLLM's allocation then restores (#56701's "Chunk not found").
     """
@@ -458,7 +458,8 @@ def test_extra_retained_tokens_is_a_window_of_w_plus_e_56709(vllm: Any, window: 
 
 def test_max_load_tokens_caps_a_hit_on_the_chunk_grid(vllm: Any) -> None:
     """``max_load_tokens`` (a request's kv_transfer_params): vLLM's hit is at most the cap, rounded down to a chunk,
-    and never past the rule: every position the token at the hit's end reads is present (OFF-5, decision 119)."""
+    and never past the rule: every position the token at the hit's end reads is present (OFF-5, decision 119 in
+    decisions-offload.md)."""
     import random
 
     from kvspec.integrations import vllm as adapters
@@ -506,7 +507,8 @@ def test_max_load_tokens_caps_a_hit_on_the_chunk_grid(vllm: Any) -> None:
 
 def test_a_sync_load_is_the_same_load_set(vllm: Any) -> None:
     """``sync_load_budget_bytes``: a hit that fits loads inside the step (no async wait); vLLM then finds the load start
-    by position among blocks hashed at allocation. The load set is the reference's all the same (OFF-6, decision 120).
+    by position among blocks hashed at allocation. The load set is the reference's all the same (OFF-6, decision 120 in
+    decisions-offload.md).
     """
     from kvspec.integrations import vllm as adapters
 

@@ -1,4 +1,7 @@
-"""How tests/conftest.py splits the run over pytest-xdist workers (decision 69): what must share a worker does."""
+"""How tests/conftest.py splits the run over pytest-xdist workers: what must share a worker does.
+
+Decision 94 in decisions-testing.md.
+"""
 
 from __future__ import annotations
 

@@ -35,7 +35,8 @@ _R = FailureReason
 # allow the consumer to report (FAIL-1, "Which reason"): a timeout only in WRITE mode, where C hears of a
 # failure from P's message alone and that message may be dropped; and in READ mode a read still PENDING at C's
 # short deadline (a slow backend, a busy machine) ends there too, as under the scenarios' random faults
-# (decision 80). Without faults every request but the aborted one must load, under a load's generous deadline.
+# (decision 80 in decisions-testing.md). Without faults every request but the aborted one must load, under a load's
+# generous deadline.
 _ACCEPTED: dict[TransferMode, frozenset[FailureReason]] = {
     TransferMode.READ: frozenset({_R.POST_FAILED, _R.PARTIAL_TRANSFER, _R.ABORTED, _R.TIMEOUT, _R.LEASE_EXPIRED}),
     TransferMode.WRITE: frozenset({_R.POST_FAILED, _R.PARTIAL_TRANSFER, _R.ABORTED, _R.TIMEOUT, _R.LEASE_EXPIRED}),

@@ -16,7 +16,7 @@ __all__: list[str] = []
 
 CONFIG = make_config(full(4), sw(8, 4), num_blocks=96)
 # Fault cases use short deadlines so that a lost message costs little time: sized for an in-process backend, doubled
-# by default for agents in other processes, stretched further by --time-scale (decision 68).
+# by default for agents in other processes, stretched further by --time-scale (decision 68 in decisions-testing.md).
 DEADLINE, LEASE = 0.15, 0.2
 # How long a scenario that reuses blocks keeps watching the pools after its last request (DONE-1, SM-2).
 SETTLE = 0.6
@@ -27,7 +27,7 @@ _R = FailureReason
 # "Which reason"). A timeout is accepted only where the consumer cannot know better: in WRITE mode it learns
 # of P's failure from P's message alone, and a lost peer or a dropped message leaves it only its deadline; and
 # under random faults in either mode a read or write still PENDING at C's deadline (a slow backend, a loaded
-# machine) ends there: the deadline bounds a slow transfer too (decision 80).
+# machine) ends there: the deadline bounds a slow transfer too (decision 80 in decisions-testing.md).
 EXACT: dict[str, dict[str, frozenset[FailureReason]]] = {
     "read": {
         "partial": frozenset({_R.PARTIAL_TRANSFER}),

@@ -173,7 +173,7 @@ def _window_all_stored(ctx: CaseContext) -> None:
     A store that clips a window group to the window (as the exchange does,
     CLIP-1) or keeps only the chunks a replay of the prompt reads loses later,
     longer hits, never data; the MUST cases judge only what is stored, this
-    one asks for all of it (decision 56: vLLM 0.33.0 stores the window's tail).
+    one asks for all of it (decision 56 in decisions-offload.md: vLLM 0.33.0 stores the window's tail).
     """
     for f in (1, 3):
         scenario = OffloadScenario(
@@ -426,7 +426,7 @@ def _mamba(ctx: CaseContext) -> None:
     """A state group in ``none`` cache mode is refused with UnsupportedHybridError by the hit and the load hooks.
 
     Without prefix caching no state is kept at a chunk end, so no hit can say
-    which state it restores (decision 161). Nothing moves.
+    which state it restores (decision 161 in decisions-offload.md). Nothing moves.
     """
     hooks = _hooks(ctx)
     config = make_config(full(4), mamba(4), num_blocks=16)

@@ -89,7 +89,7 @@ def _play(
 
     Under the connector's own state profile: a "prebuilt" engine ships the
     state after all N tokens and recomputes none, so there each request runs
-    with recomputed_tokens=0, once per (tokens, prefix hit) (STATE-1, decision 187).
+    with recomputed_tokens=0, once per (tokens, prefix hit) (STATE-1, decision 187 in decisions-testing.md).
     """
     profile = _profile(ctx, config)
     if profile == "prebuilt":
@@ -361,7 +361,8 @@ def _descriptor(config: object, profile: str) -> EngineDescriptor:
 @case("STATE-5", "state-layouts-must-match")
 def _layouts(ctx: CaseContext) -> None:
     """Peers whose state shapes, dtypes, kind or conv layout differ are refused by name; cache mode may differ."""
-    # Both peers of the connector's own profile: a profile mismatch is STATE-1's, not this case's (decision 187).
+    # Both peers of the connector's own profile: a profile mismatch is STATE-1's, not this case's (decision 187 in
+    # decisions-testing.md).
     profile = _profile(ctx, GDN_ALIGN)
     base = _descriptor(GDN_ALIGN, profile)
     state = get_state_group_indices(GDN_ALIGN)[0]
@@ -402,7 +403,7 @@ def _profiles(ctx: CaseContext) -> None:
     Three state groups beside full attention; the consumer's descriptor
     says the other profile. The refusal is an IncompatiblePeerError naming
     ``state_profile``: no rule turns one engine's state into the other's
-    (STATE-1, decision 99). The oracle then finds both pools untouched. One
+    (STATE-1, decision 99 in decisions-state.md). The oracle then finds both pools untouched. One
     mode: the profile is compared the same way in both.
     """
     own = _profile(ctx, SEVERAL)

@@ -93,7 +93,7 @@ class StatePositionError(BlockAlignmentError):
 
     A :class:`BlockAlignmentError`: the state sits at the wrong position, as a
     shifted block list does, and a request it ends fails with reason
-    ``block_alignment`` (docs/spec/decisions.md, decision 100).
+    ``block_alignment`` (decision 100 in docs/explanation/decisions-state.md).
     """
 
 

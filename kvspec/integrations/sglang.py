@@ -23,12 +23,12 @@ Nothing here imports SGLang until a function needs it; ``import kvspec`` and
   (``req_index_to_mamba_index_mapping``), paired by Mooncake's
   ``_send_mamba_state`` (``_transfer_data`` recorded), NIXL's
   ``_send_prepared_states`` and MORI's ``_send_mamba_state``
-  (``engine.batch_write`` recorded) (decisions 175-180).
+  (``engine.batch_write`` recorded) (decisions 175-180 in decisions-engines.md).
 
 kvspec re-implements none of these decisions. SGLang exchanges no clipped
 lists (each side computes its window itself), so :meth:`SglangConnector.clip_block_ids`
 returns the list as it is, and SGLang checks no window coverage, so neither
-does the adapter (decisions 128-131).
+does the adapter (decisions 128-131 in decisions-engines.md).
 
 Importing SGLang on a CPU-only machine needs two stand-ins, made only here
 (:func:`import_sglang`), never installed on disk: ``torchvision`` (imported at
@@ -109,7 +109,7 @@ STATE_PROFILE = "prebuilt"
 
 ``state_tokens`` is N and nothing is recomputed (STATE-1). The adapters
 admit state groups under this profile and refuse a peer of another one at
-the handshake (decisions 175, 177). The hook: :meth:`SglangConnector.state_profile`.
+the handshake (decisions 175, 177 in decisions-engines.md). The hook: :meth:`SglangConnector.state_profile`.
 """
 
 _DISAGG = "sglang.srt.disaggregation."
@@ -295,7 +295,7 @@ def to_sglang_pool_config(config: KVCacheConfig) -> SglangPoolConfig:
     """SGLang's pool configuration for a kvspec config, or :class:`UnsupportedHybridError` naming what it lacks (ADM-1).
 
     SGLang has one page size, one sliding window, one full and one SWA pool:
-    a config needing more is a modelling difference, refused (decision 132).
+    a config needing more is a modelling difference, refused (decision 132 in decisions-engines.md).
     """
     specs = [g.kv_cache_spec for g in config.kv_cache_groups]
     if not specs:
@@ -366,7 +366,7 @@ def from_sglang_pool_config(pool: SglangPoolConfig) -> KVCacheConfig:
     """kvspec's model of SGLang's pools: a full group, with a window an SWA group of window + 1 (SW-1), a state group.
 
     SGLang's ``sliding_window_size`` excludes the current token; kvspec's
-    window, like Hugging Face's, includes it (decision 128).
+    window, like Hugging Face's, includes it (decision 128 in decisions-engines.md).
     """
     if pool.page_size < 1:
         raise ConfigError(f"SglangPoolConfig.page_size: expected a positive integer, got {pool.page_size}")
@@ -469,7 +469,8 @@ def _row(block_ids: Sequence[int], *, first_block: int, page_size: int, num_toke
 
 
 def load_state_slot(spec: KVCacheSpec, block_ids: Sequence[int], *, group: int = 0) -> list[int]:
-    """The one Mamba slot SGLang's pool holds for a state group's list: STATE-2's kept slot (decision 176).
+    """The one Mamba slot SGLang's pool holds for a state group's list: STATE-2's kept slot (decision 176 in
+    decisions-engines.md).
 
     SGLang allocates one slot per request (``HybridReqToTokenPool.alloc``)
     and keeps it in ``req_index_to_mamba_index_mapping``; kvspec's tables are
@@ -723,7 +724,8 @@ def _mori(producer: Sequence[int], consumer: Sequence[int], *, window: bool, sta
     src = module.np.array(list(producer), dtype=module.np.int32)
     dst = module.np.array(list(consumer), dtype=module.np.int32)
     # Window pages go through _send_swa_dsa_state, which decides what a length mismatch does; MORI's full-page
-    # path lives in its transfer worker, so full pages are paired by the same method (decision 130).
+    # path lives in its transfer worker, so full pages are paired by the same method (decision 130 in
+    # decisions-engines.md).
     module.MoriKVManager._send_swa_dsa_state(stand_in, peer, src, dst, [None], [1], [None], [1], "swa", [], [])
     out_p: list[int] = []
     out_c: list[int] = []
@@ -861,7 +863,8 @@ class SglangConnector:
         return STATE_PROFILE if get_state_group_indices(config) else None
 
     def check_admission(self, config: KVCacheConfig, mode: TransferMode) -> None:
-        """What SGLang can represent: one page size, one window, full and SWA pools (ADM-1, decision 132).
+        """What SGLang can represent: one page size, one window, full and SWA pools (ADM-1, decision 132 in
+        decisions-engines.md).
 
         SGLang's backends all write from prefill to decode; its block logic is
         the same whichever side kvspec says posts, so both modes are admitted.
@@ -874,7 +877,7 @@ class SglangConnector:
 
         An engine with state groups is SGLang's only under :data:`STATE_PROFILE`:
         a descriptor of another profile describes an engine these adapters do
-        not model, refused naming ``state_profile`` (STATE-1, decision 177).
+        not model, refused naming ``state_profile`` (STATE-1, decision 177 in decisions-engines.md).
         """
         check_compatibility(producer=producer, consumer=consumer)
         profiles = [getattr(p, "value", p) for p in (producer.state_profile, consumer.state_profile)]
@@ -887,7 +890,7 @@ class SglangConnector:
 
         SGLang exchanges no clipped lists: each side selects its window itself.
         A state group's list is what SGLang's pool holds and sends for it, the
-        one slot :func:`load_state_slot` loads (decision 176); an empty list
+        one slot :func:`load_state_slot` loads (decision 176 in decisions-engines.md); an empty list
         stays empty, pairing refuses it.
         """
         states = set(get_state_group_indices(config)) if len(block_ids) == config.num_groups else set()
@@ -920,7 +923,7 @@ class SglangConnector:
         are each loaded as the request's one Mamba slot (:func:`load_state_slot`),
         read back through SGLang's Mamba payloads and paired by the backend's
         Mamba path; SGLang sends the state on any decode prefix, so STATE-4 is
-        not checked, as in SGLang (decision 178).
+        not checked, as in SGLang (decision 178 in decisions-engines.md).
         """
         if len(consumer_block_ids) == 0:
             return BlockPairs(producer_block_ids=[], consumer_block_ids=[])
@@ -961,7 +964,8 @@ class SglangConnector:
                 out_p.append([])
                 out_c.append([])
                 continue
-            # SGLang ships every token its lists cover (len(origin_input_ids)); it recomputes none (decision 134).
+            # SGLang ships every token its lists cover (len(origin_input_ids)); it recomputes none (decision 134 in
+            # decisions-engines.md).
             keywords = {"num_tokens": listed, "prefix_tokens": prefix_hit_tokens}
             src = producer_pages(spec, p_ids, first_block=p_first, **keywords)
             dst = consumer_pages(spec, c_ids, first_block=c_first, **keywords)

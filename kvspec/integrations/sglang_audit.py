@@ -14,18 +14,18 @@ for the null page (NULL-1), and against the blocks kvspec says the consumer
 needs (WIN-1). Every request also holds a Mamba slot per side from SGLang's
 ``MambaSlotAllocator``, read back through ``req_index_to_mamba_index_mapping``
 by both sides' Mamba payloads and paired by each backend's Mamba path; the
-state pair must be the request's two slots (STATE-3, decision 179).
+state pair must be the request's two slots (STATE-3, decision 179 in decisions-engines.md).
 
 SGLang computes both lists with one formula, so on a consistent request the
 two are of equal length. Its Mooncake and MORI pairing is written to
 tolerate a "1-page drift" by pairing the front of the two lists; the audit
 probes that path on every request with a window: the producer's list one page
 longer at its start, as a producer whose window starts one page earlier would
-build it. Those findings are marked ``probe`` (decision 135).
+build it. Those findings are marked ``probe`` (decision 135 in decisions-engines.md).
 
 SGLang's radix cache is not driven: its SWA radix cache needs the hybrid pool
 objects, which need a device. A decode prefix hit is drawn instead, and the
-cached SWA pages are those ``_swa_tail_len`` keeps (decision 136).
+cached SWA pages are those ``_swa_tail_len`` keeps (decision 136 in decisions-engines.md).
 """
 
 from __future__ import annotations
@@ -115,7 +115,10 @@ class AuditCase:
     prefix_tokens: int
 
     def specs(self) -> list[tuple[str, KVCacheSpec]]:
-        """The pools as kvspec specs: ``full``, with a window ``swa``, and a Mamba pool ``mamba`` (decision 179)."""
+        """The pools as kvspec specs: ``full``, with a window ``swa``, and a Mamba pool ``mamba``.
+
+        Decision 179 in decisions-engines.md.
+        """
         common = {"block_size": self.page_size, "num_kv_heads": 1, "head_size": 8, "dtype": "float16"}
         out: list[tuple[str, KVCacheSpec]] = [("full", FullAttentionSpec(**common))]  # type: ignore[arg-type]
         if self.window:

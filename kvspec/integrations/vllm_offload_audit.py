@@ -450,12 +450,12 @@ OFFLOAD_VERDICTS: dict[str, tuple[str, str]] = {
         "kvspec rule gap",
         "vLLM's default prefix_cache_retention_interval=0 stores, in a window group, only the chunks a hit at "
         "the prompt's replay boundary (N - 1) reads (reachable_block_mask); OFF-3 stores every complete chunk. "
-        "Fewer hits, never wrong KV: OFF-3's MUST is stricter than safety needs (decision 56).",
+        "Fewer hits, never wrong KV: OFF-3's MUST is stricter than safety needs (decision 56 in decisions-offload.md).",
     ),
     "OFF-3:skips-partial-chunk": (
         "accepted difference",
         "vLLM 0.33.0 skips a chunk with a null sub-block; OFF-3 writes its real sub-blocks and OFF-4 never "
-        "reports it present. Neither lets a load read an unwritten sub-block (decision 57).",
+        "reports it present. Neither lets a load read an unwritten sub-block (decision 57 in decisions-offload.md).",
     ),
     "OFF-5:vllm-hit-shorter": (
         "accepted difference",
@@ -465,7 +465,7 @@ OFFLOAD_VERDICTS: dict[str, tuple[str, str]] = {
     ),
     "OFF-5:kvspec-refuses": (
         "accepted difference",
-        "vLLM admits a Mamba group as a one-chunk window; OFF-9 fails closed (decisions.md, offload).",
+        "vLLM admits a Mamba group as a one-chunk window; OFF-9 fails closed (decisions-offload.md).",
     ),
 }
 """Class id -> (verdict, why): ``vLLM bug``, ``kvspec rule gap`` or ``accepted difference``; the findings page."""

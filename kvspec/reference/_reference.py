@@ -92,7 +92,7 @@ def get_exchange_clipped_blocks(block_ids: BlockIdsLike, budgets: Sequence[int])
 
     Plain lists (vLLM's ``tuple[list[int], ...]``) are clipped first and only
     the ids kept are checked: the ids clipped away never leave the engine
-    (decisions.md, "CLIP-1 checks what it keeps"). O(kept ids); the plain
+    (decision 29 in decisions-rules.md). O(kept ids); the plain
     definition is :func:`kvspec.spec.get_exchange_clipped_blocks` (CLIP-1).
     """
     if isinstance(block_ids, BlockIds) or not isinstance(block_ids, Sequence) or isinstance(block_ids, (str, bytes)):

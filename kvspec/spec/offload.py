@@ -20,13 +20,14 @@ def check_offload_support(config: KVCacheConfig, *, blocks_per_chunk: int = 1) -
     state after exactly ``(k + 1) * C_g`` tokens (STATE-4), so a hit can say
     which state it restores. In ``none`` mode no state is kept at any chunk
     end, and with ``blocks_per_chunk > 1`` a chunk holds one state and
-    ``f - 1`` null slots (decisions 161, 162). Chunked-local attention, cross
+    ``f - 1`` null slots (decisions 161, 162 in decisions-offload.md). Chunked-local attention, cross
     attention and unknown kinds fail closed too, naming the group, its kind and
     the remedy. (OFF-9)
     """
     for g, group in enumerate(config.kv_cache_groups):
         spec = group.kv_cache_spec
-        # A state group stands at chunk ends only in align mode, one slot per chunk (OFF-9, decision 161).
+        # A state group stands at chunk ends only in align mode, one slot per chunk (OFF-9, decision 161 in
+        # decisions-offload.md).
         if isinstance(spec, MambaSpec):
             if spec.cache_mode != "align":
                 raise UnsupportedHybridError(

@@ -56,7 +56,7 @@ def get_exchange_clipped_blocks(block_ids: BlockIdsLike, budgets: Sequence[int])
     """Keep each budgeted group's last ``n`` ids; others unchanged; zero groups stay zero (CLIP-1).
 
     Only the ids kept are checked: the ids clipped away never leave the engine
-    (decisions.md, "CLIP-1 checks what it keeps") (CLIP-1).
+    (decision 29 in decisions-rules.md) (CLIP-1).
     """
     if isinstance(block_ids, (str, bytes)) or not isinstance(block_ids, Iterable):
         raise ConfigError(
