@@ -829,6 +829,33 @@ def render_vector_functions() -> str:
     return "\n".join(out) + "\n"
 
 
+OLD_DECISIONS_LINK = re.compile(r"\]\(spec/decisions\.md(?:#(?P<anchor>[\w-]+))?\)")
+
+
+def moved_decisions_links(markdown: str, explanation: Path) -> str:
+    """Point links at the decisions log's old place (spec/decisions.md#SECTION) to the topic page holding SECTION.
+
+    The changelog keeps its history as written; the log itself moved to explanation/decisions-*.md.
+    """
+    home: dict[str, tuple[str, int]] = {}
+    for path in sorted(explanation.glob("decisions-*.md")):
+        text = path.read_text(encoding="utf-8")
+        for section in re.split(r"(?m)^## ", text)[1:]:
+            title, _, body = section.partition("\n")
+            entries = body.count("### Decision ")
+            slug = slugify(title.strip(), "-")
+            if entries > home.get(slug, ("", -1))[1]:
+                home[slug] = (f"explanation/{path.name}", entries)
+
+    def relink(match: re.Match[str]) -> str:
+        anchor = match["anchor"]
+        if anchor and anchor in home:
+            return f"]({home[anchor][0]}#{anchor})"
+        return "](explanation/decisions.md)"
+
+    return OLD_DECISIONS_LINK.sub(relink, markdown)
+
+
 def on_files(files: Files, config: Any) -> Files:
     spec_pages = {
         f.src_uri: Path(f.abs_src_path).read_text(encoding="utf-8")
@@ -893,6 +920,7 @@ def on_files(files: Files, config: Any) -> Files:
 
     # CHANGELOG.md links into docs/ so that it reads right on a forge; on the site those links are relative.
     changelog = (ROOT / "CHANGELOG.md").read_text(encoding="utf-8").replace("](docs/", "](")
+    changelog = moved_decisions_links(changelog, ROOT / "docs" / "explanation")
     _add(files, config, "changelog.md", changelog)
     return files
 

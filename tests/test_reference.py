@@ -686,7 +686,7 @@ def test_all_errors_share_the_root() -> None:
 
 
 def test_worked_example_in_the_spec() -> None:
-    """docs/spec/worked-example.md: every number on that page."""
+    """docs/explanation/worked-example.md: every number on that page."""
     config = config_from_specs([sw(48), fa()])
     assert is_hma_required(config)
     check_hybrid_support(config, mode="write")

@@ -303,7 +303,7 @@ def test_check_passes_a_c_implementation_of_two_functions(
 
 def test_worked_example_and_null_either_side_are_pinned() -> None:
     pairs = _vector("WIN-1", "compute_transfer_pairs", "worked_example")["output"]
-    assert pairs["producer_block_ids"] == [[14, 15, 16, 17], [23, 24, 25, 26, 27]]  # docs/spec/worked-example.md
+    assert pairs["producer_block_ids"] == [[14, 15, 16, 17], [23, 24, 25, 26, 27]]  # docs/explanation/worked-example.md
     assert pairs["consumer_block_ids"] == [[41, 42, 43, 44], [51, 52, 53, 54, 55]]
     outcomes = {
         case: "error" in _vector("WIN-1", "check_window_coverage", case)

@@ -460,7 +460,7 @@ OFFLOAD_VERDICTS: dict[str, tuple[str, str]] = {
     "OFF-5:vllm-hit-shorter": (
         "accepted difference",
         "A window group with W = 1 (mod C_g): vLLM asks for cdiv(W, C_g) present chunks before the hit's end where "
-        "the cdiv(W - 1, C_g) the recomputed token attends suffice (offload.md's comparison table); a shorter hit, "
+        "the cdiv(W - 1, C_g) the recomputed token attends suffice (offload-and-vllm.md); a shorter hit, "
         "never a wrong one.",
     ),
     "OFF-5:kvspec-refuses": (

@@ -221,7 +221,7 @@ def get_pruned_block_ids(config: KVCacheConfig, block_ids: BlockIdsLike, *, num_
     walking back from ``k - 1`` and stopping at the first null
     (docs/spec/alignment-and-coverage.md, WIN-1 Boundaries).
     Pruning with more tokens than C will use (vLLM's ``request.num_tokens``,
-    docs/spec/worked-example.md) can null a block WIN-1 needs; :func:`check_window_coverage`
+    docs/explanation/worked-example.md) can null a block WIN-1 needs; :func:`check_window_coverage`
     catches it. O(n) in the ids, one scan per group; the plain definition is
     :func:`kvspec.spec.get_pruned_block_ids` (WIN-1).
     """
@@ -245,7 +245,7 @@ def get_consumer_block_counts(
 
     Full attention: ``cdiv(T + R, B) - H / B``. Sliding window: from
     ``max(H, T - W + 1) // B`` to the last block, capped by the budget (vLLM
-    allocates nulls for skipped blocks; docs/spec/worked-example.md). Zero when ``H == T``.
+    allocates nulls for skipped blocks; docs/explanation/worked-example.md). Zero when ``H == T``.
     ``R`` (``recomputed_tokens``) is the trailing tokens C recomputes: its
     list also holds the blocks they are written to (WIN-1). A state group
     gets one slot, for the state it receives (STATE-2).

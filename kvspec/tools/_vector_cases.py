@@ -400,7 +400,7 @@ def _sw1_pins() -> list[Case]:
         Case(
             name="worked_example",
             inputs={"config": _worked_config()},
-            description="docs/spec/worked-example.md: SW(W=48) first, then FA: (4, 0)",
+            description="docs/explanation/worked-example.md: SW(W=48) first, then FA: (4, 0)",
         )
     )
     cases.append(
@@ -552,7 +552,7 @@ def _prune_pins() -> list[Case]:
         Case(
             name="worked_example",
             inputs={"config": _worked_config(), "block_ids": _WORKED_TABLE, "num_computed_tokens": 100},
-            description="docs/spec/worked-example.md: the SW group's first 3 blocks become null",
+            description="docs/explanation/worked-example.md: the SW group's first 3 blocks become null",
         ),
     ]
 
@@ -564,7 +564,7 @@ def _gen_prune(rng: random.Random) -> dict[str, object]:
 
 
 def _worked_config() -> KVCacheConfig:
-    """docs/spec/worked-example.md: one SW group (W=48) listed first, then full attention, B=16."""
+    """docs/explanation/worked-example.md: one SW group (W=48) listed first, then full attention, B=16."""
     sw = SlidingWindowSpec(block_size=16, num_kv_heads=1, head_size=2, dtype="bf16", sliding_window=48)
     fa = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=2, dtype="bf16")
     return _config([sw, fa], num_blocks=64)
@@ -599,7 +599,7 @@ def _worked_pins() -> list[Case]:
         "consumer_block_ids": BlockIds([[41, 42, 43, 44], [51, 52, 53, 54, 55]]),
     }
     return [
-        Case(name="worked_example", inputs=worked, description="docs/spec/worked-example.md: T=100, H=32"),
+        Case(name="worked_example", inputs=worked, description="docs/explanation/worked-example.md: T=100, H=32"),
         Case(
             name="worked_example_t94_pruned_with_t",
             inputs=_worked_exchange(94, 94),
@@ -656,7 +656,7 @@ def _consumer_count_pins() -> list[Case]:
         Case(
             name="worked_example",
             inputs={"config": _worked_config(), "num_tokens": 100, "prefix_hit_tokens": 32},
-            description="docs/spec/worked-example.md: (4, 5)",
+            description="docs/explanation/worked-example.md: (4, 5)",
         ),
     ]
 
