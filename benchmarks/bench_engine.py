@@ -49,6 +49,7 @@ from typing import Any
 import attrs
 
 import kvspec
+import kvspec.fast
 from kvspec import KVCacheConfig, TransferMode
 from kvspec.protocol._plan import _plan_page_by_page
 from kvspec.spec.state import get_state_clipped_blocks
@@ -124,7 +125,7 @@ def build_request(model: str, num_tokens: int, allocation: str, seed: int = 0) -
         for group, ids, pruned_ids in zip(
             config.kv_cache_groups,
             producer,
-            kvspec.get_pruned_block_ids(config, producer, num_computed_tokens=num_tokens).to_lists(),
+            kvspec.fast.get_pruned_block_ids(config, producer, num_computed_tokens=num_tokens).to_lists(),
             strict=True,
         )
     ]
@@ -162,7 +163,7 @@ def kvspec_steps(req: EngineRequest, *, baseline: bool = True) -> dict[str, Any]
     has_state = any(isinstance(g.kv_cache_spec, kvspec.MambaSpec) for g in config.kv_cache_groups)
 
     def clip(lists: Sequence[Sequence[int]]) -> kvspec.BlockIds:
-        clipped = kvspec.get_exchange_clipped_blocks(lists, budgets)  # CLIP-1
+        clipped = kvspec.fast.get_exchange_clipped_blocks(lists, budgets)  # CLIP-1
         # STATE-2: one slot per state group, as the reference connector's clip_block_ids does.
         return get_state_clipped_blocks(config, clipped) if has_state else clipped
 
@@ -173,7 +174,7 @@ def kvspec_steps(req: EngineRequest, *, baseline: bool = True) -> dict[str, Any]
 
     def pairs_of(p: kvspec.BlockIds, c: kvspec.BlockIds) -> kvspec.BlockPairs:
         # compute_transfer_pairs pairs state groups by STATE-3 and attention groups by ALIGN-1.
-        return kvspec.compute_transfer_pairs(
+        return kvspec.fast.compute_transfer_pairs(
             config, num_tokens=t, prefix_hit_tokens=0, producer_block_ids=p, consumer_block_ids=c
         )
 

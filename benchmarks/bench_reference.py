@@ -12,12 +12,14 @@ import time
 
 from kvspec import (
     BlockIds,
-    check_window_coverage,
-    compute_block_pairs,
     get_blocks_per_sw,
     get_consumer_block_counts,
-    get_exchange_clipped_blocks,
     get_logical_block_count,
+)
+from kvspec.fast import (
+    check_window_coverage,
+    compute_block_pairs,
+    get_exchange_clipped_blocks,
     get_pruned_block_ids,
 )
 from kvspec.presets import get_preset

@@ -6,6 +6,7 @@ messages and their codec, and the errors. Tools built on it live in named
 submodules (docs/explanation/layers.md):
 
 - :mod:`kvspec.exchange`: drivers that run a request over a transport.
+- :mod:`kvspec.fast`: the definitions' fast twins, for an engine's hot path.
 - :mod:`kvspec.transport`: the Transport interface and its backends.
 - :mod:`kvspec.presets`: KV-cache configs of real models.
 - :mod:`kvspec.rules`: the rule registry (ids, titles, levels).
@@ -122,21 +123,25 @@ from kvspec.reference._reference import (
     BlockPairs,
     TokenBasis,
     check_hybrid_support,
-    check_window_coverage,
-    compute_block_pairs,
-    compute_transfer_pairs,
     get_block_ends,
     get_blocks_per_sw,
     get_consumer_block_counts,
-    get_exchange_clipped_blocks,
     get_logical_block_count,
     get_needed_block_range,
     get_needed_token_range,
     get_num_skipped_tokens,
-    get_pruned_block_ids,
     get_token_basis_group,
     is_full_attention_spec,
     is_hma_required,
+)
+
+# These names are the definitions themselves (kvspec.X is kvspec.spec.X); their fast twins are kvspec.fast's.
+from kvspec.spec import (
+    check_window_coverage,
+    compute_block_pairs,
+    compute_transfer_pairs,
+    get_exchange_clipped_blocks,
+    get_pruned_block_ids,
 )
 
 __all__ = [
@@ -279,7 +284,7 @@ _MOVED: dict[str, tuple[str, str, str]] = {
     "message_schemas": ("kvspec.protocol._schema", "message_schemas", "kvspec.schema.message_schemas"),
     "PairedBlocks": ("kvspec.protocol._plan", "BlockPairsLike", "kvspec.BlockPairsLike"),
     "blocks_per_sw": ("kvspec.reference._reference", "get_blocks_per_sw", "kvspec.get_blocks_per_sw"),
-    "align_block_ids": ("kvspec.reference._reference", "compute_block_pairs", "kvspec.compute_block_pairs"),
+    "align_block_ids": ("kvspec.spec", "compute_block_pairs", "kvspec.compute_block_pairs"),
     "validate_hybrid_support": (
         "kvspec.reference._reference",
         "validate_hybrid_support",

@@ -35,14 +35,12 @@ from kvspec import (
     OffloadConfig,
     PlanError,
     TransferMode,
-    compute_transfer_pairs,
     get_blocks_per_sw,
     get_chunk_sizes,
-    get_exchange_clipped_blocks,
     get_needed_block_range,
     get_offload_hit_tokens,
-    get_pruned_block_ids,
 )
+from kvspec.fast import compute_transfer_pairs, get_exchange_clipped_blocks, get_pruned_block_ids
 from kvspec.presets import Layout, get_preset
 from kvspec.protocol._plan import TransferPlan, _plan_page_by_page, plan_transfer
 

@@ -75,7 +75,17 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
     ("reports", frozenset({"kvspec.protocol._schema", "kvspec.protocol._summary"})),
     (
         "api",
-        frozenset({"kvspec", "kvspec.presets", "kvspec.rules", "kvspec.schema", "kvspec.summary", "kvspec.models"}),
+        frozenset(
+            {
+                "kvspec",
+                "kvspec.fast",
+                "kvspec.presets",
+                "kvspec.rules",
+                "kvspec.schema",
+                "kvspec.summary",
+                "kvspec.models",
+            }
+        ),
     ),
     (
         "transport",

@@ -81,7 +81,8 @@ def test_every_rule_with_a_definition_is_included_from_source_on_a_spec_page() -
         for match in MARKER.finditer(text):
             name = f"{match['module']}.{match['name']}"
             source = (SPEC_DIR / f"{match['module']}.py").read_text(encoding="utf-8")
-            assert re.search(rf"^(def|class) {match['name']}\b", source, re.MULTILINE), f"{page.name}: no {name}"
+            found = rf"^((def|class) {match['name']}\b|{match['name']}\s*[:=])"  # a function, class or constant
+            assert re.search(found, source, re.MULTILINE), f"{page.name}: no {name}"
             included |= set(defined.get(name, ()))
     used = {rule for text in pages.values() for rule in re.findall(r"\b[A-Z]{2,5}-\d+\b", text)}
     with_definition = {rule for rules in defined.values() for rule in rules}
@@ -107,6 +108,33 @@ def test_public_names_without_a_faster_form_are_the_definitions() -> None:
     # Two keep their deprecated positional spelling around the definition.
     assert kvspec.get_logical_block_count.__wrapped__ is plain.get_logical_block_count  # type: ignore[attr-defined]
     assert kvspec.get_num_skipped_tokens.__wrapped__ is plain.get_num_skipped_tokens  # type: ignore[attr-defined]
+
+
+# Names of kvspec that are not yet the definition they share a name with, each with why; nothing else may be.
+NOT_YET_ONE_OBJECT = {
+    # Deprecated positional spellings (RENAMES.md), wrapped around the definition until 0.3.0 removes them.
+    "get_logical_block_count": "keyword_only shim until 0.3.0",
+    "get_num_skipped_tokens": "keyword_only shim until 0.3.0",
+    # kvspec's form takes an OffloadConfig, which kvspec/spec cannot import until OFF-1's definition moves there.
+    "get_offload_hit_tokens": "takes offload=OffloadConfig; the definition takes chunk_sizes",
+}
+
+
+def test_every_name_in_kvspec_and_kvspec_spec_is_one_object() -> None:
+    """``kvspec.X is kvspec.spec.X`` for every shared name; the fast twins live apart, under ``kvspec.fast``."""
+    import kvspec.fast
+
+    shared = set(kvspec.__all__) & set(plain.__all__)
+    assert {"compute_transfer_pairs", "compute_block_pairs", "get_exchange_clipped_blocks"} <= shared
+    different = {name for name in shared if getattr(kvspec, name) is not getattr(plain, name)}
+    assert different == set(NOT_YET_ONE_OBJECT), sorted(different ^ set(NOT_YET_ONE_OBJECT))
+    assert kvspec.__version__.startswith("0.2."), "0.3.0 removes the shims: drop them from NOT_YET_ONE_OBJECT"
+    # A fast twin is another object than its definition, under the definition's own name, and named as fast.
+    for name in kvspec.fast.__all__:
+        fast = getattr(kvspec.fast, name)
+        assert name in plain.__all__, name
+        assert fast is not getattr(plain, name), name
+        assert fast.__name__ == name, name
 
 
 def with_pins(rule: str, to_example: Callable[[Mapping[str, Any]], dict[str, Any] | None]) -> Callable[[T], T]:
