@@ -1,0 +1,91 @@
+"""INT-3: the guard's rule checks on the block lists a connector used, the TP agreement, the modes."""
+
+from __future__ import annotations
+
+import pytest
+from strategies import config_from_specs
+
+from kvspec import (
+    BlockAlignmentError,
+    FullAttentionSpec,
+    IntegrityMismatchError,
+    SlidingWindowSpec,
+    WindowCoverageError,
+)
+from kvspec.spec import (
+    GuardMode,
+    GuardVerdict,
+    agree_verdicts,
+    apply_guard_mode,
+    check_request_blocks,
+    get_guard_verdict,
+    get_rule_id,
+)
+
+FULL = FullAttentionSpec(block_size=4, num_kv_heads=2, head_size=8, dtype="bfloat16")
+WINDOW = SlidingWindowSpec(block_size=4, num_kv_heads=2, head_size=8, dtype="bfloat16", sliding_window=8)
+CONFIG = config_from_specs([FULL, WINDOW], num_blocks=64)
+# 16 tokens: 4 full blocks; the window (8 tokens, budget cdiv(8, 4) + 1 = 3) keeps its last 3.
+PRODUCER = [[1, 2, 3, 4], [5, 6, 7]]
+CONSUMER = [[11, 12, 13, 14], [15, 16, 17]]
+
+
+def test_a_correct_request_passes_and_gives_its_pairs() -> None:
+    pairs = check_request_blocks(
+        CONFIG, num_tokens=16, prefix_hit_tokens=0, producer_block_ids=PRODUCER, consumer_block_ids=CONSUMER
+    )
+    assert [list(g) for g in pairs.consumer_block_ids] == CONSUMER
+
+
+def test_an_unclipped_window_list_is_caught_by_clip_1() -> None:
+    with pytest.raises(BlockAlignmentError, match=r"budget 3.*\(CLIP-1\)") as caught:
+        check_request_blocks(
+            CONFIG,
+            num_tokens=16,
+            prefix_hit_tokens=0,
+            producer_block_ids=[[1, 2, 3, 4], [5, 6, 7, 8]],
+            consumer_block_ids=CONSUMER,
+        )
+    assert get_rule_id(caught.value) == "CLIP-1"
+
+
+def test_a_null_needed_block_is_caught_by_win_1() -> None:
+    with pytest.raises(WindowCoverageError) as caught:
+        check_request_blocks(
+            CONFIG,
+            num_tokens=16,
+            prefix_hit_tokens=0,
+            producer_block_ids=PRODUCER,
+            consumer_block_ids=[[11, 12, 0, 14], [15, 16, 17]],
+        )
+    assert get_rule_id(caught.value) == "WIN-1"
+
+
+def _verdict(request_id: str, rule: str = "INT-2") -> GuardVerdict:
+    return GuardVerdict(request_id=request_id, rule=rule, page="group 0, tokens [0, 4)", message=f"{request_id} bad")
+
+
+def test_the_ranks_agree_on_the_union_in_one_order() -> None:
+    rank0 = [_verdict("b")]
+    rank1 = [_verdict("a", "WIN-1"), _verdict("b", "PAR-3")]
+    agreed = agree_verdicts([rank0, rank1])
+    assert [v.request_id for v in agreed] == ["b", "a"]
+    assert agreed[0].rule == "INT-2"  # the lowest rank's verdict is kept
+    assert agree_verdicts([rank0, rank1]) == agreed
+
+
+def test_the_modes() -> None:
+    found = (_verdict("a"), _verdict("b"))
+    assert apply_guard_mode("off", found) == ()
+    assert apply_guard_mode(GuardMode.LOG, found) == ()
+    assert apply_guard_mode("fail", found) == ("a", "b")
+    assert apply_guard_mode("raise", ()) == ()
+    with pytest.raises(IntegrityMismatchError, match="a bad") as caught:
+        apply_guard_mode("raise", found)
+    assert (caught.value.rule, caught.value.request_id, caught.value.page) == ("INT-2", "a", "group 0, tokens [0, 4)")
+
+
+def test_a_verdict_names_the_rule_request_and_page() -> None:
+    verdict = get_guard_verdict("r1", WindowCoverageError("group 0 ... (WIN-1)"), page="group 0, tokens [8, 12)")
+    assert verdict.rule == "WIN-1"
+    assert "'r1'" in verdict.message and "tokens [8, 12)" in verdict.message
