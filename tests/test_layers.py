@@ -36,6 +36,8 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
                 "kvspec.spec",
                 "kvspec.spec.admission",
                 "kvspec.spec.coverage",
+                "kvspec.spec.digest",
+                "kvspec.spec.guard",
                 "kvspec.spec.offload",
                 "kvspec.spec.pairing",
                 "kvspec.spec.parallel",
