@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import io
+
 import pytest
 from strategies import config_from_specs
 
@@ -12,6 +14,7 @@ from kvspec import (
     SlidingWindowSpec,
     WindowCoverageError,
 )
+from kvspec.cli import main
 from kvspec.spec import (
     GuardMode,
     GuardVerdict,
@@ -21,6 +24,8 @@ from kvspec.spec import (
     get_guard_verdict,
     get_rule_id,
 )
+from kvspec.tools import _guard_selftest
+from kvspec.tools._guard_selftest import INJECTIONS
 
 FULL = FullAttentionSpec(block_size=4, num_kv_heads=2, head_size=8, dtype="bfloat16")
 WINDOW = SlidingWindowSpec(block_size=4, num_kv_heads=2, head_size=8, dtype="bfloat16", sliding_window=8)
@@ -88,4 +93,28 @@ def test_the_modes() -> None:
 def test_a_verdict_names_the_rule_request_and_page() -> None:
     verdict = get_guard_verdict("r1", WindowCoverageError("group 0 ... (WIN-1)"), page="group 0, tokens [8, 12)")
     assert verdict.rule == "WIN-1"
-    assert "'r1'" in verdict.message and "tokens [8, 12)" in verdict.message
+    assert "'r1'" in verdict.message
+    assert "tokens [8, 12)" in verdict.message
+
+
+def test_selftest_catches_every_injection_and_exits_0() -> None:
+    out = io.StringIO()
+    assert main(["guard", "selftest", "--seed", "3", "--producer-tp", "4", "--consumer-tp", "2"], out=out) == 0
+    lines = out.getvalue().splitlines()
+    for case in INJECTIONS:
+        (line,) = [x for x in lines if x.split()[1:2] == [case]]
+        assert line.startswith("ok"), line
+    assert "caught by CLIP-1" in out.getvalue()
+    assert out.getvalue().count("caught by INT-2, first differing page group 0, tokens [") == 4
+
+
+def test_selftest_exits_1_when_a_mismatch_is_missed(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Partial mode digests the ends of each cell: a byte in the middle is missed, as INT-2 states.
+    out = io.StringIO()
+    assert main(["guard", "selftest", "--mode", "partial", "--offset", "5000"], out=out) == 1
+    assert "MISSED flipped_byte" in out.getvalue()
+    # A verify path that never compares misses everything but the unclipped list.
+    monkeypatch.setattr(_guard_selftest, "check_digests", lambda *a, **k: None)
+    out = io.StringIO()
+    assert main(["guard", "selftest"], out=out) == 1
+    assert "missed: wrong_page, wrong_slot, stale_page, flipped_byte" in out.getvalue()

@@ -142,6 +142,7 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
                 "kvspec.tools._vectors",
                 "kvspec.tools._vector_cases",
                 "kvspec.tools._vectors_check",
+                "kvspec.tools._guard_selftest",
                 "kvspec.remote",
                 "kvspec.remote._client",
                 "kvspec.remote._server",
