@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import io
+import random
+from collections.abc import Callable
 
 import pytest
 from strategies import config_from_specs
 
+import kvspec
 from kvspec import (
     BlockAlignmentError,
     FullAttentionSpec,
     IntegrityMismatchError,
+    KVSpecError,
     SlidingWindowSpec,
     WindowCoverageError,
 )
@@ -24,6 +28,7 @@ from kvspec.spec import (
     get_guard_verdict,
     get_rule_id,
 )
+from kvspec.spec import check_request_blocks as plain_check
 from kvspec.tools import _guard_selftest
 from kvspec.tools._guard_selftest import INJECTIONS
 
@@ -118,3 +123,32 @@ def test_selftest_exits_1_when_a_mismatch_is_missed(monkeypatch: pytest.MonkeyPa
     out = io.StringIO()
     assert main(["guard", "selftest"], out=out) == 1
     assert "missed: wrong_page, wrong_slot, stale_page, flipped_byte" in out.getvalue()
+
+
+def _outcome(check: Callable[..., object], **kw: object) -> object:
+    try:
+        return check(CONFIG, **kw)
+    except KVSpecError as exc:
+        return (type(exc), str(exc))
+
+
+def test_the_engine_speed_path_is_the_definition() -> None:
+    """kvspec.check_request_blocks answers and refuses as kvspec.spec.check_request_blocks, on random lists (INT-3)."""
+    rng = random.Random(34)
+    seen = set()
+    for _ in range(300):
+        tokens = rng.randrange(1, 40)
+        hit = 4 * rng.randrange(0, tokens // 4 + 1) if rng.random() < 0.3 else 0
+        full, window = -(-tokens // 4), min(-(-tokens // 4), 3)
+        producer = [rng.sample(range(1, 64), full), rng.sample(range(1, 64), window + rng.choice([0, 0, 1]))]
+        consumer = [rng.sample(range(1, 64), full - hit // 4), rng.sample(range(1, 64), window)]
+        for ids in (producer, consumer):
+            if rng.random() < 0.2 and ids[0]:
+                ids[0][rng.randrange(len(ids[0]))] = 0
+            if rng.random() < 0.1:
+                ids[rng.randrange(2)].append(rng.randrange(1, 64))
+        kw = {"num_tokens": tokens, "prefix_hit_tokens": hit, "producer_block_ids": producer}
+        fast = _outcome(kvspec.check_request_blocks, **kw, consumer_block_ids=consumer)
+        assert fast == _outcome(plain_check, **kw, consumer_block_ids=consumer), (tokens, hit, producer, consumer)
+        seen.add(fast[0] if isinstance(fast, tuple) else "pairs")
+    assert {"pairs", BlockAlignmentError, WindowCoverageError} <= seen  # the draws reach answers and refusals

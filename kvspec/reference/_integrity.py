@@ -6,9 +6,11 @@ Theory of operation
 A **block digest** is a 128-bit hash over the pages one block holds in its
 group: BLAKE2b (16-byte digest, personalised ``kvspec-INT-1``) between protocol
 1.2 peers, or the algorithm two 1.3 peers chose in the handshake (INT-2:
-XXH3-128, seeded with the XXH3-64 of ``kvspec-INT-1``, by default). It covers for block ``b`` of group ``g``,
-the page of ``b`` in every layer of the group, in the group's layer order,
-each ``page_size_bytes`` long, read where the engine's own layout puts it
+XXH3-128, seeded with the XXH3-64 of ``kvspec-INT-1``, by default). It covers,
+for block ``b`` of group ``g``, the page of ``b`` in every layer of the group,
+in the group's layer order, each as the ranges a transfer moves (all
+``page_size_bytes`` of an attention page; a state page's tensors without its
+padding, PLAN-1), read where the engine's own layout puts it
 (:meth:`kvspec.KVCacheConfig.page_offset`). Both sides compute it over their
 own pool with their own layout, so two blocks hold the same KV exactly when
 their digests are equal, whatever the layouts. It travels as 32 lowercase hex
@@ -33,11 +35,12 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
-from typing import Protocol, TypeAlias
+from typing import Any, Protocol, TypeAlias
 
 from kvspec.core._errors import IncompatiblePeerError
 from kvspec.core._models import NULL_BLOCK_ID, BlockIds, KVCacheConfig
 from kvspec.spec.digest import DigestAlgorithm, choose_digest_algorithm
+from kvspec.spec.plan import get_page_byte_ranges
 
 try:
     import xxhash
@@ -121,7 +124,8 @@ class PageDigester:
                     (loc.tensor_index, tensor.offset + loc.layer_index * tensor.layer_stride, tensor.block_stride)
                 )
             self._slots.append(slots)
-        self._pages = [g.kv_cache_spec.page_size_bytes for g in config.kv_cache_groups]
+        # The bytes of a page that a transfer moves: a state page's padding never moves, so it is not digested (PLAN-1).
+        self._ranges = [get_page_byte_ranges(g.kv_cache_spec) for g in config.kv_cache_groups]
 
     def choose(
         self, peer: str, offered: Sequence[str], theirs: Sequence[str], *, peer_version: tuple[int, int]
@@ -148,21 +152,19 @@ class PageDigester:
         """The digest of block ``block_id`` of group ``group``; ``""`` for the null block (INT-1)."""
         if block_id == NULL_BLOCK_ID:
             return ""
-        page = self._pages[group]
-        if self.algorithm is DigestAlgorithm.XXH3_128 and xxhash is not None:
-            x = xxhash.xxh3_128(seed=_XXH3_SEED)
-            for region, base, stride in self._slots[group]:
-                start = base + block_id * stride
-                buffer = self._buffers[region] if self._flat else memoryview(self._buffers[region]).cast("B")
-                x.update(buffer[start : start + page])
-            return x.hexdigest()
-        h = hashlib.blake2b(digest_size=_DIGEST_SIZE, person=_PERSON)
+        ranges = self._ranges[group]
+        h: Any = (
+            xxhash.xxh3_128(seed=_XXH3_SEED)
+            if self.algorithm is DigestAlgorithm.XXH3_128 and xxhash is not None
+            else hashlib.blake2b(digest_size=_DIGEST_SIZE, person=_PERSON)
+        )
         buffers = self._buffers
         for region, base, stride in self._slots[group]:
-            start = base + block_id * stride
             buffer = buffers[region] if self._flat else memoryview(buffers[region]).cast("B")
-            h.update(buffer[start : start + page])
-        return h.hexdigest()
+            for offset, nbytes in ranges:
+                start = base + block_id * stride + offset
+                h.update(buffer[start : start + nbytes])
+        return str(h.hexdigest())
 
     def digests(self, block_ids: BlockIds) -> BlockDigests:
         """One digest per entry of ``block_ids``, group by group (INT-1)."""
