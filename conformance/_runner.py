@@ -46,7 +46,11 @@ def run_case(case: Case, context: CaseContext) -> CaseResult:
         )
 
     if missing:
-        hint = " (the drivers' INT-1 check provides it: kvspec conform --integrity)" if "integrity" in missing else ""
+        hint = (
+            " (the drivers' INT-1 check provides it, on unless kvspec conform --no-integrity)"
+            if "integrity" in missing
+            else ""
+        )
         return result(Outcome.SKIPPED, f"backend lacks capability {', '.join(missing)}{hint}")
     context.last_reproducer = None
     context.errors_expected = False
@@ -58,7 +62,7 @@ def run_case(case: Case, context: CaseContext) -> CaseResult:
     whole_case = (
         f"from kvspec_conformance import run_suite\n{imports}\n"
         f"run_suite({context.backend_spec!r}, rules=[{case.id!r}], "
-        f"max_examples={context.max_examples}{connector}{', integrity=True' if context.integrity else ''}).print()\n"
+        f"max_examples={context.max_examples}{connector}{'' if context.integrity else ', integrity=False'}).print()\n"
     )
     try:
         case.func(context)
@@ -132,7 +136,7 @@ def run_suite(
     progress: Progress | None = None,
     cases: Sequence[Case] | None = None,
     expected_failures: Mapping[str, str] | None = None,
-    integrity: bool = False,
+    integrity: bool | None = None,
     pace: str | Pace | None = None,
     pace_seed: int = 0,
     allow_logs: Sequence[str] = (),
@@ -145,8 +149,11 @@ def run_suite(
     ``expected_failures`` maps case ids to the reason they are known to fail
     (see :func:`apply_expected_failures`). ``time_scale`` multiplies every
     deadline, lease, drain bound and quiet period; ``None`` takes
-    :func:`default_time_scale` of the backend. ``integrity`` turns on the
-    drivers' integrity check (INT-1) in every scenario, so the integrity cases run.
+    :func:`default_time_scale` of the backend. ``integrity`` turns the
+    drivers' integrity check (INT-1, with INT-2's negotiated digest) on or off
+    in every scenario, so the integrity cases run or skip; ``None`` (the
+    default) turns it on, except for a backend whose pools are on another host
+    (``--peer``), whose pages the drivers here cannot digest.
     ``pace`` (``"slow"``, ``"jitter"``, ``"pieces"`` or a :class:`kvspec.transport.Pace`) wraps
     the backend in :class:`kvspec.transport.PacedBackend` seeded with
     ``pace_seed``: a correct backend passes every case at any pace.
@@ -173,7 +180,7 @@ def run_suite(
         max_examples=max_examples,
         time_scale=default_time_scale(resolved) if time_scale is None else time_scale,
         shrink=shrink,
-        integrity=integrity,
+        integrity=not resolved.capabilities.remote_pools if integrity is None else integrity,
     )
     results: list[CaseResult] = []
     windows: list[_Window] = []

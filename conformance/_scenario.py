@@ -85,6 +85,7 @@ from kvspec.exchange import (
 )
 from kvspec.presets import get_preset
 from kvspec.remote import PeerBackend, RemoteAgent, RemotePool
+from kvspec.spec.digest import get_offered_algorithms
 from kvspec.spec.state import (
     get_scratch_slot_count,
     get_state_clipped_blocks,
@@ -572,7 +573,10 @@ class _Play:
         )
 
     def _digester(self, config: KVCacheConfig, pool: PagePool) -> PageDigester | None:
-        return PageDigester(config, [r.buffer for r in pool.regions]) if self.scenario.integrity else None
+        if not self.scenario.integrity:
+            return None
+        # Both drivers are this process's: they digest with what a 1.3 handshake would choose (INT-2).
+        return PageDigester(config, [r.buffer for r in pool.regions], algorithm=get_offered_algorithms()[0])
 
     def _producer_table(self, spec: Request) -> BlockIds:
         if spec.producer_block_ids is not None:

@@ -76,9 +76,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--integrity",
-        action="store_true",
-        help="turn on the drivers' integrity check (INT-1, page digests) in every scenario; "
-        "the integrity cases then run on any backend",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="the drivers' integrity check (INT-1, page digests with INT-2's XXH3-128) in every scenario, so the "
+        "integrity cases run on any backend: on by default (off with --peer, whose pools are on the other host); "
+        "--no-integrity turns it off",
     )
     parser.add_argument(
         "--pace",

@@ -73,10 +73,10 @@ class BackendSuite:
     do; the others' methods are removed from the subclass. ``xfail_cases``
     maps case ids to the reason each is a known failure (strict: a case that
     starts passing fails the run, so the entry is removed once fixed).
-    ``integrity = True`` turns on the drivers' integrity check (INT-1) in
-    every scenario, so the integrity cases run (as ``kvspec conform
-    --integrity``). ``pace = "slow"`` or ``"jitter"`` (with ``pace_seed``) runs
-    every case under :class:`kvspec.transport.PacedBackend` (as ``kvspec
+    ``integrity`` is the drivers' integrity check (INT-1) in every scenario:
+    ``None`` (the default) turns it on unless the pools are remote, as
+    ``kvspec conform`` does; ``False`` is ``--no-integrity``. ``pace = "slow"``
+    or ``"jitter"`` (with ``pace_seed``) runs every case under :class:`kvspec.transport.PacedBackend` (as ``kvspec
     conform --pace``). To replace one case, define its method (see :func:`case_test_name`); to wrap
     every case, override :meth:`check_case`.
     """
@@ -88,7 +88,7 @@ class BackendSuite:
     max_examples: ClassVar[int] = DEFAULT_MAX_EXAMPLES
     time_scale: ClassVar[float | None] = None
     shrink: ClassVar[bool] = False
-    integrity: ClassVar[bool] = False
+    integrity: ClassVar[bool | None] = None
     pace: ClassVar[str | None] = None
     pace_seed: ClassVar[int] = 0
     xfail_cases: ClassVar[Mapping[str, str]] = {}
@@ -132,7 +132,7 @@ class BackendSuite:
             max_examples=cls.max_examples,
             time_scale=default_time_scale(backend) if cls.time_scale is None else cls.time_scale,
             shrink=cls.shrink,
-            integrity=cls.integrity,
+            integrity=not tested.capabilities.remote_pools if cls.integrity is None else cls.integrity,
         )
         try:
             context.warm_up()  # imports and set-up before the first case's clock starts

@@ -32,6 +32,7 @@ from kvspec.core._errors import (
     FieldError,
     GroupCountError,
     IncompatiblePeerError,
+    IntegrityMismatchError,
     KVSpecError,
     LocalProtocolError,
     MalformedMessageError,
@@ -137,6 +138,7 @@ from kvspec.reference._reference import (
 
 # These names are the definitions themselves (kvspec.X is kvspec.spec.X); their fast twins are kvspec.fast's.
 from kvspec.spec import (
+    check_request_blocks,
     check_window_coverage,
     compute_block_pairs,
     compute_transfer_pairs,
@@ -176,6 +178,7 @@ __all__ = [
     "GroupDescriptor",
     "GroupPlan",
     "IncompatiblePeerError",
+    "IntegrityMismatchError",
     "KVCacheConfig",
     "KVCacheGroupSpec",
     "KVCacheSpec",
@@ -225,6 +228,7 @@ __all__ = [
     "check_compatibility",
     "check_hybrid_support",
     "check_offload_support",
+    "check_request_blocks",
     "check_window_coverage",
     "compute_block_pairs",
     "compute_transfer_pairs",

@@ -232,6 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
     vectors.set_defaults(handler=_vectors_check.run)
 
     _add_agent_parser(sub)
+    _add_guard_parser(sub)
 
     audit = sub.add_parser(
         "vllm-audit",
@@ -708,6 +709,66 @@ def _run_plan(args: argparse.Namespace, out: TextIO) -> int:
     else:
         _print_table(preset.hf_id, summary, out)
     return 0
+
+
+# --------------------------------------------------------------------------- guard
+
+
+def _add_guard_parser(sub: Any) -> None:
+    guard = sub.add_parser(
+        "guard",
+        help="check the guard's verify path (INT-2, INT-3)",
+        description="The guard: the rule checks and the INT-2 digest a consumer runs before a request loads.",
+    )
+    guard_sub = guard.add_subparsers(dest="guard_command", required=True, metavar="ACTION")
+    selftest = guard_sub.add_parser(
+        "selftest",
+        help="inject seeded mismatches through the guard's verify path; exit non-zero unless each is caught",
+        description="Inject a wrong page, a wrong slot, a stale page, a flipped byte and an unclipped list into "
+        "one request, run the guard's verify path on each, and report that each was caught (and that a clean "
+        "request loads). Exits 1 if any was missed.",
+    )
+    selftest.add_argument("--seed", type=_non_negative_int, default=0, help="which pages and places (default 0)")
+    selftest.add_argument("--producer-tp", type=_positive_int, default=1, metavar="N", help="default 1")
+    selftest.add_argument("--consumer-tp", type=_positive_int, default=2, metavar="N", help="default 2")
+    selftest.add_argument(
+        "--offset", type=_non_negative_int, default=0, metavar="BYTE", help="the byte to flip in a rank's page"
+    )
+    selftest.add_argument("--algorithm", default="xxh3-128", choices=["xxh3-128", "blake2b-128"])
+    selftest.add_argument("--mode", default="full", choices=["full", "partial"], help="INT-2 mode (default full)")
+    selftest.set_defaults(handler=_run_guard_selftest)
+
+
+def _run_guard_selftest(args: argparse.Namespace, out: TextIO) -> int:
+    from kvspec.spec.digest import DigestPolicy
+    from kvspec.tools._guard_selftest import run_selftest
+
+    if args.producer_tp > 64 or args.consumer_tp > 64:
+        raise KVSpecError(
+            f"--producer-tp, --consumer-tp: expected at most 64, got {args.producer_tp}, {args.consumer_tp}"
+        )
+    policy = DigestPolicy(algorithm=args.algorithm, mode=args.mode)
+    results = run_selftest(
+        seed=args.seed, producer_tp=args.producer_tp, consumer_tp=args.consumer_tp, offset=args.offset, policy=policy
+    )
+    print(
+        f"kvspec guard selftest: TP {args.producer_tp} -> {args.consumer_tp}, {policy.algorithm.value} "
+        f"{policy.mode.value}, seed {args.seed}",
+        file=out,
+    )
+    for result in results:
+        word = "ok    " if result.ok else "MISSED"
+        if result.case == "clean":
+            said = "loaded, no verdict" if result.verdict is None else f"false alarm: {result.verdict.message}"
+        elif result.verdict is None:
+            said = "no verdict: the request would have loaded"
+        else:
+            where = f", first differing page {result.verdict.page}" if result.verdict.page else ""
+            said = f"caught by {result.verdict.rule}{where}; the request fails"
+        print(f"{word} {result.case:<15} {said}", file=out)
+    missed = [r.case for r in results if not r.ok]
+    print("every injected mismatch was caught" if not missed else f"missed: {', '.join(missed)}", file=out)
+    return 1 if missed else 0
 
 
 # --------------------------------------------------------------------------- agent

@@ -13,6 +13,7 @@ kvspec.spec.X``), the text to read for what a rule means.
 """
 
 from kvspec.reference._reference import (
+    check_request_blocks,
     check_window_coverage,
     compute_block_pairs,
     compute_transfer_pairs,
@@ -21,6 +22,7 @@ from kvspec.reference._reference import (
 )
 
 __all__ = [
+    "check_request_blocks",
     "check_window_coverage",
     "compute_block_pairs",
     "compute_transfer_pairs",

@@ -62,6 +62,7 @@ __all__ = [
     "PARALLEL_MUTANTS",
     "SCORE",
     "STATE_ENDPOINT_MUTANTS",
+    "CorruptsAfterCopy",
     "DriverMutant",
     "EndpointMutant",
     "LogsErrors",
@@ -461,6 +462,42 @@ class FirstTaskOnly(MutantBackend):
     agent_class = _FirstTaskOnlyAgent
     breaks = "DONE-1"
     caught_by = ("DONE-1/completion-implies-visibility",)
+
+
+class _CorruptsAfterCopyAgent(_Agent):
+    """Copies every byte right, then flips one byte of the first page it wrote once it has reported DONE."""
+
+    def __init__(self, inner: Transport, backend: MutantBackend) -> None:
+        super().__init__(inner, backend)
+        self.first: dict[int, tuple[TransferMode, Descriptor, str]] = {}
+
+    def post(
+        self, mode: TransferMode, descriptors: Sequence[Descriptor], *, peer: str, notification: bytes | None = None
+    ) -> TransferHandle:
+        handle = self.inner.post(mode, descriptors, peer=peer, notification=notification)
+        if descriptors:
+            self.first[handle.transfer_id] = (mode, descriptors[0], peer)
+        return handle
+
+    def check(self, handle: TransferHandle) -> TransferStatus:
+        status = self.inner.check(handle)
+        landed = self.first.pop(handle.transfer_id, None) if status.state is TransferState.DONE else None
+        if landed is not None:
+            mode, d, peer = landed
+            dest, offset = (
+                (self.regions[d.local_region], d.local_offset)
+                if mode is TransferMode.READ
+                else (self.backend.regions[peer][d.remote_region], d.remote_offset)
+            )
+            dest[offset + d.nbytes // 2] ^= 0x5A  # after the copy: the bytes were right when DONE was decided
+        return status
+
+
+class CorruptsAfterCopy(MutantBackend):
+    """A correct copy whose destination page is damaged afterwards (a stale DMA, a reused buffer): INT-1 catches it."""
+
+    agent_class = _CorruptsAfterCopyAgent
+    breaks = "INT-1"
 
 
 BACKEND_MUTANTS: tuple[type[MutantBackend], ...] = (

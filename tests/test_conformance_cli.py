@@ -147,17 +147,17 @@ def test_backend_options_and_connector_under_test() -> None:
     assert bad.returncode != 0
 
 
-def test_integrity_flag_runs_the_integrity_cases(tmp_path: Path) -> None:
-    """``--integrity`` runs the INT-1 cases on loopback; without it they skip, saying how to turn it on."""
-    on = _conform("loopback", "--rule", "INT-1", "--integrity", "-q", "--json", str(tmp_path / "on.json"))
+def test_the_integrity_cases_run_by_default(tmp_path: Path) -> None:
+    """The INT-1 cases run on loopback with no flag; with ``--no-integrity`` they skip, saying how to turn it on."""
+    on = _conform("loopback", "--rule", "INT-1", "-q", "--json", str(tmp_path / "on.json"))
     assert on.returncode == 0, on.stdout[-3000:] + on.stderr[-2000:]
     cases = json.loads((tmp_path / "on.json").read_text())["cases"]
     assert sorted((c["id"], c["outcome"]) for c in cases) == [
         ("INT-1/corruption-with-integrity", "passed"),
         ("INT-1/transport-integrity", "passed"),
     ]
-    off = _conform("loopback", "--rule", "INT-1", "-q", "--json", str(tmp_path / "off.json"))
+    off = _conform("loopback", "--rule", "INT-1", "--no-integrity", "-q", "--json", str(tmp_path / "off.json"))
     assert off.returncode == 0, off.stdout[-3000:] + off.stderr[-2000:]
     skipped = json.loads((tmp_path / "off.json").read_text())["cases"]
     assert [c["outcome"] for c in skipped] == ["skipped", "skipped"]
-    assert all("kvspec conform --integrity" in c["message"] for c in skipped), skipped
+    assert all("kvspec conform --no-integrity" in c["message"] for c in skipped), skipped

@@ -14,6 +14,7 @@ from mutants import (
     PARALLEL_MUTANTS,
     SCORE,
     STATE_ENDPOINT_MUTANTS,
+    CorruptsAfterCopy,
     DriverMutant,
     EndpointMutant,
     MutantBackend,
@@ -149,14 +150,27 @@ def test_every_parallel_case_is_proven_by_a_mutant_and_passes_unmutated() -> Non
     assert report.passed, _failures(report)
 
 
-def test_reference_driver_passes_integrity_and_skips_it_when_off() -> None:
-    """The unpatched driver passes INT-1 with --integrity; without it both cases skip, saying how to run them."""
-    on = run_suite("loopback", rules=["INT-1"], integrity=True)
+def test_reference_driver_passes_integrity_by_default_and_skips_it_when_off() -> None:
+    """The unpatched driver passes INT-1 with no flag; with --no-integrity both cases skip, saying how to run them."""
+    on = run_suite("loopback", rules=["INT-1"])
     assert on.passed, _failures(on)
     assert [r.outcome.value for r in on.results] == ["passed", "passed"]
-    off = run_suite("loopback", rules=["INT-1"])
+    off = run_suite("loopback", rules=["INT-1"], integrity=False)
     assert [r.outcome.value for r in off.results] == ["skipped", "skipped"]
-    assert all("kvspec conform --integrity" in r.message for r in off.results), _failures(off)
+    assert all("kvspec conform --no-integrity" in r.message for r in off.results), _failures(off)
+
+
+def test_a_page_corrupted_after_a_correct_copy_fails_the_default_integrity_check() -> None:
+    """INT-1 runs without a flag and fails a backend that damages a page after a correct copy; off, it skips."""
+    backend = CorruptsAfterCopy()
+    try:
+        on = run_suite(backend, rules=["INT-1"], max_examples=5)
+        off = run_suite(backend, rules=["INT-1"], max_examples=5, integrity=False)
+    finally:
+        backend.close()
+    assert "INT-1" in on.failed_rules(), _failures(on)
+    assert any("digests of blocks" in r.message for r in on.results if r.is_failure), _failures(on)
+    assert [r.outcome.value for r in off.results] == ["skipped", "skipped"]
 
 
 @pytest.mark.parametrize("mutant", [*BACKEND_MUTANTS], ids=lambda m: m.__name__)

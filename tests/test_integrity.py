@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,9 +19,11 @@ from kvspec import (
     Completion,
     ConsumerSession,
     ConsumerState,
+    EngineDescriptor,
     FailureInfo,
     FailureReason,
     FieldError,
+    IncompatiblePeerError,
     KVCacheConfig,
     MalformedMessageError,
     PageDigester,
@@ -32,6 +35,7 @@ from kvspec import (
 from kvspec.drivers._driver import CONSUMER, Driver, LiveRequest
 from kvspec.exchange import ConsumerEndpoint, ProducerEndpoint, connect, run_request
 from kvspec.presets import get_preset
+from kvspec.spec.digest import DigestAlgorithm
 from kvspec.testing import PagePool, allocate_pool, fill_background, fill_producer_pages
 from kvspec.transport import FaultInjector, FaultPlan, Transport
 from kvspec.transport.loopback import LoopbackBackend
@@ -347,3 +351,38 @@ def test_only_a_loading_consumer_checks_a_completion() -> None:
             assert session.failure.failed_consumer_block_ids == BlockIds([[2]])
     finally:
         backend.close()
+
+
+# --------------------------------------------------------------------------- INT-2: the algorithm, chosen at handshake
+
+
+def test_two_1_3_peers_choose_xxh3_and_load_intact_transfers(pair_factory: object) -> None:
+    pair = pair_factory(TransferMode.READ, producer_integrity=True, consumer_integrity=True)  # type: ignore[operator]
+    for endpoint in (pair.producer, pair.consumer):
+        assert endpoint.driver.integrity.algorithm is DigestAlgorithm.XXH3_128
+    assert _run(pair) == (ConsumerState.LOADED, None)
+
+
+def test_a_1_2_peer_keeps_blake2b_and_a_peer_without_a_common_algorithm_is_refused() -> None:
+    config = _config()
+    with _pool(config, "p") as pool:
+        digester = PageDigester(config, [r.buffer for r in pool.regions])
+        digester.choose("old", ["xxh3-128", "blake2b-128"], [], peer_version=(1, 2))
+        assert digester.algorithm is DigestAlgorithm.BLAKE2B_128
+        # The same engine cannot then digest another peer's blocks with XXH3: one algorithm per digester.
+        with pytest.raises(IncompatiblePeerError, match="digest_algorithms"):
+            digester.choose("new", ["xxh3-128"], ["xxh3-128"], peer_version=(1, 3))
+        fresh = PageDigester(config, [r.buffer for r in pool.regions])
+        with pytest.raises(IncompatiblePeerError, match="digest_algorithms"):
+            fresh.choose("odd", ["xxh3-128", "blake2b-128"], ["crc32"], peer_version=(1, 3))
+        fresh.choose("new", ["xxh3-128", "blake2b-128"], ["blake2b-128", "xxh3-128"], peer_version=(1, 3))
+        assert fresh.algorithm is DigestAlgorithm.XXH3_128  # kvspec's order, not the peer's
+        assert fresh.block_digest(0, 5) != digester.block_digest(0, 5)
+
+
+@pytest.mark.parametrize("bad", [("x" * 33,), ("a",) * 9, ("",), (5,)])
+def test_a_peers_algorithm_list_is_bounded(bad: tuple[object, ...]) -> None:
+    descriptor = EngineDescriptor.from_config(engine_id="P", config=_config(), mode=TransferMode.READ, hma_enabled=True)
+    body = json.loads(encode(descriptor)) | {"digest_algorithms": list(bad)}
+    with pytest.raises(MalformedMessageError, match="digest_algorithms"):
+        decode(json.dumps(body).encode())

@@ -142,6 +142,8 @@ def field_alone_rows() -> list[Row]:
         ("block count", attrs.evolve(base, num_blocks=base.num_blocks * 2), None),
         ("TP size", attrs.evolve(base, tp_size=2), "tp_size"),
         ("transport metadata", attrs.evolve(base, transport_metadata=b"consumer-agent"), None),
+        # Chosen, not compared: two offers with one algorithm in common agree on it (INT-2).
+        ("digest algorithms", attrs.evolve(base, digest_algorithms=("blake2b-128",)), None),
         ("kind", _group_row(1, kind=SpecKind.SLIDING_WINDOW_MLA), "groups[1].kind"),
         ("block size", _group_row(1, block_size=sw_group.block_size * 2), "groups[1].block_size"),
         (

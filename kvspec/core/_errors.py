@@ -16,6 +16,7 @@ __all__ = [
     "FieldError",
     "GroupCountError",
     "IncompatiblePeerError",
+    "IntegrityMismatchError",
     "KVSpecError",
     "LocalProtocolError",
     "MalformedMessageError",
@@ -116,6 +117,23 @@ class ParallelismError(KVSpecError, ValueError):
     stage holds, or copies that do not tile a rank's page; the message names
     the field and the expected value.
     """
+
+
+class IntegrityMismatchError(KVSpecError, ValueError):
+    """What a consumer received differs from what the producer held: the request fails, never decodes (INT-3).
+
+    ``rule`` names the rule that caught it (``INT-2`` for a digest, or the
+    rule a block-list check raised), ``request_id`` the request and ``page``
+    the first differing page (``"group g, tokens [a, b)"``, or ``None`` where
+    the rule is not about a page). The message names all three; a peer's copy
+    (:func:`decode_error`) keeps the message only.
+    """
+
+    def __init__(self, message: str, *, rule: str = "INT-2", request_id: str | None = None, page: str | None = None):
+        self.rule = rule
+        self.request_id = request_id
+        self.page = page
+        super().__init__(message)
 
 
 class IncompatiblePeerError(KVSpecError, ValueError):
@@ -343,5 +361,8 @@ _ERROR_CLASSES: dict[str, type[KVSpecError]] = {
     if isinstance(cls, type)
     and issubclass(cls, KVSpecError)
     and cls is not KVSpecError
-    and (isinstance(cls.__init__, types.WrapperDescriptorType) or cls in (MalformedMessageError, TransportError))
+    and (
+        isinstance(cls.__init__, types.WrapperDescriptorType)
+        or cls in (MalformedMessageError, TransportError, IntegrityMismatchError)
+    )
 }

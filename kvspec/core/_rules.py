@@ -184,6 +184,25 @@ RULES: tuple[Rule, ...] = (
         "ends FAILED(integrity), never LOADED.",
     ),
     Rule(
+        id="INT-2",
+        title="A digest over the canonical page",
+        level=Level.MUST,
+        summary="Protocol 1.3: the digest is defined over the canonical page's cells (PAR-2), so producer and "
+        "consumer of any TP, PP or page size compare sums of what each rank holds; modes full, sampled (seeded "
+        "per request) and partial (n bytes a page, size, index and position bound in); XXH3-128 by default, "
+        "BLAKE2b-128 negotiable in the handshake.",
+        checked_by="tests/test_digest.py",
+    ),
+    Rule(
+        id="INT-3",
+        title="Guard: verify before loaded, fail typed, ranks agree",
+        level=Level.MUST,
+        summary="A guarding consumer runs the rule checks on the block lists used and the INT-2 digest before the "
+        "request is loaded; a mismatch fails it with IntegrityMismatchError naming rule, request and first "
+        "differing page; the ranks of one consumer drop the union of their verdicts; raise mode (CI) raises.",
+        checked_by="tests/test_guard.py",
+    ),
+    Rule(
         id="PLAN-1",
         title="Byte layout and the plan",
         level=Level.MUST,

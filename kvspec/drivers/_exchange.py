@@ -88,6 +88,7 @@ from kvspec.reference._reference import (
     get_pruned_block_ids,
     is_hma_required,
 )
+from kvspec.spec.digest import get_offered_algorithms
 from kvspec.spec.state import get_state_group_indices
 from kvspec.transport._base import MemoryRegion, Transport
 
@@ -318,6 +319,14 @@ class _Endpoint(Generic[S]):
             raise PlanError(
                 f"peer {descriptor.engine_id!r}: descriptor says {descriptor.num_blocks} blocks, "
                 f"layout {config.num_blocks}"
+            )
+        if self.driver.integrity is not None:
+            # The block digests use the algorithm both sides chose; a 1.2 peer keeps BLAKE2b-128 (INT-1, INT-2).
+            self.driver.integrity.choose(
+                descriptor.engine_id,
+                [a.value for a in get_offered_algorithms()],
+                descriptor.digest_algorithms,
+                peer_version=descriptor.protocol_version,
             )
         agent = self.transport.add_remote_agent(descriptor.transport_metadata)
         self._peers[descriptor.engine_id] = _Peer(

@@ -25,7 +25,7 @@ import base64
 import binascii
 import enum
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeAlias, TypeVar
 
 import attrs
@@ -49,6 +49,7 @@ from kvspec.core._models import (
     SpecKind,
 )
 from kvspec.reference._integrity import DIGEST_HEX_LENGTH, BlockDigests, is_block_digest
+from kvspec.spec.digest import get_offered_algorithms
 
 __all__ = [
     "PROTOCOL_VERSION",
@@ -66,7 +67,7 @@ __all__ = [
     "TransportData",
 ]
 
-PROTOCOL_VERSION: tuple[int, int] = (1, 2)
+PROTOCOL_VERSION: tuple[int, int] = (1, 3)
 """(major, minor) of the wire protocol; independent of the package version (VER-1).
 
 1.1 added where each list ends (``producer_block_ends``, ``consumer_block_ends``)
@@ -74,7 +75,10 @@ and the recomputed tokens (``recomputed_tokens``); a 1.0 peer omits them and
 keeps 1.0's behaviour (ALIGN-1, WIN-1). 1.2 added state groups: the tokens a
 state absorbed (``state_tokens``), the state profile and the state layout of
 each group in the handshake; a 1.1 peer omits them and cannot exchange a
-model with state groups (STATE-1, STATE-5).
+model with state groups (STATE-1, STATE-5). 1.3 added the digest algorithms
+each engine offers (``EngineDescriptor.digest_algorithms``): the block digests
+use the first both offer (XXH3-128 by default); a 1.2 peer offers none and
+both sides keep 1.2's BLAKE2b-128 (INT-1, INT-2).
 """
 
 TransportData: TypeAlias = Mapping[str, str | int] | bytes
@@ -269,6 +273,22 @@ def _optional_names(inst: object, attribute: attrs.Attribute[Any], value: object
         raise FieldError(type(inst), attribute.name, "a tuple of non-empty names", value)
 
 
+MAX_DIGEST_ALGORITHMS = 8
+"""The most digest algorithm names a peer may offer (INT-2); each is at most 32 characters."""
+
+
+def _algorithm_names(inst: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    # Names this side does not know are kept (a newer peer's) but bounded: a peer's list is read into memory (INT-2).
+    if (
+        not isinstance(value, tuple)
+        or len(value) > MAX_DIGEST_ALGORITHMS
+        or not all(isinstance(v, str) and 0 < len(v) <= 32 for v in value)
+    ):
+        raise FieldError(
+            type(inst), attribute.name, f"at most {MAX_DIGEST_ALGORITHMS} names of 1 to 32 characters", value
+        )
+
+
 def _optional_profile(inst: object, attribute: attrs.Attribute[Any], value: object) -> None:
     if value is not None and not isinstance(value, StateProfile):
         raise FieldError(type(inst), attribute.name, f"one of {[p.value for p in StateProfile]} or None", value)
@@ -345,6 +365,8 @@ class EngineDescriptor:
     compatible. ``num_blocks`` bounds the block ids the peer may name.
     ``state_profile`` (protocol 1.2) is set exactly when the engine has state
     groups: where its transferred state stands (STATE-1).
+    ``digest_algorithms`` (protocol 1.3) lists the digest algorithms the engine
+    computes, in preference order; empty from a 1.2 peer (INT-2).
     """
 
     protocol_version: tuple[int, int] = attrs.field(default=PROTOCOL_VERSION, converter=_to_tuple, validator=_version)
@@ -356,6 +378,7 @@ class EngineDescriptor:
     tp_size: int = attrs.field(default=1, validator=_positive_int)
     transport_metadata: bytes = attrs.field(default=b"", validator=_bytes, repr=False)
     state_profile: StateProfile | None = attrs.field(default=None, validator=_optional_profile)
+    digest_algorithms: tuple[str, ...] = attrs.field(default=(), converter=_to_tuple, validator=_algorithm_names)
 
     @classmethod
     def from_config(
@@ -368,8 +391,12 @@ class EngineDescriptor:
         tp_size: int = 1,
         transport_metadata: bytes = b"",
         state_profile: StateProfile | None = None,
+        digest_algorithms: Sequence[str] | None = None,
     ) -> EngineDescriptor:
-        """Describe an engine from its KV-cache config; one with state groups has a profile (HS-1, STATE-1)."""
+        """Describe an engine from its KV-cache config; one with state groups has a profile (HS-1, STATE-1).
+
+        ``digest_algorithms`` defaults to every algorithm this install computes (INT-2).
+        """
         has_state = any(isinstance(g.kv_cache_spec, MambaSpec) for g in config.kv_cache_groups)
         if has_state and state_profile is None:
             state_profile = StateProfile.RECOMPUTE
@@ -382,6 +409,9 @@ class EngineDescriptor:
             tp_size=tp_size,
             transport_metadata=transport_metadata,
             state_profile=state_profile if has_state else None,
+            digest_algorithms=tuple(a.value for a in get_offered_algorithms())
+            if digest_algorithms is None
+            else tuple(digest_algorithms),
         )
 
 

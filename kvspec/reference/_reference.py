@@ -7,7 +7,7 @@ import operator
 from collections.abc import Iterable, Sequence
 
 from kvspec.core._deprecation import keyword_only, warn_renamed
-from kvspec.core._enums import TransferMode
+from kvspec.core._enums import StateProfile, TransferMode
 from kvspec.core._errors import (
     BlockAlignmentError,
     ConfigError,
@@ -25,8 +25,11 @@ from kvspec.spec.admission import check_hybrid_support, is_full_attention_spec, 
 from kvspec.spec.coverage import get_block_ends, get_needed_block_range, get_needed_token_range
 from kvspec.spec.coverage import get_logical_block_count as _spec_get_logical_block_count
 from kvspec.spec.coverage import get_num_skipped_tokens as _spec_get_num_skipped_tokens
+from kvspec.spec.guard import RankPlan
+from kvspec.spec.guard import check_request_blocks as _plain_check_request_blocks
 from kvspec.spec.pairing import BlockPairs
-from kvspec.spec.state import check_state_prefix_hit, get_state_paired_lists, is_state_spec
+from kvspec.spec.parallel import check_coverage
+from kvspec.spec.state import check_state_position, check_state_prefix_hit, get_state_paired_lists, is_state_spec
 from kvspec.spec.window import (
     BlockIdsLike,
     TokenBasis,
@@ -40,6 +43,7 @@ __all__ = [
     "BlockPairs",
     "TokenBasis",
     "check_hybrid_support",
+    "check_request_blocks",
     "check_window_coverage",
     "compute_block_pairs",
     "compute_transfer_pairs",
@@ -496,3 +500,72 @@ def validate_hybrid_support(
     check_hybrid_support(
         config, mode=mode, read_only_hma=read_only_hma, disable_hybrid_kv_cache_manager=disable_hybrid_kv_cache_manager
     )
+
+
+def check_request_blocks(
+    config: KVCacheConfig,
+    *,
+    num_tokens: int,
+    prefix_hit_tokens: int,
+    producer_block_ids: BlockIdsLike,
+    consumer_block_ids: BlockIdsLike,
+    recomputed_tokens: int = 0,
+    producer_block_ends: Sequence[int] | None = None,
+    consumer_block_ends: Sequence[int] | None = None,
+    state_tokens: int | None = None,
+    profile: StateProfile | str = StateProfile.RECOMPUTE,
+    rank_plans: Iterable[RankPlan] = (),
+) -> BlockPairs:
+    """The guard's rule checks on the block lists a connector used, at engine speed; raise or return the pairs (INT-3).
+
+    The same checks, refusals and pairs as the plain definition
+    :func:`kvspec.spec.check_request_blocks` (tests/test_fast_paths.py): the
+    clipping check reads list lengths only, and coverage and pairing are this
+    module's :func:`compute_transfer_pairs` (whole-list checks, C-speed scans
+    of the needed slices), within 2x of a loop that touches every id once
+    (``benchmarks/bench_guard.py``) (INT-3).
+    """
+    budgets = get_blocks_per_sw(config)
+    for ids in (producer_block_ids, consumer_block_ids):
+        if not isinstance(ids, (str, bytes)) and isinstance(ids, Sequence):
+            for group, budget in zip(ids, budgets, strict=False):
+                if budget and isinstance(group, Sequence) and len(group) > budget:
+                    break
+            else:
+                continue
+        # A list past its budget, or one this loop cannot read: the definition says which and why (CLIP-1).
+        return _plain_check_request_blocks(
+            config,
+            num_tokens=num_tokens,
+            prefix_hit_tokens=prefix_hit_tokens,
+            producer_block_ids=producer_block_ids,
+            consumer_block_ids=consumer_block_ids,
+            recomputed_tokens=recomputed_tokens,
+            producer_block_ends=producer_block_ends,
+            consumer_block_ends=consumer_block_ends,
+            state_tokens=state_tokens,
+            profile=profile,
+            rank_plans=rank_plans,
+        )
+    check_state_position(
+        config, state_tokens=state_tokens, num_tokens=num_tokens, recomputed_tokens=recomputed_tokens, profile=profile
+    )
+    pairs = compute_transfer_pairs(
+        config,
+        num_tokens=num_tokens,
+        prefix_hit_tokens=prefix_hit_tokens,
+        producer_block_ids=producer_block_ids,
+        consumer_block_ids=consumer_block_ids,
+        recomputed_tokens=recomputed_tokens,
+        producer_block_ends=producer_block_ends,
+        consumer_block_ends=consumer_block_ends,
+    )
+    for plan in rank_plans:
+        check_coverage(
+            plan.page,
+            producer_tp=plan.producer_tp,
+            consumer_tp=plan.consumer_tp,
+            consumer_rank=plan.consumer_rank,
+            copies=plan.copies,
+        )
+    return pairs

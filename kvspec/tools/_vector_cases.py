@@ -84,6 +84,8 @@ from kvspec.reference._reference import (
     is_full_attention_spec,
     is_hma_required,
 )
+from kvspec.spec.digest import DigestPolicy, digest_rank_page, is_request_sampled
+from kvspec.spec.guard import check_request_blocks
 from kvspec.spec.parallel import (
     CanonicalPage,
     PageTensor,
@@ -979,6 +981,104 @@ def _int1_dict_pins() -> list[Case]:
             inputs={"kv_transfer_params": {**as_dict, "kvspec_block_digests": [["", "xyz", _DIGEST_B], [_DIGEST_A]]}},
         ),
         Case(name="digests_not_a_list", inputs={"kv_transfer_params": {**as_dict, "kvspec_block_digests": _DIGEST_A}}),
+    ]
+
+
+# --------------------------------------------------------------------------- INT-2, INT-3
+
+
+def _int2_data(page: CanonicalPage, tp_size: int, tp_rank: int, seed: str) -> bytes:
+    """Rank ``tp_rank``'s page of a seeded canonical page: its bytes where PAR-2 puts them, zeros elsewhere."""
+    canonical = random.Random(seed).randbytes(page.nbytes)
+    runs = get_rank_page_map(page, tp_size=tp_size, tp_rank=tp_rank)
+    out = bytearray(sum(r.nbytes for r in runs))
+    for r in runs:
+        out[r.rank_offset : r.rank_offset + r.nbytes] = canonical[r.canonical_offset : r.canonical_offset + r.nbytes]
+    return bytes(out)
+
+
+def _int2_inputs(
+    policy: DigestPolicy, *, heads: int = 2, tp: int = 1, rank: int = 0, split: int = 1, **kw: Any
+) -> dict[str, object]:
+    page = kw.pop("page", None) or _kv_page(heads)
+    return {
+        "policy": policy,
+        "page": page,
+        "data": _int2_data(page, tp, rank, kw.pop("seed", "int2")),
+        "layer": kw.pop("layer", "model.layers.0.self_attn"),
+        "position": kw.pop("position", 32),
+        "tp_size": tp,
+        "tp_rank": rank,
+        "split": split,
+        "granule": kw.pop("granule", 4),
+    }
+
+
+def _int2_digest_pins() -> list[Case]:
+    xxh3, blake = DigestPolicy(), DigestPolicy(algorithm="blake2b-128")
+    partial = DigestPolicy(mode="partial", partial_bytes=6)
+    return [
+        Case(name="full_xxh3_tp1", inputs=_int2_inputs(xxh3)),
+        Case(name="full_blake2b_tp1", inputs=_int2_inputs(blake)),
+        Case(
+            name="full_xxh3_tp2_rank1_split2",
+            inputs=_int2_inputs(xxh3, tp=2, rank=1, split=2),
+            description="rank 1 adds the cells of head 1; rank 0's and its sums add up to the TP1 sums",
+        ),
+        Case(name="full_xxh3_tp2_rank0_split2", inputs=_int2_inputs(xxh3, tp=2, rank=0, split=2)),
+        Case(name="full_xxh3_tp1_split2", inputs=_int2_inputs(xxh3, split=2)),
+        Case(
+            name="gqa_replica_rank1_adds_nothing",
+            inputs=_int2_inputs(xxh3, heads=1, tp=2, rank=1, split=2),
+            description="one KV head on two ranks: the lowest rank adds it, so the sum counts it once",
+        ),
+        Case(name="full_xxh3_granule_2", inputs=_int2_inputs(xxh3, granule=2), description="two positions per page"),
+        Case(name="full_xxh3_nhd", inputs=_int2_inputs(xxh3, page=_kv_page(2, order="nhd"))),
+        Case(name="partial_6_bytes", inputs=_int2_inputs(partial), description="2 cells: 3 bytes each, 2 + 1"),
+        Case(name="partial_6_bytes_position_40", inputs=_int2_inputs(partial, position=40)),
+        Case(name="granule_not_dividing_rows", inputs=_int2_inputs(xxh3, granule=3)),
+    ]
+
+
+def _int2_sample_pins() -> list[Case]:
+    sampled = DigestPolicy(mode="sampled", sample_ppm=250_000, seed=42)
+    return [
+        *(
+            Case(name=f"sampled_quarter_req_{i}", inputs={"policy": sampled, "request_id": f"req-{i}"})
+            for i in range(8)
+        ),
+        Case(name="sampled_none", inputs={"policy": DigestPolicy(mode="sampled", sample_ppm=0), "request_id": "r"}),
+        Case(name="full_always", inputs={"policy": DigestPolicy(mode="full", sample_ppm=0), "request_id": "r"}),
+    ]
+
+
+def _int3_pins() -> list[Case]:
+    config = _config([_full(4), _sw(8, 4)])
+    base = {
+        "config": config,
+        "num_tokens": 16,
+        "prefix_hit_tokens": 0,
+        "producer_block_ids": BlockIds([[1, 2, 3, 4], [5, 6, 7]]),
+        "consumer_block_ids": BlockIds([[11, 12, 13, 14], [15, 16, 17]]),
+        "recomputed_tokens": 0,
+        "state_tokens": None,
+    }
+    return [
+        Case(name="correct_lists", inputs=base),
+        Case(
+            name="window_not_clipped",
+            inputs={**base, "producer_block_ids": BlockIds([[1, 2, 3, 4], [5, 6, 7, 8]])},
+            description="4 window blocks past the budget 3: CLIP-1",
+        ),
+        Case(
+            name="needed_block_null",
+            inputs={**base, "consumer_block_ids": BlockIds([[11, 12, 0, 14], [15, 16, 17]])},
+            description="WIN-1",
+        ),
+        Case(
+            name="consumer_longer_than_producer",
+            inputs={**base, "producer_block_ids": BlockIds([[2, 3, 4], [5, 6, 7]]), "num_tokens": 12},
+        ),
     ]
 
 
@@ -1905,6 +2005,9 @@ CASE_SETS: tuple[CaseSet, ...] = (
         pinned=_pinned("OFF-9", "check_offload_support"),
         generate=_gen_config(_KINDS),
     ),
+    CaseSet(rule="INT-2", fn=digest_rank_page, pinned=_int2_digest_pins),
+    CaseSet(rule="INT-2", fn=is_request_sampled, pinned=_int2_sample_pins),
+    CaseSet(rule="INT-3", fn=check_request_blocks, pinned=_int3_pins),
     CaseSet(rule="PAR-1", fn=get_owned_units, pinned=_par1_pins),
     CaseSet(rule="PAR-2", fn=get_rank_page_map, pinned=_par2_pins),
     CaseSet(rule="PAR-3", fn=check_coverage, pinned=_par3_check_pins),

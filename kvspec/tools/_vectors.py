@@ -88,6 +88,8 @@ from kvspec.reference._reference import (
     is_full_attention_spec,
     is_hma_required,
 )
+from kvspec.spec.digest import DigestPolicy, digest_rank_page, format_digest, is_request_sampled
+from kvspec.spec.guard import check_request_blocks
 from kvspec.spec.parallel import (
     CanonicalPage,
     PageTensor,
@@ -452,6 +454,9 @@ PUBLIC_NAMES: Mapping[object, str] = {
     get_completion_count: "get_completion_count",
     pair_stage_layers: "pair_stage_layers",
     get_dcp_token_position: "get_dcp_token_position",
+    digest_rank_page: "digest_rank_page",
+    is_request_sampled: "is_request_sampled",
+    check_request_blocks: "check_request_blocks",
 }
 
 
@@ -827,6 +832,58 @@ _ENTRIES += (
         {"local_index": INT, "dcp_size": INT, "dcp_rank": INT, "interleave": INT},
         lambda a: get_dcp_token_position(
             a["local_index"], dcp_size=a["dcp_size"], dcp_rank=a["dcp_rank"], interleave=a["interleave"]
+        ),
+    ),
+)
+
+POLICY = Arg(decode=lambda body: DigestPolicy(**_object(body, "policy")), schema={"type": "object"})
+_ENTRIES += (
+    # INT-2, INT-3
+    _entry(
+        digest_rank_page,
+        {
+            "policy": POLICY,
+            "page": PAGE,
+            "data": BYTES,
+            "layer": STR,
+            "position": INT,
+            "tp_size": INT,
+            "tp_rank": INT,
+            "split": INT,
+            "granule": INT,
+        },
+        # Positions as object keys and 128-bit sums as 32 hex characters: JSON numbers stop at 2**53 in many readers.
+        lambda a: {
+            str(position): format_digest(value)
+            for position, value in digest_rank_page(
+                a["policy"],
+                a["page"],
+                a["data"],
+                layer=a["layer"],
+                position=a["position"],
+                tp_size=a["tp_size"],
+                tp_rank=a["tp_rank"],
+                split=a["split"],
+                granule=a["granule"],
+            ).items()
+        },
+    ),
+    _entry(
+        is_request_sampled,
+        {"policy": POLICY, "request_id": STR},
+        lambda a: is_request_sampled(a["policy"], a["request_id"]),
+    ),
+    _entry(
+        check_request_blocks,
+        _with_tokens(**_PAIR_INPUTS, recomputed_tokens=INT, state_tokens=OPTIONAL_INT),
+        lambda a: check_request_blocks(
+            a["config"],
+            num_tokens=a["num_tokens"],
+            prefix_hit_tokens=a["prefix_hit_tokens"],
+            producer_block_ids=a["producer_block_ids"],
+            consumer_block_ids=a["consumer_block_ids"],
+            recomputed_tokens=a["recomputed_tokens"],
+            state_tokens=a["state_tokens"],
         ),
     ),
 )

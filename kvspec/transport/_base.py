@@ -68,7 +68,7 @@ class Capabilities:
       then registered as shared-memory regions (``MemoryRegion.shm_name``).
     - ``integrity``: the backend itself verifies the bytes it moved and reports
       ``FailureReason.INTEGRITY`` when they differ. Without it, the drivers'
-      INT-1 check gives any backend integrity (``kvspec conform --integrity``).
+      INT-1 check gives any backend integrity (on by default in ``kvspec conform``).
     - ``observable_in_flight``: a posted transfer can be seen ``PENDING``.
     - ``immediate_cancel``: ``release`` of a PENDING transfer stops it before
       returning, so no byte of it lands afterwards. Without it, callers treat a
