@@ -49,6 +49,7 @@ from kvspec.core._models import (
     SpecKind,
 )
 from kvspec.reference._integrity import DIGEST_HEX_LENGTH, BlockDigests, is_block_digest
+from kvspec.spec.parallel import ParallelLayout
 
 __all__ = [
     "PROTOCOL_VERSION",
@@ -66,7 +67,7 @@ __all__ = [
     "TransportData",
 ]
 
-PROTOCOL_VERSION: tuple[int, int] = (1, 2)
+PROTOCOL_VERSION: tuple[int, int] = (1, 3)
 """(major, minor) of the wire protocol; independent of the package version (VER-1).
 
 1.1 added where each list ends (``producer_block_ends``, ``consumer_block_ends``)
@@ -74,7 +75,10 @@ and the recomputed tokens (``recomputed_tokens``); a 1.0 peer omits them and
 keeps 1.0's behaviour (ALIGN-1, WIN-1). 1.2 added state groups: the tokens a
 state absorbed (``state_tokens``), the state profile and the state layout of
 each group in the handshake; a 1.1 peer omits them and cannot exchange a
-model with state groups (STATE-1, STATE-5).
+model with state groups (STATE-1, STATE-5). 1.3 added the parallel layout
+(``EngineDescriptor.parallel``: the rank, its PP stage's layers, DCP, and per
+group the tensors' sub-blocks and page order); a 1.2 peer omits it, keeps
+today's layout and pairs with equal TP only (PAR-9, HS-1).
 """
 
 TransportData: TypeAlias = Mapping[str, str | int] | bytes
@@ -274,6 +278,11 @@ def _optional_profile(inst: object, attribute: attrs.Attribute[Any], value: obje
         raise FieldError(type(inst), attribute.name, f"one of {[p.value for p in StateProfile]} or None", value)
 
 
+def _optional_parallel(inst: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if value is not None and not isinstance(value, ParallelLayout):
+        raise FieldError(type(inst), attribute.name, "a ParallelLayout or None", value)
+
+
 def _layer_names(inst: object, attribute: attrs.Attribute[Any], value: object) -> None:
     if not isinstance(value, tuple) or not value or not all(isinstance(v, str) and v for v in value):
         raise FieldError(type(inst), attribute.name, "a non-empty tuple of non-empty layer names", value)
@@ -345,6 +354,9 @@ class EngineDescriptor:
     compatible. ``num_blocks`` bounds the block ids the peer may name.
     ``state_profile`` (protocol 1.2) is set exactly when the engine has state
     groups: where its transferred state stands (STATE-1).
+    ``parallel`` (protocol 1.3) is this rank's parallel layout; ``None`` (a
+    1.2 peer, or an engine that does not say) means today's layout, which
+    pairs with equal TP sizes only (PAR-9).
     """
 
     protocol_version: tuple[int, int] = attrs.field(default=PROTOCOL_VERSION, converter=_to_tuple, validator=_version)
@@ -356,6 +368,23 @@ class EngineDescriptor:
     tp_size: int = attrs.field(default=1, validator=_positive_int)
     transport_metadata: bytes = attrs.field(default=b"", validator=_bytes, repr=False)
     state_profile: StateProfile | None = attrs.field(default=None, validator=_optional_profile)
+    parallel: ParallelLayout | None = attrs.field(default=None, validator=_optional_parallel)
+
+    def __attrs_post_init__(self) -> None:
+        layout = self.parallel
+        if layout is None:
+            return
+        # The layout describes this engine: its TP size, one page per group, layers the groups hold (PAR-9).
+        if layout.rank.tp_size != self.tp_size:
+            raise FieldError(type(self), "parallel.rank.tp_size", f"tp_size {self.tp_size}", layout.rank.tp_size)
+        if len(layout.pages) != len(self.groups):
+            raise FieldError(
+                type(self), "parallel.pages", f"{len(self.groups)} pages, one per group", len(layout.pages)
+            )
+        names = {name for g in self.groups for name in g.layer_names}
+        unknown = [name for name in layout.rank.layers if name not in names]
+        if unknown:
+            raise FieldError(type(self), "parallel.rank.layers", "names of the groups' layers", unknown[0])
 
     @classmethod
     def from_config(
@@ -368,6 +397,7 @@ class EngineDescriptor:
         tp_size: int = 1,
         transport_metadata: bytes = b"",
         state_profile: StateProfile | None = None,
+        parallel: ParallelLayout | None = None,
     ) -> EngineDescriptor:
         """Describe an engine from its KV-cache config; one with state groups has a profile (HS-1, STATE-1)."""
         has_state = any(isinstance(g.kv_cache_spec, MambaSpec) for g in config.kv_cache_groups)
@@ -382,6 +412,7 @@ class EngineDescriptor:
             tp_size=tp_size,
             transport_metadata=transport_metadata,
             state_profile=state_profile if has_state else None,
+            parallel=parallel,
         )
 
 
