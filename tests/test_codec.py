@@ -101,8 +101,8 @@ canonical_pages = st.builds(CanonicalPage, tensors=st.lists(page_tensors, min_si
 @st.composite
 def with_parallel_layout(draw: st.DrawFn, descriptor: EngineDescriptor) -> EngineDescriptor:
     """The descriptor with a 1.3 parallel layout that describes it: its TP size, one page per group, its layers."""
-    tp = draw(st.integers(1, 256))
-    dcp = draw(st.integers(1, 256))
+    tp = draw(st.integers(1, 128))
+    dcp = draw(st.integers(1, 128))
     names = sorted({n for g in descriptor.groups for n in g.layer_names})
     rank = RankLayout(
         tp_size=tp,
@@ -674,3 +674,16 @@ def test_a_layout_that_does_not_describe_its_engine_is_malformed(
     with pytest.raises(MalformedMessageError) as info:
         decode(_bytes(obj))
     assert info.value.field == named, info.value
+
+
+def test_a_layout_of_more_sub_blocks_in_all_than_the_handshake_takes_is_malformed() -> None:
+    # Two groups, each page at its bounds (16 tensors of 16 sub-blocks): 512 sub-blocks in all, past 256.
+    tensor = {"name": "t", "rows": 1, "element_bytes": 1, "sub_blocks": [{"name": "b", "extent": 1}] * 16}
+    obj = _obj(_layout_descriptor())
+    obj["groups"] = [obj["groups"][0], {**obj["groups"][0], "layer_names": ["l2"]}]
+    obj["parallel"]["pages"] = [{"tensors": [tensor] * 16}] * 2
+    with pytest.raises(MalformedMessageError, match="at most 256 sub-blocks in all") as info:
+        decode(_bytes(obj))
+    assert info.value.field == "parallel.pages"
+    obj["parallel"]["pages"] = [{"tensors": [tensor] * 8}] * 2  # 256 in all: accepted
+    assert isinstance(decode(_bytes(obj)), EngineDescriptor)

@@ -76,8 +76,8 @@ PEER_BOUNDS: Mapping[tuple[type[Any], str], int] = types.MappingProxyType(
         # The parallel layout (protocol 1.3): the handshake derives byte maps from these sizes (PAR-9), and the
         # planner loops over ranks, units and rows, so a peer may not name more than a real engine has.
         (ParallelLayout, "pages"): 64,
-        (RankLayout, "tp_size"): 256,
-        (RankLayout, "dcp_size"): 256,
+        (RankLayout, "tp_size"): 128,
+        (RankLayout, "dcp_size"): 128,
         (RankLayout, "dcp_interleave"): 1 << 16,
         (RankLayout, "dp_rank"): 1 << 16,
         (RankLayout, "layers"): 1 << 16,

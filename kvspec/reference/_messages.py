@@ -81,6 +81,9 @@ group the tensors' sub-blocks and page order); a 1.2 peer omits it, keeps
 today's layout and pairs with equal TP only (PAR-9, HS-1).
 """
 
+MAX_LAYOUT_SUB_BLOCKS = 256
+"""Sub-blocks a parallel layout may name over all its pages: the handshake's byte-map work grows with them (PAR-9)."""
+
 TransportData: TypeAlias = Mapping[str, str | int] | bytes
 """The transport's own addressing data: named values (host, port...) or opaque bytes."""
 
@@ -381,6 +384,9 @@ class EngineDescriptor:
             raise FieldError(
                 type(self), "parallel.pages", f"{len(self.groups)} pages, one per group", len(layout.pages)
             )
+        count = sum(len(t.sub_blocks) for page in layout.pages for t in page.tensors)
+        if count > MAX_LAYOUT_SUB_BLOCKS:
+            raise FieldError(type(self), "parallel.pages", f"at most {MAX_LAYOUT_SUB_BLOCKS} sub-blocks in all", count)
         names = {name for g in self.groups for name in g.layer_names}
         unknown = [name for name in layout.rank.layers if name not in names]
         if unknown:

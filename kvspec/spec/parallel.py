@@ -18,6 +18,7 @@ from __future__ import annotations
 import bisect
 import enum
 import itertools
+import operator
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -575,19 +576,29 @@ def check_page_sliceable(page: CanonicalPage, *, producer_tp: int, consumer_tp: 
 # --------------------------------------------------------------------------- the plan of one page
 
 
-def _unit_runs(
-    tensor: PageTensor, index: int, start: int, end: int, *, tp_size: int, tp_rank: int
-) -> list[tuple[int, int]]:
-    """``(offset, nbytes)`` in a rank's tensor of units ``[start, end)`` of sub-block ``index``, one per run."""
+_RankTensor = tuple[list[tuple[int, int]], list[int], int]
+"""A rank's view of one tensor: per sub-block its owned units and the bytes before them in a row; the row's bytes."""
+
+
+def _get_rank_tensor(tensor: PageTensor, *, tp_size: int, tp_rank: int) -> _RankTensor:
+    """Per sub-block the units a rank owns (PAR-1) and the bytes before them in one row of its tensor (PAR-2)."""
     owned = [get_owned_units(b, tp_size=tp_size, tp_rank=tp_rank) for b in tensor.sub_blocks]
-    unit_bytes = [b.width * tensor.element_bytes for b in tensor.sub_blocks]
-    first = owned[index][0]
-    before = sum((e - s) * u for (s, e), u in zip(owned[:index], unit_bytes[:index], strict=True))
-    unit = unit_bytes[index]
+    before: list[int] = []
+    at = 0
+    for (start, end), block in zip(owned, tensor.sub_blocks, strict=True):
+        before.append(at)
+        at += (end - start) * block.width * tensor.element_bytes
+    return owned, before, at
+
+
+def _unit_runs(tensor: PageTensor, index: int, start: int, end: int, rank: _RankTensor) -> list[tuple[int, int]]:
+    """``(offset, nbytes)`` in a rank's tensor of units ``[start, end)`` of sub-block ``index``, one per run."""
+    owned, before, row = rank
+    unit = tensor.sub_blocks[index].width * tensor.element_bytes
+    at = before[index] + (start - owned[index][0]) * unit
     if tensor.order is PageOrder.NHD:
-        row = sum((e - s) * u for (s, e), u in zip(owned, unit_bytes, strict=True))
-        return [(r * row + before + (start - first) * unit, (end - start) * unit) for r in range(tensor.rows)]
-    return [(tensor.rows * (before + (start - first) * unit), (end - start) * tensor.rows * unit)]
+        return [(r * row + at, (end - start) * unit) for r in range(tensor.rows)]
+    return [(tensor.rows * at, (end - start) * tensor.rows * unit)]
 
 
 def _rank_tensor_bytes(tensor: PageTensor, tp_size: int, tp_rank: int) -> int:
@@ -597,7 +608,8 @@ def _rank_tensor_bytes(tensor: PageTensor, tp_size: int, tp_rank: int) -> int:
 
 def _coalesce(copies: Iterable[RankCopy]) -> tuple[RankCopy, ...]:
     merged: list[RankCopy] = []
-    for copy in sorted(copies, key=attrs.astuple):  # by producer rank, then offset
+    order = operator.attrgetter(*(f.name for f in attrs.fields(RankCopy)))
+    for copy in sorted(copies, key=order):  # by producer rank, then offset
         last = merged[-1] if merged else None
         if (
             last is not None
@@ -629,11 +641,13 @@ def compute_rank_copies(
     producer_base = dict.fromkeys(candidates, 0)
     consumer_base = 0
     for tensor in page.tensors:
+        mine = _get_rank_tensor(tensor, tp_size=consumer_tp, tp_rank=consumer_rank)
+        theirs = {rank: _get_rank_tensor(tensor, tp_size=producer_tp, tp_rank=rank) for rank in candidates}
         for index, block in enumerate(tensor.sub_blocks):
-            start, end = get_owned_units(block, tp_size=consumer_tp, tp_rank=consumer_rank)
+            start, end = mine[0][index]
             for source, at, stop in _get_source_runs(block, start, end, candidates, producer_tp=producer_tp):
-                reads = _unit_runs(tensor, index, at, stop, tp_size=producer_tp, tp_rank=source)
-                writes = _unit_runs(tensor, index, at, stop, tp_size=consumer_tp, tp_rank=consumer_rank)
+                reads = _unit_runs(tensor, index, at, stop, theirs[source])
+                writes = _unit_runs(tensor, index, at, stop, mine)
                 for (p_off, nbytes), (c_off, _) in zip(reads, writes, strict=True):
                     copies.append(
                         RankCopy(
@@ -645,8 +659,8 @@ def compute_rank_copies(
                         )
                     )
         for rank in candidates:
-            producer_base[rank] += _rank_tensor_bytes(tensor, producer_tp, rank)
-        consumer_base += _rank_tensor_bytes(tensor, consumer_tp, consumer_rank)
+            producer_base[rank] += tensor.rows * theirs[rank][2]
+        consumer_base += tensor.rows * mine[2]
     return _coalesce(copies)
 
 
