@@ -26,6 +26,14 @@ clip + pairs + plan + descriptors time per KV-cache group as a ratio to
 Gemma 3 27B's (the sliding-window model) at the same length and allocation;
 the target is at most 1.2.
 
+Many-to-many (issue 33): the lines "PAR" time, on a 128k-token request, the
+per-request PAR functions (for every consumer rank: its faced ranks, its copies
+of each group's page, and every producer rank's completion count), the
+many-to-many planner (``summarize_parallel_plan``: what each consumer rank reads
+from which producer rank, the plan ``kvspec plan`` prints) and the equal-TP
+planner (``plan_transfer``), each as a ratio over touching every id both engines
+hand over once (a plain loop adding them up); the goal is at most 5x.
+
 Run: ``python benchmarks/bench_engine.py`` (``--quick`` for 8k and 32k only,
 ``--json PATH`` to write the results, ``--passes 3`` to spread the measurements
 over minutes; docs/_data/engine_bench.json, written with ``--passes 3``, is what
@@ -52,12 +60,17 @@ import kvspec
 import kvspec.fast
 from kvspec import KVCacheConfig, TransferMode
 from kvspec.protocol._plan import _plan_page_by_page
+from kvspec.protocol._summary import summarize_parallel_plan
+from kvspec.spec.parallel import compute_rank_copies, get_candidate_ranks, get_completion_count
 from kvspec.spec.state import get_state_clipped_blocks
 
 MODELS = ("gemma-3-27b", "gpt-oss-120b")
 TOKENS = (8 * 1024, 32 * 1024, 128 * 1024)
 STATE_MODELS = ("qwen3-next-80b", "hymba-1.5b")
 STATE_TOKENS = (128 * 1024,)
+PAR_CASES = (("qwen3-next-80b", 1, 4), ("qwen3-next-80b", 8, 16), ("gemma-3-27b", 8, 16))
+PAR_TOKENS = 128 * 1024
+PAR_GOAL = 5.0
 PER_GROUP_BASELINE = "gemma-3-27b"
 PER_GROUP_TARGET = 1.2
 ALLOCATIONS = ("contiguous", "shuffled")
@@ -205,6 +218,69 @@ def kvspec_steps(req: EngineRequest, *, baseline: bool = True) -> dict[str, Any]
     if baseline:
         result["plan_page_by_page_ms"] = baseline_s * 1e3
     return result
+
+
+# --------------------------------------------------------------------------- many-to-many (PAR)
+
+
+def touch_every_id(req: EngineRequest) -> int:
+    """The baseline: every id both engines hand over, read once in a plain loop."""
+    total = 0
+    for ids in (*req.producer, *req.consumer):
+        for block_id in ids:
+            total += block_id
+    return total
+
+
+def par_steps(model: str, producer_tp: int, consumer_tp: int, allocation: str = "shuffled") -> dict[str, Any]:
+    """Time the per-request PAR functions, the many-to-many planner and the equal-TP planner on one 128k request."""
+    req = build_request(model, PAR_TOKENS, allocation)
+    config = req.config
+    preset = kvspec.presets.get_preset(model)
+    pages = [preset.get_canonical_page(g.kv_cache_spec) for g in config.kv_cache_groups]
+
+    def par_functions() -> None:
+        for rank in range(consumer_tp):
+            get_candidate_ranks(producer_tp=producer_tp, consumer_tp=consumer_tp, consumer_rank=rank)
+            for page in pages:
+                compute_rank_copies(page, producer_tp=producer_tp, consumer_tp=consumer_tp, consumer_rank=rank)
+        for rank in range(producer_tp):
+            get_completion_count(producer_tp=producer_tp, consumer_tp=consumer_tp, producer_rank=rank)
+
+    def many_to_many() -> object:
+        return summarize_parallel_plan(
+            config, pages, num_tokens=PAR_TOKENS, producer_tp=producer_tp, consumer_tp=consumer_tp
+        )
+
+    steps = kvspec_steps(req, baseline=False)
+    base_us = best_time(lambda: touch_every_id(req)) * 1e6
+    row = {
+        "model": model,
+        "producer_tp": producer_tp,
+        "consumer_tp": consumer_tp,
+        "allocation": allocation,
+        "ids_in": req.ids_in,
+        "touch_us": base_us,
+        "par_functions_us": best_time(par_functions) * 1e6,
+        "many_to_many_us": best_time(many_to_many) * 1e6,
+        "equal_tp_plan_us": steps["plan_ms"] * 1e3,
+    }
+    return row
+
+
+def print_par(rows: Sequence[dict[str, Any]]) -> None:
+    """Each PAR figure as a ratio over touching every id once (goal: at most 5x)."""
+    for row in rows:
+        base = row["touch_us"]
+        print(
+            f"PAR {row['model']} TP{row['producer_tp']} -> TP{row['consumer_tp']}, {PAR_TOKENS} tokens, "
+            f"{row['allocation']} ({row['ids_in']} ids, touched in {base:.0f} us): "
+            f"PAR functions {row['par_functions_us']:.0f} us = {row['par_functions_us'] / base:.2f}x, "
+            f"many-to-many planner {row['many_to_many_us']:.0f} us = {row['many_to_many_us'] / base:.2f}x, "
+            f"equal-TP planner {row['equal_tp_plan_us']:.0f} us = {row['equal_tp_plan_us'] / base:.2f}x "
+            f"(goal <= {PAR_GOAL:g}x)",
+            flush=True,
+        )
 
 
 # --------------------------------------------------------------------------- vLLM 0.33, called, never copied
@@ -403,16 +479,21 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="8k and 32k tokens only")
     parser.add_argument("--passes", type=int, default=1, help="best of this many passes over the table")
+    parser.add_argument("--par-only", action="store_true", help="only the many-to-many (PAR) lines")
     parser.add_argument("--no-vllm", action="store_true", help="skip vLLM even when it is importable")
     parser.add_argument("--json", type=Path, default=None, help=f"write the rows here (docs use {DEFAULT_JSON.name})")
     args = parser.parse_args(argv)
     load = os.getloadavg()[0]
+    if args.par_only:
+        print_par([par_steps(m, p, d, a) for m, p, d in PAR_CASES for a in ALLOCATIONS])
+        return
     vllm = None if args.no_vllm else load_vllm()
     tokens = TOKENS[:2] if args.quick else TOKENS
     print(HEADER + (" | vllm c+p us  ratio vllm ids ms  ratio" if vllm else ""))
     rows = run(MODELS, tokens, vllm, passes=args.passes)
     print_goals(rows)
     print_per_group(rows)
+    print_par([par_steps(m, p, d, a) for m, p, d in PAR_CASES for a in ALLOCATIONS])
     print(
         "ref = clip both sides + coverage + pairs, on plain lists; ns/id per id handed over (both sides); "
         "plan = plan_transfer, all layers; base = the page-by-page planner, once"

@@ -824,6 +824,43 @@ class IgnoresStateProfile(ReferenceConnector):
         super().check_peer(producer, attrs.evolve(consumer, state_profile=producer.state_profile))
 
 
+# --------------------------------------------------------------------------- parallel layouts at handshake (PAR-9)
+
+
+class EqualTpOnly(ReferenceConnector):
+    """Drops both peers' parallel layouts, so HS-1 wants equal TP sizes as before protocol 1.3: a TP1 prefill
+    and a TP4 decode that compose are refused."""
+
+    breaks = "PAR-9"
+    caught_by = ("PAR-9/tp1-to-tp4-admitted",)
+
+    def check_peer(self, producer: EngineDescriptor, consumer: EngineDescriptor) -> None:
+        super().check_peer(attrs.evolve(producer, parallel=None), attrs.evolve(consumer, parallel=None))
+
+
+def _any_page_fits(descriptor: EngineDescriptor) -> EngineDescriptor:
+    # Each page as one replicated HND unit: what a check that looks at the TP sizes alone sees.
+    layout = descriptor.parallel
+    if layout is None:
+        return descriptor
+    unit = PageTensor(
+        name="page", sub_blocks=[SubBlock(name="all", extent=1, replicated=True)], rows=1, element_bytes=1
+    )
+    pages = [CanonicalPage(tensors=[unit])] * len(layout.pages)
+    return attrs.evolve(descriptor, parallel=attrs.evolve(layout, pages=pages))
+
+
+class IgnoresPageLayouts(ReferenceConnector):
+    """Admits unequal TP on the TP sizes alone, never deriving the byte maps (as vLLM's Mooncake connector skips
+    its check when Mamba layers are present): heads that do not divide, an opaque page, other extents all pass."""
+
+    breaks = "PAR-9"
+    caught_by = ("PAR-9/layouts-that-do-not-compose-refused",)
+
+    def check_peer(self, producer: EngineDescriptor, consumer: EngineDescriptor) -> None:
+        super().check_peer(_any_page_fits(producer), _any_page_fits(consumer))
+
+
 CONNECTOR_MUTANTS: tuple[type[ReferenceConnector], ...] = (
     FrontTrim,
     ProducerIdsAsConsumerIds,
@@ -839,6 +876,8 @@ CONNECTOR_MUTANTS: tuple[type[ReferenceConnector], ...] = (
     FirstStateGroupOnly,
     StateBoundaryOfFirstGroup,
     IgnoresStateProfile,
+    EqualTpOnly,
+    IgnoresPageLayouts,
 )
 
 # --------------------------------------------------------------------------- driver mutants (INT-1)

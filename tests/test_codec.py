@@ -34,9 +34,10 @@ from kvspec import (
     decode,
     encode,
 )
-from kvspec.protocol._codec import MESSAGE_TYPES, _decode
+from kvspec.protocol._codec import MESSAGE_TYPES, PEER_BOUNDS, _decode
 from kvspec.protocol._schema import message_schema, render_schema
 from kvspec.reference._messages import TRANSFER_PARAMS_KEYS
+from kvspec.spec.parallel import CanonicalPage, PageOrder, PageTensor, ParallelLayout, RankLayout, SubBlock
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -77,6 +78,46 @@ engine_descriptors = st.builds(
     tp_size=positive,
     transport_metadata=st.binary(max_size=32),
 )
+
+sub_blocks = st.builds(
+    SubBlock,
+    name=ids,
+    extent=st.integers(1, 2**16),
+    width=st.integers(1, 2**24),
+    replicated=st.booleans(),
+)
+page_tensors = st.builds(
+    PageTensor,
+    name=ids,
+    sub_blocks=st.lists(sub_blocks, min_size=1, max_size=3),
+    rows=st.integers(1, 2**16),
+    element_bytes=st.integers(1, 2**24),
+    order=st.sampled_from(PageOrder),
+    token_rows=st.booleans(),
+)
+canonical_pages = st.builds(CanonicalPage, tensors=st.lists(page_tensors, min_size=1, max_size=3))
+
+
+@st.composite
+def with_parallel_layout(draw: st.DrawFn, descriptor: EngineDescriptor) -> EngineDescriptor:
+    """The descriptor with a 1.3 parallel layout that describes it: its TP size, one page per group, its layers."""
+    tp = draw(st.integers(1, 128))
+    dcp = draw(st.integers(1, 128))
+    names = sorted({n for g in descriptor.groups for n in g.layer_names})
+    rank = RankLayout(
+        tp_size=tp,
+        tp_rank=draw(st.integers(0, tp - 1)),
+        layers=tuple(draw(st.lists(st.sampled_from(names), unique=True))),
+        dcp_size=dcp,
+        dcp_rank=draw(st.integers(0, dcp - 1)),
+        dcp_interleave=draw(st.integers(1, 2**16)),
+        dp_rank=draw(st.integers(0, 2**16)),
+    )
+    pages = [draw(canonical_pages) for _ in descriptor.groups]
+    return attrs.evolve(descriptor, tp_size=tp, parallel=ParallelLayout(rank=rank, pages=pages))
+
+
+engine_descriptors = st.one_of(engine_descriptors, engine_descriptors.flatmap(with_parallel_layout))
 
 
 def _with_ends(ids_block: BlockIds) -> st.SearchStrategy[tuple[BlockIds, tuple[int, ...] | None]]:
@@ -539,3 +580,110 @@ def test_a_huge_int_is_malformed_naming_the_field(field: str, value: object) -> 
     assert info.value.field is not None
     assert info.value.field.startswith(field)
     _raises_kvspec_error_naming_a_field(obj)
+
+
+# --------------------------------------------------------------------------- protocol 1.3: the parallel layout
+
+
+def _layout_descriptor(**rank: Any) -> EngineDescriptor:
+    page = CanonicalPage(
+        tensors=[PageTensor(name="k", sub_blocks=[SubBlock(name="kv_heads", extent=8)], rows=16, element_bytes=256)]
+    )
+    group = GroupDescriptor(
+        kind=SpecKind.FULL_ATTENTION, block_size=16, page_size_bytes=4096, layer_names=("l0", "l1"), num_kv_heads=2
+    )
+    layout = ParallelLayout(rank=RankLayout(**{"tp_size": 4, "tp_rank": 3, **rank}), pages=[page])
+    return EngineDescriptor(
+        engine_id="d",
+        mode=TransferMode.READ,
+        hma_enabled=False,
+        groups=(group,),
+        num_blocks=9,
+        tp_size=4,
+        parallel=layout,
+    )
+
+
+def test_the_parallel_layout_travels_and_a_1_2_message_without_it_decodes_to_none() -> None:
+    descriptor = _layout_descriptor(layers=("l1",), dcp_size=2, dcp_rank=1, dcp_interleave=16)
+    assert decode(encode(descriptor)) == descriptor
+    obj = _obj(descriptor) | {"v": [1, 2]}
+    del obj["parallel"]
+    assert decode(_bytes(obj)) == attrs.evolve(descriptor, parallel=None)
+
+
+def _set(obj: Any, path: list[str | int], value: object) -> None:
+    for key in path[:-1]:
+        obj = obj[key]
+    obj[path[-1]] = value
+
+
+# Where each bounded field sits in an encoded descriptor, and a valid value one past its bound would replace.
+BOUNDED_PATHS: dict[tuple[type[Any], str], list[str | int]] = {
+    (ParallelLayout, "pages"): ["parallel", "pages"],
+    (RankLayout, "tp_size"): ["parallel", "rank", "tp_size"],
+    (RankLayout, "dcp_size"): ["parallel", "rank", "dcp_size"],
+    (RankLayout, "dcp_interleave"): ["parallel", "rank", "dcp_interleave"],
+    (RankLayout, "dp_rank"): ["parallel", "rank", "dp_rank"],
+    (RankLayout, "layers"): ["parallel", "rank", "layers"],
+    (CanonicalPage, "tensors"): ["parallel", "pages", 0, "tensors"],
+    (PageTensor, "sub_blocks"): ["parallel", "pages", 0, "tensors", 0, "sub_blocks"],
+    (PageTensor, "rows"): ["parallel", "pages", 0, "tensors", 0, "rows"],
+    (PageTensor, "element_bytes"): ["parallel", "pages", 0, "tensors", 0, "element_bytes"],
+    (SubBlock, "extent"): ["parallel", "pages", 0, "tensors", 0, "sub_blocks", 0, "extent"],
+    (SubBlock, "width"): ["parallel", "pages", 0, "tensors", 0, "sub_blocks", 0, "width"],
+}
+
+
+@pytest.mark.parametrize("bound", sorted(PEER_BOUNDS, key=str), ids=lambda b: f"{b[0].__name__}.{b[1]}")
+def test_a_peer_given_size_past_its_bound_is_malformed_naming_the_field(bound: tuple[type[Any], str]) -> None:
+    limit, path = PEER_BOUNDS[bound], BOUNDED_PATHS[bound]
+    obj = _obj(_layout_descriptor())
+    current: Any = obj
+    for key in path:
+        current = current[key]
+    # A list one item longer than allowed (its items as they are), or an int one past the bound.
+    _set(obj, path, [current[0]] * (limit + 1) if isinstance(current, list) and current else limit + 1)
+    if isinstance(current, list) and not current:
+        _set(obj, path, ["l0"] * (limit + 1))
+    named = ".".join(str(k) for k in path).replace(".0", "[0]")
+    with pytest.raises(MalformedMessageError, match=r"at most") as info:
+        decode(_bytes(obj))
+    assert info.value.field == named
+    # The bound stands in the committed schema too.
+    assert f'"maximum": {limit}' in render_schema("engine_descriptor") or f'"maxItems": {limit}' in render_schema(
+        "engine_descriptor"
+    )
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "named"),
+    [
+        (["parallel", "rank", "tp_size"], 2, "parallel.rank"),  # rank 3 of 2: the layout itself is invalid
+        (["tp_size"], 8, "parallel.rank.tp_size"),  # the layout says TP 4, the descriptor TP 8
+        (["parallel", "rank", "layers"], ["l9"], "parallel.rank.layers"),  # a layer no group holds
+        (["parallel", "pages"], [], "parallel"),  # the spec model names the rest: "ParallelLayout.pages: ..."
+        (["parallel", "pages", 0, "tensors", 0, "order"], "dhn", "parallel.pages[0].tensors[0].order"),
+    ],
+)
+def test_a_layout_that_does_not_describe_its_engine_is_malformed(
+    path: list[str | int], value: object, named: str
+) -> None:
+    obj = _obj(_layout_descriptor())
+    _set(obj, path, value)
+    with pytest.raises(MalformedMessageError) as info:
+        decode(_bytes(obj))
+    assert info.value.field == named, info.value
+
+
+def test_a_layout_of_more_sub_blocks_in_all_than_the_handshake_takes_is_malformed() -> None:
+    # Two groups, each page at its bounds (16 tensors of 16 sub-blocks): 512 sub-blocks in all, past 256.
+    tensor = {"name": "t", "rows": 1, "element_bytes": 1, "sub_blocks": [{"name": "b", "extent": 1}] * 16}
+    obj = _obj(_layout_descriptor())
+    obj["groups"] = [obj["groups"][0], {**obj["groups"][0], "layer_names": ["l2"]}]
+    obj["parallel"]["pages"] = [{"tensors": [tensor] * 16}] * 2
+    with pytest.raises(MalformedMessageError, match="at most 256 sub-blocks in all") as info:
+        decode(_bytes(obj))
+    assert info.value.field == "parallel.pages"
+    obj["parallel"]["pages"] = [{"tensors": [tensor] * 8}] * 2  # 256 in all: accepted
+    assert isinstance(decode(_bytes(obj)), EngineDescriptor)

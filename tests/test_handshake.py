@@ -22,6 +22,7 @@ from kvspec import (
 )
 from kvspec.presets import get_preset
 from kvspec.protocol._handshake import GROUP_FIELDS, get_differences
+from kvspec.spec.parallel import CanonicalPage, PageOrder, PageTensor, ParallelLayout, RankLayout, SubBlock
 
 SW = GroupDescriptor(
     kind=SpecKind.SLIDING_WINDOW,
@@ -181,3 +182,86 @@ def test_descriptors_from_two_engines_with_the_same_model_agree() -> None:
 def test_non_descriptors_are_refused() -> None:
     with pytest.raises(ConfigError, match=r"check_compatibility: expected the consumer's EngineDescriptor"):
         check_compatibility(producer=PRODUCER, consumer={"engine_id": "c"})  # type: ignore[arg-type]
+
+
+# --------------------------------------------------------------------------- protocol 1.3: parallel layouts (PAR-9)
+
+
+def _kv_page(heads: int, order: PageOrder = PageOrder.HND) -> CanonicalPage:
+    heads_block = SubBlock(name="kv_heads", extent=heads)
+    return CanonicalPage(
+        tensors=[
+            PageTensor(name=n, sub_blocks=[heads_block], rows=16, element_bytes=512, order=order, token_rows=True)
+            for n in ("k", "v")
+        ]
+    )
+
+
+def _ranked(tp: int, rank: int = 0, *, heads: int = 4, order: PageOrder = PageOrder.HND) -> EngineDescriptor:
+    # One rank of an engine with ``heads`` KV heads in all: its groups hold its share, its layout the whole page.
+    share = max(1, heads // tp)
+    groups = tuple(attrs.evolve(g, num_kv_heads=share, page_size_bytes=16 * share * 1024) for g in PRODUCER.groups)
+    layout = ParallelLayout(rank=RankLayout(tp_size=tp, tp_rank=rank), pages=[_kv_page(heads, order)] * len(groups))
+    return attrs.evolve(PRODUCER, groups=groups, tp_size=tp, parallel=layout)
+
+
+def test_a_tp1_producer_and_every_tp4_consumer_rank_are_admitted() -> None:
+    # Before protocol 1.3 this pair was refused: "tp_size: producer=1 consumer=4".
+    for rank in range(4):
+        assert get_differences(_ranked(1), _ranked(4, rank)) == {}
+    for rank in range(4):
+        assert get_differences(_ranked(4, rank), _ranked(1)) == {}
+
+
+def test_a_peer_without_a_layout_pairs_with_equal_tp_only_as_in_1_2() -> None:
+    legacy = attrs.evolve(_ranked(1), parallel=None)
+    assert get_differences(legacy, _ranked(1)) == {}
+    assert get_differences(legacy, _ranked(4, 1))["tp_size"] == (1, 4)
+    assert get_differences(_ranked(4, 1), attrs.evolve(_ranked(1), parallel=None))["tp_size"] == (4, 1)
+
+
+def test_with_equal_tp_the_layouts_change_nothing() -> None:
+    # Every mismatch of the table is reported the same with both layouts present (the per-rank fields included).
+    layout = ParallelLayout(rank=RankLayout(), pages=[_kv_page(1)] * len(PRODUCER.groups))
+    for _, edit, field, _ in MISMATCHES:
+        if field in ("tp_size", "num_groups"):
+            continue  # another TP size, or another group count, and the layout no longer describes the engine
+        plain = get_differences(PRODUCER, edit(CONSUMER))
+        producer, consumer = attrs.evolve(PRODUCER, parallel=layout), edit(attrs.evolve(CONSUMER, parallel=layout))
+        assert get_differences(producer, consumer) == plain
+
+
+@pytest.mark.parametrize(
+    ("producer", "consumer", "field", "values"),
+    [
+        (
+            _ranked(1, heads=3),
+            _ranked(4, 1, heads=3),
+            "parallel.pages[0].tensors[0].sub_blocks[0].extent (PAR-1)",
+            ("3 at TP 1", "3 at TP 4"),
+        ),
+        (_ranked(2), _ranked(3, 1, heads=6), "parallel.pages[0].tensors[0].sub_blocks[0].extent (PAR-9)", (4, 6)),
+        (_ranked(2, heads=6), _ranked(3, 1, heads=6), "parallel.rank.tp_size (PAR-4)", (2, 3)),
+        (
+            _ranked(1, order=PageOrder.OPAQUE),
+            _ranked(4, 2, order=PageOrder.OPAQUE),
+            "parallel.pages[0].tensors[0].order (PAR-5)",
+            ("'opaque' at TP 1", "'opaque' at TP 4"),
+        ),
+        (_ranked(4, 3), _ranked(2, 0), "parallel.rank.tp_rank (PAR-4)", (3, 0)),
+    ],
+    ids=["heads-do-not-divide", "extents-differ", "tp-sizes-do-not-divide", "opaque-page", "rank-not-faced"],
+)
+def test_layouts_that_do_not_compose_are_refused_naming_the_field_and_rule(
+    producer: EngineDescriptor, consumer: EngineDescriptor, field: str, values: tuple[object, object]
+) -> None:
+    with pytest.raises(IncompatiblePeerError) as info:
+        check_compatibility(producer=producer, consumer=consumer)
+    assert info.value.differences == {field: values}
+    assert field in str(info.value)
+
+
+def test_with_unequal_tp_a_shared_group_field_is_still_compared() -> None:
+    consumer = _ranked(4, 1)
+    consumer = attrs.evolve(consumer, groups=(attrs.evolve(consumer.groups[0], block_size=32), consumer.groups[1]))
+    assert get_differences(_ranked(1), consumer) == {"groups[0].block_size": (16, 32)}

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 from conftest import require_backend_module
 from kvspec_conformance import BackendSuite, run_suite
-from transport_helpers import LOOPBACK, connect, desc, tcp_sockets, wait
+from transport_helpers import DEFAULT_PAR_CASES, LOOPBACK, connect, desc, tcp_sockets, wait
 
 from kvspec import ConfigError, PlanError, TransferMode
 from kvspec.core._models import FailureReason
@@ -299,6 +299,9 @@ class TestConformance(BackendSuite):
             "FAIL-1/transport-peer-loss",
             "FAIL-1/transport-peer-dies-matrix",
             "FAIL-1/transport-registration-failure",
+            # One agent per rank across processes: one three-rank PAR case (~8 s here, each agent a process; the
+            # other default one runs on torch and NIXL); all 32 with --run-slow.
+            DEFAULT_PAR_CASES[0],
         )
     )
     max_examples = 5

@@ -1,4 +1,4 @@
-"""Many ranks, one canonical page: PAR-1 .. PAR-8 (kvspec/spec/parallel.py), their pins, and a mutant per rule.
+"""Many ranks, one canonical page: PAR-1 .. PAR-9 (kvspec/spec/parallel.py), their pins, and a mutant per rule.
 
 The planner's copies must tile every consumer rank's page exactly once from one
 source (PAR-3, PAR-4) for TP pairs over {1, 2, 4, 8} both ways; the 496 head
@@ -13,12 +13,14 @@ import io
 import itertools
 import json
 from collections.abc import Sequence
+from typing import Any
 
 import attrs
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import kvspec.spec.parallel as par
 from kvspec import ParallelismError
 from kvspec.cli import main
 from kvspec.presets import get_preset
@@ -26,16 +28,19 @@ from kvspec.spec.parallel import (
     CanonicalPage,
     PageOrder,
     PageTensor,
+    ParallelLayout,
     RankCopy,
     RankLayout,
     SubBlock,
     check_coverage,
     compute_dcp_copies,
     compute_rank_copies,
+    elect_source_rank,
     get_candidate_ranks,
     get_completion_count,
     get_dcp_owner,
     get_dcp_token_position,
+    get_layout_mismatch,
     get_owned_units,
     get_rank_page_map,
     pair_stage_layers,
@@ -535,3 +540,93 @@ def test_kvspec_plan_refuses_sizes_that_do_not_divide_in_one_line(capsys: pytest
     assert err == (
         "kvspec plan: ParallelismError: kv_heads.extent: expected a multiple or a divisor of tp_size 2, got 5 (PAR-1)"
     )
+
+
+# --------------------------------------------------------------------------- PAR-9 the handshake over byte maps
+
+
+@given(page=pages(), producer_tp=st.sampled_from(SIZES), consumer_tp=st.sampled_from(SIZES))
+def test_source_runs_elect_what_elect_source_rank_elects(
+    page: CanonicalPage, producer_tp: int, consumer_tp: int
+) -> None:
+    # The planner elects a range of units at once; unit by unit, the definition must give the same ranks (PAR-4).
+    for rank in range(consumer_tp):
+        candidates = get_candidate_ranks(producer_tp=producer_tp, consumer_tp=consumer_tp, consumer_rank=rank)
+        for tensor in page.tensors:
+            for block in tensor.sub_blocks:
+                start, end = get_owned_units(block, tp_size=consumer_tp, tp_rank=rank)
+                runs = par._get_source_runs(block, start, end, candidates, producer_tp=producer_tp)
+                by_run = [source for source, first, stop in runs for _ in range(first, stop)]
+                kw = {"producer_tp": producer_tp, "consumer_tp": consumer_tp, "consumer_rank": rank}
+                assert by_run == [elect_source_rank(block, u, **kw) for u in range(start, end)]
+
+
+def layout(tp: int, rank: int = 0, page: CanonicalPage | None = None, **kw: Any) -> ParallelLayout:
+    return ParallelLayout(rank=RankLayout(tp_size=tp, tp_rank=rank, **kw), pages=[page or kv_page(4)])
+
+
+@pytest.mark.parametrize(("producer_tp", "consumer_tp"), [(1, 4), (4, 1), (2, 8), (8, 2), (4, 4), (1, 1)])
+def test_layouts_of_tp_pairs_that_divide_compose_for_every_faced_rank(producer_tp: int, consumer_tp: int) -> None:
+    for page in (kv_page(4), kv_page(4, order=PageOrder.NHD), mamba2_page(1), mamba2_page(8)):
+        for c in range(consumer_tp):
+            for p in get_candidate_ranks(producer_tp=producer_tp, consumer_tp=consumer_tp, consumer_rank=c):
+                mismatch = get_layout_mismatch(
+                    producer=layout(producer_tp, p, page), consumer=layout(consumer_tp, c, page)
+                )
+                assert mismatch is None, (page, p, c)
+
+
+OPAQUE = kv_page(4, order=PageOrder.OPAQUE)
+# (row, producer layout, consumer layout, the field reported with its rule, both values)
+LAYOUT_MISMATCHES: list[tuple[str, ParallelLayout, ParallelLayout, str, tuple[object, object]]] = [
+    ("page count", layout(1), attrs.evolve(layout(4), pages=[kv_page(4)] * 2), "pages (PAR-9)", (1, 2)),
+    ("extent", layout(1), layout(4, page=kv_page(8)), "pages[0].tensors[0].sub_blocks[0].extent (PAR-9)", (4, 8)),
+    (
+        "order",
+        layout(1),
+        layout(4, page=kv_page(4, order=PageOrder.NHD)),
+        "pages[0].tensors[0].order (PAR-9)",
+        ("hnd", "nhd"),
+    ),
+    ("sizes that do not divide", layout(2), layout(3), "rank.tp_size (PAR-4)", (2, 3)),
+    ("a rank not faced", layout(4, 2), layout(2, 0), "rank.tp_rank (PAR-4)", (2, 0)),
+    ("a DCP producer", layout(1, dcp_size=2), layout(4), "rank.dcp_size (PAR-8)", (2, 1)),
+    ("no layer in common", layout(1, layers=("a",)), layout(4, layers=("b",)), "rank.layers (PAR-7)", (("a",), ("b",))),
+    (
+        "heads that do not divide",
+        layout(1, page=kv_page(3)),
+        layout(4, page=kv_page(3)),
+        "pages[0].tensors[0].sub_blocks[0].extent (PAR-1)",
+        ("3 at TP 1", "3 at TP 4"),
+    ),
+    (
+        "an opaque page sliced",
+        layout(1, page=OPAQUE),
+        layout(4, page=OPAQUE),
+        "pages[0].tensors[0].order (PAR-5)",
+        ("'opaque' at TP 1", "'opaque' at TP 4"),
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "producer", "consumer", "field", "values"), LAYOUT_MISMATCHES, ids=[r[0] for r in LAYOUT_MISMATCHES]
+)
+def test_layouts_that_do_not_compose_name_the_first_field_and_its_rule(
+    name: str, producer: ParallelLayout, consumer: ParallelLayout, field: str, values: tuple[object, object]
+) -> None:
+    assert get_layout_mismatch(producer=producer, consumer=consumer) == (field, *values)
+
+
+def test_an_opaque_page_moves_whole_at_equal_tp_and_a_dcp_producer_pairs_with_its_own_layout() -> None:
+    assert get_layout_mismatch(producer=layout(4, 1, OPAQUE), consumer=layout(4, 1, OPAQUE)) is None
+    assert get_layout_mismatch(producer=layout(2, 1, dcp_size=2), consumer=layout(2, 1, dcp_size=2, dcp_rank=1)) is None
+
+
+def test_a_planner_that_does_not_tile_is_refused_at_the_handshake(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Coverage runs on the planner's own copies: a plan that drops one copy leaves a gap (PAR-3).
+    right = par.compute_rank_copies
+    monkeypatch.setattr(par, "compute_rank_copies", lambda page, **kw: right(page, **kw)[1:])
+    field, _, reason = get_layout_mismatch(producer=layout(1), consumer=layout(4, 1)) or ("", "", "")
+    assert field == "pages[0].coverage (PAR-3)"
+    assert "gap" in str(reason)

@@ -1,4 +1,4 @@
-"""Cases on the handshake and the wire: the mismatch table (HS-1) and versioned messages (VER-1)."""
+"""Cases on the handshake and the wire: the mismatch table (HS-1), parallel layouts (PAR-9), versions (VER-1)."""
 
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ from kvspec import (
     format_error,
     is_hma_required,
 )
+from kvspec.spec.parallel import CanonicalPage, PageOrder, PageTensor, ParallelLayout, RankLayout, SubBlock
 
 from .._cases import case
 from .._context import CaseContext
@@ -166,6 +167,8 @@ def field_alone_rows() -> list[Row]:
         ("state kind", _group_row(1, mamba_type="gdn_attn"), "groups[1].mamba_type"),
         ("conv layout", _group_row(1, conv_layout="SD"), "groups[1].conv_layout"),
         ("state profile", attrs.evolve(base, state_profile=StateProfile.PREBUILT), "state_profile"),
+        # Protocol 1.3: a layout on one side only is today's layout on both: equal TP, accepted (PAR-9).
+        ("parallel layout", attrs.evolve(base, parallel=_layout(base, tp=1, rank=0)), None),
     ]
     rows = [(name, base, consumer, field) for name, consumer, field in rows]
     for a, b in equal_width_dtype_pairs():
@@ -262,6 +265,79 @@ def _hs_ok(ctx: CaseContext) -> None:
     consumer = make_config(full(4), sw(8, 4), num_blocks=48, layout="per_layer")
     result = ctx.run(Scenario(config=BASE, consumer_config=consumer, requests=[Request(request_id="r", num_tokens=9)]))
     ctx.expect(result, loaded=["r"], rule="HS-1")
+
+
+# --------------------------------------------------------------------------- PAR-9 parallel layouts at handshake
+
+
+def _kv_page(heads: int, order: PageOrder = PageOrder.HND) -> CanonicalPage:
+    kv = [SubBlock(name="kv_heads", extent=heads)]
+    return CanonicalPage(
+        tensors=[PageTensor(name=n, sub_blocks=kv, rows=4, element_bytes=2, order=order, token_rows=True) for n in "kv"]
+    )
+
+
+def _layout(
+    descriptor: EngineDescriptor, *, tp: int, rank: int, heads: int = 4, order: PageOrder = PageOrder.HND, **kw: Any
+) -> ParallelLayout:
+    pages = [_kv_page(heads, order)] * len(descriptor.groups)
+    return ParallelLayout(rank=RankLayout(tp_size=tp, tp_rank=rank, **kw), pages=pages)
+
+
+def _rank(tp: int, rank: int, **kw: Any) -> EngineDescriptor:
+    """One rank of an engine of BASE's model with 4 KV heads in all, at TP ``tp``: its groups hold its share."""
+    base = _base_descriptor()
+    heads = 4 // min(tp, 4)
+    groups = tuple(attrs.evolve(g, num_kv_heads=heads, page_size_bytes=g.page_size_bytes * heads) for g in base.groups)
+    ranked = attrs.evolve(base, groups=groups, tp_size=tp, engine_id=f"tp{tp}.{rank}")
+    return attrs.evolve(ranked, parallel=_layout(ranked, tp=tp, rank=rank, **kw))
+
+
+@case("PAR-9", "tp1-to-tp4-admitted")
+def _par9_admitted(ctx: CaseContext) -> None:
+    """Both peers send their layout (1.3): a TP1 producer pairs with every TP4 consumer rank, and each TP4 rank
+    with a TP1 consumer, HND and NHD pages alike; "tp_size must be equal" no longer refuses them."""
+    problems = []
+    for order in (PageOrder.HND, PageOrder.NHD):
+        pairs = [(_rank(1, 0, order=order), _rank(4, r, order=order)) for r in range(4)]
+        pairs += [(_rank(4, r, order=order), _rank(1, 0, order=order)) for r in range(4)]
+        for producer, consumer in pairs:
+            try:
+                ctx.connector.check_peer(producer, consumer)
+            except KVSpecError as exc:
+                problems.append(f"{producer.engine_id} to {consumer.engine_id} ({order.value}): refused: {exc}")
+    if problems:
+        raise ctx.fail("PAR-9: layouts that compose must be admitted:\n" + "\n".join(problems))
+
+
+# (row, producer, consumer, the field and rule the refusal must name)
+_LAYOUT_REFUSALS: list[tuple[str, EngineDescriptor, EngineDescriptor, str]] = [
+    ("3 KV heads over TP4", _rank(1, 0, heads=3), _rank(4, 1, heads=3), "sub_blocks[0].extent (PAR-1)"),
+    ("TP2 to TP3", _rank(2, 0), _rank(3, 1), "rank.tp_size (PAR-4)"),
+    ("an opaque page", _rank(1, 0, order=PageOrder.OPAQUE), _rank(4, 2, order=PageOrder.OPAQUE), "order (PAR-5)"),
+    ("another KV head count", _rank(1, 0), _rank(4, 3, heads=8), "sub_blocks[0].extent (PAR-9)"),
+    ("HND meets NHD", _rank(1, 0), _rank(4, 0, order=PageOrder.NHD), "tensors[0].order (PAR-9)"),
+    ("a rank not faced", _rank(4, 3), _rank(2, 0), "rank.tp_rank (PAR-4)"),
+]
+
+
+@case("PAR-9", "layouts-that-do-not-compose-refused")
+def _par9_refused(ctx: CaseContext) -> None:
+    """Layouts whose byte maps do not compose are refused at handshake naming the field and the PAR rule:
+    a KV head count that does not divide, TP sizes that do not, an opaque page to slice, pages that differ."""
+    problems = []
+    for name, producer, consumer, field in _LAYOUT_REFUSALS:
+        try:
+            ctx.connector.check_peer(producer, consumer)
+        except IncompatiblePeerError as exc:
+            if not any(key.startswith("parallel.") and key.endswith(field) for key in exc.differences):
+                problems.append(f"{name}: expected a difference ending {field!r}, got {sorted(exc.differences)}")
+        except KVSpecError as exc:
+            problems.append(f"{name}: expected IncompatiblePeerError, got {type(exc).__name__}: {exc}")
+        else:
+            problems.append(f"{name}: admitted, but the byte maps do not compose ({field})")
+    if problems:
+        raise ctx.fail("PAR-9: " + "\n".join(problems))
 
 
 @case("VER-1", "other-major-refused")

@@ -345,6 +345,13 @@ RULES += (
         level=Level.MUST,
         summary="Local token i of DCP rank r of S, interleave I, is canonical token (i // I * S + r) * I + i % I.",
     ),
+    Rule(
+        id="PAR-9",
+        title="The handshake compares the derived byte maps",
+        level=Level.MUST,
+        summary="When both descriptors carry a parallel layout (protocol 1.3), HS-1 admits unequal TP, PP and DCP "
+        "when the byte maps compose, and otherwise refuses naming the first field and rule; without one, equal TP.",
+    ),
 )
 
 _BY_ID = {rule.id: rule for rule in RULES}

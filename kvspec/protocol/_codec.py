@@ -52,8 +52,9 @@ from kvspec.reference._messages import (
     Release,
     TransferParams,
 )
+from kvspec.spec.parallel import CanonicalPage, PageTensor, ParallelLayout, RankLayout, SubBlock
 
-__all__ = ["MESSAGE_TYPES", "decode", "encode", "field_codec", "message_type_name"]
+__all__ = ["MESSAGE_TYPES", "PEER_BOUNDS", "decode", "encode", "field_codec", "message_type_name"]
 
 MESSAGE_TYPES: Mapping[str, type[Any]] = types.MappingProxyType(
     {
@@ -69,6 +70,26 @@ MESSAGE_TYPES: Mapping[str, type[Any]] = types.MappingProxyType(
 """Wire ``"type"`` name -> message class."""
 
 _NAMES: dict[type[Any], str] = {cls: name for name, cls in MESSAGE_TYPES.items()}
+
+PEER_BOUNDS: Mapping[tuple[type[Any], str], int] = types.MappingProxyType(
+    {
+        # The parallel layout (protocol 1.3): the handshake derives byte maps from these sizes (PAR-9), and the
+        # planner loops over ranks, units and rows, so a peer may not name more than a real engine has.
+        (ParallelLayout, "pages"): 64,
+        (RankLayout, "tp_size"): 128,
+        (RankLayout, "dcp_size"): 128,
+        (RankLayout, "dcp_interleave"): 1 << 16,
+        (RankLayout, "dp_rank"): 1 << 16,
+        (RankLayout, "layers"): 1 << 16,
+        (CanonicalPage, "tensors"): 16,
+        (PageTensor, "sub_blocks"): 16,
+        (PageTensor, "rows"): 1 << 16,
+        (PageTensor, "element_bytes"): 1 << 24,
+        (SubBlock, "extent"): 1 << 16,
+        (SubBlock, "width"): 1 << 24,
+    }
+)
+"""(class, field) -> the largest value (an int) or length (a list) a peer may send there; more is malformed."""
 
 JSON = Any  # a value json.dumps accepts; private to the codec
 
@@ -315,6 +336,37 @@ class _Union(FieldCodec):
         return {"anyOf": [o.schema() for o in self.options]}
 
 
+class _Bounded(FieldCodec):
+    """An int at most ``limit``, or a list of at most ``limit`` items: a size a peer gives (PEER_BOUNDS)."""
+
+    def __init__(self, inner: FieldCodec, limit: int) -> None:
+        self.inner, self.limit = inner, limit
+
+    def accepts(self, value: Any) -> bool:
+        return self.inner.accepts(value)
+
+    def encode(self, value: Any) -> JSON:
+        return self.inner.encode(value)
+
+    def decode(self, data: JSON, path: str) -> Any:
+        # Checked before the items are decoded, so a long list costs no more than its JSON text did.
+        if isinstance(data, list) and len(data) > self.limit:
+            raise _bad(path, f"at most {self.limit} items", f"{len(data)} items")
+        if _is_int(data) and data > self.limit:
+            raise _bad(path, f"at most {self.limit}", data)
+        return self.inner.decode(data, path)
+
+    def schema(self) -> dict[str, Any]:
+        body = self.inner.schema()
+        key = "maxItems" if body.get("type") == "array" else "maximum"
+        return {**body, key: self.limit}
+
+
+def _bounded(kind: type[Any], name: str, codec: FieldCodec) -> FieldCodec:
+    limit = PEER_BOUNDS.get((kind, name))
+    return codec if limit is None else _Bounded(codec, limit)
+
+
 class _Object(FieldCodec):
     """An attrs class, field by field; unknown keys are ignored (VER-1)."""
 
@@ -326,7 +378,9 @@ class _Object(FieldCodec):
     def fields(self) -> list[tuple[attrs.Attribute[Any], FieldCodec]]:
         if self._fields is None:
             hints = typing.get_type_hints(self.kind)
-            self._fields = [(f, field_codec(hints[f.name])) for f in attrs.fields(self.kind) if f.init]
+            self._fields = [
+                (f, _bounded(self.kind, f.name, field_codec(hints[f.name]))) for f in attrs.fields(self.kind) if f.init
+            ]
         return self._fields
 
     def accepts(self, value: Any) -> bool:
@@ -414,7 +468,7 @@ def encode(message: Message) -> bytes:
 
     >>> from kvspec import Release, ReleaseOutcome
     >>> encode(Release(request_id="r1", consumer_engine_id="c", outcome=ReleaseOutcome.LOADED))
-    b'{"consumer_engine_id":"c","outcome":"loaded","request_id":"r1","type":"release","v":[1,2]}'
+    b'{"consumer_engine_id":"c","outcome":"loaded","request_id":"r1","type":"release","v":[1,3]}'
     """
     kind: Any = type(message)
     body = field_codec(kind).encode(message) if kind in _NAMES else None

@@ -12,8 +12,9 @@ from __future__ import annotations
 from kvspec.core._deprecation import keyword_only
 from kvspec.core._errors import ConfigError, IncompatiblePeerError
 from kvspec.reference._messages import EngineDescriptor, GroupDescriptor
+from kvspec.spec.parallel import get_layout_mismatch
 
-__all__ = ["GROUP_FIELDS", "check_compatibility", "get_differences"]
+__all__ = ["GROUP_FIELDS", "RANK_FIELDS", "check_compatibility", "get_differences"]
 
 GROUP_FIELDS: tuple[str, ...] = (
     "kind",
@@ -31,6 +32,9 @@ GROUP_FIELDS: tuple[str, ...] = (
     "conv_layout",
 )
 """Per-group fields both peers must agree on (HS-1); the last four are a state group's layout (STATE-5)."""
+
+RANK_FIELDS: tuple[str, ...] = ("num_kv_heads", "page_size_bytes", "state_shapes")
+"""Per-group fields that are one rank's share: with two parallel layouts and unequal TP, their pages decide (PAR-9)."""
 
 
 def _plain(value: object) -> object:
@@ -56,8 +60,19 @@ def get_differences(producer: EngineDescriptor, consumer: EngineDescriptor) -> d
     compare("protocol_version.major", producer.protocol_version[0], consumer.protocol_version[0])
     compare("mode", producer.mode, consumer.mode)
     compare("hma_enabled", producer.hma_enabled, consumer.hma_enabled)
-    # Heterogeneous TP (head slicing) is out of v1: equal TP sizes only.
-    compare("tp_size", producer.tp_size, consumer.tp_size)
+    shared = GROUP_FIELDS
+    if producer.parallel is None or consumer.parallel is None:
+        # A peer that does not say its layout (1.2) has today's: equal TP sizes only (PAR-9).
+        compare("tp_size", producer.tp_size, consumer.tp_size)
+    else:
+        # Both say their layout: the byte maps it implies must compose, sizes need not be equal (PAR-9).
+        mismatch = get_layout_mismatch(producer=producer.parallel, consumer=consumer.parallel)
+        if mismatch is not None:
+            field, p_value, c_value = mismatch
+            diffs[f"parallel.{field}"] = (p_value, c_value)
+        if producer.tp_size != consumer.tp_size:
+            # Each rank's heads, page size and state shapes are its share of the pages compared above.
+            shared = tuple(name for name in GROUP_FIELDS if name not in RANK_FIELDS)
     compare("num_groups", len(producer.groups), len(consumer.groups))
     # Where a transferred state stands differs between profiles; no rule converts one into the other (STATE-1).
     compare("state_profile", producer.state_profile, consumer.state_profile)
@@ -66,7 +81,7 @@ def get_differences(producer: EngineDescriptor, consumer: EngineDescriptor) -> d
         # Same groups, another order: block ids would land in the wrong group.
         diffs["groups.order"] = (p_order, c_order)
     for index, (p_group, c_group) in enumerate(zip(producer.groups, consumer.groups, strict=False)):
-        for name in GROUP_FIELDS:
+        for name in shared:
             compare(f"groups[{index}].{name}", getattr(p_group, name), getattr(c_group, name))
     return diffs
 
@@ -80,7 +95,10 @@ def check_compatibility(*, producer: EngineDescriptor, consumer: EngineDescripto
     (block-size ratios are out of v1), window, chunk size, dtype, KV heads,
     head size, page size and ordered layer names; for a state group also its
     state shapes, dtypes, kind and conv layout (STATE-5), and both engines'
-    state profile (STATE-1).
+    state profile (STATE-1). When both descriptors carry a parallel layout
+    (protocol 1.3), the TP sizes may differ: the layouts must compose
+    (:func:`kvspec.spec.parallel.get_layout_mismatch`), and with unequal TP
+    the per-rank fields (:data:`RANK_FIELDS`) are not compared (PAR-9).
     """
     diffs = get_differences(producer, consumer)
     if diffs:

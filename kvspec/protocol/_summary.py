@@ -9,6 +9,7 @@ tensors' bytes (PLAN-1); its figures are shown beside the attention groups'.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Sequence
 
@@ -414,6 +415,22 @@ def get_stage_bands(config: KVCacheConfig, stages: int) -> tuple[tuple[str, ...]
     return tuple(tuple(names[s * len(names) // stages : (s + 1) * len(names) // stages]) for s in range(stages))
 
 
+@functools.lru_cache(maxsize=4096)
+def _rank_copies(
+    page: CanonicalPage, producer_tp: int, consumer_tp: int, consumer_rank: int
+) -> tuple[tuple[int, tuple[RankCopy, ...]], ...]:
+    """A consumer rank's copies of one page, grouped by source rank in rank order; the same for every request.
+
+    They depend on the page and the two layouts only, so an engine plans them
+    once per peer, not per request (PAR-3, PAR-4); a refusal is not cached.
+    """
+    copies = compute_rank_copies(page, producer_tp=producer_tp, consumer_tp=consumer_tp, consumer_rank=consumer_rank)
+    by_source: dict[int, list[RankCopy]] = {}
+    for copy in copies:
+        by_source.setdefault(copy.producer_rank, []).append(copy)
+    return tuple((rank, tuple(by_source[rank])) for rank in sorted(by_source))
+
+
 def summarize_parallel_plan(
     config: KVCacheConfig,
     pages: Sequence[CanonicalPage],
@@ -442,11 +459,16 @@ def summarize_parallel_plan(
     everything = tuple(name for group in config.kv_cache_groups for name in group.layer_names)
     stage_pairs = pair_stage_layers(get_stage_bands(config, producer_pp), [everything])
     stage_of = {layer: pair.producer_stage for pair in stage_pairs for layer in pair.layers}
+    # Layers of each group per producer stage, and each group's consumer pages: the same for every consumer rank.
+    layers_of = [
+        [sum(stage_of[name] == stage for name in group.layer_names) for stage in range(producer_pp)]
+        for group in config.kv_cache_groups
+    ]
     reads = []
     for consumer_rank, dcp_rank in itertools.product(range(consumer_tp), range(consumer_dcp)):
-        for group, page, summary in zip(config.kv_cache_groups, pages, base.groups, strict=True):
-            copies = (
-                compute_dcp_copies(
+        for layer_counts, page, summary in zip(layers_of, pages, base.groups, strict=True):
+            if consumer_dcp > 1:
+                dcp_copies = compute_dcp_copies(
                     page,
                     producer_tp=producer_tp,
                     consumer_tp=consumer_tp,
@@ -455,20 +477,17 @@ def summarize_parallel_plan(
                     dcp_rank=dcp_rank,
                     interleave=dcp_interleave,
                 )
-                if consumer_dcp > 1
-                else compute_rank_copies(
-                    page, producer_tp=producer_tp, consumer_tp=consumer_tp, consumer_rank=consumer_rank
-                )
-            )
+                grouped: dict[int, list[RankCopy]] = {}
+                for copy in dcp_copies:
+                    grouped.setdefault(copy.producer_rank, []).append(copy)
+                by_source = {rank: tuple(grouped[rank]) for rank in sorted(grouped)}
+            else:
+                by_source = dict(_rank_copies(page, producer_tp, consumer_tp, consumer_rank))
             tokens = any(tensor.token_rows for tensor in page.tensors)
             consumer_pages = -(-summary.blocks_clipped // consumer_dcp) if tokens else summary.blocks_clipped
             if not consumer_pages:
-                continue
-            by_source: dict[int, list[RankCopy]] = {}
-            for copy in copies:
-                by_source.setdefault(copy.producer_rank, []).append(copy)
-            for stage in range(producer_pp):
-                layers = sum(stage_of[name] == stage for name in group.layer_names)
+                continue  # planned all the same: a layout that cannot be sliced is refused for every group (PAR-5)
+            for stage, layers in enumerate(layer_counts):
                 if not layers:
                     continue
                 reads += [
@@ -481,9 +500,9 @@ def summarize_parallel_plan(
                         consumer_dcp_rank=dcp_rank,
                         num_layers=layers,
                         pages=consumer_pages,
-                        copies=by_source[producer_rank],
+                        copies=copies,
                     )
-                    for producer_rank in sorted(by_source)
+                    for producer_rank, copies in by_source.items()
                 ]
     return ParallelPlanSummary(
         producer_tp=producer_tp,

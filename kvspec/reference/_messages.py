@@ -50,6 +50,7 @@ from kvspec.core._models import (
 )
 from kvspec.reference._integrity import DIGEST_HEX_LENGTH, BlockDigests, is_block_digest
 from kvspec.spec.digest import get_offered_algorithms
+from kvspec.spec.parallel import ParallelLayout
 
 __all__ = [
     "PROTOCOL_VERSION",
@@ -78,8 +79,14 @@ each group in the handshake; a 1.1 peer omits them and cannot exchange a
 model with state groups (STATE-1, STATE-5). 1.3 added the digest algorithms
 each engine offers (``EngineDescriptor.digest_algorithms``): the block digests
 use the first both offer (XXH3-128 by default); a 1.2 peer offers none and
-both sides keep 1.2's BLAKE2b-128 (INT-1, INT-2).
+both sides keep 1.2's BLAKE2b-128 (INT-1, INT-2); and the parallel layout
+(``EngineDescriptor.parallel``: the rank, its PP stage's layers, DCP, and per
+group the tensors' sub-blocks and page order); a 1.2 peer omits it, keeps
+today's layout and pairs with equal TP only (PAR-9, HS-1).
 """
+
+MAX_LAYOUT_SUB_BLOCKS = 256
+"""Sub-blocks a parallel layout may name over all its pages: the handshake's byte-map work grows with them (PAR-9)."""
 
 TransportData: TypeAlias = Mapping[str, str | int] | bytes
 """The transport's own addressing data: named values (host, port...) or opaque bytes."""
@@ -294,6 +301,11 @@ def _optional_profile(inst: object, attribute: attrs.Attribute[Any], value: obje
         raise FieldError(type(inst), attribute.name, f"one of {[p.value for p in StateProfile]} or None", value)
 
 
+def _optional_parallel(inst: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if value is not None and not isinstance(value, ParallelLayout):
+        raise FieldError(type(inst), attribute.name, "a ParallelLayout or None", value)
+
+
 def _layer_names(inst: object, attribute: attrs.Attribute[Any], value: object) -> None:
     if not isinstance(value, tuple) or not value or not all(isinstance(v, str) and v for v in value):
         raise FieldError(type(inst), attribute.name, "a non-empty tuple of non-empty layer names", value)
@@ -367,6 +379,9 @@ class EngineDescriptor:
     groups: where its transferred state stands (STATE-1).
     ``digest_algorithms`` (protocol 1.3) lists the digest algorithms the engine
     computes, in preference order; empty from a 1.2 peer (INT-2).
+    ``parallel`` (protocol 1.3) is this rank's parallel layout; ``None`` (a
+    1.2 peer, or an engine that does not say) means today's layout, which
+    pairs with equal TP sizes only (PAR-9).
     """
 
     protocol_version: tuple[int, int] = attrs.field(default=PROTOCOL_VERSION, converter=_to_tuple, validator=_version)
@@ -379,6 +394,26 @@ class EngineDescriptor:
     transport_metadata: bytes = attrs.field(default=b"", validator=_bytes, repr=False)
     state_profile: StateProfile | None = attrs.field(default=None, validator=_optional_profile)
     digest_algorithms: tuple[str, ...] = attrs.field(default=(), converter=_to_tuple, validator=_algorithm_names)
+    parallel: ParallelLayout | None = attrs.field(default=None, validator=_optional_parallel)
+
+    def __attrs_post_init__(self) -> None:
+        layout = self.parallel
+        if layout is None:
+            return
+        # The layout describes this engine: its TP size, one page per group, layers the groups hold (PAR-9).
+        if layout.rank.tp_size != self.tp_size:
+            raise FieldError(type(self), "parallel.rank.tp_size", f"tp_size {self.tp_size}", layout.rank.tp_size)
+        if len(layout.pages) != len(self.groups):
+            raise FieldError(
+                type(self), "parallel.pages", f"{len(self.groups)} pages, one per group", len(layout.pages)
+            )
+        count = sum(len(t.sub_blocks) for page in layout.pages for t in page.tensors)
+        if count > MAX_LAYOUT_SUB_BLOCKS:
+            raise FieldError(type(self), "parallel.pages", f"at most {MAX_LAYOUT_SUB_BLOCKS} sub-blocks in all", count)
+        names = {name for g in self.groups for name in g.layer_names}
+        unknown = [name for name in layout.rank.layers if name not in names]
+        if unknown:
+            raise FieldError(type(self), "parallel.rank.layers", "names of the groups' layers", unknown[0])
 
     @classmethod
     def from_config(
@@ -392,6 +427,7 @@ class EngineDescriptor:
         transport_metadata: bytes = b"",
         state_profile: StateProfile | None = None,
         digest_algorithms: Sequence[str] | None = None,
+        parallel: ParallelLayout | None = None,
     ) -> EngineDescriptor:
         """Describe an engine from its KV-cache config; one with state groups has a profile (HS-1, STATE-1).
 
@@ -412,6 +448,7 @@ class EngineDescriptor:
             digest_algorithms=tuple(a.value for a in get_offered_algorithms())
             if digest_algorithms is None
             else tuple(digest_algorithms),
+            parallel=parallel,
         )
 
 

@@ -65,7 +65,7 @@ class GuardMode(str, enum.Enum):
 
 @attrs.frozen(kw_only=True)
 class RankPlan:
-    """The copies one consumer rank used to fill its page of ``page``: INT-3 checks them for parallel ownership (PAR-3)."""
+    """The copies one consumer rank used to fill its page of ``page``, for INT-3's ownership check (PAR-3)."""
 
     page: CanonicalPage
     producer_tp: int

@@ -8,14 +8,17 @@ physical page is a projection of it. The rules below say which slice a rank
 owns (PAR-1), where it lies in its page (PAR-2), that what a consumer rank
 receives tiles its page exactly once (PAR-3) from one elected source (PAR-4),
 which layouts can be sliced (PAR-5), how many notifications free a producer's
-blocks (PAR-6), that layers pair by name across stages (PAR-7) and where a
-DCP rank's tokens sit (PAR-8) (docs/spec/parallelism.md).
+blocks (PAR-6), that layers pair by name across stages (PAR-7), where a
+DCP rank's tokens sit (PAR-8), and which two ranks' layouts the handshake
+admits (PAR-9) (docs/spec/parallelism.md).
 """
 
 from __future__ import annotations
 
+import bisect
 import enum
 import itertools
+import operator
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -29,6 +32,7 @@ __all__ = [
     "CanonicalPage",
     "PageOrder",
     "PageTensor",
+    "ParallelLayout",
     "RankCopy",
     "RankLayout",
     "StagePair",
@@ -44,6 +48,7 @@ __all__ = [
     "get_completion_count",
     "get_dcp_owner",
     "get_dcp_token_position",
+    "get_layout_mismatch",
     "get_owned_units",
     "get_rank_page_map",
     "pair_stage_layers",
@@ -189,6 +194,29 @@ class RankLayout:
             raise ParallelismError(f"RankLayout.tp_rank: expected below tp_size {self.tp_size}, got {self.tp_rank}")
         if self.dcp_rank >= self.dcp_size:
             raise ParallelismError(f"RankLayout.dcp_rank: expected below dcp_size {self.dcp_size}, got {self.dcp_rank}")
+
+
+def _to_pages(value: Iterable[CanonicalPage]) -> tuple[CanonicalPage, ...]:
+    return tuple(value)
+
+
+@attrs.frozen(kw_only=True)
+class ParallelLayout:
+    """One rank's parallel layout as its engine descriptor carries it (protocol 1.3) (PAR-9).
+
+    ``rank`` is where the rank stands (TP, its PP stage's layers, DCP);
+    ``pages`` holds one canonical page per KV-cache group, in group order:
+    each tensor's sub-blocks (global extent, split or replicated) and the
+    order of the rank's own pages (``hnd``, ``nhd``, ``opaque``) (PAR-9).
+    """
+
+    rank: RankLayout = attrs.field(validator=attrs.validators.instance_of(RankLayout))
+    pages: tuple[CanonicalPage, ...] = attrs.field(converter=_to_pages)
+
+    @pages.validator
+    def _check_pages(self, attribute: attrs.Attribute[Any], value: tuple[CanonicalPage, ...]) -> None:
+        if not value or not all(isinstance(p, CanonicalPage) for p in value):
+            raise ParallelismError(f"ParallelLayout.pages: expected at least one CanonicalPage, got {value!r}")
 
 
 @attrs.frozen(kw_only=True)
@@ -392,7 +420,9 @@ def _to_canonical(runs: Sequence[ByteRun], offset: int, nbytes: int, where: str)
     """The canonical ``(offset, nbytes)`` pieces a range of a rank's page holds, merged where they go on."""
     pieces: list[tuple[int, int]] = []
     at, end = offset, offset + nbytes
-    for run in runs:
+    # Runs lie in page order (PAR-2): start at the last one beginning at or before ``offset``.
+    first = max(0, bisect.bisect_right(runs, offset, key=lambda run: run.rank_offset) - 1)
+    for run in itertools.islice(runs, first, None):
         if run.rank_offset <= at < run.rank_offset + run.nbytes:
             take = min(end, run.rank_offset + run.nbytes) - at
             canonical = run.canonical_offset + at - run.rank_offset
@@ -494,6 +524,31 @@ def elect_source_rank(block: SubBlock, unit: int, *, producer_tp: int, consumer_
     )
 
 
+def _get_source_runs(
+    block: SubBlock, start: int, end: int, candidates: Sequence[int], *, producer_tp: int
+) -> list[tuple[int, int, int]]:
+    """:func:`elect_source_rank` for every unit of ``[start, end)`` at once: ``(rank, first, stop)`` runs (PAR-4).
+
+    Candidates hold ascending unit ranges (PAR-1), so the first holder of each
+    unit is found by walking them once: each takes what it holds past the last
+    one's end. A unit no candidate holds is refused as :func:`elect_source_rank` does.
+    """
+    runs: list[tuple[int, int, int]] = []
+    at = start
+    for rank in candidates:
+        first, stop = get_owned_units(block, tp_size=producer_tp, tp_rank=rank)
+        first, stop = max(first, at), min(stop, end)
+        if first >= stop:
+            continue
+        if first > at:
+            break  # unit ``at`` lies before this holder and after every earlier one: nobody holds it
+        runs.append((rank, first, stop))
+        at = stop
+    if at < end:
+        raise ParallelismError(f"{block.name}: no producer rank aligned with the consumer rank holds unit {at} (PAR-4)")
+    return runs
+
+
 # --------------------------------------------------------------------------- PAR-5 layout preconditions
 
 
@@ -521,19 +576,29 @@ def check_page_sliceable(page: CanonicalPage, *, producer_tp: int, consumer_tp: 
 # --------------------------------------------------------------------------- the plan of one page
 
 
-def _unit_runs(
-    tensor: PageTensor, index: int, start: int, end: int, *, tp_size: int, tp_rank: int
-) -> list[tuple[int, int]]:
-    """``(offset, nbytes)`` in a rank's tensor of units ``[start, end)`` of sub-block ``index``, one per run."""
+_RankTensor = tuple[list[tuple[int, int]], list[int], int]
+"""A rank's view of one tensor: per sub-block its owned units and the bytes before them in a row; the row's bytes."""
+
+
+def _get_rank_tensor(tensor: PageTensor, *, tp_size: int, tp_rank: int) -> _RankTensor:
+    """Per sub-block the units a rank owns (PAR-1) and the bytes before them in one row of its tensor (PAR-2)."""
     owned = [get_owned_units(b, tp_size=tp_size, tp_rank=tp_rank) for b in tensor.sub_blocks]
-    unit_bytes = [b.width * tensor.element_bytes for b in tensor.sub_blocks]
-    first = owned[index][0]
-    before = sum((e - s) * u for (s, e), u in zip(owned[:index], unit_bytes[:index], strict=True))
-    unit = unit_bytes[index]
+    before: list[int] = []
+    at = 0
+    for (start, end), block in zip(owned, tensor.sub_blocks, strict=True):
+        before.append(at)
+        at += (end - start) * block.width * tensor.element_bytes
+    return owned, before, at
+
+
+def _unit_runs(tensor: PageTensor, index: int, start: int, end: int, rank: _RankTensor) -> list[tuple[int, int]]:
+    """``(offset, nbytes)`` in a rank's tensor of units ``[start, end)`` of sub-block ``index``, one per run."""
+    owned, before, row = rank
+    unit = tensor.sub_blocks[index].width * tensor.element_bytes
+    at = before[index] + (start - owned[index][0]) * unit
     if tensor.order is PageOrder.NHD:
-        row = sum((e - s) * u for (s, e), u in zip(owned, unit_bytes, strict=True))
-        return [(r * row + before + (start - first) * unit, (end - start) * unit) for r in range(tensor.rows)]
-    return [(tensor.rows * (before + (start - first) * unit), (end - start) * tensor.rows * unit)]
+        return [(r * row + at, (end - start) * unit) for r in range(tensor.rows)]
+    return [(tensor.rows * at, (end - start) * tensor.rows * unit)]
 
 
 def _rank_tensor_bytes(tensor: PageTensor, tp_size: int, tp_rank: int) -> int:
@@ -543,7 +608,8 @@ def _rank_tensor_bytes(tensor: PageTensor, tp_size: int, tp_rank: int) -> int:
 
 def _coalesce(copies: Iterable[RankCopy]) -> tuple[RankCopy, ...]:
     merged: list[RankCopy] = []
-    for copy in sorted(copies, key=attrs.astuple):  # by producer rank, then offset
+    order = operator.attrgetter(*(f.name for f in attrs.fields(RankCopy)))
+    for copy in sorted(copies, key=order):  # by producer rank, then offset
         last = merged[-1] if merged else None
         if (
             last is not None
@@ -575,19 +641,13 @@ def compute_rank_copies(
     producer_base = dict.fromkeys(candidates, 0)
     consumer_base = 0
     for tensor in page.tensors:
+        mine = _get_rank_tensor(tensor, tp_size=consumer_tp, tp_rank=consumer_rank)
+        theirs = {rank: _get_rank_tensor(tensor, tp_size=producer_tp, tp_rank=rank) for rank in candidates}
         for index, block in enumerate(tensor.sub_blocks):
-            start, end = get_owned_units(block, tp_size=consumer_tp, tp_rank=consumer_rank)
-            sources = [
-                elect_source_rank(
-                    block, u, producer_tp=producer_tp, consumer_tp=consumer_tp, consumer_rank=consumer_rank
-                )
-                for u in range(start, end)
-            ]
-            at = start
-            for source, group in itertools.groupby(sources):
-                count = len(list(group))
-                reads = _unit_runs(tensor, index, at, at + count, tp_size=producer_tp, tp_rank=source)
-                writes = _unit_runs(tensor, index, at, at + count, tp_size=consumer_tp, tp_rank=consumer_rank)
+            start, end = mine[0][index]
+            for source, at, stop in _get_source_runs(block, start, end, candidates, producer_tp=producer_tp):
+                reads = _unit_runs(tensor, index, at, stop, theirs[source])
+                writes = _unit_runs(tensor, index, at, stop, mine)
                 for (p_off, nbytes), (c_off, _) in zip(reads, writes, strict=True):
                     copies.append(
                         RankCopy(
@@ -598,10 +658,9 @@ def compute_rank_copies(
                             nbytes=nbytes,
                         )
                     )
-                at += count
         for rank in candidates:
-            producer_base[rank] += _rank_tensor_bytes(tensor, producer_tp, rank)
-        consumer_base += _rank_tensor_bytes(tensor, consumer_tp, consumer_rank)
+            producer_base[rank] += tensor.rows * theirs[rank][2]
+        consumer_base += tensor.rows * mine[2]
     return _coalesce(copies)
 
 
@@ -745,3 +804,117 @@ def get_dcp_owner(position: int, *, dcp_size: int, interleave: int) -> tuple[int
     turn, pos = divmod(position, interleave)
     chunk, rank = divmod(turn, dcp_size)
     return rank, chunk * interleave + pos
+
+
+# --------------------------------------------------------------------------- PAR-9 the handshake over byte maps
+
+_TENSOR_FIELDS = ("name", "rows", "element_bytes", "order", "token_rows")
+_BLOCK_FIELDS = ("name", "extent", "width", "replicated")
+
+
+def _plain(value: object) -> object:
+    return getattr(value, "value", value)  # an enum as its wire value, as the descriptor reads
+
+
+def _get_page_difference(producer: CanonicalPage, consumer: CanonicalPage) -> tuple[str, object, object] | None:
+    """The first field in which two canonical pages differ, with both values; tensors, then sub-blocks (PAR-9)."""
+    if len(producer.tensors) != len(consumer.tensors):
+        return "tensors", len(producer.tensors), len(consumer.tensors)
+    for j, (p, c) in enumerate(zip(producer.tensors, consumer.tensors, strict=True)):
+        for name in _TENSOR_FIELDS:
+            if getattr(p, name) != getattr(c, name):
+                return f"tensors[{j}].{name}", _plain(getattr(p, name)), _plain(getattr(c, name))
+        if len(p.sub_blocks) != len(c.sub_blocks):
+            return f"tensors[{j}].sub_blocks", len(p.sub_blocks), len(c.sub_blocks)
+        for k, (pb, cb) in enumerate(zip(p.sub_blocks, c.sub_blocks, strict=True)):
+            for name in _BLOCK_FIELDS:
+                if getattr(pb, name) != getattr(cb, name):
+                    return f"tensors[{j}].sub_blocks[{k}].{name}", getattr(pb, name), getattr(cb, name)
+    return None
+
+
+def _get_rank_mismatch(producer: RankLayout, consumer: RankLayout) -> tuple[str, object, object] | None:
+    """The first rank field that keeps two ranks from pairing: TP sizes, faced rank, DCP, PP band (PAR-9)."""
+    p_tp, c_tp = producer.tp_size, consumer.tp_size
+    # One size must divide the other, or units fall between ranks (PAR-4).
+    if p_tp % c_tp and c_tp % p_tp:
+        return "rank.tp_size (PAR-4)", p_tp, c_tp
+    # A consumer rank reads from and notifies its faced ranks only (PAR-4).
+    faced = get_candidate_ranks(producer_tp=p_tp, consumer_tp=c_tp, consumer_rank=consumer.tp_rank)
+    if producer.tp_rank not in faced:
+        return "rank.tp_rank (PAR-4)", producer.tp_rank, consumer.tp_rank
+    # The rules deal a producer's tokens out to DCP ranks; a DCP producer pairs only with its own layout (PAR-8).
+    p_dcp = (producer.dcp_size, producer.dcp_interleave, p_tp)
+    if producer.dcp_size > 1 and p_dcp != (consumer.dcp_size, consumer.dcp_interleave, c_tp):
+        return "rank.dcp_size (PAR-8)", producer.dcp_size, consumer.dcp_size
+    # Two stages that share no layer have nothing to exchange: a pairing by position would invent one (PAR-7).
+    if producer.layers and consumer.layers and not set(producer.layers) & set(consumer.layers):
+        return "rank.layers (PAR-7)", producer.layers, consumer.layers
+    return None
+
+
+def _one_row(page: CanonicalPage) -> CanonicalPage:
+    # Every row of a tensor repeats the first one's byte map (PAR-2), so one row shows coverage for all.
+    return CanonicalPage(tensors=[attrs.evolve(t, rows=1) for t in page.tensors])
+
+
+def _get_map_mismatch(
+    page: CanonicalPage, producer: RankLayout, consumer: RankLayout
+) -> tuple[str, object, object] | None:
+    """The first rule two ranks' byte maps of one page break: ownership, layout, coverage (PAR-1, PAR-5, PAR-3)."""
+    p_tp, c_tp = producer.tp_size, consumer.tp_size
+    for j, tensor in enumerate(page.tensors):
+        for k, block in enumerate(tensor.sub_blocks):
+            for tp_size, tp_rank in ((p_tp, producer.tp_rank), (c_tp, consumer.tp_rank)):
+                try:
+                    get_owned_units(block, tp_size=tp_size, tp_rank=tp_rank)
+                except ParallelismError:
+                    field = f"tensors[{j}].sub_blocks[{k}].extent (PAR-1)"
+                    return field, f"{block.extent} at TP {p_tp}", f"{block.extent} at TP {c_tp}"
+        # Under DCP a token tensor is dealt out by rows, which an opaque tensor does not have (PAR-5, PAR-8).
+        opaque_rows = consumer.dcp_size > 1 and tensor.token_rows and tensor.order is PageOrder.OPAQUE
+        try:
+            if opaque_rows:
+                raise ParallelismError(f"{tensor.name}.order: expected 'hnd' or 'nhd' under DCP, got 'opaque' (PAR-5)")
+            check_page_sliceable(CanonicalPage(tensors=[tensor]), producer_tp=p_tp, consumer_tp=c_tp)
+        except ParallelismError:
+            return f"tensors[{j}].order (PAR-5)", f"'opaque' at TP {p_tp}", f"'opaque' at TP {c_tp}"
+    row = _one_row(page)
+    kwargs = {"producer_tp": p_tp, "consumer_tp": c_tp, "consumer_rank": consumer.tp_rank}
+    try:
+        check_coverage(row, copies=compute_rank_copies(row, **kwargs), **kwargs)
+    except ParallelismError as exc:
+        return "coverage (PAR-3)", f"TP {p_tp}", str(exc)
+    return None
+
+
+def get_layout_mismatch(*, producer: ParallelLayout, consumer: ParallelLayout) -> tuple[str, object, object] | None:
+    """The first field that keeps two ranks' byte maps from composing, with both values; None admits the pair (PAR-9).
+
+    The layouts must describe the same canonical pages: same count, and per
+    page the same tensors (name, rows, element size, order, token rows) and
+    sub-blocks (name, extent, width, replication), compared in that order.
+    Then the ranks must pair (:func:`check_tp_pair`, the producer rank one the
+    consumer rank faces, DCP only from a producer without it unless both
+    agree, a PP band in common), every sub-block must divide at both TP sizes
+    (PAR-1), every tensor be sliceable (PAR-5), and the planner's copies tile
+    the consumer rank's page (PAR-3). The field carries the rule it breaks,
+    e.g. ``"pages[0].tensors[0].order (PAR-5)"``. The handshake refuses on the
+    first mismatch, in place of equal TP sizes (HS-1, PAR-9).
+    """
+    if len(producer.pages) != len(consumer.pages):
+        return "pages (PAR-9)", len(producer.pages), len(consumer.pages)
+    for i, (p_page, c_page) in enumerate(zip(producer.pages, consumer.pages, strict=True)):
+        difference = _get_page_difference(p_page, c_page)
+        if difference is not None:
+            field, p_value, c_value = difference
+            return f"pages[{i}].{field} (PAR-9)", p_value, c_value
+    mismatch = _get_rank_mismatch(producer.rank, consumer.rank)
+    if mismatch is not None:
+        return mismatch
+    for i, page in enumerate(producer.pages):
+        mismatch = _get_map_mismatch(page, producer.rank, consumer.rank)
+        if mismatch is not None:
+            field, p_value, c_value = mismatch
+            return f"pages[{i}].{field}", p_value, c_value
+    return None

@@ -89,7 +89,9 @@ from kvspec.spec.guard import check_request_blocks
 from kvspec.spec.parallel import (
     CanonicalPage,
     PageTensor,
+    ParallelLayout,
     RankCopy,
+    RankLayout,
     SubBlock,
     check_coverage,
     check_page_sliceable,
@@ -98,6 +100,7 @@ from kvspec.spec.parallel import (
     elect_source_rank,
     get_completion_count,
     get_dcp_token_position,
+    get_layout_mismatch,
     get_owned_units,
     get_rank_page_map,
     pair_stage_layers,
@@ -796,6 +799,47 @@ def _hs_pins() -> list[Case]:
         case("mode_and_hma_differ", attrs.evolve(consumer, mode=TransferMode.WRITE, hma_enabled=False)),
         case("group_count_differs", attrs.evolve(consumer, groups=consumer.groups[:1])),
         case("window_and_dtype_differ", _group(consumer, 0, sliding_window=64, dtype="bfloat16")),
+        *_hs_parallel_pins(),
+    ]
+
+
+def _ranked(tp: int, rank: int, *, heads: int = 4, order: str = "hnd") -> EngineDescriptor:
+    """One rank of an engine with ``heads`` KV heads at TP ``tp``, with its 1.3 parallel layout (PAR-9)."""
+    share = max(1, heads // tp)
+    config = _config([_sw(32), _full()], num_blocks=32)
+    base = _descriptor(config, engine_id=f"tp{tp}.{rank}", tp_size=tp)
+    groups = tuple(attrs.evolve(g, num_kv_heads=share, page_size_bytes=g.page_size_bytes * share) for g in base.groups)
+    layout = ParallelLayout(rank=RankLayout(tp_size=tp, tp_rank=rank), pages=[_kv_page(heads, order=order)] * 2)
+    return attrs.evolve(base, groups=groups, parallel=layout)
+
+
+def _hs_parallel_pins() -> list[Case]:
+    # Protocol 1.3: both peers' layouts decide unequal TP (PAR-9); a layout on one side only keeps equal TP.
+    def case(name: str, producer: EngineDescriptor, consumer: EngineDescriptor, description: str) -> Case:
+        return Case(name=name, inputs={"producer": producer, "consumer": consumer}, description=description)
+
+    return [
+        case("parallel_tp1_to_tp4_admitted", _ranked(1, 0), _ranked(4, 2), "the byte maps compose (PAR-9)"),
+        case("parallel_tp4_to_tp1_admitted", _ranked(4, 3), _ranked(1, 0), "rank 3 is one the consumer faces"),
+        case(
+            "parallel_heads_do_not_divide",
+            _ranked(1, 0, heads=6),
+            _ranked(4, 1, heads=6),
+            "6 KV heads over TP4: refused naming the sub-block's extent (PAR-1)",
+        ),
+        case(
+            "parallel_opaque_page",
+            _ranked(1, 0, order="opaque"),
+            _ranked(2, 1, order="opaque"),
+            "an opaque page cannot be sliced (PAR-5)",
+        ),
+        case("parallel_tp_sizes_do_not_divide", _ranked(2, 0), _ranked(3, 0, heads=4), "neither divides (PAR-4)"),
+        case(
+            "parallel_one_side_only",
+            attrs.evolve(_ranked(1, 0), parallel=None),
+            _ranked(4, 0),
+            "a 1.2 peer sends no layout: equal TP only, as before",
+        ),
     ]
 
 
@@ -1846,6 +1890,30 @@ def _par6_pins() -> list[Case]:
     ]
 
 
+def _par9_pins() -> list[Case]:
+    def layout(tp: int, rank: int, page: CanonicalPage, **kw: Any) -> ParallelLayout:
+        return ParallelLayout(rank=RankLayout(tp_size=tp, tp_rank=rank, **kw), pages=[page])
+
+    def case(name: str, producer: ParallelLayout, consumer: ParallelLayout, description: str = "") -> Case:
+        return Case(name=name, inputs={"producer": producer, "consumer": consumer}, description=description)
+
+    return [
+        case("tp1_to_tp4_compose", layout(1, 0, _kv_page(4)), layout(4, 3, _kv_page(4))),
+        case("mamba2_n_groups_1_tp1_to_tp2", layout(1, 0, _par_page()), layout(2, 1, _par_page()), "#55208's pair"),
+        case("extents_differ", layout(1, 0, _kv_page(4)), layout(4, 0, _kv_page(8)), "first field that differs"),
+        case("heads_do_not_divide", layout(1, 0, _kv_page(6)), layout(4, 0, _kv_page(6)), "PAR-1"),
+        case("opaque_sliced", layout(1, 0, _kv_page(4, order="opaque")), layout(2, 1, _kv_page(4, order="opaque"))),
+        case("rank_not_faced", layout(4, 3, _kv_page(4)), layout(2, 0, _kv_page(4)), "PAR-4"),
+        case(
+            "no_layer_in_common",
+            layout(1, 0, _kv_page(4), layers=["layers.0"]),
+            layout(4, 0, _kv_page(4), layers=["layers.1"]),
+            "PAR-7",
+        ),
+        case("dcp_producer", layout(1, 0, _kv_page(4), dcp_size=2), layout(1, 0, _kv_page(4)), "PAR-8"),
+    ]
+
+
 def _par7_pins() -> list[Case]:
     layers = ["layers.0", "layers.1", "layers.2", "layers.3"]
     return [
@@ -2016,6 +2084,7 @@ CASE_SETS: tuple[CaseSet, ...] = (
     CaseSet(rule="PAR-5", fn=check_page_sliceable, pinned=_par5_pins),
     CaseSet(rule="PAR-6", fn=get_completion_count, pinned=_par6_pins),
     CaseSet(rule="PAR-7", fn=pair_stage_layers, pinned=_par7_pins),
+    CaseSet(rule="PAR-9", fn=get_layout_mismatch, pinned=_par9_pins),
     CaseSet(rule="PAR-8", fn=get_dcp_token_position, pinned=_par8_pins),
     CaseSet(rule="PAR-8", fn=compute_dcp_copies, pinned=_par8_copies_pins),
 )

@@ -93,7 +93,9 @@ from kvspec.spec.guard import check_request_blocks
 from kvspec.spec.parallel import (
     CanonicalPage,
     PageTensor,
+    ParallelLayout,
     RankCopy,
+    RankLayout,
     SubBlock,
     check_coverage,
     check_page_sliceable,
@@ -102,6 +104,7 @@ from kvspec.spec.parallel import (
     elect_source_rank,
     get_completion_count,
     get_dcp_token_position,
+    get_layout_mismatch,
     get_owned_units,
     get_rank_page_map,
     pair_stage_layers,
@@ -371,7 +374,14 @@ def _decode_page(body: Json) -> CanonicalPage:
     return CanonicalPage(tensors=tensors)
 
 
+def _decode_layout(body: Json) -> ParallelLayout:
+    layout = _object(body, "layout")
+    rank = _build(RankLayout, layout.get("rank"), "layout.rank")
+    return ParallelLayout(rank=rank, pages=[_decode_page(p) for p in _list(layout.get("pages"), "layout.pages")])
+
+
 SUB_BLOCK = Arg(decode=_decode_sub_block, schema={"type": "object"})
+LAYOUT = Arg(decode=_decode_layout, schema={"type": "object"})
 PAGE = Arg(decode=_decode_page, schema={"type": "object"})
 COPIES = Arg(
     decode=lambda body: [_build(RankCopy, c, "copies[]") for c in _list(body, "copies")],
@@ -452,6 +462,7 @@ PUBLIC_NAMES: Mapping[object, str] = {
     elect_source_rank: "elect_source_rank",
     check_page_sliceable: "check_page_sliceable",
     get_completion_count: "get_completion_count",
+    get_layout_mismatch: "get_layout_mismatch",
     pair_stage_layers: "pair_stage_layers",
     get_dcp_token_position: "get_dcp_token_position",
     digest_rank_page: "digest_rank_page",
@@ -808,6 +819,11 @@ _ENTRIES += (
         lambda a: get_completion_count(
             producer_tp=a["producer_tp"], consumer_tp=a["consumer_tp"], producer_rank=a["producer_rank"]
         ),
+    ),
+    _entry(
+        get_layout_mismatch,
+        {"producer": LAYOUT, "consumer": LAYOUT},
+        lambda a: get_layout_mismatch(producer=a["producer"], consumer=a["consumer"]),
     ),
     _entry(
         pair_stage_layers,
