@@ -123,6 +123,7 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
                 "kvspec.integrations.expectations",
                 "kvspec.integrations.vllm",
                 "kvspec.integrations.vllm_audit",
+                "kvspec.integrations.vllm_parallel",
                 "kvspec.integrations.vllm_offload_audit",
                 "kvspec.integrations.sglang",
                 "kvspec.integrations.sglang_audit",

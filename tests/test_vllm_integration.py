@@ -479,3 +479,75 @@ def test_a_draft_group_is_transferred_54926(vllm: Any, connector: str) -> None:
     by_position = _by_position(p_table, c_table, pairs)
     assert by_position[1], f"{connector}: the draft group was not transferred: {pairs}"
     assert all(p == c for group in by_position for p, c in group), by_position
+
+
+# --------------------------------------------------------------------------- many ranks (issue 33, item 6)
+
+
+def _source_of(copies: Any, consumer_offset: int) -> int:
+    """The producer byte a consumer byte is read from, by the copies of one page."""
+    for copy in copies:
+        if copy.consumer_offset <= consumer_offset < copy.consumer_offset + copy.nbytes:
+            return int(copy.producer_offset + consumer_offset - copy.consumer_offset)
+    raise AssertionError(f"no copy fills consumer byte {consumer_offset}")
+
+
+def test_nixl_mapping_reads_c_as_b_for_mamba2_n_groups_1_55208(vllm: Any) -> None:
+    """vLLM's remote_conv_offsets, TP1 -> TP2, n_groups=1: rank 1's B comes from the prefill's C; kvspec's from B."""
+    from kvspec_conformance.cases.parallel import mamba2_page
+
+    from kvspec.integrations.vllm_parallel import plan_nixl_consumer_rank
+    from kvspec.spec.parallel import compute_rank_copies, get_rank_page_map
+
+    page = mamba2_page(1)  # conv x (4 heads x 2), B (1 group x 2), C (1 x 2), 2 rows of int8: x 16 B, B 4 B, C 4 B
+    x_bytes, group_bytes = 16, 4
+    consumer_b = x_bytes // 2  # rank 1's B follows its half of x
+    # Where each consumer byte's canonical byte is: rank 1's B must be the canonical B.
+    run = next(r for r in get_rank_page_map(page, tp_size=2, tp_rank=1) if r.rank_offset == consumer_b)
+    assert run.canonical_offset == x_bytes
+    plan = plan_nixl_consumer_rank([page], producer_tp=1, consumer_tp=2, consumer_rank=1)
+    assert _source_of(plan.copies[0], consumer_b) == x_bytes + group_bytes  # the prefill's C (#55208)
+    kvspec = compute_rank_copies(page, producer_tp=1, consumer_tp=2, consumer_rank=1)
+    assert _source_of(kvspec, consumer_b) == x_bytes
+    # Rank 0's C is read past the conv state, from the SSM state.
+    rank0 = plan_nixl_consumer_rank([page], producer_tp=1, consumer_tp=2, consumer_rank=0)
+    assert _source_of(rank0.copies[0], x_bytes // 2 + group_bytes) >= x_bytes + 2 * group_bytes
+    # With n_groups = TP the same mapping reads right: the defect is the replicated sub-block only.
+    sharded = mamba2_page(2)
+    for rank in (0, 1):
+        got = plan_nixl_consumer_rank([sharded], producer_tp=1, consumer_tp=2, consumer_rank=rank).copies[0]
+        want = compute_rank_copies(sharded, producer_tp=1, consumer_tp=2, consumer_rank=rank)
+        assert {(_source_of(got, c.consumer_offset + i)) for c in want for i in range(c.nbytes)} == {
+            c.producer_offset + i for c in want for i in range(c.nbytes)
+        }
+
+
+def test_par_cases_under_nixl_end_with_no_error_and_55208_expected(vllm: Any) -> None:
+    """--connector vllm:nixl --rule PAR: 0 errors, #55208 an expected failure, what vLLM lacks skipped by name."""
+    from kvspec_conformance._parallel_scenario import run_par_scenario
+    from kvspec_conformance.cases.parallel import SCENARIOS
+
+    from kvspec.integrations.expectations import load_expected
+    from kvspec.integrations.vllm import make_connector
+    from kvspec.transport import load_backend
+
+    nixl = make_connector("nixl")
+    report = run_suite("loopback", rules=["PAR"], connector=nixl, expected_failures=load_expected("vllm:nixl"))
+    assert report.counts()["error"] == 0, report.render()
+    assert report.passed, report.render()
+    by_id = {r.case_id: r for r in report.results}
+    ngroups = by_id["PAR-3/mamba2-n-groups-1"]
+    assert ngroups.outcome is Outcome.EXPECTED_FAILURE
+    assert "#55208" in ngroups.message
+    assert "holds conv.C[0]" in ngroups.message  # rank 1's B holds the prefill's C
+    skipped = [r for r in report.results if r.outcome is Outcome.SKIPPED]
+    assert skipped
+    assert all("cannot express" in r.message for r in skipped)
+    assert by_id["PAR-1/tp-1-to-8"].outcome is Outcome.PASSED  # vLLM's head mapping agrees with kvspec's
+    # The same scenario with kvspec's planner is clean.
+    backend = load_backend("loopback")
+    try:
+        assert run_par_scenario(SCENARIOS["PAR-3/mamba2-n-groups-1"], backend=backend).problems == ()
+        assert run_par_scenario(SCENARIOS["PAR-3/mamba2-n-groups-1"], backend=backend, connector=nixl).problems
+    finally:
+        backend.close()
