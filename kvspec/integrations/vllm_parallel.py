@@ -37,6 +37,7 @@ __all__ = ["plan_nixl_consumer_rank"]
 
 _V1 = "vllm.distributed.kv_transfer.kv_connector.v1."
 _SHIFT = 40  # a region's address: its layer index above this bit, the offset in the layer's page below
+_LAYOUT = "VLLM_SSM_CONV_STATE_LAYOUT"
 _STRIDE = 1 << 32  # one block per region: the stride is never stepped
 _CONV_KINDS = {("x",): "MAMBA1", ("x", "B", "C"): "MAMBA2", ("q", "k", "v"): "GDN_ATTN"}
 """Conv sub-block names -> vLLM's ``MambaAttentionBackendEnum`` member (KDA runs as vLLM's GDN backend)."""
@@ -179,12 +180,19 @@ def _conv_split(page: CanonicalPage, tp: int, rank: int) -> Any:
         dtypes=(dtypes[conv.element_bytes], dtypes[size]),
         mamba_type=getattr(registry.MambaAttentionBackendEnum, kind),
     )
-    # vLLM's NIXL worker asserts the DS conv layout at construction; the suite's conv pages are DS.
-    os.environ.setdefault("VLLM_SSM_CONV_STATE_LAYOUT", "DS")
+    # vLLM's NIXL worker asserts the DS conv layout at construction; the suite's conv pages are DS. Set for this
+    # call only: other vLLM code in the process keeps its own layout.
+    before = os.environ.get(_LAYOUT)
+    os.environ[_LAYOUT] = "DS"
     try:
         return utils.derive_mamba_conv_split(spec, tp)
     except AssertionError as exc:
         raise NotImplementedError(f"vLLM's derive_mamba_conv_split refuses the page: {exc}") from None
+    finally:
+        if before is None:
+            del os.environ[_LAYOUT]
+        else:
+            os.environ[_LAYOUT] = before
 
 
 def _worker(topology: Any, group_types: tuple[Any, ...], attention: list[_Region], conv: Any, rank: int) -> Any:
