@@ -554,3 +554,43 @@ def test_par_cases_under_nixl_end_with_no_error_and_55208_expected(vllm: Any) ->
         assert run_par_scenario(SCENARIOS["PAR-3/mamba2-n-groups-1"], backend=backend, connector=nixl).problems
     finally:
         backend.close()
+
+
+def test_nixl_head_mapping_agrees_with_kvspec_on_every_tp_pair_it_admits(vllm: Any) -> None:
+    """K in {1, 2, 4, 8} KV heads, P != D in {1, 2, 4, 8}, every decode rank: the same source byte for each byte.
+
+    vLLM refuses P TP > D TP when P replicates heads (P > K); every other pair it maps as kvspec does.
+    """
+    from kvspec_conformance.cases.parallel import attention_page
+
+    from kvspec.integrations.vllm_parallel import plan_nixl_consumer_rank
+    from kvspec.spec.parallel import compute_rank_copies
+
+    refused = set()
+    for heads in (1, 2, 4, 8):
+        page = attention_page(heads)
+        for p_tp in (1, 2, 4, 8):
+            for d_tp in (1, 2, 4, 8):
+                if p_tp == d_tp:
+                    continue
+                try:
+                    plans = [
+                        plan_nixl_consumer_rank([page], producer_tp=p_tp, consumer_tp=d_tp, consumer_rank=rank)
+                        for rank in range(d_tp)
+                    ]
+                except NotImplementedError:
+                    refused.add((heads, p_tp, d_tp))
+                    continue
+                for rank, plan in enumerate(plans):
+                    want = compute_rank_copies(page, producer_tp=p_tp, consumer_tp=d_tp, consumer_rank=rank)
+                    got = {
+                        (c.producer_rank, c.producer_offset + i, c.consumer_offset + i)
+                        for c in plan.copies[0]
+                        for i in range(c.nbytes)
+                    }
+                    assert got == {
+                        (c.producer_rank, c.producer_offset + i, c.consumer_offset + i)
+                        for c in want
+                        for i in range(c.nbytes)
+                    }, (heads, p_tp, d_tp, rank)
+    assert refused == {(k, p, d) for k in (1, 2, 4, 8) for p in (1, 2, 4, 8) for d in (1, 2, 4, 8) if d < p and p > k}
