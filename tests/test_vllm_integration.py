@@ -594,3 +594,21 @@ def test_nixl_head_mapping_agrees_with_kvspec_on_every_tp_pair_it_admits(vllm: A
                         for i in range(c.nbytes)
                     }, (heads, p_tp, d_tp, rank)
     assert refused == {(k, p, d) for k in (1, 2, 4, 8) for p in (1, 2, 4, 8) for d in (1, 2, 4, 8) if d < p and p > k}
+
+
+def test_tp_audit_finds_the_mamba2_classes_and_no_attention_deviation(
+    vllm: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """kvspec vllm-audit --tp: random layers and TP pairs through vLLM's NIXL mapping; Mamba-2's B and C deviate."""
+    from kvspec.integrations.vllm_parallel import audit_tp_pairs
+
+    report = audit_tp_pairs(requests=60, seed=11)
+    assert set(report.classes) == {"mamba2/conv.B", "mamba2/conv.C"}, report.render()
+    assert all(f.draw.groups == 1 for f in report.findings)  # n_groups = TP maps right; n_groups=1 does not
+    assert {f.draw.producer_tp > f.draw.consumer_tp for f in report.findings} == {True, False}  # both directions
+    assert main(["vllm-audit", "--tp", "--requests", "60"]) == 1
+    assert "FAILED tp/mamba2/conv.B: found, not expected" in capsys.readouterr().out
+    listed = tmp_path / "tp.txt"
+    listed.write_text("tp/mamba2/conv.B=#55208\ntp/mamba2/conv.C=#55208\n", encoding="utf-8")
+    assert main(["vllm-audit", "--tp", "--requests", "60", "--expect-file", str(listed)]) == 0
+    assert "PASSED: 0 unexpected" in capsys.readouterr().out

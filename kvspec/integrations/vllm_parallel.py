@@ -31,9 +31,9 @@ import attrs
 
 from kvspec.connector import ConsumerRankPlan
 from kvspec.core._errors import ParallelismError
-from kvspec.spec.parallel import CanonicalPage, PageOrder, PageTensor, RankCopy, get_owned_units
+from kvspec.spec.parallel import CanonicalPage, PageOrder, PageTensor, RankCopy, SubBlock, get_owned_units
 
-__all__ = ["plan_nixl_consumer_rank"]
+__all__ = ["TpAuditReport", "TpDraw", "TpFinding", "audit_tp_pairs", "generate_tp_draws", "plan_nixl_consumer_rank"]
 
 _V1 = "vllm.distributed.kv_transfer.kv_connector.v1."
 _SHIFT = 40  # a region's address: its layer index above this bit, the offset in the layer's page below
@@ -380,3 +380,207 @@ def _meta(bases: list[int], ssm_sizes: tuple[int, int]) -> Any:
         physical_blocks_per_logical_kv_block=1,
         region_num_blocks=[1] * len(bases),
     )
+
+
+# --------------------------------------------------------------------------- the TP-pair audit (vllm-audit --tp)
+
+_TP_SIZES = (1, 2, 4, 8, 16)
+_KINDS = ("attention", "mla", "mamba2", "gdn")
+
+
+@attrs.frozen(kw_only=True)
+class TpDraw:
+    """One drawn layer and TP pair: its kind, its sizes (heads, groups), the two TP sizes."""
+
+    index: int
+    kind: str
+    heads: int
+    groups: int
+    producer_tp: int
+    consumer_tp: int
+
+    def page(self) -> CanonicalPage:
+        """The layer's canonical page: attention K then V (HND, 2 tokens), MLA a latent, a state conv then SSM."""
+        if self.kind in ("attention", "mla"):
+            block = SubBlock(
+                name="latent" if self.kind == "mla" else "kv_heads", extent=self.heads, replicated=self.kind == "mla"
+            )
+            names = ("latent",) if self.kind == "mla" else ("k", "v")
+            return CanonicalPage(
+                tensors=[
+                    PageTensor(name=n, sub_blocks=[block], rows=2, element_bytes=2, token_rows=True) for n in names
+                ]
+            )
+        if self.kind == "mamba2":  # x per head, B and C per group (n_groups), 2 channels each
+            conv = [SubBlock(name="x", extent=self.heads, width=2)] + [
+                SubBlock(name=n, extent=self.groups, width=2) for n in ("B", "C")
+            ]
+        else:  # GDN: Q and K per K head (groups), V per V head
+            conv = [SubBlock(name=n, extent=self.groups, width=2) for n in ("q", "k")]
+            conv.append(SubBlock(name="v", extent=self.heads, width=2))
+        ssm = PageTensor(name="ssm", sub_blocks=[SubBlock(name="heads", extent=self.heads)], rows=1, element_bytes=4)
+        return CanonicalPage(tensors=[PageTensor(name="conv", sub_blocks=conv, rows=2, element_bytes=1), ssm])
+
+
+def generate_tp_draws(count: int, seed: int) -> list[TpDraw]:
+    """``count`` random draws: a kind, sizes a vLLM layer builds at the larger TP, and two different TP sizes."""
+    import random
+
+    rng = random.Random(seed)
+    draws: list[TpDraw] = []
+    while len(draws) < count:
+        kind = rng.choice(_KINDS)
+        producer_tp, consumer_tp = rng.sample(_TP_SIZES, 2)
+        top = max(producer_tp, consumer_tp)
+        if kind == "attention":
+            heads, groups = rng.choice((1, 2, 4, 8, 16)), 0
+        elif kind == "mla":
+            heads, groups = 1, 0
+        else:
+            heads = top * rng.choice((1, 2))  # SSM / V heads shard by TP in vLLM's layers
+            # Mamba-2: n_groups 1 (replicated) or a multiple of TP; GDN: K heads a multiple of TP.
+            groups = rng.choice((1, top)) if kind == "mamba2" else top
+        draws.append(
+            TpDraw(
+                index=len(draws),
+                kind=kind,
+                heads=heads,
+                groups=groups,
+                producer_tp=producer_tp,
+                consumer_tp=consumer_tp,
+            )
+        )
+    return draws
+
+
+@attrs.frozen(kw_only=True)
+class TpFinding:
+    """One consumer rank whose bytes vLLM reads from elsewhere than kvspec: the first such byte and its sub-block."""
+
+    draw: TpDraw
+    consumer_rank: int
+    sub_block: str
+    consumer_byte: int
+    vllm_source: tuple[int, int] | None
+    kvspec_source: tuple[int, int]
+
+    @property
+    def deviation(self) -> str:
+        """The class: kind and sub-block, e.g. ``mamba2/C``."""
+        return f"{self.draw.kind}/{self.sub_block}"
+
+
+@attrs.frozen(kw_only=True)
+class TpAuditReport:
+    """What ``kvspec vllm-audit --tp`` found: per kind the draws, refusals and deviating ranks; the findings."""
+
+    seed: int
+    draws: dict[str, int]
+    refused: dict[str, int]
+    ranks: dict[str, int]
+    findings: tuple[TpFinding, ...]
+
+    @property
+    def classes(self) -> dict[str, list[TpFinding]]:
+        """Findings by class, each list smallest reproducer first (fewest ranks, then fewest heads)."""
+        out: dict[str, list[TpFinding]] = {}
+        for finding in self.findings:
+            out.setdefault(finding.deviation, []).append(finding)
+        for items in out.values():
+            items.sort(key=lambda f: (f.draw.producer_tp + f.draw.consumer_tp, f.draw.heads, f.draw.index))
+        return out
+
+    def render(self) -> str:
+        """A table per kind, then each class with its smallest reproducer."""
+        lines = [
+            f"vLLM {_vllm_version()} NIXL TP mapping against kvspec (PAR-1 .. PAR-4), seed {self.seed}",
+            "",
+            "kind        draws  refused  deviating ranks",
+        ]
+        for kind in _KINDS:
+            counts = (self.draws.get(kind, 0), self.refused.get(kind, 0), self.ranks.get(kind, 0))
+            lines.append(f"{kind:<11} {counts[0]:>5}  {counts[1]:>7}  {counts[2]:>15}")
+        for name, items in sorted(self.classes.items()):
+            first = items[0]
+            d = first.draw
+            lines += [
+                "",
+                f"{name}: {len(items)} consumer ranks; smallest: {d.kind} heads={d.heads} groups={d.groups} "
+                f"TP{d.producer_tp} -> TP{d.consumer_tp}, consumer rank {first.consumer_rank}:",
+                f"  consumer byte {first.consumer_byte} ({first.sub_block}) read from {_at(first.vllm_source)}; "
+                f"kvspec reads it from {_at(first.kvspec_source)}",
+            ]
+        return "\n".join(lines) + "\n"
+
+
+def _at(source: tuple[int, int] | None) -> str:
+    return "nowhere" if source is None else f"producer rank {source[0]} byte {source[1]}"
+
+
+def _vllm_version() -> str:
+    from kvspec.integrations.vllm import installed_vllm_version
+
+    return installed_vllm_version() or "?"
+
+
+def _sources(copies: Sequence[RankCopy]) -> dict[int, tuple[int, int]]:
+    return {c.consumer_offset + i: (c.producer_rank, c.producer_offset + i) for c in copies for i in range(c.nbytes)}
+
+
+def _sub_block_at(page: CanonicalPage, tp: int, rank: int, offset: int) -> str:
+    """The sub-block a rank's page byte holds (HND pages: each sub-block's units are one run per tensor)."""
+    at = 0
+    for tensor in page.tensors:
+        for block in tensor.sub_blocks:
+            start, end = get_owned_units(block, tp_size=tp, tp_rank=rank)
+            size = (end - start) * block.width * tensor.rows * tensor.element_bytes
+            if at <= offset < at + size:
+                return f"{tensor.name}.{block.name}" if len(tensor.sub_blocks) > 1 else tensor.name
+            at += size
+    return "padding"
+
+
+def audit_tp_pairs(*, requests: int, seed: int) -> TpAuditReport:
+    """Draw ``requests`` layers and TP pairs; plan every consumer rank with vLLM's NIXL mapping and with kvspec's.
+
+    A pair vLLM refuses (:class:`NotImplementedError`, or a layout refused by
+    name) counts as refused; a rank whose any byte vLLM reads from another
+    producer byte than kvspec's ``compute_rank_copies`` is a finding.
+    """
+    from kvspec.spec.parallel import compute_rank_copies
+
+    draws: dict[str, int] = {}
+    refused: dict[str, int] = {}
+    ranks: dict[str, int] = {}
+    findings: list[TpFinding] = []
+    for draw in generate_tp_draws(requests, seed):
+        draws[draw.kind] = draws.get(draw.kind, 0) + 1
+        page = draw.page()
+        p_tp, d_tp = draw.producer_tp, draw.consumer_tp
+        try:
+            plans = [
+                plan_nixl_consumer_rank([page], producer_tp=p_tp, consumer_tp=d_tp, consumer_rank=rank)
+                for rank in range(d_tp)
+            ]
+        except (NotImplementedError, ParallelismError):
+            refused[draw.kind] = refused.get(draw.kind, 0) + 1
+            continue
+        for rank, plan in enumerate(plans):
+            got = _sources(plan.copies[0])
+            want = _sources(compute_rank_copies(page, producer_tp=p_tp, consumer_tp=d_tp, consumer_rank=rank))
+            wrong = sorted(b for b in want if got.get(b) != want[b])
+            if not wrong:
+                continue
+            ranks[draw.kind] = ranks.get(draw.kind, 0) + 1
+            byte = wrong[0]
+            findings.append(
+                TpFinding(
+                    draw=draw,
+                    consumer_rank=rank,
+                    sub_block=_sub_block_at(page, draw.consumer_tp, rank, byte),
+                    consumer_byte=byte,
+                    vllm_source=got.get(byte),
+                    kvspec_source=want[byte],
+                )
+            )
+    return TpAuditReport(seed=seed, draws=draws, refused=refused, ranks=ranks, findings=tuple(findings))
