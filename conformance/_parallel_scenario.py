@@ -6,13 +6,16 @@ producer's PP stages and the consumer's DCP size. :func:`run_par_scenario`
 creates one agent per rank through the backend under test, gives each rank
 its own regions (one per layer it holds, pages back to back), fills them with
 noise, and projects keyed canonical content into the producer ranks' pages
-for one request. Then it plans every (producer rank, consumer rank) pair with
-kvspec's planner (``compute_rank_copies`` / ``compute_dcp_copies``, layers
-paired by ``pair_stage_layers``) before any byte moves, and runs the exchange
-one consumer rank at a time: READ, each consumer rank reads from the producer
-ranks it faces; WRITE, those producer ranks write into it. Each consumer rank
-then notifies every producer rank it faces; a producer rank frees (overwrites)
-its blocks when ``get_completion_count`` notifications have come.
+for one request. Then it asks the connector under test, per consumer rank,
+which bytes it reads from which producer rank and whom it notifies
+(:class:`kvspec.connector.ParallelConnector`; kvspec's planner,
+``compute_rank_copies`` / ``compute_dcp_copies``, when the connector has no
+such hook), pairs layers with ``pair_stage_layers``, all before any byte
+moves, and runs the exchange one consumer rank at a time: READ, each consumer
+rank reads from the producer ranks it faces; WRITE, those producer ranks
+write into it. Each consumer rank then notifies the producer ranks its plan
+names, with the count its plan carries; a producer rank frees (overwrites)
+its blocks when that many notifications have come.
 
 The oracle is the case's own arithmetic, not the planner's: which units each
 rank owns, where they sit in its page, which canonical token a DCP row holds.
@@ -35,7 +38,8 @@ from multiprocessing import shared_memory
 import attrs
 
 import kvspec.spec.parallel as par
-from kvspec import KVSpecError, TransferMode, format_error
+from kvspec import KVSpecError, ParallelismError, TransferMode, format_error
+from kvspec.connector import ConsumerRankPlan, as_parallel_connector
 from kvspec.spec.parallel import CanonicalPage, PageOrder
 from kvspec.transport import Backend, Descriptor, MemoryRegion, TransferState, Transport
 
@@ -96,11 +100,16 @@ class ParScenario:
 
 @attrs.frozen(kw_only=True)
 class ParResult:
-    """What the oracle found: ``problems`` (empty when clean) and ``refused``, the error that stopped planning."""
+    """What the oracle found: ``problems`` (empty when clean) and ``refused``, the error that stopped planning.
+
+    ``unsupported`` is the capability the connector under test said it lacks
+    (its :class:`NotImplementedError`): nothing was planned or moved.
+    """
 
     problems: tuple[str, ...]
     refused: KVSpecError | None = None
     posted: int = 0
+    unsupported: str | None = None
 
 
 # --------------------------------------------------------------------------- the oracle's own arithmetic
@@ -274,20 +283,17 @@ def _ranks(backend: Backend, scenario: ParScenario, num_blocks: int) -> Iterator
                     shm.unlink()
 
 
-def _plan(scenario: ParScenario, layer: ParLayer, c_rank: int, d_rank: int) -> tuple[par.RankCopy, ...]:
-    """kvspec's copies into one consumer rank's page of ``layer`` (PAR-3, PAR-4, PAR-8)."""
-    if scenario.consumer_dcp == 1:
-        return par.compute_rank_copies(
-            layer.page, producer_tp=scenario.producer_tp, consumer_tp=scenario.consumer_tp, consumer_rank=c_rank
-        )
-    return par.compute_dcp_copies(
-        layer.page,
+def _plan(scenario: ParScenario, connector: object, c_rank: int, d_rank: int) -> ConsumerRankPlan:
+    """The connector's plan for one consumer rank: its copies per layer and its notifications (PAR-3, PAR-4, PAR-6)."""
+    return as_parallel_connector(connector).plan_consumer_rank(
+        [layer.page for layer in scenario.layers],
         producer_tp=scenario.producer_tp,
         consumer_tp=scenario.consumer_tp,
         consumer_rank=c_rank,
-        dcp_size=scenario.consumer_dcp,
+        consumer_dcp=scenario.consumer_dcp,
         dcp_rank=d_rank,
-        interleave=scenario.dcp_interleave,
+        dcp_interleave=scenario.dcp_interleave,
+        producer_pp=len(scenario.stages),
     )
 
 
@@ -295,23 +301,49 @@ def _plan(scenario: ParScenario, layer: ParLayer, c_rank: int, d_rank: int) -> t
 _Plans = dict[tuple[str, str], list[Descriptor]]
 
 
-def _plan_all(scenario: ParScenario, ranks: dict[str, _Rank]) -> _Plans:
-    """Every pair's descriptors, planned before any byte moves (PAR-5): consumer side first, producer second."""
+@attrs.frozen(kw_only=True)
+class _Notices:
+    """Consumer rank -> the producer ranks it notifies; producer rank -> the count it is told to wait for (PAR-6)."""
+
+    notified: dict[str, set[str]]
+    counts: dict[str, int]
+
+
+def _plan_all(scenario: ParScenario, ranks: dict[str, _Rank], connector: object) -> tuple[_Plans, _Notices]:
+    """Every pair's descriptors, planned before any byte moves (PAR-5), and whom each consumer rank notifies.
+
+    A pair's key is (consumer rank, producer rank); a pair with no descriptors
+    only notifies. The notices map each consumer rank to the producer ranks
+    it notifies, and each notified producer rank to the count it was told.
+    """
     producer_ids, consumer_ids, _ = _block_ids(scenario)
     pairing = pair_layers(scenario.stages, [layer.name for layer in scenario.layers])
     plans: _Plans = {}
+    notices = _Notices(notified={}, counts={})
     for c in range(scenario.consumer_tp):
         for d in range(scenario.consumer_dcp):
             consumer = ranks[f"c{c}.{d}"]
-            for p in par.get_candidate_ranks(
-                producer_tp=scenario.producer_tp, consumer_tp=scenario.consumer_tp, consumer_rank=c
-            ):
+            plan = _plan(scenario, connector, c, d)
+            if len(plan.copies) != len(scenario.layers):
+                raise ParallelismError(
+                    f"ConsumerRankPlan.copies: expected {len(scenario.layers)} lists (one per layer), "
+                    f"got {len(plan.copies)} (PAR-3)"
+                )
+            notices.notified[f"c{c}.{d}"] = set()
+            for p, count in zip(plan.notified, plan.completion_counts, strict=True):
                 for s in range(len(scenario.stages)):
                     plans.setdefault((f"c{c}.{d}", f"p{s}.{p}"), [])
-            for index, layer in enumerate(scenario.layers):
+                    notices.notified[f"c{c}.{d}"].add(f"p{s}.{p}")
+                    notices.counts[f"p{s}.{p}"] = count
+            for index, (layer, copies) in enumerate(zip(scenario.layers, plan.copies, strict=True)):
                 stage, region = pairing[layer.name]
-                for copy in _plan(scenario, layer, c, d):
-                    producer = ranks[f"p{stage}.{copy.producer_rank}"]
+                for copy in copies:
+                    producer = ranks.get(f"p{stage}.{copy.producer_rank}")
+                    if producer is None:
+                        raise ParallelismError(
+                            f"RankCopy.producer_rank: expected below producer_tp {scenario.producer_tp}, "
+                            f"got {copy.producer_rank} (PAR-4)"
+                        )
                     key = (f"c{c}.{d}", f"p{stage}.{copy.producer_rank}")
                     for k, c_block in enumerate(consumer_ids):
                         p_block = producer_ids[k * scenario.consumer_dcp + copy.producer_page]
@@ -324,7 +356,7 @@ def _plan_all(scenario: ParScenario, ranks: dict[str, _Rank]) -> _Plans:
                                 nbytes=copy.nbytes,
                             )
                         )
-    return plans
+    return plans, notices
 
 
 def _flip(descriptors: list[Descriptor]) -> list[Descriptor]:
@@ -348,8 +380,9 @@ class _Stopped(Exception):
 class _Exchange:
     """Runs the planned copies over the agents and keeps the producer ranks' notification counts (PAR-6)."""
 
-    def __init__(self, scenario: ParScenario, ranks: dict[str, _Rank], plans: _Plans) -> None:
+    def __init__(self, scenario: ParScenario, ranks: dict[str, _Rank], plans: _Plans, notices: _Notices) -> None:
         self.scenario, self.ranks, self.plans = scenario, ranks, plans
+        self.notified, self.counts = notices.notified, notices.counts
         self.heard: dict[str, list[str]] = {name: [] for name in ranks if name.startswith("p")}
         self.sent = dict.fromkeys(self.heard, 0)
         self.freed_after: dict[str, int] = {}
@@ -379,7 +412,7 @@ class _Exchange:
             time.sleep(0.0005)
 
     def serve(self, c_name: str) -> None:
-        """Move one consumer rank's pages, then notify every producer rank it faces."""
+        """Move one consumer rank's pages, then notify the producer ranks its plan names."""
         pairs = [(key, descriptors) for key, descriptors in self.plans.items() if key[0] == c_name]
         consumer = self.ranks[c_name].agent
         for (_, p_name), descriptors in pairs:
@@ -393,10 +426,11 @@ class _Exchange:
                 producer = self.ranks[p_name].agent
                 handle = producer.post(TransferMode.WRITE, _flip(descriptors), peer=self.peers[(p_name, c_name)])
                 self._wait(producer, handle, f"WRITE {p_name} -> {c_name}")
-        for (_, p_name), _descriptors in pairs:
+        told = [p_name for (_, p_name), _descriptors in pairs if p_name in self.notified[c_name]]
+        for p_name in told:
             consumer.send_notification(self.peers[(c_name, p_name)], _REQUEST)
             self.sent[p_name] += 1
-        self.collect({p_name for (_, p_name), _d in pairs})
+        self.collect(set(told))
 
     def collect(self, producers: set[str]) -> None:
         """Each producer rank drains its notifications and frees at its completion count (PAR-6)."""
@@ -424,14 +458,9 @@ class _Exchange:
                 time.sleep(0.0005)
 
     def maybe_free(self, p_name: str) -> None:
-        tp_rank = int(p_name.split(".")[1])
-        count = par.get_completion_count(
-            producer_tp=self.scenario.producer_tp,
-            consumer_tp=self.scenario.consumer_tp,
-            producer_rank=tp_rank,
-            consumer_dcp=self.scenario.consumer_dcp,
-        )
-        if p_name in self.freed_after or len(self.heard[p_name]) < count:
+        # The count comes with the notifications; a rank no plan notifies never learns one and never frees.
+        count = self.counts.get(p_name)
+        if count is None or p_name in self.freed_after or len(self.heard[p_name]) < count:
             return
         self.freed_after[p_name] = len(self.heard[p_name])
         # Freed blocks go to the next request at once: any later read of them gets its bytes, not this request's.
@@ -446,8 +475,13 @@ class _Exchange:
 # --------------------------------------------------------------------------- the run
 
 
-def run_par_scenario(scenario: ParScenario, *, backend: Backend) -> ParResult:
-    """Play one request across every rank pair over ``backend``; return what the oracle found."""
+def run_par_scenario(scenario: ParScenario, *, backend: Backend, connector: object = None) -> ParResult:
+    """Play one request across every rank pair over ``backend``; return what the oracle found.
+
+    ``connector`` plans each consumer rank's copies and notifications when it
+    has the parallel hook (:func:`kvspec.connector.as_parallel_connector`);
+    kvspec's planner does otherwise.
+    """
     producer_ids, consumer_ids, num_blocks = _block_ids(scenario)
     with _ranks(backend, scenario, num_blocks) as ranks:
         for s in range(len(scenario.stages)):
@@ -458,12 +492,14 @@ def run_par_scenario(scenario: ParScenario, *, backend: Backend) -> ParResult:
                         rank.page(index, block)[:] = _project(layer, position, scenario.producer_tp, p)
         before = {name: [bytes(r.buffer) for r in rank.regions] for name, rank in ranks.items()}
         try:
-            plans = _plan_all(scenario, ranks)
+            plans, notices = _plan_all(scenario, ranks, connector)
+        except NotImplementedError as exc:  # the connector lacks a capability the case needs: nothing planned
+            return ParResult(problems=(), unsupported=str(exc))
         except KVSpecError as exc:
             changed = [name for name, rank in ranks.items() if [bytes(r.buffer) for r in rank.regions] != before[name]]
             moved = tuple(f"{name}: bytes changed although planning was refused (PAR-5)" for name in changed)
             return ParResult(problems=moved, refused=exc)
-        exchange = _Exchange(scenario, ranks, plans)
+        exchange = _Exchange(scenario, ranks, plans, notices)
         exchange.connect()
         for p_name in exchange.heard:
             exchange.maybe_free(p_name)  # a rank that expects no notification frees now, before any byte moves

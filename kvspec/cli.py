@@ -290,6 +290,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="audit vLLM's OffloadingConnector scheduler (vllm:offloading) against the offload rules OFF-3 ... OFF-7 "
         "instead; --requests sets the random hit requests (default 200), --connector is not used",
     )
+    audit.add_argument(
+        "--tp",
+        action="store_true",
+        help="audit vLLM's NIXL mapping across TP sizes instead: --requests random layers (attention, MLA, "
+        "Mamba-2, GDN) and TP pairs over {1, 2, 4, 8, 16}, every decode rank's bytes against kvspec's planner "
+        "(PAR-1 .. PAR-4); --expect-file lines are tp/CLASS=REASON",
+    )
     audit.set_defaults(handler=_run_vllm_audit)
     setup = sub.add_parser(
         "vllm-setup",
@@ -891,6 +898,8 @@ def _run_vllm_audit(args: argparse.Namespace, out: TextIO) -> int:
 
     if args.offload:
         return _run_offload_audit(args, out)
+    if args.tp:
+        return _run_tp_audit(args, out)
     try:
         warning = check_vllm_version(allow=args.allow_vllm_version)
         extra = parse_vllm_extra(args.vllm_extra)
@@ -914,6 +923,33 @@ def _run_vllm_audit(args: argparse.Namespace, out: TextIO) -> int:
     if args.json:
         report.write_json(args.json)
     problems = check_expected(report, expected or {})
+    for problem in problems:
+        out.write(f"FAILED {problem}\n")
+    out.write(("FAILED" if problems else "PASSED") + f": {len(problems)} unexpected or vanished deviation classes\n")
+    return 1 if problems else 0
+
+
+def _run_tp_audit(args: argparse.Namespace, out: TextIO) -> int:
+    """``kvspec vllm-audit --tp``: vLLM's NIXL TP mapping against kvspec's on random layers and TP pairs."""
+    from kvspec.integrations.expectations import load_expected
+    from kvspec.integrations.vllm import check_vllm_version, make_connector
+    from kvspec.integrations.vllm_parallel import audit_tp_pairs
+
+    try:
+        warning = check_vllm_version(allow=args.allow_vllm_version)
+        expected = load_expected(args.expect_file) if args.expect_file else {}
+        make_connector("nixl")  # imports vLLM's NIXL modules, one clear line if they do not
+        if warning:
+            print(f"kvspec vllm-audit: {warning}", file=sys.stderr)
+        report = audit_tp_pairs(requests=args.requests, seed=args.seed)
+    except (KVSpecError, ValueError) as exc:
+        print(f"kvspec vllm-audit --tp: {exc}", file=sys.stderr)
+        return 2
+    out.write(report.render())
+    found = {f"tp/{name}" for name in report.classes}
+    listed = {key for key in expected if key.startswith("tp/")}
+    problems = [f"{key}: found, not expected" for key in sorted(found - listed)]
+    problems += [f"{key}: expected, no longer found" for key in sorted(listed - found)]
     for problem in problems:
         out.write(f"FAILED {problem}\n")
     out.write(("FAILED" if problems else "PASSED") + f": {len(problems)} unexpected or vanished deviation classes\n")

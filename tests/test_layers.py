@@ -135,6 +135,8 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
                 "kvspec.integrations.expectations",
                 "kvspec.integrations.vllm",
                 "kvspec.integrations.vllm_audit",
+                "kvspec.integrations.vllm_parallel",
+                "kvspec.integrations.sglang_parallel",
                 "kvspec.integrations.vllm_offload_audit",
                 "kvspec.integrations.sglang",
                 "kvspec.integrations.sglang_audit",

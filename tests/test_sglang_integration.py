@@ -307,3 +307,56 @@ def test_an_adapter_imports_every_sglang_module_it_calls_when_made(
     imported.clear()
     connector.warm_up()  # what run_suite calls before the first case
     assert called <= set(imported)
+
+
+# --------------------------------------------------------------------------- many ranks (issue 33, item 6)
+
+
+def _source_of(copies: Any, consumer_offset: int) -> int:
+    """The producer byte a consumer byte is read from, by the copies of one page."""
+    for copy in copies:
+        if copy.consumer_offset <= consumer_offset < copy.consumer_offset + copy.nbytes:
+            return int(copy.producer_offset + consumer_offset - copy.consumer_offset)
+    raise AssertionError(f"no copy fills consumer byte {consumer_offset}")
+
+
+@pytest.mark.sglang
+def test_sglang_slices_mamba2_conv_as_one_run_and_gdn_per_sub_block(sglang: Any) -> None:
+    """SGLang's own slice functions: a Mamba-2 conv cut as one run, GDN per sub-block, KV replicas from every holder."""
+    from kvspec_conformance.cases.parallel import attention_page, gdn_page, mamba2_page
+
+    from kvspec.integrations.sglang_parallel import plan_sglang_consumer_rank
+    from kvspec.spec.parallel import compute_rank_copies
+
+    page = mamba2_page(4)  # conv x, B, C: 8 channels each, 2 rows of int8; TP1 -> TP4: 2 channels each per rank
+    x_bytes, rank_x = 16, 4
+    plan = plan_sglang_consumer_rank([page], producer_tp=1, consumer_tp=4, consumer_rank=0)
+    assert _source_of(plan.copies[0], rank_x) < x_bytes  # rank 0's B comes from the prefill's x
+    assert _source_of(compute_rank_copies(page, producer_tp=1, consumer_tp=4, consumer_rank=0), rank_x) == x_bytes
+    gdn = gdn_page(k_heads=4, v_heads=4)  # conv_shard_groups: each of Q, K, V sliced on its own
+    for rank in range(4):
+        got = plan_sglang_consumer_rank([gdn], producer_tp=1, consumer_tp=4, consumer_rank=rank).copies[0]
+        want = compute_rank_copies(gdn, producer_tp=1, consumer_tp=4, consumer_rank=rank)
+        assert all(
+            _source_of(got, c.consumer_offset + i) == c.producer_offset + i for c in want for i in range(c.nbytes)
+        )
+    replicas = plan_sglang_consumer_rank([attention_page(2)], producer_tp=8, consumer_tp=2, consumer_rank=0)
+    assert {c.producer_rank for c in replicas.copies[0]} == {0, 1, 2, 3}  # all four holders of head 0 write it
+
+
+@pytest.mark.sglang
+def test_par_cases_under_sglang_mooncake_end_with_no_error(sglang: Any) -> None:
+    """--connector sglang:mooncake --rule PAR: 0 errors; every failure one the findings page explains."""
+    from kvspec_conformance import run_suite
+    from kvspec_conformance._report import Outcome
+
+    connector = integration.make_connector("mooncake")
+    report = run_suite(
+        "loopback", rules=["PAR"], connector=connector, expected_failures=load_expected("sglang:mooncake")
+    )
+    assert report.counts()["error"] == 0, report.render()
+    assert report.passed, report.render()
+    by_id = {r.case_id: r for r in report.results}
+    assert by_id["PAR-1/kv-heads-fewer-than-tp"].outcome is Outcome.PASSED  # the #23746 fix holds
+    assert by_id["PAR-3/mamba2-n-groups-tp"].outcome is Outcome.EXPECTED_FAILURE
+    assert all("cannot express" in r.message for r in report.results if r.outcome is Outcome.SKIPPED)

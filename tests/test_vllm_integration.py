@@ -313,6 +313,7 @@ _PATCHED = (
     (_V1 + "moriio.moriio_connector", "MoRIIOConnectorScheduler", "on_new_request"),
     (_V1 + "moriio.moriio_connector", "MoRIIOConnectorScheduler", "get_exchange_clipped_blocks"),
     (_V1 + "nixl.pull_scheduler", "NixlPullConnectorScheduler", "_prefill_backoff"),
+    (_V1 + "ssm_conv_transfer_utils", "MambaConvSplitInfo", "remote_conv_offsets"),
 )
 
 
@@ -323,7 +324,7 @@ def test_upstream_reports_reproduce(vllm: Any, capsys: pytest.CaptureFixture[str
     from kvspec.integrations.vllm import import_vllm  # sets VLLM_TARGET_DEVICE=cpu first, as the scripts do
 
     owners = [(getattr(import_vllm(module), cls), name) for module, cls, name in _PATCHED]
-    assert len(REPORTS) == 4, [p.name for p in REPORTS]
+    assert len(REPORTS) == 5, [p.name for p in REPORTS]
     for page in REPORTS:
         blocks = extract_blocks(page)
         script = next(b for b in blocks if b.language == "python")
@@ -332,6 +333,8 @@ def test_upstream_reports_reproduce(vllm: Any, capsys: pytest.CaptureFixture[str
         for fix in (False, True):
             source = script.source.replace("APPLY_FIX = False", f"APPLY_FIX = {fix}")
             with pytest.MonkeyPatch.context() as patch:
+                # The Mamba-2 script asks for the DS conv layout (setdefault), as NIXL does; undone after the run.
+                patch.setenv("VLLM_SSM_CONV_STATE_LAYOUT", "DS")
                 for owner, name in owners:
                     patch.setattr(owner, name, getattr(owner, name))  # undone after the run, whatever it assigns
                 exec(compile(source, f"{page.name}:{script.line}", "exec"), {"__name__": "__report__"})
@@ -481,3 +484,133 @@ def test_a_draft_group_is_transferred_54926(vllm: Any, connector: str) -> None:
     by_position = _by_position(p_table, c_table, pairs)
     assert by_position[1], f"{connector}: the draft group was not transferred: {pairs}"
     assert all(p == c for group in by_position for p, c in group), by_position
+
+
+# --------------------------------------------------------------------------- many ranks (issue 33, item 6)
+
+
+def _source_of(copies: Any, consumer_offset: int) -> int:
+    """The producer byte a consumer byte is read from, by the copies of one page."""
+    for copy in copies:
+        if copy.consumer_offset <= consumer_offset < copy.consumer_offset + copy.nbytes:
+            return int(copy.producer_offset + consumer_offset - copy.consumer_offset)
+    raise AssertionError(f"no copy fills consumer byte {consumer_offset}")
+
+
+def test_nixl_mapping_reads_c_as_b_for_mamba2_n_groups_1_55208(vllm: Any) -> None:
+    """vLLM's remote_conv_offsets, TP1 -> TP2, n_groups=1: rank 1's B comes from the prefill's C; kvspec's from B."""
+    from kvspec_conformance.cases.parallel import mamba2_page
+
+    from kvspec.integrations.vllm_parallel import plan_nixl_consumer_rank
+    from kvspec.spec.parallel import compute_rank_copies, get_rank_page_map
+
+    page = mamba2_page(1)  # conv x (4 heads x 2), B (1 group x 2), C (1 x 2), 2 rows of int8: x 16 B, B 4 B, C 4 B
+    x_bytes, group_bytes = 16, 4
+    consumer_b = x_bytes // 2  # rank 1's B follows its half of x
+    # Where each consumer byte's canonical byte is: rank 1's B must be the canonical B.
+    run = next(r for r in get_rank_page_map(page, tp_size=2, tp_rank=1) if r.rank_offset == consumer_b)
+    assert run.canonical_offset == x_bytes
+    plan = plan_nixl_consumer_rank([page], producer_tp=1, consumer_tp=2, consumer_rank=1)
+    assert _source_of(plan.copies[0], consumer_b) == x_bytes + group_bytes  # the prefill's C (#55208)
+    kvspec = compute_rank_copies(page, producer_tp=1, consumer_tp=2, consumer_rank=1)
+    assert _source_of(kvspec, consumer_b) == x_bytes
+    # Rank 0's C is read past the conv state, from the SSM state.
+    rank0 = plan_nixl_consumer_rank([page], producer_tp=1, consumer_tp=2, consumer_rank=0)
+    assert _source_of(rank0.copies[0], x_bytes // 2 + group_bytes) >= x_bytes + 2 * group_bytes
+    # With n_groups = TP the same mapping reads right: the defect is the replicated sub-block only.
+    sharded = mamba2_page(2)
+    for rank in (0, 1):
+        got = plan_nixl_consumer_rank([sharded], producer_tp=1, consumer_tp=2, consumer_rank=rank).copies[0]
+        want = compute_rank_copies(sharded, producer_tp=1, consumer_tp=2, consumer_rank=rank)
+        assert {(_source_of(got, c.consumer_offset + i)) for c in want for i in range(c.nbytes)} == {
+            c.producer_offset + i for c in want for i in range(c.nbytes)
+        }
+
+
+def test_par_cases_under_nixl_end_with_no_error_and_55208_expected(vllm: Any) -> None:
+    """--connector vllm:nixl --rule PAR: 0 errors, #55208 an expected failure, what vLLM lacks skipped by name."""
+    from kvspec_conformance._parallel_scenario import run_par_scenario
+    from kvspec_conformance.cases.parallel import SCENARIOS
+
+    from kvspec.integrations.expectations import load_expected
+    from kvspec.integrations.vllm import make_connector
+    from kvspec.transport import load_backend
+
+    nixl = make_connector("nixl")
+    report = run_suite("loopback", rules=["PAR"], connector=nixl, expected_failures=load_expected("vllm:nixl"))
+    assert report.counts()["error"] == 0, report.render()
+    assert report.passed, report.render()
+    by_id = {r.case_id: r for r in report.results}
+    ngroups = by_id["PAR-3/mamba2-n-groups-1"]
+    assert ngroups.outcome is Outcome.EXPECTED_FAILURE
+    assert "#55208" in ngroups.message
+    assert "holds conv.C[0]" in ngroups.message  # rank 1's B holds the prefill's C
+    skipped = [r for r in report.results if r.outcome is Outcome.SKIPPED]
+    assert skipped
+    assert all("cannot express" in r.message for r in skipped)
+    assert by_id["PAR-1/tp-1-to-8"].outcome is Outcome.PASSED  # vLLM's head mapping agrees with kvspec's
+    # The same scenario with kvspec's planner is clean.
+    backend = load_backend("loopback")
+    try:
+        assert run_par_scenario(SCENARIOS["PAR-3/mamba2-n-groups-1"], backend=backend).problems == ()
+        assert run_par_scenario(SCENARIOS["PAR-3/mamba2-n-groups-1"], backend=backend, connector=nixl).problems
+    finally:
+        backend.close()
+
+
+def test_nixl_head_mapping_agrees_with_kvspec_on_every_tp_pair_it_admits(vllm: Any) -> None:
+    """K in {1, 2, 4, 8} KV heads, P != D in {1, 2, 4, 8}, every decode rank: the same source byte for each byte.
+
+    vLLM refuses P TP > D TP when P replicates heads (P > K); every other pair it maps as kvspec does.
+    """
+    from kvspec_conformance.cases.parallel import attention_page
+
+    from kvspec.integrations.vllm_parallel import plan_nixl_consumer_rank
+    from kvspec.spec.parallel import compute_rank_copies
+
+    refused = set()
+    for heads in (1, 2, 4, 8):
+        page = attention_page(heads)
+        for p_tp in (1, 2, 4, 8):
+            for d_tp in (1, 2, 4, 8):
+                if p_tp == d_tp:
+                    continue
+                try:
+                    plans = [
+                        plan_nixl_consumer_rank([page], producer_tp=p_tp, consumer_tp=d_tp, consumer_rank=rank)
+                        for rank in range(d_tp)
+                    ]
+                except NotImplementedError:
+                    refused.add((heads, p_tp, d_tp))
+                    continue
+                for rank, plan in enumerate(plans):
+                    want = compute_rank_copies(page, producer_tp=p_tp, consumer_tp=d_tp, consumer_rank=rank)
+                    got = {
+                        (c.producer_rank, c.producer_offset + i, c.consumer_offset + i)
+                        for c in plan.copies[0]
+                        for i in range(c.nbytes)
+                    }
+                    assert got == {
+                        (c.producer_rank, c.producer_offset + i, c.consumer_offset + i)
+                        for c in want
+                        for i in range(c.nbytes)
+                    }, (heads, p_tp, d_tp, rank)
+    assert refused == {(k, p, d) for k in (1, 2, 4, 8) for p in (1, 2, 4, 8) for d in (1, 2, 4, 8) if d < p and p > k}
+
+
+def test_tp_audit_finds_the_mamba2_classes_and_no_attention_deviation(
+    vllm: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """kvspec vllm-audit --tp: random layers and TP pairs through vLLM's NIXL mapping; Mamba-2's B and C deviate."""
+    from kvspec.integrations.vllm_parallel import audit_tp_pairs
+
+    report = audit_tp_pairs(requests=60, seed=11)
+    assert set(report.classes) == {"mamba2/conv.B", "mamba2/conv.C"}, report.render()
+    assert all(f.draw.groups == 1 for f in report.findings)  # n_groups = TP maps right; n_groups=1 does not
+    assert {f.draw.producer_tp > f.draw.consumer_tp for f in report.findings} == {True, False}  # both directions
+    assert main(["vllm-audit", "--tp", "--requests", "60"]) == 1
+    assert "FAILED tp/mamba2/conv.B: found, not expected" in capsys.readouterr().out
+    listed = tmp_path / "tp.txt"
+    listed.write_text("tp/mamba2/conv.B=#55208\ntp/mamba2/conv.C=#55208\n", encoding="utf-8")
+    assert main(["vllm-audit", "--tp", "--requests", "60", "--expect-file", str(listed)]) == 0
+    assert "PASSED: 0 unexpected" in capsys.readouterr().out

@@ -1,8 +1,9 @@
 """Many ranks to many: TP, PP and DCP exchanges, one agent and one pool per rank, checked against the canonical page.
 
 Every case plays one request with :func:`run_par_scenario`: the producer
-ranks' pages are projections of keyed canonical content, kvspec's planner
-pairs every (producer rank, consumer rank), the backend under test moves the
+ranks' pages are projections of keyed canonical content, the connector under
+test (kvspec's planner by default, :class:`kvspec.connector.ParallelConnector`)
+plans every (producer rank, consumer rank), the backend under test moves the
 bytes between one agent per rank, and the oracle checks every consumer rank's
 pages against the projection of the canonical content onto what it owns,
 every other byte unchanged, each consumer byte written once and each producer
@@ -24,6 +25,7 @@ from kvspec.spec.parallel import CanonicalPage, PageOrder, PageTensor, SubBlock
 from .._cases import case
 from .._context import CaseContext
 from .._parallel_scenario import ParLayer, ParScenario, run_par_scenario
+from .._scenario import connector_replay
 
 __all__ = ["SCENARIOS", "attention_page", "gdn_page", "kda_page", "mamba2_page", "mla_page", "play"]
 
@@ -93,12 +95,15 @@ def _layers(*pages: tuple[str, CanonicalPage]) -> tuple[ParLayer, ...]:
 
 
 def _reproducer(ctx: CaseContext, case_id: str) -> str:
+    replay = connector_replay(ctx.connector)
+    imports, connector = replay if replay is not None else ("", "None")
     return (
+        f"{imports}"
         "from kvspec.transport import load_backend\n"
         "from kvspec_conformance._parallel_scenario import run_par_scenario\n"
         "from kvspec_conformance.cases.parallel import SCENARIOS\n"
         f"backend = load_backend({ctx.backend_spec!r})\n"
-        f"print(run_par_scenario(SCENARIOS[{case_id!r}], backend=backend))\n"
+        f"print(run_par_scenario(SCENARIOS[{case_id!r}], backend=backend, connector={connector}))\n"
         "backend.close()"
     )
 
@@ -110,7 +115,10 @@ def play(ctx: CaseContext, case_id: str) -> None:
     if scenario.mode not in ctx.capabilities.modes:
         raise ctx.skip(f"the backend does not support {scenario.mode.value.upper()}")
     ctx.last_reproducer = _reproducer(ctx, case_id)
-    result = run_par_scenario(attrs.evolve(scenario, deadline=scenario.deadline * ctx.time_scale), backend=ctx.backend)
+    scaled = attrs.evolve(scenario, deadline=scenario.deadline * ctx.time_scale)
+    result = run_par_scenario(scaled, backend=ctx.backend, connector=ctx.connector)
+    if result.unsupported is not None:
+        raise ctx.skip(f"the connector under test cannot express this case: {result.unsupported}")
     if result.refused is not None:
         raise ctx.fail(f"{rule}: planning refused a layout the rules admit: {result.refused}")
     if result.problems:
@@ -239,7 +247,9 @@ def opaque_refused(ctx: CaseContext) -> None:
     """An opaque page (interleaved scales) from TP1 to TP2 is refused by name before any byte moves."""
     case_id = "PAR-5/opaque-refused-before-any-byte"
     ctx.last_reproducer = _reproducer(ctx, case_id)
-    result = run_par_scenario(SCENARIOS[case_id], backend=ctx.backend)
+    result = run_par_scenario(SCENARIOS[case_id], backend=ctx.backend, connector=ctx.connector)
+    if result.unsupported is not None:
+        raise ctx.skip(f"the connector under test cannot express this case: {result.unsupported}")
     if not isinstance(result.refused, ParallelismError) or "opaque" not in str(result.refused):
         found = result.refused or f"no refusal ({result.posted} transfers posted)"
         raise ctx.fail(f"PAR-5: expected a ParallelismError naming the 'opaque' order, got {found}")

@@ -10,7 +10,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
+import attrs
+
 from kvspec.core._enums import TransferMode
+from kvspec.core._errors import ParallelismError
 from kvspec.core._models import BlockIds, KVCacheConfig
 from kvspec.protocol._handshake import check_compatibility
 from kvspec.protocol._plan import BlockPairsLike, TransferPlan, plan_transfer
@@ -31,14 +34,20 @@ from kvspec.reference._reference import (
     get_blocks_per_sw,
     get_exchange_clipped_blocks,
 )
+from kvspec.spec import parallel as par
+from kvspec.spec.parallel import CanonicalPage, RankCopy
 from kvspec.spec.state import get_state_clipped_blocks
 
 __all__ = [
     "Connector",
+    "ConsumerRankPlan",
     "OffloadConnector",
+    "ParallelConnector",
     "ReferenceConnector",
     "ReferenceOffloadConnector",
+    "ReferenceParallelConnector",
     "as_offload_connector",
+    "as_parallel_connector",
     "pair_keywords",
 ]
 
@@ -302,3 +311,119 @@ def as_offload_connector(connector: object) -> OffloadConnector:
     if isinstance(connector, OffloadConnector):
         return connector
     return ReferenceOffloadConnector()
+
+
+# --------------------------------------------------------------------------- many ranks (PAR-3, PAR-4, PAR-6)
+
+
+def _to_copy_lists(value: Sequence[Sequence[RankCopy]]) -> tuple[tuple[RankCopy, ...], ...]:
+    return tuple(tuple(copies) for copies in value)
+
+
+def _to_ranks(value: Sequence[int]) -> tuple[int, ...]:
+    return tuple(value)
+
+
+@attrs.frozen(kw_only=True)
+class ConsumerRankPlan:
+    """What one consumer rank does across ranks: its copies per layer, whom it notifies, what it tells them.
+
+    ``copies[i]`` fills the consumer rank's page of the ``i``-th page given
+    (offsets within one page, PLAN-1 repeats them per paired block);
+    ``notified`` are the producer TP ranks it notifies once its reads are
+    done; ``completion_counts[i]`` is the number of notifications
+    ``notified[i]`` waits for before it frees the request's blocks, carried
+    in the notification as engines do (PAR-3, PAR-4, PAR-6).
+    """
+
+    copies: tuple[tuple[RankCopy, ...], ...] = attrs.field(converter=_to_copy_lists)
+    notified: tuple[int, ...] = attrs.field(converter=_to_ranks)
+    completion_counts: tuple[int, ...] = attrs.field(converter=_to_ranks)
+
+    @completion_counts.validator
+    def _check_counts(self, attribute: attrs.Attribute[Any], value: tuple[int, ...]) -> None:
+        if len(value) != len(self.notified):
+            raise ParallelismError(
+                f"ConsumerRankPlan.completion_counts: expected one per notified rank ({len(self.notified)}), "
+                f"got {len(value)} (PAR-6)"
+            )
+
+
+@runtime_checkable
+class ParallelConnector(Protocol):
+    """What a connector decides when the two engines' parallelism differs (PAR-3, PAR-4, PAR-6, PAR-8).
+
+    The suite's ``PAR-*`` cases ask it, per consumer rank, which bytes it reads
+    from which producer rank and whom it notifies; their oracle judges the
+    bytes against the canonical projection (PAR-2) independently of it. A
+    connector that cannot express a case (a layout, a parallelism it does not
+    support) raises :class:`NotImplementedError` naming the capability, and
+    the case is skipped with that reason. :func:`as_parallel_connector` gives
+    kvspec's planner to a connector without this hook.
+    """
+
+    def plan_consumer_rank(
+        self,
+        pages: Sequence[CanonicalPage],
+        *,
+        producer_tp: int,
+        consumer_tp: int,
+        consumer_rank: int,
+        consumer_dcp: int = 1,
+        dcp_rank: int = 0,
+        dcp_interleave: int = 1,
+        producer_pp: int = 1,
+    ) -> ConsumerRankPlan:
+        """The copies of consumer rank ``consumer_rank`` (DCP rank ``dcp_rank``) per page, and its notifications.
+
+        ``pages`` are the request's layers in the consumer's order, each at
+        TP 1 (PAR-2); with ``producer_pp`` stages the suite pairs the layers
+        by name (PAR-7) and the offsets stay within each layer's page.
+        """
+        ...
+
+
+class ReferenceParallelConnector:
+    """kvspec's own planner behind the parallel seam: ``compute_rank_copies`` (``compute_dcp_copies`` under DCP)."""
+
+    def plan_consumer_rank(
+        self,
+        pages: Sequence[CanonicalPage],
+        *,
+        producer_tp: int,
+        consumer_tp: int,
+        consumer_rank: int,
+        consumer_dcp: int = 1,
+        dcp_rank: int = 0,
+        dcp_interleave: int = 1,
+        producer_pp: int = 1,
+    ) -> ConsumerRankPlan:
+        """Each unit from its elected source; every candidate rank notified; PAR-6's count (PAR-3, PAR-4, PAR-6)."""
+        tp = {"producer_tp": producer_tp, "consumer_tp": consumer_tp, "consumer_rank": consumer_rank}
+        if consumer_dcp == 1:
+            copies = [par.compute_rank_copies(page, **tp) for page in pages]
+        else:
+            dcp = {"dcp_size": consumer_dcp, "dcp_rank": dcp_rank, "interleave": dcp_interleave}
+            copies = [par.compute_dcp_copies(page, **tp, **dcp) for page in pages]
+        notified = par.get_candidate_ranks(**tp)
+        counts = [
+            par.get_completion_count(
+                producer_tp=producer_tp, consumer_tp=consumer_tp, producer_rank=rank, consumer_dcp=consumer_dcp
+            )
+            for rank in notified
+        ]
+        return ConsumerRankPlan(copies=copies, notified=notified, completion_counts=counts)
+
+    def __repr__(self) -> str:
+        return "ReferenceParallelConnector()"
+
+
+def as_parallel_connector(connector: object) -> ParallelConnector:
+    """``connector`` itself when it has the parallel hook, else kvspec's planner (PAR-3, PAR-4, PAR-6).
+
+    An exchange connector without ``plan_consumer_rank`` has its ``PAR-*``
+    cases planned by kvspec, so they still check the backend's copies.
+    """
+    if isinstance(connector, ParallelConnector):
+        return connector
+    return ReferenceParallelConnector()

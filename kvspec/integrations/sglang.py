@@ -77,9 +77,11 @@ from kvspec.core._models import (
     SlidingWindowSpec,
     TransferMode,
 )
+from kvspec.drivers._connector import ConsumerRankPlan
 from kvspec.protocol._handshake import check_compatibility
 from kvspec.protocol._plan import BlockPairsLike, TransferPlan, plan_transfer
 from kvspec.reference._reference import BlockPairs
+from kvspec.spec.parallel import CanonicalPage
 from kvspec.spec.state import STATE_KINDS, get_state_clipped_slots, get_state_group_indices, is_state_spec
 
 __all__ = [
@@ -123,6 +125,8 @@ _USED_MODULES = (
     _DISAGG + "prefill",
     _DISAGG + "decode",
     _DISAGG + "base.conn",
+    _DISAGG + "utils",
+    _DISAGG + "common.staging_buffer",
 )
 
 # --------------------------------------------------------------------------- importing SGLang on a CPU
@@ -871,6 +875,41 @@ class SglangConnector:
         """
         import_sglang(_DISAGG + "prefill")
         to_sglang_pool_config(config)
+
+    def plan_consumer_rank(
+        self,
+        pages: Sequence[CanonicalPage],
+        *,
+        producer_tp: int,
+        consumer_tp: int,
+        consumer_rank: int,
+        consumer_dcp: int = 1,
+        dcp_rank: int = 0,
+        dcp_interleave: int = 1,
+        producer_pp: int = 1,
+    ) -> ConsumerRankPlan:
+        """SGLang's own head and state slices across TP sizes (PAR-3, PAR-4, PAR-6); Mooncake's transfer path.
+
+        ``compute_head_slice_params``, ``compute_mamba_state_slice_blocks`` and
+        ``should_send_replicated_state`` are what SGLang's Mooncake backend
+        calls; NIXL and MoRI build their slices elsewhere, which the adapter
+        does not run (:class:`NotImplementedError`: the case is skipped).
+        """
+        from kvspec.integrations.sglang_parallel import plan_sglang_consumer_rank
+
+        if self.backend != "mooncake":
+            raise NotImplementedError(
+                f"sglang:{self.backend} builds its TP slices in its own transfer code, which the adapter does not "
+                "run (only the Mooncake backend's compute_head_slice_params / compute_mamba_state_slice_blocks path "
+                "is adapted)"
+            )
+        return plan_sglang_consumer_rank(
+            pages,
+            producer_tp=producer_tp,
+            consumer_tp=consumer_tp,
+            consumer_rank=consumer_rank,
+            consumer_dcp=consumer_dcp,
+        )
 
     def check_peer(self, producer: Any, consumer: Any) -> None:
         """kvspec's ``check_compatibility`` (SGLang checks its peer's layout in its bootstrap threads, HS-1).

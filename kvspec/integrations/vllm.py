@@ -47,11 +47,12 @@ from kvspec.core._models import (
     SlidingWindowSpec,
     TransferMode,
 )
-from kvspec.drivers._connector import ReferenceConnector
+from kvspec.drivers._connector import ConsumerRankPlan, ReferenceConnector
 from kvspec.protocol._handshake import check_compatibility
 from kvspec.protocol._plan import BlockPairsLike, TransferPlan, plan_transfer
 from kvspec.reference._offload import BlockIdGroups, LoadSet, OffloadConfig, StoreSet, get_chunk_sizes
 from kvspec.reference._reference import BlockPairs
+from kvspec.spec.parallel import CanonicalPage
 from kvspec.transport._registry import import_named_module
 
 __all__ = [
@@ -1015,6 +1016,42 @@ class VllmConnector:
     ) -> TransferPlan:
         """kvspec's ``plan_transfer``: vLLM computes byte offsets in its workers (PLAN-1)."""
         return plan_transfer(producer_config=producer_config, consumer_config=consumer_config, pairs=pairs)
+
+    def plan_consumer_rank(
+        self,
+        pages: Sequence[CanonicalPage],
+        *,
+        producer_tp: int,
+        consumer_tp: int,
+        consumer_rank: int,
+        consumer_dcp: int = 1,
+        dcp_rank: int = 0,
+        dcp_interleave: int = 1,
+        producer_pp: int = 1,
+    ) -> ConsumerRankPlan:
+        """NIXL pull's own per-rank reads (``compute_tp_mapping``, the conv split) (PAR-3, PAR-4, PAR-6).
+
+        Other connectors compute their per-rank byte map inside workers that
+        the adapter does not run: :class:`NotImplementedError` (the ``PAR-*``
+        cases are skipped with that reason).
+        """
+        from kvspec.integrations.vllm_parallel import plan_nixl_consumer_rank
+
+        hooks = self.hooks or _SHAPES_BY_NAME.get(self.name) or _shape_of_class(import_path(self.connector_class))
+        if not isinstance(hooks, _NixlHooks):
+            raise NotImplementedError(
+                f"vllm:{self.name} computes its per-rank byte map in its worker, which kvspec's adapter does not run "
+                "(only NIXL's TP mapping is adapted)"
+            )
+        return plan_nixl_consumer_rank(
+            pages,
+            producer_tp=producer_tp,
+            consumer_tp=consumer_tp,
+            consumer_rank=consumer_rank,
+            consumer_dcp=consumer_dcp,
+            producer_pp=producer_pp,
+            push=isinstance(hooks, _NixlPushHooks),
+        )
 
 
 class MoriioConnector(VllmConnector):
