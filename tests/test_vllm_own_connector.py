@@ -336,3 +336,209 @@ def test_vllm_extra_takes_pairs_and_json_files(tmp_path: Path) -> None:
         parse_vllm_extra([str(tmp_path / "list.json")])
     with pytest.raises(ConfigError, match="expected KEY=VALUE or a JSON file"):
         parse_vllm_extra([str(tmp_path / "missing.json")])
+
+
+# --------------------------------------------------------------------------- the guard (kvspec.integrations.vllm_guard)
+
+GUARD = "kvspec.integrations.vllm_guard:GuardConnector"
+GUARD_BLOCK = 16
+
+
+def _guard_config(window: int = 64) -> Any:
+    from kvspec.integrations.vllm_audit import GroupShape, _config
+
+    return _config([GroupShape(block_size=GUARD_BLOCK), GroupShape(block_size=GUARD_BLOCK, window=window)], 64)
+
+
+def _guard(role: str, kv_role: str, config: Any, **extra: object) -> Any:
+    """A GuardConnector built as vLLM builds one from --kv-transfer-config: VllmConfig, then vLLM's factory."""
+    from kvspec.integrations.vllm import build_vllm_config, import_vllm, to_vllm_kv_cache_config
+
+    factory = import_vllm("vllm.distributed.kv_transfer.kv_connector.factory").KVConnectorFactory
+    base = import_vllm("vllm.distributed.kv_transfer.kv_connector.v1.base")
+    vllm_config = build_vllm_config(GUARD, role=kv_role, block_size=GUARD_BLOCK, extra_config=extra)
+    return factory.create_connector(vllm_config, getattr(base.KVConnectorRole, role), to_vllm_kv_cache_config(config))
+
+
+def _decode_leg(
+    guard: Any, config: Any, num_tokens: int, rid: str = "r1", params: dict[str, Any] | None = None
+) -> Any:
+    """The consumer's scheduler steps for one request, in vLLM's order, through vLLM's own KVCacheManager.
+
+    The producer's lists are a whole producer table clipped by kvspec (or ``params``' own); the consumer's are what
+    the guarded connector records. Returns the metadata the guard hands its workers.
+    """
+    import types
+
+    from kvspec.integrations.vllm_audit import _engine, _request
+    from kvspec.spec import get_blocks_per_sw, get_exchange_clipped_blocks
+
+    engine = _engine(config, GUARD_BLOCK)
+    n_blocks = -(-num_tokens // GUARD_BLOCK)
+    remote = get_exchange_clipped_blocks([list(range(1, n_blocks + 1))] * 2, get_blocks_per_sw(config))
+    params = {
+        "do_remote_prefill": True,
+        "remote_block_ids": [list(g) for g in remote],
+        **(params or {}),
+        "remote_engine_id": "producer",
+        "remote_request_id": rid,
+        "remote_host": "127.0.0.1",
+        "remote_port": 0,
+    }
+    request = _request(engine, rid, list(range(1, num_tokens + 1)), params)
+    guard.on_new_request(request)
+    engine.manager.new_step_starts()
+    computed, hit, *_ = engine.manager.get_computed_blocks(request)
+    external, load_async = guard.get_num_new_matched_tokens(request, hit)
+    assert load_async and external == num_tokens - hit
+    allocated = engine.manager.allocate_slots(
+        request, 0, num_new_computed_tokens=hit, new_computed_blocks=computed, num_external_computed_tokens=external,
+        delay_cache_blocks=True,
+    )
+    assert allocated is not None
+    # vLLM's scheduler hands an asynchronous load the request's whole table.
+    guard.update_state_after_alloc(request, engine.manager.get_blocks(rid), external)
+    return guard.build_connector_meta(types.SimpleNamespace(num_scheduled_tokens={}))
+
+
+def _received(worker: Any, meta: Any, rid: str = "r1") -> Any:
+    """The worker-side guard given the scheduler's metadata, with the transfer of ``rid`` reported done."""
+    worker.bind_connector_metadata(meta)
+    worker.inner.arrived.add(rid)
+    results = worker.get_transfer_results(set())
+    worker.clear_connector_metadata()
+    return results
+
+
+@pytest.mark.vllm
+def test_guard_around_a_short_clipping_fork_fails_its_requests_naming_clip_1(
+    vllm: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    from vllm_forks import ArrivalConnector, ShortClipConnector
+
+    config = _guard_config()
+    fork = {"inner_connector": "ShortClipConnector", "inner_module_path": ShortClipConnector.__module__}
+    scheduler = _guard("SCHEDULER", "kv_consumer", config, **fork, guard_mode="fail")
+    assert type(scheduler.inner) is ShortClipConnector
+    worker = _guard(
+        "WORKER", "kv_consumer", config, inner_connector="ArrivalConnector", inner_module_path=ArrivalConnector.__module__
+    )
+    with caplog.at_level("ERROR", logger="vllm.kvspec_guard"):
+        meta = _decode_leg(scheduler, config, num_tokens=200)
+        results = _received(worker, meta)
+    # The request is reported received and failed: vLLM finishes it with FINISHED_ERROR, it never decodes.
+    assert results.finished_recving == {"r1"} and results.failed_recving == {"r1"}
+    (line,) = [r.getMessage() for r in caplog.records if r.name == "vllm.kvspec_guard"]
+    assert "request r1 breaks CLIP-1 at group 1 block" in line, line
+    stats = scheduler.get_kv_connector_stats().data["guard"]
+    assert stats["checked"] == 1 and stats["mismatch"] == {"CLIP-1": 1}
+    # The inner connector's own metadata reaches the inner worker unwrapped.
+    assert type(worker.inner.bound[0]).__name__ == "NixlConnectorMetadata"
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("num_tokens", [40, 200, 257])
+def test_guard_around_vllm_nixl_changes_nothing(vllm: Any, num_tokens: int) -> None:
+    from vllm_forks import ArrivalConnector
+
+    config = _guard_config()
+    scheduler = _guard("SCHEDULER", "kv_consumer", config, inner_connector="NixlConnector", guard_mode="raise")
+    worker = _guard(
+        "WORKER", "kv_consumer", config, inner_connector="ArrivalConnector", inner_module_path=ArrivalConnector.__module__,
+        guard_mode="raise",
+    )
+    results = _received(worker, _decode_leg(scheduler, config, num_tokens=num_tokens))
+    assert results.finished_recving == {"r1"} and not results.failed_recving
+    counts = scheduler.get_kv_connector_stats().data["guard"]
+    assert counts["checked"] == 1 and counts["mismatch"] == {} and counts["skipped"] == {"no-producer-digest": 1}
+
+
+def _pool(config: Any, fill: int) -> dict[str, Any]:
+    """One CPU cache tensor per layer, vLLM's shape with the block axis second (K and V first), numbered bytes."""
+    import torch
+
+    pages = {}
+    for group in config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        for name in group.layer_names:
+            shape = (2, config.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size)
+            pages[name] = (torch.arange(torch.Size(shape).numel()) % 251 + fill).to(torch.int8).reshape(shape)
+    return pages
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("mode", ["off", "log", "fail", "raise"])
+def test_guard_checks_received_pages_against_the_producers_digests(
+    vllm: Any, mode: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The producer's digests ride in kv_transfer_params; a flipped byte is INT-1, with each mode's outcome."""
+    import types
+
+    from vllm_forks import ArrivalConnector
+
+    from kvspec.integrations.vllm_guard import PARAMS_KEY, GuardMismatchError, GuardWorkerMetadata
+
+    config = _guard_config()
+    arrival = {"inner_connector": "ArrivalConnector", "inner_module_path": ArrivalConnector.__module__}
+    # -- producer: its scheduler names the request's blocks, its worker digests them after the step
+    p_sched = _guard("SCHEDULER", "kv_producer", config, inner_connector="NixlConnector", guard_mode=mode)
+    p_work = _guard("WORKER", "kv_producer", config, **arrival, guard_mode=mode)
+    table = [list(range(1, 14)), list(range(1, 14))]
+    p_sched._kv_cache_manager = types.SimpleNamespace(get_block_ids=lambda rid: table)
+    request = types.SimpleNamespace(
+        request_id="p1", kv_transfer_params={"do_remote_decode": True}, num_prompt_tokens=200
+    )
+    p_sched.update_state_after_alloc(request, types.SimpleNamespace(), 0)
+    meta = p_sched.build_connector_meta(types.SimpleNamespace(num_scheduled_tokens={"p1": 200}))
+    producer_pool = _pool(config, 0)
+    p_work.register_kv_caches(producer_pool)
+    p_work.bind_connector_metadata(meta)
+    p_work.wait_for_save()
+    worker_meta = p_work.build_connector_worker_meta()
+    # vLLM calls request_finished before it hands the scheduler the step's worker output; the slot fills then.
+    params = {"do_remote_prefill": True, "remote_block_ids": [table[0], table[1][-5:]]}
+    p_sched.inner.request_finished_all_groups = lambda req, ids: (False, params)
+    _, sent = p_sched.request_finished_all_groups(request, tuple(table))
+    output = vllm_output_module().KVConnectorOutput(kv_connector_worker_meta=worker_meta)
+    p_sched.update_connector_output(output)
+    if mode == "off":
+        assert PARAMS_KEY not in sent and not isinstance(worker_meta, GuardWorkerMetadata)
+        return
+    digests = sent[PARAMS_KEY]["ranks"]["0"]
+    assert [len(g) for g in digests] == [13, 5] and all(len(d) == 32 for g in digests for d in g)
+    # -- consumer: identical bytes pass; one flipped byte of one received page is INT-1
+    c_sched = _guard("SCHEDULER", "kv_consumer", config, inner_connector="NixlConnector", guard_mode=mode)
+    c_work = _guard("WORKER", "kv_consumer", config, **arrival, guard_mode=mode)
+    c_meta = _decode_leg(c_sched, config, num_tokens=200, rid="r1", params=sent)
+    c_work.register_kv_caches(_transfer(config, producer_pool, _pool(config, 7), c_meta.verify["r1"].pairs))
+    assert _received(c_work, c_meta).failed_recving == set()
+    c_meta = _decode_leg(c_sched, config, num_tokens=200, rid="r2", params=sent)
+    flipped = _transfer(config, producer_pool, _pool(config, 7), c_meta.verify["r2"].pairs)
+    flipped["g1"][1, 16, 3, 0, 1] += 1  # consumer block 16 of the window group, V half
+    c_work.register_kv_caches(flipped)
+    with caplog.at_level("ERROR", logger="vllm.kvspec_guard"):
+        if mode == "raise":
+            with pytest.raises(GuardMismatchError, match="request r2 breaks INT-1 at group 1 pair 2"):
+                _received(c_work, c_meta, rid="r2")
+            return
+        results = _received(c_work, c_meta, rid="r2")
+    assert results.finished_recving == {"r2"}
+    assert results.failed_recving == ({"r2"} if mode == "fail" else set())
+    (line,) = [r.getMessage() for r in caplog.records if r.name == "vllm.kvspec_guard"]
+    assert "request r2 breaks INT-1 at group 1 pair 2 (producer block 11 -> consumer block 16" in line, line
+    assert c_work.get_kv_connector_stats().data["guard"]["mismatch"] == {"INT-1": 1}
+
+
+def _transfer(config: Any, source: dict[str, Any], pool: dict[str, Any], pairs: Any) -> dict[str, Any]:
+    """``pool`` after the transfer: each paired producer page copied into its consumer block, every layer."""
+    for g, group in enumerate(config.kv_cache_groups):
+        for name in group.layer_names:
+            for p, c in pairs[g]:
+                pool[name][:, c] = source[name][:, p]
+    return pool
+
+
+def vllm_output_module() -> Any:
+    from kvspec.integrations.vllm import import_vllm
+
+    return import_vllm("vllm.v1.outputs")
