@@ -360,9 +360,7 @@ def _guard(role: str, kv_role: str, config: Any, **extra: object) -> Any:
     return factory.create_connector(vllm_config, getattr(base.KVConnectorRole, role), to_vllm_kv_cache_config(config))
 
 
-def _decode_leg(
-    guard: Any, config: Any, num_tokens: int, rid: str = "r1", params: dict[str, Any] | None = None
-) -> Any:
+def _decode_leg(guard: Any, config: Any, num_tokens: int, rid: str = "r1", params: dict[str, Any] | None = None) -> Any:
     """The consumer's scheduler steps for one request, in vLLM's order, through vLLM's own KVCacheManager.
 
     The producer's lists are a whole producer table clipped by kvspec (or ``params``' own); the consumer's are what
@@ -390,9 +388,14 @@ def _decode_leg(
     engine.manager.new_step_starts()
     computed, hit, *_ = engine.manager.get_computed_blocks(request)
     external, load_async = guard.get_num_new_matched_tokens(request, hit)
-    assert load_async and external == num_tokens - hit
+    assert load_async
+    assert external == num_tokens - hit
     allocated = engine.manager.allocate_slots(
-        request, 0, num_new_computed_tokens=hit, new_computed_blocks=computed, num_external_computed_tokens=external,
+        request,
+        0,
+        num_new_computed_tokens=hit,
+        new_computed_blocks=computed,
+        num_external_computed_tokens=external,
         delay_cache_blocks=True,
     )
     assert allocated is not None
@@ -421,17 +424,23 @@ def test_guard_around_a_short_clipping_fork_fails_its_requests_naming_clip_1(
     scheduler = _guard("SCHEDULER", "kv_consumer", config, **fork, guard_mode="fail")
     assert type(scheduler.inner) is ShortClipConnector
     worker = _guard(
-        "WORKER", "kv_consumer", config, inner_connector="ArrivalConnector", inner_module_path=ArrivalConnector.__module__
+        "WORKER",
+        "kv_consumer",
+        config,
+        inner_connector="ArrivalConnector",
+        inner_module_path=ArrivalConnector.__module__,
     )
     with caplog.at_level("ERROR", logger="vllm.kvspec_guard"):
         meta = _decode_leg(scheduler, config, num_tokens=200)
         results = _received(worker, meta)
     # The request is reported received and failed: vLLM finishes it with FINISHED_ERROR, it never decodes.
-    assert results.finished_recving == {"r1"} and results.failed_recving == {"r1"}
+    assert results.finished_recving == {"r1"}
+    assert results.failed_recving == {"r1"}
     (line,) = [r.getMessage() for r in caplog.records if r.name == "vllm.kvspec_guard"]
     assert "request r1 breaks CLIP-1 at group 1 block" in line, line
     stats = scheduler.get_kv_connector_stats().data["guard"]
-    assert stats["checked"] == 1 and stats["mismatch"] == {"CLIP-1": 1}
+    assert stats["checked"] == 1
+    assert stats["mismatch"] == {"CLIP-1": 1}
     # The inner connector's own metadata reaches the inner worker unwrapped.
     assert type(worker.inner.bound[0]).__name__ == "NixlConnectorMetadata"
 
@@ -444,13 +453,20 @@ def test_guard_around_vllm_nixl_changes_nothing(vllm: Any, num_tokens: int) -> N
     config = _guard_config()
     scheduler = _guard("SCHEDULER", "kv_consumer", config, inner_connector="NixlConnector", guard_mode="raise")
     worker = _guard(
-        "WORKER", "kv_consumer", config, inner_connector="ArrivalConnector", inner_module_path=ArrivalConnector.__module__,
+        "WORKER",
+        "kv_consumer",
+        config,
+        inner_connector="ArrivalConnector",
+        inner_module_path=ArrivalConnector.__module__,
         guard_mode="raise",
     )
     results = _received(worker, _decode_leg(scheduler, config, num_tokens=num_tokens))
-    assert results.finished_recving == {"r1"} and not results.failed_recving
+    assert results.finished_recving == {"r1"}
+    assert not results.failed_recving
     counts = scheduler.get_kv_connector_stats().data["guard"]
-    assert counts["checked"] == 1 and counts["mismatch"] == {} and counts["skipped"] == {"no-producer-digest": 1}
+    assert counts["checked"] == 1
+    assert counts["mismatch"] == {}
+    assert counts["skipped"] == {"no-producer-digest": 1}
 
 
 def _pool(config: Any, fill: int) -> dict[str, Any]:
@@ -502,10 +518,12 @@ def test_guard_checks_received_pages_against_the_producers_digests(
     output = vllm_output_module().KVConnectorOutput(kv_connector_worker_meta=worker_meta)
     p_sched.update_connector_output(output)
     if mode == "off":
-        assert PARAMS_KEY not in sent and not isinstance(worker_meta, GuardWorkerMetadata)
+        assert PARAMS_KEY not in sent
+        assert not isinstance(worker_meta, GuardWorkerMetadata)
         return
     digests = sent[PARAMS_KEY]["ranks"]["0"]
-    assert [len(g) for g in digests] == [13, 5] and all(len(d) == 32 for g in digests for d in g)
+    assert [len(g) for g in digests] == [13, 5]
+    assert all(len(d) == 32 for g in digests for d in g)
     # -- consumer: identical bytes pass; one flipped byte of one received page is INT-1
     c_sched = _guard("SCHEDULER", "kv_consumer", config, inner_connector="NixlConnector", guard_mode=mode)
     c_work = _guard("WORKER", "kv_consumer", config, **arrival, guard_mode=mode)
@@ -542,3 +560,16 @@ def vllm_output_module() -> Any:
     from kvspec.integrations.vllm import import_vllm
 
     return import_vllm("vllm.v1.outputs")
+
+
+@pytest.mark.vllm
+def test_guarded_nixl_under_the_suite_gets_the_outcomes_of_vllm_nixl(vllm: Any) -> None:
+    """``--connector vllm:kvspec.integrations.vllm_guard:GuardConnector --vllm-extra inner_connector=NixlConnector``."""
+    from kvspec.integrations.vllm import make_connector, vllm_connector
+
+    guarded = vllm_connector(GUARD, extra_config={"inner_connector": "NixlConnector"})
+    mine = run_suite("loopback", rules=["CLIP-1", "SW-1"], connector=guarded, max_examples=3)
+    theirs = run_suite("loopback", rules=["CLIP-1", "SW-1"], connector=make_connector("nixl"), max_examples=3)
+    assert {r.case_id: r.outcome for r in mine.results} == {r.case_id: r.outcome for r in theirs.results}
+    assert mine.counts()["error"] == 0, mine.render()
+    assert mine.counts()["passed"] > 0, mine.render()

@@ -76,8 +76,8 @@ if "vllm" not in sys.modules:
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 _V1 = "vllm.distributed.kv_transfer.kv_connector.v1."
-_base = importlib.import_module(_V1 + "base")
-_metrics = importlib.import_module(_V1 + "metrics")
+_base: Any = importlib.import_module(_V1 + "base")
+_metrics: Any = importlib.import_module(_V1 + "metrics")
 
 logger = logging.getLogger("vllm.kvspec_guard")
 """Under vLLM's ``vllm`` logger, so a server prints the guard's lines with its own."""
@@ -691,8 +691,8 @@ class GuardConnector(_base.KVConnectorBase_V1, _base.SupportsHMA):  # type: igno
             received = [list(g) for g in self._hooks.received_block_ids(scheduler, rid)]
             paired = self._hooks.pair(scheduler, config, remote, received) if any(received) else ([], [])
         except KVSpecError as exc:
-            failure = Mismatch(rid, _rule_of(exc, "ALIGN-1"), "the pairing", str(exc))
-            return _Verify(pairs=[], digests=None, failure=failure)
+            refused = Mismatch(rid, _rule_of(exc, "ALIGN-1"), "the pairing", str(exc))
+            return _Verify(pairs=[], digests=None, failure=refused)
         offered = [list(g) for g in blocks.get_unhashed_block_ids_all_groups()]
         failure = check_request_rules(
             config,
