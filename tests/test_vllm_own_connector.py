@@ -511,6 +511,9 @@ def test_guard_checks_received_pages_against_the_producers_digests(
     p_work.bind_connector_metadata(meta)
     p_work.wait_for_save()
     worker_meta = p_work.build_connector_worker_meta()
+    # An earlier chunk's digests (stale by the end of the prefill) never reach the consumer.
+    stale = GuardWorkerMetadata(inner=None, digests={0: {"p1": [{1: "0" * 32}, {}]}})
+    p_sched.update_connector_output(vllm_output_module().KVConnectorOutput(kv_connector_worker_meta=stale))
     # vLLM calls request_finished before it hands the scheduler the step's worker output; the slot fills then.
     params = {"do_remote_prefill": True, "remote_block_ids": [table[0], table[1][-5:]]}
     p_sched.inner.request_finished_all_groups = lambda req, ids: (False, params)
@@ -524,6 +527,7 @@ def test_guard_checks_received_pages_against_the_producers_digests(
     digests = sent[PARAMS_KEY]["ranks"]["0"]
     assert [len(g) for g in digests] == [13, 5]
     assert all(len(d) == 32 for g in digests for d in g)
+    assert digests[0][0] != "0" * 32
     # -- consumer: identical bytes pass; one flipped byte of one received page is INT-1
     c_sched = _guard("SCHEDULER", "kv_consumer", config, inner_connector="NixlConnector", guard_mode=mode)
     c_work = _guard("WORKER", "kv_consumer", config, **arrival, guard_mode=mode)
@@ -573,3 +577,67 @@ def test_guarded_nixl_under_the_suite_gets_the_outcomes_of_vllm_nixl(vllm: Any) 
     assert {r.case_id: r.outcome for r in mine.results} == {r.case_id: r.outcome for r in theirs.results}
     assert mine.counts()["error"] == 0, mine.render()
     assert mine.counts()["passed"] > 0, mine.render()
+
+
+@pytest.mark.vllm
+def test_guard_metrics_reach_prometheus_with_the_inner_connectors(vllm: Any) -> None:
+    """vLLM's stats path: workers' GuardStats aggregate, then the connector class's Prometheus metrics observe them."""
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+    from kvspec.integrations.vllm import build_vllm_config
+    from kvspec.integrations.vllm_guard import GuardConnector
+
+    registry = CollectorRegistry()
+    types_: dict[type, type] = {
+        kind: type(kind.__name__, (kind,), {"__init__": _registering(kind, registry)})
+        for kind in (Gauge, Counter, Histogram)
+    }
+    config = build_vllm_config(
+        GUARD, role="kv_consumer", block_size=16, extra_config={"inner_connector": "NixlConnector"}
+    )
+    prom = GuardConnector.build_prom_metrics(config, types_, ["model_name", "engine"], {0: ["m", "0"]})
+    one = GuardConnector.build_kv_connector_stats(
+        {"guard": {"checked": 2, "mismatch": {"CLIP-1": 1}, "skipped": {"tp": 1}, "digest_seconds": [0.002]}}
+    )
+    two = GuardConnector.build_kv_connector_stats(
+        {"guard": {"checked": 1, "mismatch": {"INT-1": 1, "CLIP-1": 1}, "skipped": {}, "digest_seconds": []}}
+    )
+    total = one.aggregate(two)
+    assert total.reduce() == {"guard_checked": 3, "guard_mismatch": 3, "guard_skipped": 1}
+    prom.observe(total.data, 0)
+    labels = {"model_name": "m", "engine": "0"}
+    assert registry.get_sample_value("vllm:kvspec_guard_requests_checked_total", labels) == 3
+    assert registry.get_sample_value("vllm:kvspec_guard_mismatch_total", {**labels, "rule": "CLIP-1"}) == 2
+    assert registry.get_sample_value("vllm:kvspec_guard_skipped_total", {**labels, "reason": "tp"}) == 1
+    assert registry.get_sample_value("vllm:kvspec_guard_digest_seconds_count", labels) == 1
+    # The inner connector's own metrics are registered beside the guard's.
+    assert any(m.name.startswith("vllm:nixl_") for m in registry.collect())
+
+
+def _registering(kind: type, registry: Any) -> Any:
+    def init(self: Any, *args: Any, **kwargs: Any) -> None:
+        kind.__init__(self, *args, registry=registry, **kwargs)  # type: ignore[misc]
+
+    return init
+
+
+@pytest.mark.vllm
+def test_guard_settings_name_the_key_and_sampling_is_seeded(vllm: Any) -> None:
+    from kvspec.integrations.vllm_guard import GuardMode, is_sampled, parse_guard_config
+
+    settings = parse_guard_config({"inner_connector": "NixlConnector", "guard_mode": "log", "backends": ["UCX"]})
+    assert settings.mode is GuardMode.LOG
+    assert settings.inner_extra == {"backends": ["UCX"]}
+    for extra, key in (
+        ({}, "inner_connector"),
+        ({"inner_connector": "NixlConnector", "guard_mode": "loud"}, "guard_mode"),
+        ({"inner_connector": "NixlConnector", "guard_sample_rate": 2}, "guard_sample_rate"),
+        ({"inner_connector": "NixlConnector", "guard_sample_rate": True}, "guard_sample_rate"),
+    ):
+        with pytest.raises(ConfigError, match=f"kv_connector_extra_config.{key}"):
+            parse_guard_config(extra)
+    ids = [f"cmpl-{i}" for i in range(2000)]
+    half = [i for i in ids if is_sampled(i, rate=0.5, seed=3)]
+    assert 850 < len(half) < 1150
+    assert half == [i for i in ids if is_sampled(i, rate=0.5, seed=3)]
+    assert half != [i for i in ids if is_sampled(i, rate=0.5, seed=4)]

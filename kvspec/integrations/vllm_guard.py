@@ -586,7 +586,7 @@ class GuardConnector(_base.KVConnectorBase_V1, _base.SupportsHMA):  # type: igno
         return bool(_factory().get_connector_class(config).supports_sleep_mode(kv_transfer_config))
 
     @classmethod
-    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> GuardStats | None:
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> GuardStats:
         return GuardStats(data=dict(data)) if data is not None else GuardStats()
 
     @classmethod
@@ -768,8 +768,9 @@ class GuardConnector(_base.KVConnectorBase_V1, _base.SupportsHMA):  # type: igno
         sent = params.get("remote_block_ids") or block_ids
         slot: dict[str, Any] = {"tp_size": self._tp_size, "blocks": [list(g) for g in sent], "ranks": {}}
         params[PARAMS_KEY] = slot
+        # Not filled from digests already here: they are an earlier chunk's; the last step's come next.
+        self._digested.pop(rid, None)
         _remember(self._awaiting, rid, slot)
-        self._fill(rid)
         return params
 
     def _fill(self, rid: str) -> None:
@@ -833,7 +834,8 @@ class GuardConnector(_base.KVConnectorBase_V1, _base.SupportsHMA):  # type: igno
 
     def wait_for_save(self) -> None:
         self.inner.wait_for_save()
-        if not self._digest_jobs or self._mode is GuardMode.OFF:
+        if not self._digest_jobs or not self._caches or self._mode is GuardMode.OFF:
+            self._digest_jobs = {}
             return
         for rid, groups in self._digest_jobs.items():
             started = time.perf_counter()
@@ -870,6 +872,10 @@ class GuardConnector(_base.KVConnectorBase_V1, _base.SupportsHMA):  # type: igno
 
     def _verify_pages(self, rid: str, verify: _Verify) -> Mismatch | None:
         if verify.digests is None:
+            return None
+        if not self._caches:
+            # The inner connector's worker was handed no cache tensors to read: nothing can be compared.
+            self._count("skipped", "no-kv-caches")
             return None
         rank = _tp_rank()
         expected = verify.digests.get(rank)
