@@ -446,12 +446,16 @@ def test_guard_around_a_short_clipping_fork_fails_its_requests_naming_clip_1(
 
 
 @pytest.mark.vllm
-@pytest.mark.parametrize("num_tokens", [40, 200, 257])
-def test_guard_around_vllm_nixl_changes_nothing(vllm: Any, num_tokens: int) -> None:
+@pytest.mark.parametrize(
+    ("inner", "num_tokens"),
+    [("NixlConnector", 40), ("NixlConnector", 200), ("NixlConnector", 257), ("MooncakeConnector", 200)],
+)
+def test_guard_around_a_correct_vllm_connector_changes_nothing(vllm: Any, inner: str, num_tokens: int) -> None:
+    """Full-attention and window lists, (N - 1) % B == 0 included: NIXL and Mooncake break no rule here."""
     from vllm_forks import ArrivalConnector
 
     config = _guard_config()
-    scheduler = _guard("SCHEDULER", "kv_consumer", config, inner_connector="NixlConnector", guard_mode="raise")
+    scheduler = _guard("SCHEDULER", "kv_consumer", config, inner_connector=inner, guard_mode="raise")
     worker = _guard(
         "WORKER",
         "kv_consumer",
@@ -460,7 +464,8 @@ def test_guard_around_vllm_nixl_changes_nothing(vllm: Any, num_tokens: int) -> N
         inner_module_path=ArrivalConnector.__module__,
         guard_mode="raise",
     )
-    results = _received(worker, _decode_leg(scheduler, config, num_tokens=num_tokens))
+    mooncake = {"remote_bootstrap_addr": "127.0.0.1:0", "transfer_id": "r1"}
+    results = _received(worker, _decode_leg(scheduler, config, num_tokens=num_tokens, params=mooncake))
     assert results.finished_recving == {"r1"}
     assert not results.failed_recving
     counts = scheduler.get_kv_connector_stats().data["guard"]
