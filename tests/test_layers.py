@@ -124,6 +124,7 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
                 "kvspec.integrations.vllm",
                 "kvspec.integrations.vllm_audit",
                 "kvspec.integrations.vllm_offload_audit",
+                "kvspec.integrations.vllm_guard",
                 "kvspec.integrations.sglang",
                 "kvspec.integrations.sglang_audit",
             }

@@ -15,6 +15,7 @@ __all__ = [
     "ConfigError",
     "FieldError",
     "GroupCountError",
+    "GuardMismatchError",
     "IncompatiblePeerError",
     "KVSpecError",
     "LocalProtocolError",
@@ -221,6 +222,13 @@ class PairKeyError(KVSpecError, ValueError):
     """A peer's public value or nonce is malformed, or a proof does not verify (the torch workers' pair keys).
 
     Re-exported by :mod:`kvspec.transport._pairkey`.
+    """
+
+
+class GuardMismatchError(KVSpecError, RuntimeError):
+    """The vLLM guard in mode ``raise`` (CI): a request's block lists or received pages break a rule.
+
+    Re-exported by :mod:`kvspec.integrations.vllm_guard`, which raises it.
     """
 
 

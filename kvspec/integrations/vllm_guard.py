@@ -53,7 +53,7 @@ from typing import Any
 
 import attrs
 
-from kvspec.core._errors import ConfigError, KVSpecError
+from kvspec.core._errors import ConfigError, GuardMismatchError, KVSpecError
 from kvspec.core._models import NULL_BLOCK_ID, KVCacheConfig
 from kvspec.reference import _integrity
 from kvspec.spec import BlockPairs, check_window_coverage, get_blocks_per_sw, get_exchange_clipped_blocks
@@ -62,9 +62,13 @@ __all__ = [
     "GUARD_KEYS",
     "PARAMS_KEY",
     "GuardConnector",
+    "GuardMetadata",
     "GuardMismatchError",
     "GuardMode",
+    "GuardPromMetrics",
     "GuardSettings",
+    "GuardStats",
+    "GuardWorkerMetadata",
     "Mismatch",
     "check_request_rules",
     "is_sampled",
@@ -181,10 +185,6 @@ def _digest_pages(pages: Iterable[bytes | memoryview]) -> str:
     for page in pages:
         h.update(page)
     return h.hexdigest()
-
-
-class GuardMismatchError(KVSpecError):
-    """Raised in mode ``raise``: a guarded request's lists or bytes break a rule."""
 
 
 @attrs.frozen
