@@ -387,8 +387,7 @@ def _decode_leg(guard: Any, config: Any, num_tokens: int, rid: str = "r1", param
     guard.on_new_request(request)
     engine.manager.new_step_starts()
     computed, hit, *_ = engine.manager.get_computed_blocks(request)
-    external, load_async = guard.get_num_new_matched_tokens(request, hit)
-    assert load_async
+    external, _ = guard.get_num_new_matched_tokens(request, hit)
     assert external == num_tokens - hit
     allocated = engine.manager.allocate_slots(
         request,
@@ -534,7 +533,10 @@ def test_guard_checks_received_pages_against_the_producers_digests(
     assert all(len(d) == 32 for g in digests for d in g)
     assert digests[0][0] != "0" * 32
     # -- consumer: identical bytes pass; one flipped byte of one received page is INT-1
-    c_sched = _guard("SCHEDULER", "kv_consumer", config, inner_connector="NixlConnector", guard_mode=mode)
+    # Sampling nothing itself, the consumer still verifies what the producer digested.
+    c_sched = _guard(
+        "SCHEDULER", "kv_consumer", config, inner_connector="NixlConnector", guard_mode=mode, guard_sample_rate=0.0
+    )
     c_work = _guard("WORKER", "kv_consumer", config, **arrival, guard_mode=mode)
     c_meta = _decode_leg(c_sched, config, num_tokens=200, rid="r1", params=sent)
     c_work.register_kv_caches(_transfer(config, producer_pool, _pool(config, 7), c_meta.verify["r1"].pairs))
@@ -650,3 +652,17 @@ def test_guard_settings_name_the_key_and_sampling_is_seeded(vllm: Any) -> None:
     assert 850 < len(half) < 1150
     assert half == [i for i in ids if is_sampled(i, rate=0.5, seed=3)]
     assert half != [i for i in ids if is_sampled(i, rate=0.5, seed=4)]
+
+
+@pytest.mark.vllm
+def test_guard_counts_a_synchronous_load_as_unverified_bytes(vllm: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A load the inner connector does in the step (MoRI-IO READ) is never reported received: a counted skip."""
+    config = _guard_config()
+    scheduler = _guard("SCHEDULER", "kv_consumer", config, inner_connector="NixlConnector", guard_mode="fail")
+    asynchronous = scheduler.inner.get_num_new_matched_tokens
+    monkeypatch.setattr(scheduler.inner, "get_num_new_matched_tokens", lambda r, n: (asynchronous(r, n)[0], False))
+    meta = _decode_leg(scheduler, config, num_tokens=200)
+    assert meta.verify == {}
+    counts = scheduler.get_kv_connector_stats().data["guard"]
+    assert counts["checked"] == 1
+    assert counts["skipped"] == {"sync-load": 1}

@@ -532,6 +532,7 @@ class GuardConnector(_base.KVConnectorBase_V1, _base.SupportsHMA):  # type: igno
         self._awaiting: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self._digested: OrderedDict[str, dict[int, list[dict[int, str]]]] = OrderedDict()
         self._to_verify: dict[str, _Verify] = {}
+        self._sync: OrderedDict[str, bool] = OrderedDict()
         # worker side
         self._caches: dict[str, Any] = {}
         self._verify: OrderedDict[str, _Verify] = OrderedDict()
@@ -652,6 +653,9 @@ class GuardConnector(_base.KVConnectorBase_V1, _base.SupportsHMA):  # type: igno
         self._hit.pop(request.request_id, None)
         _remember(self._hit, request.request_id, num_computed_tokens)
         result: tuple[int | None, bool] = self.inner.get_num_new_matched_tokens(request, num_computed_tokens)
+        self._sync.pop(request.request_id, None)
+        if result[0] and not result[1]:
+            _remember(self._sync, request.request_id, True)
         return result
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
@@ -667,7 +671,8 @@ class GuardConnector(_base.KVConnectorBase_V1, _base.SupportsHMA):  # type: igno
             return
         if not prefill or num_external_tokens <= 0:
             return
-        if not self._sampled(rid):
+        # The producer's choice wins: a request it digested is verified whatever this side's sample says.
+        if PARAMS_KEY not in params and not self._sampled(rid):
             self._count("skipped", "not-sampled")
             return
         self._counts["checked"] += 1
@@ -678,6 +683,11 @@ class GuardConnector(_base.KVConnectorBase_V1, _base.SupportsHMA):  # type: igno
             verify = self._check_rules(request, blocks, params)
             if verify.failure is not None:
                 self._found(verify.failure)
+        if rid in self._sync:
+            # A synchronous load is never reported received: its bytes cannot be held back (its lists were checked).
+            del self._sync[rid]
+            self._count("skipped", "sync-load")
+            return
         verify.digests = self._expected_digests(rid, params)
         self._to_verify[rid] = verify
 
