@@ -666,3 +666,24 @@ def test_guard_counts_a_synchronous_load_as_unverified_bytes(vllm: Any, monkeypa
     counts = scheduler.get_kv_connector_stats().data["guard"]
     assert counts["checked"] == 1
     assert counts["skipped"] == {"sync-load": 1}
+
+
+@pytest.mark.vllm
+def test_guard_answers_vllms_class_questions_as_its_inner_connector(vllm: Any) -> None:
+    """vLLM asks the configured class (the guard) for the KV layout, CUDA-graph mode and sleep support."""
+    from kvspec.integrations.vllm import build_vllm_config, import_vllm
+    from kvspec.integrations.vllm_guard import GuardConnector
+
+    factory = import_vllm("vllm.distributed.kv_transfer.kv_connector.factory").KVConnectorFactory
+    guarded = build_vllm_config(GUARD, role="kv_both", block_size=16, extra_config={"inner_connector": "NixlConnector"})
+    plain = build_vllm_config(
+        "vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector:NixlPullConnector", role="kv_both", block_size=16
+    )
+    inner = factory.get_connector_class(plain.kv_transfer_config)
+    assert GuardConnector.get_required_kvcache_layout(guarded) == inner.get_required_kvcache_layout(plain)
+    assert GuardConnector.requires_piecewise_for_cudagraph(
+        {"inner_connector": "NixlConnector"}
+    ) == inner.requires_piecewise_for_cudagraph({})
+    assert GuardConnector.supports_sleep_mode(guarded.kv_transfer_config) == inner.supports_sleep_mode(
+        plain.kv_transfer_config
+    )
