@@ -434,6 +434,7 @@ def test_guard_around_a_short_clipping_fork_fails_its_requests_naming_clip_1(
         results = _received(worker, meta)
     # The request is reported received and failed: vLLM finishes it with FINISHED_ERROR, it never decodes.
     assert results.finished_recving == {"r1"}
+    _assert_vllm_fails(results.failed_recving, "r1")
     assert results.failed_recving == {"r1"}
     (line,) = [r.getMessage() for r in caplog.records if r.name == "vllm.kvspec_guard"]
     assert "request r1 breaks CLIP-1 at group 1 block" in line, line
@@ -556,6 +557,23 @@ def test_guard_checks_received_pages_against_the_producers_digests(
     (line,) = [r.getMessage() for r in caplog.records if r.name == "vllm.kvspec_guard"]
     assert "request r2 breaks INT-1 at group 1 pair 2 (producer block 11 -> consumer block 16" in line, line
     assert c_work.get_kv_connector_stats().data["guard"]["mismatch"] == {"INT-1": 1}
+
+
+def _assert_vllm_fails(failed_recving: set[str], rid: str) -> None:
+    """vLLM's scheduler takes ``failed_recving`` as failed loads: under its default policy ("fail") the request is
+    among those it finishes with FINISHED_ERROR (``Scheduler._handle_failed_recving``, on a stand-in scheduler)."""
+    import types
+
+    from kvspec.integrations.vllm import import_vllm
+
+    scheduler = import_vllm("vllm.v1.core.sched.scheduler").Scheduler
+    waiting = import_vllm("vllm.v1.request").RequestStatus.WAITING_FOR_REMOTE_KVS
+    stand_in = types.SimpleNamespace(
+        requests={rid: types.SimpleNamespace(status=waiting)},
+        recompute_kv_load_failures=False,
+        failed_recving_kv_req_ids=set(),
+    )
+    assert scheduler._handle_failed_recving(stand_in, failed_recving) == {rid}
 
 
 def _transfer(config: Any, source: dict[str, Any], pool: dict[str, Any], pairs: Any) -> dict[str, Any]:
