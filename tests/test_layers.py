@@ -138,6 +138,7 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
                 "kvspec.integrations.vllm_parallel",
                 "kvspec.integrations.sglang_parallel",
                 "kvspec.integrations.vllm_offload_audit",
+                "kvspec.integrations.vllm_guard",
                 "kvspec.integrations.sglang",
                 "kvspec.integrations.sglang_audit",
             }

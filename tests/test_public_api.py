@@ -30,10 +30,15 @@ def _module_files() -> list[tuple[str, Path]]:
 MODULES = _module_files()
 # kvspec.models only serves deprecated names (tests/test_deprecations.py covers it).
 DEPRECATED_MODULES = {"kvspec.models"}
+# A vLLM connector class: importing it imports vLLM (tens of seconds); the vLLM tests check its __all__
+# (tests/test_vllm_own_connector.py).
+ENGINE_MODULES = {"kvspec.integrations.vllm_guard"}
 PUBLIC_MODULES = [
     name
     for name, _ in MODULES
-    if not any(part.startswith("_") for part in name.split(".")) and name not in DEPRECATED_MODULES
+    if not any(part.startswith("_") for part in name.split("."))
+    and name not in DEPRECATED_MODULES
+    and name not in ENGINE_MODULES
 ]
 
 

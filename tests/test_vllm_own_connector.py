@@ -336,3 +336,373 @@ def test_vllm_extra_takes_pairs_and_json_files(tmp_path: Path) -> None:
         parse_vllm_extra([str(tmp_path / "list.json")])
     with pytest.raises(ConfigError, match="expected KEY=VALUE or a JSON file"):
         parse_vllm_extra([str(tmp_path / "missing.json")])
+
+
+# --------------------------------------------------------------------------- the guard (kvspec.integrations.vllm_guard)
+
+GUARD = "kvspec.integrations.vllm_guard:GuardConnector"
+GUARD_BLOCK = 16
+
+
+def _guard_config(window: int = 64) -> Any:
+    from kvspec.integrations.vllm_audit import GroupShape, _config
+
+    return _config([GroupShape(block_size=GUARD_BLOCK), GroupShape(block_size=GUARD_BLOCK, window=window)], 64)
+
+
+def _guard(role: str, kv_role: str, config: Any, **extra: object) -> Any:
+    """A GuardConnector built as vLLM builds one from --kv-transfer-config: VllmConfig, then vLLM's factory."""
+    from kvspec.integrations.vllm import build_vllm_config, import_vllm, to_vllm_kv_cache_config
+
+    factory = import_vllm("vllm.distributed.kv_transfer.kv_connector.factory").KVConnectorFactory
+    base = import_vllm("vllm.distributed.kv_transfer.kv_connector.v1.base")
+    vllm_config = build_vllm_config(GUARD, role=kv_role, block_size=GUARD_BLOCK, extra_config=extra)
+    return factory.create_connector(vllm_config, getattr(base.KVConnectorRole, role), to_vllm_kv_cache_config(config))
+
+
+def _decode_leg(guard: Any, config: Any, num_tokens: int, rid: str = "r1", params: dict[str, Any] | None = None) -> Any:
+    """The consumer's scheduler steps for one request, in vLLM's order, through vLLM's own KVCacheManager.
+
+    The producer's lists are a whole producer table clipped by kvspec (or ``params``' own); the consumer's are what
+    the guarded connector records. Returns the metadata the guard hands its workers.
+    """
+    import types
+
+    from kvspec.integrations.vllm_audit import _engine, _request
+    from kvspec.spec import get_blocks_per_sw, get_exchange_clipped_blocks
+
+    engine = _engine(config, GUARD_BLOCK)
+    n_blocks = -(-num_tokens // GUARD_BLOCK)
+    remote = get_exchange_clipped_blocks([list(range(1, n_blocks + 1))] * 2, get_blocks_per_sw(config))
+    params = {
+        "do_remote_prefill": True,
+        "remote_block_ids": [list(g) for g in remote],
+        **(params or {}),
+        "remote_engine_id": "producer",
+        "remote_request_id": rid,
+        "remote_host": "127.0.0.1",
+        "remote_port": 0,
+    }
+    request = _request(engine, rid, list(range(1, num_tokens + 1)), params)
+    guard.on_new_request(request)
+    engine.manager.new_step_starts()
+    computed, hit, *_ = engine.manager.get_computed_blocks(request)
+    external, _ = guard.get_num_new_matched_tokens(request, hit)
+    assert external == num_tokens - hit
+    allocated = engine.manager.allocate_slots(
+        request,
+        0,
+        num_new_computed_tokens=hit,
+        new_computed_blocks=computed,
+        num_external_computed_tokens=external,
+        delay_cache_blocks=True,
+    )
+    assert allocated is not None
+    # vLLM's scheduler hands an asynchronous load the request's whole table.
+    guard.update_state_after_alloc(request, engine.manager.get_blocks(rid), external)
+    return guard.build_connector_meta(types.SimpleNamespace(num_scheduled_tokens={}))
+
+
+def _received(worker: Any, meta: Any, rid: str = "r1") -> Any:
+    """The worker-side guard given the scheduler's metadata, with the transfer of ``rid`` reported done."""
+    worker.bind_connector_metadata(meta)
+    worker.inner.arrived.add(rid)
+    results = worker.get_transfer_results(set())
+    worker.clear_connector_metadata()
+    return results
+
+
+@pytest.mark.vllm
+def test_guard_around_a_short_clipping_fork_fails_its_requests_naming_clip_1(
+    vllm: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    from vllm_forks import ArrivalConnector, ShortClipConnector
+
+    config = _guard_config()
+    fork = {"inner_connector": "ShortClipConnector", "inner_module_path": ShortClipConnector.__module__}
+    scheduler = _guard("SCHEDULER", "kv_consumer", config, **fork, guard_mode="fail")
+    assert type(scheduler.inner) is ShortClipConnector
+    worker = _guard(
+        "WORKER",
+        "kv_consumer",
+        config,
+        inner_connector="ArrivalConnector",
+        inner_module_path=ArrivalConnector.__module__,
+    )
+    with caplog.at_level("ERROR", logger="vllm.kvspec_guard"):
+        meta = _decode_leg(scheduler, config, num_tokens=200)
+        results = _received(worker, meta)
+    # The request is reported received and failed: vLLM finishes it with FINISHED_ERROR, it never decodes.
+    assert results.finished_recving == {"r1"}
+    _assert_vllm_fails(results.failed_recving, "r1")
+    assert results.failed_recving == {"r1"}
+    (line,) = [r.getMessage() for r in caplog.records if r.name == "vllm.kvspec_guard"]
+    assert "request r1 breaks CLIP-1 at group 1 block" in line, line
+    stats = scheduler.get_kv_connector_stats().data["guard"]
+    assert stats["checked"] == 1
+    assert stats["mismatch"] == {"CLIP-1": 1}
+    # The inner connector's own metadata reaches the inner worker unwrapped.
+    assert type(worker.inner.bound[0]).__name__ == "NixlConnectorMetadata"
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize(
+    ("inner", "num_tokens"),
+    [("NixlConnector", 40), ("NixlConnector", 200), ("NixlConnector", 257), ("MooncakeConnector", 200)],
+)
+def test_guard_around_a_correct_vllm_connector_changes_nothing(vllm: Any, inner: str, num_tokens: int) -> None:
+    """Full-attention and window lists, (N - 1) % B == 0 included: NIXL and Mooncake break no rule here."""
+    from vllm_forks import ArrivalConnector
+
+    config = _guard_config()
+    scheduler = _guard("SCHEDULER", "kv_consumer", config, inner_connector=inner, guard_mode="raise")
+    worker = _guard(
+        "WORKER",
+        "kv_consumer",
+        config,
+        inner_connector="ArrivalConnector",
+        inner_module_path=ArrivalConnector.__module__,
+        guard_mode="raise",
+    )
+    mooncake = {"remote_bootstrap_addr": "127.0.0.1:0", "transfer_id": "r1"}
+    results = _received(worker, _decode_leg(scheduler, config, num_tokens=num_tokens, params=mooncake))
+    assert results.finished_recving == {"r1"}
+    assert not results.failed_recving
+    counts = scheduler.get_kv_connector_stats().data["guard"]
+    assert counts["checked"] == 1
+    assert counts["mismatch"] == {}
+    assert counts["skipped"] == {"no-producer-digest": 1}
+
+
+def _pool(config: Any, fill: int) -> dict[str, Any]:
+    """One CPU cache tensor per layer, vLLM's shape with the block axis second (K and V first), numbered bytes."""
+    import torch
+
+    pages = {}
+    for group in config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        for name in group.layer_names:
+            shape = (2, config.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size)
+            pages[name] = (torch.arange(torch.Size(shape).numel()) % 251 + fill).to(torch.int8).reshape(shape)
+    return pages
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("mode", ["off", "log", "fail", "raise"])
+def test_guard_checks_received_pages_against_the_producers_digests(
+    vllm: Any, mode: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The producer's digests ride in kv_transfer_params; a flipped byte is INT-1, with each mode's outcome."""
+    import types
+
+    from vllm_forks import ArrivalConnector
+
+    from kvspec import IntegrityMismatchError
+    from kvspec.integrations.vllm_guard import PARAMS_KEY, GuardWorkerMetadata
+
+    config = _guard_config()
+    arrival = {"inner_connector": "ArrivalConnector", "inner_module_path": ArrivalConnector.__module__}
+    # -- producer: its scheduler names the request's blocks, its worker digests them after the step
+    p_sched = _guard("SCHEDULER", "kv_producer", config, inner_connector="NixlConnector", guard_mode=mode)
+    p_work = _guard("WORKER", "kv_producer", config, **arrival, guard_mode=mode)
+    table = [list(range(1, 14)), list(range(1, 14))]
+    p_sched._kv_cache_manager = types.SimpleNamespace(get_block_ids=lambda rid: table)
+    request = types.SimpleNamespace(
+        request_id="p1", kv_transfer_params={"do_remote_decode": True}, num_prompt_tokens=200
+    )
+    p_sched.update_state_after_alloc(request, types.SimpleNamespace(), 0)
+    meta = p_sched.build_connector_meta(types.SimpleNamespace(num_scheduled_tokens={"p1": 200}))
+    producer_pool = _pool(config, 0)
+    p_work.register_kv_caches(producer_pool)
+    p_work.bind_connector_metadata(meta)
+    p_work.wait_for_save()
+    worker_meta = p_work.build_connector_worker_meta()
+    # An earlier chunk's digests (stale by the end of the prefill) never reach the consumer.
+    stale = GuardWorkerMetadata(inner=None, digests={0: {"p1": [{1: "0" * 32}, {}]}})
+    p_sched.update_connector_output(vllm_output_module().KVConnectorOutput(kv_connector_worker_meta=stale))
+    # vLLM calls request_finished before it hands the scheduler the step's worker output; the slot fills then.
+    params = {"do_remote_prefill": True, "remote_block_ids": [table[0], table[1][-5:]]}
+    p_sched.inner.request_finished_all_groups = lambda req, ids: (False, params)
+    _, sent = p_sched.request_finished_all_groups(request, tuple(table))
+    output = vllm_output_module().KVConnectorOutput(kv_connector_worker_meta=worker_meta)
+    p_sched.update_connector_output(output)
+    if mode == "off":
+        assert PARAMS_KEY not in sent
+        assert not isinstance(worker_meta, GuardWorkerMetadata)
+        return
+    digests = sent[PARAMS_KEY]["ranks"]["0"]
+    assert [len(g) for g in digests] == [13, 5]
+    assert all(len(d) == 32 for g in digests for d in g)
+    assert digests[0][0] != "0" * 32
+    # -- consumer: identical bytes pass; one flipped byte of one received page is INT-1
+    # Sampling nothing itself, the consumer still verifies what the producer digested.
+    c_sched = _guard(
+        "SCHEDULER", "kv_consumer", config, inner_connector="NixlConnector", guard_mode=mode, guard_sample_rate=0.0
+    )
+    c_work = _guard("WORKER", "kv_consumer", config, **arrival, guard_mode=mode)
+    c_meta = _decode_leg(c_sched, config, num_tokens=200, rid="r1", params=sent)
+    c_work.register_kv_caches(_transfer(config, producer_pool, _pool(config, 7), c_meta.verify["r1"].pairs))
+    assert _received(c_work, c_meta).failed_recving == set()
+    c_meta = _decode_leg(c_sched, config, num_tokens=200, rid="r2", params=sent)
+    flipped = _transfer(config, producer_pool, _pool(config, 7), c_meta.verify["r2"].pairs)
+    flipped["g1"][1, 16, 3, 0, 1] += 1  # consumer block 16 of the window group, V half
+    c_work.register_kv_caches(flipped)
+    with caplog.at_level("ERROR", logger="vllm.kvspec_guard"):
+        if mode == "raise":
+            with pytest.raises(IntegrityMismatchError, match="request r2 breaks INT-1 at group 1 pair 2"):
+                _received(c_work, c_meta, rid="r2")
+            return
+        results = _received(c_work, c_meta, rid="r2")
+    assert results.finished_recving == {"r2"}
+    assert results.failed_recving == ({"r2"} if mode == "fail" else set())
+    (line,) = [r.getMessage() for r in caplog.records if r.name == "vllm.kvspec_guard"]
+    assert "request r2 breaks INT-1 at group 1 pair 2 (producer block 11 -> consumer block 16" in line, line
+    assert c_work.get_kv_connector_stats().data["guard"]["mismatch"] == {"INT-1": 1}
+
+
+def _assert_vllm_fails(failed_recving: set[str], rid: str) -> None:
+    """vLLM's scheduler takes ``failed_recving`` as failed loads: under its default policy ("fail") the request is
+    among those it finishes with FINISHED_ERROR (``Scheduler._handle_failed_recving``, on a stand-in scheduler)."""
+    import types
+
+    from kvspec.integrations.vllm import import_vllm
+
+    scheduler = import_vllm("vllm.v1.core.sched.scheduler").Scheduler
+    waiting = import_vllm("vllm.v1.request").RequestStatus.WAITING_FOR_REMOTE_KVS
+    stand_in = types.SimpleNamespace(
+        requests={rid: types.SimpleNamespace(status=waiting)},
+        recompute_kv_load_failures=False,
+        failed_recving_kv_req_ids=set(),
+    )
+    assert scheduler._handle_failed_recving(stand_in, failed_recving) == {rid}
+
+
+def _transfer(config: Any, source: dict[str, Any], pool: dict[str, Any], pairs: Any) -> dict[str, Any]:
+    """``pool`` after the transfer: each paired producer page copied into its consumer block, every layer."""
+    for g, group in enumerate(config.kv_cache_groups):
+        for name in group.layer_names:
+            for p, c in pairs[g]:
+                pool[name][:, c] = source[name][:, p]
+    return pool
+
+
+def vllm_output_module() -> Any:
+    from kvspec.integrations.vllm import import_vllm
+
+    return import_vllm("vllm.v1.outputs")
+
+
+@pytest.mark.vllm
+def test_guarded_nixl_under_the_suite_gets_the_outcomes_of_vllm_nixl(vllm: Any) -> None:
+    """``--connector vllm:kvspec.integrations.vllm_guard:GuardConnector --vllm-extra inner_connector=NixlConnector``."""
+    from kvspec.integrations.vllm import make_connector, vllm_connector
+
+    guarded = vllm_connector(GUARD, extra_config={"inner_connector": "NixlConnector"})
+    mine = run_suite("loopback", rules=["CLIP-1", "SW-1"], connector=guarded, max_examples=3)
+    theirs = run_suite("loopback", rules=["CLIP-1", "SW-1"], connector=make_connector("nixl"), max_examples=3)
+    assert {r.case_id: r.outcome for r in mine.results} == {r.case_id: r.outcome for r in theirs.results}
+    assert mine.counts()["error"] == 0, mine.render()
+    assert mine.counts()["passed"] > 0, mine.render()
+
+
+@pytest.mark.vllm
+def test_guard_metrics_reach_prometheus_with_the_inner_connectors(vllm: Any) -> None:
+    """vLLM's stats path: workers' GuardStats aggregate, then the connector class's Prometheus metrics observe them."""
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+    from kvspec.integrations.vllm import build_vllm_config
+    from kvspec.integrations.vllm_guard import GuardConnector
+
+    registry = CollectorRegistry()
+    types_: dict[type, type] = {
+        kind: type(kind.__name__, (kind,), {"__init__": _registering(kind, registry)})
+        for kind in (Gauge, Counter, Histogram)
+    }
+    config = build_vllm_config(
+        GUARD, role="kv_consumer", block_size=16, extra_config={"inner_connector": "NixlConnector"}
+    )
+    prom = GuardConnector.build_prom_metrics(config, types_, ["model_name", "engine"], {0: ["m", "0"]})
+    one = GuardConnector.build_kv_connector_stats(
+        {"guard": {"checked": 2, "mismatch": {"CLIP-1": 1}, "skipped": {"tp": 1}, "digest_seconds": [0.002]}}
+    )
+    two = GuardConnector.build_kv_connector_stats(
+        {"guard": {"checked": 1, "mismatch": {"INT-1": 1, "CLIP-1": 1}, "skipped": {}, "digest_seconds": []}}
+    )
+    total = one.aggregate(two)
+    assert total.reduce() == {"guard_checked": 3, "guard_mismatch": 3, "guard_skipped": 1}
+    prom.observe(total.data, 0)
+    labels = {"model_name": "m", "engine": "0"}
+    assert registry.get_sample_value("vllm:kvspec_guard_requests_checked_total", labels) == 3
+    assert registry.get_sample_value("vllm:kvspec_guard_mismatch_total", {**labels, "rule": "CLIP-1"}) == 2
+    assert registry.get_sample_value("vllm:kvspec_guard_skipped_total", {**labels, "reason": "tp"}) == 1
+    assert registry.get_sample_value("vllm:kvspec_guard_digest_seconds_count", labels) == 1
+    # The inner connector's own metrics are registered beside the guard's.
+    assert any(m.name.startswith("vllm:nixl_") for m in registry.collect())
+
+
+def _registering(kind: type, registry: Any) -> Any:
+    def init(self: Any, *args: Any, **kwargs: Any) -> None:
+        kind.__init__(self, *args, registry=registry, **kwargs)  # type: ignore[misc]
+
+    return init
+
+
+@pytest.mark.vllm
+def test_guard_settings_name_the_key_and_sampling_is_seeded(vllm: Any) -> None:
+    from kvspec.integrations import vllm_guard
+    from kvspec.integrations.vllm_guard import GuardMode, is_sampled, parse_guard_config
+
+    # tests/test_public_api.py leaves this module out (it imports vLLM): its exported names are checked here.
+    assert [n for n in vllm_guard.__all__ if not hasattr(vllm_guard, n)] == []
+
+    settings = parse_guard_config({"inner_connector": "NixlConnector", "guard_mode": "log", "backends": ["UCX"]})
+    assert settings.mode is GuardMode.LOG
+    assert settings.inner_extra == {"backends": ["UCX"]}
+    for extra, key in (
+        ({}, "inner_connector"),
+        ({"inner_connector": "NixlConnector", "guard_mode": "loud"}, "guard_mode"),
+        ({"inner_connector": "NixlConnector", "guard_sample_rate": 2}, "guard_sample_rate"),
+        ({"inner_connector": "NixlConnector", "guard_sample_rate": True}, "guard_sample_rate"),
+    ):
+        with pytest.raises(ConfigError, match=f"kv_connector_extra_config.{key}"):
+            parse_guard_config(extra)
+    ids = [f"cmpl-{i}" for i in range(2000)]
+    half = [i for i in ids if is_sampled(i, rate=0.5, seed=3)]
+    assert 850 < len(half) < 1150
+    assert half == [i for i in ids if is_sampled(i, rate=0.5, seed=3)]
+    assert half != [i for i in ids if is_sampled(i, rate=0.5, seed=4)]
+
+
+@pytest.mark.vllm
+def test_guard_counts_a_synchronous_load_as_unverified_bytes(vllm: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A load the inner connector does in the step (MoRI-IO READ) is never reported received: a counted skip."""
+    config = _guard_config()
+    scheduler = _guard("SCHEDULER", "kv_consumer", config, inner_connector="NixlConnector", guard_mode="fail")
+    asynchronous = scheduler.inner.get_num_new_matched_tokens
+    monkeypatch.setattr(scheduler.inner, "get_num_new_matched_tokens", lambda r, n: (asynchronous(r, n)[0], False))
+    meta = _decode_leg(scheduler, config, num_tokens=200)
+    assert meta.verify == {}
+    counts = scheduler.get_kv_connector_stats().data["guard"]
+    assert counts["checked"] == 1
+    assert counts["skipped"] == {"sync-load": 1}
+
+
+@pytest.mark.vllm
+def test_guard_answers_vllms_class_questions_as_its_inner_connector(vllm: Any) -> None:
+    """vLLM asks the configured class (the guard) for the KV layout, CUDA-graph mode and sleep support."""
+    from kvspec.integrations.vllm import build_vllm_config, import_vllm
+    from kvspec.integrations.vllm_guard import GuardConnector
+
+    factory = import_vllm("vllm.distributed.kv_transfer.kv_connector.factory").KVConnectorFactory
+    guarded = build_vllm_config(GUARD, role="kv_both", block_size=16, extra_config={"inner_connector": "NixlConnector"})
+    plain = build_vllm_config(
+        "vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector:NixlPullConnector", role="kv_both", block_size=16
+    )
+    inner = factory.get_connector_class(plain.kv_transfer_config)
+    assert GuardConnector.get_required_kvcache_layout(guarded) == inner.get_required_kvcache_layout(plain)
+    assert GuardConnector.requires_piecewise_for_cudagraph(
+        {"inner_connector": "NixlConnector"}
+    ) == inner.requires_piecewise_for_cudagraph({})
+    assert GuardConnector.supports_sleep_mode(guarded.kv_transfer_config) == inner.supports_sleep_mode(
+        plain.kv_transfer_config
+    )
