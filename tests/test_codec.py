@@ -154,7 +154,7 @@ def test_encoding_is_canonical_json(message: Any) -> None:
 
 def test_release_encoding_is_pinned() -> None:
     # A change to these bytes is a wire change: it needs a protocol version bump (VER-1).
-    expected = b'{"consumer_engine_id":"c","outcome":"loaded","request_id":"r1","type":"release","v":[1,2]}'
+    expected = b'{"consumer_engine_id":"c","outcome":"loaded","request_id":"r1","type":"release","v":[1,3]}'
     assert encode(RELEASE) == expected
 
 
@@ -444,10 +444,10 @@ def test_a_1_0_message_without_the_1_1_fields_decodes_to_their_defaults() -> Non
 def test_the_1_1_fields_travel_and_a_1_0_reader_may_ignore_them() -> None:
     params = attrs.evolve(PARAMS, producer_block_ends=(3, 4), recomputed_tokens=1)
     body = json.loads(encode(params))
-    assert body["v"] == [1, 2]
+    assert body["v"] == [1, 3]
     assert (body["producer_block_ends"], body["recomputed_tokens"]) == ([3, 4], 1)
     assert decode(encode(params)) == params
-    assert PROTOCOL_VERSION == (1, 2)
+    assert PROTOCOL_VERSION == (1, 3)
 
 
 def test_a_1_1_message_without_the_1_2_fields_decodes_with_their_defaults() -> None:

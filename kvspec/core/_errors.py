@@ -12,6 +12,7 @@ __all__ = [
     "AgentRefusedError",
     "BackendUnavailableError",
     "BlockAlignmentError",
+    "CacheAccountingError",
     "ConfigError",
     "FieldError",
     "GroupCountError",
@@ -115,6 +116,14 @@ class ParallelismError(KVSpecError, ValueError):
     A size that does not divide, a layout that cannot be sliced, a layer no
     stage holds, or copies that do not tile a rank's page; the message names
     the field and the expected value.
+    """
+
+
+class CacheAccountingError(KVSpecError, ValueError):
+    """A cache the model keeps is neither exchanged nor declared ephemeral, or of an unknown kind (CACHE-1).
+
+    The message names each cache (its name, kind and layers) or field, and what
+    was expected.
     """
 
 

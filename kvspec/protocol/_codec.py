@@ -414,7 +414,7 @@ def encode(message: Message) -> bytes:
 
     >>> from kvspec import Release, ReleaseOutcome
     >>> encode(Release(request_id="r1", consumer_engine_id="c", outcome=ReleaseOutcome.LOADED))
-    b'{"consumer_engine_id":"c","outcome":"loaded","request_id":"r1","type":"release","v":[1,2]}'
+    b'{"consumer_engine_id":"c","outcome":"loaded","request_id":"r1","type":"release","v":[1,3]}'
     """
     kind: Any = type(message)
     body = field_codec(kind).encode(message) if kind in _NAMES else None

@@ -43,6 +43,7 @@ from kvspec.core._models import (
     NULL_BLOCK_ID,
     AttentionSpec,
     BlockIds,
+    CacheDeclaration,
     KVCacheConfig,
     KVCacheGroupSpec,
     MambaSpec,
@@ -66,7 +67,7 @@ __all__ = [
     "TransportData",
 ]
 
-PROTOCOL_VERSION: tuple[int, int] = (1, 2)
+PROTOCOL_VERSION: tuple[int, int] = (1, 3)
 """(major, minor) of the wire protocol; independent of the package version (VER-1).
 
 1.1 added where each list ends (``producer_block_ends``, ``consumer_block_ends``)
@@ -331,6 +332,11 @@ class GroupDescriptor:
         )
 
 
+def _optional_caches(inst: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if value is not None and (not isinstance(value, tuple) or not all(isinstance(c, CacheDeclaration) for c in value)):
+        raise FieldError(type(inst), attribute.name, "None or a tuple of CacheDeclaration", value)
+
+
 def _groups(inst: object, attribute: attrs.Attribute[Any], value: object) -> None:
     if not isinstance(value, tuple) or not value or not all(isinstance(g, GroupDescriptor) for g in value):
         raise FieldError(type(inst), attribute.name, "a non-empty tuple of GroupDescriptor", value)
@@ -344,7 +350,10 @@ class EngineDescriptor:
     ``agent_metadata``), loaded only after the descriptors are found
     compatible. ``num_blocks`` bounds the block ids the peer may name.
     ``state_profile`` (protocol 1.2) is set exactly when the engine has state
-    groups: where its transferred state stands (STATE-1).
+    groups: where its transferred state stands (STATE-1). ``caches``
+    (protocol 1.3) is every cache the model keeps, each exchanged or declared
+    ephemeral (CACHE-1); ``None`` (a 1.2 peer, or nothing declared) means the
+    groups are the whole set.
     """
 
     protocol_version: tuple[int, int] = attrs.field(default=PROTOCOL_VERSION, converter=_to_tuple, validator=_version)
@@ -356,6 +365,9 @@ class EngineDescriptor:
     tp_size: int = attrs.field(default=1, validator=_positive_int)
     transport_metadata: bytes = attrs.field(default=b"", validator=_bytes, repr=False)
     state_profile: StateProfile | None = attrs.field(default=None, validator=_optional_profile)
+    caches: tuple[CacheDeclaration, ...] | None = attrs.field(
+        default=None, converter=_to_tuple, validator=_optional_caches
+    )
 
     @classmethod
     def from_config(
@@ -382,6 +394,7 @@ class EngineDescriptor:
             tp_size=tp_size,
             transport_metadata=transport_metadata,
             state_profile=state_profile if has_state else None,
+            caches=config.caches or None,  # CACHE-1: protocol 1.3
         )
 
 

@@ -8,6 +8,19 @@ This package imports only kvspec's models and errors (docs/explanation/layers.md
 from __future__ import annotations
 
 from kvspec.spec.admission import check_hybrid_support, is_full_attention_spec, is_hma_required
+from kvspec.spec.caches import (
+    CACHE_KINDS,
+    EXCHANGED_KINDS,
+    SCRATCH_KINDS,
+    GroupKey,
+    check_cache_accounting,
+    get_cache_differences,
+    get_cache_disposition,
+    get_cache_problems,
+    get_declared_caches,
+    get_group_keys,
+    may_be_ephemeral,
+)
 from kvspec.spec.coverage import (
     check_window_coverage,
     get_block_ends,
@@ -64,11 +77,15 @@ from kvspec.spec.window import (
     TokenBasis,
     get_block_budget,
     get_blocks_per_sw,
+    get_chunk_budget,
     get_exchange_clipped_blocks,
     get_token_basis_group,
 )
 
 __all__ = [
+    "CACHE_KINDS",
+    "EXCHANGED_KINDS",
+    "SCRATCH_KINDS",
     "STATE_FIELDS",
     "STATE_KINDS",
     "BlockIdsLike",
@@ -76,6 +93,7 @@ __all__ = [
     "BlockPairsLike",
     "ByteRun",
     "CanonicalPage",
+    "GroupKey",
     "PageCopy",
     "PageOrder",
     "PageTensor",
@@ -84,6 +102,7 @@ __all__ = [
     "StagePair",
     "SubBlock",
     "TokenBasis",
+    "check_cache_accounting",
     "check_coverage",
     "check_hybrid_support",
     "check_offload_support",
@@ -100,13 +119,19 @@ __all__ = [
     "get_block_budget",
     "get_block_ends",
     "get_blocks_per_sw",
+    "get_cache_differences",
+    "get_cache_disposition",
+    "get_cache_problems",
     "get_candidate_ranks",
     "get_canonical_page",
     "get_checked_block_ends",
+    "get_chunk_budget",
     "get_completion_count",
     "get_dcp_owner",
     "get_dcp_token_position",
+    "get_declared_caches",
     "get_exchange_clipped_blocks",
+    "get_group_keys",
     "get_logical_block_count",
     "get_needed_block_range",
     "get_needed_token_range",
@@ -127,6 +152,7 @@ __all__ = [
     "is_full_attention_spec",
     "is_hma_required",
     "is_state_spec",
+    "may_be_ephemeral",
     "pair_stage_layers",
     "pair_state_slots",
 ]
