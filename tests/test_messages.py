@@ -360,7 +360,7 @@ def test_the_1_1_keys_travel_in_kv_transfer_params_only_when_they_say_something(
     plain = PARAMS.to_kv_transfer_params()
     assert "kvspec_block_ends" not in plain
     assert "kvspec_recomputed_tokens" not in plain
-    assert plain["kvspec_version"] == "1.2"
+    assert plain["kvspec_version"] == "1.3"
     params = attrs.evolve(PARAMS, producer_block_ends=(3, 5), recomputed_tokens=1)
     d = params.to_kv_transfer_params()
     assert (d["kvspec_block_ends"], d["kvspec_recomputed_tokens"]) == ([3, 5], 1)
