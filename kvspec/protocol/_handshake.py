@@ -81,7 +81,9 @@ def check_compatibility(*, producer: EngineDescriptor, consumer: EngineDescripto
     (block-size ratios are out of v1), window, chunk size, dtype, KV heads,
     head size, page size and ordered layer names; for a state group also its
     state shapes, dtypes, kind and conv layout (STATE-5), and both engines'
-    state profile (STATE-1).
+    state profile (STATE-1). Then every declared cache is accounted for and
+    both sides declare the same caches (:func:`check_cache_compatibility`,
+    CACHE-1).
     """
     diffs = get_differences(producer, consumer)
     if diffs:
