@@ -45,6 +45,7 @@ from kvspec import (
     BlockIds,
     BlockOffer,
     BlockPairsLike,
+    CacheAccountingError,
     ConsumerSession,
     ConsumerState,
     EngineDescriptor,
@@ -804,7 +805,12 @@ class _Play:
             try:
                 try:
                     self._connect(producer_pool, consumer_pool)
-                except (IncompatiblePeerError, UnsupportedVersionError, MalformedMessageError) as exc:
+                except (
+                    IncompatiblePeerError,
+                    CacheAccountingError,
+                    UnsupportedVersionError,
+                    MalformedMessageError,
+                ) as exc:
                     refused = exc
                 else:
                     self._loop()

@@ -10,7 +10,9 @@ import attrs
 from kvspec import (
     AttentionSpec,
     ChunkedLocalAttentionSpec,
+    CrossAttentionSpec,
     FullAttentionSpec,
+    IndexerSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
     KVCacheTensor,
@@ -20,7 +22,7 @@ from kvspec import (
     SlidingWindowSpec,
 )
 
-__all__ = ["GroupShape", "chunked", "full", "gdn", "make_config", "mamba", "mla", "sw", "sw_mla"]
+__all__ = ["GroupShape", "chunked", "cross", "full", "gdn", "indexer", "make_config", "mamba", "mla", "sw", "sw_mla"]
 
 ConfigLayout = Literal["separate", "shared", "per_layer", "layers_first"]
 
@@ -29,7 +31,7 @@ ConfigLayout = Literal["separate", "shared", "per_layer", "layers_first"]
 class GroupShape:
     """One group of a small config: its kind, block size and (for local kinds) window or chunk."""
 
-    kind: Literal["full", "mla", "sw", "sw_mla", "chunked", "mamba"]
+    kind: Literal["full", "mla", "sw", "sw_mla", "chunked", "indexer", "cross", "mamba"]
     block_size: int = 4
     window: int = 0
     mamba_type: str = "mamba2"
@@ -58,8 +60,18 @@ def sw_mla(window: int, block_size: int = 4) -> GroupShape:
 
 
 def chunked(chunk: int, block_size: int = 4) -> GroupShape:
-    """A chunked-local group (refused under HMA, ADM-1)."""
+    """A chunked-local group (the token at p attends from ``chunk * (p // chunk)``; CACHE-1, WIN-1)."""
     return GroupShape(kind="chunked", block_size=block_size, window=chunk)
+
+
+def cross(block_size: int = 4) -> GroupShape:
+    """An encoder-decoder cross-attention group (refused under HMA, ADM-1)."""
+    return GroupShape(kind="cross", block_size=block_size)
+
+
+def indexer(block_size: int = 4) -> GroupShape:
+    """A sparse-attention indexer group: its own page geometry, every position, like MLA (CACHE-1)."""
+    return GroupShape(kind="indexer", block_size=block_size)
 
 
 def mamba(
@@ -93,6 +105,10 @@ def _spec(shape: GroupShape, padded: int | None) -> AttentionSpec | MambaSpec:
         return SlidingWindowSpec(**attn, sliding_window=shape.window)  # type: ignore[arg-type]
     if shape.kind == "sw_mla":
         return SlidingWindowMLASpec(**attn, sliding_window=shape.window)  # type: ignore[arg-type]
+    if shape.kind == "cross":
+        return CrossAttentionSpec(**attn)  # type: ignore[arg-type]
+    if shape.kind == "indexer":
+        return IndexerSpec(**{**attn, "head_size": 3, "dtype": "uint8"})  # type: ignore[arg-type]
     if shape.kind == "chunked":
         return ChunkedLocalAttentionSpec(**attn, attention_chunk_size=shape.window)  # type: ignore[arg-type]
     # Mamba-2 keeps one small tensor (the suite's historic shape); GDN a conv and a temporal state.

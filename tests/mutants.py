@@ -24,9 +24,12 @@ import kvspec.spec.parallel as _parallel
 from kvspec import (
     BlockDigests,
     BlockIds,
+    ChunkedLocalAttentionSpec,
     DType,
     EngineDescriptor,
     FailureReason,
+    FullAttentionSpec,
+    IndexerSpec,
     KVCacheConfig,
     PageDigester,
     TransferMode,
@@ -40,7 +43,7 @@ from kvspec.protocol._plan import BlockPairsLike
 from kvspec.protocol._session import ProducerSession
 from kvspec.reference._messages import BlockOffer, Message
 from kvspec.reference._reference import BlockPairs, check_window_coverage, compute_block_pairs
-from kvspec.spec import get_blocks_per_sw, get_exchange_clipped_blocks
+from kvspec.spec import CACHE_KINDS, get_blocks_per_sw, get_exchange_clipped_blocks
 from kvspec.spec.parallel import CanonicalPage, PageOrder, PageTensor, RankCopy, SubBlock
 from kvspec.spec.state import (
     check_state_position,
@@ -54,6 +57,7 @@ from kvspec.transport.loopback import LoopbackBackend
 
 __all__ = [
     "BACKEND_MUTANTS",
+    "CACHE_MUTANTS",
     "CONNECTOR_MUTANTS",
     "DRIVER_MUTANTS",
     "ENDPOINT_MUTANTS",
@@ -1412,6 +1416,130 @@ PARALLEL_MUTANTS: tuple[type[ParallelMutant], ...] = (
     CountsOnlyReadRanks,
     PairsLayersByPosition,
     DcpRanksReadTheSameTokens,
+)
+
+# --------------------------------------------------------------------------- cache accounting mutants (CACHE-1)
+# Each misses one way a cache goes untransferred in the field: at handshake (check_peer) or in the pairs.
+
+
+def _undeclared(descriptor: EngineDescriptor) -> EngineDescriptor:
+    # What a 1.2 peer sends: its groups are the whole set (CACHE-1 compares nothing then).
+    return attrs.evolve(descriptor, caches=None)
+
+
+def _caches_evolved(descriptor: EngineDescriptor, **changes: Any) -> EngineDescriptor:
+    if descriptor.caches is None:
+        return descriptor
+    return attrs.evolve(descriptor, caches=tuple(attrs.evolve(c, **changes) for c in descriptor.caches))
+
+
+class IgnoresCacheDeclarations(ReferenceConnector):
+    """Compares groups only, as HS-1 did before CACHE-1: both sides omitting their draft groups pass (vLLM #54926)."""
+
+    breaks = "CACHE-1"
+    caught_by = ("CACHE-1/draft-groups-omitted",)
+
+    def check_peer(self, producer: EngineDescriptor, consumer: EngineDescriptor) -> None:
+        super().check_peer(_undeclared(producer), _undeclared(consumer))
+
+
+class UnknownKindAsScratch(ReferenceConnector):
+    """Takes a cache kind it does not know for scratch, so an unknown cache declared ephemeral passes."""
+
+    breaks = "CACHE-1"
+    caught_by = ("CACHE-1/unknown-kind-refused",)
+
+    @staticmethod
+    def _known(descriptor: EngineDescriptor) -> EngineDescriptor:
+        if descriptor.caches is None:
+            return descriptor
+        caches = tuple(
+            c if c.kind in CACHE_KINDS else attrs.evolve(c, kind="circular_buffer") for c in descriptor.caches
+        )
+        return attrs.evolve(descriptor, caches=caches)
+
+    def check_peer(self, producer: EngineDescriptor, consumer: EngineDescriptor) -> None:
+        super().check_peer(self._known(producer), self._known(consumer))
+
+
+class AnyCacheEphemeral(ReferenceConnector):
+    """Lets any cache be declared ephemeral, a target's indexer or MLA latent too (ROCm/ATOM #1368)."""
+
+    breaks = "CACHE-1"
+    caught_by = ("CACHE-1/target-cache-not-ephemeral",)
+
+    def check_peer(self, producer: EngineDescriptor, consumer: EngineDescriptor) -> None:
+        # Every cache counted as a draft model's, which the consumer may rebuild.
+        super().check_peer(_caches_evolved(producer, draft=True), _caches_evolved(consumer, draft=True))
+
+
+class OwnAccountingOnly(ReferenceConnector):
+    """Checks each side's declarations alone and never compares them: peers running different models pass."""
+
+    breaks = "CACHE-1"
+    caught_by = ("CACHE-1/cache-sets-differ",)
+
+    def check_peer(self, producer: EngineDescriptor, consumer: EngineDescriptor) -> None:
+        super().check_peer(producer, _undeclared(consumer))
+        super().check_peer(_undeclared(producer), consumer)
+
+
+class SkipsIndexerGroup(ReferenceConnector):
+    """Pairs every group but the sparse-attention indexer's: the load completes, its pages never land (ATOM #1368)."""
+
+    breaks = "CACHE-1"
+    caught_by = ("CACHE-1/every-kind-moves",)
+
+    def pair_block_ids(self, config: KVCacheConfig, **kwargs: Any) -> BlockPairsLike:
+        pairs = super().pair_block_ids(config, **kwargs)
+        skipped = {g for g, group in enumerate(config.kv_cache_groups) if isinstance(group.kv_cache_spec, IndexerSpec)}
+
+        def keep(lists: BlockIds) -> list[list[int]]:
+            return [[] if g in skipped else list(ids) for g, ids in enumerate(lists)]
+
+        return BlockPairs(
+            producer_block_ids=keep(pairs.producer_block_ids), consumer_block_ids=keep(pairs.consumer_block_ids)
+        )
+
+
+def _chunks_as_full(config: KVCacheConfig) -> KVCacheConfig:
+    # Each chunked-local group as a full-attention spec of the same page: what a connector blind to chunks sees.
+    groups = []
+    for group in config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        if isinstance(spec, ChunkedLocalAttentionSpec):
+            full = FullAttentionSpec(
+                block_size=spec.block_size,
+                num_kv_heads=spec.num_kv_heads,
+                head_size=spec.head_size,
+                dtype=spec.dtype,
+                attention_chunk_size=spec.attention_chunk_size,
+            )
+            group = attrs.evolve(group, kv_cache_spec=full)
+        groups.append(group)
+    return attrs.evolve(config, kv_cache_groups=groups)
+
+
+class ChunkedAsFullAttention(ReferenceConnector):
+    """Clips, checks and pairs a chunked-local group as full attention: it wants blocks before the chunk, freed."""
+
+    breaks = "CACHE-1"
+    caught_by = ("CACHE-1/chunk-boundaries",)
+
+    def clip_block_ids(self, config: KVCacheConfig, block_ids: BlockIds) -> BlockIds:
+        return super().clip_block_ids(_chunks_as_full(config), block_ids)
+
+    def pair_block_ids(self, config: KVCacheConfig, **kwargs: Any) -> BlockPairsLike:
+        return super().pair_block_ids(_chunks_as_full(config), **kwargs)
+
+
+CACHE_MUTANTS: tuple[type[ReferenceConnector], ...] = (
+    IgnoresCacheDeclarations,
+    UnknownKindAsScratch,
+    AnyCacheEphemeral,
+    OwnAccountingOnly,
+    SkipsIndexerGroup,
+    ChunkedAsFullAttention,
 )
 
 # Mutant name -> whether the suite rejected it, filled by tests/test_conformance_mutants.py; the summary prints it.

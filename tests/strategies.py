@@ -13,6 +13,7 @@ from kvspec import (
     ChunkedLocalAttentionSpec,
     CrossAttentionSpec,
     FullAttentionSpec,
+    IndexerSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
     KVCacheSpec,
@@ -28,8 +29,8 @@ from kvspec import (
     get_pruned_block_ids,
 )
 
-ADMITTED_KINDS = ("full", "mla", "sw", "sw_mla")
-ALL_KINDS = (*ADMITTED_KINDS, "chunked", "cross", "mamba", "unknown")
+ADMITTED_KINDS = ("full", "mla", "sw", "sw_mla", "chunked", "indexer")
+ALL_KINDS = (*ADMITTED_KINDS, "cross", "mamba", "unknown")
 block_sizes = st.sampled_from([1, 2, 4, 8, 16])
 windows = st.integers(min_value=1, max_value=200)
 
@@ -52,6 +53,8 @@ def specs(draw: st.DrawFn, kind: str, block_size: int | None = None) -> KVCacheS
         return SlidingWindowSpec(**common, sliding_window=draw(windows))
     if kind == "sw_mla":
         return SlidingWindowMLASpec(**common, sliding_window=draw(windows))
+    if kind == "indexer":
+        return IndexerSpec(**{**common, "dtype": "uint8"})
     if kind == "chunked":
         return ChunkedLocalAttentionSpec(**common, attention_chunk_size=draw(st.integers(1, 64)))
     if kind == "cross":

@@ -133,11 +133,24 @@ def test_plan_table_and_write_mode() -> None:
     assert "full_attention" in text
 
 
+def test_plan_works_on_the_chunked_local_and_dsa_presets() -> None:
+    # CACHE-1: Llama 4 Scout's chunked-local groups move the chunk the next token is in (C=8192, B=16): for
+    # T = 20000 that chunk starts at 16384, so blocks 1024 .. 1249; DeepSeek V3.2's indexer is a group of its own.
+    status, text = run("plan", "llama-4-scout", "--tokens", "20000", "--json")
+    assert status == 0, text
+    groups = json.loads(text)["groups"]
+    assert [g["kind"] for g in groups] == ["chunked_local"] * 3 + ["full_attention"]
+    assert [g["blocks_clipped"] for g in groups] == [226, 226, 226, 1250]
+    status, text = run("plan", "deepseek-v3.2", "--tokens", "20000", "--prefix-hit", "1024")
+    assert status == 0, text
+    assert "indexer" in text
+    assert "2.1 KiB" in text  # 16 tokens of 132-byte indexer rows: its own page size, not the MLA latent's
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
         (("plan", "no-such-model", "--tokens", "10"), "ConfigError"),
-        (("plan", "llama-4-scout", "--tokens", "10"), "UnsupportedHybridError"),
         (("plan", "gemma-3-27b", "--tokens", "100", "--prefix-hit", "5"), "BlockAlignmentError"),
     ],
 )

@@ -6,6 +6,7 @@ import pytest
 from kvspec_conformance import ReferenceConnector, Report, run_suite, select_cases
 from mutants import (
     BACKEND_MUTANTS,
+    CACHE_MUTANTS,
     CONNECTOR_MUTANTS,
     DRIVER_MUTANTS,
     ENDPOINT_MUTANTS,
@@ -150,6 +151,26 @@ def test_every_parallel_case_is_proven_by_a_mutant_and_passes_unmutated() -> Non
     assert len(cases) >= 20
     assert sorted(cases - named) == []
     report = run_suite("loopback", rules=sorted(cases))
+    assert report.passed, _failures(report)
+
+
+@pytest.mark.parametrize("mutant", CACHE_MUTANTS, ids=lambda m: m.__name__)
+def test_cache_mutant_fails_its_case(mutant: type[ReferenceConnector]) -> None:
+    """A connector that loses a cache (a draft group, an indexer, an unknown kind, a chunk) fails its CACHE-1 case."""
+    caught_by: tuple[str, ...] = mutant.caught_by  # type: ignore[attr-defined]
+    report = run_suite(LoopbackBackend(), rules=list(caught_by), connector=mutant())
+    SCORE[mutant.__name__] = _rejected(report, "CACHE-1", caught_by)
+    assert SCORE[mutant.__name__], f"expected {caught_by} to fail:\n{_failures(report)}"
+    assert all(r.reproducer for r in report.results if r.is_failure)
+
+
+def test_every_cache_case_is_proven_by_a_mutant_and_passes_unmutated() -> None:
+    """Each CACHE-1 case is named by a mutant that must fail it, #54926's and an unknown kind's among them."""
+    cases = {c.id for c in select_cases(rules=["CACHE-1"])}
+    named = {case_id for m in CACHE_MUTANTS for case_id in m.caught_by}  # type: ignore[attr-defined]
+    assert {"CACHE-1/draft-groups-omitted", "CACHE-1/unknown-kind-refused"} <= cases
+    assert sorted(cases - named) == []
+    report = run_suite("loopback", rules=["CACHE-1"])
     assert report.passed, _failures(report)
 
 

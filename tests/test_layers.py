@@ -35,6 +35,7 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
             {
                 "kvspec.spec",
                 "kvspec.spec.admission",
+                "kvspec.spec.caches",
                 "kvspec.spec.coverage",
                 "kvspec.spec.digest",
                 "kvspec.spec.guard",

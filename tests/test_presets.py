@@ -8,6 +8,7 @@ from kvspec import (
     ChunkedLocalAttentionSpec,
     ConfigError,
     FullAttentionSpec,
+    IndexerSpec,
     MambaSpec,
     MLAAttentionSpec,
     SlidingWindowSpec,
@@ -19,7 +20,7 @@ from kvspec import (
     is_hma_required,
 )
 from kvspec.presets import ModelPreset, get_preset, list_presets
-from kvspec.spec import get_page_byte_ranges
+from kvspec.spec import check_cache_accounting, get_page_byte_ranges
 
 TINY = {"num_blocks": 3, "max_layers_per_group": 2, "head_size_divisor": 64}
 LAYOUTS = ["blocks_first", "layers_first", "per_layer", "shared"]
@@ -123,12 +124,16 @@ def test_mistral_sliding_window_only_is_hybrid() -> None:
     assert get_token_basis_group(config) is None
 
 
-def test_llama4_and_qwen3_next_are_rejected_under_hma() -> None:
+def test_llama4_and_qwen3_next_are_admitted_under_hma() -> None:
     scout = get_preset("llama-4-scout").build_config(**TINY)  # type: ignore[arg-type]
     assert any(isinstance(g.kv_cache_spec, ChunkedLocalAttentionSpec) for g in scout.kv_cache_groups)
-    with pytest.raises(UnsupportedHybridError, match="chunked_local"):
-        check_hybrid_support(scout, mode="read")
+    check_hybrid_support(scout, mode="read")  # chunked local is admitted since CACHE-1
     check_hybrid_support(scout, mode="read", disable_hybrid_kv_cache_manager=True)
+    # Every 4th layer is global (NoPE), the other 36 chunked local, C = 8192: one chunk is 512 blocks of 16.
+    layout = get_preset("llama-4-scout").get_group_layout()
+    assert [len(g) for g in layout] == [12, 12, 12, 12]
+    assert layout[-1] == list(range(3, 48, 4))
+    assert get_blocks_per_sw(scout) == (512, 512, 512, 0)
     qwen = get_preset("qwen3-next-80b").build_config(num_blocks=2, max_layers_per_group=1)
     assert any(isinstance(g.kv_cache_spec, MambaSpec) for g in qwen.kv_cache_groups)
     assert len({g.kv_cache_spec.page_size_bytes for g in qwen.kv_cache_groups}) == 1  # padded to one page
@@ -228,3 +233,20 @@ def test_state_shrinks_with_the_head_size_divisor() -> None:
         small.kv_cache_groups[0].kv_cache_spec.page_size_bytes * 32
         == full.kv_cache_groups[0].kv_cache_spec.page_size_bytes
     )
+
+
+def test_deepseek_v32_keeps_its_indexer_in_a_group_of_its_own() -> None:
+    # CACHE-1: the DSA indexer key cache (132 bytes a token, uint8, one head) is its own group, with its own
+    # page size and the MLA group's block size; both keep every position and are replicated like MLA.
+    config = get_preset("deepseek-v3.2").build_config(num_blocks=2)
+    mla, index = (g.kv_cache_spec for g in config.kv_cache_groups)
+    assert (type(mla), type(index)) == (MLAAttentionSpec, IndexerSpec)
+    assert (mla.page_size_bytes, index.page_size_bytes) == (16 * 576 * 2, 16 * 132)
+    assert mla.block_size == index.block_size == 16
+    assert config.kv_cache_groups[1].layer_names[0] == "model.layers.0.self_attn.indexer.k_cache"
+    assert len(config.kv_cache_groups[1].layer_names) == 61
+    assert get_blocks_per_sw(config) == (0, 0)
+    check_hybrid_support(config, mode="read")
+    check_cache_accounting(config)
+    page = get_preset("deepseek-v3.2").get_canonical_page(index)
+    assert all(block.replicated for tensor in page.tensors for block in tensor.sub_blocks)

@@ -28,6 +28,7 @@ from kvspec import (
     BlockPairs,
     ChunkedLocalAttentionSpec,
     ConfigError,
+    CrossAttentionSpec,
     FullAttentionSpec,
     GroupCountError,
     KVCacheConfig,
@@ -115,7 +116,8 @@ def test_admission_fails_closed(config: KVCacheConfig, mode: TransferMode, read_
     hma = is_hma_required(config, disable_hybrid_kv_cache_manager=flag)
     # State groups are admitted under the hybrid manager and refused without it (ADM-1, STATE-1 .. STATE-5).
     state_refused = flag and any(isinstance(s, MambaSpec) for s in spec_list)
-    refused = hma and any(not isinstance(s, (FullAttentionSpec, SlidingWindowSpec, MambaSpec)) for s in spec_list)
+    admitted = (FullAttentionSpec, SlidingWindowSpec, ChunkedLocalAttentionSpec, MambaSpec)
+    refused = hma and any(not isinstance(s, admitted) for s in spec_list)
     write_refused = hma and read_only and mode is TransferMode.WRITE
     if state_refused or refused or write_refused:
         with pytest.raises(UnsupportedHybridError, match=r"\(ADM-[12]\)") as info:
@@ -126,17 +128,25 @@ def test_admission_fails_closed(config: KVCacheConfig, mode: TransferMode, read_
         check_hybrid_support(config, mode=mode, read_only_hma=read_only, disable_hybrid_kv_cache_manager=flag)
 
 
-def test_chunked_local_is_rejected_naming_group_layers_kind_and_remedy() -> None:
-    # Peer pin: FA + ChunkedLocal(chunk=32) raises (MoRIIO test_non_sliding_window_hybrid_is_rejected).
-    config = config_from_specs([fa(), chunked(32)])
+def test_cross_attention_is_rejected_naming_group_layers_kind_and_remedy() -> None:
+    # Peer pin: a non-window hybrid raises (MoRIIO test_non_sliding_window_hybrid_is_rejected); chunked local,
+    # the kind of that pin, is admitted since CACHE-1, so cross attention stands in for it.
+    config = config_from_specs([fa(), CrossAttentionSpec(block_size=16, num_kv_heads=1, head_size=2, dtype="fp16")])
     with pytest.raises(UnsupportedHybridError, match="group 1") as info:
         check_hybrid_support(config, mode="read")
     message = str(info.value)
     assert "layer.1" in message
-    assert "chunked_local" in message
+    assert "cross_attention" in message
     assert "--disable-hybrid-kv-cache-manager" in message
     assert "layer.0" not in message  # the admitted group is not blamed
     check_hybrid_support(config, mode="read", disable_hybrid_kv_cache_manager=True)
+
+
+def test_chunked_local_is_admitted_under_hma_in_both_modes() -> None:
+    # CACHE-1: the window rules now stop a chunked-local group at its chunk boundary (SW-1, WIN-1).
+    config = config_from_specs([fa(), chunked(32)])
+    for mode in TransferMode:
+        check_hybrid_support(config, mode=mode)
 
 
 def test_mamba_is_admitted_under_hma_and_refused_with_the_flag() -> None:
@@ -176,6 +186,18 @@ def test_blocks_per_sw_formula(config: KVCacheConfig) -> None:
             # The budget always covers the blocks WIN-1 needs, whatever T.
             worst = max(len(get_needed_block_range(spec, num_tokens=t, prefix_hit_tokens=0)) for t in range(0, 300))
             assert worst <= budget
+        elif isinstance(spec, ChunkedLocalAttentionSpec):
+            # A chunk boundary, not a window: the blocks the list's tail must keep, with R = 0 or 1 (CACHE-1).
+            c, b = spec.attention_chunk_size, spec.block_size
+            assert budget == (c + b - math.gcd(c, b) - 1) // b + 1
+            assert budget == c // b or c % b  # exactly C / B when B divides C: no sliding-window + 1
+            tails = [
+                -(-(t + r) // b) - needed.start
+                for t in range(0, 3 * c + 2 * b)
+                for r in (0, 1)
+                if (needed := get_needed_block_range(spec, num_tokens=t, prefix_hit_tokens=0))
+            ]
+            assert max(tails, default=0) <= budget
         else:
             assert budget == 0
 
@@ -191,7 +213,10 @@ def test_blocks_per_sw_pins(window: int, block_size: int, expected: int) -> None
 def test_blocks_per_sw_counts_sw_mla_and_not_mla() -> None:
     swmla = SlidingWindowMLASpec(block_size=16, num_kv_heads=1, head_size=8, dtype="bf16", sliding_window=128)
     mla = MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=8, dtype="bf16")
-    assert get_blocks_per_sw(config_from_specs([mla, swmla, chunked()])) == (0, 9, 0)
+    # Chunked local (C=32, B=16) keeps its chunk's two blocks, not a window's cdiv(32, 16) + 1 = 3 (CACHE-1).
+    assert get_blocks_per_sw(config_from_specs([mla, swmla, chunked()])) == (0, 9, 2)
+    # C=40: chunks start at offsets 0 and 8 of a block; 8 + 39 ends in the third block, never a fourth.
+    assert get_blocks_per_sw(config_from_specs([chunked(40, 16), chunked(8192, 16)])) == (3, 512)
 
 
 # --------------------------------------------------------------------------- CLIP-1
@@ -377,6 +402,8 @@ def _oracle_covered(scenario_config: KVCacheConfig, t: int, h: int, producer: Bl
         b = spec.block_size
         total = -(-t // b)
         start = h if not isinstance(spec, SlidingWindowSpec) else max(h, t - spec.sliding_window + 1)
+        if isinstance(spec, ChunkedLocalAttentionSpec):
+            start = max(h, t - t % spec.attention_chunk_size)  # the token at t attends its own chunk only
         for position in range(start, t):
             logical = position // b
             for ids in (producer[g], consumer[g]):

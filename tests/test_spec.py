@@ -59,7 +59,7 @@ def test_the_import_check_catches_a_spec_module_that_imports_the_planner() -> No
 def definitions() -> dict[str, tuple[str, ...]]:
     """``module.name`` of every public definition in kvspec.spec, with the rule ids its docstring ends with."""
     found: dict[str, tuple[str, ...]] = {}
-    for module in ("admission", "coverage", "offload", "pairing", "parallel", "plan", "window"):
+    for module in ("admission", "caches", "coverage", "offload", "pairing", "parallel", "plan", "window"):
         for node in ast.parse((SPEC_DIR / f"{module}.py").read_text(encoding="utf-8")).body:
             if isinstance(node, ast.FunctionDef) and not node.name.startswith("_"):
                 rules = RULE_IDS.search(ast.get_docstring(node) or "")

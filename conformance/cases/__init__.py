@@ -1,8 +1,9 @@
 """The conformance cases; importing this package registers every case."""
 
-from . import data, exchange, handshake, lifecycle, offload, parallel, peer, positions, stale, state, transport
+from . import caches, data, exchange, handshake, lifecycle, offload, parallel, peer, positions, stale, state, transport
 
 __all__ = [
+    "caches",
     "data",
     "exchange",
     "handshake",

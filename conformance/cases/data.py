@@ -333,11 +333,15 @@ def _hma_mla(ctx: CaseContext) -> None:
 
 @case("ADM-1", "unsupported-kinds-refused-before-setup")
 def _adm_refused(ctx: CaseContext) -> None:
-    """Chunked-local groups and state kinds outside mamba1/mamba2/GDN/KDA are refused before any agent exists."""
-    from ..configs import chunked, mamba
+    """Cross-attention groups and state kinds outside mamba1/mamba2/GDN/KDA are refused before any agent exists.
+
+    Chunked local attention, refused here before CACHE-1, is admitted now: its
+    window stops at a chunk boundary (CACHE-1/chunk-boundaries).
+    """
+    from ..configs import cross, mamba
 
     unknown_state = make_config(full(4), mamba(4, mamba_type="short_conv"))
-    for config in (make_config(full(4), chunked(8, 4)), unknown_state):
+    for config in (make_config(full(4), cross(4)), unknown_state):
         for mode in _modes(ctx):
             result = ctx.run(Scenario(config=config, mode=mode, requests=[Request(request_id="r", num_tokens=9)]))
             if not isinstance(result.refused, UnsupportedHybridError):

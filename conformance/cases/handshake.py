@@ -10,6 +10,7 @@ import attrs
 from kvspec import (
     DTYPE_SIZES,
     PROTOCOL_VERSION,
+    CacheDeclaration,
     Completion,
     EngineDescriptor,
     GroupDescriptor,
@@ -111,6 +112,14 @@ def equal_width_dtype_pairs() -> list[tuple[str, str]]:
     return [(a, b) for a, b in itertools.combinations(sorted(DTYPE_SIZES), 2) if DTYPE_SIZES[a] == DTYPE_SIZES[b]]
 
 
+def _declared_caches(base: EngineDescriptor) -> tuple[CacheDeclaration, ...]:
+    # One declaration per group, each exchanged (CACHE-1).
+    return tuple(
+        CacheDeclaration(name=f"group.{g}", kind=group.kind.value, layer_names=group.layer_names)
+        for g, group in enumerate(base.groups)
+    )
+
+
 def _group_row(index: int, **changes: object) -> EngineDescriptor:
     base = _base_descriptor()
     groups = list(base.groups)
@@ -169,6 +178,8 @@ def field_alone_rows() -> list[Row]:
         ("state profile", attrs.evolve(base, state_profile=StateProfile.PREBUILT), "state_profile"),
         # Protocol 1.3: a layout on one side only is today's layout on both: equal TP, accepted (PAR-9).
         ("parallel layout", attrs.evolve(base, parallel=_layout(base, tp=1, rank=0)), None),
+        # Protocol 1.3: declared caches (CACHE-1). A peer that declares none means its groups: nothing to compare.
+        ("declared caches", attrs.evolve(base, caches=_declared_caches(base)), None),
     ]
     rows = [(name, base, consumer, field) for name, consumer, field in rows]
     for a, b in equal_width_dtype_pairs():

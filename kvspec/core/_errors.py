@@ -12,6 +12,7 @@ __all__ = [
     "AgentRefusedError",
     "BackendUnavailableError",
     "BlockAlignmentError",
+    "CacheAccountingError",
     "ConfigError",
     "FieldError",
     "GroupCountError",
@@ -134,6 +135,14 @@ class IntegrityMismatchError(KVSpecError, ValueError):
         self.request_id = request_id
         self.page = page
         super().__init__(message)
+
+
+class CacheAccountingError(KVSpecError, ValueError):
+    """A cache the model keeps is neither exchanged nor declared ephemeral, or of an unknown kind (CACHE-1).
+
+    The message names each cache (its name, kind and layers) or field, and what
+    was expected.
+    """
 
 
 class IncompatiblePeerError(KVSpecError, ValueError):

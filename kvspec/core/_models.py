@@ -17,11 +17,13 @@ __all__ = [
     "DTYPE_SIZES",
     "AttentionSpec",
     "BlockIds",
+    "CacheDeclaration",
     "ChunkedLocalAttentionSpec",
     "CrossAttentionSpec",
     "DType",
     "FailureReason",
     "FullAttentionSpec",
+    "IndexerSpec",
     "KVCacheConfig",
     "KVCacheGroupSpec",
     "KVCacheSpec",
@@ -50,6 +52,7 @@ class SpecKind(str, enum.Enum):
     SLIDING_WINDOW_MLA = "sliding_window_mla"
     CHUNKED_LOCAL = "chunked_local"
     MAMBA = "mamba"
+    INDEXER = "indexer"
     CROSS_ATTENTION = "cross_attention"
     UNKNOWN = "unknown"
 
@@ -273,8 +276,21 @@ class SlidingWindowMLASpec(SlidingWindowSpec):
 
 
 @attrs.frozen(kw_only=True)
+class IndexerSpec(MLAAttentionSpec):
+    """A sparse-attention indexer's key cache (DeepSeek V3.2, GLM-5): one row per token (CACHE-1).
+
+    vLLM describes it as an MLA spec with one KV head (``DeepseekV32IndexerCache``);
+    kvspec gives it a kind of its own so that it is its own group, with its own
+    page geometry (e.g. 132 bytes a token: 128 fp8 values and one fp32 scale),
+    exchanged like MLA: every position, replicated across ranks (CACHE-1, PAR-1).
+    """
+
+    kind: ClassVar[SpecKind] = SpecKind.INDEXER
+
+
+@attrs.frozen(kw_only=True)
 class ChunkedLocalAttentionSpec(AttentionSpec):
-    """Chunked local attention; not admitted under HMA in v1 (ADM-1)."""
+    """Chunked local attention: the token at p attends ``[C * (p // C), p]`` (CACHE-1, SW-1, WIN-1)."""
 
     kind: ClassVar[SpecKind] = SpecKind.CHUNKED_LOCAL
 
@@ -350,6 +366,46 @@ class MambaSpec(KVCacheSpec):
         return sum(math.prod(shape) * dtype.itemsize for shape, dtype in zip(self.shapes, self.dtypes, strict=True))
 
 
+# --------------------------------------------------------------------------- declared caches
+
+
+def _non_empty_str(inst: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if not isinstance(value, str) or not value:
+        raise _fail(inst, attribute.name, "a non-empty str", value)
+
+
+def _bool(inst: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if not isinstance(value, bool):
+        raise _fail(inst, attribute.name, "a bool", value)
+
+
+@attrs.frozen(kw_only=True)
+class CacheDeclaration:
+    """One cache a model keeps, as the engine declares it: exchanged, or declared ephemeral (CACHE-1).
+
+    ``kind`` is a cache kind name (``kvspec.spec.CACHE_KINDS``); it stays a
+    string here so that a kind this side does not know is refused by the rule,
+    by name, not lost in a decoder. ``layer_names`` are the layers holding it;
+    the cache is exchanged when exchanged groups hold every one of them.
+    ``draft`` marks a draft model's cache (EAGLE, MTP); ``ephemeral`` says the
+    consumer rebuilds it itself, so it never travels.
+    """
+
+    name: str = attrs.field(validator=_non_empty_str)
+    kind: str = attrs.field(validator=_non_empty_str)
+    layer_names: tuple[str, ...] = attrs.field(converter=_str_tuple)
+    draft: bool = attrs.field(default=False, validator=_bool)
+    ephemeral: bool = attrs.field(default=False, validator=_bool)
+
+    @layer_names.validator
+    def _check_layers(self, attribute: attrs.Attribute[Any], value: tuple[object, ...]) -> None:
+        _names_validator(self, attribute, value)
+
+
+def _to_caches(value: Iterable[CacheDeclaration]) -> tuple[CacheDeclaration, ...]:
+    return tuple(value)
+
+
 # --------------------------------------------------------------------------- layout
 
 
@@ -421,6 +477,8 @@ class KVCacheConfig:
     num_blocks: int = attrs.field(validator=_positive_int)
     kv_cache_tensors: tuple[KVCacheTensor, ...] = attrs.field(converter=_to_tensors)
     kv_cache_groups: tuple[KVCacheGroupSpec, ...] = attrs.field(converter=_to_groups)
+    caches: tuple[CacheDeclaration, ...] = attrs.field(default=(), converter=_to_caches)
+    """Every cache the model keeps, each exchanged or declared ephemeral (CACHE-1); empty: the groups alone."""
     _locations: dict[str, LayerLocation] = attrs.field(init=False, repr=False, eq=False, hash=False)
 
     @kv_cache_tensors.validator
@@ -432,6 +490,14 @@ class KVCacheConfig:
     def _check_groups(self, attribute: attrs.Attribute[Any], value: tuple[object, ...]) -> None:
         if not value or not all(isinstance(g, KVCacheGroupSpec) for g in value):
             raise _fail(self, "kv_cache_groups", "a non-empty sequence of KVCacheGroupSpec", value)
+
+    @caches.validator
+    def _check_caches(self, attribute: attrs.Attribute[Any], value: tuple[object, ...]) -> None:
+        if not all(isinstance(c, CacheDeclaration) for c in value):
+            raise _fail(self, "caches", "a sequence of CacheDeclaration", value)
+        names = [c.name for c in value]  # type: ignore[attr-defined]
+        if len(set(names)) != len(names):
+            raise _fail(self, "caches", "distinct cache names", names)
 
     def __attrs_post_init__(self) -> None:
         locations: dict[str, LayerLocation] = {}

@@ -354,6 +354,20 @@ RULES += (
     ),
 )
 
+# Every cache accounted for (docs/spec/caches.md). Definitions in kvspec/spec/caches.py; the handshake checks them
+# (kvspec/protocol/_handshake.py, check_cache_compatibility); the suite cases: conformance/cases/caches.py.
+
+RULES += (
+    Rule(
+        id="CACHE-1",
+        title="Every cache accounted for",
+        level=Level.MUST,
+        summary="Every cache a model keeps (attention, MLA, SW-MLA, chunked-local, indexer, state, draft, scratch) "
+        "is exchanged by its groups or declared ephemeral (draft and scratch only), on both sides, with equal "
+        "declarations; an unknown kind is refused naming the field and the known kinds.",
+    ),
+)
+
 _BY_ID = {rule.id: rule for rule in RULES}
 
 

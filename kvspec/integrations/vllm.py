@@ -37,6 +37,7 @@ from kvspec.core._models import (
     CrossAttentionSpec,
     DType,
     FullAttentionSpec,
+    IndexerSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
     KVCacheSpec,
@@ -193,12 +194,15 @@ _SPEC_NAMES: dict[type[KVCacheSpec], str] = {
     ChunkedLocalAttentionSpec: "ChunkedLocalAttentionSpec",
     CrossAttentionSpec: "CrossAttentionSpec",
     MambaSpec: "MambaSpec",
+    # vLLM describes a DSA indexer's key cache as an MLA spec (DeepseekV32IndexerCache); read back, it is MLA.
+    IndexerSpec: "MLAAttentionSpec",
 }
-_KVSPEC_BY_NAME = {name: cls for cls, name in _SPEC_NAMES.items()}
+_KVSPEC_BY_NAME = {name: cls for cls, name in _SPEC_NAMES.items() if cls is not IndexerSpec}
 _ATTENTION_FIELDS = ("block_size", "num_kv_heads", "head_size", "page_size_padded")
 _EXTRA_FIELDS: dict[type[KVCacheSpec], tuple[str, ...]] = {
     FullAttentionSpec: ("sliding_window", "attention_chunk_size"),
     MLAAttentionSpec: ("sliding_window", "attention_chunk_size"),
+    IndexerSpec: ("sliding_window", "attention_chunk_size"),
     SlidingWindowSpec: ("sliding_window",),
     SlidingWindowMLASpec: ("sliding_window",),
     ChunkedLocalAttentionSpec: ("attention_chunk_size",),

@@ -10,11 +10,12 @@ mismatch never surfaces mid-transfer.
 from __future__ import annotations
 
 from kvspec.core._deprecation import keyword_only
-from kvspec.core._errors import ConfigError, IncompatiblePeerError
+from kvspec.core._errors import CacheAccountingError, ConfigError, IncompatiblePeerError
 from kvspec.reference._messages import EngineDescriptor, GroupDescriptor
+from kvspec.spec.caches import GroupKey, get_cache_differences, get_cache_problems
 from kvspec.spec.parallel import get_layout_mismatch
 
-__all__ = ["GROUP_FIELDS", "RANK_FIELDS", "check_compatibility", "get_differences"]
+__all__ = ["GROUP_FIELDS", "RANK_FIELDS", "check_cache_compatibility", "check_compatibility", "get_differences"]
 
 GROUP_FIELDS: tuple[str, ...] = (
     "kind",
@@ -98,8 +99,41 @@ def check_compatibility(*, producer: EngineDescriptor, consumer: EngineDescripto
     state profile (STATE-1). When both descriptors carry a parallel layout
     (protocol 1.3), the TP sizes may differ: the layouts must compose
     (:func:`kvspec.spec.parallel.get_layout_mismatch`), and with unequal TP
-    the per-rank fields (:data:`RANK_FIELDS`) are not compared (PAR-9).
+    the per-rank fields (:data:`RANK_FIELDS`) are not compared (PAR-9). Then every
+    declared cache is accounted for and
+    both sides declare the same caches (:func:`check_cache_compatibility`,
+    CACHE-1).
     """
     diffs = get_differences(producer, consumer)
+    if diffs:
+        raise IncompatiblePeerError(diffs)
+    check_cache_compatibility(producer=producer, consumer=consumer)
+
+
+def _group_keys(descriptor: EngineDescriptor) -> tuple[GroupKey, ...]:
+    return tuple((group.kind.value, group.layer_names) for group in descriptor.groups)
+
+
+def check_cache_compatibility(*, producer: EngineDescriptor, consumer: EngineDescriptor) -> None:
+    """Each side's declared caches accounted for, and both sides' cache sets equal (CACHE-1, HS-1).
+
+    A side that declares its caches (protocol 1.3) has each exchanged by its
+    groups or declared ephemeral, of a known kind, else
+    :class:`kvspec.CacheAccountingError` naming the side and the cache. When
+    both sides declare, the sets must be equal cache by cache (name, kind,
+    layers, draft, ephemeral), else :class:`kvspec.IncompatiblePeerError`
+    naming each cache. A side without declarations (a 1.2 peer) means its
+    groups are the whole set: HS-1's group comparison is all there is.
+    """
+    for role, side in (("producer", producer), ("consumer", consumer)):
+        if side.caches is None:
+            continue
+        problems = get_cache_problems(side.caches, _group_keys(side))
+        if problems:
+            listed = "; ".join(f"{where}: {what}" for where, what in problems.items())
+            raise CacheAccountingError(f"{role}: every cache is exchanged or declared ephemeral (CACHE-1): {listed}")
+    if producer.caches is None or consumer.caches is None:
+        return
+    diffs = get_cache_differences({c.name: c for c in producer.caches}, {c.name: c for c in consumer.caches})
     if diffs:
         raise IncompatiblePeerError(diffs)

@@ -43,6 +43,7 @@ from kvspec.core._models import (
     NULL_BLOCK_ID,
     AttentionSpec,
     BlockIds,
+    CacheDeclaration,
     KVCacheConfig,
     KVCacheGroupSpec,
     MambaSpec,
@@ -363,6 +364,11 @@ class GroupDescriptor:
         )
 
 
+def _optional_caches(inst: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if value is not None and (not isinstance(value, tuple) or not all(isinstance(c, CacheDeclaration) for c in value)):
+        raise FieldError(type(inst), attribute.name, "None or a tuple of CacheDeclaration", value)
+
+
 def _groups(inst: object, attribute: attrs.Attribute[Any], value: object) -> None:
     if not isinstance(value, tuple) or not value or not all(isinstance(g, GroupDescriptor) for g in value):
         raise FieldError(type(inst), attribute.name, "a non-empty tuple of GroupDescriptor", value)
@@ -382,6 +388,9 @@ class EngineDescriptor:
     ``parallel`` (protocol 1.3) is this rank's parallel layout; ``None`` (a
     1.2 peer, or an engine that does not say) means today's layout, which
     pairs with equal TP sizes only (PAR-9).
+    ``caches`` (protocol 1.3) is every cache the model keeps, each exchanged or
+    declared ephemeral (CACHE-1); ``None`` (a 1.2 peer, or nothing declared)
+    means the groups are the whole set.
     """
 
     protocol_version: tuple[int, int] = attrs.field(default=PROTOCOL_VERSION, converter=_to_tuple, validator=_version)
@@ -395,6 +404,10 @@ class EngineDescriptor:
     state_profile: StateProfile | None = attrs.field(default=None, validator=_optional_profile)
     digest_algorithms: tuple[str, ...] = attrs.field(default=(), converter=_to_tuple, validator=_algorithm_names)
     parallel: ParallelLayout | None = attrs.field(default=None, validator=_optional_parallel)
+
+    caches: tuple[CacheDeclaration, ...] | None = attrs.field(
+        default=None, converter=_to_tuple, validator=_optional_caches
+    )
 
     def __attrs_post_init__(self) -> None:
         layout = self.parallel
@@ -449,6 +462,7 @@ class EngineDescriptor:
             if digest_algorithms is None
             else tuple(digest_algorithms),
             parallel=parallel,
+            caches=config.caches or None,  # CACHE-1: protocol 1.3
         )
 
 

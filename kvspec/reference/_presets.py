@@ -14,6 +14,7 @@ from kvspec.core._models import (
     ChunkedLocalAttentionSpec,
     DType,
     FullAttentionSpec,
+    IndexerSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
     KVCacheSpec,
@@ -41,7 +42,8 @@ Layout = Literal["blocks_first", "layers_first", "per_layer", "shared"]
 - ``per_layer``: one tensor per layer (vLLM's classic per-layer KV tensors).
 - ``shared``: vLLM's hybrid allocation: tensor ``i`` is shared by the ``i``-th
   layer of every group, all at the same bytes. Sound only because one block id
-  belongs to one group at a time; needs one page size for every group.
+  belongs to one group at a time; a block's slot holds the largest page (one
+  page size for every group, but a DSA indexer's smaller page).
 """
 
 _LAYOUTS: tuple[str, ...] = ("blocks_first", "layers_first", "per_layer", "shared")
@@ -51,8 +53,11 @@ _MAMBA_BLOCK_ALIGNMENT = 16
 
 
 def _layer_name(index: int, spec: KVCacheSpec) -> str:
-    # vLLM's attention layer names; linear-attention (Mamba-like) layers have their own module.
+    # vLLM's attention layer names; linear-attention (Mamba-like) layers have their own module, and a DSA
+    # indexer's key cache is the indexer's `k_cache` (DeepseekV32IndexerCache's prefix).
     module = "linear_attn" if isinstance(spec, MambaSpec) else "self_attn.attn"
+    if isinstance(spec, IndexerSpec):
+        module = "self_attn.indexer.k_cache"
     return f"model.layers.{index}.{module}"
 
 
@@ -85,6 +90,8 @@ class ModelPreset:
 
     Every state layer of a preset has one kind, so one list serves them all.
     """
+    specs_per_layer: int = 1
+    """Entries of ``layer_specs`` per decoder layer, for layer names: 2 where each layer keeps two caches (DSA)."""
 
     @property
     def num_layers(self) -> int:
@@ -139,7 +146,7 @@ class ModelPreset:
         specs = _unify_page_sizes(specs, block_size)
         groups = [
             KVCacheGroupSpec(
-                layer_names=[_layer_name(i, specs[i]) for i in indices[:max_layers_per_group]],
+                layer_names=[_layer_name(i // self.specs_per_layer, specs[i]) for i in indices[:max_layers_per_group]],
                 kv_cache_spec=specs[indices[0]],
             )
             for indices in _group_layers(specs)
@@ -159,7 +166,10 @@ def _retarget(
     new_dtype = DType.from_name(dtype) if isinstance(dtype, str) else dtype
     out: list[KVCacheSpec] = []
     for spec in specs:
-        if isinstance(spec, AttentionSpec):
+        if isinstance(spec, IndexerSpec):
+            # An indexer row is a packed byte layout (fp8 values and their scales): no KV dtype applies to it.
+            out.append(attrs.evolve(spec, block_size=block_size, head_size=max(1, spec.head_size // divisor)))
+        elif isinstance(spec, AttentionSpec):
             head_size = max(1, spec.head_size // divisor)
             out.append(attrs.evolve(spec, block_size=block_size, head_size=head_size, dtype=new_dtype or spec.dtype))
         elif isinstance(spec, MambaSpec):
@@ -202,9 +212,14 @@ def _unify_page_sizes(specs: list[KVCacheSpec], block_size: int) -> list[KVCache
             else attrs.evolve(s, block_size=attn_block)
             for s in specs
         ]
-    largest = max(s.page_size_bytes for s in specs)
+    # vLLM keeps a DSA indexer in its MLA layer's group with that group's block size and its own page size
+    # (UniformTypeKVCacheSpecs); kvspec gives it a group of its own (CACHE-1), so it stays out of the unifying.
+    largest = max(s.page_size_bytes for s in specs if not isinstance(s, IndexerSpec))
     out: list[KVCacheSpec] = []
     for s in specs:
+        if isinstance(s, IndexerSpec):
+            out.append(s)
+            continue
         if largest % s.page_size_bytes:
             raise ConfigError(f"ModelPreset: page size {s.page_size_bytes} does not divide {largest}")
         out.append(attrs.evolve(s, block_size=block_size * (largest // s.page_size_bytes)))
@@ -270,10 +285,9 @@ def _per_layer(groups: Sequence[KVCacheGroupSpec], num_blocks: int) -> list[KVCa
 
 
 def _shared(groups: Sequence[KVCacheGroupSpec], num_blocks: int) -> list[KVCacheTensor]:
-    pages = {g.kv_cache_spec.page_size_bytes for g in groups}
-    if len(pages) != 1:
-        raise ConfigError(f"ModelPreset.build_config.layout: 'shared' needs one page size, got {sorted(pages)}")
-    page = pages.pop()
+    # Page sizes are unified before this, but for a DSA indexer (its own page size, CACHE-1): a slot holds the
+    # largest page and a smaller page fills its start, so the groups still share one block id space.
+    page = max(g.kv_cache_spec.page_size_bytes for g in groups)
     width = max(len(g.layer_names) for g in groups)
     return [
         KVCacheTensor(
@@ -415,7 +429,36 @@ _LLAMA4_SCOUT = ModelPreset(
         ),
         _full(8, 128),
     ),
-    description="36 chunked-local (C=8192) + 12 full-attention layers: rejected under HMA (ADM-1).",
+    description="36 chunked-local (C=8192) + 12 full-attention layers: 3 chunked-local groups, then 1 FA group; "
+    "each chunked-local group keeps 512 blocks, one chunk (SW-1, CACHE-1).",
+)
+
+# vLLM's DSA indexer key cache: 128 fp8 values and one fp32 scale per 128 values = 132 bytes a token, one head
+# (deepseek_v2.py, Indexer: head_dim + head_dim // quant_block_size * 4, dtype uint8).
+_DSA_INDEXER_ROW = 128 + 128 // 128 * 4
+
+_DEEPSEEK_V32 = ModelPreset(
+    hf_id="deepseek-ai/DeepSeek-V3.2-Exp",
+    alias="deepseek-v3.2",
+    source=(
+        "https://huggingface.co/deepseek-ai/DeepSeek-V3.2-Exp/blob/main/config.json (num_hidden_layers 61, "
+        "kv_lora_rank 512 + qk_rope_head_dim 64 = one 576-wide latent per token, bfloat16; index_head_dim 128, "
+        "index_n_heads 64, index_topk 2048). The indexer's key cache is vLLM's DeepseekV32IndexerCache: "
+        "MLAAttentionSpec(num_kv_heads=1, head_size=128 + 128 // 128 * 4 = 132, dtype uint8) per layer "
+        "(vllm/model_executor/models/deepseek_v2.py, Indexer). index_topk only selects which positions a query "
+        "reads: the cache keeps every position. The MTP layer (num_nextn_predict_layers 1) is left out."
+    ),
+    layer_specs=[
+        spec
+        for _ in range(61)
+        for spec in (
+            MLAAttentionSpec(block_size=_B, num_kv_heads=1, head_size=576, dtype="bfloat16"),
+            IndexerSpec(block_size=_B, num_kv_heads=1, head_size=_DSA_INDEXER_ROW, dtype="uint8"),
+        )
+    ],
+    specs_per_layer=2,
+    description="61 MLA layers, each with a sparse-attention indexer key cache (132 bytes a token): 1 MLA group, "
+    "then 1 indexer group with its own page size; both every position, replicated across ranks (CACHE-1).",
 )
 
 
@@ -627,6 +670,7 @@ _PRESETS: tuple[ModelPreset, ...] = (
     _MISTRAL_7B,
     _DEEPSEEK_V2_LITE,
     _LLAMA4_SCOUT,
+    _DEEPSEEK_V32,
     _QWEN3_NEXT,
     _MAMBA_130M,
     _FALCON_H1_05B,

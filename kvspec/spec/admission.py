@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from kvspec.core._errors import ConfigError, UnsupportedHybridError, format_values
 from kvspec.core._models import (
+    ChunkedLocalAttentionSpec,
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
@@ -52,8 +53,9 @@ def check_hybrid_support(
     STATE-5. Still refused: a state kind outside those, state with
     ``--disable-hybrid-kv-cache-manager`` (vLLM then has no per-group state
     table) and state under pipeline parallelism (vLLM's NIXL refuses it). With
-    HMA required, every other group must be full attention (incl. MLA) or
-    sliding window (incl. SW-MLA). ``read_only_hma=True`` is a connector that
+    HMA required, every other group must be full attention (incl. MLA and
+    sparse-attention indexers), sliding window (incl. SW-MLA) or chunked local
+    (CACHE-1). ``read_only_hma=True`` is a connector that
     supports HMA only in READ mode (MoRIIO's policy): WRITE with HMA is
     refused (ADM-1, ADM-2).
     """
@@ -93,12 +95,14 @@ def check_hybrid_support(
     if not is_hma_required(config, disable_hybrid_kv_cache_manager=disable_hybrid_kv_cache_manager):
         return
     # Under HMA only kinds whose blocks the window or state rules cover are exchanged; the rest fail closed (ADM-1).
-    admitted = (FullAttentionSpec, SlidingWindowSpec, MambaSpec)
+    # Chunked local attention is admitted since CACHE-1: its budget and needed positions stop at a chunk boundary.
+    admitted = (FullAttentionSpec, SlidingWindowSpec, ChunkedLocalAttentionSpec, MambaSpec)
     refused = [_describe(g, group) for g, group in groups if not isinstance(group.kv_cache_spec, admitted)]
     if refused:
         raise UnsupportedHybridError(
-            "under the hybrid KV-cache manager only full-attention (incl. MLA), sliding-window (incl. SW-MLA) "
-            f"and state (Mamba, GDN, KDA) groups are exchanged (ADM-1); unsupported: {'; '.join(refused)}. "
+            "under the hybrid KV-cache manager only full-attention (incl. MLA and indexers), sliding-window "
+            "(incl. SW-MLA), chunked-local and state (Mamba, GDN, KDA) groups are exchanged (ADM-1); "
+            f"unsupported: {'; '.join(refused)}. "
             f"Pass {HMA_FLAG} to run without HMA."
         )
     # A READ-only connector (MoRIIO's policy) refuses WRITE under HMA (ADM-2).

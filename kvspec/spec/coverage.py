@@ -35,11 +35,18 @@ def get_logical_block_count(spec: KVCacheSpec, *, num_tokens: int) -> int:
 
 
 def get_needed_token_range(spec: KVCacheSpec, *, num_tokens: int, prefix_hit_tokens: int) -> range:
-    """Positions C needs from P: ``[H, T-1]``, or ``[max(H, T-W+1), T-1]`` for sliding window (WIN-1)."""
+    """Positions C needs from P: ``[H, T-1]``, from ``max(H, T-W+1)`` for a window, ``max(H, C*(T//C))`` for a chunk.
+
+    (WIN-1)
+    """
     start = prefix_hit_tokens
     if isinstance(spec, SlidingWindowSpec):
         # The token at position T attends [T-W+1, T]; T itself is computed by C (WIN-1).
         start = max(start, num_tokens - spec.sliding_window + 1)
+    if isinstance(spec, ChunkedLocalAttentionSpec):
+        # The token at T attends its own chunk only, from its chunk boundary C*(T//C) (WIN-1, CACHE-1).
+        chunk = spec.attention_chunk_size
+        start = max(start, (num_tokens // chunk) * chunk)
     return range(start, max(start, num_tokens))
 
 

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from typing import TypeAlias
 
 import attrs
 
 from kvspec.core._errors import ConfigError, GroupCountError
-from kvspec.core._models import BlockIds, KVCacheConfig, KVCacheSpec, SlidingWindowSpec
+from kvspec.core._models import BlockIds, ChunkedLocalAttentionSpec, KVCacheConfig, KVCacheSpec, SlidingWindowSpec
 from kvspec.spec.admission import is_full_attention_spec
 
 __all__ = [
@@ -16,6 +17,7 @@ __all__ = [
     "TokenBasis",
     "get_block_budget",
     "get_blocks_per_sw",
+    "get_chunk_budget",
     "get_exchange_clipped_blocks",
     "get_token_basis_group",
 ]
@@ -24,11 +26,30 @@ BlockIdsLike: TypeAlias = "BlockIds | Sequence[Sequence[int]]"
 """A :class:`BlockIds` or plain nested sequences such as vLLM's ``tuple[list[int], ...]``."""
 
 
+def get_chunk_budget(spec: ChunkedLocalAttentionSpec) -> int:
+    """Blocks one attention chunk of C tokens can touch: ``(C + B - gcd(C, B) - 1) // B + 1`` (SW-1, CACHE-1).
+
+    A chunk starts at a multiple of C, so its offset inside a block is a
+    multiple of ``g = gcd(C, B)``, at most ``B - g``; from there its C tokens
+    touch that many blocks: ``C / B`` when B divides C, never the sliding
+    window's ``+ 1`` (SW-1, CACHE-1).
+    """
+    g = math.gcd(spec.attention_chunk_size, spec.block_size)
+    return (spec.attention_chunk_size + spec.block_size - g - 1) // spec.block_size + 1
+
+
 def get_block_budget(spec: KVCacheSpec) -> int:
-    """One group's budget: ``cdiv(W, B) + 1`` for a sliding window, 0 (no budget) otherwise (SW-1)."""
+    """One group's budget: ``cdiv(W, B) + 1`` for a sliding window, a chunk's blocks for chunked local, else 0 (SW-1).
+
+    Chunked local attention keeps the blocks of the chunk the next token is in:
+    its budget is :func:`get_chunk_budget` (SW-1, CACHE-1).
+    """
     if isinstance(spec, SlidingWindowSpec):
         # +1: a window that does not start on a block boundary touches one more block (SW-1).
         return -(-spec.sliding_window // spec.block_size) + 1
+    if isinstance(spec, ChunkedLocalAttentionSpec):
+        # A chunk boundary, not a window: the chunk starts on a multiple of C (SW-1, CACHE-1).
+        return get_chunk_budget(spec)
     return 0
 
 

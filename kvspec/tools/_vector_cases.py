@@ -23,10 +23,12 @@ import attrs
 from kvspec.core._errors import ConfigError
 from kvspec.core._models import (
     BlockIds,
+    CacheDeclaration,
     ChunkedLocalAttentionSpec,
     CrossAttentionSpec,
     FailureReason,
     FullAttentionSpec,
+    IndexerSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
     KVCacheSpec,
@@ -177,6 +179,12 @@ def _full(block_size: int = 16, **kw: Any) -> FullAttentionSpec:
     return FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=4, dtype="float16", **kw)
 
 
+def _chunked(chunk: int, block_size: int = 16) -> ChunkedLocalAttentionSpec:
+    return ChunkedLocalAttentionSpec(
+        block_size=block_size, num_kv_heads=1, head_size=4, dtype="float16", attention_chunk_size=chunk
+    )
+
+
 def _sw(window: int, block_size: int = 16) -> SlidingWindowSpec:
     return SlidingWindowSpec(block_size=block_size, num_kv_heads=1, head_size=4, dtype="float16", sliding_window=window)
 
@@ -202,7 +210,7 @@ def _config(
     return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=tensors, kv_cache_groups=groups)
 
 
-_KINDS = ("full", "mla", "sw", "sw_mla", "chunked", "cross", "mamba", "unknown")
+_KINDS = ("full", "mla", "sw", "sw_mla", "chunked", "indexer", "cross", "mamba", "unknown")
 
 
 def _rand_spec(rng: random.Random, kinds: Sequence[str] = ("full", "sw")) -> KVCacheSpec:
@@ -225,6 +233,8 @@ def _rand_spec(rng: random.Random, kinds: Sequence[str] = ("full", "sw")) -> KVC
         return SlidingWindowMLASpec(**common, sliding_window=window)
     if kind == "chunked":
         return ChunkedLocalAttentionSpec(**common, attention_chunk_size=window)
+    if kind == "indexer":
+        return IndexerSpec(**{**common, "num_kv_heads": 1, "dtype": "uint8"})
     if kind == "cross":
         return CrossAttentionSpec(**common)
     if kind == "mamba":
@@ -415,6 +425,15 @@ def _sw1_pins() -> list[Case]:
             description="each group with its own block size; full attention 0",
         )
     )
+    for chunk, block, budget in ((8192, 16, 512), (32, 16, 2), (40, 16, 3), (24, 16, 3), (7, 4, 3)):
+        cases.append(
+            Case(
+                name=f"with_chunked_local_c{chunk}_b{block}",
+                inputs={"config": _config([_full(block), _chunked(chunk, block)], num_blocks=4)},
+                description=f"CACHE-1: a chunk's blocks, (C + B - gcd(C, B) - 1) // B + 1 = {budget}; "
+                "never a window's cdiv(C, B) + 1",
+            )
+        )
     return cases
 
 
@@ -840,6 +859,36 @@ def _hs_parallel_pins() -> list[Case]:
             _ranked(4, 0),
             "a 1.2 peer sends no layout: equal TP only, as before",
         ),
+    ]
+
+
+def _cache1_pins() -> list[Case]:
+    """CACHE-1 at handshake: declared caches exchanged or ephemeral, equal on both sides, kinds known."""
+    config = _config([_sw(32), _full()], num_blocks=32)
+    target = tuple(
+        CacheDeclaration(name=f"target.{g}", kind=group.kv_cache_spec.kind.value, layer_names=group.layer_names)
+        for g, group in enumerate(config.kv_cache_groups)
+    )
+    mtp = CacheDeclaration(name="mtp", kind="full_attention", layer_names=("mtp.0",), draft=True)
+    ring = CacheDeclaration(name="ring", kind="circular_buffer", layer_names=("ring.0",), ephemeral=True)
+    indexer = CacheDeclaration(name="indexer", kind="indexer", layer_names=("indexer.0",), ephemeral=True)
+    unknown = CacheDeclaration(name="c", kind="compressed_state", layer_names=("c.0",), draft=True, ephemeral=True)
+
+    def declared(*extra: CacheDeclaration) -> EngineDescriptor:
+        return _descriptor(config, caches=(*target, *extra))
+
+    def case(name: str, producer: EngineDescriptor, consumer: EngineDescriptor, description: str) -> Case:
+        consumer = attrs.evolve(consumer, engine_id="C")
+        return Case(name=name, inputs={"producer": producer, "consumer": consumer}, description=description)
+
+    ephemeral_mtp = attrs.evolve(mtp, ephemeral=True)
+    return [
+        case("accounted", declared(ephemeral_mtp, ring), declared(ephemeral_mtp, ring), "draft and scratch ephemeral"),
+        case("draft_groups_omitted", declared(mtp), declared(mtp), "vLLM #54926: equal groups, the draft unaccounted"),
+        case("unknown_kind", declared(unknown), declared(unknown), "refused by name, even declared ephemeral"),
+        case("target_declared_ephemeral", declared(indexer), declared(indexer), "ROCm/ATOM #1368: an indexer"),
+        case("sets_differ", declared(ephemeral_mtp), declared(ring), "each side accounted, the sets differ"),
+        case("older_peer", declared(ephemeral_mtp), _descriptor(config), "a 1.2 peer: its groups are its set"),
     ]
 
 
@@ -2021,6 +2070,7 @@ CASE_SETS: tuple[CaseSet, ...] = (
     CaseSet(rule="TOK-1", fn=TransferParams.from_kv_transfer_params, pinned=_tok_dict_pins),
     CaseSet(rule="TOK-1", fn=TransferParams.to_kv_transfer_params, pinned=_tok_to_dict_pins),
     CaseSet(rule="HS-1", fn=check_compatibility, pinned=_hs_pins, generate=_gen_hs),
+    CaseSet(rule="CACHE-1", fn=check_compatibility, pinned=_cache1_pins),
     CaseSet(rule="VER-1", fn=encode, pinned=_encode_pins, generate=_gen_encode),
     CaseSet(rule="VER-1", fn=decode, pinned=_decode_pins, generate=_gen_decode),
     CaseSet(rule="INT-1", fn=encode, pinned=_int1_encode_pins),

@@ -34,11 +34,13 @@ import attrs
 from kvspec.core._errors import ConfigError, IncompatiblePeerError, KVSpecError, MalformedMessageError
 from kvspec.core._models import (
     BlockIds,
+    CacheDeclaration,
     ChunkedLocalAttentionSpec,
     CrossAttentionSpec,
     DType,
     FailureReason,
     FullAttentionSpec,
+    IndexerSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
     KVCacheSpec,
@@ -227,7 +229,16 @@ def _store_set_to_json(store: Any) -> Json:
     }
 
 
+def _config_to_json(config: KVCacheConfig) -> Json:
+    # A config's declared caches (CACHE-1) appear only when it declares some: older vectors stay as they were.
+    body = _fields(config)
+    if not config.caches:
+        del body["caches"]
+    return body
+
+
 _SPECIAL: Mapping[type, Callable[[Any], Json]] = {
+    KVCacheConfig: _config_to_json,
     TransferPlan: _plan_to_json,
     Output: _output_to_json,
     OffloadKey: _key_to_json,
@@ -262,6 +273,7 @@ _SPEC_CLASSES: Mapping[SpecKind, type[KVCacheSpec]] = {
     SpecKind.SLIDING_WINDOW: SlidingWindowSpec,
     SpecKind.SLIDING_WINDOW_MLA: SlidingWindowMLASpec,
     SpecKind.CHUNKED_LOCAL: ChunkedLocalAttentionSpec,
+    SpecKind.INDEXER: IndexerSpec,
     SpecKind.CROSS_ATTENTION: CrossAttentionSpec,
     SpecKind.MAMBA: MambaSpec,
     SpecKind.UNKNOWN: KVCacheSpec,
@@ -295,6 +307,7 @@ def decode_config(data: Json) -> KVCacheConfig:
             KVCacheGroupSpec(layer_names=g["layer_names"], kv_cache_spec=decode_spec(g["kv_cache_spec"]))
             for g in body["kv_cache_groups"]
         ],
+        caches=[CacheDeclaration(**_object(c, "cache")) for c in body.get("caches", [])],
     )
 
 
@@ -1002,6 +1015,22 @@ _DEFS: dict[str, Json] = {
                     "required": ["layer_names", "kv_cache_spec"],
                     "additionalProperties": False,
                 },
+            },
+            "caches": {
+                "type": "array",
+                "items": {
+                    "type": "object",
+                    "properties": {
+                        "name": {"type": "string"},
+                        "kind": {"type": "string"},
+                        "layer_names": {"type": "array", "items": {"type": "string"}},
+                        "draft": {"type": "boolean"},
+                        "ephemeral": {"type": "boolean"},
+                    },
+                    "required": ["name", "kind", "layer_names", "draft", "ephemeral"],
+                    "additionalProperties": False,
+                },
+                "description": "CACHE-1 (protocol 1.3): every cache the model keeps; absent: the groups alone",
             },
         },
         "required": ["num_blocks", "kv_cache_tensors", "kv_cache_groups"],
