@@ -36,6 +36,7 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
                 "kvspec.spec",
                 "kvspec.spec.admission",
                 "kvspec.spec.coverage",
+                "kvspec.spec.lifecycle",
                 "kvspec.spec.offload",
                 "kvspec.spec.pairing",
                 "kvspec.spec.parallel",

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import enum
 import math
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TypeAlias, TypeVar
@@ -49,6 +48,7 @@ from kvspec.core._models import (
     SpecKind,
 )
 from kvspec.reference._integrity import DIGEST_HEX_LENGTH, BlockDigests, is_block_digest
+from kvspec.spec.lifecycle import ReleaseOutcome
 
 __all__ = [
     "PROTOCOL_VERSION",
@@ -79,15 +79,6 @@ model with state groups (STATE-1, STATE-5).
 
 TransportData: TypeAlias = Mapping[str, str | int] | bytes
 """The transport's own addressing data: named values (host, port...) or opaque bytes."""
-
-
-class ReleaseOutcome(str, enum.Enum):
-    """How the consumer's request ended; carried by its one :class:`Release` (REL-1)."""
-
-    LOADED = "loaded"
-    PREFIX_HIT = "prefix_hit"
-    FAILED = "failed"
-    ABORTED = "aborted"
 
 
 # --------------------------------------------------------------------------- validators
