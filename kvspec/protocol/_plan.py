@@ -13,8 +13,8 @@ import attrs
 from kvspec.core._descriptors import DescriptorList
 from kvspec.core._enums import TransferMode
 from kvspec.core._errors import PlanError
-from kvspec.core._models import NULL_BLOCK_ID, KVCacheConfig
-from kvspec.spec.plan import BlockPairsLike, PageCopy, get_page_byte_ranges
+from kvspec.core._models import KVCacheConfig
+from kvspec.spec.plan import BlockPairsLike, PageCopy, _check_configs, compute_page_copies, get_page_byte_ranges
 
 __all__ = [
     "BlockPairsLike",
@@ -154,57 +154,7 @@ class TransferPlan:
         raise PlanError(f"to_descriptors: expected a TransferMode, got {mode!r}")
 
 
-# --------------------------------------------------------------------------- checks
-
-
-def _check_block_id(config: KVCacheConfig, role: str, group: int, position: int, block_id: int) -> None:
-    # A peer's parameters must never steer a copy outside the pool (PLAN-1), nor touch the null block (NULL-1).
-    if block_id == NULL_BLOCK_ID:
-        raise PlanError(
-            f"{role} group {group} position {position}: null block id {NULL_BLOCK_ID} in a pair; "
-            "compute_block_pairs drops null pairs (NULL-1)"
-        )
-    if not 0 < block_id < config.num_blocks:
-        raise PlanError(
-            f"{role} group {group} position {position}: block id {block_id} outside [1, {config.num_blocks - 1}]"
-        )
-
-
-def _check_groups(producer_config: KVCacheConfig, consumer_config: KVCacheConfig, pairs: BlockPairsLike) -> None:
-    producer_ids, consumer_ids = pairs.producer_block_ids, pairs.consumer_block_ids
-    if len(producer_ids) != len(consumer_ids):
-        raise PlanError(f"pairs: producer has {len(producer_ids)} groups, consumer {len(consumer_ids)}")
-    if len(producer_ids) not in (0, producer_config.num_groups):
-        raise PlanError(f"pairs: expected 0 or {producer_config.num_groups} groups, got {len(producer_ids)}")
-    if producer_config.num_groups != consumer_config.num_groups:
-        raise PlanError(
-            f"configs: producer has {producer_config.num_groups} groups, consumer {consumer_config.num_groups} (HS-1)"
-        )
-
-
-def _check_group_layout(producer_config: KVCacheConfig, consumer_config: KVCacheConfig, group: int) -> int:
-    producer_group = producer_config.kv_cache_groups[group]
-    consumer_group = consumer_config.kv_cache_groups[group]
-    # Layers pair by name; the handshake already refuses different lists (HS-1).
-    if producer_group.layer_names != consumer_group.layer_names:
-        raise PlanError(
-            f"group {group}: layer names differ: producer {list(producer_group.layer_names)}, "
-            f"consumer {list(consumer_group.layer_names)} (HS-1)"
-        )
-    page = producer_group.kv_cache_spec.page_size_bytes
-    if consumer_group.kv_cache_spec.page_size_bytes != page:
-        raise PlanError(
-            f"group {group}: page size differs: producer {page}, "
-            f"consumer {consumer_group.kv_cache_spec.page_size_bytes} (HS-1)"
-        )
-    producer_ranges = get_page_byte_ranges(producer_group.kv_cache_spec)
-    consumer_ranges = get_page_byte_ranges(consumer_group.kv_cache_spec)
-    if producer_ranges != consumer_ranges:
-        raise PlanError(
-            f"group {group}: state tensor byte ranges differ: producer {list(producer_ranges)}, "
-            f"consumer {list(consumer_ranges)} (STATE-5)"
-        )
-    return page
+# --------------------------------------------------------------------------- the definition, as a plan
 
 
 def _moved_per_page(config: KVCacheConfig, group: int) -> int | None:
@@ -214,108 +164,29 @@ def _moved_per_page(config: KVCacheConfig, group: int) -> int | None:
     return None if moved == spec.page_size_bytes else moved
 
 
-def _check_page_fits(config: KVCacheConfig, role: str, group: int, layer: str, block_id: int, page: int) -> None:
-    region, offset = config.page_offset(layer, block_id)
-    size = config.kv_cache_tensors[region].size
-    if offset + page > size:
-        raise PlanError(
-            f"{role} group {group} layer {layer!r} block {block_id}: page [{offset}, {offset + page}) "
-            f"outside tensor {region} of {size} bytes"
-        )
-
-
-# --------------------------------------------------------------------------- planning
-
-
-def _page_copies(
-    producer_config: KVCacheConfig, consumer_config: KVCacheConfig, pairs: BlockPairsLike
-) -> tuple[list[tuple[int, int, int, int, int]], list[GroupPlan]]:
-    """Unmerged copies as tuples ``(p_region, p_offset, c_region, c_offset, nbytes)``."""
-    pages: list[tuple[int, int, int, int, int]] = []
-    groups: list[GroupPlan] = []
-    both = zip(pairs.producer_block_ids, pairs.consumer_block_ids, strict=True)
-    for g, (producer_ids, consumer_ids) in enumerate(both):
-        if len(producer_ids) != len(consumer_ids):
-            raise PlanError(f"group {g}: {len(producer_ids)} producer ids paired with {len(consumer_ids)} consumer ids")
-        page = _check_group_layout(producer_config, consumer_config, g)
-        for i, (p_id, c_id) in enumerate(zip(producer_ids, consumer_ids, strict=True)):
-            _check_block_id(producer_config, "producer", g, i, p_id)
-            _check_block_id(consumer_config, "consumer", g, i, c_id)
-        layers = producer_config.kv_cache_groups[g].layer_names
-        ranges = get_page_byte_ranges(producer_config.kv_cache_groups[g].kv_cache_spec)
-        for layer in layers:
-            p_loc = producer_config.locate(layer)
-            c_loc = consumer_config.locate(layer)
-            p_tensor = producer_config.kv_cache_tensors[p_loc.tensor_index]
-            c_tensor = consumer_config.kv_cache_tensors[c_loc.tensor_index]
-            if producer_ids:
-                # Strides are linear in the block id, so the largest id bounds every page (PLAN-1).
-                _check_page_fits(producer_config, "producer", g, layer, max(producer_ids), page)
-                _check_page_fits(consumer_config, "consumer", g, layer, max(consumer_ids), page)
-            p_base = p_tensor.offset + p_loc.layer_index * p_tensor.layer_stride
-            c_base = c_tensor.offset + c_loc.layer_index * c_tensor.layer_stride
-            p_stride, c_stride = p_tensor.block_stride, c_tensor.block_stride
-            p_region, c_region = p_loc.tensor_index, c_loc.tensor_index
-            pages.extend(
-                (p_region, p_base + p_id * p_stride + start, c_region, c_base + c_id * c_stride + start, nbytes)
-                for p_id, c_id in zip(producer_ids, consumer_ids, strict=True)
-                for start, nbytes in ranges
-            )
-        groups.append(
-            GroupPlan(
-                group_index=g,
-                num_pairs=len(producer_ids),
-                num_layers=len(layers),
-                page_size=page,
-                moved_per_page=_moved_per_page(producer_config, g),
-            )
-        )
-    return pages, groups
-
-
-def _check_no_overlap(pages: list[tuple[int, int, int, int, int]]) -> None:
-    # Two copies landing on the same consumer bytes mean a duplicated consumer id: refuse.
-    ordered = sorted((c_region, c_offset, nbytes) for _, _, c_region, c_offset, nbytes in pages)
-    for (region_a, offset_a, nbytes_a), (region_b, offset_b, _) in itertools.pairwise(ordered):
-        if region_a == region_b and offset_a + nbytes_a > offset_b:
-            raise PlanError(f"consumer region {region_a}: copies overlap at byte {offset_b}")
-
-
-def _merge(pages: list[tuple[int, int, int, int, int]]) -> Columns:
-    """Merge copies that continue each other on both sides into maximal runs."""
-    pages.sort()
-    runs: list[list[int]] = []
-    for p_region, p_offset, c_region, c_offset, nbytes in pages:
-        if runs:
-            run = runs[-1]
-            if (
-                p_region == run[0]
-                and c_region == run[2]
-                and p_offset == run[1] + run[4]
-                and c_offset == run[3] + run[4]
-            ):
-                run[4] += nbytes
-                continue
-        runs.append([p_region, p_offset, c_region, c_offset, nbytes])
-    return tuple(zip(*runs, strict=True)) if runs else ((), (), (), (), ())  # type: ignore[return-value]
-
-
 def _plan_page_by_page(
     producer_config: KVCacheConfig, consumer_config: KVCacheConfig, pairs: BlockPairsLike
 ) -> TransferPlan:
-    """The straightforward planner: one tuple per page, a sort, a merge. O(P log P) in the pages P.
-
-    :func:`kvspec.spec.compute_page_copies` with tuples for objects (tested
-    equal, tests/test_fast_paths.py).
+    """PLAN-1's definition, :func:`kvspec.spec.compute_page_copies`, as a :class:`TransferPlan`.
 
     It takes any pairs and layouts (duplicate ids, tensors shared by groups,
     layers interleaved in a tensor) and finds every error with its exact
     position; :func:`plan_transfer` falls back to it whenever its fast path
     cannot prove the same answer.
     """
-    pages, groups = _page_copies(producer_config, consumer_config, pairs)
-    _check_no_overlap(pages)
-    return TransferPlan._from_columns(_merge(pages), groups)
+    copies = compute_page_copies(producer_config=producer_config, consumer_config=consumer_config, pairs=pairs)
+    groups = [
+        GroupPlan(
+            group_index=g,
+            num_pairs=len(producer_ids),
+            num_layers=len(producer_config.kv_cache_groups[g].layer_names),
+            page_size=producer_config.kv_cache_groups[g].kv_cache_spec.page_size_bytes,
+            moved_per_page=_moved_per_page(producer_config, g),
+        )
+        for g, producer_ids in enumerate(pairs.producer_block_ids)
+    ]
+    columns = tuple(zip(*(attrs.astuple(copy) for copy in copies), strict=True)) if copies else ((), (), (), (), ())
+    return TransferPlan._from_columns(columns, groups)  # type: ignore[arg-type]
 
 
 # --------------------------------------------------------------------------- planning, fast path
@@ -634,7 +505,7 @@ def plan_transfer(
     page, O(P log P) in the pages P, and reports the first bad id, page or
     overlap exactly as before.
     """
-    _check_groups(producer_config, consumer_config, pairs)
+    _check_configs(producer_config, consumer_config, pairs)
     if len(pairs.consumer_block_ids):
         layout = _cached_pair_layout(producer_config, consumer_config)
         if layout.fast:

@@ -38,7 +38,15 @@ from typing import Generic, Literal, TypeVar
 import attrs
 
 from kvspec.core._enums import FailureReason, TransferMode
-from kvspec.core._errors import ConfigError
+from kvspec.core._errors import (
+    BlockAlignmentError,
+    ConfigError,
+    GroupCountError,
+    IncompatiblePeerError,
+    KVSpecError,
+    TransportError,
+    WindowCoverageError,
+)
 from kvspec.core._models import NULL_BLOCK_ID, BlockIds
 
 __all__ = [
@@ -61,6 +69,7 @@ __all__ = [
     "Transition",
     "check_loaded_rows",
     "get_failed_consumer_block_ids",
+    "get_failure_reason",
     "get_freed_block_ids",
     "get_next_deadline",
     "get_producer_failure_reason",
@@ -506,6 +515,24 @@ def get_producer_failure_reason(state: ProducerState, reason: FailureReason | No
     return reason
 
 
+def get_failure_reason(error: KVSpecError, default: FailureReason = FailureReason.PROTOCOL) -> FailureReason:
+    """The reason a request fails with when a check or the transport raises ``error`` (FAIL-1).
+
+    A window-coverage or alignment check names its own reason, a transport
+    error carries one, an incompatible peer is ``incompatible_peer``
+    (HS-1); anything else is ``default`` (FAIL-1).
+    """
+    if isinstance(error, WindowCoverageError):
+        return FailureReason.WINDOW_COVERAGE
+    if isinstance(error, (BlockAlignmentError, GroupCountError)):
+        return FailureReason.BLOCK_ALIGNMENT
+    if isinstance(error, TransportError):
+        return error.reason
+    if isinstance(error, IncompatiblePeerError):
+        return FailureReason.INCOMPATIBLE_PEER
+    return default
+
+
 class ReleaseOutcome(str, enum.Enum):
     """How the consumer's request ended; carried by its one ``Release`` (REL-1)."""
 
@@ -518,7 +545,7 @@ class ReleaseOutcome(str, enum.Enum):
 def get_release_outcome(state: ConsumerState, event: ConsumerEvent) -> ReleaseOutcome:
     """What the one release says, sent on entering terminal ``state`` by ``event`` (REL-1).
 
-    A full prefix hit says ``prefix_hit``; otherwise the terminal state names it.
+    A full prefix hit says ``prefix_hit``; otherwise the terminal state names it (REL-1).
     """
     if event is ConsumerEvent.PREFIX_HIT:
         return ReleaseOutcome.PREFIX_HIT
