@@ -76,6 +76,7 @@ from kvspec.exchange import (
     Operation,
     poll_until,
 )
+from kvspec.spec.offload import is_chunk_present
 from kvspec.testing import PagePool, allocate_pool, expected_page, fill_background
 from kvspec.transport import Backend, Transport
 
@@ -352,7 +353,11 @@ class _ChunkManager:
 
     def present(self, key: Key) -> bool:
         row = self.rows.get(key)
-        return row is not None and not self.in_flight.get(row) and len(self.written[row]) == self.f
+        return row is not None and is_chunk_present(
+            sub_blocks_written=len(self.written[row]),
+            blocks_per_chunk=self.f,
+            copies_in_flight=self.in_flight.get(row, 0),
+        )
 
     def row_of(self, key: Key) -> int | None:
         return self.rows.get(key)

@@ -24,7 +24,8 @@ from kvspec import (
     TransferMode,
     get_blocks_per_sw,
 )
-from kvspec.reference._offload import BlockIdGroups, _trusted, get_load_set, get_offload_hit_tokens, get_store_set
+from kvspec.reference._offload import BlockIdGroups, get_load_set, get_offload_hit_tokens, get_store_set
+from kvspec.spec.offload import _trusted
 from kvspec.transport import Descriptor, TransferHandle
 
 __all__ = ["OFFLOAD_BACKEND_MUTANTS", "OFFLOAD_CONNECTOR_MUTANTS", "OffloadMutant"]

@@ -39,6 +39,7 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
                 "kvspec.spec.coverage",
                 "kvspec.spec.digest",
                 "kvspec.spec.guard",
+                "kvspec.spec.lifecycle",
                 "kvspec.spec.offload",
                 "kvspec.spec.pairing",
                 "kvspec.spec.parallel",

@@ -28,8 +28,8 @@ T = TypeVar("T", bound=Callable[..., None])
 
 ROOT = Path(__file__).resolve().parent.parent
 SPEC_DIR = ROOT / "kvspec" / "spec"
-# What the definitions may build on: the models, the errors, and each other.
-ALLOWED = frozenset({"kvspec.core._models", "kvspec.core._errors"})
+# What the definitions may build on: the models, the errors, the enums below them, and each other.
+ALLOWED = frozenset({"kvspec.core._models", "kvspec.core._errors", "kvspec.core._enums"})
 RULE_IDS = re.compile(r"\(((?:[A-Z]{2,5}-\d+)(?:, [A-Z]{2,5}-\d+)*)\)\.?\s*$")
 MARKER = re.compile(r"^[ \t]*<!--\s*kvspec:spec:(?P<module>\w+)\.(?P<name>\w+)\s*-->[ \t]*$", re.MULTILINE)
 
@@ -202,3 +202,58 @@ def test_a_window_needs_what_the_next_token_attends_to(
     assert list(tokens) == [t for t in range(num_tokens) if t >= hit and num_tokens - t < window]
     blocks = plain.get_needed_block_range(spec, num_tokens=num_tokens, prefix_hit_tokens=hit)
     assert list(blocks) == sorted({t // block_size for t in tokens})
+
+
+# --------------------------------------------------------------------------- lifecycle and offload tables
+
+
+def test_the_sessions_and_the_offload_reference_use_the_spec_tables() -> None:
+    """One copy of each table and check: the sessions and the reference import theirs from kvspec.spec."""
+    import kvspec.exchange
+    import kvspec.protocol._offload_session as offload_session
+    import kvspec.protocol._session as session
+    import kvspec.reference._offload as reference_offload
+    from kvspec.spec import lifecycle, offload
+
+    for name in ("PRODUCER_TRANSITIONS", "CONSUMER_TRANSITIONS", "PRODUCER_DEADLINES", "CONSUMER_DEADLINES"):
+        assert getattr(session, name) is getattr(lifecycle, name), name
+    assert kvspec.ReleaseOutcome is lifecycle.ReleaseOutcome
+    assert kvspec.FailureInfo is lifecycle.FailureInfo
+    assert kvspec.exchange.OffloadState is offload.OffloadState is offload_session.OffloadState
+    for name in ("get_store_set", "get_load_set", "map_sub_blocks", "OffloadConfig", "StoreSet", "LoadSet"):
+        assert getattr(reference_offload, name) is getattr(offload, name), name
+
+
+def test_loaded_is_entered_only_on_done_or_a_prefix_hit() -> None:
+    """DONE-1 as a table check: a FAILING request that sees DONE must not become LOADED."""
+    from kvspec.spec.lifecycle import (
+        CONSUMER_TRANSITIONS,
+        ConsumerEvent,
+        ConsumerState,
+        Transition,
+        check_loaded_rows,
+    )
+
+    check_loaded_rows(CONSUMER_TRANSITIONS)
+    revived = Transition(
+        source=ConsumerState.FAILING,
+        event=ConsumerEvent.TRANSFER_DONE,
+        target=ConsumerState.LOADED,
+        modes=frozenset({kvspec.TransferMode.READ}),
+    )
+    with pytest.raises(kvspec.ConfigError, match=r"FAILING --transfer_done--> LOADED in read mode.*DONE-1"):
+        check_loaded_rows((*CONSUMER_TRANSITIONS, revived))
+
+
+def test_a_key_is_present_only_when_whole_and_evicted_only_when_idle() -> None:
+    """OFF-4's key lifecycle: a partial chunk never becomes present; a key under a load is not evicted."""
+    from kvspec.spec.offload import KeyEvent, KeyState, get_next_key_state, is_chunk_present
+
+    assert get_next_key_state(KeyState.STORING, KeyEvent.STORED_IN_PART) is KeyState.PARTIAL
+    with pytest.raises(kvspec.ConfigError, match=r"state partial: expected no 'load' here \(OFF-4\)"):
+        get_next_key_state(KeyState.PARTIAL, KeyEvent.LOAD)
+    with pytest.raises(kvspec.ConfigError, match=r"state loading: expected no 'evict' here \(OFF-4\)"):
+        get_next_key_state(KeyState.LOADING, KeyEvent.EVICT)
+    assert is_chunk_present(sub_blocks_written=3, blocks_per_chunk=3, copies_in_flight=0)
+    assert not is_chunk_present(sub_blocks_written=2, blocks_per_chunk=3, copies_in_flight=0)
+    assert not is_chunk_present(sub_blocks_written=3, blocks_per_chunk=3, copies_in_flight=1)

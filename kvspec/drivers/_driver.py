@@ -54,14 +54,10 @@ import attrs
 
 from kvspec.core._enums import FailureReason, TransferMode
 from kvspec.core._errors import (
-    BlockAlignmentError,
-    GroupCountError,
-    IncompatiblePeerError,
     KVSpecError,
     LocalProtocolError,
     ProtocolError,
     TransportError,
-    WindowCoverageError,
 )
 from kvspec.core._models import BlockIds
 from kvspec.protocol._codec import decode, encode
@@ -79,6 +75,7 @@ from kvspec.protocol._session import (
 )
 from kvspec.reference._integrity import BlockDigests, BlockPairsLike, PageDigester
 from kvspec.reference._messages import BlockOffer, Completion, Message, TransferParams
+from kvspec.spec.lifecycle import get_failure_reason as reason_of
 from kvspec.transport._base import Descriptor, TransferHandle, TransferState, Transport
 
 __all__ = [
@@ -160,19 +157,6 @@ class DriverFault:
 def _corrupt_text(bad: BlockIds) -> str:
     shown = "; ".join(f"group {g}: {list(ids)[:8]}" for g, ids in enumerate(bad) if len(ids))
     return f"block digests differ from the sender's (INT-1): {shown}"
-
-
-def reason_of(error: KVSpecError, default: FailureReason = FailureReason.PROTOCOL) -> FailureReason:
-    """The typed failure reason of a check or transport error (FAIL-1)."""
-    if isinstance(error, WindowCoverageError):
-        return FailureReason.WINDOW_COVERAGE
-    if isinstance(error, (BlockAlignmentError, GroupCountError)):
-        return FailureReason.BLOCK_ALIGNMENT
-    if isinstance(error, TransportError):
-        return error.reason
-    if isinstance(error, IncompatiblePeerError):
-        return FailureReason.INCOMPATIBLE_PEER
-    return default
 
 
 @attrs.define(eq=False)

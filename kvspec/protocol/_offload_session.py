@@ -14,16 +14,9 @@ failed or refused it, or it outlived ``timeout`` (FAILED, and the transfer
 is cancelled). A store that landed is *complete*; the engine's chunk manager
 makes a key *present* only once every sub-block of its chunk is complete
 (OFF-4), and may *evict* it afterwards; a load reads only present keys.
-Those per-key states are the engine's; the copy's states are here:
-
-=========  ==================  =========  ==================
-state      event               target     actions
-=========  ==================  =========  ==================
-pending    start               copying    post
-copying    transfer_done       done
-copying    transfer_failed     failed
-copying    deadline            failed     cancel
-=========  ==================  =========  ==================
+Those per-key states (:data:`kvspec.spec.offload.KEY_TRANSITIONS`) are the
+engine's; the copy's are :data:`kvspec.spec.offload.COPY_TRANSITIONS`, which
+this session follows.
 
 Any other event in a terminal state is ignored (a late report of a cancelled
 copy); in ``pending`` it is a local protocol error.
@@ -31,7 +24,6 @@ copy); in ``pending`` it is a local protocol error.
 
 from __future__ import annotations
 
-import enum
 import math
 from collections.abc import Iterable
 
@@ -41,29 +33,9 @@ from kvspec.core._enums import FailureReason, TransferMode
 from kvspec.core._errors import ConfigError, LocalProtocolError, RemoteProtocolError
 from kvspec.protocol._session import Cancel, Output, Post
 from kvspec.reference._messages import Message
+from kvspec.spec.offload import COPY_TRANSITIONS, OffloadEvent, OffloadKind, OffloadState
 
 __all__ = ["ChunkCopy", "OffloadKind", "OffloadSession", "OffloadState"]
-
-
-class OffloadKind(str, enum.Enum):
-    """Which way a copy goes: a store writes the chunk pool (OFF-3), a load reads it back (OFF-6)."""
-
-    STORE = "store"
-    LOAD = "load"
-
-
-class OffloadState(str, enum.Enum):
-    """Where one copy is."""
-
-    PENDING = "pending"
-    COPYING = "copying"
-    DONE = "done"
-    FAILED = "failed"
-
-    @property
-    def is_terminal(self) -> bool:
-        """True once the copy landed or failed."""
-        return self in (OffloadState.DONE, OffloadState.FAILED)
 
 
 @attrs.frozen(kw_only=True)
@@ -82,6 +54,15 @@ def _copies(value: Iterable[ChunkCopy]) -> tuple[ChunkCopy, ...]:
 
 
 _NOTHING = Output()
+_NEXT = {(state, event): target for state, event, target, _action in COPY_TRANSITIONS}
+
+
+def _next(state: OffloadState, event: OffloadEvent) -> OffloadState:
+    """The state ``event`` takes a copy to, by the copy table (OFF-4)."""
+    target = _NEXT.get((state, event))
+    if target is None:  # pragma: no cover - the session checks the state before it fires
+        raise LocalProtocolError(f"offload copy: no {event.value!r} in state {state.value}")
+    return target
 
 
 class OffloadSession:
@@ -152,13 +133,13 @@ class OffloadSession:
         """Post the copy."""
         if self._state is not OffloadState.PENDING:
             raise LocalProtocolError(f"offload copy {self._request_id!r} already started ({self._state.value})")
-        self._state, self._started_at = OffloadState.COPYING, now
+        self._state, self._started_at = _next(self._state, OffloadEvent.START), now
         return Output(actions=(Post(),))
 
     def transfer_done(self, *, now: float) -> Output:
         """The copy landed: every page it names holds its source's bytes (DONE-1)."""
         if self._report():
-            self._state = OffloadState.DONE
+            self._state = _next(self._state, OffloadEvent.TRANSFER_DONE)
         return _NOTHING
 
     def transfer_failed(self, reason: FailureReason, *, now: float, detail: str = "") -> Output:
@@ -166,7 +147,7 @@ class OffloadSession:
         if not isinstance(reason, FailureReason):
             raise LocalProtocolError(f"transfer_failed: expected a FailureReason, got {reason!r}")
         if self._report():
-            self._fail(reason, detail)
+            self._fail(OffloadEvent.TRANSFER_FAILED, reason, detail)
         return _NOTHING
 
     def tick(self, *, now: float) -> Output:
@@ -174,7 +155,7 @@ class OffloadSession:
         due = self.next_deadline
         if due is None or now < due:
             return _NOTHING
-        self._fail(FailureReason.TIMEOUT, f"did not complete within {self.timeout}s")
+        self._fail(OffloadEvent.DEADLINE, FailureReason.TIMEOUT, f"did not complete within {self.timeout}s")
         return Output(actions=(Cancel(),))
 
     def receive(self, message: Message, *, now: float) -> Output:
@@ -186,8 +167,8 @@ class OffloadSession:
             raise LocalProtocolError(f"offload copy {self._request_id!r} has no posted transfer to report on")
         return self._state is OffloadState.COPYING  # a report after the end (a cancelled copy) is ignored
 
-    def _fail(self, reason: FailureReason, detail: str) -> None:
-        self._state, self.reason, self.detail = OffloadState.FAILED, reason, detail
+    def _fail(self, event: OffloadEvent, reason: FailureReason, detail: str) -> None:
+        self._state, self.reason, self.detail = _next(self._state, event), reason, detail
 
     def __repr__(self) -> str:
         return f"<OffloadSession {self._request_id!r} {self.kind.value} {self._mode.value} {self._state.value}>"

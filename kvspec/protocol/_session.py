@@ -66,16 +66,15 @@ A driver, in short (READ mode)::
 
 from __future__ import annotations
 
-import enum
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, Generic, Literal, TypeVar
+from typing import Any, Literal, TypeVar
 
 import attrs
 
 from kvspec.core._enums import FailureReason, TransferMode
 from kvspec.core._errors import ConfigError, LocalProtocolError, RemoteProtocolError
-from kvspec.core._models import NULL_BLOCK_ID, BlockIds
+from kvspec.core._models import BlockIds
 from kvspec.reference._messages import (
     Abort,
     BlockOffer,
@@ -83,9 +82,31 @@ from kvspec.reference._messages import (
     Failure,
     Message,
     Release,
-    ReleaseOutcome,
     TransferParams,
     TransportData,
+)
+from kvspec.spec.lifecycle import (
+    CONSUMER_DEADLINES,
+    CONSUMER_TRANSITIONS,
+    DEFAULT_DRAIN_TIMEOUT,
+    DEFAULT_RELEASE_GRACE,
+    PRODUCER_DEADLINES,
+    PRODUCER_TRANSITIONS,
+    Action,
+    ConsumerEvent,
+    ConsumerState,
+    Deadline,
+    FailureInfo,
+    ProducerEvent,
+    ProducerState,
+    Transition,
+    check_loaded_rows,
+    get_failed_consumer_block_ids,
+    get_freed_block_ids,
+    get_next_deadline,
+    get_producer_failure_reason,
+    get_release_outcome,
+    is_prefix_hit,
 )
 
 __all__ = [
@@ -116,343 +137,10 @@ __all__ = [
     "to_mermaid",
 ]
 
-DEFAULT_DRAIN_TIMEOUT = 5.0
-"""Seconds a cancelled transfer may keep moving bytes; backends MUST stop within it (SM-2, the drain rule)."""
-
-DEFAULT_RELEASE_GRACE = 10.0
-"""Seconds past the lease a producer still waits for a release; above the consumer's drain timeout (SM-1)."""
-
-
-# --------------------------------------------------------------------------- states, events, actions
-
-
-class ProducerState(str, enum.Enum):
-    """Where one producer request stands (SM-1). Blocks are pinned in every non-terminal state."""
-
-    HELD = "held"
-    WRITING = "writing"
-    WRITTEN = "written"
-    ABORTING = "aborting"
-    CANCELLING = "cancelling"
-    EXPIRING = "expiring"
-    RELEASED = "released"
-    EXPIRED = "expired"
-    ABORTED = "aborted"
-
-    @property
-    def is_terminal(self) -> bool:
-        """Blocks are freed on entering a terminal state, which is sticky (SM-1)."""
-        return self in _PRODUCER_TERMINAL
-
-
-_PRODUCER_TERMINAL_ORDER = (ProducerState.RELEASED, ProducerState.EXPIRED, ProducerState.ABORTED)
-_PRODUCER_TERMINAL = frozenset(_PRODUCER_TERMINAL_ORDER)
-
-
-class ProducerEvent(str, enum.Enum):
-    """What can happen to a producer request: a consumer message, a local call, or a deadline."""
-
-    RELEASE = "release"
-    OFFER = "offer"
-    PEER_ABORT = "peer_abort"
-    ABORT = "abort"
-    TRANSFER_DONE = "transfer_done"
-    TRANSFER_FAILED = "transfer_failed"
-    LEASE_EXPIRED = "lease_expired"
-    DRAIN_TIMEOUT = "drain_timeout"
-
-
-class ConsumerState(str, enum.Enum):
-    """Where one consumer request stands (SM-2)."""
-
-    ALLOCATED = "allocated"
-    LOADING = "loading"
-    FAILING = "failing"
-    ABORTING = "aborting"
-    LOADED = "loaded"
-    FAILED = "failed"
-    ABORTED = "aborted"
-
-    @property
-    def is_terminal(self) -> bool:
-        """A terminal state is entered once, sends the one release (REL-1), and is sticky."""
-        return self in _CONSUMER_TERMINAL
-
-
-_CONSUMER_TERMINAL_ORDER = (ConsumerState.LOADED, ConsumerState.FAILED, ConsumerState.ABORTED)
-_CONSUMER_TERMINAL = frozenset(_CONSUMER_TERMINAL_ORDER)
-
-
-class ConsumerEvent(str, enum.Enum):
-    """What can happen to a consumer request: a producer message, a local call, or a deadline."""
-
-    START = "start"
-    PREFIX_HIT = "prefix_hit"
-    TRANSFER_DONE = "transfer_done"
-    TRANSFER_FAILED = "transfer_failed"
-    COMPLETION = "completion"
-    FAILURE = "failure"
-    PEER_ABORT = "peer_abort"
-    ABORT = "abort"
-    FAIL = "fail"
-    TIMEOUT = "timeout"
-    DRAIN_TIMEOUT = "drain_timeout"
-
-
-class Action(str, enum.Enum):
-    """What a transition asks the driver to do, in table order."""
-
-    POST = "post"
-    CANCEL = "cancel"
-    SEND_OFFER = "send_offer"
-    SEND_ABORT = "send_abort"
-    SEND_FAILURE = "send_failure"
-    SEND_RELEASE = "send_release"
-    FREE = "free"
-
-
 S = TypeVar("S", ProducerState, ConsumerState)
 E = TypeVar("E", ProducerEvent, ConsumerEvent)
 
 _BOTH = frozenset({TransferMode.READ, TransferMode.WRITE})
-_READ = frozenset({TransferMode.READ})
-_WRITE = frozenset({TransferMode.WRITE})
-
-
-@attrs.frozen(kw_only=True)
-class Transition(Generic[S, E]):
-    """One row of a role's transition table: in ``modes``, ``source`` --``event``--> ``target``.
-
-    An ``ignored`` row names an event the role expects and drops in that state
-    (a late or duplicate message, a local call after the end): it changes
-    nothing and asks for nothing. An event with no row at all is a driver bug
-    and raises :class:`kvspec.LocalProtocolError`.
-    """
-
-    source: S
-    event: E
-    target: S
-    actions: tuple[Action, ...] = ()
-    modes: frozenset[TransferMode] = _BOTH
-    ignored: bool = False
-
-
-def _rows(
-    source: S, modes: frozenset[TransferMode], *rows: tuple[E | tuple[E, ...], S, tuple[Action, ...]]
-) -> list[Transition[S, E]]:
-    out: list[Transition[S, E]] = []
-    for events, target, actions in rows:
-        for event in events if isinstance(events, tuple) else (events,):
-            out.append(Transition(source=source, event=event, target=target, actions=actions, modes=modes))
-    return out
-
-
-def _ignore(states: Iterable[S], modes: frozenset[TransferMode], *events: E) -> list[Transition[S, E]]:
-    return [
-        Transition(source=state, event=event, target=state, modes=modes, ignored=True)
-        for state in states
-        for event in events
-    ]
-
-
-P, PE, A = ProducerState, ProducerEvent, Action
-
-# SM-1. READ: C reads P's HELD blocks and releases them; P frees on the release or at
-# lease + grace, by when C's read has been cancelled and drained (SM-1, the lease rule).
-# WRITE: C offers blocks, P writes and attaches the Completion; any P -> C message after
-# the offer is sent only once P's write no longer moves bytes (SM-2, the drain rule).
-PRODUCER_TRANSITIONS: tuple[Transition[ProducerState, ProducerEvent], ...] = tuple(
-    _rows(
-        P.HELD,
-        _BOTH,
-        (PE.RELEASE, P.RELEASED, (A.FREE,)),
-        (PE.ABORT, P.ABORTING, (A.SEND_ABORT,)),
-        (PE.LEASE_EXPIRED, P.EXPIRED, (A.FREE, A.SEND_FAILURE)),
-    )
-    + _rows(
-        P.HELD,
-        _WRITE,
-        (PE.OFFER, P.WRITING, (A.POST,)),
-        (PE.PEER_ABORT, P.ABORTED, (A.FREE, A.SEND_ABORT)),
-    )
-    + _rows(
-        P.WRITING,
-        _WRITE,
-        (PE.TRANSFER_DONE, P.WRITTEN, ()),
-        (PE.TRANSFER_FAILED, P.WRITTEN, (A.SEND_FAILURE,)),
-        ((PE.RELEASE, PE.PEER_ABORT, PE.ABORT), P.CANCELLING, (A.CANCEL,)),
-        (PE.LEASE_EXPIRED, P.EXPIRING, (A.CANCEL,)),
-    )
-    + _rows(
-        P.WRITTEN,
-        _WRITE,
-        (PE.RELEASE, P.RELEASED, (A.FREE,)),
-        (PE.ABORT, P.ABORTED, (A.FREE,)),
-        (PE.LEASE_EXPIRED, P.EXPIRED, (A.FREE,)),
-    )
-    + _rows(
-        P.ABORTING,
-        _BOTH,
-        ((PE.RELEASE, PE.LEASE_EXPIRED), P.ABORTED, (A.FREE,)),
-    )
-    + _rows(
-        P.CANCELLING,
-        _WRITE,
-        ((PE.TRANSFER_DONE, PE.TRANSFER_FAILED, PE.DRAIN_TIMEOUT), P.ABORTED, (A.FREE, A.SEND_ABORT)),
-    )
-    + _rows(
-        P.EXPIRING,
-        _WRITE,
-        ((PE.TRANSFER_DONE, PE.TRANSFER_FAILED, PE.DRAIN_TIMEOUT), P.EXPIRED, (A.FREE, A.SEND_FAILURE)),
-    )
-    # Ignored: late and duplicate consumer messages, a local abort once the end is under way,
-    # a second report of a write already reported. Terminal states are sticky (SM-1, REL-1).
-    + _ignore((P.HELD,), _READ, PE.PEER_ABORT)
-    + _ignore((P.WRITING,), _WRITE, PE.OFFER)
-    + _ignore((P.WRITTEN,), _WRITE, PE.OFFER, PE.PEER_ABORT, PE.TRANSFER_DONE, PE.TRANSFER_FAILED)
-    + _ignore((P.ABORTING,), _READ, PE.PEER_ABORT, PE.ABORT)
-    + _ignore((P.ABORTING,), _WRITE, PE.OFFER, PE.PEER_ABORT, PE.ABORT)
-    + _ignore((P.CANCELLING, P.EXPIRING), _WRITE, PE.RELEASE, PE.OFFER, PE.PEER_ABORT, PE.ABORT)
-    + _ignore(_PRODUCER_TERMINAL_ORDER, _READ, PE.RELEASE, PE.PEER_ABORT, PE.ABORT)
-    + _ignore(
-        _PRODUCER_TERMINAL_ORDER,
-        _WRITE,
-        PE.RELEASE,
-        PE.OFFER,
-        PE.PEER_ABORT,
-        PE.ABORT,
-        PE.TRANSFER_DONE,
-        PE.TRANSFER_FAILED,
-    )
-)
-"""The producer's transition table (SM-1), ignored events included."""
-
-C, CE = ConsumerState, ConsumerEvent
-_END = (A.FREE, A.SEND_RELEASE)
-
-# SM-2. C's blocks are reusable (FREE) only once no transfer can touch them: READ: its own
-# read ended or was cancelled and drained; WRITE: P confirmed (Completion, Failure, Abort)
-# or the lease plus the drain bound passed (SM-2, the drain rule). Every terminal entry sends the one
-# release (REL-1).
-CONSUMER_TRANSITIONS: tuple[Transition[ConsumerState, ConsumerEvent], ...] = tuple(
-    _rows(
-        C.ALLOCATED,
-        _BOTH,
-        (CE.PREFIX_HIT, C.LOADED, (A.SEND_RELEASE,)),
-        (CE.ABORT, C.ABORTED, _END),
-        ((CE.FAIL, CE.TIMEOUT, CE.FAILURE, CE.PEER_ABORT), C.FAILED, _END),
-    )
-    + _rows(C.ALLOCATED, _READ, (CE.START, C.LOADING, (A.POST,)))
-    + _rows(C.ALLOCATED, _WRITE, (CE.START, C.LOADING, (A.SEND_OFFER,)))
-    + _rows(
-        C.LOADING,
-        _READ,
-        (CE.TRANSFER_DONE, C.LOADED, (A.SEND_RELEASE,)),
-        (CE.TRANSFER_FAILED, C.FAILED, _END),
-        ((CE.FAILURE, CE.PEER_ABORT, CE.TIMEOUT, CE.FAIL), C.FAILING, (A.CANCEL,)),
-        (CE.ABORT, C.ABORTING, (A.CANCEL,)),
-    )
-    + _rows(
-        C.LOADING,
-        _WRITE,
-        (CE.COMPLETION, C.LOADED, (A.SEND_RELEASE,)),
-        ((CE.FAILURE, CE.PEER_ABORT), C.FAILED, _END),
-        ((CE.TIMEOUT, CE.FAIL), C.FAILING, (A.SEND_ABORT,)),
-        (CE.ABORT, C.ABORTING, (A.SEND_ABORT,)),
-    )
-    + _rows(C.FAILING, _READ, ((CE.TRANSFER_DONE, CE.TRANSFER_FAILED), C.FAILED, _END))
-    + _rows(C.FAILING, _WRITE, ((CE.COMPLETION, CE.FAILURE, CE.PEER_ABORT), C.FAILED, _END))
-    + _rows(C.FAILING, _BOTH, (CE.DRAIN_TIMEOUT, C.FAILED, _END))
-    + _rows(C.ABORTING, _READ, ((CE.TRANSFER_DONE, CE.TRANSFER_FAILED), C.ABORTED, _END))
-    + _rows(C.ABORTING, _WRITE, ((CE.COMPLETION, CE.FAILURE, CE.PEER_ABORT), C.ABORTED, _END))
-    + _rows(C.ABORTING, _BOTH, (CE.DRAIN_TIMEOUT, C.ABORTED, _END))
-    # Ignored: late and duplicate producer messages, local calls once the end is under way,
-    # a second report of a read already reported. Terminal states are sticky (SM-2, REL-1).
-    + _ignore((C.ALLOCATED,), _WRITE, CE.COMPLETION)
-    + _ignore((C.FAILING, C.ABORTING), _READ, CE.FAILURE, CE.PEER_ABORT, CE.ABORT, CE.FAIL)
-    + _ignore((C.FAILING, C.ABORTING), _WRITE, CE.ABORT, CE.FAIL)
-    + _ignore(
-        _CONSUMER_TERMINAL_ORDER,
-        _READ,
-        CE.START,
-        CE.PREFIX_HIT,
-        CE.TRANSFER_DONE,
-        CE.TRANSFER_FAILED,
-        CE.FAILURE,
-        CE.PEER_ABORT,
-        CE.ABORT,
-        CE.FAIL,
-    )
-    + _ignore(
-        _CONSUMER_TERMINAL_ORDER,
-        _WRITE,
-        CE.START,
-        CE.PREFIX_HIT,
-        CE.COMPLETION,
-        CE.FAILURE,
-        CE.PEER_ABORT,
-        CE.ABORT,
-        CE.FAIL,
-    )
-)
-"""The consumer's transition table (SM-2), ignored events included."""
-
-
-Anchor = Literal["lease", "entered", "started"]
-
-
-@attrs.frozen(kw_only=True)
-class Deadline(Generic[S, E]):
-    """In ``state`` (in ``modes``), ``event`` fires at ``anchor`` plus (or, ``minus``, less) a setting (FAIL-1).
-
-    ``anchor``: the lease deadline of the transfer parameters, the time the
-    state was entered, or the time the consumer started; ``setting`` names
-    the session's duration (``release_grace``, ``drain_timeout``,
-    ``start_margin``, ``transfer_timeout``; a setting that is ``None`` turns
-    the row off). The earliest row of a state wins, the first on a tie.
-    """
-
-    state: S
-    event: E
-    anchor: Anchor
-    setting: str | None = None
-    minus: bool = False
-    reason: FailureReason | None = None
-    modes: frozenset[TransferMode] = _BOTH
-
-
-PRODUCER_DEADLINES: tuple[Deadline[ProducerState, ProducerEvent], ...] = (
-    # SM-1, the lease rule: in READ, C's read may still be cancelling at the lease; P waits the grace.
-    Deadline(state=P.HELD, event=PE.LEASE_EXPIRED, anchor="lease", setting="release_grace", modes=_READ),
-    # WRITE: P never posts, and cancels its write, at the lease (SM-2, the drain rule).
-    Deadline(state=P.HELD, event=PE.LEASE_EXPIRED, anchor="lease", modes=_WRITE),
-    Deadline(state=P.WRITING, event=PE.LEASE_EXPIRED, anchor="lease", modes=_WRITE),
-    Deadline(state=P.WRITTEN, event=PE.LEASE_EXPIRED, anchor="lease", setting="release_grace", modes=_WRITE),
-    Deadline(state=P.ABORTING, event=PE.LEASE_EXPIRED, anchor="lease", setting="release_grace"),
-    Deadline(state=P.CANCELLING, event=PE.DRAIN_TIMEOUT, anchor="entered", setting="drain_timeout", modes=_WRITE),
-    Deadline(state=P.EXPIRING, event=PE.DRAIN_TIMEOUT, anchor="entered", setting="drain_timeout", modes=_WRITE),
-)
-"""When each non-terminal producer state gives up waiting (SM-1, FAIL-1)."""
-
-_LEASE = FailureReason.LEASE_EXPIRED
-
-CONSUMER_DEADLINES: tuple[Deadline[ConsumerState, ConsumerEvent], ...] = (
-    # SM-1, the lease rule: never start a transfer that could outlive P's pin.
-    Deadline(state=C.ALLOCATED, event=CE.TIMEOUT, anchor="lease", setting="start_margin", minus=True, reason=_LEASE),
-    Deadline(state=C.LOADING, event=CE.TIMEOUT, anchor="lease", reason=_LEASE),
-    Deadline(
-        state=C.LOADING, event=CE.TIMEOUT, anchor="started", setting="transfer_timeout", reason=FailureReason.TIMEOUT
-    ),
-    # READ: C's own cancelled read stops within the drain bound.
-    Deadline(state=C.FAILING, event=CE.DRAIN_TIMEOUT, anchor="entered", setting="drain_timeout", modes=_READ),
-    Deadline(state=C.ABORTING, event=CE.DRAIN_TIMEOUT, anchor="entered", setting="drain_timeout", modes=_READ),
-    # WRITE, SM-2 the drain rule: P cancels its write by the lease deadline and it stops within the drain bound.
-    Deadline(state=C.FAILING, event=CE.DRAIN_TIMEOUT, anchor="lease", setting="drain_timeout", modes=_WRITE),
-    Deadline(state=C.ABORTING, event=CE.DRAIN_TIMEOUT, anchor="lease", setting="drain_timeout", modes=_WRITE),
-)
-"""When each non-terminal consumer state gives up waiting (SM-2, FAIL-1)."""
-
-del P, PE, C, CE, A, _LEASE
 
 
 def _index(
@@ -470,6 +158,7 @@ def _index(
 
 _PRODUCER_INDEX = _index(PRODUCER_TRANSITIONS)
 _CONSUMER_INDEX = _index(CONSUMER_TRANSITIONS)
+check_loaded_rows(CONSUMER_TRANSITIONS)
 
 
 def _deadline_index(
@@ -484,20 +173,6 @@ def _deadline_index(
 
 _PRODUCER_DUE = _deadline_index(PRODUCER_DEADLINES)
 _CONSUMER_DUE = _deadline_index(CONSUMER_DEADLINES)
-
-
-def _next_due(
-    rows: Sequence[Deadline[S, E]], session: object, anchors: Mapping[str, float]
-) -> tuple[float, Deadline[S, E]] | None:
-    best: tuple[float, Deadline[S, E]] | None = None
-    for row in rows:
-        value = 0.0 if row.setting is None else getattr(session, row.setting)
-        if value is None:
-            continue
-        at = anchors[row.anchor] + (-value if row.minus else value)
-        if best is None or at < best[0]:
-            best = (at, row)
-    return best
 
 
 def _row(
@@ -611,20 +286,6 @@ class Output:
 
 
 _NOTHING = Output()
-
-
-@attrs.frozen(kw_only=True)
-class FailureInfo:
-    """Why a consumer request failed and which of its blocks may hold bad bytes (FAIL-1)."""
-
-    reason: FailureReason
-    failed_consumer_block_ids: BlockIds
-    detail: str = ""
-
-
-def _non_null(block_ids: BlockIds) -> BlockIds:
-    # The null block belongs to no request and is never freed (NULL-1).
-    return BlockIds([[b for b in group if b != NULL_BLOCK_ID] for group in block_ids])
 
 
 def _check_duration(name: str, value: float | None, *, allow_none: bool = False) -> None:
@@ -808,7 +469,7 @@ class ProducerSession:
 
     def _due(self) -> tuple[float, ProducerEvent] | None:
         rows = _PRODUCER_DUE.get((self.mode, self._state), ())
-        due = _next_due(rows, self, {"lease": self.params.lease_deadline, "entered": self._entered_at})
+        due = get_next_deadline(rows, self, {"lease": self.params.lease_deadline, "entered": self._entered_at})
         return None if due is None else (due[0], due[1].event)
 
     def _advance(self, now: float) -> Output:
@@ -835,7 +496,7 @@ class ProducerSession:
     def _act(self, action: Action, *, reason: FailureReason | None, detail: str) -> Effect:
         params = self.params
         if action is Action.FREE:
-            return Free(block_ids=_non_null(params.producer_block_ids))
+            return Free(block_ids=get_freed_block_ids(params.producer_block_ids))
         if action is Action.POST:
             self._posted = True
             return Post(notification=self.completion)
@@ -844,8 +505,7 @@ class ProducerSession:
         if action is Action.SEND_ABORT:
             return Send(message=Abort(request_id=params.request_id, engine_id=params.producer_engine_id, detail=detail))
         if action is Action.SEND_FAILURE:
-            if self._state is ProducerState.EXPIRED or reason is None:
-                reason = FailureReason.LEASE_EXPIRED
+            reason = get_producer_failure_reason(self._state, reason)
             failed = self._offer.consumer_block_ids if self._offer is not None else BlockIds([])
             message = Failure(
                 request_id=params.request_id,
@@ -939,7 +599,7 @@ class ConsumerSession:
     @property
     def is_prefix_hit(self) -> bool:
         """True when the consumer holds no block to load: a full local prefix hit (CLIP-1)."""
-        return all(b == NULL_BLOCK_ID for group in self.consumer_block_ids for b in group)
+        return is_prefix_hit(self.consumer_block_ids)
 
     @property
     def failure(self) -> FailureInfo | None:
@@ -995,9 +655,7 @@ class ConsumerSession:
             self._check_completion(message)
             return self._handle(ConsumerEvent.COMPLETION, now)
         if isinstance(message, Failure):
-            failed = message.failed_consumer_block_ids
-            if len(failed) == 0:
-                failed = self.consumer_block_ids
+            failed = get_failed_consumer_block_ids(message.failed_consumer_block_ids, self.consumer_block_ids)
             return self._handle(ConsumerEvent.FAILURE, now, reason=message.reason, detail=message.detail, failed=failed)
         if isinstance(message, Abort):
             return self._handle(ConsumerEvent.PEER_ABORT, now, reason=FailureReason.ABORTED, detail=message.detail)
@@ -1072,7 +730,7 @@ class ConsumerSession:
 
     def _due(self) -> tuple[float, ConsumerEvent, FailureReason | None] | None:
         anchors = {"lease": self.params.lease_deadline, "entered": self._entered_at, "started": self._started_at}
-        due = _next_due(_CONSUMER_DUE.get((self.mode, self._state), ()), self, anchors)
+        due = get_next_deadline(_CONSUMER_DUE.get((self.mode, self._state), ()), self, anchors)
         return None if due is None else (due[0], due[1].event, due[1].reason)
 
     def _advance(self, now: float) -> Output:
@@ -1108,7 +766,7 @@ class ConsumerSession:
         if row.target in (ConsumerState.FAILING, ConsumerState.FAILED) and self._failure is None:
             self._failure = FailureInfo(
                 reason=reason or FailureReason.TRANSFER_ERROR,
-                failed_consumer_block_ids=self.consumer_block_ids if failed is None else failed,
+                failed_consumer_block_ids=get_failed_consumer_block_ids(failed, self.consumer_block_ids),
                 detail=detail,
             )
         actions = tuple(self._act(action, event=event) for action in row.actions)
@@ -1117,7 +775,7 @@ class ConsumerSession:
     def _act(self, action: Action, *, event: ConsumerEvent) -> Effect:
         params = self.params
         if action is Action.FREE:
-            return Free(block_ids=_non_null(self.consumer_block_ids))
+            return Free(block_ids=get_freed_block_ids(self.consumer_block_ids))
         if action is Action.POST:
             self._posted = True
             return Post()
@@ -1133,20 +791,13 @@ class ConsumerSession:
             self._release = Release(
                 request_id=params.request_id,
                 consumer_engine_id=self.consumer_engine_id,
-                outcome=_OUTCOMES[self._state] if event is not ConsumerEvent.PREFIX_HIT else ReleaseOutcome.PREFIX_HIT,
+                outcome=get_release_outcome(self._state, event),
             )
             return Send(message=self._release)
         raise LocalProtocolError(f"consumer cannot perform {action}")  # pragma: no cover - table guard
 
     def __repr__(self) -> str:
         return f"<ConsumerSession {self.params.request_id!r} {self.mode.value} {self._state.value}>"
-
-
-_OUTCOMES: Mapping[ConsumerState, ReleaseOutcome] = {
-    ConsumerState.LOADED: ReleaseOutcome.LOADED,
-    ConsumerState.FAILED: ReleaseOutcome.FAILED,
-    ConsumerState.ABORTED: ReleaseOutcome.ABORTED,
-}
 
 
 # --------------------------------------------------------------------------- diagrams

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import enum
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeAlias, TypeVar
@@ -51,6 +50,7 @@ from kvspec.core._models import (
 )
 from kvspec.reference._integrity import DIGEST_HEX_LENGTH, BlockDigests, is_block_digest
 from kvspec.spec.digest import get_offered_algorithms
+from kvspec.spec.lifecycle import ReleaseOutcome
 from kvspec.spec.parallel import ParallelLayout
 
 __all__ = [
@@ -91,15 +91,6 @@ MAX_LAYOUT_SUB_BLOCKS = 256
 
 TransportData: TypeAlias = Mapping[str, str | int] | bytes
 """The transport's own addressing data: named values (host, port...) or opaque bytes."""
-
-
-class ReleaseOutcome(str, enum.Enum):
-    """How the consumer's request ended; carried by its one :class:`Release` (REL-1)."""
-
-    LOADED = "loaded"
-    PREFIX_HIT = "prefix_hit"
-    FAILED = "failed"
-    ABORTED = "aborted"
 
 
 # --------------------------------------------------------------------------- validators

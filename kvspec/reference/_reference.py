@@ -9,10 +9,7 @@ from collections.abc import Iterable, Sequence
 from kvspec.core._deprecation import keyword_only, warn_renamed
 from kvspec.core._enums import StateProfile, TransferMode
 from kvspec.core._errors import (
-    BlockAlignmentError,
-    ConfigError,
     GroupCountError,
-    WindowCoverageError,
 )
 from kvspec.core._models import (
     NULL_BLOCK_ID,
@@ -22,20 +19,30 @@ from kvspec.core._models import (
     _checked_group,
 )
 from kvspec.spec.admission import check_hybrid_support, is_full_attention_spec, is_hma_required
-from kvspec.spec.coverage import get_block_ends, get_needed_block_range, get_needed_token_range
+from kvspec.spec.coverage import (
+    _check_prefix,
+    get_block_ends,
+    get_needed_block_range,
+    get_needed_token_range,
+    get_side_checks,
+)
+from kvspec.spec.coverage import _check_side as _spec_check_side
 from kvspec.spec.coverage import get_logical_block_count as _spec_get_logical_block_count
 from kvspec.spec.coverage import get_num_skipped_tokens as _spec_get_num_skipped_tokens
 from kvspec.spec.guard import RankPlan
 from kvspec.spec.guard import check_request_blocks as _plain_check_request_blocks
-from kvspec.spec.pairing import BlockPairs
+from kvspec.spec.pairing import BlockPairs, check_tail_alignment, get_paired_block_ends
 from kvspec.spec.parallel import check_coverage
-from kvspec.spec.state import check_state_position, check_state_prefix_hit, get_state_paired_lists, is_state_spec
+from kvspec.spec.state import check_state_position, get_state_paired_lists, is_state_spec
 from kvspec.spec.window import (
     BlockIdsLike,
     TokenBasis,
     get_block_budget,
     get_blocks_per_sw,
     get_token_basis_group,
+)
+from kvspec.spec.window import (
+    check_count as _check_count,
 )
 
 __all__ = [
@@ -76,12 +83,6 @@ def _derived_block_ids(groups: Sequence[tuple[int, ...]], null_free: Sequence[bo
     Validation is O(n) per id and would dominate a long request (benchmarks/bench_engine.py).
     """
     return BlockIds._from_trusted(groups, null_free)
-
-
-def _check_count(name: str, value: object) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise ConfigError(f"{name}: expected a non-negative int, got {value!r}")
-    return value
 
 
 # --------------------------------------------------------------------------- CLIP-1 on engine lists
@@ -142,23 +143,6 @@ def _clip_checked(ids: BlockIds, budgets: Sequence[int]) -> BlockIds:
 # --------------------------------------------------------------------------- ALIGN-1, NULL-1
 
 
-def _check_ends(role: str, ends: Sequence[int] | None, ids: BlockIds) -> tuple[int, ...] | None:
-    """Validate the ends a side declared for its list, or pass None (a 1.0 peer) through (ALIGN-1)."""
-    if ends is None:
-        return None
-    checked = tuple(_check_count(f"{role}_block_ends[{g}]", end) for g, end in enumerate(ends))
-    if len(checked) != len(ids):
-        raise GroupCountError(f"{role} block ids have {len(ids)} groups, its block ends {len(checked)} (ALIGN-1)")
-    for g, (end, group) in enumerate(zip(checked, ids, strict=True)):
-        # A list of n ids ending at logical block `end` starts at end - n, which may not be negative.
-        if len(group) > end:
-            raise BlockAlignmentError(
-                f"group {g}: the {role}'s list holds {len(group)} blocks but says it ends at logical block "
-                f"{end - 1}, before its own length (ALIGN-1)"
-            )
-    return checked
-
-
 def compute_block_pairs(
     *,
     producer_block_ids: BlockIdsLike,
@@ -181,24 +165,12 @@ def compute_block_pairs(
     producer, consumer = _to_block_ids(producer_block_ids), _to_block_ids(consumer_block_ids)
     if len(consumer) == 0:
         return BlockPairs(producer_block_ids=[], consumer_block_ids=[])  # full prefix hit (ALIGN-1)
-    if len(producer) != len(consumer):
-        raise GroupCountError(f"producer has {len(producer)} groups, consumer {len(consumer)} (ALIGN-1)")
-    p_ends = _check_ends("producer", producer_block_ends, producer)
-    c_ends = _check_ends("consumer", consumer_block_ends, consumer)
+    check_tail_alignment(
+        producer, consumer, producer_block_ends=producer_block_ends, consumer_block_ends=consumer_block_ends
+    )
     pairs_p: list[tuple[int, ...]] = []
     pairs_c: list[tuple[int, ...]] = []
     for g, (p, c) in enumerate(zip(producer, consumer, strict=True)):
-        if len(c) > len(p):
-            raise BlockAlignmentError(
-                f"group {g}: consumer holds {len(c)} blocks, producer offers {len(p)}; "
-                "the consumer may hold at most as many (ALIGN-1)"
-            )
-        # Tail alignment pairs by position only if both lists end at the same logical block.
-        if p_ends is not None and c_ends is not None and p_ends[g] != c_ends[g]:
-            raise BlockAlignmentError(
-                f"group {g}: the producer's list ends at logical block {p_ends[g] - 1}, the consumer's at "
-                f"{c_ends[g] - 1}; both must end at the same block (ALIGN-1)"
-            )
         # Tail alignment: C's list is its uncached suffix, so it ends where P's ends (never front-trim).
         tail = p[len(p) - len(c) :]
         # A group proven null-free (when it was checked) skips the scan: O(1) instead of O(n).
@@ -270,23 +242,6 @@ def get_consumer_block_counts(
     return tuple(counts)
 
 
-def _check_prefix(config: KVCacheConfig, num_tokens: int, prefix_hit_tokens: int) -> None:
-    t = _check_count("num_tokens", num_tokens)
-    h = _check_count("prefix_hit_tokens", prefix_hit_tokens)
-    if h > t:
-        raise ConfigError(f"prefix_hit_tokens: expected at most num_tokens={t}, got {h}")
-    for g, group in enumerate(config.kv_cache_groups):
-        if is_state_spec(group.kv_cache_spec):
-            continue  # a state group's hit is a state boundary, checked below (STATE-4)
-        # C's list is tail-aligned and starts on a block boundary, so H must be whole blocks (WIN-1).
-        if h % group.kv_cache_spec.block_size:
-            raise BlockAlignmentError(
-                f"prefix_hit_tokens={h} is not a multiple of group {g}'s block size "
-                f"{group.kv_cache_spec.block_size} (WIN-1)"
-            )
-    check_state_prefix_hit(config, prefix_hit_tokens=h)
-
-
 def _check_side(
     role: str,
     ids: BlockIds,
@@ -298,36 +253,23 @@ def _check_side(
     floor: int,
     listed_tokens: int,
 ) -> None:
-    """One side's list of group g, ending at logical block ``end - 1``, against the blocks it may hold (WIN-1)."""
+    """WIN-1's side check with its common case at C speed; the definition names what is wrong (WIN-1)."""
     blocks = ids[g]
-    total = get_logical_block_count(spec, num_tokens=listed_tokens)
-    if end > total:
-        # A list that reaches past the request's last block was built for more tokens (or shifted).
-        raise BlockAlignmentError(
-            f"group {g}: the {role}'s list ends at logical block {end - 1}, past the request's last block "
-            f"{total - 1} ({listed_tokens} tokens listed) (WIN-1)"
-        )
-    if len(blocks) > end - floor:
-        raise BlockAlignmentError(
-            f"group {g}: {role} lists {len(blocks)} blocks, but {listed_tokens} tokens leave at most {end - floor} "
-            "(WIN-1)"
-        )
     first = end - len(blocks)  # the logical block of the list's first entry
-    if not needed or (
-        first <= needed.start
-        and needed.stop <= end
-        and (ids._null_free[g] or NULL_BLOCK_ID not in blocks[needed.start - first : needed.stop - first])
-    ):
-        return  # the common case, checked at C speed
-    for k in needed:
-        block_id = blocks[k - first] if first <= k < end else None
-        if block_id is None or block_id == NULL_BLOCK_ID:
-            found = "no block" if block_id is None else "the null block"
-            span = f"tokens [{k * spec.block_size}, {(k + 1) * spec.block_size - 1}]"
-            raise WindowCoverageError(
-                f"group {g} ({spec.kind.value}): logical block {k} ({span}) is needed by the consumer but the "
-                f"{role} has {found} there; needed blocks {needed.start}..{needed.stop - 1} (WIN-1)"
+    if (
+        end <= get_logical_block_count(spec, num_tokens=listed_tokens)
+        and first >= floor
+        and (
+            not needed
+            or (
+                first <= needed.start
+                and needed.stop <= end
+                and (ids._null_free[g] or NULL_BLOCK_ID not in blocks[needed.start - first : needed.stop - first])
             )
+        )
+    ):
+        return
+    _spec_check_side(role, blocks, g, spec, needed, end=end, floor=floor, listed=listed_tokens)
 
 
 def check_window_coverage(
@@ -407,30 +349,26 @@ def _check_coverage(
     producer_block_ends: Sequence[int] | None,
     consumer_block_ends: Sequence[int] | None,
 ) -> None:
-    specs = [g.kv_cache_spec for g in config.kv_cache_groups]
-    needed = [get_needed_block_range(s, num_tokens=num_tokens, prefix_hit_tokens=prefix_hit_tokens) for s in specs]
-    if len(consumer) == 0:
-        # Zero groups is the full-prefix-hit signal: valid only when C needs nothing (WIN-1).
-        missing = [f"group {g} blocks {r.start}..{r.stop - 1}" for g, r in enumerate(needed) if r]
-        if missing:
-            raise WindowCoverageError(f"consumer offers zero groups but needs {'; '.join(missing)} (WIN-1)")
-        return
-    if len(producer) == 0 and not any(needed):
-        producer = BlockIds([()] * len(specs))  # P offered nothing and nothing is needed
-    for role, ids in (("producer", producer), ("consumer", consumer)):
-        if len(ids) != len(specs):
-            raise GroupCountError(f"{role} block ids have {len(ids)} groups, the config {len(specs)} (WIN-1)")
-    p_ends = _check_ends("producer", producer_block_ends, producer)
-    c_ends = _check_ends("consumer", consumer_block_ends, consumer)
-    for g, spec in enumerate(specs):
-        if is_state_spec(spec):
-            continue  # one state slot, no token positions: STATE-2 and STATE-3 check it, not WIN-1
-        total = get_logical_block_count(spec, num_tokens=listed_tokens)
-        hit_blocks = prefix_hit_tokens // spec.block_size
-        p_end = total if p_ends is None else p_ends[g]
-        c_end = total if c_ends is None else c_ends[g]
-        _check_side("producer", producer, g, spec, needed[g], end=p_end, floor=0, listed_tokens=listed_tokens)
-        _check_side("consumer", consumer, g, spec, needed[g], end=c_end, floor=hit_blocks, listed_tokens=listed_tokens)
+    for side in get_side_checks(
+        config,
+        num_tokens=num_tokens,
+        prefix_hit_tokens=prefix_hit_tokens,
+        producer=producer,
+        consumer=consumer,
+        listed_tokens=listed_tokens,
+        producer_block_ends=producer_block_ends,
+        consumer_block_ends=consumer_block_ends,
+    ):
+        _check_side(
+            side.role,
+            side.ids,
+            side.group,
+            side.spec,
+            side.needed,
+            end=side.end,
+            floor=side.floor,
+            listed_tokens=listed_tokens,
+        )
 
 
 def compute_transfer_pairs(
@@ -465,14 +403,12 @@ def compute_transfer_pairs(
         producer_block_ends=producer_block_ends,
         consumer_block_ends=consumer_block_ends,
     )
-    if (producer_block_ends is None) != (consumer_block_ends is None):
-        # A side that declares no end sits at the request's last block, as WIN-1 placed it; pairing it
-        # by tail against a list that says it ends elsewhere would pair different positions (ALIGN-1).
-        lasts = tuple(
-            get_logical_block_count(g.kv_cache_spec, num_tokens=listed_tokens) for g in config.kv_cache_groups
-        )
-        producer_block_ends = lasts if producer_block_ends is None else producer_block_ends
-        consumer_block_ends = lasts if consumer_block_ends is None else consumer_block_ends
+    producer_block_ends, consumer_block_ends = get_paired_block_ends(
+        config,
+        listed_tokens=listed_tokens,
+        producer_block_ends=producer_block_ends,
+        consumer_block_ends=consumer_block_ends,
+    )
     # Each state group pairs its one slot by STATE-3; the other groups pair by tail (ALIGN-1).
     producer, consumer, p_ends, c_ends = get_state_paired_lists(
         config, producer, consumer, producer_block_ends, consumer_block_ends

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 from kvspec.core._errors import BlockAlignmentError, ConfigError, GroupCountError, WindowCoverageError
 from kvspec.core._models import (
@@ -18,6 +19,7 @@ from kvspec.spec.state import check_state_prefix_hit, is_state_spec
 from kvspec.spec.window import BlockIdsLike, check_count
 
 __all__ = [
+    "SideCheck",
     "check_window_coverage",
     "get_block_ends",
     "get_checked_block_ends",
@@ -26,6 +28,7 @@ __all__ = [
     "get_needed_token_range",
     "get_num_skipped_tokens",
     "get_pruned_block_ids",
+    "get_side_checks",
 ]
 
 
@@ -177,6 +180,63 @@ def _check_side(
             )
 
 
+class SideCheck(NamedTuple):
+    """One side's list of one group as WIN-1 checks it: ending at block ``end - 1``, from ``floor`` on (WIN-1)."""
+
+    role: str
+    ids: BlockIds
+    group: int
+    spec: KVCacheSpec
+    needed: range
+    end: int
+    floor: int
+
+
+def get_side_checks(
+    config: KVCacheConfig,
+    *,
+    num_tokens: int,
+    prefix_hit_tokens: int,
+    producer: BlockIds,
+    consumer: BlockIds,
+    listed_tokens: int,
+    producer_block_ends: Sequence[int] | None,
+    consumer_block_ends: Sequence[int] | None,
+) -> list[SideCheck]:
+    """The lists' shape checked, what WIN-1 then checks of each side of each attention group (WIN-1).
+
+    Zero consumer groups (full prefix hit) pass only when nothing is needed,
+    and then ask nothing more; a state group asks nothing of this rule (WIN-1).
+    """
+    specs = [group.kv_cache_spec for group in config.kv_cache_groups]
+    needed = [get_needed_block_range(s, num_tokens=num_tokens, prefix_hit_tokens=prefix_hit_tokens) for s in specs]
+    if len(consumer) == 0:
+        # Zero groups is the full-prefix-hit signal: valid only when C needs nothing (WIN-1).
+        missing = [f"group {g} blocks {r.start}..{r.stop - 1}" for g, r in enumerate(needed) if r]
+        if missing:
+            raise WindowCoverageError(f"consumer offers zero groups but needs {'; '.join(missing)} (WIN-1)")
+        return []
+    if len(producer) == 0 and not any(needed):
+        producer = BlockIds([()] * len(specs))  # P offered nothing and nothing is needed
+    for role, ids in (("producer", producer), ("consumer", consumer)):
+        # One list per group, or a group would be checked against another's window (WIN-1).
+        if len(ids) != len(specs):
+            raise GroupCountError(f"{role} block ids have {len(ids)} groups, the config {len(specs)} (WIN-1)")
+    p_ends = get_checked_block_ends("producer", producer_block_ends, producer)
+    c_ends = get_checked_block_ends("consumer", consumer_block_ends, consumer)
+    checks = []
+    for g, spec in enumerate(specs):
+        if is_state_spec(spec):
+            continue  # one state slot, no token positions: STATE-2 and STATE-3 check it, not WIN-1
+        total = get_logical_block_count(spec, num_tokens=listed_tokens)
+        p_end = total if p_ends is None else p_ends[g]
+        c_end = total if c_ends is None else c_ends[g]
+        hit_blocks = prefix_hit_tokens // spec.block_size
+        checks.append(SideCheck("producer", producer, g, spec, needed[g], p_end, 0))
+        checks.append(SideCheck("consumer", consumer, g, spec, needed[g], c_end, hit_blocks))
+    return checks
+
+
 def check_window_coverage(
     config: KVCacheConfig,
     *,
@@ -201,28 +261,23 @@ def check_window_coverage(
     listed = num_tokens + check_count("recomputed_tokens", recomputed_tokens)
     producer = producer_block_ids if isinstance(producer_block_ids, BlockIds) else BlockIds(producer_block_ids)
     consumer = consumer_block_ids if isinstance(consumer_block_ids, BlockIds) else BlockIds(consumer_block_ids)
-    specs = [group.kv_cache_spec for group in config.kv_cache_groups]
-    needed = [get_needed_block_range(s, num_tokens=num_tokens, prefix_hit_tokens=prefix_hit_tokens) for s in specs]
-    if len(consumer) == 0:
-        # Zero groups is the full-prefix-hit signal: valid only when C needs nothing (WIN-1).
-        missing = [f"group {g} blocks {r.start}..{r.stop - 1}" for g, r in enumerate(needed) if r]
-        if missing:
-            raise WindowCoverageError(f"consumer offers zero groups but needs {'; '.join(missing)} (WIN-1)")
-        return
-    if len(producer) == 0 and not any(needed):
-        producer = BlockIds([()] * len(specs))  # P offered nothing and nothing is needed
-    for role, ids in (("producer", producer), ("consumer", consumer)):
-        # One list per group, or a group would be checked against another's window (WIN-1).
-        if len(ids) != len(specs):
-            raise GroupCountError(f"{role} block ids have {len(ids)} groups, the config {len(specs)} (WIN-1)")
-    p_ends = get_checked_block_ends("producer", producer_block_ends, producer)
-    c_ends = get_checked_block_ends("consumer", consumer_block_ends, consumer)
-    for g, spec in enumerate(specs):
-        if is_state_spec(spec):
-            continue  # one state slot, no token positions: STATE-2 and STATE-3 check it, not WIN-1
-        total = get_logical_block_count(spec, num_tokens=listed)
-        p_end = total if p_ends is None else p_ends[g]
-        c_end = total if c_ends is None else c_ends[g]
-        _check_side("producer", producer[g], g, spec, needed[g], end=p_end, floor=0, listed=listed)
-        hit_blocks = prefix_hit_tokens // spec.block_size
-        _check_side("consumer", consumer[g], g, spec, needed[g], end=c_end, floor=hit_blocks, listed=listed)
+    for side in get_side_checks(
+        config,
+        num_tokens=num_tokens,
+        prefix_hit_tokens=prefix_hit_tokens,
+        producer=producer,
+        consumer=consumer,
+        listed_tokens=listed,
+        producer_block_ends=producer_block_ends,
+        consumer_block_ends=consumer_block_ends,
+    ):
+        _check_side(
+            side.role,
+            side.ids[side.group],
+            side.group,
+            side.spec,
+            side.needed,
+            end=side.end,
+            floor=side.floor,
+            listed=listed,
+        )

@@ -13,7 +13,13 @@ from kvspec.spec.coverage import check_window_coverage, get_checked_block_ends, 
 from kvspec.spec.state import get_state_paired_lists
 from kvspec.spec.window import BlockIdsLike
 
-__all__ = ["BlockPairs", "compute_block_pairs", "compute_transfer_pairs"]
+__all__ = [
+    "BlockPairs",
+    "check_tail_alignment",
+    "compute_block_pairs",
+    "compute_transfer_pairs",
+    "get_paired_block_ends",
+]
 
 
 def _to_block_ids(value: BlockIdsLike) -> BlockIds:
@@ -61,6 +67,34 @@ class BlockPairs:
                 yield g, producer_id, consumer_id
 
 
+def check_tail_alignment(
+    producer: BlockIds,
+    consumer: BlockIds,
+    *,
+    producer_block_ends: Sequence[int] | None = None,
+    consumer_block_ends: Sequence[int] | None = None,
+) -> None:
+    """Raise unless C's lists pair with P's by tail: same groups, never longer, ending at the same block (ALIGN-1)."""
+    # Group g pairs with group g: both sides list every group (ALIGN-1).
+    if len(producer) != len(consumer):
+        raise GroupCountError(f"producer has {len(producer)} groups, consumer {len(consumer)} (ALIGN-1)")
+    p_ends = get_checked_block_ends("producer", producer_block_ends, producer)
+    c_ends = get_checked_block_ends("consumer", consumer_block_ends, consumer)
+    for g, (p, c) in enumerate(zip(producer, consumer, strict=True)):
+        # C's list is its uncached suffix of P's: it can never be longer (ALIGN-1).
+        if len(c) > len(p):
+            raise BlockAlignmentError(
+                f"group {g}: consumer holds {len(c)} blocks, producer offers {len(p)}; "
+                "the consumer may hold at most as many (ALIGN-1)"
+            )
+        # Tail alignment pairs by position only if both lists end at the same logical block (ALIGN-1).
+        if p_ends is not None and c_ends is not None and p_ends[g] != c_ends[g]:
+            raise BlockAlignmentError(
+                f"group {g}: the producer's list ends at logical block {p_ends[g] - 1}, the consumer's at "
+                f"{c_ends[g] - 1}; both must end at the same block (ALIGN-1)"
+            )
+
+
 def compute_block_pairs(
     *,
     producer_block_ids: BlockIdsLike,
@@ -77,26 +111,12 @@ def compute_block_pairs(
     producer, consumer = _to_block_ids(producer_block_ids), _to_block_ids(consumer_block_ids)
     if len(consumer) == 0:
         return BlockPairs(producer_block_ids=[], consumer_block_ids=[])  # full prefix hit (ALIGN-1)
-    # Group g pairs with group g: both sides list every group (ALIGN-1).
-    if len(producer) != len(consumer):
-        raise GroupCountError(f"producer has {len(producer)} groups, consumer {len(consumer)} (ALIGN-1)")
-    p_ends = get_checked_block_ends("producer", producer_block_ends, producer)
-    c_ends = get_checked_block_ends("consumer", consumer_block_ends, consumer)
+    check_tail_alignment(
+        producer, consumer, producer_block_ends=producer_block_ends, consumer_block_ends=consumer_block_ends
+    )
     pairs_p: list[list[int]] = []
     pairs_c: list[list[int]] = []
     for g, (p, c) in enumerate(zip(producer, consumer, strict=True)):
-        # C's list is its uncached suffix of P's: it can never be longer (ALIGN-1).
-        if len(c) > len(p):
-            raise BlockAlignmentError(
-                f"group {g}: consumer holds {len(c)} blocks, producer offers {len(p)}; "
-                "the consumer may hold at most as many (ALIGN-1)"
-            )
-        # Tail alignment pairs by position only if both lists end at the same logical block (ALIGN-1).
-        if p_ends is not None and c_ends is not None and p_ends[g] != c_ends[g]:
-            raise BlockAlignmentError(
-                f"group {g}: the producer's list ends at logical block {p_ends[g] - 1}, the consumer's at "
-                f"{c_ends[g] - 1}; both must end at the same block (ALIGN-1)"
-            )
         offset = len(p) - len(c)  # tail alignment: never front-trim (ALIGN-1)
         pairs_p.append([])
         pairs_c.append([])
@@ -106,6 +126,30 @@ def compute_block_pairs(
                 pairs_p[g].append(producer_id)
                 pairs_c[g].append(consumer_id)
     return BlockPairs(producer_block_ids=pairs_p, consumer_block_ids=pairs_c)
+
+
+def get_paired_block_ends(
+    config: KVCacheConfig,
+    *,
+    listed_tokens: int,
+    producer_block_ends: Sequence[int] | None,
+    consumer_block_ends: Sequence[int] | None,
+) -> tuple[Sequence[int] | None, Sequence[int] | None]:
+    """The ends both lists pair at: where one side alone declares its ends, the other's are its last blocks (ALIGN-1).
+
+    A side that declares no end sits at the request's last block
+    (``cdiv(listed_tokens, B_g)``), as WIN-1 placed it; pairing it by tail
+    against a list that ends elsewhere would pair different positions (ALIGN-1).
+    """
+    if (producer_block_ends is None) == (consumer_block_ends is None):
+        return producer_block_ends, consumer_block_ends
+    lasts = tuple(
+        get_logical_block_count(group.kv_cache_spec, num_tokens=listed_tokens) for group in config.kv_cache_groups
+    )
+    return (
+        lasts if producer_block_ends is None else producer_block_ends,
+        lasts if consumer_block_ends is None else consumer_block_ends,
+    )
 
 
 def compute_transfer_pairs(
@@ -140,15 +184,12 @@ def compute_transfer_pairs(
         producer_block_ends=producer_block_ends,
         consumer_block_ends=consumer_block_ends,
     )
-    if (producer_block_ends is None) != (consumer_block_ends is None):
-        # A side that declares no end sits at the request's last block, as WIN-1 placed it; pairing it
-        # by tail against a list that ends elsewhere would pair different positions (ALIGN-1).
-        lasts = tuple(
-            get_logical_block_count(group.kv_cache_spec, num_tokens=num_tokens + recomputed_tokens)
-            for group in config.kv_cache_groups
-        )
-        producer_block_ends = lasts if producer_block_ends is None else producer_block_ends
-        consumer_block_ends = lasts if consumer_block_ends is None else consumer_block_ends
+    producer_block_ends, consumer_block_ends = get_paired_block_ends(
+        config,
+        listed_tokens=num_tokens + recomputed_tokens,
+        producer_block_ends=producer_block_ends,
+        consumer_block_ends=consumer_block_ends,
+    )
     # Each state group pairs its one slot by STATE-3; the other groups pair by tail (ALIGN-1).
     producer, consumer, p_ends, c_ends = get_state_paired_lists(
         config,

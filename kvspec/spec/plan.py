@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Sequence
 from typing import Protocol
 
 import attrs
@@ -133,6 +134,24 @@ def _check_group_layout(producer_config: KVCacheConfig, consumer_config: KVCache
     return page
 
 
+def _check_group_pairs(
+    producer_config: KVCacheConfig,
+    consumer_config: KVCacheConfig,
+    g: int,
+    producer_ids: Sequence[int],
+    consumer_ids: Sequence[int],
+) -> int:
+    """Group ``g``'s pairs and layouts checked; its page size."""
+    # Every pair has both ends (ALIGN-1).
+    if len(producer_ids) != len(consumer_ids):
+        raise PlanError(f"group {g}: {len(producer_ids)} producer ids paired with {len(consumer_ids)} consumer ids")
+    page = _check_group_layout(producer_config, consumer_config, g)
+    for i, (p_id, c_id) in enumerate(zip(producer_ids, consumer_ids, strict=True)):
+        _check_block_id(producer_config, "producer", g, i, p_id)
+        _check_block_id(consumer_config, "consumer", g, i, c_id)
+    return page
+
+
 def compute_page_copies(
     *, producer_config: KVCacheConfig, consumer_config: KVCacheConfig, pairs: BlockPairsLike
 ) -> tuple[PageCopy, ...]:
@@ -151,13 +170,7 @@ def compute_page_copies(
     pages: list[PageCopy] = []
     both = zip(pairs.producer_block_ids, pairs.consumer_block_ids, strict=True)
     for g, (producer_ids, consumer_ids) in enumerate(both):
-        # Every pair has both ends (ALIGN-1).
-        if len(producer_ids) != len(consumer_ids):
-            raise PlanError(f"group {g}: {len(producer_ids)} producer ids paired with {len(consumer_ids)} consumer ids")
-        page = _check_group_layout(producer_config, consumer_config, g)
-        for i, (p_id, c_id) in enumerate(zip(producer_ids, consumer_ids, strict=True)):
-            _check_block_id(producer_config, "producer", g, i, p_id)
-            _check_block_id(consumer_config, "consumer", g, i, c_id)
+        page = _check_group_pairs(producer_config, consumer_config, g, producer_ids, consumer_ids)
         for layer in producer_config.kv_cache_groups[g].layer_names:
             if producer_ids:
                 # Strides are linear in the block id, so the largest id bounds every page (PLAN-1).
