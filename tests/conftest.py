@@ -109,7 +109,10 @@ def _group_by_scope(items: list[pytest.Item]) -> None:
     items.sort(key=lambda item: order[id(item)])
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # tryfirst: pytest-xdist's worker reads the ``xdist_group`` marks in its own hook of this name; the marks must
+    # be on the items before it does (test_conformance_conftest.py checks that the groups took).
     if os.environ.get("PYTEST_XDIST_WORKER"):
         _group_by_scope(items)
     if config.getoption("--run-slow"):

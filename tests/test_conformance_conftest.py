@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 TESTS = Path(__file__).resolve().parent
 
@@ -53,3 +56,18 @@ def test_missing_backend_skips_by_default_and_fails_when_required(tmp_path: Path
     assert "--require-backends" in required.stdout
     slow = _pytest(tmp_path, "--run-slow", "-k", "slow")
     assert "1 passed" in slow.stdout, slow.stdout
+
+
+@pytest.fixture(scope="module")
+def module_scoped() -> str:
+    return "built once per module"
+
+
+def test_the_test_run_keeps_a_module_with_a_module_fixture_on_one_worker(
+    request: pytest.FixtureRequest, module_scoped: str
+) -> None:
+    """scripts/test's ``--dist loadgroup`` gets the groups tests/conftest.py gives (a pytest that drops them spreads
+    each module over both workers, and every module-scoped agent or worker is built twice)."""
+    if not os.environ.get("PYTEST_XDIST_WORKER") or not getattr(request.config.option, "loadgroup", False):
+        pytest.skip("checks the grouping of scripts/test's run (-n 2 --dist loadgroup)")
+    assert request.node.nodeid.endswith("@test_conformance_conftest"), request.node.nodeid
