@@ -31,7 +31,7 @@ def test_hits_of_the_spec_table() -> None:
 
 
 def test_load_positions_of_the_spec_table() -> None:
-    # docs/spec/offload.md, OFF-6.
+    # docs/explanation/offload-and-vllm.md, worked values, OFF-6.
     assert expected_load_positions(FULL_SW, num_tokens=12, local_hit_tokens=0) == [range(0, 3), range(1, 3)]
     assert expected_load_positions(FULL_SW, num_tokens=16, local_hit_tokens=12) == [range(3, 4), range(3, 4)]
     assert expected_load_positions(MIXED, num_tokens=80, local_hit_tokens=48) == [range(4, 7), range(3, 5)]

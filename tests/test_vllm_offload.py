@@ -78,7 +78,7 @@ def test_import_kvspec_never_imports_vllm_for_the_offload_audit() -> None:
 def test_hma_test_full_and_window_hit_and_load_agree(adapter: Any) -> None:
     """vLLM's test_two_groups_full_and_sliding_window: N=13 hits 12, loads (0,0..2), (1,1..2) (OFF-5, OFF-6).
 
-    Values as docs/spec/offload.md quotes them.
+    Values as docs/explanation/offload-and-vllm.md quotes them (worked values).
     """
     config = _config("full/B4", "sw8/B4")
     present = [[True] * 3, [True] * 3]
@@ -97,7 +97,7 @@ def test_hma_test_full_and_window_hit_and_load_agree(adapter: Any) -> None:
 def test_hma_test_different_block_sizes_agree(adapter: Any) -> None:
     """vLLM's test_two_groups_different_block_sizes: 85 tokens, a 48-token GPU hit, load 32 more (OFF-5, OFF-6).
 
-    Values as docs/spec/offload.md quotes them.
+    Values as docs/explanation/offload-and-vllm.md quotes them (worked values).
     """
     config = _config("full/B12", "full/B16")
     present = [[True] * 7, [True] * 5]

@@ -31,7 +31,7 @@ EXCHANGED_KINDS: tuple[str, ...] = (
     "indexer",
     "mamba",
 )
-"""Kinds whose blocks the exchange rules place: WIN-1 for attention and indexers, STATE-1 .. STATE-5 for state."""
+"""The kinds that may be exchanged: a rule places their blocks (the window rules, the state rules) (CACHE-1)."""
 
 SCRATCH_KINDS: tuple[str, ...] = ("circular_buffer",)
 """Scratch kinds (vLLM's ``CircularBufferSpec``, not prefix-cacheable): no rule places them, so never exchanged."""
@@ -40,7 +40,10 @@ CACHE_KINDS: tuple[str, ...] = EXCHANGED_KINDS + SCRATCH_KINDS
 """Every cache kind a declaration may name; any other is refused by name (CACHE-1)."""
 
 EXCHANGED = "exchanged"
+"""The disposition of a cache the exchanged groups hold whole, as its kind (CACHE-1)."""
+
 EPHEMERAL = "ephemeral"
+"""The disposition of a cache declared ephemeral that may be: draft or scratch, not exchanged (CACHE-1)."""
 
 GroupKey: TypeAlias = tuple[str, tuple[str, ...]]
 """One exchanged group as CACHE-1 sees it: its kind's name and its layer names."""

@@ -97,6 +97,7 @@ __all__ = [
 ]
 
 Buffer: TypeAlias = memoryview | bytes | bytearray
+"""The bytes a rank digests a page from: any flat buffer (INT-2)."""
 
 DIGEST_MODULUS = 1 << 128
 """Cell digests are 128-bit integers (little-endian digest bytes) added modulo this (INT-2)."""
