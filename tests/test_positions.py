@@ -19,6 +19,7 @@ from kvspec import (
     BlockAlignmentError,
     BlockIds,
     BlockPairs,
+    ChunkedLocalAttentionSpec,
     ConfigError,
     FullAttentionSpec,
     GroupCountError,
@@ -228,6 +229,22 @@ def _check_accepts_correct_lists(pairing: Pairing, s: Scenario, ends: bool) -> N
 )
 @example(  # W = 128, B = 16 (a pinned SW-1 value) at the (N - 1) % B == 0 boundary, N = 257
     scenario=build_scenario(config_from_specs([sw(128, 16), fa(16)]), 256, 0, recomputed_tokens=1), ends=True
+)
+@example(  # chunked local C = 2, B = 1, T = 1, R = 2: T's chunk starts two tokens before the tail of N's (SW-1)
+    scenario=build_scenario(
+        config_from_specs(
+            [
+                ChunkedLocalAttentionSpec(
+                    block_size=1, num_kv_heads=1, head_size=1, dtype="float16", attention_chunk_size=2
+                ),
+                fa(1),
+            ]
+        ),
+        1,
+        0,
+        recomputed_tokens=2,
+    ),
+    ends=False,
 )
 def test_lists_for_the_prompt_length_are_accepted_with_the_recomputed_token(scenario: Scenario, ends: bool) -> None:
     _check_accepts_correct_lists(REFERENCE, scenario, ends)

@@ -129,11 +129,11 @@ def test_llama4_and_qwen3_next_are_admitted_under_hma() -> None:
     assert any(isinstance(g.kv_cache_spec, ChunkedLocalAttentionSpec) for g in scout.kv_cache_groups)
     check_hybrid_support(scout, mode="read")  # chunked local is admitted since CACHE-1
     check_hybrid_support(scout, mode="read", disable_hybrid_kv_cache_manager=True)
-    # Every 4th layer is global (NoPE), the other 36 chunked local, C = 8192: one chunk is 512 blocks of 16.
+    # Every 4th layer is global (NoPE), the other 36 chunked local, C = 8192: one chunk is 512 blocks of 16, and one more (SW-1).
     layout = get_preset("llama-4-scout").get_group_layout()
     assert [len(g) for g in layout] == [12, 12, 12, 12]
     assert layout[-1] == list(range(3, 48, 4))
-    assert get_blocks_per_sw(scout) == (512, 512, 512, 0)
+    assert get_blocks_per_sw(scout) == (513, 513, 513, 0)
     qwen = get_preset("qwen3-next-80b").build_config(num_blocks=2, max_layers_per_group=1)
     assert any(isinstance(g.kv_cache_spec, MambaSpec) for g in qwen.kv_cache_groups)
     assert len({g.kv_cache_spec.page_size_bytes for g in qwen.kv_cache_groups}) == 1  # padded to one page

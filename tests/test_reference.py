@@ -187,14 +187,14 @@ def test_blocks_per_sw_formula(config: KVCacheConfig) -> None:
             worst = max(len(get_needed_block_range(spec, num_tokens=t, prefix_hit_tokens=0)) for t in range(0, 300))
             assert worst <= budget
         elif isinstance(spec, ChunkedLocalAttentionSpec):
-            # A chunk boundary, not a window: the blocks the list's tail must keep, with R = 0 or 1 (CACHE-1).
+            # A chunk boundary, not a window: the blocks the list's tail must keep, with R = 0, 1 or 2 (SW-1).
             c, b = spec.attention_chunk_size, spec.block_size
-            assert budget == (c + b - math.gcd(c, b) - 1) // b + 1
-            assert budget == c // b or c % b  # exactly C / B when B divides C: no sliding-window + 1
+            assert budget == (c + b - math.gcd(c, b) - 1) // b + 2
+            assert budget == c // b + 1 or c % b  # C / B + 1 when B divides C
             tails = [
                 -(-(t + r) // b) - needed.start
                 for t in range(0, 3 * c + 2 * b)
-                for r in (0, 1)
+                for r in (0, 1, 2)
                 if (needed := get_needed_block_range(spec, num_tokens=t, prefix_hit_tokens=0))
             ]
             assert max(tails, default=0) <= budget
@@ -213,10 +213,10 @@ def test_blocks_per_sw_pins(window: int, block_size: int, expected: int) -> None
 def test_blocks_per_sw_counts_sw_mla_and_not_mla() -> None:
     swmla = SlidingWindowMLASpec(block_size=16, num_kv_heads=1, head_size=8, dtype="bf16", sliding_window=128)
     mla = MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=8, dtype="bf16")
-    # Chunked local (C=32, B=16) keeps its chunk's two blocks, not a window's cdiv(32, 16) + 1 = 3 (CACHE-1).
-    assert get_blocks_per_sw(config_from_specs([mla, swmla, chunked()])) == (0, 9, 2)
-    # C=40: chunks start at offsets 0 and 8 of a block; 8 + 39 ends in the third block, never a fourth.
-    assert get_blocks_per_sw(config_from_specs([chunked(40, 16), chunked(8192, 16)])) == (3, 512)
+    # Chunked local (C=32, B=16) keeps its chunk's two blocks and one more for the recomputed tokens (SW-1).
+    assert get_blocks_per_sw(config_from_specs([mla, swmla, chunked()])) == (0, 9, 3)
+    # C=40: chunks start at offsets 0 and 8 of a block; 8 + 39 ends in the third block, and one more.
+    assert get_blocks_per_sw(config_from_specs([chunked(40, 16), chunked(8192, 16)])) == (4, 513)
 
 
 # --------------------------------------------------------------------------- CLIP-1

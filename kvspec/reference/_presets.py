@@ -430,7 +430,7 @@ _LLAMA4_SCOUT = ModelPreset(
         _full(8, 128),
     ),
     description="36 chunked-local (C=8192) + 12 full-attention layers: 3 chunked-local groups, then 1 FA group; "
-    "each chunked-local group keeps 512 blocks, one chunk (SW-1, CACHE-1).",
+    "each chunked-local group keeps 513 blocks, one chunk and one more (SW-1, CACHE-1).",
 )
 
 # vLLM's DSA indexer key cache: 128 fp8 values and one fp32 scale per 128 values = 132 bytes a token, one head

@@ -27,15 +27,18 @@ BlockIdsLike: TypeAlias = "BlockIds | Sequence[Sequence[int]]"
 
 
 def get_chunk_budget(spec: ChunkedLocalAttentionSpec) -> int:
-    """Blocks one attention chunk of C tokens can touch: ``(C + B - gcd(C, B) - 1) // B + 1`` (SW-1, CACHE-1).
+    """The blocks one attention chunk of C tokens can touch, plus one: ``(C + B - gcd(C, B) - 1) // B + 2`` (SW-1).
 
     A chunk starts at a multiple of C, so its offset inside a block is a
     multiple of ``g = gcd(C, B)``, at most ``B - g``; from there its C tokens
-    touch that many blocks: ``C / B`` when B divides C, never the sliding
-    window's ``+ 1`` (SW-1, CACHE-1).
+    touch ``(C + B - g - 1) // B + 1`` blocks (``C / B`` when B divides C).
+    The one more block is for the recomputed tokens (WIN-1 clause 2): P clips
+    the list it built for ``T + R`` tokens, while C's chunk is T's, which can
+    start up to R tokens earlier; with ``R <= 2`` the tail kept still reaches
+    T's chunk boundary (SW-1, CACHE-1).
     """
     g = math.gcd(spec.attention_chunk_size, spec.block_size)
-    return (spec.attention_chunk_size + spec.block_size - g - 1) // spec.block_size + 1
+    return (spec.attention_chunk_size + spec.block_size - g - 1) // spec.block_size + 2
 
 
 def get_block_budget(spec: KVCacheSpec) -> int:
