@@ -161,5 +161,6 @@ def test_wheel_installs_in_a_fresh_venv(dist: Path, tmp_path: Path) -> None:
     _install_and_check(_only(dist, "kvspec-*.whl"), tmp_path / "venv", run_suite=True, cwd=work)
 
 
+@pytest.mark.slow  # the dist fixture builds the wheel from the unpacked sdist, and that wheel is installed above
 def test_sdist_installs_in_a_fresh_venv(dist: Path, tmp_path: Path) -> None:
     _install_and_check(_only(dist, "kvspec-*.tar.gz"), tmp_path / "venv")
