@@ -129,7 +129,8 @@ def test_llama4_and_qwen3_next_are_admitted_under_hma() -> None:
     assert any(isinstance(g.kv_cache_spec, ChunkedLocalAttentionSpec) for g in scout.kv_cache_groups)
     check_hybrid_support(scout, mode="read")  # chunked local is admitted since CACHE-1
     check_hybrid_support(scout, mode="read", disable_hybrid_kv_cache_manager=True)
-    # Every 4th layer is global (NoPE), the other 36 chunked local, C = 8192: one chunk is 512 blocks of 16, and one more (SW-1).
+    # Every 4th layer is global (NoPE), the other 36 chunked local, C = 8192: one chunk is 512 blocks of 16,
+    # and one more (SW-1).
     layout = get_preset("llama-4-scout").get_group_layout()
     assert [len(g) for g in layout] == [12, 12, 12, 12]
     assert layout[-1] == list(range(3, 48, 4))
