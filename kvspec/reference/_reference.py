@@ -29,10 +29,9 @@ from kvspec.spec.coverage import (
 from kvspec.spec.coverage import _check_side as _spec_check_side
 from kvspec.spec.coverage import get_logical_block_count as _spec_get_logical_block_count
 from kvspec.spec.coverage import get_num_skipped_tokens as _spec_get_num_skipped_tokens
-from kvspec.spec.guard import RankPlan
+from kvspec.spec.guard import RankPlan, check_rank_plans
 from kvspec.spec.guard import check_request_blocks as _plain_check_request_blocks
 from kvspec.spec.pairing import BlockPairs, check_tail_alignment, get_paired_block_ends
-from kvspec.spec.parallel import check_coverage
 from kvspec.spec.state import check_state_position, get_state_paired_lists, is_state_spec
 from kvspec.spec.window import (
     BlockIdsLike,
@@ -496,12 +495,5 @@ def check_request_blocks(
         producer_block_ends=producer_block_ends,
         consumer_block_ends=consumer_block_ends,
     )
-    for plan in rank_plans:
-        check_coverage(
-            plan.page,
-            producer_tp=plan.producer_tp,
-            consumer_tp=plan.consumer_tp,
-            consumer_rank=plan.consumer_rank,
-            copies=plan.copies,
-        )
+    check_rank_plans(rank_plans)
     return pairs

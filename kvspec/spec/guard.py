@@ -48,6 +48,7 @@ __all__ = [
     "RankPlan",
     "agree_verdicts",
     "apply_guard_mode",
+    "check_rank_plans",
     "check_request_blocks",
     "get_guard_verdict",
     "get_rule_id",
@@ -134,6 +135,12 @@ def check_request_blocks(
         producer_block_ends=producer_block_ends,
         consumer_block_ends=consumer_block_ends,
     )
+    check_rank_plans(rank_plans)
+    return pairs
+
+
+def check_rank_plans(rank_plans: Iterable[RankPlan]) -> None:
+    """Raise unless each consumer rank's copies tile what it owns of its page: :func:`check_coverage` (INT-3, PAR-3)."""
     for plan in rank_plans:
         check_coverage(
             plan.page,
@@ -142,7 +149,6 @@ def check_request_blocks(
             consumer_rank=plan.consumer_rank,
             copies=plan.copies,
         )
-    return pairs
 
 
 _RULE = re.compile(r"\(([A-Z]+-\d+)\)")
