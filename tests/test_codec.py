@@ -687,3 +687,38 @@ def test_a_layout_of_more_sub_blocks_in_all_than_the_handshake_takes_is_malforme
     assert info.value.field == "parallel.pages"
     obj["parallel"]["pages"] = [{"tensors": [tensor] * 8}] * 2  # 256 in all: accepted
     assert isinstance(decode(_bytes(obj)), EngineDescriptor)
+
+
+# --------------------------------------------------------------------------- VER-1's field rules (kvspec.spec.versions)
+
+
+def test_every_field_a_minor_version_added_has_a_default() -> None:
+    """The message classes keep VER-1's table; a field added without a default is refused by name."""
+    from kvspec.reference._messages import GroupDescriptor
+    from kvspec.spec.versions import ADDED_FIELDS, check_added_fields
+
+    classes = (*MESSAGE_TYPES.values(), GroupDescriptor)
+    defaults = {c.__name__: {f.name: f.default is not attrs.NOTHING for f in attrs.fields(c)} for c in classes}
+    check_added_fields(defaults)
+    assert ADDED_FIELDS[(1, 1)]["TransferParams"] == (
+        "producer_block_ends",
+        "recomputed_tokens",
+        "producer_block_digests",
+    )
+    required = {**defaults, "BlockOffer": {**defaults["BlockOffer"], "consumer_block_ends": False}}
+    with pytest.raises(ConfigError, match=r"BlockOffer\.consumer_block_ends: added in protocol 1\.1"):
+        check_added_fields(required)
+    missing = {name: fields for name, fields in defaults.items() if name != "GroupDescriptor"}
+    with pytest.raises(ConfigError, match=r"GroupDescriptor\.state_shapes: added in protocol 1\.2"):
+        check_added_fields(missing)
+
+
+def test_decode_fields_ignores_unknown_keys_defaults_absent_ones_and_names_a_missing_one() -> None:
+    from kvspec.spec.versions import decode_fields
+
+    fields = [("a", False), ("b", True)]
+    assert decode_fields({"a": 1, "c": 3}, fields, lambda name, value: (name, value)) == {"a": ("a", 1)}
+    assert decode_fields({"a": 1, "b": 2}, fields, lambda name, value: value) == {"a": 1, "b": 2}
+    with pytest.raises(MalformedMessageError, match="missing") as info:
+        decode_fields({"b": 2}, fields, lambda name, value: value, path="groups[1]")
+    assert info.value.field == "groups[1].a"

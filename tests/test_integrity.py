@@ -36,6 +36,7 @@ from kvspec.drivers._driver import CONSUMER, Driver, LiveRequest
 from kvspec.exchange import ConsumerEndpoint, ProducerEndpoint, connect, run_request
 from kvspec.presets import get_preset
 from kvspec.spec.digest import DigestAlgorithm
+from kvspec.spec.integrity import digest_block, new_block_hash
 from kvspec.testing import PagePool, allocate_pool, fill_background, fill_producer_pages
 from kvspec.transport import FaultInjector, FaultPlan, Transport
 from kvspec.transport.loopback import LoopbackBackend
@@ -75,6 +76,27 @@ def test_block_digest_is_blake2b_of_the_groups_pages_in_layer_order() -> None:
             h.update(pool.page(layer, 5))
         assert digester.block_digest(g, 5) == h.hexdigest()
         assert digester.block_digest(g, 0) == ""  # the null block (NULL-1)
+
+
+@pytest.mark.parametrize("algorithm", list(DigestAlgorithm))
+@pytest.mark.parametrize("layout", ["blocks_first", "layers_first", "per_layer"])
+def test_the_digester_computes_the_spec_definition(layout: str, algorithm: DigestAlgorithm) -> None:
+    """PageDigester walks its layout once; its digests equal kvspec.spec.integrity.digest_block's (INT-1)."""
+    config = _config(layout, num_blocks=8)
+    pool = _pool(config, "d")
+    buffers = [r.buffer for r in pool.regions]
+    digester = PageDigester(config, buffers, algorithm)
+    for g in range(config.num_groups):
+        for block in range(8):
+            assert digester.block_digest(g, block) == digest_block(config, buffers, g, block, algorithm)
+
+
+def test_the_block_digest_known_answer() -> None:
+    """The spec page's known answer: two layers of 16-byte pages holding 0x00..0x1f (INT-1)."""
+    hasher = new_block_hash(DigestAlgorithm.BLAKE2B_128)
+    hasher.update(bytes(range(16)))
+    hasher.update(bytes(range(16, 32)))
+    assert hasher.hexdigest() == "d92742a8ed9b60c8be14ed5367c23de2"
 
 
 @given(

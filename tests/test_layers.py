@@ -39,6 +39,8 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
                 "kvspec.spec.coverage",
                 "kvspec.spec.digest",
                 "kvspec.spec.guard",
+                "kvspec.spec.handshake",
+                "kvspec.spec.integrity",
                 "kvspec.spec.lifecycle",
                 "kvspec.spec.offload",
                 "kvspec.spec.pairing",
@@ -46,6 +48,7 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
                 "kvspec.spec.pins",
                 "kvspec.spec.plan",
                 "kvspec.spec.state",
+                "kvspec.spec.versions",
                 "kvspec.spec.window",
             }
         ),

@@ -257,3 +257,23 @@ def test_a_key_is_present_only_when_whole_and_evicted_only_when_idle() -> None:
     assert is_chunk_present(sub_blocks_written=3, blocks_per_chunk=3, copies_in_flight=0)
     assert not is_chunk_present(sub_blocks_written=2, blocks_per_chunk=3, copies_in_flight=0)
     assert not is_chunk_present(sub_blocks_written=3, blocks_per_chunk=3, copies_in_flight=1)
+
+
+# --------------------------------------------------------------------------- HS-1, VER-1, INT-1
+
+
+def test_the_handshake_codec_and_digester_use_the_spec_definitions() -> None:
+    """One copy of HS-1, VER-1 and INT-1: the handshake, messages and digester import theirs from kvspec.spec."""
+    import kvspec.protocol._handshake as handshake_module
+    import kvspec.reference._integrity as digester_module
+    import kvspec.reference._messages as messages
+    from kvspec.spec import handshake, integrity, versions
+
+    # kvspec's form keeps the deprecated positional spelling around the definition until 0.3.0.
+    assert kvspec.check_compatibility.__wrapped__ is handshake.check_compatibility  # type: ignore[attr-defined]
+    for name in ("GROUP_FIELDS", "RANK_FIELDS", "get_differences", "check_cache_compatibility"):
+        assert getattr(handshake_module, name) is getattr(handshake, name), name
+    assert kvspec.PROTOCOL_VERSION is messages.PROTOCOL_VERSION is versions.PROTOCOL_VERSION
+    for name in ("DIGEST_HEX_LENGTH", "is_block_digest"):
+        assert getattr(digester_module, name) is getattr(integrity, name), name
+    assert kvspec.BlockDigests == integrity.BlockDigests

@@ -54,8 +54,9 @@ import attrs
 
 from kvspec.core._errors import ConfigError, IntegrityMismatchError, KVSpecError
 from kvspec.core._models import NULL_BLOCK_ID, KVCacheConfig
-from kvspec.reference import _integrity
 from kvspec.spec import BlockPairs, GuardMode, check_window_coverage, get_blocks_per_sw, get_exchange_clipped_blocks
+from kvspec.spec.digest import DigestAlgorithm
+from kvspec.spec.integrity import new_block_hash
 
 __all__ = [
     "GUARD_KEYS",
@@ -163,10 +164,10 @@ def is_sampled(request_id: str, *, rate: float, seed: int) -> bool:
 def _digest_pages(pages: Iterable[bytes | memoryview]) -> str:
     """The digest of one block: its pages in every layer of its group, in the group's layer order (INT-1).
 
-    The one place the algorithm is chosen: today INT-1's BLAKE2b, the function
-    :class:`kvspec.reference._integrity.PageDigester` computes over a pool.
+    The one place the algorithm is chosen: today INT-1's BLAKE2b
+    (:func:`kvspec.spec.integrity.new_block_hash`), as :class:`kvspec.PageDigester` computes it over a pool.
     """
-    h = hashlib.blake2b(digest_size=_integrity._DIGEST_SIZE, person=_integrity._PERSON)
+    h = new_block_hash(DigestAlgorithm.BLAKE2B_128)
     for page in pages:
         h.update(page)
     return h.hexdigest()

@@ -48,11 +48,13 @@ from kvspec.reference._messages import (
     Completion,
     EngineDescriptor,
     Failure,
+    GroupDescriptor,
     Message,
     Release,
     TransferParams,
 )
 from kvspec.spec.parallel import CanonicalPage, PageTensor, ParallelLayout, RankLayout, SubBlock
+from kvspec.spec.versions import check_added_fields, decode_fields, is_compatible_version
 
 __all__ = ["MESSAGE_TYPES", "PEER_BOUNDS", "decode", "encode", "field_codec", "message_type_name"]
 
@@ -70,6 +72,14 @@ MESSAGE_TYPES: Mapping[str, type[Any]] = types.MappingProxyType(
 """Wire ``"type"`` name -> message class."""
 
 _NAMES: dict[type[Any], str] = {cls: name for name, cls in MESSAGE_TYPES.items()}
+
+# Every field a minor version added has a default, so older peers' messages still decode (VER-1).
+check_added_fields(
+    {
+        cls.__name__: {f.name: f.default is not attrs.NOTHING for f in attrs.fields(cls)}
+        for cls in (*MESSAGE_TYPES.values(), GroupDescriptor)
+    }
+)
 
 PEER_BOUNDS: Mapping[tuple[type[Any], str], int] = types.MappingProxyType(
     {
@@ -392,19 +402,20 @@ class _Object(FieldCodec):
     def decode(self, data: JSON, path: str) -> Any:
         if not isinstance(data, dict):
             raise _bad(path, f"a JSON object ({self.kind.__name__})", data)
-        kwargs: dict[str, Any] = {}
-        for f, codec in self.fields:
-            sub = f"{path}.{f.name}" if path else f.name
-            if f.name not in data:
-                if f.default is attrs.NOTHING:
-                    raise MalformedMessageError("missing", field=sub)
-                continue  # an older minor may omit a field that has a default
+        codecs = {f.name: codec for f, codec in self.fields}
+
+        def decode(name: str, value: JSON) -> Any:
+            sub = f"{path}.{name}" if path else name
             try:
-                kwargs[f.name] = codec.decode(data[f.name], sub)
+                return codecs[name].decode(value, sub)
             except KVSpecError:
                 raise
             except _UNDECODABLE as exc:
                 raise MalformedMessageError(f"undecodable value ({type(exc).__name__})", field=sub) from None
+
+        # VER-1: unknown keys ignored, an absent field with a default takes it, one without is malformed.
+        known = [(f.name, f.default is not attrs.NOTHING) for f, _ in self.fields]
+        kwargs = decode_fields(data, known, decode, path=path)
         try:
             return self.kind(**kwargs)
         except FieldError as exc:
@@ -517,7 +528,7 @@ def _decode(data: bytes) -> Message:
 def _check_version(version: object) -> None:
     if not (isinstance(version, list) and len(version) == 2 and all(_is_int(v) and v >= 0 for v in version)):
         raise _bad("v", "[major, minor] non-negative integers", version)
-    if version[0] != PROTOCOL_VERSION[0]:
+    if not is_compatible_version((version[0], version[1])):
         raise UnsupportedVersionError(
             f"message speaks protocol {version[0]}.{version[1]}; this side speaks major {PROTOCOL_VERSION[0]} (VER-1)"
         )

@@ -1,4 +1,7 @@
-"""Page digests for the optional integrity rule (INT-1): what the sender hashed, what the receiver checks.
+"""Page digests for the optional integrity rule (INT-1), as an engine computes them over its registered pool.
+
+The rule is defined in :mod:`kvspec.spec.integrity`; this module keeps only the
+digester, which walks its layout once and calls the definition's hash and checks.
 
 Theory of operation
 -------------------
@@ -33,63 +36,34 @@ uses INT-2's canonical-page digest (:mod:`kvspec.spec.digest`).
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
-from typing import Any, Protocol, TypeAlias
 
 from kvspec.core._errors import IncompatiblePeerError
 from kvspec.core._models import NULL_BLOCK_ID, BlockIds, KVCacheConfig
 from kvspec.spec.digest import DigestAlgorithm, choose_digest_algorithm
-from kvspec.spec.plan import get_page_byte_ranges
-
-try:
-    import xxhash
-except ImportError:  # pragma: no cover - a dependency; without it only BLAKE2b-128 is offered (INT-2)
-    xxhash = None  # type: ignore[assignment]
+from kvspec.spec.integrity import (
+    DIGEST_HEX_LENGTH,
+    BlockDigests,
+    Buffer,
+    get_read_mismatches,
+    get_written_digests,
+    get_written_mismatches,
+    is_block_digest,
+    new_block_hash,
+)
+from kvspec.spec.plan import BlockPairsLike, get_page_byte_ranges
 
 __all__ = [
     "DIGEST_HEX_LENGTH",
     "BlockDigests",
+    "BlockPairsLike",
     "PageDigester",
     "is_block_digest",
 ]
 
-BlockDigests: TypeAlias = tuple[tuple[str, ...], ...]
-"""One hex digest per entry of a per-group block-id list; ``""`` for the null block (INT-1)."""
-
-_DIGEST_SIZE = 16
-_PERSON = b"kvspec-INT-1"
-DIGEST_HEX_LENGTH = 2 * _DIGEST_SIZE
-"""Characters in one block digest (INT-1)."""
-
-_HEX = frozenset("0123456789abcdef")
-_XXH3_SEED = 0 if xxhash is None else xxhash.xxh3_64_intdigest(_PERSON)
-
-
-def is_block_digest(value: object) -> bool:
-    """True for 32 lowercase hex characters: the text form of one block digest (INT-1)."""
-    return isinstance(value, str) and len(value) == DIGEST_HEX_LENGTH and _HEX.issuperset(value)
-
-
-class BlockPairsLike(Protocol):
-    """Aligned pairs: ``consumer_block_ids[g][i]`` receives ``producer_block_ids[g][i]`` (ALIGN-1)."""
-
-    @property
-    def producer_block_ids(self) -> BlockIds: ...
-
-    @property
-    def consumer_block_ids(self) -> BlockIds: ...
-
-
-Buffer: TypeAlias = memoryview | bytes | bytearray
-
 
 def _is_flat(buffer: Buffer) -> bool:
     return not isinstance(buffer, memoryview) or (buffer.format == "B" and buffer.ndim == 1)
-
-
-def _same(sent: str, digester: PageDigester, group: int, block_id: int) -> bool:
-    return bool(sent) and digester.block_digest(group, block_id) == sent
 
 
 class PageDigester:
@@ -153,66 +127,29 @@ class PageDigester:
         if block_id == NULL_BLOCK_ID:
             return ""
         ranges = self._ranges[group]
-        h: Any = (
-            xxhash.xxh3_128(seed=_XXH3_SEED)
-            if self.algorithm is DigestAlgorithm.XXH3_128 and xxhash is not None
-            else hashlib.blake2b(digest_size=_DIGEST_SIZE, person=_PERSON)
-        )
+        h = new_block_hash(self.algorithm)
         buffers = self._buffers
         for region, base, stride in self._slots[group]:
             buffer = buffers[region] if self._flat else memoryview(buffers[region]).cast("B")
             for offset, nbytes in ranges:
                 start = base + block_id * stride + offset
                 h.update(buffer[start : start + nbytes])
-        return str(h.hexdigest())
+        return h.hexdigest()
 
     def digests(self, block_ids: BlockIds) -> BlockDigests:
         """One digest per entry of ``block_ids``, group by group (INT-1)."""
         return tuple(tuple(self.block_digest(g, b) for b in ids) for g, ids in enumerate(block_ids))
 
     def written_digests(self, pairs: BlockPairsLike, consumer_block_ids: BlockIds) -> BlockDigests:
-        """WRITE, on the producer: per entry of the offer, the digest of the producer block paired with it (INT-1).
-
-        ``""`` for an entry no pair writes (a null id, or one outside the pairs).
-        """
-        out = []
-        for g, ids in enumerate(consumer_block_ids):
-            source: dict[int, int] = {}
-            if g < len(pairs.consumer_block_ids):
-                source = dict(zip(pairs.consumer_block_ids[g], pairs.producer_block_ids[g], strict=True))
-            out.append(tuple(self.block_digest(g, source[c]) if c in source else "" for c in ids))
-        return tuple(out)
+        """WRITE, on the producer: per entry of the offer, the digest of the producer block paired with it (INT-1)."""
+        return get_written_digests(pairs, consumer_block_ids, self.block_digest)
 
     def check_read(
         self, pairs: BlockPairsLike, producer_block_ids: BlockIds, producer_digests: BlockDigests
     ) -> BlockIds:
-        """READ, on the consumer: the consumer blocks whose digest differs from the producer's (INT-1).
-
-        A paired producer block with no digest counts as differing: the
-        receiver cannot vouch for it.
-        """
-        bad: list[list[int]] = []
-        for g, (p_ids, c_ids) in enumerate(zip(pairs.producer_block_ids, pairs.consumer_block_ids, strict=True)):
-            sent: dict[int, str] = {}
-            if g < len(producer_block_ids) and g < len(producer_digests):
-                sent = dict(zip(producer_block_ids[g], producer_digests[g], strict=False))
-            bad.append([c for p, c in zip(p_ids, c_ids, strict=True) if not _same(sent.get(p, ""), self, g, c)])
-        return BlockIds(bad)
+        """READ, on the consumer: the consumer blocks whose digest differs from the producer's (INT-1)."""
+        return get_read_mismatches(pairs, producer_block_ids, producer_digests, self.block_digest)
 
     def check_written(self, consumer_block_ids: BlockIds, digests: BlockDigests) -> BlockIds:
-        """WRITE, on the consumer: the offered blocks whose digest differs from the Completion's (INT-1).
-
-        Entries with the empty digest were not written and are not checked;
-        a digest list of another shape than the offer fails every block.
-        """
-        shaped = len(digests) == len(consumer_block_ids) and all(
-            len(d) == len(ids) for d, ids in zip(digests, consumer_block_ids, strict=True)
-        )
-        if not shaped:
-            return BlockIds([[b for b in ids if b != NULL_BLOCK_ID] for ids in consumer_block_ids])
-        return BlockIds(
-            [
-                [c for c, d in zip(ids, sent, strict=True) if d and c != NULL_BLOCK_ID and self.block_digest(g, c) != d]
-                for g, (ids, sent) in enumerate(zip(consumer_block_ids, digests, strict=True))
-            ]
-        )
+        """WRITE, on the consumer: the offered blocks whose digest differs from the Completion's (INT-1)."""
+        return get_written_mismatches(consumer_block_ids, digests, self.block_digest)

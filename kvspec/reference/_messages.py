@@ -52,6 +52,7 @@ from kvspec.reference._integrity import DIGEST_HEX_LENGTH, BlockDigests, is_bloc
 from kvspec.spec.digest import get_offered_algorithms
 from kvspec.spec.lifecycle import ReleaseOutcome
 from kvspec.spec.parallel import ParallelLayout
+from kvspec.spec.versions import PROTOCOL_VERSION, is_compatible_version
 
 __all__ = [
     "PROTOCOL_VERSION",
@@ -68,23 +69,6 @@ __all__ = [
     "TransferParams",
     "TransportData",
 ]
-
-PROTOCOL_VERSION: tuple[int, int] = (1, 3)
-"""(major, minor) of the wire protocol; independent of the package version (VER-1).
-
-1.1 added where each list ends (``producer_block_ends``, ``consumer_block_ends``)
-and the recomputed tokens (``recomputed_tokens``); a 1.0 peer omits them and
-keeps 1.0's behaviour (ALIGN-1, WIN-1). 1.2 added state groups: the tokens a
-state absorbed (``state_tokens``), the state profile and the state layout of
-each group in the handshake; a 1.1 peer omits them and cannot exchange a
-model with state groups (STATE-1, STATE-5). 1.3 added the digest algorithms
-each engine offers (``EngineDescriptor.digest_algorithms``): the block digests
-use the first both offer (XXH3-128 by default); a 1.2 peer offers none and
-both sides keep 1.2's BLAKE2b-128 (INT-1, INT-2); and the parallel layout
-(``EngineDescriptor.parallel``: the rank, its PP stage's layers, DCP, and per
-group the tensors' sub-blocks and page order); a 1.2 peer omits it, keeps
-today's layout and pairs with equal TP only (PAR-9, HS-1).
-"""
 
 MAX_LAYOUT_SUB_BLOCKS = 256
 """Sub-blocks a parallel layout may name over all its pages: the handshake's byte-map work grows with them (PAR-9)."""
@@ -788,7 +772,7 @@ def _check_dict_version(value: object) -> None:
     # isdigit() alone admits '²', which int() refuses; a version is ASCII digits.
     if len(parts) != 2 or not all(p.isascii() and p.isdigit() for p in parts):
         raise MalformedMessageError(f"expected 'MAJOR.MINOR', got {shown(value, 80)}", field=_KEY_VERSION)
-    if int(parts[0]) != PROTOCOL_VERSION[0]:
+    if not is_compatible_version((int(parts[0]), int(parts[1]))):
         raise UnsupportedVersionError(
             f"{_KEY_VERSION}: peer speaks protocol {value}, this side speaks major {PROTOCOL_VERSION[0]} (VER-1)"
         )
