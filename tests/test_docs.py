@@ -12,6 +12,8 @@ from types import ModuleType
 import attrs
 import pytest
 
+import kvspec.rules
+
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 
@@ -433,6 +435,29 @@ def test_spec_pages_fail_on_a_definition_missing_misplaced_or_twice(tmp_path: Pa
     ]
 
 
+def test_spec_pages_fail_on_a_registry_rule_without_a_definition(tmp_path: Path) -> None:
+    """Every rule of the registry has a kvspec/spec definition rendered under its heading (issue 36)."""
+    literate = _load_spec_pages()
+    (tmp_path / "window.py").write_text(_RULE_MODULE, encoding="utf-8")
+    definitions = literate.find_definitions(tmp_path)
+    assert literate.check_spec_pages({"spec/window.md": _RULE_PAGE}, definitions, ["SW-1", "CLIP-1"]) == []
+    # A rule with a heading but only prose under it: its definition is still elsewhere.
+    page = _RULE_PAGE + "\n## TOK-1 Tokens\n\nThe count is explicit.\n"
+    assert literate.check_spec_pages({"spec/window.md": page}, definitions, ["SW-1", "CLIP-1", "TOK-1"]) == [
+        "TOK-1 has no definition in kvspec/spec: write it there, its docstring naming TOK-1, "
+        "and put its marker under the TOK-1 heading"
+    ]
+    # A private helper rendered under a heading does not define its rule.
+    helper_only = "## TOK-1 Tokens\n\n<!-- kvspec:spec:window._helper -->\n"
+    problems = literate.check_spec_pages(
+        {"spec/window.md": _RULE_PAGE, "spec/t.md": helper_only}, definitions, ["TOK-1"]
+    )
+    assert problems == [
+        "TOK-1 has no definition in kvspec/spec: write it there, its docstring naming TOK-1, "
+        "and put its marker under the TOK-1 heading"
+    ]
+
+
 def test_spec_pages_fail_on_a_private_module_and_over_budget() -> None:
     literate = _load_spec_pages()
     page = "# P\n\nSee `kvspec.protocol._session` and kvspec/drivers/_driver.py; kvspec.spec is public.\n"
@@ -451,4 +476,6 @@ def test_spec_pages_of_this_checkout_render_kvspec_spec() -> None:
     pages = {f"spec/{path.name}": path.read_text(encoding="utf-8") for path in (DOCS / "spec").glob("*.md")}
     definitions = literate.find_definitions(ROOT / "kvspec" / "spec")
     assert "compute_transfer_pairs" in {d.name for d in definitions}
-    assert literate.check_spec_pages(pages, definitions) == []
+    rule_ids = [rule.id for rule in kvspec.rules.RULES]
+    assert {"HS-1", "VER-1", "INT-1"} <= set(rule_ids)
+    assert literate.check_spec_pages(pages, definitions, rule_ids) == []

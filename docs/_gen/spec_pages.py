@@ -145,17 +145,25 @@ def _rendered(text: str) -> list[tuple[int, str, str, str | None]]:
     return rendered
 
 
-def check_spec_pages(pages: Mapping[str, str], definitions: Sequence[Definition]) -> list[str]:
+def check_spec_pages(
+    pages: Mapping[str, str], definitions: Sequence[Definition], rule_ids: Sequence[str] = ()
+) -> list[str]:
     """One line per way the pages (path -> markdown) and the definitions part; empty when they agree.
 
     Every definition is rendered exactly once, in the section of a rule its docstring
-    names; no page names a private module; the pages stay within :data:`SPEC_BUDGET`.
+    names; every rule of ``rule_ids`` (the registry, kvspec.core's RULES) has at
+    least one definition rendered in its section, so its definition is in
+    kvspec/spec; no page names a private module; the pages stay within :data:`SPEC_BUDGET`.
     """
     problems = []
     places: dict[tuple[str, str], list[tuple[str, int, str | None]]] = {}
+    defined: set[str] = set()
+    known = {(d.module, d.name) for d in definitions}
     for page, text in sorted(pages.items()):
         for number, module, name, rule in _rendered(text):
             places.setdefault((module, name), []).append((page, number, rule))
+            if rule is not None and (module, name) in known:
+                defined.add(rule)
         for number, line in enumerate(text.splitlines(), start=1):
             for match in PRIVATE_MODULE.finditer(line):
                 problems.append(
@@ -176,6 +184,13 @@ def check_spec_pages(pages: Mapping[str, str], definitions: Sequence[Definition]
             if definition.rules and rule not in definition.rules:
                 section = f"the {rule} heading" if rule else "no rule heading"
                 problems.append(f"{page}:{number}: {qualified} sits under {section}; its docstring names {rules}")
+    for rule_id in rule_ids:
+        # A definition may sit only under a rule its docstring names (above), so one rendered here declares this rule.
+        if rule_id not in defined:
+            problems.append(
+                f"{rule_id} has no definition in kvspec/spec: write it there, its docstring naming {rule_id}, "
+                f"and put its marker under the {rule_id} heading"
+            )
     total = sum(len(text.encode("utf-8")) for text in pages.values())
     if total > SPEC_BUDGET:
         problems.append(f"docs/spec/*.md: {total:,} characters of markdown source, over the budget of {SPEC_BUDGET:,}")
