@@ -192,3 +192,32 @@ def test_editable_install_wins_over_a_checkout_folder_named_kvspec(tmp_path: Pat
     found = subprocess.run([sys.executable, "-c", probe, str(site)], capture_output=True, text=True, cwd=work, env=env)
     assert found.returncode == 0, found.stderr[-2000:]
     assert found.stdout.split() == ["kvspec.presets", "BackendSuite"]
+
+
+def test_conform_script_installs_only_when_pyproject_changed(tmp_path: Path) -> None:
+    """`scripts/conform` reinstalled kvspec on every run (19 s): now on the first run and after pyproject.toml changes.
+
+    Run on a copy, with a stand-in `.venv/bin/python` and `kvspec` that log their arguments.
+    """
+    (tmp_path / "scripts").mkdir()
+    (tmp_path / "scripts" / "conform").write_bytes((ROOT / "scripts" / "conform").read_bytes())
+    (tmp_path / "pyproject.toml").write_text("[project]\nname = 'kvspec'\n", encoding="utf-8")
+    log = tmp_path / "calls.log"
+    bin_dir = tmp_path / ".venv" / "bin"
+    bin_dir.mkdir(parents=True)
+    for name in ("python", "kvspec"):
+        stub = bin_dir / name
+        stub.write_text(f'#!/bin/sh\necho "{name} $*" >> "{log}"\n', encoding="utf-8")
+        stub.chmod(0o755)
+
+    def installs_after_run() -> int:
+        subprocess.run(["bash", str(tmp_path / "scripts" / "conform"), "--rule", "SW-1"], check=True, timeout=60)
+        calls = log.read_text(encoding="utf-8").splitlines()
+        conform = "kvspec conform loopback --json conformance-report.json --junit conformance-report.xml --rule SW-1"
+        assert calls[-1] == conform, calls
+        return sum("pip install" in call for call in calls)
+
+    assert installs_after_run() == 1
+    assert installs_after_run() == 1, "a second run with nothing changed reinstalled"
+    (tmp_path / "pyproject.toml").write_text("[project]\nname = 'kvspec'\nversion = '9'\n", encoding="utf-8")
+    assert installs_after_run() == 2, "a changed pyproject.toml did not reinstall"
