@@ -301,7 +301,7 @@ def _start_here(by_rule: dict[str, list[CaseResult]]) -> list[str]:
         causes.setdefault(_cause(result.message), []).append(result)
     cause, shared = max(causes.items(), key=lambda item: len(item[1]))  # ties: the first seen, by dict order
     rules = list(dict.fromkeys(r.rule for r in shared))
-    root = _root_rule(rules, shared)
+    root, upstream = _root_rule(rules, shared)
     in_root = [r for r in shared if r.rule == root]
     title = next((rule.title for rule in RULES if rule.id == root), "")
     lines = [
@@ -312,10 +312,9 @@ def _start_here(by_rule: dict[str, list[CaseResult]]) -> list[str]:
     later = [rule for rule in rules if rule != root]
     if later:
         named = ", ".join(later[:10]) + (", ..." if len(later) > 10 else "")
-        lines.append(
-            f"  Fix {root} first: {len(shared) - len(in_root)} more failures in {named} end in the same error; "
-            "they run through it."
-        )
+        more = f"{len(shared) - len(in_root)} more failure(s) in {named} end in the same error"
+        # The dependency is claimed only where the error's rule builds on the root; else the root is the first seen.
+        lines.append(f"  Fix {root} first: {more}; they run through it." if upstream else f"  {more}: fix it first.")
     if len(causes) > 1:
         lines.append(
             f"  {len(failures) - len(shared)} failure(s) with {len(causes) - 1} other cause(s) below: "
@@ -324,10 +323,11 @@ def _start_here(by_rule: dict[str, list[CaseResult]]) -> list[str]:
     return lines
 
 
-def _root_rule(rules: list[str], shared: list[CaseResult]) -> str:
+def _root_rule(rules: list[str], shared: list[CaseResult]) -> tuple[str, bool]:
     """Of the rules failing with one cause (in the spec's order), the one the cause comes from (:func:`_start_here`).
 
-    The rule the error names, or one it builds on, the earliest that fails; else the first failing rule.
+    The rule the error names, or one it builds on, the earliest that fails (and True); else the first failing
+    rule (and False: nothing says the others depend on it).
     """
     known = {rule.id for rule in RULES}
     named = [m for m in re.findall(r"\(([A-Z]+-\d+)\)", _first_line(shared[0].message)) if m in known]
@@ -335,17 +335,20 @@ def _root_rule(rules: list[str], shared: list[CaseResult]) -> str:
         upstream = {*_BUILDS_ON.get(named[-1], ()), named[-1]}
         for rule in rules:
             if rule in upstream:
-                return rule
-    return rules[0]
+                return rule, True
+    return rules[0], False
 
 
 def _cause(message: str) -> str:
-    """A failure's cause for grouping: the kvspec error it names, else its first line without its numbers."""
+    """A failure's cause for grouping: the kvspec error it names, else the reason or the first line it starts with."""
     error = re.search(r"\b([A-Z][A-Za-z]*Error)\b", message)
+    reason = re.search(r"\breason ([a-z_]+)", message)
     if error is not None:
-        reason = re.search(r"\breason ([a-z_]+)", message)
         return error.group(1) + (f" (reason {reason.group(1)})" if reason else "")
-    return re.sub(r"\d+", "N", _first_line(message).partition(": ")[2] or _first_line(message))
+    first = re.search(r"\breason ([a-z_]+)", _first_line(message))
+    if first is not None:  # a request failed without a kvspec error (a digest mismatch, a lost peer)
+        return f"reason {first.group(1)}"
+    return re.sub(r"\d+", "N", _first_line(message).partition(": ")[2] or _first_line(message)).rstrip(":")
 
 
 def _first_line(text: str) -> str:

@@ -268,24 +268,27 @@ def test_report_leads_with_the_first_failing_rule_of_the_shared_cause_and_folds_
 
 def test_report_lead_never_names_a_rule_downstream_of_the_error() -> None:
     """A handshake refusal fails SW-1's exchange too: SW-1 comes first in the spec's order, yet HS-1 is the root."""
-    refusal = "refused: HandshakeError, field kv_cache_groups[0].block_size: expected 16, got 8 (HS-1)"
 
-    def failed(case_id: str) -> CaseResult:
-        rule = case_id.partition("/")[0]
-        message = f"{rule}: r: expected LOADED, got FAILED ({refusal})"
-        return CaseResult(
-            case_id=case_id,
-            rule=rule,
-            level=Level.MUST,
-            title="t",
-            outcome=Outcome.FAILED,
-            seconds=0.1,
-            message=message,
+    def lead(cause: str) -> str:
+        results = tuple(
+            CaseResult(
+                case_id=case_id,
+                rule=case_id.partition("/")[0],
+                level=Level.MUST,
+                title="t",
+                outcome=Outcome.FAILED,
+                seconds=0.1,
+                message=f"{case_id.partition('/')[0]}: r: expected LOADED, got FAILED ({cause})",
+            )
+            for case_id in ("SW-1/a", "SW-1/b", "HS-1/c", "DONE-1/d")
         )
+        text = Report(backend="x", results=results, seconds=1.0, max_examples=3, kvspec_version="0").render()
+        return text[text.index("Start here: ") : text.index("=" * 78)]
 
-    results = (failed("SW-1/a"), failed("SW-1/b"), failed("HS-1/c"), failed("DONE-1/d"))
-    report = Report(backend="x", results=results, seconds=1.0, max_examples=3, kvspec_version="0")
-    text = report.render()
-    lead = text[text.index("Start here: ") : text.index("=" * 78)]
-    assert "first failing rule HS-1 (Handshake compatibility), 1 case(s), with HandshakeError." in lead, lead
-    assert "Fix HS-1 first: 3 more failures in SW-1, DONE-1 end in the same error" in lead, lead
+    refused = lead("refused: HandshakeError, field kv_cache_groups[0].block_size: expected 16, got 8 (HS-1)")
+    assert "first failing rule HS-1 (Handshake compatibility), 1 case(s), with HandshakeError." in refused, refused
+    assert "Fix HS-1 first: 3 more failure(s) in SW-1, DONE-1 end in the same error; they run" in refused, refused
+    # A cause that names no rule (a transport's digest mismatch) claims no dependency: the first failing rule leads.
+    corrupt = lead("reason integrity, error None, block digests differ from the sender's")
+    assert "first failing rule SW-1 (Blocks a sliding window needs), 2 case(s), with reason integrity." in corrupt
+    assert "2 more failure(s) in HS-1, DONE-1 end in the same error: fix it first." in corrupt, corrupt
