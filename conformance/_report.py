@@ -271,13 +271,27 @@ class Report:
         (stream or sys.stdout).write(self.render(verbose=verbose))
 
 
-def _start_here(by_rule: dict[str, list[CaseResult]]) -> list[str]:
-    """The report's lead when cases failed: the cause most failures share, and where it shows first.
+# What each rule's check takes as its input, from the rules before it (docs/spec/index.md): a defect in one of these
+# fails the checks downstream of it with the downstream rule's error. WIN-1's WindowCoverageError, for one, is raised
+# when the block lists that SW-1's budget, CLIP-1's clip, ALIGN-1's pairing and NULL-1's pruning produced miss a
+# block the window needs; the handshake (HS-1, VER-1) and admission (ADM-1) refuse on their own inputs alone.
+_BUILDS_ON: dict[str, tuple[str, ...]] = {
+    "CLIP-1": ("SW-1",),
+    "ALIGN-1": ("SW-1", "CLIP-1"),
+    "NULL-1": ("SW-1", "CLIP-1", "ALIGN-1"),
+    "WIN-1": ("SW-1", "CLIP-1", "ALIGN-1", "NULL-1", "TOK-1"),
+    "PLAN-1": ("SW-1", "CLIP-1", "ALIGN-1", "NULL-1"),
+}
 
-    One defect (a window list kept one block short) fails dozens of cases across many rules, each telling the
-    same story; the lead names that story once. Failures are grouped by the error they end in (the kvspec
-    error a case reports) or else by their first line, and rules are taken in the spec's order
-    (docs/spec/index.md), so "first seen" is the most basic rule that shows it.
+
+def _start_here(by_rule: dict[str, list[CaseResult]]) -> list[str]:
+    """The report's lead when cases failed: the first failing rule of the cause most failures share.
+
+    One defect (a window list kept one block short) fails dozens of cases across many rules: every case that runs
+    an exchange ends in the same error, whatever its rule. Failures are grouped by that error (else by their first
+    line); the cause most of them share is the one to fix first. Its root is the rule that error belongs to (a rule
+    id in parentheses in the message) or one that rule builds on (:data:`_BUILDS_ON`), the earliest of them in the
+    spec's order that fails with it; other rules' cases fail with it only because they run through it.
     """
     failures = [r for results in by_rule.values() for r in results if r.is_failure]
     if not failures:
@@ -287,25 +301,54 @@ def _start_here(by_rule: dict[str, list[CaseResult]]) -> list[str]:
         causes.setdefault(_cause(result.message), []).append(result)
     cause, shared = max(causes.items(), key=lambda item: len(item[1]))  # ties: the first seen, by dict order
     rules = list(dict.fromkeys(r.rule for r in shared))
+    root, upstream = _root_rule(rules, shared)
+    in_root = [r for r in shared if r.rule == root]
+    title = next((rule.title for rule in RULES if rule.id == root), "")
     lines = [
         "",
-        f"Start here: {len(shared)} of {len(failures)} failures, in {len(rules)} rule(s), share one cause: {cause}.",
-        f"  First seen in {shared[0].case_id}: {_clip(_first_line(shared[0].message), 100)}",
+        f"Start here: first failing rule {root} ({title}), {len(in_root)} case(s), with {cause}.",
+        f"  {in_root[0].case_id}: {_clip(_first_line(in_root[0].message), 100)}",
     ]
-    if len(rules) > 1:
-        lines.append(f"  Rules it fails: {', '.join(rules[:10])}{', ...' if len(rules) > 10 else ''}.")
+    later = [rule for rule in rules if rule != root]
+    if later:
+        named = ", ".join(later[:10]) + (", ..." if len(later) > 10 else "")
+        more = f"{len(shared) - len(in_root)} more failure(s) in {named} end in the same error"
+        # The dependency is claimed only where the error's rule builds on the root; else the root is the first seen.
+        lines.append(f"  Fix {root} first: {more}; they run through it." if upstream else f"  {more}: fix it first.")
     if len(causes) > 1:
-        lines.append(f"  {len(causes) - 1} other cause(s) below; fix this one first, then rerun.")
+        lines.append(
+            f"  {len(failures) - len(shared)} failure(s) with {len(causes) - 1} other cause(s) below: "
+            "rerun after this fix first."
+        )
     return lines
 
 
+def _root_rule(rules: list[str], shared: list[CaseResult]) -> tuple[str, bool]:
+    """Of the rules failing with one cause (in the spec's order), the one the cause comes from (:func:`_start_here`).
+
+    The rule the error names, or one it builds on, the earliest that fails (and True); else the first failing
+    rule (and False: nothing says the others depend on it).
+    """
+    known = {rule.id for rule in RULES}
+    named = [m for m in re.findall(r"\(([A-Z]+-\d+)\)", _first_line(shared[0].message)) if m in known]
+    if named:
+        upstream = {*_BUILDS_ON.get(named[-1], ()), named[-1]}
+        for rule in rules:
+            if rule in upstream:
+                return rule, True
+    return rules[0], False
+
+
 def _cause(message: str) -> str:
-    """A failure's cause for grouping: the kvspec error it names, else its first line without its numbers."""
+    """A failure's cause for grouping: the kvspec error it names, else the reason or the first line it starts with."""
     error = re.search(r"\b([A-Z][A-Za-z]*Error)\b", message)
+    reason = re.search(r"\breason ([a-z_]+)", message)
     if error is not None:
-        reason = re.search(r"\breason ([a-z_]+)", message)
         return error.group(1) + (f" (reason {reason.group(1)})" if reason else "")
-    return re.sub(r"\d+", "N", _first_line(message).partition(": ")[2] or _first_line(message))
+    first = re.search(r"\breason ([a-z_]+)", _first_line(message))
+    if first is not None:  # a request failed without a kvspec error (a digest mismatch, a lost peer)
+        return f"reason {first.group(1)}"
+    return re.sub(r"\d+", "N", _first_line(message).partition(": ")[2] or _first_line(message)).rstrip(":")
 
 
 def _first_line(text: str) -> str:

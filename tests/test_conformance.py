@@ -243,19 +243,52 @@ class _ClipsOneShort(ReferenceConnector):
         return BlockIds([list(ids[1:]) if budget and len(ids) >= budget else list(ids) for ids, budget in pairs])
 
 
-def test_report_leads_with_the_shared_cause_and_folds_the_rest() -> None:
-    report = run_suite("loopback", rules=["CLIP-1", "WIN-1", "PLAN-1"], connector=_ClipsOneShort())
+def test_report_leads_with_the_first_failing_rule_of_the_shared_cause_and_folds_the_rest() -> None:
+    report = run_suite("loopback", rules=["HMA-1", "SW-1", "CLIP-1", "WIN-1"], connector=_ClipsOneShort())
     failures = [r for r in report.results if r.is_failure]
     rules = {r.rule for r in failures}
-    assert len(rules) >= 2, report.counts()
+    assert {"HMA-1", "SW-1"} <= rules, report.counts()
     assert len(failures) > len(rules), report.counts()
     text = report.render()
     start = text.index("Start here: ")
-    # The one cause of every failure here: the consumer's window list is a block short of the window.
-    lead = text[start : text.index("\n", start)]
-    assert "share one cause: WindowCoverageError" in lead, lead
+    # The one cause of every failure here: the window lists are a block short of SW-1's budget. HMA-1 comes first in
+    # the spec's order, but its cases fail only because their exchanges run through the short lists: the lead names
+    # SW-1, the earliest failing rule that WIN-1's error builds on.
+    lead = text[start : text.index("\n" + "=" * 78, start)]
+    assert "first failing rule SW-1 (Blocks a sliding window needs)" in lead, lead
+    assert "with WindowCoverageError" in lead, lead
+    assert "Fix SW-1 first" in lead, lead
+    assert "HMA-1" in lead, lead
     assert start < text.index("=" * 78), "the lead comes before the first full failure"
     # One full failure a rule; the others one line each, and all of them with --verbose.
     assert text.count("=" * 78) == len(rules)
     assert f"{len(failures) - len(rules)} more failures" in text
     assert report.render(verbose=True).count("=" * 78) == len(failures)
+
+
+def test_report_lead_never_names_a_rule_downstream_of_the_error() -> None:
+    """A handshake refusal fails SW-1's exchange too: SW-1 comes first in the spec's order, yet HS-1 is the root."""
+
+    def lead(cause: str) -> str:
+        results = tuple(
+            CaseResult(
+                case_id=case_id,
+                rule=case_id.partition("/")[0],
+                level=Level.MUST,
+                title="t",
+                outcome=Outcome.FAILED,
+                seconds=0.1,
+                message=f"{case_id.partition('/')[0]}: r: expected LOADED, got FAILED ({cause})",
+            )
+            for case_id in ("SW-1/a", "SW-1/b", "HS-1/c", "DONE-1/d")
+        )
+        text = Report(backend="x", results=results, seconds=1.0, max_examples=3, kvspec_version="0").render()
+        return text[text.index("Start here: ") : text.index("=" * 78)]
+
+    refused = lead("refused: HandshakeError, field kv_cache_groups[0].block_size: expected 16, got 8 (HS-1)")
+    assert "first failing rule HS-1 (Handshake compatibility), 1 case(s), with HandshakeError." in refused, refused
+    assert "Fix HS-1 first: 3 more failure(s) in SW-1, DONE-1 end in the same error; they run" in refused, refused
+    # A cause that names no rule (a transport's digest mismatch) claims no dependency: the first failing rule leads.
+    corrupt = lead("reason integrity, error None, block digests differ from the sender's")
+    assert "first failing rule SW-1 (Blocks a sliding window needs), 2 case(s), with reason integrity." in corrupt
+    assert "2 more failure(s) in HS-1, DONE-1 end in the same error: fix it first." in corrupt, corrupt

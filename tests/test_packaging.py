@@ -147,14 +147,13 @@ def test_sdist_contents(dist: Path) -> None:
     sdist = _only(dist, "kvspec-*.tar.gz")
     with tarfile.open(sdist) as tar:
         names = {name.split("/", 1)[1] for name in tar.getnames() if "/" in name}
-    for required in ("pyproject.toml", "README.md", "kvspec/py.typed", "conformance/__init__.py"):
+    for required in ("pyproject.toml", "README.md", "src/kvspec/py.typed", "src/kvspec_conformance/__init__.py"):
         assert required in names, f"{sdist.name} lacks {required}"
 
 
 def test_wheel_installs_in_a_fresh_venv(dist: Path, tmp_path: Path) -> None:
     # Run from a folder that holds a checkout named kvspec, as the own-connector how-to lays one out: the
-    # installed package must win over the checkout folder (an editable install loses to it: Python takes the
-    # folder for a namespace package, and `kvspec.presets` is missing).
+    # installed package must win over the checkout folder (Python could take the folder for a namespace package).
     work = tmp_path / "work"
     work.mkdir()
     (work / "kvspec").symlink_to(ROOT, target_is_directory=True)
@@ -164,3 +163,61 @@ def test_wheel_installs_in_a_fresh_venv(dist: Path, tmp_path: Path) -> None:
 @pytest.mark.slow  # the dist fixture builds the wheel from the unpacked sdist, and that wheel is installed above
 def test_sdist_installs_in_a_fresh_venv(dist: Path, tmp_path: Path) -> None:
     _install_and_check(_only(dist, "kvspec-*.tar.gz"), tmp_path / "venv")
+
+
+def test_editable_install_wins_over_a_checkout_folder_named_kvspec(tmp_path: Path) -> None:
+    """`pip install -e .` puts src/ on sys.path, so a folder named kvspec in the working directory cannot hide it.
+
+    setuptools' import hook for a package-dir mapping runs after the path search, which took such a folder (a
+    checkout named kvspec, as the own-connector how-to lays one out) for an empty namespace package:
+    ``module 'kvspec' has no attribute 'presets'``. The editable wheel is built as pip builds it, without pip.
+    """
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+    out = tmp_path / "editable"
+    build = f"from setuptools import build_meta; build_meta.build_editable({str(out)!r})"
+    built = subprocess.run([sys.executable, "-c", build], check=True, capture_output=True, text=True, cwd=ROOT, env=env)
+    assert "warn" not in (built.stdout + built.stderr).lower(), built.stdout[-2000:] + built.stderr[-2000:]
+    site = tmp_path / "site"
+    with zipfile.ZipFile(_only(out, "kvspec-*.whl")) as wheel:
+        wheel.extractall(site)
+    (pth,) = site.glob("*.pth")
+    assert pth.read_text(encoding="utf-8").split() == [str(ROOT / "src")], "a path line, not an import hook"
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "kvspec").symlink_to(ROOT, target_is_directory=True)
+    probe = (
+        "import site, sys; site.addsitedir(sys.argv[1]); import kvspec, kvspec_conformance; "
+        "print(kvspec.presets.__name__, kvspec_conformance.BackendSuite.__name__)"
+    )
+    found = subprocess.run([sys.executable, "-c", probe, str(site)], capture_output=True, text=True, cwd=work, env=env)
+    assert found.returncode == 0, found.stderr[-2000:]
+    assert found.stdout.split() == ["kvspec.presets", "BackendSuite"]
+
+
+def test_conform_script_installs_only_when_pyproject_changed(tmp_path: Path) -> None:
+    """`scripts/conform` reinstalled kvspec on every run (19 s): now on the first run and after pyproject.toml changes.
+
+    Run on a copy, with a stand-in `.venv/bin/python` and `kvspec` that log their arguments.
+    """
+    (tmp_path / "scripts").mkdir()
+    (tmp_path / "scripts" / "conform").write_bytes((ROOT / "scripts" / "conform").read_bytes())
+    (tmp_path / "pyproject.toml").write_text("[project]\nname = 'kvspec'\n", encoding="utf-8")
+    log = tmp_path / "calls.log"
+    bin_dir = tmp_path / ".venv" / "bin"
+    bin_dir.mkdir(parents=True)
+    for name in ("python", "kvspec"):
+        stub = bin_dir / name
+        stub.write_text(f'#!/bin/sh\necho "{name} $*" >> "{log}"\n', encoding="utf-8")
+        stub.chmod(0o755)
+
+    def installs_after_run() -> int:
+        subprocess.run(["bash", str(tmp_path / "scripts" / "conform"), "--rule", "SW-1"], check=True, timeout=60)
+        calls = log.read_text(encoding="utf-8").splitlines()
+        conform = "kvspec conform loopback --json conformance-report.json --junit conformance-report.xml --rule SW-1"
+        assert calls[-1] == conform, calls
+        return sum("pip install" in call for call in calls)
+
+    assert installs_after_run() == 1
+    assert installs_after_run() == 1, "a second run with nothing changed reinstalled"
+    (tmp_path / "pyproject.toml").write_text("[project]\nname = 'kvspec'\nversion = '9'\n", encoding="utf-8")
+    assert installs_after_run() == 2, "a changed pyproject.toml did not reinstall"
