@@ -43,7 +43,7 @@ from kvspec import (
 )
 from kvspec.fast import compute_transfer_pairs, get_exchange_clipped_blocks, get_pruned_block_ids
 from kvspec.presets import Layout, get_preset
-from kvspec.protocol._plan import TransferPlan, _plan_page_by_page, plan_transfer
+from kvspec.protocol._plan import TransferPlan, _plan_by_definition, plan_transfer
 
 T = TypeVar("T")
 
@@ -102,7 +102,7 @@ def test_bulk_id_check_accepts_and_refuses_what_the_per_id_check_does(groups: li
     assert ids.groups == expected
     assert all(type(b) is int for group in ids for b in group)
     # What the fast layer proves about the null block when it checks the lists is true, and is all it knows.
-    proven = fast_layer._to_block_ids(groups)
+    proven = fast_layer._to_block_ids(groups)  # type: ignore[arg-type]
     assert proven == ids
     assert fast_layer._null_free(proven) == tuple(NULL_BLOCK_ID not in group for group in ids)
     assert fast_layer._null_free(ids) == (False,) * len(ids)
@@ -261,7 +261,7 @@ def test_fast_plan_equals_the_page_by_page_definition(
     pairs = random_pairs(random.Random(seed), producer, consumer)
     got = plan_or_error(producer, consumer, pairs)
     try:
-        straightforward: TransferPlan | str = _plan_page_by_page(producer, consumer, pairs)
+        straightforward: TransferPlan | str = _plan_by_definition(producer, consumer, pairs)
     except PlanError as exc:
         straightforward = str(exc)
     assert got == straightforward
@@ -312,7 +312,7 @@ def test_fast_plan_of_state_groups_equals_the_definition(
     )
     if isinstance(got, TransferPlan):
         assert got.copies == definition
-        assert got == _plan_page_by_page(producer, consumer, pairs)
+        assert got == _plan_by_definition(producer, consumer, pairs)
         moved = [plain.get_page_byte_ranges(g.kv_cache_spec)[-1] for g in producer.kv_cache_groups]
         assert got.total_bytes == sum(
             len(group.layer_names) * len(ids) * (end[0] + end[1])
@@ -434,7 +434,7 @@ def test_an_engine_shaped_request_takes_the_fast_path_and_equals_the_page_by_pag
     monkeypatch.setattr(plan_module, "_plan_fast", spy)
     plan = plan_transfer(producer_config=config, consumer_config=config, pairs=pairs)
     assert calls == [True]
-    assert plan == _plan_page_by_page(config, config, pairs)
+    assert plan == _plan_by_definition(config, config, pairs)
     assert plan.copies == plain.compute_page_copies(producer_config=config, consumer_config=config, pairs=pairs)
     assert plan.num_pages == sum(
         len(g.layer_names) * len(ids) for g, ids in zip(config.kv_cache_groups, pairs.consumer_block_ids, strict=True)
@@ -517,7 +517,7 @@ def test_a_state_hybrid_takes_the_fast_path(monkeypatch: pytest.MonkeyPatch) -> 
     pairs = Pairs(producer_block_ids=ids, consumer_block_ids=ids)
     plan = plan_transfer(producer_config=config, consumer_config=config, pairs=pairs)
     assert calls == [True]
-    assert plan == _plan_page_by_page(config, config, pairs)
+    assert plan == _plan_by_definition(config, config, pairs)
     state = config.kv_cache_groups[0].kv_cache_spec
     moved = sum(nbytes for _, nbytes in plain.get_page_byte_ranges(state))
     assert moved < state.page_size_bytes
