@@ -10,6 +10,7 @@ here is the per-id check of a BlockIds (a model, not a rule).
 from __future__ import annotations
 
 import enum
+import inspect
 import itertools
 import random
 from collections.abc import Callable, Sequence
@@ -37,11 +38,14 @@ from kvspec import (
     PlanError,
     TransferMode,
     get_blocks_per_sw,
-    get_chunk_sizes,
     get_needed_block_range,
-    get_offload_hit_tokens,
 )
-from kvspec.fast import compute_transfer_pairs, get_exchange_clipped_blocks, get_pruned_block_ids
+from kvspec.fast import (
+    compute_transfer_pairs,
+    get_exchange_clipped_blocks,
+    get_offload_hit_tokens,
+    get_pruned_block_ids,
+)
 from kvspec.presets import Layout, get_preset
 from kvspec.protocol._plan import TransferPlan, _plan_by_definition, plan_transfer
 
@@ -126,6 +130,25 @@ def test_clip_of_engine_lists_equals_clip_then_check(groups: list[list[object]],
     as_iterators: Any = [iter(g) for g in groups]
     assert get_exchange_clipped_blocks(as_tuples, budgets) == clipped
     assert get_exchange_clipped_blocks(as_iterators, budgets) == clipped
+
+
+def test_each_fast_twin_takes_its_definitions_signature_and_hands_it_what_it_cannot_take() -> None:
+    """The signature lives once, on the definition; a call of another shape is the definition's (its TypeError)."""
+    import kvspec.fast
+
+    for name in kvspec.fast.__all__:
+        assert inspect.signature(getattr(kvspec.fast, name)) == inspect.signature(getattr(plain, name)), name
+    shapes: list[Callable[[Any], object]] = [
+        lambda f: f(None, bogus=1),
+        lambda f: f(None, num_tokens=1),
+        lambda f: f(None, None),
+    ]
+    for call in shapes:
+        with pytest.raises(TypeError) as fast_error:
+            call(kvspec.fast.check_window_coverage)
+        with pytest.raises(TypeError) as plain_error:
+            call(plain.check_window_coverage)
+        assert str(fast_error.value) == str(plain_error.value)
 
 
 # --------------------------------------------------------------------------- WIN-1, ALIGN-1 on engine lists
@@ -465,7 +488,6 @@ def test_offload_hit_equals_the_definition_refusals_included(
     local += local_shift  # off a block boundary when the block size is above 1, or past the request
     present = [[*keys, True] for keys in present] if extra_key else present  # a key the request cannot have yet
     present = present[:-1] if drop_group else present
-    sizes = get_chunk_sizes(config, blocks_per_chunk=off_config.blocks_per_chunk)
     fast = result_of(
         lambda: get_offload_hit_tokens(
             config, present, num_tokens=num_tokens, local_hit_tokens=local, offload=off_config
@@ -473,7 +495,7 @@ def test_offload_hit_equals_the_definition_refusals_included(
     )
     definition = result_of(
         lambda: plain.get_offload_hit_tokens(
-            config, present, num_tokens=num_tokens, local_hit_tokens=local, chunk_sizes=sizes
+            config, present, num_tokens=num_tokens, local_hit_tokens=local, offload=off_config
         )
     )
     assert fast == definition
@@ -487,7 +509,6 @@ def test_offload_hit_with_state_groups_equals_the_definition(
     """With align-mode state groups, the fast hit's chunk-grid scan gives the definition's answer (OFF-5, OFF-9)."""
     config, off_config, present, num_tokens, local = case
     local += local_shift
-    sizes = get_chunk_sizes(config, blocks_per_chunk=off_config.blocks_per_chunk)
     fast = result_of(
         lambda: get_offload_hit_tokens(
             config, present, num_tokens=num_tokens, local_hit_tokens=local, offload=off_config
@@ -495,7 +516,7 @@ def test_offload_hit_with_state_groups_equals_the_definition(
     )
     definition = result_of(
         lambda: plain.get_offload_hit_tokens(
-            config, present, num_tokens=num_tokens, local_hit_tokens=local, chunk_sizes=sizes
+            config, present, num_tokens=num_tokens, local_hit_tokens=local, offload=off_config
         )
     )
     assert fast == definition

@@ -111,13 +111,6 @@ def test_public_names_without_a_faster_form_are_the_definitions() -> None:
     assert kvspec.get_num_skipped_tokens is plain.get_num_skipped_tokens
 
 
-# Names of kvspec that are not yet the definition they share a name with, each with why; nothing else may be.
-NOT_YET_ONE_OBJECT = {
-    # kvspec's form takes an OffloadConfig, which kvspec/spec cannot import until OFF-1's definition moves there.
-    "get_offload_hit_tokens": "takes offload=OffloadConfig; the definition takes chunk_sizes",
-}
-
-
 def test_every_name_in_kvspec_and_kvspec_spec_is_one_object() -> None:
     """``kvspec.X is kvspec.spec.X`` for every shared name; the fast twins live apart, under ``kvspec.fast``."""
     import kvspec.fast
@@ -125,8 +118,7 @@ def test_every_name_in_kvspec_and_kvspec_spec_is_one_object() -> None:
     shared = set(kvspec.__all__) & set(plain.__all__)
     assert {"compute_transfer_pairs", "compute_block_pairs", "get_exchange_clipped_blocks"} <= shared
     different = {name for name in shared if getattr(kvspec, name) is not getattr(plain, name)}
-    assert different == set(NOT_YET_ONE_OBJECT), sorted(different ^ set(NOT_YET_ONE_OBJECT))
-    assert kvspec.__version__.startswith("0.2."), "0.3.0 removes the shims: drop them from NOT_YET_ONE_OBJECT"
+    assert not different, sorted(different)
     # A fast twin is another object than its definition, under the definition's own name, and named as fast.
     for name in kvspec.fast.__all__:
         fast = getattr(kvspec.fast, name)
