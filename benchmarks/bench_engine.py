@@ -449,7 +449,7 @@ def print_goals(rows: Sequence[dict[str, Any]]) -> None:
         goal = GOALS[f"plan_ms_{row['allocation']}"]
         print(
             f"goal: plan_transfer, {row['allocation']}: {row['plan_ms']:.2f} ms = {row['plan_ms'] / goal:.2f} of "
-            f"{goal:g} ms (page-by-page baseline {row['plan_page_by_page_ms']:.0f} ms, "
+            f"{goal:g} ms (definition planner baseline {row['plan_page_by_page_ms']:.0f} ms, "
             f"{row['plan_page_by_page_ms'] / row['plan_ms']:.0f}x slower)"
         )
 
@@ -496,7 +496,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     print_par([par_steps(m, p, d, a) for m, p, d in PAR_CASES for a in ALLOCATIONS])
     print(
         "ref = clip both sides + coverage + pairs, on plain lists; ns/id per id handed over (both sides); "
-        "plan = plan_transfer, all layers; base = the page-by-page planner, once"
+        "plan = plan_transfer, all layers; base = the definition's planner (compute_page_copies), once"
     )
     if args.json:
         payload = {
