@@ -14,8 +14,8 @@ When vLLM is importable (0.33), the same lists go through vLLM's own clip
 (MoRI-IO's ``get_exchange_clipped_blocks``), pairing (NIXL's
 ``_apply_prefix_caching``) and NIXL descriptor-id computation
 (``_compute_desc_ids``), called on stand-ins that hold only the attributes
-those methods read; the table prints the ratio. The page-by-page planner
-(``plan_transfer``'s fallback) is timed once per row as the baseline.
+those methods read; the table prints the ratio. The definition's planner
+(``compute_page_copies``, ``plan_transfer``'s fallback) is timed once per row as the baseline.
 
 State hybrids (Qwen3-Next: GDN + FA; Hymba: Mamba + SW + FA) run at 128k tokens
 after the attention models. Their state groups hold one slot per request;
@@ -59,7 +59,7 @@ import attrs
 import kvspec
 import kvspec.fast
 from kvspec import KVCacheConfig, TransferMode
-from kvspec.protocol._plan import _plan_page_by_page
+from kvspec.protocol._plan import _plan_by_definition
 from kvspec.protocol._summary import summarize_parallel_plan
 from kvspec.spec.parallel import compute_rank_copies, get_candidate_ranks, get_completion_count
 from kvspec.spec.state import get_state_clipped_blocks
@@ -171,7 +171,7 @@ def best_time(fn: Callable[[], object], *, budget_s: float = 0.5, rounds: int = 
 
 
 def kvspec_steps(req: EngineRequest, *, baseline: bool = True) -> dict[str, Any]:
-    """Time each step kvspec runs per request, on the engine's lists (and the page-by-page planner once)."""
+    """Time each step kvspec runs per request, on the engine's lists (and the definition's planner once)."""
     config, budgets, t = req.config, kvspec.get_blocks_per_sw(req.config), req.num_tokens
     has_state = any(isinstance(g.kv_cache_spec, kvspec.MambaSpec) for g in config.kv_cache_groups)
 
@@ -199,10 +199,10 @@ def kvspec_steps(req: EngineRequest, *, baseline: bool = True) -> dict[str, Any]
     baseline_s = float("nan")
     if baseline:
         start = time.perf_counter()
-        page_by_page = _plan_page_by_page(config, config, pairs)
+        page_by_page = _plan_by_definition(config, config, pairs)
         baseline_s = time.perf_counter() - start
         if page_by_page != plan:
-            raise AssertionError(f"{req.model} {t} {req.allocation}: fast plan differs from the page-by-page plan")
+            raise AssertionError(f"{req.model} {t} {req.allocation}: fast plan differs from the definition's plan")
     result = {
         "ids_kept": producer.num_blocks + consumer.num_blocks,
         "pairs": pairs.num_pairs,
@@ -449,7 +449,7 @@ def print_goals(rows: Sequence[dict[str, Any]]) -> None:
         goal = GOALS[f"plan_ms_{row['allocation']}"]
         print(
             f"goal: plan_transfer, {row['allocation']}: {row['plan_ms']:.2f} ms = {row['plan_ms'] / goal:.2f} of "
-            f"{goal:g} ms (page-by-page baseline {row['plan_page_by_page_ms']:.0f} ms, "
+            f"{goal:g} ms (definition planner baseline {row['plan_page_by_page_ms']:.0f} ms, "
             f"{row['plan_page_by_page_ms'] / row['plan_ms']:.0f}x slower)"
         )
 
@@ -496,7 +496,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     print_par([par_steps(m, p, d, a) for m, p, d in PAR_CASES for a in ALLOCATIONS])
     print(
         "ref = clip both sides + coverage + pairs, on plain lists; ns/id per id handed over (both sides); "
-        "plan = plan_transfer, all layers; base = the page-by-page planner, once"
+        "plan = plan_transfer, all layers; base = the definition's planner (compute_page_copies), once"
     )
     if args.json:
         payload = {

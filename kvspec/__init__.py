@@ -115,7 +115,6 @@ from kvspec.reference._offload import (
     check_offload_support,
     get_chunk_sizes,
     get_load_set,
-    get_offload_hit_tokens,
     get_offload_keys,
     get_retained_chunk_starts,
     get_store_set,
@@ -146,6 +145,7 @@ from kvspec.spec import (
     compute_block_pairs,
     compute_transfer_pairs,
     get_exchange_clipped_blocks,
+    get_offload_hit_tokens,
     get_pruned_block_ids,
 )
 

@@ -12,6 +12,7 @@ spelling in :mod:`kvspec` are the definitions themselves (``kvspec.X is
 kvspec.spec.X``), the text to read for what a rule means.
 """
 
+from kvspec.reference._offload import get_offload_hit_tokens
 from kvspec.reference._reference import (
     check_request_blocks,
     check_window_coverage,
@@ -27,5 +28,6 @@ __all__ = [
     "compute_block_pairs",
     "compute_transfer_pairs",
     "get_exchange_clipped_blocks",
+    "get_offload_hit_tokens",
     "get_pruned_block_ids",
 ]

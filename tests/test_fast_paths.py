@@ -10,6 +10,7 @@ here is the per-id check of a BlockIds (a model, not a rule).
 from __future__ import annotations
 
 import enum
+import inspect
 import itertools
 import random
 from collections.abc import Callable, Sequence
@@ -23,6 +24,7 @@ from test_offload import FA_SW, hit_cases, offload
 from test_plan import LAYOUTS, MODELS, Pairs, small_config
 
 import kvspec.protocol._plan as plan_module
+import kvspec.reference._reference as fast_layer
 import kvspec.spec as plain
 from kvspec import (
     NULL_BLOCK_ID,
@@ -36,13 +38,16 @@ from kvspec import (
     PlanError,
     TransferMode,
     get_blocks_per_sw,
-    get_chunk_sizes,
     get_needed_block_range,
-    get_offload_hit_tokens,
 )
-from kvspec.fast import compute_transfer_pairs, get_exchange_clipped_blocks, get_pruned_block_ids
+from kvspec.fast import (
+    compute_transfer_pairs,
+    get_exchange_clipped_blocks,
+    get_offload_hit_tokens,
+    get_pruned_block_ids,
+)
 from kvspec.presets import Layout, get_preset
-from kvspec.protocol._plan import TransferPlan, _plan_page_by_page, plan_transfer
+from kvspec.protocol._plan import TransferPlan, _plan_by_definition, plan_transfer
 
 T = TypeVar("T")
 
@@ -100,11 +105,11 @@ def test_bulk_id_check_accepts_and_refuses_what_the_per_id_check_does(groups: li
     ids = BlockIds(groups)
     assert ids.groups == expected
     assert all(type(b) is int for group in ids for b in group)
-    # What BlockIds proves about the null block is true.
-    for g, group in enumerate(ids):
-        assert ids._has_null(g) == (NULL_BLOCK_ID in group)
-        if ids._null_free[g]:
-            assert NULL_BLOCK_ID not in group
+    # What the fast layer proves about the null block when it checks the lists is true, and is all it knows.
+    proven = fast_layer._to_block_ids(groups)  # type: ignore[arg-type]
+    assert proven == ids
+    assert fast_layer._null_free(proven) == tuple(NULL_BLOCK_ID not in group for group in ids)
+    assert fast_layer._null_free(ids) == (False,) * len(ids)
 
 
 @given(groups=engine_lists, budgets=st.lists(st.integers(0, 4), max_size=5))
@@ -125,6 +130,25 @@ def test_clip_of_engine_lists_equals_clip_then_check(groups: list[list[object]],
     as_iterators: Any = [iter(g) for g in groups]
     assert get_exchange_clipped_blocks(as_tuples, budgets) == clipped
     assert get_exchange_clipped_blocks(as_iterators, budgets) == clipped
+
+
+def test_each_fast_twin_takes_its_definitions_signature_and_hands_it_what_it_cannot_take() -> None:
+    """The signature lives once, on the definition; a call of another shape is the definition's (its TypeError)."""
+    import kvspec.fast
+
+    for name in kvspec.fast.__all__:
+        assert inspect.signature(getattr(kvspec.fast, name)) == inspect.signature(getattr(plain, name)), name
+    shapes: list[Callable[[Any], object]] = [
+        lambda f: f(None, bogus=1),
+        lambda f: f(None, num_tokens=1),
+        lambda f: f(None, None),
+    ]
+    for call in shapes:
+        with pytest.raises(TypeError) as fast_error:
+            call(kvspec.fast.check_window_coverage)
+        with pytest.raises(TypeError) as plain_error:
+            call(plain.check_window_coverage)
+        assert str(fast_error.value) == str(plain_error.value)
 
 
 # --------------------------------------------------------------------------- WIN-1, ALIGN-1 on engine lists
@@ -260,7 +284,7 @@ def test_fast_plan_equals_the_page_by_page_definition(
     pairs = random_pairs(random.Random(seed), producer, consumer)
     got = plan_or_error(producer, consumer, pairs)
     try:
-        straightforward: TransferPlan | str = _plan_page_by_page(producer, consumer, pairs)
+        straightforward: TransferPlan | str = _plan_by_definition(producer, consumer, pairs)
     except PlanError as exc:
         straightforward = str(exc)
     assert got == straightforward
@@ -311,7 +335,7 @@ def test_fast_plan_of_state_groups_equals_the_definition(
     )
     if isinstance(got, TransferPlan):
         assert got.copies == definition
-        assert got == _plan_page_by_page(producer, consumer, pairs)
+        assert got == _plan_by_definition(producer, consumer, pairs)
         moved = [plain.get_page_byte_ranges(g.kv_cache_spec)[-1] for g in producer.kv_cache_groups]
         assert got.total_bytes == sum(
             len(group.layer_names) * len(ids) * (end[0] + end[1])
@@ -433,7 +457,7 @@ def test_an_engine_shaped_request_takes_the_fast_path_and_equals_the_page_by_pag
     monkeypatch.setattr(plan_module, "_plan_fast", spy)
     plan = plan_transfer(producer_config=config, consumer_config=config, pairs=pairs)
     assert calls == [True]
-    assert plan == _plan_page_by_page(config, config, pairs)
+    assert plan == _plan_by_definition(config, config, pairs)
     assert plan.copies == plain.compute_page_copies(producer_config=config, consumer_config=config, pairs=pairs)
     assert plan.num_pages == sum(
         len(g.layer_names) * len(ids) for g, ids in zip(config.kv_cache_groups, pairs.consumer_block_ids, strict=True)
@@ -464,7 +488,6 @@ def test_offload_hit_equals_the_definition_refusals_included(
     local += local_shift  # off a block boundary when the block size is above 1, or past the request
     present = [[*keys, True] for keys in present] if extra_key else present  # a key the request cannot have yet
     present = present[:-1] if drop_group else present
-    sizes = get_chunk_sizes(config, blocks_per_chunk=off_config.blocks_per_chunk)
     fast = result_of(
         lambda: get_offload_hit_tokens(
             config, present, num_tokens=num_tokens, local_hit_tokens=local, offload=off_config
@@ -472,7 +495,7 @@ def test_offload_hit_equals_the_definition_refusals_included(
     )
     definition = result_of(
         lambda: plain.get_offload_hit_tokens(
-            config, present, num_tokens=num_tokens, local_hit_tokens=local, chunk_sizes=sizes
+            config, present, num_tokens=num_tokens, local_hit_tokens=local, offload=off_config
         )
     )
     assert fast == definition
@@ -486,7 +509,6 @@ def test_offload_hit_with_state_groups_equals_the_definition(
     """With align-mode state groups, the fast hit's chunk-grid scan gives the definition's answer (OFF-5, OFF-9)."""
     config, off_config, present, num_tokens, local = case
     local += local_shift
-    sizes = get_chunk_sizes(config, blocks_per_chunk=off_config.blocks_per_chunk)
     fast = result_of(
         lambda: get_offload_hit_tokens(
             config, present, num_tokens=num_tokens, local_hit_tokens=local, offload=off_config
@@ -494,7 +516,7 @@ def test_offload_hit_with_state_groups_equals_the_definition(
     )
     definition = result_of(
         lambda: plain.get_offload_hit_tokens(
-            config, present, num_tokens=num_tokens, local_hit_tokens=local, chunk_sizes=sizes
+            config, present, num_tokens=num_tokens, local_hit_tokens=local, offload=off_config
         )
     )
     assert fast == definition
@@ -516,7 +538,7 @@ def test_a_state_hybrid_takes_the_fast_path(monkeypatch: pytest.MonkeyPatch) -> 
     pairs = Pairs(producer_block_ids=ids, consumer_block_ids=ids)
     plan = plan_transfer(producer_config=config, consumer_config=config, pairs=pairs)
     assert calls == [True]
-    assert plan == _plan_page_by_page(config, config, pairs)
+    assert plan == _plan_by_definition(config, config, pairs)
     state = config.kv_cache_groups[0].kv_cache_spec
     moved = sum(nbytes for _, nbytes in plain.get_page_byte_ranges(state))
     assert moved < state.page_size_bytes

@@ -43,13 +43,13 @@ from kvspec import (
     check_offload_support,
     get_chunk_sizes,
     get_load_set,
-    get_offload_hit_tokens,
     get_offload_keys,
     get_retained_chunk_starts,
     get_store_set,
     get_sub_block_offset,
     map_sub_blocks,
 )
+from kvspec.fast import get_offload_hit_tokens  # the fast twin, tested against plain (kvspec.spec)
 from kvspec.presets import get_preset
 from kvspec.spec.pins import Raises, pins_for
 from kvspec.tools._vector_cases import _pin_inputs as pin_inputs
@@ -539,9 +539,8 @@ def off5_pin_examples(test: T) -> T:
 def test_hit_matches_the_token_model(case: tuple[KVCacheConfig, OffloadConfig, list[list[bool]], int, int]) -> None:
     config, off_config, present, num_tokens, local = case
     hit = get_offload_hit_tokens(config, present, num_tokens=num_tokens, local_hit_tokens=local, offload=off_config)
-    sizes = get_chunk_sizes(config, blocks_per_chunk=off_config.blocks_per_chunk)
     expected = plain.get_offload_hit_tokens(
-        config, present, num_tokens=num_tokens, local_hit_tokens=local, chunk_sizes=sizes
+        config, present, num_tokens=num_tokens, local_hit_tokens=local, offload=off_config
     )
     assert hit == expected
 
@@ -824,7 +823,7 @@ def test_a_state_group_without_prefix_caching_or_with_several_blocks_per_chunk_f
     with pytest.raises(UnsupportedHybridError, match=r"group 1 .*blocks_per_chunk=2; expected 1 \(OFF-9\)"):
         get_offload_hit_tokens(aligned, [[True], [True]], num_tokens=9, local_hit_tokens=0, offload=offload(2))
     with pytest.raises(UnsupportedHybridError, match=r"blocks_per_chunk=2"):
-        plain.get_offload_hit_tokens(aligned, [[True], [True]], num_tokens=9, local_hit_tokens=0, chunk_sizes=(8, 8))
+        plain.get_offload_hit_tokens(aligned, [[True], [True]], num_tokens=9, local_hit_tokens=0, offload=offload(2))
 
 
 # The research note's R6 example and #51094's shape: B = 4 full attention and an align-mode state group, f = 1.
@@ -852,7 +851,7 @@ def test_a_state_hit_ends_on_a_present_state_chunk(
         == hit
     )
     definition = plain.get_offload_hit_tokens(
-        FA_STATE, present, num_tokens=num_tokens, local_hit_tokens=local, chunk_sizes=(4, 4)
+        FA_STATE, present, num_tokens=num_tokens, local_hit_tokens=local, offload=offload()
     )
     assert definition == hit
 

@@ -28,8 +28,9 @@ T = TypeVar("T", bound=Callable[..., None])
 
 ROOT = Path(__file__).resolve().parent.parent
 SPEC_DIR = ROOT / "kvspec" / "spec"
-# What the definitions may build on: the models, the errors, the enums below them, and each other.
-ALLOWED = frozenset({"kvspec.core._models", "kvspec.core._errors", "kvspec.core._enums"})
+# What the definitions may build on: the models, the errors, the enums below them, and each other; and, until
+# 0.3.0, the shim that keeps a definition's deprecated positional spelling on the definition itself.
+ALLOWED = frozenset({"kvspec.core._models", "kvspec.core._errors", "kvspec.core._enums", "kvspec.core._deprecation"})
 RULE_IDS = re.compile(r"\(((?:[A-Z]{2,5}-\d+)(?:, [A-Z]{2,5}-\d+)*)\)\.?\s*$")
 MARKER = re.compile(r"^[ \t]*<!--\s*kvspec:spec:(?P<module>\w+)\.(?P<name>\w+)\s*-->[ \t]*$", re.MULTILINE)
 
@@ -105,19 +106,9 @@ def test_public_names_without_a_faster_form_are_the_definitions() -> None:
         "PageCopy",
     ):
         assert getattr(kvspec, name) is getattr(plain, name), name
-    # Two keep their deprecated positional spelling around the definition.
-    assert kvspec.get_logical_block_count.__wrapped__ is plain.get_logical_block_count  # type: ignore[attr-defined]
-    assert kvspec.get_num_skipped_tokens.__wrapped__ is plain.get_num_skipped_tokens  # type: ignore[attr-defined]
-
-
-# Names of kvspec that are not yet the definition they share a name with, each with why; nothing else may be.
-NOT_YET_ONE_OBJECT = {
-    # Deprecated positional spellings (RENAMES.md), wrapped around the definition until 0.3.0 removes them.
-    "get_logical_block_count": "keyword_only shim until 0.3.0",
-    "get_num_skipped_tokens": "keyword_only shim until 0.3.0",
-    # kvspec's form takes an OffloadConfig, which kvspec/spec cannot import until OFF-1's definition moves there.
-    "get_offload_hit_tokens": "takes offload=OffloadConfig; the definition takes chunk_sizes",
-}
+    # Two keep their deprecated positional spelling, on the definition itself (until 0.3.0).
+    assert kvspec.get_logical_block_count is plain.get_logical_block_count
+    assert kvspec.get_num_skipped_tokens is plain.get_num_skipped_tokens
 
 
 def test_every_name_in_kvspec_and_kvspec_spec_is_one_object() -> None:
@@ -127,8 +118,7 @@ def test_every_name_in_kvspec_and_kvspec_spec_is_one_object() -> None:
     shared = set(kvspec.__all__) & set(plain.__all__)
     assert {"compute_transfer_pairs", "compute_block_pairs", "get_exchange_clipped_blocks"} <= shared
     different = {name for name in shared if getattr(kvspec, name) is not getattr(plain, name)}
-    assert different == set(NOT_YET_ONE_OBJECT), sorted(different ^ set(NOT_YET_ONE_OBJECT))
-    assert kvspec.__version__.startswith("0.2."), "0.3.0 removes the shims: drop them from NOT_YET_ONE_OBJECT"
+    assert not different, sorted(different)
     # A fast twin is another object than its definition, under the definition's own name, and named as fast.
     for name in kvspec.fast.__all__:
         fast = getattr(kvspec.fast, name)

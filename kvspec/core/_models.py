@@ -558,19 +558,18 @@ def _check_ids_one_by_one(group: int, ids: Sequence[object], first: int) -> tupl
     return tuple(int(b) for b in ids)  # type: ignore[call-overload]
 
 
-def _checked_group(group: int, value: object, first: int = 0) -> tuple[tuple[int, ...], bool]:
-    """One group's ids as a tuple of plain ints, and whether it is proven free of the null block.
+def _checked_group(group: int, value: object, first: int = 0) -> tuple[tuple[int, ...], int | None]:
+    """One group's ids as a tuple of plain ints, and its lowest id (``None`` for an empty group).
 
     The bulk check does at C speed what the per-id loop does: ``set(map(type, ids)) == {int}``
-    proves every id a plain int (so neither a bool nor a float), ``min`` proves none negative and
-    says whether the null block 0 is present.
+    proves every id a plain int (so neither a bool nor a float), ``min`` proves none negative.
     ``first`` is the position of ``value[0]`` in the list the caller was given, for messages.
     """
     if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
         raise _fail(BlockIds, f"groups[{group}]", "a sequence of block ids", value)
     ids = value if type(value) is tuple else tuple(value)
     if not ids:
-        return ids, True
+        return ids, None
     if type(value) is range:
         low = min(value[0], value[-1])  # a range holds plain ints; its extremes are its ends
     elif set(map(type, ids)) == {int}:
@@ -580,16 +579,17 @@ def _checked_group(group: int, value: object, first: int = 0) -> tuple[tuple[int
         low = min(ids)
     if low < 0:
         _check_ids_one_by_one(group, ids, first)  # raises, naming the first negative id
-    return ids, low > NULL_BLOCK_ID
+    return ids, low
 
 
-def _to_block_groups(value: object) -> tuple[tuple[tuple[int, ...], ...], tuple[bool, ...]]:
+def _to_block_groups(value: object) -> tuple[tuple[tuple[int, ...], ...], tuple[int | None, ...]]:
+    """Each group's ids checked, and each group's lowest id (``None`` where the group is empty or not known)."""
     if isinstance(value, BlockIds):
-        return value.groups, value._null_free
+        return value.groups, (None,) * len(value.groups)
     if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
         raise _fail(BlockIds, "groups", "a sequence of per-group sequences of block ids", value)
     checked = [_checked_group(g, group) for g, group in enumerate(value)]
-    return tuple(ids for ids, _ in checked), tuple(null_free for _, null_free in checked)
+    return tuple(ids for ids, _ in checked), tuple(low for _, low in checked)
 
 
 @attrs.frozen(init=False)
@@ -603,8 +603,6 @@ class BlockIds(Sequence[tuple[int, ...]]):
 
     Building one checks every id (a plain int, not negative) with whole-list
     operations: O(n) in the ids (docs/explanation/engine-cost.md).
-    It also records which groups are proven free of the null block, so later
-    checks skip their scans.
 
     >>> ids = BlockIds([[10, 11, 12], [20, 21]])
     >>> len(ids), ids[1]
@@ -612,13 +610,11 @@ class BlockIds(Sequence[tuple[int, ...]]):
     """
 
     groups: tuple[tuple[int, ...], ...]
-    # Per group: True when the group is proven to hold no null block (False: not known).
-    _null_free: tuple[bool, ...] = attrs.field(eq=False, hash=False, repr=False)
 
     def __init__(self, groups: object) -> None:
         """Check and hold ``groups``: one sequence of non-negative int ids per KV-cache group."""
-        checked, null_free = _to_block_groups(groups)
-        self.__attrs_init__(checked, null_free)
+        checked, _ = _to_block_groups(groups)
+        self.__attrs_init__(checked)
 
     @classmethod
     def from_lists(cls, groups: Iterable[Iterable[int]]) -> BlockIds:
@@ -626,24 +622,16 @@ class BlockIds(Sequence[tuple[int, ...]]):
         return cls(groups)
 
     @classmethod
-    def _from_trusted(cls, groups: Iterable[tuple[int, ...]], null_free: Iterable[bool] | None = None) -> BlockIds:
+    def _from_trusted(cls, groups: Iterable[tuple[int, ...]]) -> BlockIds:
         """Build from tuples already known valid (slices of a validated BlockIds).
 
         Skips the per-id check, which would dominate a long request
-        (docs/explanation/engine-cost.md). ``null_free`` carries what is proven
-        about the null block (a slice of a null-free group is null-free);
-        ``None`` proves nothing. Internal: callers outside kvspec use the
-        validating constructor.
+        (docs/explanation/engine-cost.md). Internal: callers outside kvspec
+        use the validating constructor.
         """
         ids = object.__new__(cls)
-        checked = tuple(groups)
-        flags = (False,) * len(checked) if null_free is None else tuple(null_free)
-        ids.__attrs_init__(checked, flags)
+        ids.__attrs_init__(tuple(groups))
         return ids
-
-    def _has_null(self, group: int) -> bool:
-        """Whether ``group`` holds the null block: free when it was proven null-free, else one scan."""
-        return not self._null_free[group] and NULL_BLOCK_ID in self.groups[group]
 
     def to_lists(self) -> list[list[int]]:
         """Plain nested lists, as vLLM's ``kv_transfer_params`` carries them."""

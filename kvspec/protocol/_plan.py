@@ -18,8 +18,8 @@ from kvspec.spec.plan import (
     BlockPairsLike,
     PageCopy,
     _check_configs,
-    _check_group_pairs,
-    _check_page_fits,
+    _check_group_layout,
+    compute_page_copies,
     get_page_byte_ranges,
 )
 
@@ -161,7 +161,7 @@ class TransferPlan:
         raise PlanError(f"to_descriptors: expected a TransferMode, got {mode!r}")
 
 
-# --------------------------------------------------------------------------- page by page, with the definition's checks
+# ------------------------------------------------ the definition, where the fast path cannot prove its answer
 
 
 def _moved_per_page(config: KVCacheConfig, group: int) -> int | None:
@@ -171,90 +171,29 @@ def _moved_per_page(config: KVCacheConfig, group: int) -> int | None:
     return None if moved == spec.page_size_bytes else moved
 
 
-def _page_copies(
-    producer_config: KVCacheConfig, consumer_config: KVCacheConfig, pairs: BlockPairsLike
-) -> tuple[list[tuple[int, int, int, int, int]], list[GroupPlan]]:
-    """Unmerged copies as tuples ``(p_region, p_offset, c_region, c_offset, nbytes)``."""
-    pages: list[tuple[int, int, int, int, int]] = []
-    groups: list[GroupPlan] = []
-    both = zip(pairs.producer_block_ids, pairs.consumer_block_ids, strict=True)
-    for g, (producer_ids, consumer_ids) in enumerate(both):
-        page = _check_group_pairs(producer_config, consumer_config, g, producer_ids, consumer_ids)
-        layers = producer_config.kv_cache_groups[g].layer_names
-        ranges = get_page_byte_ranges(producer_config.kv_cache_groups[g].kv_cache_spec)
-        for layer in layers:
-            p_loc = producer_config.locate(layer)
-            c_loc = consumer_config.locate(layer)
-            p_tensor = producer_config.kv_cache_tensors[p_loc.tensor_index]
-            c_tensor = consumer_config.kv_cache_tensors[c_loc.tensor_index]
-            if producer_ids:
-                # Strides are linear in the block id, so the largest id bounds every page (PLAN-1).
-                _check_page_fits(producer_config, "producer", g, layer, max(producer_ids), page)
-                _check_page_fits(consumer_config, "consumer", g, layer, max(consumer_ids), page)
-            p_base = p_tensor.offset + p_loc.layer_index * p_tensor.layer_stride
-            c_base = c_tensor.offset + c_loc.layer_index * c_tensor.layer_stride
-            p_stride, c_stride = p_tensor.block_stride, c_tensor.block_stride
-            p_region, c_region = p_loc.tensor_index, c_loc.tensor_index
-            pages.extend(
-                (p_region, p_base + p_id * p_stride + start, c_region, c_base + c_id * c_stride + start, nbytes)
-                for p_id, c_id in zip(producer_ids, consumer_ids, strict=True)
-                for start, nbytes in ranges
-            )
-        groups.append(
-            GroupPlan(
-                group_index=g,
-                num_pairs=len(producer_ids),
-                num_layers=len(layers),
-                page_size=page,
-                moved_per_page=_moved_per_page(producer_config, g),
-            )
-        )
-    return pages, groups
-
-
-def _check_no_overlap(pages: list[tuple[int, int, int, int, int]]) -> None:
-    # Two copies landing on the same consumer bytes mean a duplicated consumer id: refuse.
-    ordered = sorted((c_region, c_offset, nbytes) for _, _, c_region, c_offset, nbytes in pages)
-    for (region_a, offset_a, nbytes_a), (region_b, offset_b, _) in itertools.pairwise(ordered):
-        if region_a == region_b and offset_a + nbytes_a > offset_b:
-            raise PlanError(f"consumer region {region_a}: copies overlap at byte {offset_b}")
-
-
-def _merge(pages: list[tuple[int, int, int, int, int]]) -> Columns:
-    """Merge copies that continue each other on both sides into maximal runs."""
-    pages.sort()
-    runs: list[list[int]] = []
-    for p_region, p_offset, c_region, c_offset, nbytes in pages:
-        if runs:
-            run = runs[-1]
-            if (
-                p_region == run[0]
-                and c_region == run[2]
-                and p_offset == run[1] + run[4]
-                and c_offset == run[3] + run[4]
-            ):
-                run[4] += nbytes
-                continue
-        runs.append([p_region, p_offset, c_region, c_offset, nbytes])
-    return tuple(zip(*runs, strict=True)) if runs else ((), (), (), (), ())  # type: ignore[return-value]
-
-
-def _plan_page_by_page(
+def _plan_by_definition(
     producer_config: KVCacheConfig, consumer_config: KVCacheConfig, pairs: BlockPairsLike
 ) -> TransferPlan:
-    """:func:`kvspec.spec.compute_page_copies` with tuples for objects: its checks, one tuple per page, a sort, a merge.
-
-    O(P log P) in the pages P, about 4.5 times faster than the definition
-    (which builds a ``PageCopy`` per page); tested equal to it (tests/test_fast_paths.py).
+    """:func:`kvspec.spec.compute_page_copies`'s copies as a plan: its checks and errors, one ``PageCopy`` a page.
 
     It takes any pairs and layouts (duplicate ids, tensors shared by groups,
     layers interleaved in a tensor) and finds every error with its exact
     position; :func:`plan_transfer` falls back to it whenever its fast path
-    cannot prove the same answer.
+    cannot prove the same answer (PLAN-1).
     """
-    pages, groups = _page_copies(producer_config, consumer_config, pairs)
-    _check_no_overlap(pages)
-    return TransferPlan._from_columns(_merge(pages), groups)
+    copies = compute_page_copies(producer_config=producer_config, consumer_config=consumer_config, pairs=pairs)
+    groups = [
+        GroupPlan(
+            group_index=g,
+            num_pairs=len(producer_ids),
+            num_layers=len(producer_config.kv_cache_groups[g].layer_names),
+            page_size=_check_group_layout(producer_config, consumer_config, g),
+            moved_per_page=_moved_per_page(producer_config, g),
+        )
+        for g, producer_ids in enumerate(pairs.producer_block_ids)
+    ]
+    columns = tuple(zip(*map(attrs.astuple, copies), strict=True)) if copies else ((), (), (), (), ())
+    return TransferPlan._from_columns(columns, groups)  # type: ignore[arg-type]
 
 
 # --------------------------------------------------------------------------- planning, fast path
@@ -569,9 +508,10 @@ def plan_transfer(
     distinct, the checks are whole-list operations and the copies come from
     one sort of the pairs per group and arithmetic per run of adjacent layers:
     O(n log n) in the pairs plus O(copies), no object per page
-    (docs/explanation/engine-cost.md). Otherwise (duplicate ids, a bad id, a shared tensor) it plans page by
-    page, O(P log P) in the pages P, and reports the first bad id, page or
-    overlap exactly as before.
+    (docs/explanation/engine-cost.md). Otherwise (duplicate ids, a bad id, a
+    shared tensor) the plan is the definition's,
+    :func:`kvspec.spec.compute_page_copies`, one ``PageCopy`` a page, and
+    reports the first bad id, page or overlap exactly as it does.
     """
     _check_configs(producer_config, consumer_config, pairs)
     if len(pairs.consumer_block_ids):
@@ -580,4 +520,4 @@ def plan_transfer(
             plan = _plan_fast(layout, producer_config, consumer_config, pairs)
             if plan is not None:
                 return plan
-    return _plan_page_by_page(producer_config, consumer_config, pairs)
+    return _plan_by_definition(producer_config, consumer_config, pairs)

@@ -2,18 +2,19 @@
 
 The definitions of OFF-1 ... OFF-9 live in :mod:`kvspec.spec.offload` and are
 re-exported here for the modules that import them from the reference layer.
-:func:`get_offload_hit_tokens` takes an :class:`OffloadConfig` and shrinks the
-hit end group by group (prefix runs, windows, state grids) rather than trying
-every end; it uses the definition's checks and messages and is tested equal
-to it (tests/test_offload.py).
+:func:`get_offload_hit_tokens` (``kvspec.fast``'s) shrinks the hit end group by
+group (prefix runs, windows, state grids) rather than trying every end; it
+takes the definition's signature, calls its checks, and is tested equal to it
+(tests/test_offload.py, tests/test_fast_paths.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvspec.core._errors import ConfigError
+import kvspec.spec.offload as plain_offload
 from kvspec.core._models import KVCacheConfig, MambaSpec
+from kvspec.reference._reference import _Request, _twin_of
 from kvspec.spec.offload import (
     BlockIdGroups,
     LoadSet,
@@ -21,10 +22,7 @@ from kvspec.spec.offload import (
     OffloadKey,
     StoreSet,
     _cdiv,
-    _check_groups,
-    _check_support,
-    _check_tokens,
-    _chunk_sizes,
+    _check_hit_inputs,
     _window,
     check_offload_support,
     get_chunk_sizes,
@@ -113,39 +111,23 @@ def _window_hit_end(present: Sequence[bool], *, end: int, local: int, size: int,
     return local
 
 
-def get_offload_hit_tokens(
-    config: KVCacheConfig,
-    present: Sequence[Sequence[bool]],
-    *,
-    num_tokens: int,
-    local_hit_tokens: int,
-    offload: OffloadConfig,
-) -> int:
-    """The fast twin of :func:`kvspec.spec.offload.get_offload_hit_tokens`: the same hit, sooner (OFF-5).
+@_twin_of(plain_offload.get_offload_hit_tokens, positional=2)
+def get_offload_hit_tokens(config: KVCacheConfig, present: Sequence[Sequence[bool]], request: _Request) -> int:
+    """The fast twin of :func:`kvspec.spec.get_offload_hit_tokens`: the same hit, sooner (OFF-5).
 
-    ``present[g][k]`` says whether key ``k`` of group ``g`` is stored whole
-    (OFF-4); ``len(present[g])`` is the number of keys so far (OFF-2). The
-    hit end ``M`` starts at ``N``, or ``N - 1`` when a window group exists
-    (the last token is recomputed), and ``M <= len(present[g]) * C_g``. Full
-    attention groups, then window groups by window size, shrink ``M`` to the
-    largest end their present chunks support: a prefix run from the local
-    hit, or a window whose chunks cover ``[max(C, M - W + 1), M - 1]``; the
-    groups are checked again until ``M`` holds still. A state group (OFF-9)
-    recomputes the last token as a window does and supports only ends on its
-    chunk grid whose chunk is present: that chunk holds the state after
-    exactly ``M`` tokens (vLLM #44599, #51094). The hit is 0 when any group
-    could load less than one chunk. (OFF-5)
+    The definition's checks (:mod:`kvspec.spec.offload`), then the hit end
+    ``M`` from ``N``, or ``N - 1`` when a window or state group exists, and
+    ``M <= len(present[g]) * C_g``. Full attention groups, then window
+    groups by window size, shrink ``M`` to the largest end their present
+    chunks support: a prefix run from the local hit, or a window whose chunks
+    cover ``[max(C, M - W + 1), M - 1]``; the groups are checked again until
+    ``M`` holds still. A state group supports only ends on its chunk grid
+    whose chunk is present. The hit is 0 when any group could load less than
+    one chunk (OFF-5).
     """
-    _check_support(config, offload)
-    chunk_sizes = _chunk_sizes(config, offload)
-    _check_groups("get_offload_hit_tokens.present", config, present)
-    n, local = _check_tokens(config, num_tokens, local_hit_tokens, "get_offload_hit_tokens")
-    for g, (keys, size) in enumerate(zip(present, chunk_sizes, strict=True)):
-        if len(keys) > n // size:
-            raise ConfigError(
-                f"get_offload_hit_tokens.present[{g}]: expected at most {n // size} keys (complete chunks of "
-                f"{n} tokens), got {len(keys)}"
-            )
+    n: int = request["num_tokens"]
+    local: int = request["local_hit_tokens"]
+    chunk_sizes = _check_hit_inputs(config, present, n, local, request["offload"])
     order = _hit_order(config)
     windows = [_window(group.kv_cache_spec) for group in config.kv_cache_groups]
     states = [isinstance(group.kv_cache_spec, MambaSpec) for group in config.kv_cache_groups]

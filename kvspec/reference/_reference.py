@@ -1,36 +1,53 @@
-"""Pure reference functions: HMA detection, admission, window budgets, clipping, alignment, coverage."""
+"""The fast layer over kvspec.spec: the definitions' twins that an engine calls per request, and the re-exports.
+
+Each twin takes its definition's signature (:func:`_twin_of`), calls the
+definition's own checks (:mod:`kvspec.spec`), and hands any call it cannot
+answer faster, or any input it would refuse, to the definition, which says
+which rule and why: only what is faster lives here. What is faster:
+
+- whole-list id checks (``BlockIds``' bulk check) instead of one id at a time;
+- clipping engine lists before checking them (only the ids kept are checked);
+- null scans skipped for groups proven null-free (NULL-1): a proof this layer
+  records for the lists it checks or derives (:func:`_proven`), never kept in
+  the models, and pairs built from proven lists without re-scanning them.
+
+Each twin is tested equal to its definition, result for result and error
+class for error class (tests/test_fast_paths.py).
+"""
 
 from __future__ import annotations
 
+import functools
+import inspect
 import itertools
 import operator
-from collections.abc import Iterable, Sequence
+import weakref
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, ParamSpec, TypeAlias, TypeVar
 
-from kvspec.core._deprecation import keyword_only, warn_renamed
-from kvspec.core._enums import StateProfile, TransferMode
-from kvspec.core._errors import (
-    GroupCountError,
-)
+import kvspec.spec as plain
+from kvspec.core._deprecation import warn_renamed
+from kvspec.core._enums import TransferMode
 from kvspec.core._models import (
     NULL_BLOCK_ID,
     BlockIds,
     KVCacheConfig,
-    KVCacheSpec,
     _checked_group,
+    _to_block_groups,
 )
 from kvspec.spec.admission import check_hybrid_support, is_full_attention_spec, is_hma_required
 from kvspec.spec.coverage import (
-    _check_prefix,
+    SideCheck,
+    _check_counts,
     get_block_ends,
+    get_logical_block_count,
     get_needed_block_range,
     get_needed_token_range,
+    get_num_skipped_tokens,
     get_side_checks,
 )
 from kvspec.spec.coverage import _check_side as _spec_check_side
-from kvspec.spec.coverage import get_logical_block_count as _spec_get_logical_block_count
-from kvspec.spec.coverage import get_num_skipped_tokens as _spec_get_num_skipped_tokens
-from kvspec.spec.guard import RankPlan, check_rank_plans
-from kvspec.spec.guard import check_request_blocks as _plain_check_request_blocks
+from kvspec.spec.guard import check_rank_plans
 from kvspec.spec.pairing import BlockPairs, check_tail_alignment, get_paired_block_ends
 from kvspec.spec.state import check_state_position, get_state_paired_lists, is_state_spec
 from kvspec.spec.window import (
@@ -39,9 +56,6 @@ from kvspec.spec.window import (
     get_block_budget,
     get_blocks_per_sw,
     get_token_basis_group,
-)
-from kvspec.spec.window import (
-    check_count as _check_count,
 )
 
 __all__ = [
@@ -67,28 +81,81 @@ __all__ = [
     "is_hma_required",
 ]
 
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+_Request: TypeAlias = "dict[str, Any]"
+"""A twin's keyword arguments, as its definition's signature names them, defaults filled in."""
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+
+def _twin_of(definition: Callable[_P, _R], *, positional: int = 1) -> Callable[[Callable[..., _R]], Callable[_P, _R]]:
+    """The fast twin of ``definition``: its signature and name, the fast function's body and docstring.
+
+    The fast function gets the ``positional`` arguments, then one dict of every
+    keyword the definition takes, its defaults filled in. A call of any other
+    shape (a keyword missing or unknown, an argument by the wrong kind) goes to
+    the definition, which answers it or raises its ``TypeError``: the
+    signature lives once, in :mod:`kvspec.spec`.
+    """
+    signature = inspect.signature(definition)
+    keywords = list(signature.parameters.values())[positional:]
+    defaults = {p.name: p.default for p in keywords if p.default is not inspect.Parameter.empty}
+    names = frozenset(p.name for p in keywords)
+    required = names - defaults.keys()
+
+    def decorate(fast: Callable[..., _R]) -> Callable[_P, _R]:
+        @functools.wraps(fast)
+        def twin(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+            if len(args) != positional or not required <= kwargs.keys() <= names:
+                return definition(*args, **kwargs)
+            return fast(*args, {**defaults, **kwargs})
+
+        twin.__name__ = twin.__qualname__ = definition.__name__
+        setattr(twin, "__signature__", signature)  # noqa: B010 (a function type has no such attribute to mypy)
+        return twin
+
+    return decorate
+
+
+# --------------------------------------------------------------------------- NULL-1 proofs, kept out of the models
+
+# id(BlockIds) -> (a weak reference to it, per group: proven to hold no null block). An entry leaves with its list.
+_NULL_FREE: dict[int, tuple[weakref.ReferenceType[BlockIds], tuple[bool, ...]]] = {}
+
+
+def _proven(ids: BlockIds, null_free: Iterable[bool]) -> BlockIds:
+    """``ids``, with which of its groups hold no null block recorded for this layer's later checks (NULL-1)."""
+    key = id(ids)
+    _NULL_FREE[key] = (weakref.ref(ids, lambda _: _NULL_FREE.pop(key, None)), tuple(null_free))
+    return ids
+
+
+def _null_free(ids: BlockIds) -> tuple[bool, ...]:
+    """Per group, whether ``ids`` is proven free of the null block; a list this layer never saw proves nothing."""
+    known = _NULL_FREE.get(id(ids))
+    if known is not None and known[0]() is ids:
+        return known[1]
+    return (False,) * len(ids)
 
 
 def _to_block_ids(value: BlockIdsLike) -> BlockIds:
-    return value if isinstance(value, BlockIds) else BlockIds(value)
+    """``value`` as a ``BlockIds``: plain lists checked once (the model's bulk check), their null-free groups noted."""
+    if isinstance(value, BlockIds):
+        return value
+    groups, lows = _to_block_groups(value)
+    return _proven(BlockIds._from_trusted(groups), (low is None or low > NULL_BLOCK_ID for low in lows))
 
 
-def _derived_block_ids(groups: Sequence[tuple[int, ...]], null_free: Sequence[bool] | None = None) -> BlockIds:
-    """A BlockIds made of slices of already-validated BlockIds, without validating every id again.
-
-    Validation is O(n) per id and would dominate a long request (benchmarks/bench_engine.py).
-    """
-    return BlockIds._from_trusted(groups, null_free)
+def _trusted_pairs(producer: Sequence[tuple[int, ...]], consumer: Sequence[tuple[int, ...]]) -> BlockPairs:
+    """Pairs equal in length and free of the null block by construction, built without re-scanning them (NULL-1)."""
+    pairs = object.__new__(BlockPairs)
+    null_free = (True,) * len(consumer)
+    # BlockPairs is frozen; its validator would scan every pair again for what the pairing just proved.
+    object.__setattr__(pairs, "producer_block_ids", _proven(BlockIds._from_trusted(producer), null_free))
+    object.__setattr__(pairs, "consumer_block_ids", _proven(BlockIds._from_trusted(consumer), null_free))
+    return pairs
 
 
 # --------------------------------------------------------------------------- CLIP-1 on engine lists
-
-# The plain definitions (kvspec.spec) serve as these public names unchanged: no faster form exists.
-get_logical_block_count = keyword_only(1, "num_tokens")(_spec_get_logical_block_count)
-get_num_skipped_tokens = keyword_only(1, "num_computed_tokens")(_spec_get_num_skipped_tokens)
 
 
 def get_exchange_clipped_blocks(block_ids: BlockIdsLike, budgets: Sequence[int]) -> BlockIds:
@@ -96,94 +163,73 @@ def get_exchange_clipped_blocks(block_ids: BlockIdsLike, budgets: Sequence[int])
 
     Plain lists (vLLM's ``tuple[list[int], ...]``) are clipped first and only
     the ids kept are checked: the ids clipped away never leave the engine
-    (decision 29 in decisions-rules.md). O(kept ids); the plain
-    definition is :func:`kvspec.spec.get_exchange_clipped_blocks` (CLIP-1).
+    (CLIP-1). O(kept ids); lists or budgets it cannot take are the plain
+    definition's, :func:`kvspec.spec.get_exchange_clipped_blocks` (CLIP-1).
     """
-    if isinstance(block_ids, BlockIds) or not isinstance(block_ids, Sequence) or isinstance(block_ids, (str, bytes)):
-        ids = _to_block_ids(block_ids)
-        return _clip_checked(ids, budgets)
+    if (
+        isinstance(block_ids, (str, bytes))
+        or not isinstance(block_ids, Sequence)
+        or (len(block_ids) and len(block_ids) != len(budgets))
+        or not all(type(n) is int and n >= 0 for n in budgets)
+    ):
+        return plain.get_exchange_clipped_blocks(block_ids, budgets)  # it names what is wrong (CLIP-1)
     if len(block_ids) == 0:
-        return BlockIds([])  # full prefix hit: nothing to exchange (CLIP-1)
-    _check_budgets(len(block_ids), budgets)
+        return block_ids if isinstance(block_ids, BlockIds) else BlockIds([])  # full prefix hit (CLIP-1)
+    if isinstance(block_ids, BlockIds):
+        if not any(budgets):
+            return block_ids
+        # n > 0 guards Python's ids[-0:], which is the whole list (CLIP-1).
+        kept = (group[-n:] if n > 0 else group for group, n in zip(block_ids, budgets, strict=True))
+        return _proven(BlockIds._from_trusted(kept), _null_free(block_ids))
     groups: list[tuple[int, ...]] = []
     null_free: list[bool] = []
     for g, (group, n) in enumerate(zip(block_ids, budgets, strict=True)):
-        # n > 0 guards ids[-0:], the whole list (docs/spec/window-budget-and-clipping.md, CLIP-1).
-        kept, first = group, 0
+        kept_ids, first = group, 0
         if n > 0 and isinstance(group, Iterable) and not isinstance(group, (str, bytes)):
             whole = group if isinstance(group, Sequence) else tuple(group)
-            kept = whole[-n:]
-            first = len(whole) - len(kept)
-        ids_g, free = _checked_group(g, kept, first)
-        groups.append(ids_g)
-        null_free.append(free)
-    return _derived_block_ids(groups, null_free)
-
-
-def _check_budgets(num_groups: int, budgets: Sequence[int]) -> None:
-    if num_groups != len(budgets):
-        raise GroupCountError(f"block ids have {num_groups} groups, budgets have {len(budgets)} (CLIP-1)")
-    for g, n in enumerate(budgets):
-        _check_count(f"budgets[{g}]", n)
-
-
-def _clip_checked(ids: BlockIds, budgets: Sequence[int]) -> BlockIds:
-    if len(ids) == 0:
-        return ids  # full prefix hit: nothing to exchange (CLIP-1)
-    _check_budgets(len(ids), budgets)
-    if not any(budgets):
-        return ids
-    # n > 0 guards Python's ids[-0:], which is the whole list (docs/spec/window-budget-and-clipping.md, CLIP-1).
-    return _derived_block_ids(
-        [group[-n:] if n > 0 else group for group, n in zip(ids, budgets, strict=True)], ids._null_free
-    )
+            kept_ids = whole[-n:]
+            first = len(whole) - len(kept_ids)
+        ids, low = _checked_group(g, kept_ids, first)
+        groups.append(ids)
+        null_free.append(low is None or low > NULL_BLOCK_ID)
+    return _proven(BlockIds._from_trusted(groups), null_free)
 
 
 # --------------------------------------------------------------------------- ALIGN-1, NULL-1
 
 
-def compute_block_pairs(
-    *,
-    producer_block_ids: BlockIdsLike,
-    consumer_block_ids: BlockIdsLike,
-    producer_block_ends: Sequence[int] | None = None,
-    consumer_block_ends: Sequence[int] | None = None,
-) -> BlockPairs:
+@_twin_of(plain.compute_block_pairs, positional=0)
+def compute_block_pairs(request: _Request) -> BlockPairs:
     """Pair C's i-th id with P's id at ``len(P[g]) - len(C[g]) + i``; drop null pairs (ALIGN-1, NULL-1).
 
-    Where both sides say where their lists end (:func:`get_block_ends`, protocol
-    1.1), each group's lists must end at the same logical block: a list
-    shifted by a block (lookahead slots on one side) is refused even when both
-    were clipped to the same length. A side that does not say (``None``, a
-    1.0 peer) is taken to end where the other ends.
-
-    O(n) in the ids, in slices; a group proven null-free when its ``BlockIds``
-    was built is not scanned for nulls again. The plain definition is
-    :func:`kvspec.spec.compute_block_pairs` (ALIGN-1, NULL-1).
+    O(n) in the ids, in slices; a group proven null-free is not scanned for
+    nulls again. The plain definition is :func:`kvspec.spec.compute_block_pairs`
+    (ALIGN-1, NULL-1).
     """
-    producer, consumer = _to_block_ids(producer_block_ids), _to_block_ids(consumer_block_ids)
+    producer, consumer = _to_block_ids(request["producer_block_ids"]), _to_block_ids(request["consumer_block_ids"])
+    return _pairs(producer, consumer, request["producer_block_ends"], request["consumer_block_ends"])
+
+
+def _pairs(
+    producer: BlockIds, consumer: BlockIds, producer_ends: Sequence[int] | None, consumer_ends: Sequence[int] | None
+) -> BlockPairs:
     if len(consumer) == 0:
-        return BlockPairs(producer_block_ids=[], consumer_block_ids=[])  # full prefix hit (ALIGN-1)
-    check_tail_alignment(
-        producer, consumer, producer_block_ends=producer_block_ends, consumer_block_ends=consumer_block_ends
-    )
+        return plain.compute_block_pairs(producer_block_ids=producer, consumer_block_ids=consumer)
+    check_tail_alignment(producer, consumer, producer_block_ends=producer_ends, consumer_block_ends=consumer_ends)
+    p_free, c_free = _null_free(producer), _null_free(consumer)
     pairs_p: list[tuple[int, ...]] = []
     pairs_c: list[tuple[int, ...]] = []
     for g, (p, c) in enumerate(zip(producer, consumer, strict=True)):
         # Tail alignment: C's list is its uncached suffix, so it ends where P's ends (never front-trim).
         tail = p[len(p) - len(c) :]
-        # A group proven null-free (when it was checked) skips the scan: O(1) instead of O(n).
-        if (not producer._null_free[g] and NULL_BLOCK_ID in tail) or consumer._has_null(g):
+        # A group proven null-free skips the scan: O(1) instead of O(n).
+        if (not p_free[g] and NULL_BLOCK_ID in tail) or (not c_free[g] and NULL_BLOCK_ID in c):
             # Ids are non-negative, so a product is 0 exactly when the pair holds the null block.
             real = list(map(operator.mul, tail, c))
             tail, c = tuple(itertools.compress(tail, real)), tuple(itertools.compress(c, real))
         pairs_p.append(tail)
         pairs_c.append(c)
-    null_free = (True,) * len(pairs_c)
-    return BlockPairs(
-        producer_block_ids=_derived_block_ids(pairs_p, null_free),
-        consumer_block_ids=_derived_block_ids(pairs_c, null_free),
-    )
+    return _trusted_pairs(pairs_p, pairs_c)
 
 
 # --------------------------------------------------------------------------- WIN-1 and engine helpers
@@ -202,7 +248,7 @@ def get_pruned_block_ids(config: KVCacheConfig, block_ids: BlockIdsLike, *, num_
     """
     ids = _to_block_ids(block_ids)
     if len(ids) != config.num_groups:
-        raise GroupCountError(f"block ids have {len(ids)} groups, the config {config.num_groups} (WIN-1)")
+        return plain.get_pruned_block_ids(config, ids, num_computed_tokens=num_computed_tokens)  # it names the count
     pruned: list[tuple[int, ...]] = []
     for group, spec in zip(ids, (g.kv_cache_spec for g in config.kv_cache_groups), strict=True):
         k = min(get_num_skipped_tokens(spec, num_computed_tokens=num_computed_tokens) // spec.block_size, len(group))
@@ -210,7 +256,7 @@ def get_pruned_block_ids(config: KVCacheConfig, block_ids: BlockIdsLike, *, num_
         head = group[:k]
         stop = k - head[::-1].index(NULL_BLOCK_ID) if NULL_BLOCK_ID in head else 0
         pruned.append(group[:stop] + (NULL_BLOCK_ID,) * (k - stop) + group[k:])
-    return _derived_block_ids(pruned)
+    return BlockIds._from_trusted(pruned)
 
 
 def get_consumer_block_counts(
@@ -225,8 +271,7 @@ def get_consumer_block_counts(
     list also holds the blocks they are written to (WIN-1). A state group
     gets one slot, for the state it receives (STATE-2).
     """
-    _check_prefix(config, num_tokens, prefix_hit_tokens)
-    listed_tokens = num_tokens + _check_count("recomputed_tokens", recomputed_tokens)
+    listed_tokens = _check_counts(config, num_tokens, prefix_hit_tokens, recomputed_tokens)
     counts = []
     for group in config.kv_cache_groups:
         spec = group.kv_cache_spec
@@ -241,183 +286,111 @@ def get_consumer_block_counts(
     return tuple(counts)
 
 
-def _check_side(
-    role: str,
-    ids: BlockIds,
-    g: int,
-    spec: KVCacheSpec,
-    needed: range,
-    *,
-    end: int,
-    floor: int,
-    listed_tokens: int,
-) -> None:
+def _check_side(side: SideCheck) -> None:
     """WIN-1's side check with its common case at C speed; the definition names what is wrong (WIN-1)."""
-    blocks = ids[g]
+    blocks, needed, end = side.ids[side.group], side.needed, side.end
     first = end - len(blocks)  # the logical block of the list's first entry
     if (
-        end <= get_logical_block_count(spec, num_tokens=listed_tokens)
-        and first >= floor
+        end <= get_logical_block_count(side.spec, num_tokens=side.listed)
+        and first >= side.floor
         and (
             not needed
             or (
                 first <= needed.start
                 and needed.stop <= end
-                and (ids._null_free[g] or NULL_BLOCK_ID not in blocks[needed.start - first : needed.stop - first])
+                and (
+                    _null_free(side.ids)[side.group]
+                    or NULL_BLOCK_ID not in blocks[needed.start - first : needed.stop - first]
+                )
             )
         )
     ):
         return
-    _spec_check_side(role, blocks, g, spec, needed, end=end, floor=floor, listed=listed_tokens)
+    _spec_check_side(side)
 
 
-def check_window_coverage(
-    config: KVCacheConfig,
-    *,
-    num_tokens: int,
-    prefix_hit_tokens: int,
-    producer_block_ids: BlockIdsLike,
-    consumer_block_ids: BlockIdsLike,
-    recomputed_tokens: int = 0,
-    producer_block_ends: Sequence[int] | None = None,
-    consumer_block_ends: Sequence[int] | None = None,
-) -> None:
+def _covered(config: KVCacheConfig, request: _Request) -> _Request:
+    """The request once WIN-1 holds for it, its lists as ``BlockIds`` with their null-free groups noted (WIN-1)."""
+    _check_counts(config, request["num_tokens"], request["prefix_hit_tokens"], request["recomputed_tokens"])
+    producer, consumer = _to_block_ids(request["producer_block_ids"]), _to_block_ids(request["consumer_block_ids"])
+    request = {**request, "producer_block_ids": producer, "consumer_block_ids": consumer}
+    for side in get_side_checks(config, **request):
+        _check_side(side)
+    return request
+
+
+@_twin_of(plain.check_window_coverage)
+def check_window_coverage(config: KVCacheConfig, request: _Request) -> None:
     """Raise unless every block covering a needed position is real on both sides (WIN-1).
 
-    The lists cover ``T + R`` tokens: T whose KV C takes, then
-    ``recomputed_tokens`` (R) that C recomputes (vLLM recomputes the last
-    prompt token: T = N - 1, R = 1, lists built for N). Each group's list
-    (after clipping) ends at logical block ``end - 1``: the end the side
-    declared (:func:`get_block_ends`), or ``cdiv(T + R, B_g)`` when it
-    declared none. ``prefix_hit_tokens`` must be a multiple of every group's
-    block size. A list that ends past ``cdiv(T + R, B_g)`` or starts before
-    logical block 0 (P) or ``H / B_g`` (C) is a :class:`BlockAlignmentError`.
-    Zero consumer groups (full prefix hit) pass only when nothing is needed.
-    O(groups) for groups whose ``BlockIds`` proved them null-free, plus one
-    C-speed scan of the needed ids of the others; the plain definition is
-    :func:`kvspec.spec.check_window_coverage` (WIN-1).
+    O(groups) for groups proven null-free, plus one C-speed scan of the
+    needed ids of the others; the plain definition, and what the arguments
+    mean, is :func:`kvspec.spec.check_window_coverage` (WIN-1).
     """
-    _covered_lists(
-        config,
-        num_tokens=num_tokens,
-        prefix_hit_tokens=prefix_hit_tokens,
-        producer_block_ids=producer_block_ids,
-        consumer_block_ids=consumer_block_ids,
-        recomputed_tokens=recomputed_tokens,
-        producer_block_ends=producer_block_ends,
-        consumer_block_ends=consumer_block_ends,
-    )
+    _covered(config, request)
 
 
-def _covered_lists(
-    config: KVCacheConfig,
-    *,
-    num_tokens: int,
-    prefix_hit_tokens: int,
-    producer_block_ids: BlockIdsLike,
-    consumer_block_ids: BlockIdsLike,
-    recomputed_tokens: int,
-    producer_block_ends: Sequence[int] | None,
-    consumer_block_ends: Sequence[int] | None,
-) -> tuple[BlockIds, BlockIds, int]:
-    """Both lists as ``BlockIds`` and the tokens they cover, once WIN-1 holds for them (WIN-1)."""
-    _check_prefix(config, num_tokens, prefix_hit_tokens)
-    listed_tokens = num_tokens + _check_count("recomputed_tokens", recomputed_tokens)
-    producer, consumer = _to_block_ids(producer_block_ids), _to_block_ids(consumer_block_ids)
-    _check_coverage(
-        config,
-        num_tokens,
-        prefix_hit_tokens,
-        producer,
-        consumer,
-        listed_tokens=listed_tokens,
-        producer_block_ends=producer_block_ends,
-        consumer_block_ends=consumer_block_ends,
-    )
-    return producer, consumer, listed_tokens
-
-
-def _check_coverage(
-    config: KVCacheConfig,
-    num_tokens: int,
-    prefix_hit_tokens: int,
-    producer: BlockIds,
-    consumer: BlockIds,
-    *,
-    listed_tokens: int,
-    producer_block_ends: Sequence[int] | None,
-    consumer_block_ends: Sequence[int] | None,
-) -> None:
-    for side in get_side_checks(
-        config,
-        num_tokens=num_tokens,
-        prefix_hit_tokens=prefix_hit_tokens,
-        producer=producer,
-        consumer=consumer,
-        listed_tokens=listed_tokens,
-        producer_block_ends=producer_block_ends,
-        consumer_block_ends=consumer_block_ends,
-    ):
-        _check_side(
-            side.role,
-            side.ids,
-            side.group,
-            side.spec,
-            side.needed,
-            end=side.end,
-            floor=side.floor,
-            listed_tokens=listed_tokens,
-        )
-
-
-def compute_transfer_pairs(
-    config: KVCacheConfig,
-    *,
-    num_tokens: int,
-    prefix_hit_tokens: int,
-    producer_block_ids: BlockIdsLike,
-    consumer_block_ids: BlockIdsLike,
-    recomputed_tokens: int = 0,
-    producer_block_ends: Sequence[int] | None = None,
-    consumer_block_ends: Sequence[int] | None = None,
-) -> BlockPairs:
-    """Check WIN-1 before any byte moves, then pair the lists (WIN-1, ALIGN-1, NULL-1).
+@_twin_of(plain.compute_transfer_pairs)
+def compute_transfer_pairs(config: KVCacheConfig, request: _Request) -> BlockPairs:
+    """Check WIN-1 before any byte moves, then pair the lists (WIN-1, ALIGN-1, NULL-1, STATE-3, STATE-4).
 
     Plain lists are checked once, here (O(n)); lists that are already
     ``BlockIds`` are not checked again. Coverage is O(groups) for groups
     proven null-free and one C-speed scan of the needed slice otherwise;
-    pairing is O(n) slices. The plain definition is
-    :func:`kvspec.spec.compute_transfer_pairs`. ``recomputed_tokens`` and the block ends
-    are as in :func:`check_window_coverage`; where only one side declares its
-    ends, the other's are the request's last blocks, so a declared end
-    elsewhere is refused (WIN-1, ALIGN-1, NULL-1).
+    pairing is O(n) slices. The plain definition, and what the arguments
+    mean, is :func:`kvspec.spec.compute_transfer_pairs` (WIN-1, ALIGN-1, NULL-1).
     """
-    producer, consumer, listed_tokens = _covered_lists(
+    request = _covered(config, request)
+    producer_ends, consumer_ends = get_paired_block_ends(
         config,
-        num_tokens=num_tokens,
-        prefix_hit_tokens=prefix_hit_tokens,
-        producer_block_ids=producer_block_ids,
-        consumer_block_ids=consumer_block_ids,
-        recomputed_tokens=recomputed_tokens,
-        producer_block_ends=producer_block_ends,
-        consumer_block_ends=consumer_block_ends,
-    )
-    producer_block_ends, consumer_block_ends = get_paired_block_ends(
-        config,
-        listed_tokens=listed_tokens,
-        producer_block_ends=producer_block_ends,
-        consumer_block_ends=consumer_block_ends,
+        listed_tokens=request["num_tokens"] + request["recomputed_tokens"],
+        producer_block_ends=request["producer_block_ends"],
+        consumer_block_ends=request["consumer_block_ends"],
     )
     # Each state group pairs its one slot by STATE-3; the other groups pair by tail (ALIGN-1).
-    producer, consumer, p_ends, c_ends = get_state_paired_lists(
-        config, producer, consumer, producer_block_ends, consumer_block_ends
+    return _pairs(
+        *get_state_paired_lists(
+            config, request["producer_block_ids"], request["consumer_block_ids"], producer_ends, consumer_ends
+        )
     )
-    return compute_block_pairs(
-        producer_block_ids=producer,
-        consumer_block_ids=consumer,
-        producer_block_ends=p_ends,
-        consumer_block_ends=c_ends,
+
+
+_PAIRING = frozenset(inspect.signature(plain.compute_transfer_pairs).parameters) - {"config"}
+
+
+@_twin_of(plain.check_request_blocks)
+def check_request_blocks(config: KVCacheConfig, request: _Request) -> BlockPairs:
+    """The guard's rule checks on the block lists a connector used, at engine speed; raise or return the pairs (INT-3).
+
+    The same checks, refusals and pairs as the plain definition
+    :func:`kvspec.spec.check_request_blocks` (tests/test_fast_paths.py): the
+    clipping check reads list lengths only, and coverage and pairing are this
+    module's :func:`compute_transfer_pairs` (whole-list checks, C-speed scans
+    of the needed slices), within 2x of a loop that touches every id once
+    (``benchmarks/bench_guard.py``) (INT-3).
+    """
+    budgets = get_blocks_per_sw(config)
+    for ids in (request["producer_block_ids"], request["consumer_block_ids"]):
+        if (
+            isinstance(ids, (str, bytes))
+            or not isinstance(ids, Sequence)
+            or any(
+                budget and (not isinstance(group, Sequence) or len(group) > budget)
+                for group, budget in zip(ids, budgets, strict=False)
+            )
+        ):
+            # A list past its budget, or one this check cannot read: the definition says which and why (CLIP-1).
+            return plain.check_request_blocks(config, **request)
+    check_state_position(
+        config,
+        state_tokens=request["state_tokens"],
+        num_tokens=request["num_tokens"],
+        recomputed_tokens=request["recomputed_tokens"],
+        profile=request["profile"],
     )
+    pairs = compute_transfer_pairs(config, **{name: request[name] for name in _PAIRING})
+    check_rank_plans(request["rank_plans"])
+    return pairs
 
 
 # --------------------------------------------------------------------------- deprecated spellings (removed in 0.3.0)
@@ -435,65 +408,3 @@ def validate_hybrid_support(
     check_hybrid_support(
         config, mode=mode, read_only_hma=read_only_hma, disable_hybrid_kv_cache_manager=disable_hybrid_kv_cache_manager
     )
-
-
-def check_request_blocks(
-    config: KVCacheConfig,
-    *,
-    num_tokens: int,
-    prefix_hit_tokens: int,
-    producer_block_ids: BlockIdsLike,
-    consumer_block_ids: BlockIdsLike,
-    recomputed_tokens: int = 0,
-    producer_block_ends: Sequence[int] | None = None,
-    consumer_block_ends: Sequence[int] | None = None,
-    state_tokens: int | None = None,
-    profile: StateProfile | str = StateProfile.RECOMPUTE,
-    rank_plans: Iterable[RankPlan] = (),
-) -> BlockPairs:
-    """The guard's rule checks on the block lists a connector used, at engine speed; raise or return the pairs (INT-3).
-
-    The same checks, refusals and pairs as the plain definition
-    :func:`kvspec.spec.check_request_blocks` (tests/test_fast_paths.py): the
-    clipping check reads list lengths only, and coverage and pairing are this
-    module's :func:`compute_transfer_pairs` (whole-list checks, C-speed scans
-    of the needed slices), within 2x of a loop that touches every id once
-    (``benchmarks/bench_guard.py``) (INT-3).
-    """
-    budgets = get_blocks_per_sw(config)
-    for ids in (producer_block_ids, consumer_block_ids):
-        if not isinstance(ids, (str, bytes)) and isinstance(ids, Sequence):
-            for group, budget in zip(ids, budgets, strict=False):
-                if budget and isinstance(group, Sequence) and len(group) > budget:
-                    break
-            else:
-                continue
-        # A list past its budget, or one this loop cannot read: the definition says which and why (CLIP-1).
-        return _plain_check_request_blocks(
-            config,
-            num_tokens=num_tokens,
-            prefix_hit_tokens=prefix_hit_tokens,
-            producer_block_ids=producer_block_ids,
-            consumer_block_ids=consumer_block_ids,
-            recomputed_tokens=recomputed_tokens,
-            producer_block_ends=producer_block_ends,
-            consumer_block_ends=consumer_block_ends,
-            state_tokens=state_tokens,
-            profile=profile,
-            rank_plans=rank_plans,
-        )
-    check_state_position(
-        config, state_tokens=state_tokens, num_tokens=num_tokens, recomputed_tokens=recomputed_tokens, profile=profile
-    )
-    pairs = compute_transfer_pairs(
-        config,
-        num_tokens=num_tokens,
-        prefix_hit_tokens=prefix_hit_tokens,
-        producer_block_ids=producer_block_ids,
-        consumer_block_ids=consumer_block_ids,
-        recomputed_tokens=recomputed_tokens,
-        producer_block_ends=producer_block_ends,
-        consumer_block_ends=consumer_block_ends,
-    )
-    check_rank_plans(rank_plans)
-    return pairs

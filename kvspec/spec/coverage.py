@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple
 
+from kvspec.core._deprecation import keyword_only
 from kvspec.core._errors import BlockAlignmentError, ConfigError, GroupCountError, WindowCoverageError
 from kvspec.core._models import (
     NULL_BLOCK_ID,
@@ -32,6 +33,7 @@ __all__ = [
 ]
 
 
+@keyword_only(1, "num_tokens")  # num_tokens by position: deprecated, removed in 0.3.0
 def get_logical_block_count(spec: KVCacheSpec, *, num_tokens: int) -> int:
     """Blocks that ``num_tokens`` tokens span in a group: ``cdiv(T, B_g)`` (WIN-1)."""
     return -(-check_count("num_tokens", num_tokens) // spec.block_size)
@@ -61,6 +63,7 @@ def get_needed_block_range(spec: KVCacheSpec, *, num_tokens: int, prefix_hit_tok
     return range(tokens.start // spec.block_size, (tokens.stop - 1) // spec.block_size + 1)
 
 
+@keyword_only(1, "num_computed_tokens")  # by position: deprecated, removed in 0.3.0
 def get_num_skipped_tokens(spec: KVCacheSpec, *, num_computed_tokens: int) -> int:
     """Leading tokens a group no longer needs, as vLLM's ``get_num_skipped_tokens`` counts them (WIN-1)."""
     n = check_count("num_computed_tokens", num_computed_tokens)
@@ -151,37 +154,17 @@ def _check_prefix(config: KVCacheConfig, num_tokens: int, prefix_hit_tokens: int
     check_state_prefix_hit(config, prefix_hit_tokens=h)
 
 
-def _check_side(
-    role: str, blocks: Sequence[int], g: int, spec: KVCacheSpec, needed: range, *, end: int, floor: int, listed: int
-) -> None:
-    """One side's list of group ``g``, ending at logical block ``end - 1``, against the blocks it may hold (WIN-1)."""
-    total = get_logical_block_count(spec, num_tokens=listed)
-    # A list that reaches past the request's last block was built for more tokens, or shifted (WIN-1).
-    if end > total:
-        raise BlockAlignmentError(
-            f"group {g}: the {role}'s list ends at logical block {end - 1}, past the request's last block "
-            f"{total - 1} ({listed} tokens listed) (WIN-1)"
-        )
-    # A list may not start before block 0 (P) or before C's prefix hit (C) (WIN-1).
-    if len(blocks) > end - floor:
-        raise BlockAlignmentError(
-            f"group {g}: {role} lists {len(blocks)} blocks, but {listed} tokens leave at most {end - floor} (WIN-1)"
-        )
-    first = end - len(blocks)  # the logical block of the list's first entry
-    for k in needed:
-        block_id = blocks[k - first] if first <= k < end else None
-        # Every block holding a needed position is real, or C would read KV that never arrived (WIN-1).
-        if block_id is None or block_id == NULL_BLOCK_ID:
-            found = "no block" if block_id is None else "the null block"
-            span = f"tokens [{k * spec.block_size}, {(k + 1) * spec.block_size - 1}]"
-            raise WindowCoverageError(
-                f"group {g} ({spec.kind.value}): logical block {k} ({span}) is needed by the consumer but the "
-                f"{role} has {found} there; needed blocks {needed.start}..{needed.stop - 1} (WIN-1)"
-            )
+def _check_counts(config: KVCacheConfig, num_tokens: int, prefix_hit_tokens: int, recomputed_tokens: int) -> int:
+    """The tokens both lists cover, ``T + R``, once T, H and R are checked (WIN-1)."""
+    _check_prefix(config, num_tokens, prefix_hit_tokens)
+    return num_tokens + check_count("recomputed_tokens", recomputed_tokens)
 
 
 class SideCheck(NamedTuple):
-    """One side's list of one group as WIN-1 checks it: ending at block ``end - 1``, from ``floor`` on (WIN-1)."""
+    """One side's list of one group as WIN-1 checks it: ending at block ``end - 1``, from ``floor`` on (WIN-1).
+
+    ``listed`` is the tokens the lists cover, ``T + R``.
+    """
 
     role: str
     ids: BlockIds
@@ -190,6 +173,7 @@ class SideCheck(NamedTuple):
     needed: range
     end: int
     floor: int
+    listed: int
 
 
 def get_side_checks(
@@ -197,17 +181,20 @@ def get_side_checks(
     *,
     num_tokens: int,
     prefix_hit_tokens: int,
-    producer: BlockIds,
-    consumer: BlockIds,
-    listed_tokens: int,
-    producer_block_ends: Sequence[int] | None,
-    consumer_block_ends: Sequence[int] | None,
+    producer_block_ids: BlockIdsLike,
+    consumer_block_ids: BlockIdsLike,
+    recomputed_tokens: int = 0,
+    producer_block_ends: Sequence[int] | None = None,
+    consumer_block_ends: Sequence[int] | None = None,
 ) -> list[SideCheck]:
-    """The lists' shape checked, what WIN-1 then checks of each side of each attention group (WIN-1).
+    """The request and the lists' shape checked, what WIN-1 then checks of each side of each attention group (WIN-1).
 
     Zero consumer groups (full prefix hit) pass only when nothing is needed,
     and then ask nothing more; a state group asks nothing of this rule (WIN-1).
     """
+    listed = _check_counts(config, num_tokens, prefix_hit_tokens, recomputed_tokens)
+    producer = producer_block_ids if isinstance(producer_block_ids, BlockIds) else BlockIds(producer_block_ids)
+    consumer = consumer_block_ids if isinstance(consumer_block_ids, BlockIds) else BlockIds(consumer_block_ids)
     specs = [group.kv_cache_spec for group in config.kv_cache_groups]
     needed = [get_needed_block_range(s, num_tokens=num_tokens, prefix_hit_tokens=prefix_hit_tokens) for s in specs]
     if len(consumer) == 0:
@@ -228,12 +215,12 @@ def get_side_checks(
     for g, spec in enumerate(specs):
         if is_state_spec(spec):
             continue  # one state slot, no token positions: STATE-2 and STATE-3 check it, not WIN-1
-        total = get_logical_block_count(spec, num_tokens=listed_tokens)
+        total = get_logical_block_count(spec, num_tokens=listed)
         p_end = total if p_ends is None else p_ends[g]
         c_end = total if c_ends is None else c_ends[g]
         hit_blocks = prefix_hit_tokens // spec.block_size
-        checks.append(SideCheck("producer", producer, g, spec, needed[g], p_end, 0))
-        checks.append(SideCheck("consumer", consumer, g, spec, needed[g], c_end, hit_blocks))
+        checks.append(SideCheck("producer", producer, g, spec, needed[g], p_end, 0, listed))
+        checks.append(SideCheck("consumer", consumer, g, spec, needed[g], c_end, hit_blocks, listed))
     return checks
 
 
@@ -257,27 +244,44 @@ def check_window_coverage(
     logical block 0 (P) or ``H / B_g`` (C). Zero consumer groups (full prefix
     hit) pass only when nothing is needed (WIN-1).
     """
-    _check_prefix(config, num_tokens, prefix_hit_tokens)
-    listed = num_tokens + check_count("recomputed_tokens", recomputed_tokens)
-    producer = producer_block_ids if isinstance(producer_block_ids, BlockIds) else BlockIds(producer_block_ids)
-    consumer = consumer_block_ids if isinstance(consumer_block_ids, BlockIds) else BlockIds(consumer_block_ids)
     for side in get_side_checks(
         config,
         num_tokens=num_tokens,
         prefix_hit_tokens=prefix_hit_tokens,
-        producer=producer,
-        consumer=consumer,
-        listed_tokens=listed,
+        producer_block_ids=producer_block_ids,
+        consumer_block_ids=consumer_block_ids,
+        recomputed_tokens=recomputed_tokens,
         producer_block_ends=producer_block_ends,
         consumer_block_ends=consumer_block_ends,
     ):
-        _check_side(
-            side.role,
-            side.ids[side.group],
-            side.group,
-            side.spec,
-            side.needed,
-            end=side.end,
-            floor=side.floor,
-            listed=listed,
+        _check_side(side)
+
+
+def _check_side(side: SideCheck) -> None:
+    """One side's list of one group, ending at logical block ``end - 1``, against the blocks it may hold (WIN-1)."""
+    role, blocks, g, spec, needed = side.role, side.ids[side.group], side.group, side.spec, side.needed
+    end, listed = side.end, side.listed
+    total = get_logical_block_count(spec, num_tokens=listed)
+    # A list that reaches past the request's last block was built for more tokens, or shifted (WIN-1).
+    if end > total:
+        raise BlockAlignmentError(
+            f"group {g}: the {role}'s list ends at logical block {end - 1}, past the request's last block "
+            f"{total - 1} ({listed} tokens listed) (WIN-1)"
         )
+    # A list may not start before block 0 (P) or before C's prefix hit (C) (WIN-1).
+    if len(blocks) > end - side.floor:
+        raise BlockAlignmentError(
+            f"group {g}: {role} lists {len(blocks)} blocks, but {listed} tokens leave at most {end - side.floor} "
+            "(WIN-1)"
+        )
+    first = end - len(blocks)  # the logical block of the list's first entry
+    for k in needed:
+        block_id = blocks[k - first] if first <= k < end else None
+        # Every block holding a needed position is real, or C would read KV that never arrived (WIN-1).
+        if block_id is None or block_id == NULL_BLOCK_ID:
+            found = "no block" if block_id is None else "the null block"
+            span = f"tokens [{k * spec.block_size}, {(k + 1) * spec.block_size - 1}]"
+            raise WindowCoverageError(
+                f"group {g} ({spec.kind.value}): logical block {k} ({span}) is needed by the consumer but the "
+                f"{role} has {found} there; needed blocks {needed.start}..{needed.stop - 1} (WIN-1)"
+            )

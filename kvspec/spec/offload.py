@@ -21,8 +21,8 @@ out. It holds every offload rule as a plain function or a small table:
 
 The offload reference, the offload sessions, the driver's offload role and the
 suite's chunk pool import their tables and checks from here, as h11's
-``_state.py`` is the one place h11's states are written; ``kvspec``'s
-``get_offload_hit_tokens`` is a faster twin of OFF-5's, tested equal to it.
+``_state.py`` is the one place h11's states are written;
+``kvspec.fast.get_offload_hit_tokens`` is a faster twin of OFF-5's, tested equal to it.
 The rules model vLLM's ``OffloadingConnector`` with HMA (PR #41445 and
 later); every function is pure: per-group data goes in and out as tuples of
 ints, so test vectors can be written out.
@@ -656,18 +656,42 @@ def _check_tokens(
     return n, c
 
 
+def _check_hit_inputs(
+    config: KVCacheConfig,
+    present: Sequence[Sequence[bool]],
+    num_tokens: int,
+    local_hit_tokens: int,
+    offload: OffloadConfig,
+) -> tuple[int, ...]:
+    """OFF-5's inputs checked, in order; each group's chunk size ``C_g`` (OFF-1, OFF-5, OFF-9)."""
+    _check_support(config, offload)
+    chunk_sizes = _chunk_sizes(config, offload)
+    # One list of present chunks per group (OFF-5).
+    _check_groups("get_offload_hit_tokens.present", config, present)
+    _check_tokens(config, num_tokens, local_hit_tokens)
+    for g, (keys, size) in enumerate(zip(present, chunk_sizes, strict=True)):
+        # Only complete chunks have keys (OFF-2).
+        if len(keys) > num_tokens // size:
+            raise ConfigError(
+                f"get_offload_hit_tokens.present[{g}]: expected at most {num_tokens // size} keys (complete chunks of "
+                f"{num_tokens} tokens), got {len(keys)}"
+            )
+    return chunk_sizes
+
+
 def get_offload_hit_tokens(
     config: KVCacheConfig,
     present: Sequence[Sequence[bool]],
     *,
     num_tokens: int,
     local_hit_tokens: int,
-    chunk_sizes: Sequence[int],
+    offload: OffloadConfig,
 ) -> int:
     """Tokens past the local hit ``C`` the tier can supply for a request of ``num_tokens`` (``N``) (OFF-5).
 
     ``present[g][k]`` says whether chunk ``k`` of group ``g`` is stored whole
-    (OFF-4); ``chunk_sizes[g]`` is ``C_g`` (OFF-1, ``get_chunk_sizes``). The
+    (OFF-4); ``C_g`` is group ``g``'s chunk size (OFF-1, :func:`get_chunk_sizes`
+    with ``offload``). The
     hit ends at the largest ``M`` with ``M <= N`` (``N - 1`` when a window
     group exists: the last token is recomputed) and ``M <= len(present[g]) *
     C_g`` such that every position each group needs for the token at ``M``
@@ -678,31 +702,8 @@ def get_offload_hit_tokens(
     chunk is the state after exactly ``M`` tokens, so the recomputed tokens
     are never applied twice (vLLM #44599, #51094) (OFF-5).
     """
+    chunk_sizes = _check_hit_inputs(config, present, num_tokens, local_hit_tokens, offload)
     specs = [group.kv_cache_spec for group in config.kv_cache_groups]
-    # One GPU block per chunk in a state group: its chunk size is its block size (OFF-9).
-    blocks_per_chunk = max(
-        [
-            size // spec.block_size
-            for spec, size in zip(specs, chunk_sizes, strict=False)
-            if isinstance(spec, MambaSpec)
-        ],
-        default=1,
-    )
-    check_offload_support(config, blocks_per_chunk=blocks_per_chunk)
-    # One list of present chunks per group (OFF-5).
-    if len(present) != config.num_groups:
-        raise GroupCountError(
-            f"get_offload_hit_tokens.present: expected {config.num_groups} groups (one per KV-cache group), "
-            f"got {len(present)}"
-        )
-    _check_tokens(config, num_tokens, local_hit_tokens)
-    for g, (keys, size) in enumerate(zip(present, chunk_sizes, strict=True)):
-        # Only complete chunks have keys (OFF-2).
-        if len(keys) > num_tokens // size:
-            raise ConfigError(
-                f"get_offload_hit_tokens.present[{g}]: expected at most {num_tokens // size} keys (complete chunks of "
-                f"{num_tokens} tokens), got {len(keys)}"
-            )
     has_window = any(isinstance(spec, (SlidingWindowSpec, MambaSpec)) for spec in specs)
     last = num_tokens - 1 if has_window else num_tokens  # a window or state group recomputes the last token (OFF-5)
     last = min([last, *(len(keys) * size for keys, size in zip(present, chunk_sizes, strict=True))])

@@ -36,7 +36,7 @@ def _check_pairs(inst: BlockPairs, attribute: attrs.Attribute[Any], value: Block
         if len(p) != len(c):
             raise BlockAlignmentError(f"BlockPairs: group {g} pairs {len(p)} producer with {len(c)} consumer ids")
         # Block id 0 never reaches a transfer descriptor (NULL-1).
-        if producer._has_null(g) or value._has_null(g):
+        if NULL_BLOCK_ID in p or NULL_BLOCK_ID in c:
             raise BlockAlignmentError(f"BlockPairs: group {g} holds the null block id 0 (NULL-1)")
 
 
