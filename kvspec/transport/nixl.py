@@ -696,7 +696,9 @@ class WorkerBackend:
         while self._spares:
             process, conn = self._spares.pop()
             conn.close()  # a spare waiting for its start request exits on end of file
-            _stop(process, grace=5.0)
+            # A spare started when the last agent closed may still be loading its engine (tens of seconds on a
+            # busy machine) before it reads that end of file: it gets the start deadline, not a fixed 5 s.
+            _stop(process, grace=self._start_timeout)
 
     def __enter__(self) -> Self:
         return self
