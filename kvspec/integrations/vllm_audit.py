@@ -293,7 +293,8 @@ class AuditCase:
             "lookahead": self.lookahead,
         }
         if self.producer is not None or self.consumer is not None:
-            out["speculation"] = f"P {self.speculation('producer').describe()}, D {self.speculation('consumer').describe()}"
+            sides = (self.speculation("producer").describe(), self.speculation("consumer").describe())
+            out["speculation"] = f"P {sides[0]}, D {sides[1]}"
         return out
 
 
