@@ -233,9 +233,11 @@ class Speculation:
     ahead (``num_prefill_lookahead_tokens``); one module or EAGLE reads one.
     """
 
-    tokens: int = 0
+    tokens: int = attrs.field(default=0, validator=attrs.validators.ge(0))
     multi_module: bool = False
-    scratch: int = attrs.field(default=attrs.Factory(lambda self: self.tokens, takes_self=True))
+    scratch: int = attrs.field(
+        default=attrs.Factory(lambda self: self.tokens, takes_self=True), validator=attrs.validators.ge(0)
+    )
 
     @property
     def prefill_lookahead(self) -> int:
