@@ -3,9 +3,9 @@
 Prints the audit table, seconds per request against the 10-minute budget, and
 whether the deviation classes are the ones docs/explanation/vllm-audit.json
 (and so the findings page) documents. ``--write-json`` regenerates that file
-at its committed count (200 requests, and a quarter as many again on
-state-group configs), which tests/test_vllm_integration.py compares with a
-fresh run.
+at its committed count (200 requests, a quarter as many again on
+state-group configs and a tenth with different speculation on the two
+engines), which tests/test_vllm_integration.py compares with a fresh run.
 """
 
 from __future__ import annotations
@@ -41,9 +41,10 @@ def main() -> int:
     report = run_audit(connectors=AUDIT_CONNECTORS, requests=args.requests, seed=args.seed)
     seconds = time.perf_counter() - started
     print(report.render())
-    drives = (args.requests + report.state_requests) * len(AUDIT_CONNECTORS)
+    drives = (args.requests + report.state_requests + report.speculation_requests) * len(AUDIT_CONNECTORS)
     print(
-        f"{args.requests} + {report.state_requests} state requests x {len(AUDIT_CONNECTORS)} connectors in "
+        f"{args.requests} + {report.state_requests} state + {report.speculation_requests} speculation requests x "
+        f"{len(AUDIT_CONNECTORS)} connectors in "
         f"{seconds:.1f}s: "
         f"{1000 * seconds / drives:.1f} ms per request, {seconds / BUDGET_S:.2f} of the {BUDGET_S:.0f}s budget"
     )

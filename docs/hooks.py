@@ -467,7 +467,8 @@ def vllm_audit_snippets(audit: Mapping[str, Any]) -> dict[str, str]:
             where = f"group {r['group']}: {r['detail']}" + (f"; pair `{r['pair']}`" if r.get("pair") else "")
             case = (
                 f"`{' + '.join(r['groups'])}`, N={r['num_tokens']}, H={r['prefix_hit_tokens']}, "
-                f"lookahead={r['lookahead']}; {where}"
+                + (f"speculation {r['speculation']}" if r.get("speculation") else f"lookahead={r['lookahead']}")
+                + f"; {where}"
             ).replace("|", "\\|")
             out.append(f"| `{item['connector']}` | {item['requests']} | {item['findings']} | {case} |")
         first = items[0]["reproducer"]

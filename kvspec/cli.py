@@ -282,6 +282,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="random requests on FA + Mamba/GDN configs (align and none cache modes, speculative slots), after "
         "the attention ones; 0 for none (default: --requests // 4)",
     )
+    audit.add_argument(
+        "--speculation-requests",
+        type=_audit_state_requests,
+        metavar="N",
+        help="random requests on FA + state-group configs whose prefill and decode engines run different "
+        "speculation (MTP depth, multi-module MTP, scratch slots), after the state ones; 0 for none "
+        "(default: --requests // 10)",
+    )
     audit.add_argument("--seed", type=_non_negative_int, default=11, metavar="S", help="random seed (default 11)")
     audit.add_argument("--json", metavar="PATH", help="also write the report as JSON (the findings page reads it)")
     audit.add_argument(
@@ -915,6 +923,7 @@ def _run_vllm_audit(args: argparse.Namespace, out: TextIO) -> int:
             requests=args.requests,
             seed=args.seed,
             state_requests=args.state_requests,
+            speculation_requests=args.speculation_requests,
         )
     except (KVSpecError, ValueError) as exc:
         print(f"kvspec vllm-audit: {exc}", file=sys.stderr)

@@ -224,8 +224,10 @@ def test_reference_connector_has_no_deviation(vllm: Any) -> None:
     from kvspec.integrations.vllm_audit import run_audit
 
     report = run_audit(connectors=("reference",), requests=40, seed=5)
-    assert report.requests == {"reference": 40 + 10}  # a quarter as many again on state-group configs
+    # A quarter as many again on state-group configs, a tenth with different speculation on the two engines.
+    assert report.requests == {"reference": 40 + 10 + 4}
     assert report.state_requests == 10
+    assert report.speculation_requests == 4
     assert report.pairs["reference"] > 0
     assert report.classes == (), report.render()
 
@@ -234,13 +236,18 @@ def test_committed_audit_matches_a_fresh_run(vllm: Any) -> None:
     from kvspec.integrations.vllm_audit import AUDIT_CONNECTORS, run_audit
 
     committed = json.loads(AUDIT_JSON.read_text(encoding="utf-8"))
-    state = committed["state_requests"]
+    state, speculation = committed["state_requests"], committed["speculation_requests"]
     fresh = run_audit(
         connectors=AUDIT_CONNECTORS,
-        requests=committed["requests"]["reference"] - state,
+        requests=committed["requests"]["reference"] - state - speculation,
         seed=committed["seed"],
         state_requests=state,
+        speculation_requests=speculation,
     )
+    # The two defects only requests with different speculation on the two engines show (issue 35): the default
+    # draw must reach them.
+    found = {(c.connector, c.deviation) for c in fresh.classes}
+    assert {("mooncake", "state-wrong-slot"), ("nixl", "state-position")} <= found, fresh.render()
     assert fresh.to_dict() == committed, (
         "docs/explanation/vllm-audit.json is stale: regenerate it with "
         "python benchmarks/bench_vllm_audit.py --write-json (then update the findings page)\n" + fresh.render()
@@ -314,6 +321,7 @@ _PATCHED = (
     (_V1 + "moriio.moriio_connector", "MoRIIOConnectorScheduler", "get_exchange_clipped_blocks"),
     (_V1 + "nixl.pull_scheduler", "NixlPullConnectorScheduler", "_prefill_backoff"),
     (_V1 + "ssm_conv_transfer_utils", "MambaConvSplitInfo", "remote_conv_offsets"),
+    (_V1 + "mooncake.mooncake_connector", "MooncakeConnectorScheduler", "get_sw_clipped_blocks"),
 )
 
 
@@ -324,7 +332,7 @@ def test_upstream_reports_reproduce(vllm: Any, capsys: pytest.CaptureFixture[str
     from kvspec.integrations.vllm import import_vllm  # sets VLLM_TARGET_DEVICE=cpu first, as the scripts do
 
     owners = [(getattr(import_vllm(module), cls), name) for module, cls, name in _PATCHED]
-    assert len(REPORTS) == 5, [p.name for p in REPORTS]
+    assert len(REPORTS) == 6, [p.name for p in REPORTS]
     for page in REPORTS:
         blocks = extract_blocks(page)
         script = next(b for b in blocks if b.language == "python")
@@ -428,7 +436,9 @@ def _drive_handoff(
     )
     c_table = [list(g) for g in c_manager.get_block_ids("r")]
     try:
-        _, pairs = va._pair(connector, hooks, config, c_sched, c_manager, c_req, remote, external, num_tokens, hit)
+        _, pairs = va._pair(
+            connector, hooks, (config, config), c_sched, c_manager, c_req, remote, external, num_tokens, hit
+        )
     except (KVSpecError, AssertionError, ValueError) as exc:
         return p_table, c_table, exc
     return p_table, c_table, pairs

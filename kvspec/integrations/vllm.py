@@ -412,11 +412,15 @@ def build_vllm_config(
     num_lookahead_tokens: int = 0,
     extra_config: Mapping[str, object] | None = None,
     engine_id: str = "kvspec",
+    num_prefill_lookahead_tokens: int = 0,
 ) -> Any:
     """vLLM's ``VllmConfig`` for one connector and role, built by vLLM's own constructors, no model (HMA-1).
 
     ``connector`` is a short name of :data:`CONNECTORS` or ``MODULE:CLASS``;
     ``extra_config`` is merged over the shape's defaults as ``kv_connector_extra_config``.
+    ``num_lookahead_tokens`` and ``num_prefill_lookahead_tokens`` are what a
+    speculative config would make of vLLM's two properties of those names
+    (multi-module MTP: the prefill one is its depth).
     """
     path = _connector_path(connector)
     module, name = _split_path(path, "vLLM connector")
@@ -442,21 +446,24 @@ def build_vllm_config(
         if "Failed to infer device type" in str(exc):
             raise BackendUnavailableError(_DEVICE_TRAP) from None
         raise
-    if num_lookahead_tokens:
-        # vLLM derives the lookahead from a speculative config, which needs a draft model; the
-        # block logic reads only this number, so a subclass answers it and changes nothing else.
+    if num_lookahead_tokens or num_prefill_lookahead_tokens:
+        # vLLM derives the lookaheads from a speculative config, which needs a draft model; the
+        # block logic reads only these numbers, so a subclass answers them and changes nothing else.
         base = type(vllm_config)
-        vllm_config.__class__ = _lookahead_class(base, num_lookahead_tokens)
+        vllm_config.__class__ = _lookahead_class(base, num_lookahead_tokens, num_prefill_lookahead_tokens)
     return vllm_config
 
 
-_LOOKAHEAD_CLASSES: dict[tuple[type, int], type] = {}
+_LOOKAHEAD_CLASSES: dict[tuple[type, int, int], type] = {}
 
 
-def _lookahead_class(base: type, lookahead: int) -> type:
-    key = (base, lookahead)
+def _lookahead_class(base: type, lookahead: int, prefill_lookahead: int = 0) -> type:
+    key = (base, lookahead, prefill_lookahead)
     if key not in _LOOKAHEAD_CLASSES:
-        _LOOKAHEAD_CLASSES[key] = type(base.__name__, (base,), {"num_lookahead_tokens": property(lambda _: lookahead)})
+        answers: dict[str, object] = {"num_lookahead_tokens": property(lambda _: lookahead)}
+        if prefill_lookahead:
+            answers["num_prefill_lookahead_tokens"] = property(lambda _: prefill_lookahead)
+        _LOOKAHEAD_CLASSES[key] = type(base.__name__, (base,), answers)
     return _LOOKAHEAD_CLASSES[key]
 
 
@@ -484,6 +491,7 @@ def build_scheduler(
     num_lookahead_tokens: int = 0,
     engine_id: str = "kvspec",
     extra_config: Mapping[str, object] | None = None,
+    num_prefill_lookahead_tokens: int = 0,
 ) -> Any:
     """The connector's scheduler-side object for ``config``, built by the class's own ``__init__`` (ADM-1).
 
@@ -505,6 +513,7 @@ def build_scheduler(
         num_lookahead_tokens=num_lookahead_tokens,
         extra_config=extra_config,
         engine_id=engine_id,
+        num_prefill_lookahead_tokens=num_prefill_lookahead_tokens,
     )
     try:
         built = cls(vllm_config, base.KVConnectorRole.SCHEDULER, to_vllm_kv_cache_config(config))
@@ -930,7 +939,13 @@ class VllmConnector:
         return self._schedulers[key]
 
     def build_scheduler(
-        self, config: KVCacheConfig, *, role: str, mode: TransferMode = TransferMode.READ, num_lookahead_tokens: int = 0
+        self,
+        config: KVCacheConfig,
+        *,
+        role: str,
+        mode: TransferMode = TransferMode.READ,
+        num_lookahead_tokens: int = 0,
+        num_prefill_lookahead_tokens: int = 0,
     ) -> Any:
         """A fresh scheduler of this connector for ``role`` (:func:`build_scheduler`) (ADM-1)."""
         return build_scheduler(
@@ -940,6 +955,7 @@ class VllmConnector:
             mode=mode,
             num_lookahead_tokens=num_lookahead_tokens,
             extra_config=self.extra_config,
+            num_prefill_lookahead_tokens=num_prefill_lookahead_tokens,
         )
 
     def shape(self, scheduler: Any) -> VllmHooks:

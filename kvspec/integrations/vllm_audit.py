@@ -38,7 +38,7 @@ from typing import Any
 
 import attrs
 
-from kvspec.core._errors import KVSpecError, WindowCoverageError
+from kvspec.core._errors import BlockAlignmentError, KVSpecError, WindowCoverageError
 from kvspec.core._models import (
     NULL_BLOCK_ID,
     BlockIds,
@@ -64,7 +64,7 @@ from kvspec.reference._reference import (
     get_exchange_clipped_blocks,
     get_needed_block_range,
 )
-from kvspec.spec.state import get_state_clipped_blocks, is_state_spec
+from kvspec.spec.state import check_state_position, get_state_clipped_blocks, is_state_spec
 
 __all__ = [
     "AUDIT_CONNECTORS",
@@ -75,11 +75,13 @@ __all__ = [
     "Deviation",
     "Finding",
     "GroupShape",
+    "Speculation",
     "audit_case",
     "check_drive",
     "check_expected",
     "check_kvspec",
     "generate_cases",
+    "generate_speculation_cases",
     "generate_state_cases",
     "run_audit",
 ]
@@ -220,23 +222,82 @@ class GroupShape:
 
 
 @attrs.frozen(kw_only=True)
+class Speculation:
+    """One engine's speculative decoding, as vLLM's block logic reads it (STATE-1, STATE-2).
+
+    ``tokens`` draft tokens a step (``num_speculative_tokens``) give as many
+    lookahead slots (EAGLE and MTP) and, unless ``scratch`` says otherwise,
+    as many scratch slots per state group (``num_speculative_blocks``; 0
+    under ReplaySSM). ``multi_module``: MTP with several modules
+    (``use_multi_module_mtp``), whose drafter reads ``tokens`` prompt tokens
+    ahead (``num_prefill_lookahead_tokens``); one module or EAGLE reads one.
+    """
+
+    tokens: int = attrs.field(default=0, validator=attrs.validators.ge(0))
+    multi_module: bool = False
+    scratch: int = attrs.field(
+        default=attrs.Factory(lambda self: self.tokens, takes_self=True), validator=attrs.validators.ge(0)
+    )
+
+    @property
+    def prefill_lookahead(self) -> int:
+        """vLLM's ``num_prefill_lookahead_tokens`` for this speculation."""
+        if not self.tokens:
+            return 0
+        return self.tokens if self.multi_module else 1
+
+    def describe(self) -> str:
+        """``none``, ``mtp2``, ``mtp3x3`` (multi-module), with ``/scratch0`` when the scratch count differs."""
+        if not self.tokens and not self.scratch:
+            return "none"
+        text = f"mtp{self.tokens}x{self.tokens}" if self.multi_module else f"mtp{self.tokens}"
+        return text + (f"/scratch{self.scratch}" if self.scratch != self.tokens else "")
+
+
+@attrs.frozen(kw_only=True)
 class AuditCase:
-    """One request: the config's groups, N prompt tokens, a cached prefix offered to C, lookahead slots."""
+    """One request: the config's groups, N prompt tokens, a cached prefix offered to C, lookahead slots.
+
+    Both engines run ``lookahead`` speculative tokens and the groups' scratch
+    slots, unless ``producer`` and ``consumer`` give each engine its own
+    :class:`Speculation` (deployments run different ones on the two sides).
+    """
 
     index: int
     groups: tuple[GroupShape, ...]
     num_tokens: int
     cached_prefix_tokens: int
     lookahead: int
+    producer: Speculation | None = None
+    consumer: Speculation | None = None
+
+    def speculation(self, side: str) -> Speculation:
+        """The ``producer`` or ``consumer`` engine's speculation."""
+        own = self.producer if side == "producer" else self.consumer
+        if own is not None:
+            return own
+        scratch = max((g.num_speculative_blocks for g in self.groups if g.state), default=self.lookahead)
+        return Speculation(tokens=self.lookahead, scratch=scratch)
+
+    def side_groups(self, side: str) -> tuple[GroupShape, ...]:
+        """The groups as that engine builds them: its own scratch count in each state group."""
+        if (self.producer if side == "producer" else self.consumer) is None:
+            return self.groups
+        scratch = self.speculation(side).scratch
+        return tuple(attrs.evolve(g, num_speculative_blocks=scratch) if g.state else g for g in self.groups)
 
     def to_dict(self) -> dict[str, object]:
         """JSON-ready."""
-        return {
+        out: dict[str, object] = {
             "groups": [g.describe() for g in self.groups],
             "num_tokens": self.num_tokens,
             "cached_prefix_tokens": self.cached_prefix_tokens,
             "lookahead": self.lookahead,
         }
+        if self.producer is not None or self.consumer is not None:
+            sides = (self.speculation("producer").describe(), self.speculation("consumer").describe())
+            out["speculation"] = f"P {sides[0]}, D {sides[1]}"
+        return out
 
 
 _BLOCK_SIZES = (16, 32, 64)
@@ -333,6 +394,62 @@ def generate_state_cases(count: int, seed: int, first_index: int = 0) -> list[Au
             cached = rng.randint(1, (n - 2) // block_size) * block_size
         cases.append(
             AuditCase(index=index, groups=groups, num_tokens=n, cached_prefix_tokens=cached, lookahead=lookahead)
+        )
+    return cases
+
+
+_SPECULATIONS = (
+    Speculation(),
+    Speculation(tokens=1),
+    Speculation(tokens=2),
+    Speculation(tokens=3),
+    Speculation(tokens=2, multi_module=True),
+    Speculation(tokens=3, multi_module=True),
+    Speculation(tokens=2, scratch=0),
+)
+"""What one engine may run: none, MTP (one module) of depth 1 to 3, multi-module MTP, ReplaySSM (no scratch)."""
+
+
+def generate_speculation_cases(count: int, seed: int, first_index: int = 0) -> list[AuditCase]:
+    """``count`` random requests whose two engines run different speculation, reproducible from ``seed``.
+
+    Deployments pick the decoder's speculation (MTP depth, multi-module MTP,
+    scratch slots) apart from the prefiller's; each request draws two
+    different :class:`Speculation` from the same menu on an FA + state-group
+    config (STATE-1: token counts; STATE-2, STATE-3: which slot travels).
+    """
+    rng = random.Random(f"speculation-{seed}")
+    cases = []
+    for index in range(first_index, first_index + count):
+        block_size = rng.choice(_BLOCK_SIZES)
+        producer, consumer = rng.sample(_SPECULATIONS, 2)
+        state = GroupShape(
+            block_size=block_size,
+            state=rng.choice(_STATE_KINDS),
+            cache_mode=rng.choice(("none", "align")),
+            num_speculative_blocks=producer.scratch,
+        )
+        roll = rng.random()
+        if roll < 0.2:
+            n = rng.randint(2, 4 * block_size)
+        elif roll < 0.6:
+            n = rng.randint(1, 64) * block_size + rng.choice((-2, -1, 0, 1, 2, 3))
+        else:
+            n = int(2 ** rng.uniform(4, 13))
+        n = max(2, n)
+        cached = 0
+        if state.cache_mode == "align" and n > block_size + 3 and rng.random() < 0.3:
+            cached = rng.randint(1, (n - 4) // block_size) * block_size
+        cases.append(
+            AuditCase(
+                index=index,
+                groups=(GroupShape(block_size=block_size), state),
+                num_tokens=n,
+                cached_prefix_tokens=cached,
+                lookahead=producer.tokens,
+                producer=producer,
+                consumer=consumer,
+            )
         )
     return cases
 
@@ -501,9 +618,16 @@ def _adapter(connector: str | VllmConnector) -> VllmConnector:
 
 
 def _drive(
-    case: AuditCase, connector: str | VllmConnector, config: KVCacheConfig, engines: tuple[_Engine, _Engine]
+    case: AuditCase,
+    connector: str | VllmConnector,
+    configs: tuple[KVCacheConfig, KVCacheConfig],
+    engines: tuple[_Engine, _Engine],
 ) -> _Drive:
+    """One request: the producer engine on ``configs[0]``, the consumer on ``configs[1]`` (they differ only in the
+    state groups' scratch slots, when the two engines run different speculation)."""
     producer_engine, consumer_engine = engines
+    p_config, config = configs
+    p_spec, c_spec = case.speculation("producer"), case.speculation("consumer")
     block_size = case.groups[0].block_size
     n = case.num_tokens
     rid = f"req{case.index}"
@@ -511,10 +635,18 @@ def _drive(
     tokens = list(range(1 + case.index * (_MAX_TOKENS + 1), 1 + case.index * (_MAX_TOKENS + 1) + n))
     adapter = _adapter(connector)
     producer_sched = adapter.build_scheduler(
-        config, role="kv_producer", mode=TransferMode.READ, num_lookahead_tokens=case.lookahead
+        p_config,
+        role="kv_producer",
+        mode=TransferMode.READ,
+        num_lookahead_tokens=p_spec.tokens,
+        num_prefill_lookahead_tokens=p_spec.prefill_lookahead if case.producer is not None else 0,
     )
     consumer_sched = adapter.build_scheduler(
-        config, role="kv_consumer", mode=TransferMode.READ, num_lookahead_tokens=case.lookahead
+        config,
+        role="kv_consumer",
+        mode=TransferMode.READ,
+        num_lookahead_tokens=c_spec.tokens,
+        num_prefill_lookahead_tokens=c_spec.prefill_lookahead if case.consumer is not None else 0,
     )
     hooks = adapter.shape(consumer_sched)
     # -- producer: the prefill leg
@@ -525,7 +657,7 @@ def _drive(
     p_manager = producer_engine.manager
     _, p_hit, *_ = p_manager.get_computed_blocks(p_req)
     producer_sched.get_num_new_matched_tokens(p_req, p_hit)
-    _prefill(producer_engine, p_req, case.lookahead, checkpoint=_checkpoint(config, p_req.num_tokens))
+    _prefill(producer_engine, p_req, p_spec.tokens, checkpoint=_checkpoint(p_config, p_req.num_tokens))
     producer_tokens = p_req.num_computed_tokens
     request_status = import_vllm("vllm.v1.request").RequestStatus
     p_req.append_output_token_ids(7)
@@ -573,7 +705,7 @@ def _drive(
         new_tokens,
         num_new_computed_tokens=hit,
         new_computed_blocks=computed_blocks,
-        num_lookahead_tokens=0 if load_async else case.lookahead,
+        num_lookahead_tokens=0 if load_async else c_spec.tokens,
         num_external_computed_tokens=external,
         delay_cache_blocks=load_async,
     )
@@ -586,14 +718,21 @@ def _drive(
     pairs: tuple[tuple[tuple[int, int], ...], ...] | None = None
     lists: tuple[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]] = (remote_ids, ())
     try:
+        if connector == "reference" and hit < first:
+            # The producer says how many tokens its state absorbed (protocol 1.2); the consumer resumes at `first`.
+            check_state_position(config, state_tokens=producer_tokens, num_tokens=first)
         lists, pairs = _pair(
-            connector, hooks, config, consumer_sched, c_manager, c_req, remote_ids, external, n - 1, hit
+            connector, hooks, configs, consumer_sched, c_manager, c_req, remote_ids, external, first, hit
         )
     except KVSpecError as exc:
-        if connector != "reference":
+        if connector == "reference":
+            # kvspec refuses before any byte moves, with a typed reason: the outcome WIN-1 prescribes.
+            failed_closed, pairs = f"{type(exc).__name__}: {exc}", ()
+        elif isinstance(exc, BlockAlignmentError):
+            # The connector's own pairing code refused (a vLLM exception, or an error it logs and fails on).
+            refusal = f"{type(exc).__name__}: {exc}"
+        else:
             raise
-        # kvspec refuses before any byte moves, with a typed reason: the outcome WIN-1 prescribes.
-        failed_closed, pairs = f"{type(exc).__name__}: {exc}", ()
     except (ValueError, AssertionError, RuntimeError, KeyError) as exc:
         refusal = f"{type(exc).__name__}: {exc}"
     c_manager.free(c_req)
@@ -625,7 +764,7 @@ def _zip_pairs(
 def _pair(
     connector: str | VllmConnector,
     hooks: VllmHooks,
-    config: KVCacheConfig,
+    configs: tuple[KVCacheConfig, KVCacheConfig],
     scheduler: Any,
     manager: Any,
     request: Any,
@@ -634,7 +773,12 @@ def _pair(
     num_tokens: int,
     hit: int,
 ) -> tuple[_Lists, tuple[tuple[tuple[int, int], ...], ...]]:
-    """The lists kvspec would be shown and the pairs the connector would post, from its own code."""
+    """The lists kvspec would be shown and the pairs the connector would post, from its own code.
+
+    ``configs`` are the producer's and the consumer's; kvspec's reference clips each side's state lists by its own
+    scratch count (STATE-2), and the connector pairs on the consumer's (its pairing reads only group kinds).
+    """
+    p_config, config = configs
     rid = request.request_id
     blocks = manager.get_blocks(rid)
     if connector == "reference":
@@ -658,7 +802,7 @@ def _pair(
             ],
             budgets,
         )
-        producer = get_state_clipped_blocks(config, BlockIds(producer))
+        producer = get_state_clipped_blocks(p_config, BlockIds(producer))
         consumer = get_state_clipped_blocks(config, BlockIds(consumer))
         if hit >= num_tokens:
             return (_tuples(producer), ()), ()
@@ -837,7 +981,12 @@ def _check_state(g: int, spec: MambaSpec, drive: _Drive, pairs: Sequence[tuple[i
             findings.append(Finding(deviation="writes-null-block", group=g, detail="consumer id 0", pair=(p, c)))
         elif p == NULL_BLOCK_ID:
             findings.append(Finding(deviation="reads-null-block", group=g, detail="state read from id 0", pair=(p, c)))
-        elif p != source and _column(drive.producer_table[g], p) > _column(drive.producer_table[g], source) >= 0:
+        elif (
+            p != source
+            and c != target
+            and _column(drive.producer_table[g], p) > _column(drive.producer_table[g], source) >= 0
+        ):
+            # A scratch slot into a slot the consumer does not resume from; into that slot it is a wrong state.
             findings.append(
                 Finding(
                     deviation="state-scratch-travels",
@@ -847,16 +996,18 @@ def _check_state(g: int, spec: MambaSpec, drive: _Drive, pairs: Sequence[tuple[i
                 )
             )
         elif p != source or c != target:
+            scratch = _column(drive.producer_table[g], p) > _column(drive.producer_table[g], source) >= 0
             findings.append(
                 Finding(
                     deviation="state-wrong-slot",
                     group=g,
-                    detail=f"expected slot {source} (P, state after {drive.producer_tokens} tokens) into slot "
+                    detail=("a scratch slot; " if scratch else "")
+                    + f"expected slot {source} (P, state after {drive.producer_tokens} tokens) into slot "
                     f"{target} (C, resumes at {t})",
                     pair=(p, c),
                 )
             )
-    if target != NULL_BLOCK_ID and (source, target) not in pairs:
+    if target != NULL_BLOCK_ID and all(c != target for _, c in pairs):
         findings.append(
             Finding(
                 deviation="state-not-transferred",
@@ -954,6 +1105,8 @@ class AuditReport:
     """Each audited connector's vLLM class as ``MODULE:CLASS``, by the label the report uses."""
     state_requests: int = 0
     """How many of each connector's requests run on FA + state-group configs."""
+    speculation_requests: int = 0
+    """How many of each connector's requests run different speculation on the two engines (FA + state group)."""
 
     def deviations(self, connector: str | None = None) -> int:
         """Requests with a deviation, over the classes kvspec counts as such (not its own strictness)."""
@@ -971,6 +1124,7 @@ class AuditReport:
             "seed": self.seed,
             "requests": self.requests,
             "state_requests": self.state_requests,
+            "speculation_requests": self.speculation_requests,
             "pairs": self.pairs,
             "failed_closed": self.failed_closed,
             "classes": [c.to_dict() for c in self.classes],
@@ -992,7 +1146,8 @@ class AuditReport:
         """The terminal table, then the smallest reproducer of each class."""
         lines = [
             f"kvspec vllm-audit: vLLM {self.vllm_version}, seed {self.seed}, {self.seconds:.1f}s, "
-            f"{self.state_requests} of each connector's requests on state-group configs"
+            f"{self.state_requests} of each connector's requests on state-group configs, "
+            f"{self.speculation_requests} with different speculation on the two engines"
         ]
         lines += [*self._tested_lines(), ""]
         width = max([10, *(len(name) for name in self.requests)])
@@ -1016,7 +1171,8 @@ class AuditReport:
                 "",
                 f"{c.connector} {c.deviation} ({DEVIATIONS[c.deviation].rule}): {DEVIATIONS[c.deviation].title}",
                 f"  config {r['groups']}, N={r['num_tokens']}, H={r['prefix_hit_tokens']}, "
-                f"lookahead={r['lookahead']}, first computed token {r['first_computed']}",
+                + (f"speculation {r['speculation']}" if r.get("speculation") else f"lookahead={r['lookahead']}")
+                + f", first computed token {r['first_computed']}",
                 f"  group {r['group']}: {r['detail']}" + (f", pair {r['pair']}" if r.get("pair") else ""),
                 f"  producer list {r['producer_list']}",
                 f"  consumer list {r['consumer_list']}",
@@ -1081,9 +1237,13 @@ def audit_case(case: AuditCase, connector: str | VllmConnector) -> tuple[_Drive,
     """Drive one request through ``connector`` and vLLM's own managers; every finding of the oracle (WIN-1)."""
     block_size = case.groups[0].block_size
     # Pools sized to the request, so building vLLM's managers costs in proportion to it.
-    per_group = -(-(case.num_tokens + case.lookahead) // block_size) + 4
-    config = _config(case.groups, len(case.groups) * per_group + 16)
-    drive = _drive(case, connector, config, (_engine(config, block_size), _engine(config, block_size)))
+    lookahead = max(case.speculation("producer").tokens, case.speculation("consumer").tokens)
+    per_group = -(-(case.num_tokens + lookahead) // block_size) + 4
+    num_blocks = len(case.groups) * per_group + 16
+    p_config = _config(case.side_groups("producer"), num_blocks)
+    config = _config(case.side_groups("consumer"), num_blocks)
+    engines = (_engine(p_config, block_size), _engine(config, block_size))
+    drive = _drive(case, connector, (p_config, config), engines)
     findings = check_drive(config, drive)
     return drive, findings + check_kvspec(config, drive, findings)
 
@@ -1095,13 +1255,16 @@ def run_audit(
     seed: int = 0,
     progress: Callable[[int, int], None] | None = None,
     state_requests: int | None = None,
+    speculation_requests: int | None = None,
 ) -> AuditReport:
     """Drive ``requests`` random requests through each connector and vLLM's managers; classify every deviation (WIN-1).
 
     ``requests`` attention requests (:func:`generate_cases`), then
     ``state_requests`` (default ``requests // 4``) on FA + state-group configs
-    (:func:`generate_state_cases`, STATE-1 .. STATE-4); the same requests go
-    through every connector. ``"reference"`` runs
+    (:func:`generate_state_cases`, STATE-1 .. STATE-4), then
+    ``speculation_requests`` (default ``requests // 10``) whose two engines
+    run different speculation (:func:`generate_speculation_cases`); the same
+    requests go through every connector. ``"reference"`` runs
     kvspec's own clipping and pairing on the same vLLM tables; a
     ``MODULE:CLASS`` string or a :class:`~kvspec.integrations.vllm.VllmConnector`
     audits any vLLM connector class (labelled by its name).
@@ -1117,7 +1280,12 @@ def run_audit(
     labels = list(adapters)
     started = time.perf_counter()
     state_count = requests // 4 if state_requests is None else state_requests
-    cases = generate_cases(requests, seed) + generate_state_cases(state_count, seed, first_index=requests)
+    speculation_count = requests // 10 if speculation_requests is None else speculation_requests
+    cases = [
+        *generate_cases(requests, seed),
+        *generate_state_cases(state_count, seed, first_index=requests),
+        *generate_speculation_cases(speculation_count, seed, first_index=requests + state_count),
+    ]
     counts = dict.fromkeys(labels, 0)
     pairs = dict.fromkeys(labels, 0)
     closed = dict.fromkeys(labels, 0)
@@ -1161,4 +1329,5 @@ def run_audit(
         classes=tuple(classes),
         seconds=time.perf_counter() - started,
         state_requests=state_count,
+        speculation_requests=speculation_count,
     )
