@@ -85,7 +85,7 @@ def test_backend_suite_warms_the_adapter_and_its_junit_report_names_what_was_tes
 
 
 @pytest.mark.vllm
-@pytest.mark.xdist_group("test_vllm_offload")  # with vLLM's offloading scheduler already imported: about 0.3 s
+@pytest.mark.xdist_group("test_vllm_offload")  # with vLLM's offloading scheduler already imported: about 0.6 s
 def test_vllm_adapters_warm_up_asks_for_every_module_their_cases_ask_for(
     vllm: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
