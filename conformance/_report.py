@@ -16,7 +16,7 @@ import attrs
 from kvspec import PROTOCOL_VERSION
 from kvspec.rules import RULES, Level
 
-__all__ = ["CaseResult", "Outcome", "Report"]
+__all__ = ["CaseResult", "Outcome", "Report", "connector_tested"]
 
 
 class Outcome(str, enum.Enum):
@@ -368,3 +368,19 @@ def _rule_status(results: Sequence[CaseResult]) -> str:
 
 def _clip(text: str, width: int) -> str:
     return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def connector_tested(connector: object) -> tuple[tuple[str, str], ...]:
+    """What a report names as tested besides the backend, as (field, value): nothing for kvspec's reference.
+
+    A connector with a ``kvspec_tested()`` method (the vLLM and SGLang
+    adapters) names itself and its engine's release; any other is named by
+    its class, ``MODULE:CLASS``.
+    """
+    from kvspec.connector import ReferenceConnector
+
+    tested = getattr(connector, "kvspec_tested", None)
+    if callable(tested):
+        return tuple((str(field), str(value)) for field, value in tested())
+    kind = type(connector)
+    return () if kind is ReferenceConnector else (("connector", f"{kind.__module__}:{kind.__qualname__}"),)

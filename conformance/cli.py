@@ -22,7 +22,7 @@ from kvspec.transport.pace import PACES
 from ._cases import select_cases
 from ._connector import Connector
 from ._context import DEFAULT_MAX_EXAMPLES
-from ._report import CaseResult, Outcome
+from ._report import CaseResult, Outcome, connector_tested
 from ._runner import parse_expected_failures, run_suite
 
 __all__ = ["add_arguments", "main", "run"]
@@ -239,7 +239,7 @@ def _load_connector(path: str, extra: Sequence[str] = ()) -> tuple[Connector, tu
     from kvspec.integrations.vllm import import_path
 
     if path.startswith("sglang:"):
-        from kvspec.integrations.sglang import installed_sglang_version, make_connector
+        from kvspec.integrations.sglang import make_connector
 
         if extra:
             raise SystemExit("kvspec conform: --vllm-extra needs --connector vllm:...")
@@ -247,7 +247,7 @@ def _load_connector(path: str, extra: Sequence[str] = ()) -> tuple[Connector, tu
             adapter = make_connector(path.partition(":")[2])
         except KVSpecError as exc:
             raise SystemExit(f"kvspec conform: --connector {path}: {exc}") from None
-        return adapter, (("connector", path), ("sglang", installed_sglang_version() or "?"))
+        return adapter, connector_tested(adapter)
     if path.startswith("vllm:"):
         from kvspec.integrations.vllm import parse_vllm_extra, vllm_connector
 
@@ -255,7 +255,7 @@ def _load_connector(path: str, extra: Sequence[str] = ()) -> tuple[Connector, tu
             connector = vllm_connector(path.partition(":")[2], extra_config=parse_vllm_extra(extra))
         except KVSpecError as exc:
             raise SystemExit(f"kvspec conform: --connector {path}: {exc}") from None
-        return connector, _vllm_tested(connector)
+        return connector, connector_tested(connector)
     if extra:
         raise SystemExit("kvspec conform: --vllm-extra needs --connector vllm:...")
     module_name, _, attr = path.partition(":")
@@ -283,13 +283,6 @@ def _load_connector(path: str, extra: Sequence[str] = ()) -> tuple[Connector, tu
 
 
 _CONNECTOR_HOOKS = tuple(name for name in vars(Connector) if not name.startswith("_"))
-
-
-def _vllm_tested(connector: object) -> tuple[tuple[str, str], ...]:
-    from kvspec.integrations.vllm import VllmConnector, installed_vllm_version
-
-    where = connector.connector_class if isinstance(connector, VllmConnector) else "vLLM OffloadingConnector"
-    return (("connector", where), ("vllm", installed_vllm_version() or "not installed"))
 
 
 class _Progress:
@@ -358,6 +351,17 @@ def run(args: argparse.Namespace) -> int:
     if args.pace_seed is not None and args.pace is None:
         print("kvspec conform: --pace-seed: expected --pace slow, jitter or pieces with it", file=sys.stderr)
         return 2
+    if args.connector and args.connector.startswith("vllm:"):
+        # From vLLM's metadata, before anything imports vLLM (tens of seconds on a cold machine) or opens a backend.
+        from kvspec.integrations.vllm import check_vllm_version
+
+        try:
+            warning = check_vllm_version(allow=args.allow_vllm_version)
+        except KVSpecError as exc:
+            print(f"kvspec conform: {exc}", file=sys.stderr)
+            return 2
+        if warning:
+            print(f"kvspec conform: {warning}", file=sys.stderr)
     options = _peer_options(args.backend, args.peer, _options(args.option))
     problem = _loopback_to_a_remote_peer(args.backend, args.peer, options)
     if problem:
@@ -390,16 +394,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvspec conform: {exc}", file=sys.stderr)
         return 2
     connector, tested = _load_connector(args.connector, args.vllm_extra) if args.connector else (None, ())
-    if args.connector and args.connector.startswith("vllm:"):
-        from kvspec.integrations.vllm import check_vllm_version
-
-        try:
-            warning = check_vllm_version(allow=args.allow_vllm_version)
-        except KVSpecError as exc:
-            print(f"kvspec conform: {exc}", file=sys.stderr)
-            return 2
-        if warning:
-            print(f"kvspec conform: {warning}", file=sys.stderr)
     progress = None if args.quiet else _Progress(sys.stderr)
     try:
         report = run_suite(

@@ -27,17 +27,18 @@ from typing import ClassVar
 
 import pytest
 
+import kvspec
 from kvspec.transport import Backend, Pace, PacedBackend
 
 from ._cases import Case, all_cases, select_cases
 from ._connector import Connector, ReferenceConnector
 from ._context import DEFAULT_MAX_EXAMPLES, CaseContext, PacedSpec, default_time_scale
-from ._report import Outcome
+from ._report import Outcome, connector_tested
 from ._runner import run_case
 
 __all__ = ["BackendSuite", "case_test_name"]
 
-CaseTest = Callable[["BackendSuite", CaseContext], None]
+CaseTest = Callable[["BackendSuite", CaseContext, pytest.FixtureRequest], None]
 
 
 def case_test_name(case_id: str) -> str:
@@ -53,13 +54,22 @@ def _spec_of(factory: Callable[[], Backend]) -> str:
 
 
 def _case_test(case: Case) -> CaseTest:
-    def test(self: BackendSuite, kvspec_context: CaseContext) -> None:
+    def test(self: BackendSuite, kvspec_context: CaseContext, request: pytest.FixtureRequest) -> None:
+        # Each case's report names what was tested, as the CLI's does; per test, so it survives pytest-xdist.
+        request.node.user_properties.extend(_tested(kvspec_context))
         self.check_case(case, kvspec_context)
 
     test.__name__ = test.__qualname__ = case_test_name(case.id)
     test.__doc__ = f"[{case.level.value}] {case.id}: {case.title}"
     test.kvspec_case = case  # type: ignore[attr-defined]
     return test
+
+
+def _tested(context: CaseContext) -> list[tuple[str, str]]:
+    """What the report names as tested: the backend, kvspec, the protocol, the connector and its engine's release."""
+    fields = {"backend": str(context.backend_spec), "kvspec_version": kvspec.__version__}
+    fields["protocol_version"] = ".".join(map(str, kvspec.PROTOCOL_VERSION))
+    return list({**fields, **dict(connector_tested(context.connector))}.items())
 
 
 def _is_generated(value: object) -> bool:
@@ -116,8 +126,8 @@ class BackendSuite:
 
     @pytest.fixture(scope="class")
     @classmethod
-    def kvspec_context(cls) -> Iterator[CaseContext]:
-        """One backend for the whole class, closed at the end."""
+    def kvspec_context(cls, record_testsuite_property: Callable[[str, object], None]) -> Iterator[CaseContext]:
+        """One backend for the whole class, closed at the end; what it tests goes in the JUnit report's properties."""
         backend = cls.backend_factory()
         factory = cls.connector_factory
         spec = _spec_of(cls.backend_factory)
@@ -136,6 +146,8 @@ class BackendSuite:
         )
         try:
             context.warm_up()  # imports and set-up before the first case's clock starts
+            for name, value in _tested(context):
+                record_testsuite_property(name, value)
             yield context
         finally:
             backend.close()

