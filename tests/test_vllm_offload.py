@@ -533,7 +533,7 @@ def test_a_sync_load_is_the_same_load_set(vllm: Any) -> None:
         for group in blocks.blocks:
             for position, block in enumerate(group):
                 if not block.is_null and block.block_hash is None:
-                    block._block_hash = b"kvspec-sync-load" + position.to_bytes(8, "big")
+                    block.set_block_hash(b"kvspec-sync-load" + position.to_bytes(8, "big"))
         return blocks
 
     with pytest.MonkeyPatch.context() as patch:
