@@ -96,8 +96,8 @@ __all__ = [
     "vllm_connector",
 ]
 
-VLLM_VERSION = "0.33.0"
-"""The vLLM release the adapters and the findings page were written against."""
+VLLM_VERSION = "0.34.0"
+"""The vLLM release ``scripts/setup`` and ``kvspec vllm-setup --print`` install (the other verified one: 0.33.0)."""
 
 
 # vLLM picks its platform when first imported: set it up for the CPU before anything imports it
