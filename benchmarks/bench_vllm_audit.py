@@ -16,9 +16,13 @@ import sys
 import time
 from pathlib import Path
 
+from kvspec.integrations._vllm_versions import expected_file_stem
 from kvspec.integrations.vllm_audit import AUDIT_CONNECTORS, run_audit
 
-COMMITTED = Path(__file__).resolve().parent.parent / "docs" / "explanation" / "vllm-audit.json"
+# One committed audit per verified vLLM release: vllm-audit.json (0.33.0), vllm-audit-0.34.json (0.34.0).
+COMMITTED = (
+    Path(__file__).resolve().parent.parent / "docs" / "explanation" / (expected_file_stem("vllm-audit") + ".json")
+)
 COMMITTED_REQUESTS = 200
 BUDGET_S = 600.0
 

@@ -138,6 +138,7 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
             {
                 "kvspec.integrations",
                 "kvspec.integrations.expectations",
+                "kvspec.integrations._vllm_versions",
                 "kvspec.integrations.vllm",
                 "kvspec.integrations.vllm_audit",
                 "kvspec.integrations.vllm_parallel",

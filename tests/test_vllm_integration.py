@@ -32,11 +32,13 @@ from kvspec import (
     get_exchange_clipped_blocks,
 )
 from kvspec.cli import main
+from kvspec.integrations._vllm_versions import expected_file_stem
 
 pytestmark = pytest.mark.vllm
 
 ROOT = Path(__file__).resolve().parent.parent
-AUDIT_JSON = ROOT / "docs" / "explanation" / "vllm-audit.json"
+# The installed vLLM release's committed audit: vllm-audit.json (0.33.0), vllm-audit-0.34.json (0.34.0).
+AUDIT_JSON = ROOT / "docs" / "explanation" / (expected_file_stem("vllm-audit") + ".json")
 
 
 def test_import_kvspec_never_imports_vllm() -> None:
@@ -259,11 +261,11 @@ def test_every_failing_case_is_a_documented_expected_failure(
     vllm: Any, name: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """The whole suite against vLLM's connector: no error, and every failure is one the findings page explains."""
-    listed = ROOT / "kvspec" / "integrations" / "expected" / f"vllm-{name}.txt"
     # The command line in this process, where vLLM is imported already (decision 147 in decisions-testing.md): a
     # process of its own would
     # import it again (~15 s). test_short_names_run_the_suite runs `kvspec conform --connector vllm:...` in one.
-    status = main(["conform", "loopback", "--connector", f"vllm:{name}", "-q", "--expect-fail-file", str(listed)])
+    # The short name reads the installed vLLM release's list (vllm-mooncake.txt for 0.33.0, -0.34.txt for 0.34.0).
+    status = main(["conform", "loopback", "--connector", f"vllm:{name}", "-q", "--expect-fail-file", f"vllm:{name}"])
     out = capsys.readouterr()
     assert status == 0, out.out[-4000:] + out.err[-2000:]
     assert " 0 failed, 0 errors" in out.out
@@ -329,6 +331,7 @@ def test_upstream_reports_reproduce(vllm: Any, capsys: pytest.CaptureFixture[str
     """Each report page's script shows the defect on vLLM 0.33.0, prints what the page says, and its fix removes it."""
     from test_docs import extract_blocks
 
+    from kvspec.integrations._vllm_versions import cpu_config_scope
     from kvspec.integrations.vllm import import_vllm  # sets VLLM_TARGET_DEVICE=cpu first, as the scripts do
 
     owners = [(getattr(import_vllm(module), cls), name) for module, cls, name in _PATCHED]
@@ -345,7 +348,8 @@ def test_upstream_reports_reproduce(vllm: Any, capsys: pytest.CaptureFixture[str
                 patch.setenv("VLLM_SSM_CONV_STATE_LAYOUT", "DS")
                 for owner, name in owners:
                     patch.setattr(owner, name, getattr(owner, name))  # undone after the run, whatever it assigns
-                exec(compile(source, f"{page.name}:{script.line}", "exec"), {"__name__": "__report__"})
+                with cpu_config_scope():  # 0.34's CPU platform asks for triton-cpu; the scripts build no model runner
+                    exec(compile(source, f"{page.name}:{script.line}", "exec"), {"__name__": "__report__"})
             out = capsys.readouterr().out
             assert out.rstrip().endswith("defect absent" if fix else "defect present"), f"{page.name} fix={fix}\n{out}"
             if not fix:

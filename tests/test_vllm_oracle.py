@@ -161,11 +161,12 @@ def test_shipped_audit_list_names_the_committed_classes() -> None:
     import json
     from pathlib import Path
 
+    from kvspec.integrations._vllm_versions import expected_file_stem
     from kvspec.integrations.expectations import load_expected
 
-    committed = json.loads(
-        (Path(__file__).resolve().parent.parent / "docs" / "explanation" / "vllm-audit.json").read_text("utf-8")
-    )
+    # The installed vLLM release's committed audit and list (vllm-audit.json and vllm-audit for 0.33.0).
+    audit = expected_file_stem("vllm-audit") + ".json"
+    committed = json.loads((Path(__file__).resolve().parent.parent / "docs" / "explanation" / audit).read_text("utf-8"))
     found = {f"{c['connector']}/{c['class']}" for c in committed["classes"] if c["connector"] != "reference"}
     assert "moriio/null-into-cached-block" in found
     assert set(load_expected("vllm-audit")) == found

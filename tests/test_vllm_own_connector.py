@@ -162,6 +162,34 @@ def test_shipped_lists_load_by_name_and_parse() -> None:
         load_expected("vllm:nope")
 
 
+def test_plain_names_read_the_installed_vllm_releases_list(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``vllm:moriio`` is 0.33.0's list on 0.33 and 0.34.0's on 0.34 (which admits WRITE with MLA windows)."""
+    from kvspec.integrations import _vllm_versions
+
+    assert {"vllm:moriio-0.34", "vllm:nixl-0.34", "vllm-audit-0.34"} <= set(expected_names())
+    assert "sglang:mori" in expected_names()
+    mla_window = "HMA-1/mla-counts-as-full-attention"
+    for installed, listed in (("0.33.0", True), ("0.34.0", False), (None, True)):
+        monkeypatch.setattr(_vllm_versions, "installed_vllm_version", lambda installed=installed: installed)
+        assert (mla_window in load_expected("vllm:moriio")) is listed, installed
+        assert load_expected("vllm-audit") == load_expected(
+            "vllm-audit-0.34" if installed == "0.34.0" else "vllm-audit"
+        )
+    assert mla_window not in load_expected("vllm:moriio-0.34")
+
+
+def test_cpu_config_scope_restores_has_triton(vllm: Any) -> None:
+    """0.34's CPU platform check sees Triton only while kvspec builds a config; 0.33's is left alone."""
+    from kvspec.integrations._vllm_versions import cpu_config_scope, vllm_release
+    from kvspec.integrations.vllm import import_vllm
+
+    triton_utils = import_vllm("vllm.triton_utils")
+    real = triton_utils.HAS_TRITON
+    with cpu_config_scope():
+        assert triton_utils.HAS_TRITON is (True if vllm_release() >= (0, 34) else real)
+    assert triton_utils.HAS_TRITON is real
+
+
 PRIVATE_IMPORT = re.compile(r"^\s*(from\s+\S*\._\w|from\s+\S+\s+import\s+.*\b_\w|import\s+\S*\._)", re.MULTILINE)
 
 
@@ -323,7 +351,7 @@ def test_the_how_to_shows_the_files_kvspec_runs() -> None:
 
 
 def test_cpu_recipe_installs_what_scripts_setup_installs() -> None:
-    from kvspec.integrations.vllm import cpu_setup_script
+    from kvspec.integrations.vllm import VERIFIED_VLLM_VERSIONS, VLLM_VERSION, cpu_setup_script
 
     setup = (ROOT / "scripts" / "setup").read_text(encoding="utf-8")
     # scripts/setup installs the list the recipe prints, read from the same file.
@@ -333,8 +361,12 @@ def test_cpu_recipe_installs_what_scripts_setup_installs() -> None:
     needs = [line.strip() for line in listed.splitlines() if line.strip() and not line.startswith("#")]
     recipe = cpu_setup_script("py")
     assert f'py -m pip install -c "$held" {" ".join(needs)}\n' in recipe
-    assert 'py -m pip install --no-deps "vllm==0.33.0"' in recipe
-    assert '"vllm==0.33.0"' in setup
+    assert f'py -m pip install --no-deps "vllm=={VLLM_VERSION}"' in recipe
+    # scripts/setup's default release is the recipe's; --vllm picks either verified one, and only those.
+    assert f"\nVLLM={VLLM_VERSION.rpartition('.')[0]}\n" in setup
+    assert '"vllm==$VLLM_PIN"' in setup
+    releases = " | ".join(v.rpartition(".")[0] for v in VERIFIED_VLLM_VERSIONS)
+    assert f"  {releases}) VLLM_PIN=" in setup
 
 
 def test_importing_the_integration_sets_vllm_up_for_the_cpu() -> None:
@@ -351,9 +383,10 @@ def test_another_vllm_version_is_refused_unless_allowed(monkeypatch: pytest.Monk
     monkeypatch.setattr(integration, "installed_vllm_version", lambda: "0.34.1")
     with pytest.raises(BackendUnavailableError, match=r"vLLM 0\.34\.1 is installed.*--allow-vllm-version"):
         integration.check_vllm_version()
-    assert "verified on 0.33.0" in (integration.check_vllm_version(allow=True) or "")
-    monkeypatch.setattr(integration, "installed_vllm_version", lambda: "0.33.0")
-    assert integration.check_vllm_version() is None
+    assert "verified on 0.33.0, 0.34.0" in (integration.check_vllm_version(allow=True) or "")
+    for verified in ("0.33.0", "0.34.0"):
+        monkeypatch.setattr(integration, "installed_vllm_version", lambda verified=verified: verified)
+        assert integration.check_vllm_version() is None
 
 
 def test_report_names_what_was_tested() -> None:

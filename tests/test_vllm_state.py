@@ -173,3 +173,22 @@ def test_the_state_oracle_catches_broken_pairs(vllm: Any) -> None:
     assert found(pairs=(drive.pairs[0], ())) == {"state-not-transferred"}
     # A state one token short of the resume point, in the same slot: only its position is wrong.
     assert found(producer_tokens=drive.producer_tokens - 1) == {"state-position"}
+
+
+def test_moriio_admission_follows_the_installed_release(vllm: Any) -> None:
+    """MoRI-IO 0.34 admits full + window + state groups in READ and MLA windows in WRITE; 0.33 refuses both."""
+    from kvspec_conformance.configs import mla, sw, sw_mla
+
+    from kvspec import UnsupportedHybridError
+    from kvspec.integrations._vllm_versions import vllm_release
+    from kvspec.integrations.vllm import build_scheduler
+
+    admitted = vllm_release() >= (0, 34)
+    hybrid = make_config(full(16), sw(32, 16), gdn(16), num_blocks=64)
+    mla_window = make_config(mla(16), sw_mla(32, 16), num_blocks=64)
+    for config, mode in ((hybrid, TransferMode.READ), (mla_window, TransferMode.WRITE)):
+        if admitted:
+            build_scheduler("moriio", config, role="kv_consumer", mode=mode)
+        else:
+            with pytest.raises(UnsupportedHybridError, match="vLLM moriio refuses this config"):
+                build_scheduler("moriio", config, role="kv_consumer", mode=mode)

@@ -14,6 +14,7 @@ from importlib import resources
 from pathlib import Path
 
 from kvspec.core._errors import ConfigError
+from kvspec.integrations._vllm_versions import expected_file_stem
 
 __all__ = ["expected_names", "load_expected", "parse_expected", "read_expected"]
 
@@ -37,18 +38,30 @@ def parse_expected(lines: Iterable[str], *, what: str = "expected failure") -> d
 
 
 def expected_names() -> list[str]:
-    """The names :func:`load_expected` knows: ``vllm:nixl``, ..., ``vllm-audit``, ``sglang:mori``, ``sglang-audit``."""
+    """The names :func:`load_expected` knows: ``vllm:nixl``, ..., ``vllm-audit``, ``sglang:mori``, ``sglang-audit``.
+
+    A vLLM list also has a name per verified release after 0.33
+    (``vllm:nixl-0.34``, ``vllm-audit-0.34``); the plain name picks the
+    installed release's list (:func:`expected_file_stem`).
+    """
     folder = resources.files(_PACKAGE).joinpath(_FOLDER)
     names = []
     for entry in sorted(e.name for e in folder.iterdir() if e.name.endswith(".txt")):
         stem = entry.removesuffix(".txt")
         prefix, _, rest = stem.partition("-")
-        names.append(f"{prefix}:{rest}" if prefix in ("vllm", "sglang") and rest != "audit" else stem)
+        audit = rest == "audit" or rest.startswith("audit-")
+        names.append(f"{prefix}:{rest}" if prefix in ("vllm", "sglang") and not audit else stem)
     return names
 
 
 def _file_name(name: str) -> str:
-    return name.replace(":", "-", 1) + ".txt"
+    stem = name.replace(":", "-", 1)
+    if stem.startswith("vllm-") and stem.rpartition("-")[2].count(".") != 1:
+        # A plain vLLM name: the installed release's list, where it has one of its own.
+        release_stem = expected_file_stem(stem)
+        if resources.files(_PACKAGE).joinpath(_FOLDER, release_stem + ".txt").is_file():
+            return release_stem + ".txt"
+    return stem + ".txt"
 
 
 def read_expected(name_or_path: str) -> list[str]:
@@ -60,6 +73,7 @@ def read_expected(name_or_path: str) -> list[str]:
         except OSError as exc:
             raise ConfigError(f"expected-failure file {name_or_path}: {exc}") from exc
     if name_or_path in expected_names():
+        # A plain vLLM name (``vllm:nixl``) reads the installed vLLM release's list.
         shipped = resources.files(_PACKAGE).joinpath(_FOLDER, _file_name(name_or_path))
         return shipped.read_text(encoding="utf-8").splitlines()
     raise ConfigError(f"expected-failure list {name_or_path!r}: expected a file or one of {expected_names()}")

@@ -51,6 +51,13 @@ from kvspec.core._models import (
     TransferMode,
 )
 from kvspec.drivers._connector import ConsumerRankPlan, ReferenceConnector
+from kvspec.integrations._vllm_versions import (
+    VERIFIED_VLLM_VERSIONS,
+    cpu_config_scope,
+    installed_vllm_version,
+    moriio_attention_groups,
+    schedule_whole_block_table,
+)
 from kvspec.protocol._handshake import check_compatibility
 from kvspec.protocol._plan import BlockPairsLike, TransferPlan, plan_transfer
 from kvspec.reference._offload import BlockIdGroups, LoadSet, OffloadConfig, StoreSet, get_chunk_sizes
@@ -91,11 +98,9 @@ __all__ = [
     "vllm_connector",
 ]
 
-VLLM_VERSION = "0.33.0"
-"""The vLLM release the adapters and the findings page were written against."""
+VLLM_VERSION = "0.34.0"
+"""The vLLM release ``scripts/setup`` and ``kvspec vllm-setup --print`` install (the other verified one: 0.33.0)."""
 
-VERIFIED_VLLM_VERSIONS = ("0.33.0",)
-"""vLLM releases the adapters were verified on; another one warns, or is refused without ``--allow-vllm-version``."""
 
 # vLLM picks its platform when first imported: set it up for the CPU before anything imports it
 # (else "Failed to infer device type" on a machine without a GPU). A user's choice stands.
@@ -162,14 +167,6 @@ def cpu_setup_script(python: str | None = None) -> str:
         )
         + "\n"
     )
-
-
-def installed_vllm_version() -> str | None:
-    """The installed vLLM's version from its package metadata, or None without vLLM."""
-    try:
-        return importlib.metadata.version("vllm")
-    except importlib.metadata.PackageNotFoundError:
-        return None
 
 
 def check_vllm_version(*, allow: bool = False) -> str | None:
@@ -441,19 +438,8 @@ def build_vllm_config(
     extra.update(extra_config or {})
     config = import_vllm("vllm.config")
     try:
-        vllm_config = config.VllmConfig(
-            kv_transfer_config=config.KVTransferConfig(
-                kv_connector=name,
-                kv_connector_module_path=module,
-                kv_role=role,
-                engine_id=engine_id,
-                kv_connector_extra_config=extra,
-            ),
-            cache_config=config.CacheConfig(block_size=block_size),
-            scheduler_config=config.SchedulerConfig(
-                max_model_len=_MAX_MODEL_LEN, max_num_batched_tokens=8192, is_encoder_decoder=False
-            ),
-        )
+        with cpu_config_scope():
+            vllm_config = _connector_vllm_config(config, name, module, role, engine_id, extra, block_size)
     except RuntimeError as exc:
         if "Failed to infer device type" in str(exc):
             raise BackendUnavailableError(_DEVICE_TRAP) from None
@@ -464,6 +450,24 @@ def build_vllm_config(
         base = type(vllm_config)
         vllm_config.__class__ = _lookahead_class(base, num_lookahead_tokens, num_prefill_lookahead_tokens)
     return vllm_config
+
+
+def _connector_vllm_config(
+    config: Any, name: str, module: str, role: str, engine_id: str, extra: dict[str, object], block_size: int
+) -> Any:
+    return config.VllmConfig(
+        kv_transfer_config=config.KVTransferConfig(
+            kv_connector=name,
+            kv_connector_module_path=module,
+            kv_role=role,
+            engine_id=engine_id,
+            kv_connector_extra_config=extra,
+        ),
+        cache_config=config.CacheConfig(block_size=block_size),
+        scheduler_config=config.SchedulerConfig(
+            max_model_len=_MAX_MODEL_LEN, max_num_batched_tokens=8192, is_encoder_decoder=False
+        ),
+    )
 
 
 _LOOKAHEAD_CLASSES: dict[tuple[type, int, int], type] = {}
@@ -528,7 +532,13 @@ def build_scheduler(
         num_prefill_lookahead_tokens=num_prefill_lookahead_tokens,
     )
     try:
-        built = cls(vllm_config, base.KVConnectorRole.SCHEDULER, to_vllm_kv_cache_config(config))
+        kv_cache_config = to_vllm_kv_cache_config(config)
+        # vLLM's engine resolves the hash block size into the config its connector's scheduler gets
+        # (EngineCore); 0.34's NIXL and Mooncake schedulers read it when they truncate a prefill request.
+        _, kv_cache_config.hash_block_size = import_vllm("vllm.v1.core.kv_cache_utils").resolve_kv_cache_block_sizes(
+            kv_cache_config, vllm_config
+        )
+        built = cls(vllm_config, base.KVConnectorRole.SCHEDULER, kv_cache_config)
     except Exception as exc:  # vLLM refuses with NotImplementedError, ValueError, MoRIIOError, ...
         raise UnsupportedHybridError(
             f"vLLM {connector} refuses this config (ADM-1): {type(exc).__name__}: {exc}"
@@ -826,7 +836,8 @@ class _MoriioHooks(VllmHooks):
             return super().clip(scheduler, block_ids)
         attention, states = scheduler.split_block_groups(block_ids)
         out = _as_lists(block_ids)
-        out[scheduler._attn_group_ids[0]] = list(attention)
+        for g, kept in zip(scheduler._attn_group_ids, moriio_attention_groups(attention), strict=True):
+            out[g] = list(kept)
         for g, slots in zip(scheduler._mamba_group_ids, states, strict=True):
             out[g] = list(slots)
         return out
@@ -1158,7 +1169,25 @@ def _offloading_vllm_config(
     replay boundary reads; None: a tail at every chunk boundary).
     """
     config = import_vllm("vllm.config")
-    vllm_config = config.VllmConfig(
+    with cpu_config_scope():
+        vllm_config = _offloading_config_object(config, offload, offload_prompt_only, retention_interval)
+    # build_offloading_config reads a few facts of the model (MLA or not, dtype, KV heads) for the
+    # worker's layout; none reaches the scheduler's block logic, and there is no model here.
+    model = types.SimpleNamespace(
+        use_mla=False,
+        dtype="int8",
+        model="kvspec",
+        max_model_len=_MAX_MODEL_LEN,
+        get_total_num_kv_heads=lambda: _MODEL_HEADS,
+    )
+    object.__setattr__(vllm_config, "model_config", model)
+    return vllm_config
+
+
+def _offloading_config_object(
+    config: Any, offload: OffloadConfig, offload_prompt_only: bool, retention_interval: int | None
+) -> Any:
+    return config.VllmConfig(
         kv_transfer_config=config.KVTransferConfig(
             kv_connector="OffloadingConnector",
             kv_role="kv_both",
@@ -1176,17 +1205,6 @@ def _offloading_vllm_config(
             max_model_len=_MAX_MODEL_LEN, max_num_batched_tokens=8192, is_encoder_decoder=False
         ),
     )
-    # build_offloading_config reads a few facts of the model (MLA or not, dtype, KV heads) for the
-    # worker's layout; none reaches the scheduler's block logic, and there is no model here.
-    model = types.SimpleNamespace(
-        use_mla=False,
-        dtype="int8",
-        model="kvspec",
-        max_model_len=_MAX_MODEL_LEN,
-        get_total_num_kv_heads=lambda: _MODEL_HEADS,
-    )
-    object.__setattr__(vllm_config, "model_config", model)
-    return vllm_config
 
 
 def _present_map_classes() -> tuple[type, type]:
@@ -1461,20 +1479,12 @@ class OffloadingConnector(ReferenceConnector):
     def _step(self, scheduler: Any, request: Any, block_ids: Sequence[Sequence[int]] | None, tokens: int) -> Any:
         """One ``build_connector_meta`` step scheduling ``request`` up to ``tokens``, with its whole block table."""
         output_module = import_vllm("vllm.v1.core.sched.output")
-        cached = output_module.CachedRequestData.make_empty()
+        out = output_module.SchedulerOutput.make_empty()
         num_scheduled: dict[str, int] = {}
         if block_ids is not None:
-            rid = request.request_id
-            cached.req_ids.append(rid)
-            cached.resumed_req_ids.add(rid)
-            cached.new_token_ids.append([])
-            cached.new_block_ids.append(tuple(list(g) for g in block_ids))
-            cached.num_computed_tokens.append(0)
-            cached.num_output_tokens.append(request.num_output_tokens)
             request.num_computed_tokens = 0
-            num_scheduled[rid] = tokens
-        out = output_module.SchedulerOutput.make_empty()
-        out.scheduled_cached_reqs = cached
+            schedule_whole_block_table(output_module, out, request, tuple(list(g) for g in block_ids))
+            num_scheduled[request.request_id] = tokens
         out.num_scheduled_tokens = num_scheduled
         out.total_num_scheduled_tokens = sum(num_scheduled.values())
         return scheduler.build_connector_meta(out)
@@ -1721,7 +1731,8 @@ def _kv_cache_blocks(lists: Sequence[Sequence[int]], config: KVCacheConfig, loca
             if block_id == 0:
                 block.is_null = True
             elif position < cached:
-                block._block_hash = b"kvspec-local-hit" + position.to_bytes(8, "big")
+                # vLLM's public setter (0.33 and 0.34 store the hash under different attribute names).
+                block.set_block_hash(b"kvspec-local-hit" + position.to_bytes(8, "big"))
             blocks.append(block)
         groups.append(blocks)
     return manager.KVCacheBlocks(tuple(groups))

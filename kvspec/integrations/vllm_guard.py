@@ -430,6 +430,20 @@ class GuardPromMetrics(_metrics.KVConnectorPromMetrics):  # type: ignore[misc]
 # --------------------------------------------------------------------------- the connector
 
 
+def _lookup_config(settings: GuardSettings) -> Any:
+    """What vLLM's ``KVConnectorFactory.get_connector_class`` reads of a transfer config, for the inner connector.
+
+    vLLM 0.34's factory also asks ``get_from_extra_config("transfer_mode", ...)`` to pick NIXL pull or push.
+    """
+    extra = dict(settings.inner_extra)
+    return types.SimpleNamespace(
+        kv_connector=settings.inner_connector,
+        kv_connector_module_path=settings.inner_module_path,
+        kv_connector_extra_config=extra,
+        get_from_extra_config=lambda key, default: extra.get(key, default),
+    )
+
+
 def _inner_config(vllm_config: Any, settings: GuardSettings) -> Any:
     """A shallow copy of ``vllm_config`` whose transfer config names the inner connector and its extra config."""
     outer = vllm_config.kv_transfer_config
@@ -559,17 +573,13 @@ class GuardConnector(_base.KVConnectorBase_V1, _base.SupportsHMA):  # type: igno
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
         settings = parse_guard_config(extra_config)
-        config = types.SimpleNamespace(
-            kv_connector=settings.inner_connector, kv_connector_module_path=settings.inner_module_path
-        )
+        config = _lookup_config(settings)
         return bool(_factory().get_connector_class(config).requires_piecewise_for_cudagraph(settings.inner_extra))
 
     @classmethod
     def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
         settings = parse_guard_config(kv_transfer_config.kv_connector_extra_config)
-        config = types.SimpleNamespace(
-            kv_connector=settings.inner_connector, kv_connector_module_path=settings.inner_module_path
-        )
+        config = _lookup_config(settings)
         return bool(_factory().get_connector_class(config).supports_sleep_mode(kv_transfer_config))
 
     @classmethod

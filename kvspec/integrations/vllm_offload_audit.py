@@ -37,7 +37,7 @@ from kvspec.core._models import (
     SlidingWindowSpec,
 )
 from kvspec.drivers._connector import OffloadConnector, ReferenceOffloadConnector
-from kvspec.integrations.vllm import VLLM_VERSION, OffloadingConnector
+from kvspec.integrations.vllm import OffloadingConnector, installed_vllm_version
 from kvspec.reference._offload import LoadSet, OffloadConfig, StoreSet
 
 __all__ = [
@@ -599,7 +599,7 @@ def run_offload_audit(
     return OffloadAuditReport(
         seed=seed,
         random_requests=random_requests,
-        vllm_version=VLLM_VERSION,
+        vllm_version=installed_vllm_version() or "not installed",
         calls=calls,
         agreed=agreed,
         classes=tuple(classes),

@@ -31,6 +31,7 @@ import attrs
 
 from kvspec.connector import ConsumerRankPlan
 from kvspec.core._errors import ParallelismError
+from kvspec.integrations._vllm_versions import nixl_mamba_remote_pairs
 from kvspec.spec.parallel import CanonicalPage, PageOrder, PageTensor, RankCopy, SubBlock, get_owned_units
 
 __all__ = ["TpAuditReport", "TpDraw", "TpFinding", "audit_tp_pairs", "generate_tp_draws", "plan_nixl_consumer_rank"]
@@ -260,7 +261,7 @@ def plan_nixl_consumer_rank(
     producer_pp: int = 1,
     push: bool = False,
 ) -> ConsumerRankPlan:
-    """What vLLM 0.33's NIXL pull worker reads into consumer rank ``consumer_rank``, and whom it notifies.
+    """What vLLM's NIXL pull worker (0.33 or 0.34) reads into consumer rank ``consumer_rank``, and whom it notifies.
 
     Raises :class:`NotImplementedError` naming what vLLM does not support
     (the suite skips the case) and :class:`ParallelismError` for a layout
@@ -334,7 +335,9 @@ def plan_nixl_consumer_rank(
             remote_block_size=1,
             remote_physical_blocks_per_logical=1,
         )
-        remote_ssm = worker._build_mamba_remote(meta, tp_ratio, info)
+        remote_ssm = worker._build_mamba_remote(
+            meta, tp_ratio, info, *nixl_mamba_remote_pairs(_import(_V1 + "nixl.base_worker"), len(state_layers))
+        )
     local = np.concatenate([local_fa, local_ssm])
     split = worker._needs_split_local_xfer_handles(tp_ratio, plan)
     handles = (
