@@ -113,8 +113,14 @@ def test_lookahead_slots_by_speculative_method(vllm: Any, method: str, lookahead
     from kvspec.integrations.vllm import import_vllm
 
     speculative = import_vllm("vllm.config.speculative").SpeculativeConfig
-    stand_in = types.SimpleNamespace(method=method, num_speculative_tokens=3, draft_model_config=None)
-    for name in ("use_dspark", "use_dflash", "use_eagle", "uses_draft_model"):
+    stand_in = types.SimpleNamespace(
+        method=method, num_speculative_tokens=3, draft_model_config=None, custom_method=None
+    )
+    for name in [n for n in dir(speculative) if n.startswith(("use_", "uses_")) and callable(getattr(speculative, n))]:
         setattr(stand_in, name, types.MethodType(getattr(speculative, name), stand_in))
+    if hasattr(speculative, "speculator_config"):
+        # vLLM 0.34 reads the lookahead from the method's speculator config, built from the same stand-in.
+        configs = import_vllm("vllm.v1.worker.gpu.spec_decode.speculator_config")
+        stand_in.speculator_config = configs.get_speculator_config_class(stand_in)(stand_in)
     config = types.SimpleNamespace(speculative_config=stand_in, num_speculative_tokens=3)
     assert import_vllm("vllm.config").VllmConfig.num_lookahead_tokens.fget(config) == lookahead

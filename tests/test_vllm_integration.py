@@ -328,7 +328,8 @@ _PATCHED = (
 
 
 def test_upstream_reports_reproduce(vllm: Any, capsys: pytest.CaptureFixture[str]) -> None:
-    """Each report page's script shows the defect on vLLM 0.33.0, prints what the page says, and its fix removes it."""
+    """Each report page's script shows the defect on the installed vLLM (0.33 or 0.34), prints what the page says,
+    and its fix removes it."""
     from test_docs import extract_blocks
 
     from kvspec.integrations._vllm_versions import cpu_config_scope

@@ -970,6 +970,7 @@ class VllmConnector:
         if not (isinstance(cls, type) and issubclass(cls, base.KVConnectorBase_V1)):
             raise ConfigError(f"vLLM connector {self.name}: expected a KVConnectorBase_V1 subclass, got {cls!r}")
         import_vllm(_V1 + "nixl.base_worker")
+        import_vllm("vllm.v1.core.kv_cache_utils")  # build_scheduler resolves the hash block size with it
         # Also finds a class path's shape among the shipped classes it may derive from, importing them.
         build_vllm_config(self.name, role="kv_consumer", block_size=16, extra_config=self.extra_config)
         self._warm = True
