@@ -58,7 +58,7 @@ import attrs
 
 import kvspec
 import kvspec.fast
-from kvspec import KVCacheConfig, TransferMode
+from kvspec import KVCacheConfig, TransferMode, TransferRequest
 from kvspec.protocol._plan import _plan_by_definition
 from kvspec.protocol._summary import summarize_parallel_plan
 from kvspec.spec.parallel import compute_rank_copies, get_candidate_ranks, get_completion_count
@@ -188,7 +188,7 @@ def kvspec_steps(req: EngineRequest, *, baseline: bool = True) -> dict[str, Any]
     def pairs_of(p: kvspec.BlockIds, c: kvspec.BlockIds) -> kvspec.BlockPairs:
         # compute_transfer_pairs pairs state groups by STATE-3 and attention groups by ALIGN-1.
         return kvspec.fast.compute_transfer_pairs(
-            config, num_tokens=t, prefix_hit_tokens=0, producer_block_ids=p, consumer_block_ids=c
+            config, TransferRequest(num_tokens=t, prefix_hit_tokens=0, producer_block_ids=p, consumer_block_ids=c)
         )
 
     def reference() -> kvspec.BlockPairs:

@@ -12,6 +12,8 @@ import time
 
 from kvspec import (
     BlockIds,
+    BlockLists,
+    TransferRequest,
     get_blocks_per_sw,
     get_consumer_block_counts,
     get_logical_block_count,
@@ -57,14 +59,16 @@ def main() -> None:
 
     def one_request() -> int:
         producer = get_exchange_clipped_blocks(producer_unclipped, budgets)  # P before advertising (CLIP-1)
-        check_window_coverage(  # before any byte moves (WIN-1)
+        check_window_coverage(
             config,
-            num_tokens=args.tokens,
-            prefix_hit_tokens=args.prefix_hit,
-            producer_block_ids=producer,
-            consumer_block_ids=consumer,
+            TransferRequest(
+                num_tokens=args.tokens,
+                prefix_hit_tokens=args.prefix_hit,
+                producer_block_ids=producer,
+                consumer_block_ids=consumer,
+            ),
         )
-        return compute_block_pairs(producer_block_ids=producer, consumer_block_ids=consumer).num_pairs
+        return compute_block_pairs(BlockLists(producer_block_ids=producer, consumer_block_ids=consumer)).num_pairs
 
     pairs = one_request()
     best = float("inf")

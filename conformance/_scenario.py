@@ -62,6 +62,7 @@ from kvspec import (
     StateProfile,
     TransferMode,
     TransferParams,
+    TransferRequest,
     UnsupportedVersionError,
     decode,
     encode,
@@ -73,7 +74,7 @@ from kvspec import (
     get_num_skipped_tokens,
     is_hma_required,
 )
-from kvspec.connector import pair_keywords
+from kvspec.connector import pair_with
 from kvspec.exchange import (
     CONSUMER,
     PRODUCER,
@@ -690,20 +691,16 @@ class _Play:
         """
         spec = self.tables[request.request_id].spec
         params = request.session.params
-        return self.connector.pair_block_ids(
-            self.p_config,
+        geometry = TransferRequest(
             num_tokens=spec.num_tokens,
             prefix_hit_tokens=spec.prefix_hit_tokens,
             producer_block_ids=params.producer_block_ids,
             consumer_block_ids=offer.consumer_block_ids,
-            # Protocol 1.1 keywords only when the request uses them, so a 1.0 connector
-            # still runs every case that does not (VER-1).
-            **pair_keywords(
-                recomputed_tokens=params.recomputed_tokens,
-                producer_block_ends=params.producer_block_ends,
-                consumer_block_ends=offer.consumer_block_ends,
-            ),
+            recomputed_tokens=params.recomputed_tokens,
+            producer_block_ends=params.producer_block_ends,
+            consumer_block_ends=offer.consumer_block_ends,
         )
+        return pair_with(self.connector, self.p_config, geometry)
 
     def _on_producer_message(self, request_id: str, peer: str, message: Message) -> None:
         if isinstance(message, Release):

@@ -140,6 +140,8 @@ from kvspec.reference._reference import (
 
 # These names are the definitions themselves (kvspec.X is kvspec.spec.X); their fast twins are kvspec.fast's.
 from kvspec.spec import (
+    BlockLists,
+    TransferRequest,
     check_request_blocks,
     check_window_coverage,
     compute_block_pairs,
@@ -160,6 +162,7 @@ __all__ = [
     "BlockDigests",
     "BlockIds",
     "BlockIdsLike",
+    "BlockLists",
     "BlockOffer",
     "BlockPairs",
     "BlockPairsLike",
@@ -224,6 +227,7 @@ __all__ = [
     "TransferMode",
     "TransferParams",
     "TransferPlan",
+    "TransferRequest",
     "TransportData",
     "TransportError",
     "UnknownRuleError",

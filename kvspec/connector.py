@@ -21,6 +21,8 @@ from kvspec.drivers._connector import (
     as_offload_connector,
     as_parallel_connector,
     pair_keywords,
+    pair_with,
+    takes_keywords,
 )
 
 __all__ = [
@@ -34,4 +36,6 @@ __all__ = [
     "as_offload_connector",
     "as_parallel_connector",
     "pair_keywords",
+    "pair_with",
+    "takes_keywords",
 ]

@@ -24,6 +24,7 @@ import kvspec.spec.parallel as _parallel
 from kvspec import (
     BlockDigests,
     BlockIds,
+    BlockLists,
     ChunkedLocalAttentionSpec,
     DType,
     EngineDescriptor,
@@ -34,6 +35,7 @@ from kvspec import (
     PageDigester,
     TransferMode,
     TransferParams,
+    TransferRequest,
     TransportError,
     UnsupportedHybridError,
 )
@@ -527,28 +529,9 @@ class FrontTrim(ReferenceConnector):
 
     breaks = "ALIGN-1"
 
-    def pair_block_ids(
-        self,
-        config: KVCacheConfig,
-        *,
-        num_tokens: int,
-        prefix_hit_tokens: int,
-        producer_block_ids: BlockIds,
-        consumer_block_ids: BlockIds,
-        recomputed_tokens: int = 0,
-        producer_block_ends: tuple[int, ...] | None = None,
-        consumer_block_ends: tuple[int, ...] | None = None,
-    ) -> BlockPairsLike:
-        check_window_coverage(
-            config,
-            num_tokens=num_tokens,
-            prefix_hit_tokens=prefix_hit_tokens,
-            producer_block_ids=producer_block_ids,
-            consumer_block_ids=consumer_block_ids,
-            recomputed_tokens=recomputed_tokens,
-            producer_block_ends=producer_block_ends,
-            consumer_block_ends=consumer_block_ends,
-        )
+    def pair_block_ids(self, config: KVCacheConfig, request: TransferRequest) -> BlockPairsLike:
+        check_window_coverage(config, request)
+        producer_block_ids, consumer_block_ids = request.producer_block_ids, request.consumer_block_ids
         if len(consumer_block_ids) == 0:
             return BlockPairs(producer_block_ids=[], consumer_block_ids=[])
         pairs_p, pairs_c = [], []
@@ -564,8 +547,8 @@ class ProducerIdsAsConsumerIds(ReferenceConnector):
 
     breaks = "ALIGN-1"
 
-    def pair_block_ids(self, config: KVCacheConfig, **kwargs: Any) -> BlockPairsLike:
-        pairs = super().pair_block_ids(config, **kwargs)
+    def pair_block_ids(self, config: KVCacheConfig, request: TransferRequest) -> BlockPairsLike:
+        pairs = super().pair_block_ids(config, request)
         return BlockPairs(producer_block_ids=pairs.producer_block_ids, consumer_block_ids=pairs.producer_block_ids)
 
 
@@ -591,8 +574,8 @@ class SkipsLastGroup(ReferenceConnector):
     breaks = "ALIGN-1"
     caught_by = ("ALIGN-1/prefix-hit-every-length",)
 
-    def pair_block_ids(self, config: KVCacheConfig, **kwargs: Any) -> BlockPairsLike:
-        pairs = super().pair_block_ids(config, **kwargs)
+    def pair_block_ids(self, config: KVCacheConfig, request: TransferRequest) -> BlockPairsLike:
+        pairs = super().pair_block_ids(config, request)
         if len(pairs.producer_block_ids) < 2:
             return pairs
         producer = [list(g) for g in pairs.producer_block_ids[:-1]] + [[]]
@@ -635,8 +618,8 @@ class StateNotMoved(ReferenceConnector):
         "STATE-4/align-prefix-hits",
     )
 
-    def pair_block_ids(self, config: KVCacheConfig, **kwargs: Any) -> BlockPairsLike:
-        pairs = super().pair_block_ids(config, **kwargs)
+    def pair_block_ids(self, config: KVCacheConfig, request: TransferRequest) -> BlockPairsLike:
+        pairs = super().pair_block_ids(config, request)
         states = set(get_state_group_indices(config))
 
         def keep(lists: BlockIds) -> list[list[int]]:
@@ -676,17 +659,18 @@ class PairsNullSlot(ReferenceConnector):
     breaks = "STATE-3"
     caught_by = ("STATE-3/null-state-slot-refused",)
 
-    def pair_block_ids(
-        self, config: KVCacheConfig, *, producer_block_ids: BlockIds, consumer_block_ids: BlockIds, **kwargs: Any
-    ) -> BlockPairsLike:
+    def pair_block_ids(self, config: KVCacheConfig, request: TransferRequest) -> BlockPairsLike:
         states = set(get_state_group_indices(config))
 
         def hide(lists: BlockIds) -> BlockIds:
             return BlockIds([[_STAND_IN if g in states and b == 0 else b for b in ids] for g, ids in enumerate(lists)])
 
-        pairs = super().pair_block_ids(
-            config, producer_block_ids=hide(producer_block_ids), consumer_block_ids=hide(consumer_block_ids), **kwargs
+        hidden = attrs.evolve(
+            request,
+            producer_block_ids=hide(request.producer_block_ids),
+            consumer_block_ids=hide(request.consumer_block_ids),
         )
+        pairs = super().pair_block_ids(config, hidden)
 
         def show(lists: BlockIds) -> list[list[int]]:
             return [[0 if b == _STAND_IN else b for b in ids] for ids in lists]
@@ -704,8 +688,9 @@ class PairsConsumerHead(ReferenceConnector):
     breaks = "STATE-3"
     caught_by = ("STATE-3/slots-pair-last-with-last",)
 
-    def pair_block_ids(self, config: KVCacheConfig, *, consumer_block_ids: BlockIds, **kwargs: Any) -> BlockPairsLike:
-        pairs = super().pair_block_ids(config, consumer_block_ids=consumer_block_ids, **kwargs)
+    def pair_block_ids(self, config: KVCacheConfig, request: TransferRequest) -> BlockPairsLike:
+        pairs = super().pair_block_ids(config, request)
+        consumer_block_ids = request.consumer_block_ids
         states = set(get_state_group_indices(config))
         consumer = [
             list(consumer_block_ids[g][:1]) if g in states and ids else list(ids)
@@ -720,13 +705,11 @@ class IgnoresStateBoundary(ReferenceConnector):
     breaks = "STATE-4"
     caught_by = ("STATE-4/hit-off-a-state-boundary-refused",)
 
-    def pair_block_ids(
-        self, config: KVCacheConfig, *, producer_block_ids: BlockIds, consumer_block_ids: BlockIds, **kwargs: Any
-    ) -> BlockPairsLike:
-        if len(consumer_block_ids) == 0:
+    def pair_block_ids(self, config: KVCacheConfig, request: TransferRequest) -> BlockPairsLike:
+        if len(request.consumer_block_ids) == 0:
             return BlockPairs(producer_block_ids=[], consumer_block_ids=[])
-        producer, consumer, _, _ = get_state_paired_lists(config, producer_block_ids, consumer_block_ids)
-        return compute_block_pairs(producer_block_ids=producer, consumer_block_ids=consumer)
+        lists = BlockLists(producer_block_ids=request.producer_block_ids, consumer_block_ids=request.consumer_block_ids)
+        return compute_block_pairs(get_state_paired_lists(config, lists))
 
 
 def _same_state_layout(producer: EngineDescriptor, consumer: EngineDescriptor) -> EngineDescriptor:
@@ -778,12 +761,9 @@ class FirstStateGroupOnly(ReferenceConnector):
             ]
         )
 
-    def pair_block_ids(
-        self, config: KVCacheConfig, *, producer_block_ids: BlockIds, consumer_block_ids: BlockIds, **kwargs: Any
-    ) -> BlockPairsLike:
-        pairs = super().pair_block_ids(
-            config, producer_block_ids=producer_block_ids, consumer_block_ids=consumer_block_ids, **kwargs
-        )
+    def pair_block_ids(self, config: KVCacheConfig, request: TransferRequest) -> BlockPairsLike:
+        pairs = super().pair_block_ids(config, request)
+        producer_block_ids, consumer_block_ids = request.producer_block_ids, request.consumer_block_ids
         if len(consumer_block_ids) == 0:
             return pairs
         producer, consumer = [list(g) for g in pairs.producer_block_ids], [list(g) for g in pairs.consumer_block_ids]
@@ -814,8 +794,8 @@ class StateBoundaryOfFirstGroup(ReferenceConnector):
     breaks = "STATE-4"
     caught_by = ("STATE-4/hit-off-a-state-boundary-refused",)
 
-    def pair_block_ids(self, config: KVCacheConfig, **kwargs: Any) -> BlockPairsLike:
-        return super().pair_block_ids(_first_state_spec_everywhere(config), **kwargs)
+    def pair_block_ids(self, config: KVCacheConfig, request: TransferRequest) -> BlockPairsLike:
+        return super().pair_block_ids(_first_state_spec_everywhere(config), request)
 
 
 class IgnoresStateProfile(ReferenceConnector):
@@ -1490,8 +1470,8 @@ class SkipsIndexerGroup(ReferenceConnector):
     breaks = "CACHE-1"
     caught_by = ("CACHE-1/every-kind-moves",)
 
-    def pair_block_ids(self, config: KVCacheConfig, **kwargs: Any) -> BlockPairsLike:
-        pairs = super().pair_block_ids(config, **kwargs)
+    def pair_block_ids(self, config: KVCacheConfig, request: TransferRequest) -> BlockPairsLike:
+        pairs = super().pair_block_ids(config, request)
         skipped = {g for g, group in enumerate(config.kv_cache_groups) if isinstance(group.kv_cache_spec, IndexerSpec)}
 
         def keep(lists: BlockIds) -> list[list[int]]:
@@ -1529,8 +1509,8 @@ class ChunkedAsFullAttention(ReferenceConnector):
     def clip_block_ids(self, config: KVCacheConfig, block_ids: BlockIds) -> BlockIds:
         return super().clip_block_ids(_chunks_as_full(config), block_ids)
 
-    def pair_block_ids(self, config: KVCacheConfig, **kwargs: Any) -> BlockPairsLike:
-        return super().pair_block_ids(_chunks_as_full(config), **kwargs)
+    def pair_block_ids(self, config: KVCacheConfig, request: TransferRequest) -> BlockPairsLike:
+        return super().pair_block_ids(_chunks_as_full(config), request)
 
 
 CACHE_MUTANTS: tuple[type[ReferenceConnector], ...] = (
@@ -1558,53 +1538,34 @@ class VllmLikeConnector(ReferenceConnector):
     is the reference, so only those two habits are judged.
     """
 
-    def pair_block_ids(
-        self,
-        config: KVCacheConfig,
-        *,
-        num_tokens: int,
-        prefix_hit_tokens: int,
-        producer_block_ids: BlockIds,
-        consumer_block_ids: BlockIds,
-        recomputed_tokens: int = 0,
-        producer_block_ends: tuple[int, ...] | None = None,
-        consumer_block_ends: tuple[int, ...] | None = None,
-    ) -> BlockPairsLike:
-        return super().pair_block_ids(
-            config,
-            num_tokens=num_tokens + recomputed_tokens,  # the prompt length N, as vLLM counts it
-            prefix_hit_tokens=prefix_hit_tokens,
-            producer_block_ids=producer_block_ids,
-            consumer_block_ids=consumer_block_ids,
+    def pair_block_ids(self, config: KVCacheConfig, request: TransferRequest) -> BlockPairsLike:
+        vllm_like = TransferRequest(
+            num_tokens=request.listed_tokens,
+            prefix_hit_tokens=request.prefix_hit_tokens,
+            producer_block_ids=request.producer_block_ids,
+            consumer_block_ids=request.consumer_block_ids,
         )
+        return super().pair_block_ids(config, vllm_like)
 
 
 class Kvspec10Connector(ReferenceConnector):
     """kvspec 0.1.0's reference (protocol 1.0): knows neither the recomputed token nor list ends."""
 
-    def pair_block_ids(
-        self,
-        config: KVCacheConfig,
-        *,
-        num_tokens: int,
-        prefix_hit_tokens: int,
-        producer_block_ids: BlockIds,
-        consumer_block_ids: BlockIds,
-        recomputed_tokens: int = 0,
-        producer_block_ends: tuple[int, ...] | None = None,
-        consumer_block_ends: tuple[int, ...] | None = None,
-    ) -> BlockPairsLike:
-        return super().pair_block_ids(
-            config,
-            num_tokens=num_tokens,
-            prefix_hit_tokens=prefix_hit_tokens,
-            producer_block_ids=producer_block_ids,
-            consumer_block_ids=consumer_block_ids,
+    def pair_block_ids(self, config: KVCacheConfig, request: TransferRequest) -> BlockPairsLike:
+        protocol_1_0 = TransferRequest(
+            num_tokens=request.num_tokens,
+            prefix_hit_tokens=request.prefix_hit_tokens,
+            producer_block_ids=request.producer_block_ids,
+            consumer_block_ids=request.consumer_block_ids,
         )
+        return super().pair_block_ids(config, protocol_1_0)
 
 
 class Protocol10Connector(ReferenceConnector):
-    """A connector written against the 1.0 seam: ``pair_block_ids`` takes no protocol 1.1 keywords."""
+    """A connector written against the 1.0 seam: the keyword form of ``pair_block_ids``, no protocol 1.1 keywords.
+
+    The suite still runs it, with a DeprecationWarning (the keyword form is removed in kvspec 0.3.0).
+    """
 
     def pair_block_ids(  # type: ignore[override]
         self,
@@ -1617,11 +1578,40 @@ class Protocol10Connector(ReferenceConnector):
     ) -> BlockPairsLike:
         return super().pair_block_ids(
             config,
+            TransferRequest(
+                num_tokens=num_tokens,
+                prefix_hit_tokens=prefix_hit_tokens,
+                producer_block_ids=producer_block_ids,
+                consumer_block_ids=consumer_block_ids,
+            ),
+        )
+
+
+class KeywordFormConnector(ReferenceConnector):
+    """The reference behind the keyword form of ``pair_block_ids`` (protocol 1.1, before the request value)."""
+
+    def pair_block_ids(  # type: ignore[override]
+        self,
+        config: KVCacheConfig,
+        *,
+        num_tokens: int,
+        prefix_hit_tokens: int,
+        producer_block_ids: BlockIds,
+        consumer_block_ids: BlockIds,
+        recomputed_tokens: int = 0,
+        producer_block_ends: tuple[int, ...] | None = None,
+        consumer_block_ends: tuple[int, ...] | None = None,
+    ) -> BlockPairsLike:
+        request = TransferRequest(
             num_tokens=num_tokens,
             prefix_hit_tokens=prefix_hit_tokens,
             producer_block_ids=producer_block_ids,
             consumer_block_ids=consumer_block_ids,
+            recomputed_tokens=recomputed_tokens,
+            producer_block_ends=producer_block_ends,
+            consumer_block_ends=consumer_block_ends,
         )
+        return super().pair_block_ids(config, request)
 
 
 REFUSAL = "this connector admits no config here (ADM-1, test refusal)"

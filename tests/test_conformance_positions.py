@@ -18,7 +18,14 @@ from kvspec_conformance import (
 )
 from kvspec_conformance._scenario import ScenarioRefused
 from kvspec_conformance.cases.positions import RECOMPUTE
-from mutants import REFUSAL, Kvspec10Connector, Protocol10Connector, RefusingConnector, VllmLikeConnector
+from mutants import (
+    REFUSAL,
+    KeywordFormConnector,
+    Kvspec10Connector,
+    Protocol10Connector,
+    RefusingConnector,
+    VllmLikeConnector,
+)
 
 from kvspec import UnsupportedHybridError
 
@@ -77,17 +84,28 @@ def test_kvspec_1_0_refused_vllm_lists_and_missed_the_shift() -> None:
 def test_a_connector_written_for_protocol_1_0_fails_the_new_cases_without_errors() -> None:
     # Deliberately the 1.0 seam, which the 1.1 Connector protocol no longer matches.
     legacy: Connector = Protocol10Connector()  # type: ignore[assignment]
-    report = _run(legacy)
+    report = _run(legacy)  # refused before any pairing: it cannot be told the new fields
     for case, (outcome, message) in _outcomes(report).items():
         assert outcome is Outcome.FAILED, case
         assert "takes no" in message
         assert "(protocol 1.1)" in message
     # The cases of 1.0 still run with it: the suite passes the new keywords only where a request uses them.
-    assert run_suite(
-        "loopback",
-        rules=["WIN-1/token-sweep-around-boundaries", "WIN-1/needed-block-null-on-producer-fails"],
-        connector=legacy,
-    ).passed
+    with pytest.warns(DeprecationWarning, match="pair_block_ids"):
+        assert run_suite(
+            "loopback",
+            rules=["WIN-1/token-sweep-around-boundaries", "WIN-1/needed-block-null-on-producer-fails"],
+            connector=legacy,
+        ).passed
+
+
+def test_a_connector_of_the_keyword_form_still_passes_with_a_deprecation_warning() -> None:
+    # pair_block_ids(config, *, num_tokens=..., ...) before the request value: it gets every keyword (0.3.0 drops it).
+    legacy: Connector = KeywordFormConnector()  # type: ignore[assignment]
+    with pytest.warns(DeprecationWarning, match=r"KeywordFormConnector\.pair_block_ids.*removed in kvspec 0\.3\.0"):
+        report = _run(legacy)
+    assert {case: outcome for case, (outcome, _) in _outcomes(report).items()} == dict.fromkeys(
+        NEW_CASES, Outcome.PASSED
+    )
 
 
 def test_a_refused_scenario_fails_cases_with_the_refusal_text_and_never_errors() -> None:

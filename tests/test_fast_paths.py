@@ -30,6 +30,7 @@ from kvspec import (
     NULL_BLOCK_ID,
     BlockIds,
     BlockIdsLike,
+    BlockLists,
     BlockPairs,
     ConfigError,
     KVCacheConfig,
@@ -37,6 +38,7 @@ from kvspec import (
     OffloadConfig,
     PlanError,
     TransferMode,
+    TransferRequest,
     get_blocks_per_sw,
     get_needed_block_range,
 )
@@ -141,7 +143,7 @@ def test_each_fast_twin_takes_its_definitions_signature_and_hands_it_what_it_can
     shapes: list[Callable[[Any], object]] = [
         lambda f: f(None, bogus=1),
         lambda f: f(None, num_tokens=1),
-        lambda f: f(None, None),
+        lambda f: f(None),
     ]
     for call in shapes:
         with pytest.raises(TypeError) as fast_error:
@@ -201,8 +203,7 @@ def test_pairs_from_engine_lists_equal_the_pair_by_pair_oracle(
         definition: bool = False,
     ) -> object:
         try:
-            pairs = (plain.compute_transfer_pairs if definition else compute_transfer_pairs)(
-                config,
+            request = TransferRequest(
                 num_tokens=t,
                 prefix_hit_tokens=h,
                 producer_block_ids=p,
@@ -211,6 +212,7 @@ def test_pairs_from_engine_lists_equal_the_pair_by_pair_oracle(
                 producer_block_ends=p_ends,
                 consumer_block_ends=c_ends,
             )
+            pairs = (plain.compute_transfer_pairs if definition else compute_transfer_pairs)(config, request)
         except KVSpecError as exc:
             return type(exc), str(exc)
         return outcome_of_pairs(pairs)
@@ -220,7 +222,9 @@ def test_pairs_from_engine_lists_equal_the_pair_by_pair_oracle(
         assert fast == outcome(p_slow, c_slow, p_ends, c_ends)
         assert fast == outcome([list(g) for g in p_clipped], [list(g) for g in c_clipped], p_ends, c_ends)
         if p_ends is None and c_ends is None and isinstance(fast, list):
-            plain_pairs = plain.compute_block_pairs(producer_block_ids=p_clipped, consumer_block_ids=c_clipped)
+            plain_pairs = plain.compute_block_pairs(
+                BlockLists(producer_block_ids=p_clipped, consumer_block_ids=c_clipped)
+            )
             assert fast == outcome_of_pairs(plain_pairs)
         assert fast == outcome(p_clipped, c_clipped, p_ends, c_ends, definition=True), (p_ends, c_ends)
 
@@ -441,10 +445,12 @@ def test_an_engine_shaped_request_takes_the_fast_path_and_equals_the_page_by_pag
         consumer.append([NULL_BLOCK_ID] * start + [free.pop() for _ in range(total - start)])
     pairs = compute_transfer_pairs(
         config,
-        num_tokens=8192,
-        prefix_hit_tokens=0,
-        producer_block_ids=get_exchange_clipped_blocks(producer, budgets),
-        consumer_block_ids=get_exchange_clipped_blocks(consumer, budgets),
+        TransferRequest(
+            num_tokens=8192,
+            prefix_hit_tokens=0,
+            producer_block_ids=get_exchange_clipped_blocks(producer, budgets),
+            consumer_block_ids=get_exchange_clipped_blocks(consumer, budgets),
+        ),
     )
     calls: list[bool] = []
     fast = plan_module._plan_fast

@@ -17,6 +17,7 @@ from kvspec import (
     IntegrityMismatchError,
     KVSpecError,
     SlidingWindowSpec,
+    TransferRequest,
     WindowCoverageError,
 )
 from kvspec.cli import main
@@ -43,7 +44,8 @@ CONSUMER = [[11, 12, 13, 14], [15, 16, 17]]
 
 def test_a_correct_request_passes_and_gives_its_pairs() -> None:
     pairs = check_request_blocks(
-        CONFIG, num_tokens=16, prefix_hit_tokens=0, producer_block_ids=PRODUCER, consumer_block_ids=CONSUMER
+        CONFIG,
+        TransferRequest(num_tokens=16, prefix_hit_tokens=0, producer_block_ids=PRODUCER, consumer_block_ids=CONSUMER),
     )
     assert [list(g) for g in pairs.consumer_block_ids] == CONSUMER
 
@@ -52,10 +54,12 @@ def test_an_unclipped_window_list_is_caught_by_clip_1() -> None:
     with pytest.raises(BlockAlignmentError, match=r"budget 3.*\(CLIP-1\)") as caught:
         check_request_blocks(
             CONFIG,
-            num_tokens=16,
-            prefix_hit_tokens=0,
-            producer_block_ids=[[1, 2, 3, 4], [5, 6, 7, 8]],
-            consumer_block_ids=CONSUMER,
+            TransferRequest(
+                num_tokens=16,
+                prefix_hit_tokens=0,
+                producer_block_ids=[[1, 2, 3, 4], [5, 6, 7, 8]],
+                consumer_block_ids=CONSUMER,
+            ),
         )
     assert get_rule_id(caught.value) == "CLIP-1"
 
@@ -64,10 +68,12 @@ def test_a_null_needed_block_is_caught_by_win_1() -> None:
     with pytest.raises(WindowCoverageError) as caught:
         check_request_blocks(
             CONFIG,
-            num_tokens=16,
-            prefix_hit_tokens=0,
-            producer_block_ids=PRODUCER,
-            consumer_block_ids=[[11, 12, 0, 14], [15, 16, 17]],
+            TransferRequest(
+                num_tokens=16,
+                prefix_hit_tokens=0,
+                producer_block_ids=PRODUCER,
+                consumer_block_ids=[[11, 12, 0, 14], [15, 16, 17]],
+            ),
         )
     assert get_rule_id(caught.value) == "WIN-1"
 
@@ -128,7 +134,7 @@ def test_selftest_exits_1_when_a_mismatch_is_missed(monkeypatch: pytest.MonkeyPa
 
 def _outcome(check: Callable[..., object], **kw: object) -> object:
     try:
-        return check(CONFIG, **kw)
+        return check(CONFIG, TransferRequest(**kw))  # type: ignore[arg-type]
     except KVSpecError as exc:
         return (type(exc), str(exc))
 

@@ -7,9 +7,9 @@ can fail.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Protocol
+from collections.abc import Callable
 
+import attrs
 import pytest
 from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
@@ -18,6 +18,7 @@ from strategies import Scenario, build_scenario, config_from_specs, configs
 from kvspec import (
     BlockAlignmentError,
     BlockIds,
+    BlockLists,
     BlockPairs,
     ChunkedLocalAttentionSpec,
     ConfigError,
@@ -25,6 +26,7 @@ from kvspec import (
     GroupCountError,
     KVCacheConfig,
     SlidingWindowSpec,
+    TransferRequest,
     WindowCoverageError,
     check_window_coverage,
     compute_block_pairs,
@@ -47,105 +49,40 @@ def sw(w: int, b: int = 16) -> SlidingWindowSpec:
     return SlidingWindowSpec(block_size=b, num_kv_heads=1, head_size=1, dtype="float16", sliding_window=w)
 
 
-class Pairing(Protocol):
-    """The shape of :func:`kvspec.compute_transfer_pairs`."""
-
-    def __call__(
-        self,
-        config: KVCacheConfig,
-        *,
-        num_tokens: int,
-        prefix_hit_tokens: int,
-        producer_block_ids: BlockIds,
-        consumer_block_ids: BlockIds,
-        recomputed_tokens: int = 0,
-        producer_block_ends: Sequence[int] | None = None,
-        consumer_block_ends: Sequence[int] | None = None,
-    ) -> BlockPairs: ...
+Pairing = Callable[[KVCacheConfig, TransferRequest], BlockPairs]
+"""The shape of :func:`kvspec.compute_transfer_pairs`."""
 
 
-def _trims_to_fit(
-    config: KVCacheConfig,
-    *,
-    num_tokens: int,
-    prefix_hit_tokens: int,
-    producer_block_ids: BlockIds,
-    consumer_block_ids: BlockIds,
-    recomputed_tokens: int = 0,
-    producer_block_ends: Sequence[int] | None = None,
-    consumer_block_ends: Sequence[int] | None = None,
-) -> BlockPairs:
+def _trims_to_fit(config: KVCacheConfig, request: TransferRequest) -> BlockPairs:
     """Mutant: 'models' the recomputed token by trimming a list that is too long to the length that fits.
 
     Decision 42 (in docs/explanation/decisions-rules.md) rejects exactly this: it accepts a list really built for
     more tokens.
     """
-    basis = num_tokens + recomputed_tokens
+    basis = request.listed_tokens
     fitted = []
-    for side, floor in ((producer_block_ids, False), (consumer_block_ids, True)):
+    for side, floor in ((request.producer_block_ids, False), (request.consumer_block_ids, True)):
         groups = []
         for group, ids in zip(config.kv_cache_groups, side, strict=False):
             b = group.kv_cache_spec.block_size
             limit = get_logical_block_count(group.kv_cache_spec, num_tokens=basis) - (
-                prefix_hit_tokens // b if floor else 0
+                request.prefix_hit_tokens // b if floor else 0
             )
             groups.append(ids[len(ids) - limit :] if len(ids) > limit else ids)
         fitted.append(BlockIds(groups) if len(side) else side)
     return compute_transfer_pairs(
-        config,
-        num_tokens=num_tokens,
-        prefix_hit_tokens=prefix_hit_tokens,
-        producer_block_ids=fitted[0],
-        consumer_block_ids=fitted[1],
-        recomputed_tokens=recomputed_tokens,
-        producer_block_ends=producer_block_ends,
-        consumer_block_ends=consumer_block_ends,
+        config, attrs.evolve(request, producer_block_ids=fitted[0], consumer_block_ids=fitted[1])
     )
 
 
-def _ignores_ends(
-    config: KVCacheConfig,
-    *,
-    num_tokens: int,
-    prefix_hit_tokens: int,
-    producer_block_ids: BlockIds,
-    consumer_block_ids: BlockIds,
-    recomputed_tokens: int = 0,
-    producer_block_ends: Sequence[int] | None = None,
-    consumer_block_ends: Sequence[int] | None = None,
-) -> BlockPairs:
+def _ignores_ends(config: KVCacheConfig, request: TransferRequest) -> BlockPairs:
     """Mutant: takes the ends and drops them, pairing by length alone (what a 1.0 connector does)."""
-    return compute_transfer_pairs(
-        config,
-        num_tokens=num_tokens,
-        prefix_hit_tokens=prefix_hit_tokens,
-        producer_block_ids=producer_block_ids,
-        consumer_block_ids=consumer_block_ids,
-        recomputed_tokens=recomputed_tokens,
-    )
+    return compute_transfer_pairs(config, attrs.evolve(request, producer_block_ends=None, consumer_block_ends=None))
 
 
-def _kvspec_1_0(
-    config: KVCacheConfig,
-    *,
-    num_tokens: int,
-    prefix_hit_tokens: int,
-    producer_block_ids: BlockIds,
-    consumer_block_ids: BlockIds,
-    recomputed_tokens: int = 0,
-    producer_block_ends: Sequence[int] | None = None,
-    consumer_block_ends: Sequence[int] | None = None,
-) -> BlockPairs:
+def _kvspec_1_0(config: KVCacheConfig, request: TransferRequest) -> BlockPairs:
     """Mutant: kvspec 1.0, which knows no recomputed token: the lists are judged against T alone."""
-    return compute_transfer_pairs(
-        config,
-        num_tokens=num_tokens,
-        prefix_hit_tokens=prefix_hit_tokens,
-        producer_block_ids=producer_block_ids,
-        consumer_block_ids=consumer_block_ids,
-        producer_block_ends=producer_block_ends,
-        consumer_block_ends=consumer_block_ends,
-    )
+    return compute_transfer_pairs(config, attrs.evolve(request, recomputed_tokens=0))
 
 
 REFERENCE: Pairing = compute_transfer_pairs
@@ -189,8 +126,7 @@ def _pair(
 ) -> BlockPairs:
     """Pair with both sides' ends declared (``ends``), P's overridden by ``producer_ends`` when given."""
     p_ends, c_ends = _ends(s)
-    return pairing(
-        s.config,
+    request = TransferRequest(
         num_tokens=s.num_tokens,
         prefix_hit_tokens=s.prefix_hit_tokens,
         producer_block_ids=producer,
@@ -199,6 +135,7 @@ def _pair(
         producer_block_ends=(producer_ends or p_ends) if ends else None,
         consumer_block_ends=c_ends if ends and len(s.consumer_block_ids) else None,
     )
+    return pairing(s.config, request)
 
 
 # --------------------------------------------------------------------------- WIN-1 clause 2: accept correct lists
@@ -359,23 +296,28 @@ def test_align_refuses_different_ends_and_ignores_missing_ones(
     p_end = first + len(producer)
     c_end = p_end + shift
     assume(c_end >= len(consumer))
-    plain = compute_block_pairs(producer_block_ids=[producer], consumer_block_ids=[consumer])
+    plain = compute_block_pairs(BlockLists(producer_block_ids=[producer], consumer_block_ids=[consumer]))
     # A 1.0 peer on either side: 1.0's pairing, whatever the other side says.
     for p_ends, c_ends in (((p_end,), None), (None, (c_end,)), (None, None)):
         got = compute_block_pairs(
-            producer_block_ids=[producer],
-            consumer_block_ids=[consumer],
-            producer_block_ends=p_ends,
-            consumer_block_ends=c_ends,
+            BlockLists(
+                producer_block_ids=[producer],
+                consumer_block_ids=[consumer],
+                producer_block_ends=p_ends,
+                consumer_block_ends=c_ends,
+            )
         )
         assert got == plain
     kwargs = {"producer_block_ends": (p_end,), "consumer_block_ends": (c_end,)}
     if shift:
         message = rf"group 0: the producer's list ends at logical block {p_end - 1}"
         with pytest.raises(BlockAlignmentError, match=message):
-            compute_block_pairs(producer_block_ids=[producer], consumer_block_ids=[consumer], **kwargs)
+            compute_block_pairs(BlockLists(producer_block_ids=[producer], consumer_block_ids=[consumer], **kwargs))
     else:
-        assert compute_block_pairs(producer_block_ids=[producer], consumer_block_ids=[consumer], **kwargs) == plain
+        assert (
+            compute_block_pairs(BlockLists(producer_block_ids=[producer], consumer_block_ids=[consumer], **kwargs))
+            == plain
+        )
 
 
 def test_the_lookahead_example_in_the_spec() -> None:
@@ -388,24 +330,29 @@ def test_the_lookahead_example_in_the_spec() -> None:
     assert advertised == BlockIds([[12, 13, 14]])
     # 1.0: lengths agree, the pairs are each one block off, and nothing notices.
     shifted = compute_transfer_pairs(
-        config, num_tokens=45, prefix_hit_tokens=0, producer_block_ids=advertised, consumer_block_ids=consumer
+        config,
+        TransferRequest(num_tokens=45, prefix_hit_tokens=0, producer_block_ids=advertised, consumer_block_ids=consumer),
     )
     assert list(shifted.iter_pairs()) == [(0, 12, 91), (0, 13, 92), (0, 14, 93)]
     with pytest.raises(BlockAlignmentError, match="ends at logical block 3, the consumer's at 2"):
         compute_block_pairs(
-            producer_block_ids=advertised,
-            consumer_block_ids=consumer,
-            producer_block_ends=get_block_ends(table),
-            consumer_block_ends=(3,),
+            BlockLists(
+                producer_block_ids=advertised,
+                consumer_block_ids=consumer,
+                producer_block_ends=get_block_ends(table),
+                consumer_block_ends=(3,),
+            )
         )
     with pytest.raises(BlockAlignmentError, match="producer's list ends at logical block 3, past the request's"):
         check_window_coverage(
             config,
-            num_tokens=45,
-            prefix_hit_tokens=0,
-            producer_block_ids=advertised,
-            consumer_block_ids=consumer,
-            producer_block_ends=get_block_ends(table),
+            TransferRequest(
+                num_tokens=45,
+                prefix_hit_tokens=0,
+                producer_block_ids=advertised,
+                consumer_block_ids=consumer,
+                producer_block_ends=get_block_ends(table),
+            ),
         )
 
 
@@ -435,9 +382,9 @@ def test_a_producer_pruned_with_the_prompt_length_is_caught_when_c_recomputes(
     }
     if hazard:
         with pytest.raises(WindowCoverageError, match=r"group 1.*producer has the null block"):
-            check_window_coverage(config, **kwargs)  # type: ignore[arg-type]
+            check_window_coverage(config, TransferRequest(**kwargs))  # type: ignore[arg-type]
     else:
-        check_window_coverage(config, **kwargs)  # type: ignore[arg-type]
+        check_window_coverage(config, TransferRequest(**kwargs))  # type: ignore[arg-type]
 
 
 # --------------------------------------------------------------------------- get_block_ends and argument errors
@@ -463,13 +410,13 @@ def test_bad_ends_and_recomputed_tokens_are_named() -> None:
     config = config_from_specs([fa(4)])
     base = {"num_tokens": 8, "prefix_hit_tokens": 0, "producer_block_ids": [[1, 2]], "consumer_block_ids": [[3, 4]]}
     with pytest.raises(ConfigError, match="recomputed_tokens"):
-        check_window_coverage(config, recomputed_tokens=-1, **base)  # type: ignore[arg-type]
+        check_window_coverage(config, TransferRequest(recomputed_tokens=-1, **base))  # type: ignore[arg-type]
     with pytest.raises(GroupCountError, match="producer block ids have 1 groups, its block ends 2"):
-        check_window_coverage(config, producer_block_ends=(2, 2), **base)  # type: ignore[arg-type]
+        check_window_coverage(config, TransferRequest(producer_block_ends=(2, 2), **base))  # type: ignore[arg-type]
     with pytest.raises(BlockAlignmentError, match="holds 2 blocks but says it ends at logical block 0"):
-        check_window_coverage(config, consumer_block_ends=(1,), **base)  # type: ignore[arg-type]
+        check_window_coverage(config, TransferRequest(consumer_block_ends=(1,), **base))  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match=r"producer_block_ends\[0\]"):
-        compute_block_pairs(producer_block_ids=[[1]], consumer_block_ids=[[2]], producer_block_ends=(-1,))
+        compute_block_pairs(BlockLists(producer_block_ids=[[1]], consumer_block_ids=[[2]], producer_block_ends=(-1,)))
     with pytest.raises(GroupCountError, match="first_blocks 2"):
         get_block_ends([[1]], first_blocks=[0, 0])
     with pytest.raises(ConfigError, match="recomputed_tokens"):
@@ -482,11 +429,13 @@ def test_a_consumer_list_ending_early_leaves_needed_blocks_uncovered() -> None:
     with pytest.raises(WindowCoverageError, match=r"logical block 1 .* consumer has no block"):
         check_window_coverage(
             config,
-            num_tokens=8,
-            prefix_hit_tokens=0,
-            producer_block_ids=[[1, 2]],
-            consumer_block_ids=[[3]],
-            consumer_block_ends=(1,),
+            TransferRequest(
+                num_tokens=8,
+                prefix_hit_tokens=0,
+                producer_block_ids=[[1, 2]],
+                consumer_block_ids=[[3]],
+                consumer_block_ends=(1,),
+            ),
         )
 
 
@@ -511,10 +460,10 @@ def test_one_declared_end_off_the_last_block_is_refused_not_tail_paired() -> Non
         "producer_block_ids": [[0, 2, 3]],
         "consumer_block_ids": [[4, 5]],
     }
-    check_window_coverage(config, consumer_block_ends=(2,), **kwargs)  # type: ignore[arg-type]
+    check_window_coverage(config, TransferRequest(consumer_block_ends=(2,), **kwargs))  # type: ignore[arg-type]
     with pytest.raises(BlockAlignmentError, match=r"producer's list ends at logical block 2, the consumer's at 1"):
-        compute_transfer_pairs(config, consumer_block_ends=(2,), **kwargs)  # type: ignore[arg-type]
+        compute_transfer_pairs(config, TransferRequest(consumer_block_ends=(2,), **kwargs))  # type: ignore[arg-type]
     # Declared at the last block, the same lists pair by tail as before.
-    pairs = compute_transfer_pairs(config, consumer_block_ends=(3,), **kwargs)  # type: ignore[arg-type]
+    pairs = compute_transfer_pairs(config, TransferRequest(consumer_block_ends=(3,), **kwargs))  # type: ignore[arg-type]
     assert pairs.producer_block_ids == BlockIds([[2, 3]])
     assert pairs.consumer_block_ids == BlockIds([[4, 5]])

@@ -25,6 +25,7 @@ from kvspec import (
     NULL_BLOCK_ID,
     BlockAlignmentError,
     BlockIds,
+    BlockLists,
     BlockPairs,
     ChunkedLocalAttentionSpec,
     ConfigError,
@@ -40,6 +41,7 @@ from kvspec import (
     SlidingWindowSpec,
     TokenBasis,
     TransferMode,
+    TransferRequest,
     UnsupportedHybridError,
     WindowCoverageError,
     check_hybrid_support,
@@ -301,7 +303,7 @@ def producer_and_consumer(draw: st.DrawFn) -> tuple[BlockIds, BlockIds]:
 @example(case=(BlockIds([[5, 6]]), BlockIds([[]])))
 def test_align_pairs_tails_and_drops_nulls(case: tuple[BlockIds, BlockIds]) -> None:
     producer, consumer = case
-    pairs = compute_block_pairs(producer_block_ids=producer, consumer_block_ids=consumer)
+    pairs = compute_block_pairs(BlockLists(producer_block_ids=producer, consumer_block_ids=consumer))
     assert pairs.num_groups == len(consumer)
     for g, (p, c) in enumerate(zip(producer, consumer, strict=True)):
         expected = [
@@ -317,20 +319,20 @@ def test_align_pairs_tails_and_drops_nulls(case: tuple[BlockIds, BlockIds]) -> N
     assert len(list(pairs.iter_pairs())) == pairs.num_pairs
     # Aligning the pairs again changes nothing.
     again = compute_block_pairs(
-        producer_block_ids=pairs.producer_block_ids, consumer_block_ids=pairs.consumer_block_ids
+        BlockLists(producer_block_ids=pairs.producer_block_ids, consumer_block_ids=pairs.consumer_block_ids)
     )
     assert again == pairs
 
 
 def test_tail_alignment_after_a_partial_prefix_hit() -> None:
     # C hit its first 3 blocks locally, so its list is the uncached suffix: the last 2 of P's 5.
-    pairs = compute_block_pairs(producer_block_ids=[[11, 12, 13, 14, 15]], consumer_block_ids=[[91, 92]])
+    pairs = compute_block_pairs(BlockLists(producer_block_ids=[[11, 12, 13, 14, 15]], consumer_block_ids=[[91, 92]]))
     assert list(pairs.iter_pairs()) == [(0, 14, 91), (0, 15, 92)]
 
 
 def test_align_handles_groups_independently() -> None:
     pairs = compute_block_pairs(
-        producer_block_ids=[[1, 2, 3, 4, 5], [0, 0, 8, 9]], consumer_block_ids=[[21, 22, 23], [31, 32, 33]]
+        BlockLists(producer_block_ids=[[1, 2, 3, 4, 5], [0, 0, 8, 9]], consumer_block_ids=[[21, 22, 23], [31, 32, 33]])
     )
     assert pairs.producer_block_ids == BlockIds([[3, 4, 5], [8, 9]])
     assert pairs.consumer_block_ids == BlockIds([[21, 22, 23], [32, 33]])
@@ -340,21 +342,21 @@ def test_align_handles_groups_independently() -> None:
 def test_consumer_longer_than_producer_is_rejected(producer: BlockIds, extra: int) -> None:
     consumer = [list(producer[0]), [1] * (len(producer[1]) + extra)]
     with pytest.raises(BlockAlignmentError, match="group 1"):
-        compute_block_pairs(producer_block_ids=producer, consumer_block_ids=consumer)
+        compute_block_pairs(BlockLists(producer_block_ids=producer, consumer_block_ids=consumer))
 
 
 def test_empty_consumer_list_yields_no_pairs() -> None:
-    pairs = compute_block_pairs(producer_block_ids=[[1, 2], [3]], consumer_block_ids=[])
+    pairs = compute_block_pairs(BlockLists(producer_block_ids=[[1, 2], [3]], consumer_block_ids=[]))
     assert pairs.num_groups == 0
     assert pairs.num_pairs == 0
     assert list(pairs.iter_pairs()) == []
     # Empty per-group lists keep the groups but pair nothing.
-    assert compute_block_pairs(producer_block_ids=[[1, 2], [3]], consumer_block_ids=[[], []]).num_pairs == 0
+    assert compute_block_pairs(BlockLists(producer_block_ids=[[1, 2], [3]], consumer_block_ids=[[], []])).num_pairs == 0
 
 
 def test_align_group_count_mismatch() -> None:
     with pytest.raises(GroupCountError, match=r"producer has 1 groups, consumer 2 \(ALIGN-1\)"):
-        compute_block_pairs(producer_block_ids=[[1, 2]], consumer_block_ids=[[1], [2]])
+        compute_block_pairs(BlockLists(producer_block_ids=[[1, 2]], consumer_block_ids=[[1], [2]]))
 
 
 def test_block_pairs_validates_itself() -> None:
@@ -419,10 +421,12 @@ def test_vllm_built_lists_cover_the_window_and_pair_every_needed_block(scenario:
     assert _oracle_covered(s.config, s.num_tokens, s.prefix_hit_tokens, s.producer_block_ids, s.consumer_block_ids)
     pairs = compute_transfer_pairs(
         s.config,
-        num_tokens=s.num_tokens,
-        prefix_hit_tokens=s.prefix_hit_tokens,
-        producer_block_ids=s.producer_block_ids,
-        consumer_block_ids=s.consumer_block_ids,
+        TransferRequest(
+            num_tokens=s.num_tokens,
+            prefix_hit_tokens=s.prefix_hit_tokens,
+            producer_block_ids=s.producer_block_ids,
+            consumer_block_ids=s.consumer_block_ids,
+        ),
     )
     for g, group in enumerate(s.config.kv_cache_groups):
         needed = get_needed_block_range(
@@ -455,10 +459,14 @@ def test_coverage_agrees_with_a_position_by_position_oracle(scenario: Scenario, 
     expected = _oracle_covered(s.config, s.num_tokens, s.prefix_hit_tokens, producer, consumer)
     kwargs: dict[str, Any] = {"num_tokens": s.num_tokens, "prefix_hit_tokens": s.prefix_hit_tokens}
     if expected:
-        check_window_coverage(s.config, producer_block_ids=producer, consumer_block_ids=consumer, **kwargs)
+        check_window_coverage(
+            s.config, TransferRequest(producer_block_ids=producer, consumer_block_ids=consumer, **kwargs)
+        )
     else:
         with pytest.raises(WindowCoverageError, match=f"group {g}"):
-            check_window_coverage(s.config, producer_block_ids=producer, consumer_block_ids=consumer, **kwargs)
+            check_window_coverage(
+                s.config, TransferRequest(producer_block_ids=producer, consumer_block_ids=consumer, **kwargs)
+            )
 
 
 @given(
@@ -488,9 +496,9 @@ def test_producer_pruned_with_one_token_too_many_is_caught(
     }
     if hazard:
         with pytest.raises(WindowCoverageError, match=r"group 1.*producer has the null block"):
-            check_window_coverage(config, **kwargs)
+            check_window_coverage(config, TransferRequest(**kwargs))
     else:
-        check_window_coverage(config, **kwargs)
+        check_window_coverage(config, TransferRequest(**kwargs))
 
 
 def _win_case(t: int, w: int = 32, b: int = 16) -> tuple[KVCacheConfig, range]:
@@ -507,7 +515,7 @@ def test_window_boundaries_with_nulls_on_either_side(t: int) -> None:
     scenario = build_scenario(config, t, 0)
     p, c = scenario.producer_block_ids, scenario.consumer_block_ids
     kwargs: dict[str, Any] = {"num_tokens": t, "prefix_hit_tokens": 0}
-    check_window_coverage(config, producer_block_ids=p, consumer_block_ids=c, **kwargs)
+    check_window_coverage(config, TransferRequest(producer_block_ids=p, consumer_block_ids=c, **kwargs))
     total = -(-t // 16)
 
     def null_logical(ids: BlockIds, k: int) -> BlockIds:
@@ -519,7 +527,7 @@ def test_window_boundaries_with_nulls_on_either_side(t: int) -> None:
         bad_p = null_logical(p, needed.start) if side == "producer" else p
         bad_c = null_logical(c, needed.start) if side == "consumer" else c
         with pytest.raises(WindowCoverageError, match=f"{side} has the null block"):
-            check_window_coverage(config, producer_block_ids=bad_p, consumer_block_ids=bad_c, **kwargs)
+            check_window_coverage(config, TransferRequest(producer_block_ids=bad_p, consumer_block_ids=bad_c, **kwargs))
     # ... and a null just before it is harmless on either side.
     if needed.start > 0:
         for side in ("producer", "consumer"):
@@ -528,7 +536,7 @@ def test_window_boundaries_with_nulls_on_either_side(t: int) -> None:
                 continue  # C holds no block there at all
             bad_p = null_logical(p, k) if side == "producer" else p
             bad_c = null_logical(c, k) if side == "consumer" else c
-            check_window_coverage(config, producer_block_ids=bad_p, consumer_block_ids=bad_c, **kwargs)
+            check_window_coverage(config, TransferRequest(producer_block_ids=bad_p, consumer_block_ids=bad_c, **kwargs))
 
 
 def test_window_boundary_positions_are_exact() -> None:
@@ -543,9 +551,12 @@ def test_window_boundary_positions_are_exact() -> None:
 
 def test_win_with_zero_tokens_needs_nothing() -> None:
     config = config_from_specs([fa(), sw(32)])
-    check_window_coverage(config, num_tokens=0, prefix_hit_tokens=0, producer_block_ids=[[], []], consumer_block_ids=[])
     check_window_coverage(
-        config, num_tokens=0, prefix_hit_tokens=0, producer_block_ids=[[], []], consumer_block_ids=[[], []]
+        config, TransferRequest(num_tokens=0, prefix_hit_tokens=0, producer_block_ids=[[], []], consumer_block_ids=[])
+    )
+    check_window_coverage(
+        config,
+        TransferRequest(num_tokens=0, prefix_hit_tokens=0, producer_block_ids=[[], []], consumer_block_ids=[[], []]),
     )
     assert get_consumer_block_counts(config, num_tokens=0, prefix_hit_tokens=0) == (0, 0)
 
@@ -553,15 +564,17 @@ def test_win_with_zero_tokens_needs_nothing() -> None:
 def test_full_prefix_hit_needs_nothing_and_zero_groups_pass() -> None:
     config = config_from_specs([fa(), sw(32)])
     check_window_coverage(
-        config, num_tokens=64, prefix_hit_tokens=64, producer_block_ids=[[1, 2, 3, 4], [3, 4]], consumer_block_ids=[]
+        config,
+        TransferRequest(
+            num_tokens=64, prefix_hit_tokens=64, producer_block_ids=[[1, 2, 3, 4], [3, 4]], consumer_block_ids=[]
+        ),
     )
     assert (
         compute_transfer_pairs(
             config,
-            num_tokens=64,
-            prefix_hit_tokens=64,
-            producer_block_ids=[[1, 2, 3, 4], [3, 4]],
-            consumer_block_ids=[],
+            TransferRequest(
+                num_tokens=64, prefix_hit_tokens=64, producer_block_ids=[[1, 2, 3, 4], [3, 4]], consumer_block_ids=[]
+            ),
         ).num_groups
         == 0
     )
@@ -572,10 +585,9 @@ def test_zero_consumer_groups_while_blocks_are_needed_fails() -> None:
     with pytest.raises(WindowCoverageError, match="zero groups"):
         check_window_coverage(
             config,
-            num_tokens=64,
-            prefix_hit_tokens=32,
-            producer_block_ids=[[1, 2, 3, 4], [3, 4]],
-            consumer_block_ids=[],
+            TransferRequest(
+                num_tokens=64, prefix_hit_tokens=32, producer_block_ids=[[1, 2, 3, 4], [3, 4]], consumer_block_ids=[]
+            ),
         )
 
 
@@ -584,10 +596,12 @@ def test_prefix_hit_must_be_whole_blocks_of_every_group() -> None:
     with pytest.raises(BlockAlignmentError, match="group 1"):
         check_window_coverage(
             config,
-            num_tokens=100,
-            prefix_hit_tokens=16,
-            producer_block_ids=[[1] * 7, [2] * 4],
-            consumer_block_ids=[[3] * 6, [4] * 3],
+            TransferRequest(
+                num_tokens=100,
+                prefix_hit_tokens=16,
+                producer_block_ids=[[1] * 7, [2] * 4],
+                consumer_block_ids=[[3] * 6, [4] * 3],
+            ),
         )
     with pytest.raises(BlockAlignmentError, match="multiple"):
         get_consumer_block_counts(config, num_tokens=100, prefix_hit_tokens=5)
@@ -597,11 +611,13 @@ def test_bad_token_counts_are_config_errors() -> None:
     config = config_from_specs([fa()])
     with pytest.raises(ConfigError, match="prefix_hit_tokens"):
         check_window_coverage(
-            config, num_tokens=16, prefix_hit_tokens=32, producer_block_ids=[[1]], consumer_block_ids=[[2]]
+            config,
+            TransferRequest(num_tokens=16, prefix_hit_tokens=32, producer_block_ids=[[1]], consumer_block_ids=[[2]]),
         )
     with pytest.raises(ConfigError, match="num_tokens"):
         check_window_coverage(
-            config, num_tokens=-1, prefix_hit_tokens=0, producer_block_ids=[[1]], consumer_block_ids=[[2]]
+            config,
+            TransferRequest(num_tokens=-1, prefix_hit_tokens=0, producer_block_ids=[[1]], consumer_block_ids=[[2]]),
         )
 
 
@@ -610,11 +626,17 @@ def test_lists_longer_than_the_request_are_rejected() -> None:
     config = config_from_specs([fa()])
     with pytest.raises(BlockAlignmentError, match="producer lists 3 blocks"):
         check_window_coverage(
-            config, num_tokens=32, prefix_hit_tokens=0, producer_block_ids=[[1, 2, 3]], consumer_block_ids=[[4, 5]]
+            config,
+            TransferRequest(
+                num_tokens=32, prefix_hit_tokens=0, producer_block_ids=[[1, 2, 3]], consumer_block_ids=[[4, 5]]
+            ),
         )
     with pytest.raises(BlockAlignmentError, match="consumer lists 2 blocks"):
         check_window_coverage(
-            config, num_tokens=32, prefix_hit_tokens=16, producer_block_ids=[[1, 2]], consumer_block_ids=[[4, 5]]
+            config,
+            TransferRequest(
+                num_tokens=32, prefix_hit_tokens=16, producer_block_ids=[[1, 2]], consumer_block_ids=[[4, 5]]
+            ),
         )
 
 
@@ -622,7 +644,10 @@ def test_missing_full_attention_block_is_reported() -> None:
     config = config_from_specs([fa()])
     with pytest.raises(WindowCoverageError, match="consumer has no block"):
         check_window_coverage(
-            config, num_tokens=48, prefix_hit_tokens=0, producer_block_ids=[[1, 2, 3]], consumer_block_ids=[[4, 5]]
+            config,
+            TransferRequest(
+                num_tokens=48, prefix_hit_tokens=0, producer_block_ids=[[1, 2, 3]], consumer_block_ids=[[4, 5]]
+            ),
         )
 
 
@@ -630,7 +655,10 @@ def test_coverage_group_count_mismatch() -> None:
     config = config_from_specs([fa(), sw(32)])
     with pytest.raises(GroupCountError, match=r"producer block ids have 1 groups, the config 2 \(WIN-1\)"):
         check_window_coverage(
-            config, num_tokens=16, prefix_hit_tokens=0, producer_block_ids=[[1]], consumer_block_ids=[[2], [3]]
+            config,
+            TransferRequest(
+                num_tokens=16, prefix_hit_tokens=0, producer_block_ids=[[1]], consumer_block_ids=[[2], [3]]
+            ),
         )
 
 
@@ -699,10 +727,12 @@ def test_gemma3_27b_128k_request() -> None:
     assert [len(g) for g in scenario.producer_block_ids] == [65] * 6 + [8192]
     pairs = compute_transfer_pairs(
         config,
-        num_tokens=t,
-        prefix_hit_tokens=0,
-        producer_block_ids=scenario.producer_block_ids,
-        consumer_block_ids=scenario.consumer_block_ids,
+        TransferRequest(
+            num_tokens=t,
+            prefix_hit_tokens=0,
+            producer_block_ids=scenario.producer_block_ids,
+            consumer_block_ids=scenario.consumer_block_ids,
+        ),
     )
     assert pairs.num_pairs == 6 * 64 + 8192
 
@@ -731,7 +761,8 @@ def test_worked_example_in_the_spec() -> None:
     assert get_consumer_block_counts(config, num_tokens=100, prefix_hit_tokens=32) == (4, 5)
     consumer = [[41, 42, 43, 44], [51, 52, 53, 54, 55]]
     pairs = compute_transfer_pairs(
-        config, num_tokens=100, prefix_hit_tokens=32, producer_block_ids=producer, consumer_block_ids=consumer
+        config,
+        TransferRequest(num_tokens=100, prefix_hit_tokens=32, producer_block_ids=producer, consumer_block_ids=consumer),
     )
     assert pairs.producer_block_ids == BlockIds([[14, 15, 16, 17], [23, 24, 25, 26, 27]])
     assert pairs.consumer_block_ids == BlockIds(consumer)
@@ -740,10 +771,14 @@ def test_worked_example_in_the_spec() -> None:
     c6 = [[1, 2, 3, 4], [5, 6, 7, 8, 9, 10]]
     good = get_exchange_clipped_blocks(get_pruned_block_ids(config, held6, num_computed_tokens=94), (4, 0))
     assert good[0] == (13, 14, 15, 16)
-    check_window_coverage(config, num_tokens=94, prefix_hit_tokens=0, producer_block_ids=good, consumer_block_ids=c6)
+    check_window_coverage(
+        config, TransferRequest(num_tokens=94, prefix_hit_tokens=0, producer_block_ids=good, consumer_block_ids=c6)
+    )
     bad = get_exchange_clipped_blocks(get_pruned_block_ids(config, held6, num_computed_tokens=95), (4, 0))
     assert bad[0] == (0, 14, 15, 16)
     with pytest.raises(
         WindowCoverageError, match=r"logical block 2 \(tokens \[32, 47\]\).*producer has the null block"
     ):
-        check_window_coverage(config, num_tokens=94, prefix_hit_tokens=0, producer_block_ids=bad, consumer_block_ids=c6)
+        check_window_coverage(
+            config, TransferRequest(num_tokens=94, prefix_hit_tokens=0, producer_block_ids=bad, consumer_block_ids=c6)
+        )

@@ -24,6 +24,7 @@ from kvspec import (
     StatePositionError,
     StateSlotError,
     TransferMode,
+    TransferRequest,
     UnsupportedHybridError,
     get_needed_block_range,
 )
@@ -158,7 +159,8 @@ def test_connector_seam_pairs_by_position(sglang: Any) -> None:
     producer = BlockIds([[11, 12, 13, 14, 15, 16], [0, 0, 0, 24, 25, 26]])
     consumer = BlockIds([[32, 33, 34, 35, 36], [0, 0, 44, 45, 46]])  # a one-block prefix hit on the full group
     pairs = connector.pair_block_ids(
-        config, num_tokens=23, prefix_hit_tokens=4, producer_block_ids=producer, consumer_block_ids=consumer
+        config,
+        TransferRequest(num_tokens=23, prefix_hit_tokens=4, producer_block_ids=producer, consumer_block_ids=consumer),
     )
     assert [list(g) for g in pairs.producer_block_ids] == [[12, 13, 14, 15, 16], [24, 25, 26]]
     assert [list(g) for g in pairs.consumer_block_ids] == [[32, 33, 34, 35, 36], [44, 45, 46]]

@@ -24,6 +24,7 @@ from kvspec import (
     StateProfile,
     StateSlotError,
     TransferMode,
+    TransferRequest,
     UnsupportedHybridError,
     check_compatibility,
     decode_error,
@@ -157,8 +158,8 @@ def test_pairs_of_a_state_hybrid_equal_between_the_definition_and_the_fast_path(
         "consumer_block_ids": consumer,
         "recomputed_tokens": recomputed,
     }
-    plain = compute_transfer_pairs(FA_GDN_ALIGN, **args)  # type: ignore[arg-type]
-    assert fast.compute_transfer_pairs(FA_GDN_ALIGN, **args) == plain  # type: ignore[arg-type]
+    plain = compute_transfer_pairs(FA_GDN_ALIGN, TransferRequest(**args))  # type: ignore[arg-type]
+    assert fast.compute_transfer_pairs(FA_GDN_ALIGN, TransferRequest(**args)) == plain  # type: ignore[arg-type]
     assert plain.producer_block_ids[1] == (50,)
     assert plain.consumer_block_ids[1] == (90,)
 

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import time
-from typing import Any
 
 import attrs
 import pytest
 from kvspec_conformance import Case, CaseContext, ReferenceConnector, default_time_scale, run_suite
 from kvspec_conformance.configs import full, make_config, sw
 
-from kvspec import KVCacheConfig
+from kvspec import KVCacheConfig, TransferRequest
 from kvspec.protocol._plan import BlockPairsLike
 from kvspec.rules import Level
 from kvspec.transport import Capabilities, TransferHandle, TransferStatus
@@ -167,11 +166,11 @@ class _SlowFirstPairing(ReferenceConnector):
     def warm_up(self) -> None:
         self.warmed = True
 
-    def pair_block_ids(self, config: KVCacheConfig, **keywords: Any) -> BlockPairsLike:
+    def pair_block_ids(self, config: KVCacheConfig, request: TransferRequest) -> BlockPairsLike:
         if self.cold:
             self.cold = False
             time.sleep(0.6)
-        return super().pair_block_ids(config, **keywords)
+        return super().pair_block_ids(config, request)
 
 
 def test_an_engine_adapter_is_warmed_before_the_first_case_and_a_slow_call_costs_no_deadline() -> None:

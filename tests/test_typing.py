@@ -12,6 +12,7 @@ from typing_extensions import assert_type
 import kvspec
 from kvspec import (
     BlockIds,
+    BlockLists,
     BlockPairs,
     Completion,
     FailureReason,
@@ -49,7 +50,7 @@ def test_reference_functions() -> None:
     assert_type(kvspec.get_needed_token_range(spec, num_tokens=100, prefix_hit_tokens=0), range)
     assert_type(kvspec.get_token_basis_group(config), TokenBasis | None)
     counts = assert_type(kvspec.get_consumer_block_counts(config, num_tokens=100, prefix_hit_tokens=0), tuple[int, ...])
-    pairs = kvspec.compute_block_pairs(producer_block_ids=clipped, consumer_block_ids=clipped)
+    pairs = kvspec.compute_block_pairs(BlockLists(producer_block_ids=clipped, consumer_block_ids=clipped))
     assert_type(pairs, BlockPairs)
     assert_type(pairs.iter_pairs().__next__(), tuple[int, int, int])
     assert len(counts) == config.num_groups
@@ -58,7 +59,7 @@ def test_reference_functions() -> None:
 def test_planner_and_descriptors() -> None:
     config = _config()
     ids = BlockIds([[1, 2]] * config.num_groups)
-    pairs = kvspec.compute_block_pairs(producer_block_ids=ids, consumer_block_ids=ids)
+    pairs = kvspec.compute_block_pairs(BlockLists(producer_block_ids=ids, consumer_block_ids=ids))
     plan = assert_type(kvspec.plan_transfer(producer_config=config, consumer_config=config, pairs=pairs), TransferPlan)
     table = assert_type(plan.to_descriptors(TransferMode.READ), DescriptorList)
     assert_type(table[0], Descriptor)

@@ -27,6 +27,7 @@ from kvspec import (
     KVCacheConfig,
     KVSpecError,
     TransferMode,
+    TransferRequest,
     UnsupportedHybridError,
     get_blocks_per_sw,
     get_exchange_clipped_blocks,
@@ -163,10 +164,12 @@ def test_pairing_calls_vllm_and_keeps_its_message(vllm: Any) -> None:
         connector.check_admission(config, TransferMode.READ)
         pairs = connector.pair_block_ids(
             config,
-            num_tokens=80,
-            prefix_hit_tokens=32,
-            producer_block_ids=BlockIds([[1, 2, 3, 4, 5], [3, 4, 5]]),
-            consumer_block_ids=BlockIds([[13, 14, 15], [13, 14, 15]]),
+            TransferRequest(
+                num_tokens=80,
+                prefix_hit_tokens=32,
+                producer_block_ids=BlockIds([[1, 2, 3, 4, 5], [3, 4, 5]]),
+                consumer_block_ids=BlockIds([[13, 14, 15], [13, 14, 15]]),
+            ),
         )
         assert pairs.producer_block_ids == BlockIds([[3, 4, 5], [3, 4, 5]])
     one = _config(full(16))
@@ -174,7 +177,10 @@ def test_pairing_calls_vllm_and_keeps_its_message(vllm: Any) -> None:
 
     def pair(connector: Any) -> Any:
         return connector.pair_block_ids(
-            one, num_tokens=64, prefix_hit_tokens=0, producer_block_ids=producer, consumer_block_ids=consumer
+            one,
+            TransferRequest(
+                num_tokens=64, prefix_hit_tokens=0, producer_block_ids=producer, consumer_block_ids=consumer
+            ),
         )
 
     with pytest.raises(BlockAlignmentError, match=r"_apply_prefix_caching \(ALIGN-1\): AssertionError"):
@@ -188,10 +194,12 @@ def test_pairing_calls_vllm_and_keeps_its_message(vllm: Any) -> None:
     with pytest.raises(BlockAlignmentError, match="null block id 0"):
         nixl.pair_block_ids(
             config,
-            num_tokens=80,
-            prefix_hit_tokens=0,
-            producer_block_ids=BlockIds([[1, 2, 3, 4, 5], [0, 4, 5]]),
-            consumer_block_ids=BlockIds([[6, 7, 8, 9, 10], [8, 9, 10]]),
+            TransferRequest(
+                num_tokens=80,
+                prefix_hit_tokens=0,
+                producer_block_ids=BlockIds([[1, 2, 3, 4, 5], [0, 4, 5]]),
+                consumer_block_ids=BlockIds([[6, 7, 8, 9, 10], [8, 9, 10]]),
+            ),
         )
 
 

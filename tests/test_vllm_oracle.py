@@ -12,6 +12,7 @@ from kvspec import (
     KVCacheGroupSpec,
     KVCacheTensor,
     SlidingWindowSpec,
+    TransferRequest,
     compute_transfer_pairs,
 )
 from kvspec.integrations.vllm_audit import DEVIATIONS, _Drive, check_drive, check_kvspec, generate_cases
@@ -106,16 +107,18 @@ def test_kvspec_judges_the_lists_as_the_oracle_does() -> None:
     assert {f.deviation for f in findings} >= {"shifted-pair"}
     assert check_kvspec(_config(), shifted, findings) == []  # kvspec refuses too: no disagreement
     lists = {"producer_block_ids": shifted.producer_list, "consumer_block_ids": shifted.consumer_list}
-    compute_transfer_pairs(_config(), num_tokens=79, prefix_hit_tokens=0, recomputed_tokens=1, **lists)  # type: ignore[arg-type]
+    compute_transfer_pairs(_config(), TransferRequest(num_tokens=79, prefix_hit_tokens=0, recomputed_tokens=1, **lists))  # type: ignore[arg-type]
     with pytest.raises(BlockAlignmentError, match="ends at logical block"):
         compute_transfer_pairs(
             _config(),
-            num_tokens=79,
-            prefix_hit_tokens=0,
-            recomputed_tokens=1,
-            producer_block_ends=(5, 5),
-            consumer_block_ends=(5, 6),
-            **lists,
+            TransferRequest(
+                num_tokens=79,
+                prefix_hit_tokens=0,
+                recomputed_tokens=1,
+                producer_block_ends=(5, 5),
+                consumer_block_ends=(5, 6),
+                **lists,
+            ),
         )
 
 
@@ -137,7 +140,7 @@ def test_lists_built_for_the_prompt_length_agree() -> None:
     assert check_kvspec(_config(), drive, []) == []
     lists = {"producer_block_ids": drive.producer_list, "consumer_block_ids": drive.consumer_list}
     with pytest.raises(BlockAlignmentError, match="lists 6 blocks"):
-        compute_transfer_pairs(_config(), num_tokens=80, prefix_hit_tokens=0, **lists)  # type: ignore[arg-type]
+        compute_transfer_pairs(_config(), TransferRequest(num_tokens=80, prefix_hit_tokens=0, **lists))  # type: ignore[arg-type]
 
 
 def test_cases_are_reproducible_and_in_range() -> None:

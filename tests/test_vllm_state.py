@@ -16,7 +16,7 @@ import attrs
 import pytest
 from kvspec_conformance.configs import full, gdn, make_config, mamba
 
-from kvspec import BlockAlignmentError, BlockIds, TransferMode
+from kvspec import BlockAlignmentError, BlockIds, TransferMode, TransferRequest
 
 pytestmark = pytest.mark.vllm
 
@@ -41,10 +41,12 @@ def _pair(name: str, producer: list[list[int]], consumer: list[list[int]]) -> tu
     connector.check_admission(CONFIG, TransferMode.READ)
     pairs = connector.pair_block_ids(
         CONFIG,
-        num_tokens=11,
-        prefix_hit_tokens=0,
-        producer_block_ids=BlockIds(producer),
-        consumer_block_ids=BlockIds(consumer),
+        TransferRequest(
+            num_tokens=11,
+            prefix_hit_tokens=0,
+            producer_block_ids=BlockIds(producer),
+            consumer_block_ids=BlockIds(consumer),
+        ),
     )
     return [list(g) for g in pairs.producer_block_ids], [list(g) for g in pairs.consumer_block_ids]
 

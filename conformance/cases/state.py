@@ -26,8 +26,10 @@ from kvspec import (
     StateProfile,
     TransferMode,
     TransferParams,
+    TransferRequest,
     UnsupportedVersionError,
 )
+from kvspec.connector import pair_with
 from kvspec.exchange import ConsumerEndpoint, ProducerEndpoint, connect, poll_until
 from kvspec.spec.state import get_state_group_indices
 from kvspec.testing import ExpectedLoad, PagePool, allocate_pool, check_loaded_pages, fill_background
@@ -253,17 +255,17 @@ def _pair(
     config = CONFIGS[config_name]
     _direct(
         ctx,
-        f"pair_block_ids(state.{config_name}, num_tokens={num_tokens}, prefix_hit_tokens={hit}, "
-        f"producer_block_ids=BlockIds({producer!r}), consumer_block_ids=BlockIds({consumer!r}))",
+        f"pair_block_ids(state.{config_name}, TransferRequest(num_tokens={num_tokens}, prefix_hit_tokens={hit}, "
+        f"producer_block_ids=BlockIds({producer!r}), consumer_block_ids=BlockIds({consumer!r})))",
     )
     try:
-        pairs = ctx.connector.pair_block_ids(
-            config,
+        request = TransferRequest(
             num_tokens=num_tokens,
             prefix_hit_tokens=hit,
             producer_block_ids=BlockIds(producer),
             consumer_block_ids=BlockIds(consumer),
         )
+        pairs = pair_with(ctx.connector, config, request)
     except KVSpecError as exc:
         return exc
     # Per state group in order: its one (P slot, C slot) pair, or both lists where it is not one pair (STATE-3).

@@ -74,10 +74,12 @@ def clipping_example(num_tokens: int = 100, prefix_hit_tokens: int = 32) -> dict
     offered = kvspec.BlockIds([range(31 + 10 * g, 31 + 10 * g + n) for g, n in enumerate(counts)])
     pairs = kvspec.compute_transfer_pairs(
         config,
-        num_tokens=num_tokens,
-        prefix_hit_tokens=prefix_hit_tokens,
-        producer_block_ids=advertised,
-        consumer_block_ids=offered,
+        kvspec.TransferRequest(
+            num_tokens=num_tokens,
+            prefix_hit_tokens=prefix_hit_tokens,
+            producer_block_ids=advertised,
+            consumer_block_ids=offered,
+        ),
     )
     return {
         "config": config,

@@ -7,11 +7,13 @@ connector under test in here.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import inspect
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import attrs
 
+from kvspec.core._deprecation import warn_renamed
 from kvspec.core._enums import TransferMode
 from kvspec.core._errors import ParallelismError
 from kvspec.core._models import BlockIds, KVCacheConfig
@@ -35,6 +37,7 @@ from kvspec.reference._reference import (
     get_exchange_clipped_blocks,
 )
 from kvspec.spec import parallel as par
+from kvspec.spec.coverage import TransferRequest
 from kvspec.spec.parallel import CanonicalPage, RankCopy
 from kvspec.spec.state import get_state_clipped_blocks
 
@@ -49,6 +52,8 @@ __all__ = [
     "as_offload_connector",
     "as_parallel_connector",
     "pair_keywords",
+    "pair_with",
+    "takes_keywords",
 ]
 
 
@@ -76,23 +81,12 @@ class Connector(Protocol):
         """Clip one side's list before it is exchanged: windows to budget, state to one slot (CLIP-1, STATE-2)."""
         ...
 
-    def pair_block_ids(
-        self,
-        config: KVCacheConfig,
-        *,
-        num_tokens: int,
-        prefix_hit_tokens: int,
-        producer_block_ids: BlockIds,
-        consumer_block_ids: BlockIds,
-        recomputed_tokens: int = 0,
-        producer_block_ends: tuple[int, ...] | None = None,
-        consumer_block_ends: tuple[int, ...] | None = None,
-    ) -> BlockPairsLike:
+    def pair_block_ids(self, config: KVCacheConfig, request: TransferRequest) -> BlockPairsLike:
         """Check window coverage, then pair the clipped lists (WIN-1, ALIGN-1, NULL-1).
 
-        Protocol 1.1: the lists cover ``num_tokens + recomputed_tokens`` tokens
-        (C recomputes the last ones), and each side may say where its list ends.
-        The suite passes these only in the cases that use them.
+        ``request`` holds the token counts, both lists and, protocol 1.1, the
+        tokens C recomputes and where each side's list ends
+        (:class:`kvspec.TransferRequest`).
         """
         ...
 
@@ -118,29 +112,9 @@ class ReferenceConnector:
         """``get_exchange_clipped_blocks``, then ``get_state_clipped_blocks`` (CLIP-1, STATE-2)."""
         return get_state_clipped_blocks(config, get_exchange_clipped_blocks(block_ids, get_blocks_per_sw(config)))
 
-    def pair_block_ids(
-        self,
-        config: KVCacheConfig,
-        *,
-        num_tokens: int,
-        prefix_hit_tokens: int,
-        producer_block_ids: BlockIds,
-        consumer_block_ids: BlockIds,
-        recomputed_tokens: int = 0,
-        producer_block_ends: tuple[int, ...] | None = None,
-        consumer_block_ends: tuple[int, ...] | None = None,
-    ) -> BlockPairsLike:
+    def pair_block_ids(self, config: KVCacheConfig, request: TransferRequest) -> BlockPairsLike:
         """``compute_transfer_pairs`` (WIN-1, ALIGN-1, NULL-1)."""
-        return compute_transfer_pairs(
-            config,
-            num_tokens=num_tokens,
-            prefix_hit_tokens=prefix_hit_tokens,
-            producer_block_ids=producer_block_ids,
-            consumer_block_ids=consumer_block_ids,
-            recomputed_tokens=recomputed_tokens,
-            producer_block_ends=producer_block_ends,
-            consumer_block_ends=consumer_block_ends,
-        )
+        return compute_transfer_pairs(config, request)
 
     def plan(
         self, *, producer_config: KVCacheConfig, consumer_config: KVCacheConfig, pairs: BlockPairsLike
@@ -152,26 +126,50 @@ class ReferenceConnector:
         return "ReferenceConnector()"
 
 
-def pair_keywords(
-    *,
-    recomputed_tokens: int = 0,
-    producer_block_ends: Sequence[int] | None = None,
-    consumer_block_ends: Sequence[int] | None = None,
-) -> dict[str, Any]:
-    """The protocol 1.1 keywords of :meth:`Connector.pair_block_ids` that say something (VER-1, ALIGN-1, WIN-1).
+def pair_keywords(request: TransferRequest) -> dict[str, Any]:
+    """The keywords of the keyword form of :meth:`Connector.pair_block_ids` (before 0.2.x) for ``request``.
 
-    A connector written for protocol 1.0 takes none of them; passing only the
-    ones that differ from their defaults lets it run every request that does
-    not use them.
+    The protocol 1.0 ones always; the 1.1 ones (``recomputed_tokens``, the
+    block ends) only where they say something, so a connector written for
+    protocol 1.0 runs every request that does not use them (VER-1, ALIGN-1, WIN-1).
     """
-    extra: dict[str, Any] = {}
-    if recomputed_tokens:
-        extra["recomputed_tokens"] = recomputed_tokens
-    if producer_block_ends is not None:
-        extra["producer_block_ends"] = tuple(producer_block_ends)
-    if consumer_block_ends is not None:
-        extra["consumer_block_ends"] = tuple(consumer_block_ends)
-    return extra
+    keywords: dict[str, Any] = {
+        "num_tokens": request.num_tokens,
+        "prefix_hit_tokens": request.prefix_hit_tokens,
+        "producer_block_ids": request.producer_block_ids,
+        "consumer_block_ids": request.consumer_block_ids,
+    }
+    if request.recomputed_tokens:
+        keywords["recomputed_tokens"] = request.recomputed_tokens
+    if request.producer_block_ends is not None:
+        keywords["producer_block_ends"] = request.producer_block_ends
+    if request.consumer_block_ends is not None:
+        keywords["consumer_block_ends"] = request.consumer_block_ends
+    return keywords
+
+
+def takes_keywords(connector: Connector) -> bool:
+    """True for a connector whose ``pair_block_ids`` has the keyword form (``num_tokens=`` ...), not ``request``."""
+    parameters = inspect.signature(connector.pair_block_ids).parameters
+    return "num_tokens" in parameters and "request" not in parameters
+
+
+def pair_with(connector: Connector, config: KVCacheConfig, request: TransferRequest) -> BlockPairsLike:
+    """``connector.pair_block_ids(config, request)``; the keyword form still runs, deprecated (WIN-1, ALIGN-1).
+
+    A connector written before the request value (``pair_block_ids(config, *,
+    num_tokens, prefix_hit_tokens, producer_block_ids, ...)``) gets
+    :func:`pair_keywords` and a ``DeprecationWarning``; the form is removed in
+    kvspec 0.3.0.
+    """
+    if not takes_keywords(connector):
+        return connector.pair_block_ids(config, request)
+    warn_renamed(
+        f"{type(connector).__name__}.pair_block_ids(config, *, num_tokens=..., ...)",
+        "pair_block_ids(config, request: kvspec.TransferRequest)",
+    )
+    method: Callable[..., BlockPairsLike] = connector.pair_block_ids
+    return method(config, **pair_keywords(request))
 
 
 @runtime_checkable

@@ -35,13 +35,14 @@ from collections.abc import Callable
 from kvspec.core._enums import FailureReason, StateProfile, TransferMode
 from kvspec.core._errors import IncompatiblePeerError, KVSpecError, TransportError
 from kvspec.core._models import BlockIds, KVCacheConfig
-from kvspec.drivers._connector import Connector, pair_keywords
+from kvspec.drivers._connector import Connector, pair_with
 from kvspec.drivers._driver import Driver, LiveRequest, Operation, reason_of
 from kvspec.protocol._plan import TransferPlan
 from kvspec.protocol._session import DEFAULT_DRAIN_TIMEOUT, ConsumerSession, ProducerSession
 from kvspec.reference._integrity import BlockPairsLike
 from kvspec.reference._messages import BlockOffer, TransferParams
 from kvspec.reference._reference import compute_block_pairs
+from kvspec.spec.coverage import BlockLists, TransferRequest
 from kvspec.spec.state import check_state_position, get_state_paired_lists
 
 __all__ = ["ConsumerEngine", "PairOffer", "ProducerEngine", "pair_offer_by_ends"]
@@ -60,19 +61,13 @@ def pair_offer_by_ends(config: KVCacheConfig) -> PairOffer:
 
     def pair(request: LiveRequest[ProducerSession], offer: BlockOffer) -> BlockPairsLike:
         params = request.session.params
-        producer_ids, consumer_ids, producer_ends, consumer_ends = get_state_paired_lists(
-            config,
-            params.producer_block_ids,
-            offer.consumer_block_ids,
-            params.producer_block_ends,
-            offer.consumer_block_ends,
+        lists = BlockLists(
+            producer_block_ids=params.producer_block_ids,
+            consumer_block_ids=offer.consumer_block_ids,
+            producer_block_ends=params.producer_block_ends,
+            consumer_block_ends=offer.consumer_block_ends,
         )
-        return compute_block_pairs(
-            producer_block_ids=producer_ids,
-            consumer_block_ids=consumer_ids,
-            producer_block_ends=producer_ends,
-            consumer_block_ends=consumer_ends,
-        )
+        return compute_block_pairs(get_state_paired_lists(config, lists))
 
     return pair
 
@@ -257,18 +252,15 @@ class ConsumerEngine:
             profile=self.state_profile or StateProfile.RECOMPUTE,
         )
         # WIN-1 and ALIGN-1 before any byte moves; then every byte is planned (PLAN-1).
-        pairs = self.connector.pair_block_ids(
-            self.config,
+        geometry = TransferRequest(
             num_tokens=params.num_tokens,
             prefix_hit_tokens=prefix_hit_tokens,
             producer_block_ids=params.producer_block_ids,
             consumer_block_ids=session.consumer_block_ids,
-            # Protocol 1.1 keywords only when they say something, so a 1.0 connector still runs (VER-1).
-            **pair_keywords(
-                recomputed_tokens=params.recomputed_tokens,
-                producer_block_ends=params.producer_block_ends,
-                consumer_block_ends=session.consumer_block_ends,
-            ),
+            recomputed_tokens=params.recomputed_tokens,
+            producer_block_ends=params.producer_block_ends,
+            consumer_block_ends=session.consumer_block_ends,
         )
+        pairs = pair_with(self.connector, self.config, geometry)
         request.pairs = pairs  # what the transfer moves: digested and checked with INT-1 on
         return self.connector.plan(producer_config=peer_config, consumer_config=self.config, pairs=pairs)

@@ -82,6 +82,7 @@ from kvspec.drivers._connector import ConsumerRankPlan
 from kvspec.protocol._handshake import check_compatibility
 from kvspec.protocol._plan import BlockPairsLike, TransferPlan, plan_transfer
 from kvspec.reference._reference import BlockPairs
+from kvspec.spec.coverage import TransferRequest
 from kvspec.spec.parallel import CanonicalPage
 from kvspec.spec.state import STATE_KINDS, get_state_clipped_slots, get_state_group_indices, is_state_spec
 
@@ -948,18 +949,7 @@ class SglangConnector:
             out.append(load_state_slot(spec, group, group=index) if spec is not None and group else list(group))
         return BlockIds(out)
 
-    def pair_block_ids(
-        self,
-        config: KVCacheConfig,
-        *,
-        num_tokens: int,
-        prefix_hit_tokens: int,
-        producer_block_ids: BlockIds,
-        consumer_block_ids: BlockIds,
-        recomputed_tokens: int = 0,
-        producer_block_ends: tuple[int, ...] | None = None,
-        consumer_block_ends: tuple[int, ...] | None = None,
-    ) -> BlockPairsLike:
+    def pair_block_ids(self, config: KVCacheConfig, request: TransferRequest) -> BlockPairsLike:
         """SGLang's own selection and pairing per group; no WIN-1 check, as in SGLang (ALIGN-1, NULL-1).
 
         The lists are placed by their ends (or at the request's last block),
@@ -973,6 +963,9 @@ class SglangConnector:
         Mamba path; SGLang sends the state on any decode prefix, so STATE-4 is
         not checked, as in SGLang (decision 178 in decisions-engines.md).
         """
+        producer_block_ids, consumer_block_ids = request.producer_block_ids, request.consumer_block_ids
+        producer_block_ends, consumer_block_ends = request.producer_block_ends, request.consumer_block_ends
+        prefix_hit_tokens = request.prefix_hit_tokens
         if len(consumer_block_ids) == 0:
             return BlockPairs(producer_block_ids=[], consumer_block_ids=[])
         groups = config.kv_cache_groups
@@ -983,7 +976,7 @@ class SglangConnector:
                 f"sglang:{self.backend}: {len(groups)} groups, producer has {len(producer_block_ids)}, "
                 f"consumer {len(consumer_block_ids)} (ALIGN-1)"
             )
-        listed = num_tokens + recomputed_tokens
+        listed = request.listed_tokens
         out_p: list[list[int]] = []
         out_c: list[list[int]] = []
         for index, group in enumerate(groups):

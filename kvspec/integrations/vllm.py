@@ -62,6 +62,7 @@ from kvspec.protocol._handshake import check_compatibility
 from kvspec.protocol._plan import BlockPairsLike, TransferPlan, plan_transfer
 from kvspec.reference._offload import BlockIdGroups, LoadSet, OffloadConfig, StoreSet, get_chunk_sizes
 from kvspec.reference._reference import BlockPairs
+from kvspec.spec.coverage import TransferRequest
 from kvspec.spec.parallel import CanonicalPage
 from kvspec.transport._registry import import_named_module
 
@@ -1054,29 +1055,19 @@ class VllmConnector:
             raise GroupCountError(f"vLLM {self.name} refuses to clip (CLIP-1): {exc}") from exc
         return BlockIds(_as_lists(clipped))
 
-    def pair_block_ids(
-        self,
-        config: KVCacheConfig,
-        *,
-        num_tokens: int,
-        prefix_hit_tokens: int,
-        producer_block_ids: BlockIds,
-        consumer_block_ids: BlockIds,
-        recomputed_tokens: int = 0,
-        producer_block_ends: tuple[int, ...] | None = None,
-        consumer_block_ends: tuple[int, ...] | None = None,
-    ) -> BlockPairsLike:
+    def pair_block_ids(self, config: KVCacheConfig, request: TransferRequest) -> BlockPairsLike:
         """The connector's own pairing of the clipped lists; no WIN-1 check, as in vLLM (ALIGN-1, NULL-1).
 
-        vLLM's lists say nothing of where they end, so the protocol 1.1
-        arguments (``recomputed_tokens``, the block ends) are accepted and, as
-        vLLM would, not used.
+        vLLM's lists say nothing of where they end, so the request's protocol
+        1.1 fields (``recomputed_tokens``, the block ends) are, as vLLM would,
+        not used.
         """
-        if len(consumer_block_ids) == 0:
+        if len(request.consumer_block_ids) == 0:
             return BlockPairs(producer_block_ids=[], consumer_block_ids=[])
         scheduler = self.scheduler(config)
         hooks = self.shape(scheduler)
-        raw = hooks.pair(scheduler, config, _as_lists(producer_block_ids), _as_lists(consumer_block_ids))
+        producer, consumer = _as_lists(request.producer_block_ids), _as_lists(request.consumer_block_ids)
+        raw = hooks.pair(scheduler, config, producer, consumer)
         return _pairs(raw[0], raw[1], self.name)
 
     def plan(

@@ -64,6 +64,7 @@ from kvspec.reference._reference import (
     get_exchange_clipped_blocks,
     get_needed_block_range,
 )
+from kvspec.spec.coverage import TransferRequest
 from kvspec.spec.state import check_state_position, get_state_clipped_blocks, is_state_spec
 
 __all__ = [
@@ -808,10 +809,9 @@ def _pair(
             return (_tuples(producer), ()), ()
         paired = compute_transfer_pairs(
             config,
-            num_tokens=num_tokens,
-            prefix_hit_tokens=hit,
-            producer_block_ids=producer,
-            consumer_block_ids=consumer,
+            TransferRequest(
+                num_tokens=num_tokens, prefix_hit_tokens=hit, producer_block_ids=producer, consumer_block_ids=consumer
+            ),
         )
         return (_tuples(producer), _tuples(consumer)), _zip_pairs(paired.producer_block_ids, paired.consumer_block_ids)
     scheduler.update_state_after_alloc(request, blocks, external)
@@ -1048,8 +1048,9 @@ def check_kvspec(config: KVCacheConfig, drive: _Drive, findings: Sequence[Findin
         "consumer_block_ends": _ends(drive.consumer_list, drive.consumer_table),
     }
     try:
-        check_window_coverage(config, **arguments)
-        compute_transfer_pairs(config, **arguments)
+        request = TransferRequest(**arguments)
+        check_window_coverage(config, request)
+        compute_transfer_pairs(config, request)
     except KVSpecError as exc:
         if findings:
             return []

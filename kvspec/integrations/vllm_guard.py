@@ -55,6 +55,7 @@ import attrs
 from kvspec.core._errors import ConfigError, IntegrityMismatchError, KVSpecError
 from kvspec.core._models import NULL_BLOCK_ID, KVCacheConfig
 from kvspec.spec import BlockPairs, GuardMode, check_window_coverage, get_blocks_per_sw, get_exchange_clipped_blocks
+from kvspec.spec.coverage import TransferRequest
 from kvspec.spec.digest import DigestAlgorithm
 from kvspec.spec.integrity import new_block_hash
 
@@ -246,11 +247,13 @@ def check_request_rules(
     try:
         check_window_coverage(
             config,
-            num_tokens=num_tokens - 1,
-            recomputed_tokens=1,
-            prefix_hit_tokens=prefix_hit_tokens,
-            producer_block_ids=producer,
-            consumer_block_ids=consumer,
+            TransferRequest(
+                num_tokens=num_tokens - 1,
+                recomputed_tokens=1,
+                prefix_hit_tokens=prefix_hit_tokens,
+                producer_block_ids=producer,
+                consumer_block_ids=consumer,
+            ),
         )
     except KVSpecError as exc:
         return Mismatch(request_id, _rule_of(exc, "WIN-1"), _named_group(str(exc)), str(exc))

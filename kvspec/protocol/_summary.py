@@ -27,6 +27,7 @@ from kvspec.reference._reference import (
     get_logical_block_count,
     get_pruned_block_ids,
 )
+from kvspec.spec.coverage import TransferRequest
 from kvspec.spec.parallel import (
     CanonicalPage,
     RankCopy,
@@ -203,10 +204,12 @@ def _attention_pairs(
     consumer_ids = _contiguous_ids(consumer_counts) if prefix_hit_tokens < num_tokens else BlockIds([])
     clipped = compute_transfer_pairs(
         config,
-        num_tokens=num_tokens,
-        prefix_hit_tokens=prefix_hit_tokens,
-        producer_block_ids=producer_sent,
-        consumer_block_ids=consumer_ids,
+        TransferRequest(
+            num_tokens=num_tokens,
+            prefix_hit_tokens=prefix_hit_tokens,
+            producer_block_ids=producer_sent,
+            consumer_block_ids=consumer_ids,
+        ),
     )
     return unclipped, clipped
 

@@ -32,12 +32,15 @@ from kvspec.core._models import (
     NULL_BLOCK_ID,
     BlockIds,
     KVCacheConfig,
+    StateProfile,
     _checked_group,
     _to_block_groups,
 )
 from kvspec.spec.admission import check_hybrid_support, is_full_attention_spec, is_hma_required
 from kvspec.spec.coverage import (
+    BlockLists,
     SideCheck,
+    TransferRequest,
     _check_counts,
     get_block_ends,
     get_logical_block_count,
@@ -47,7 +50,7 @@ from kvspec.spec.coverage import (
     get_side_checks,
 )
 from kvspec.spec.coverage import _check_side as _spec_check_side
-from kvspec.spec.guard import check_rank_plans
+from kvspec.spec.guard import RankPlan, check_rank_plans
 from kvspec.spec.pairing import BlockPairs, check_tail_alignment, get_paired_block_ends
 from kvspec.spec.state import check_state_position, get_state_paired_lists, is_state_spec
 from kvspec.spec.window import (
@@ -198,24 +201,17 @@ def get_exchange_clipped_blocks(block_ids: BlockIdsLike, budgets: Sequence[int])
 # --------------------------------------------------------------------------- ALIGN-1, NULL-1
 
 
-@_twin_of(plain.compute_block_pairs, positional=0)
-def compute_block_pairs(request: _Request) -> BlockPairs:
+def compute_block_pairs(lists: BlockLists) -> BlockPairs:
     """Pair C's i-th id with P's id at ``len(P[g]) - len(C[g]) + i``; drop null pairs (ALIGN-1, NULL-1).
 
     O(n) in the ids, in slices; a group proven null-free is not scanned for
     nulls again. The plain definition is :func:`kvspec.spec.compute_block_pairs`
     (ALIGN-1, NULL-1).
     """
-    producer, consumer = _to_block_ids(request["producer_block_ids"]), _to_block_ids(request["consumer_block_ids"])
-    return _pairs(producer, consumer, request["producer_block_ends"], request["consumer_block_ends"])
-
-
-def _pairs(
-    producer: BlockIds, consumer: BlockIds, producer_ends: Sequence[int] | None, consumer_ends: Sequence[int] | None
-) -> BlockPairs:
-    if len(consumer) == 0:
-        return plain.compute_block_pairs(producer_block_ids=producer, consumer_block_ids=consumer)
-    check_tail_alignment(producer, consumer, producer_block_ends=producer_ends, consumer_block_ends=consumer_ends)
+    if len(lists.consumer_block_ids) == 0:
+        return plain.compute_block_pairs(lists)
+    check_tail_alignment(lists)
+    producer, consumer = lists.producer_block_ids, lists.consumer_block_ids
     p_free, c_free = _null_free(producer), _null_free(consumer)
     pairs_p: list[tuple[int, ...]] = []
     pairs_c: list[tuple[int, ...]] = []
@@ -309,57 +305,40 @@ def _check_side(side: SideCheck) -> None:
     _spec_check_side(side)
 
 
-def _covered(config: KVCacheConfig, request: _Request) -> _Request:
-    """The request once WIN-1 holds for it, its lists as ``BlockIds`` with their null-free groups noted (WIN-1)."""
-    _check_counts(config, request["num_tokens"], request["prefix_hit_tokens"], request["recomputed_tokens"])
-    producer, consumer = _to_block_ids(request["producer_block_ids"]), _to_block_ids(request["consumer_block_ids"])
-    request = {**request, "producer_block_ids": producer, "consumer_block_ids": consumer}
-    for side in get_side_checks(config, **request):
-        _check_side(side)
-    return request
-
-
-@_twin_of(plain.check_window_coverage)
-def check_window_coverage(config: KVCacheConfig, request: _Request) -> None:
+def check_window_coverage(config: KVCacheConfig, request: TransferRequest) -> None:
     """Raise unless every block covering a needed position is real on both sides (WIN-1).
 
     O(groups) for groups proven null-free, plus one C-speed scan of the
     needed ids of the others; the plain definition, and what the arguments
     mean, is :func:`kvspec.spec.check_window_coverage` (WIN-1).
     """
-    _covered(config, request)
+    for side in get_side_checks(config, request):
+        _check_side(side)
 
 
-@_twin_of(plain.compute_transfer_pairs)
-def compute_transfer_pairs(config: KVCacheConfig, request: _Request) -> BlockPairs:
+def compute_transfer_pairs(config: KVCacheConfig, request: TransferRequest) -> BlockPairs:
     """Check WIN-1 before any byte moves, then pair the lists (WIN-1, ALIGN-1, NULL-1, STATE-3, STATE-4).
 
-    Plain lists are checked once, here (O(n)); lists that are already
-    ``BlockIds`` are not checked again. Coverage is O(groups) for groups
-    proven null-free and one C-speed scan of the needed slice otherwise;
-    pairing is O(n) slices. The plain definition, and what the arguments
-    mean, is :func:`kvspec.spec.compute_transfer_pairs` (WIN-1, ALIGN-1, NULL-1).
+    The request's lists were checked once, when it was built. Coverage is
+    O(groups) for groups proven null-free and one C-speed scan of the needed
+    slice otherwise; pairing is O(n) slices. The plain definition, and what
+    the arguments mean, is :func:`kvspec.spec.compute_transfer_pairs` (WIN-1, ALIGN-1, NULL-1).
     """
-    request = _covered(config, request)
-    producer_ends, consumer_ends = get_paired_block_ends(
-        config,
-        listed_tokens=request["num_tokens"] + request["recomputed_tokens"],
-        producer_block_ends=request["producer_block_ends"],
-        consumer_block_ends=request["consumer_block_ends"],
-    )
+    check_window_coverage(config, request)
+    if len(request.consumer_block_ids) == 0:
+        return plain.compute_block_pairs(request)  # full prefix hit: nothing moves (ALIGN-1)
     # Each state group pairs its one slot by STATE-3; the other groups pair by tail (ALIGN-1).
-    return _pairs(
-        *get_state_paired_lists(
-            config, request["producer_block_ids"], request["consumer_block_ids"], producer_ends, consumer_ends
-        )
-    )
+    return compute_block_pairs(get_state_paired_lists(config, get_paired_block_ends(config, request)))
 
 
-_PAIRING = frozenset(inspect.signature(plain.compute_transfer_pairs).parameters) - {"config"}
-
-
-@_twin_of(plain.check_request_blocks)
-def check_request_blocks(config: KVCacheConfig, request: _Request) -> BlockPairs:
+def check_request_blocks(
+    config: KVCacheConfig,
+    request: TransferRequest,
+    *,
+    state_tokens: int | None = None,
+    profile: StateProfile | str = StateProfile.RECOMPUTE,
+    rank_plans: Iterable[RankPlan] = (),
+) -> BlockPairs:
     """The guard's rule checks on the block lists a connector used, at engine speed; raise or return the pairs (INT-3).
 
     The same checks, refusals and pairs as the plain definition
@@ -370,26 +349,21 @@ def check_request_blocks(config: KVCacheConfig, request: _Request) -> BlockPairs
     (``benchmarks/bench_guard.py``) (INT-3).
     """
     budgets = get_blocks_per_sw(config)
-    for ids in (request["producer_block_ids"], request["consumer_block_ids"]):
-        if (
-            isinstance(ids, (str, bytes))
-            or not isinstance(ids, Sequence)
-            or any(
-                budget and (not isinstance(group, Sequence) or len(group) > budget)
-                for group, budget in zip(ids, budgets, strict=False)
+    for ids in (request.producer_block_ids, request.consumer_block_ids):
+        if any(budget and len(group) > budget for group, budget in zip(ids, budgets, strict=False)):
+            # A list past its budget: the definition says which and why (CLIP-1).
+            return plain.check_request_blocks(
+                config, request, state_tokens=state_tokens, profile=profile, rank_plans=rank_plans
             )
-        ):
-            # A list past its budget, or one this check cannot read: the definition says which and why (CLIP-1).
-            return plain.check_request_blocks(config, **request)
     check_state_position(
         config,
-        state_tokens=request["state_tokens"],
-        num_tokens=request["num_tokens"],
-        recomputed_tokens=request["recomputed_tokens"],
-        profile=request["profile"],
+        state_tokens=state_tokens,
+        num_tokens=request.num_tokens,
+        recomputed_tokens=request.recomputed_tokens,
+        profile=profile,
     )
-    pairs = compute_transfer_pairs(config, **{name: request[name] for name in _PAIRING})
-    check_rank_plans(request["rank_plans"])
+    pairs = compute_transfer_pairs(config, request)
+    check_rank_plans(rank_plans)
     return pairs
 
 

@@ -22,6 +22,8 @@ from kvspec.spec.caches import (
     may_be_ephemeral,
 )
 from kvspec.spec.coverage import (
+    BlockLists,
+    TransferRequest,
     check_window_coverage,
     get_block_ends,
     get_checked_block_ends,
@@ -132,6 +134,7 @@ __all__ = [
     "STATE_FIELDS",
     "STATE_KINDS",
     "BlockIdsLike",
+    "BlockLists",
     "BlockPairs",
     "BlockPairsLike",
     "ByteRun",
@@ -154,6 +157,7 @@ __all__ = [
     "StagePair",
     "SubBlock",
     "TokenBasis",
+    "TransferRequest",
     "agree_verdicts",
     "apply_guard_mode",
     "check_cache_accounting",

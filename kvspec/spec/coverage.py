@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
+
+import attrs
 
 from kvspec.core._deprecation import keyword_only
 from kvspec.core._errors import BlockAlignmentError, ConfigError, GroupCountError, WindowCoverageError
@@ -20,7 +22,9 @@ from kvspec.spec.state import check_state_prefix_hit, is_state_spec
 from kvspec.spec.window import BlockIdsLike, check_count
 
 __all__ = [
+    "BlockLists",
     "SideCheck",
+    "TransferRequest",
     "check_window_coverage",
     "get_block_ends",
     "get_checked_block_ends",
@@ -136,28 +140,87 @@ def get_checked_block_ends(role: str, ends: Sequence[int] | None, ids: BlockIds)
     return checked
 
 
-def _check_prefix(config: KVCacheConfig, num_tokens: int, prefix_hit_tokens: int) -> None:
+def _check_hit(num_tokens: int, prefix_hit_tokens: int) -> None:
     t = check_count("num_tokens", num_tokens)
     h = check_count("prefix_hit_tokens", prefix_hit_tokens)
     # C cannot hit more tokens than the request has (WIN-1).
     if h > t:
         raise ConfigError(f"prefix_hit_tokens: expected at most num_tokens={t}, got {h}")
+
+
+def _check_hit_blocks(config: KVCacheConfig, prefix_hit_tokens: int) -> None:
     for g, group in enumerate(config.kv_cache_groups):
         if is_state_spec(group.kv_cache_spec):
             continue  # a state group's hit is a state boundary, checked below (STATE-4)
         # C's list is tail-aligned and starts on a block boundary, so H must be whole blocks (WIN-1).
-        if h % group.kv_cache_spec.block_size:
+        if prefix_hit_tokens % group.kv_cache_spec.block_size:
             raise BlockAlignmentError(
-                f"prefix_hit_tokens={h} is not a multiple of group {g}'s block size "
+                f"prefix_hit_tokens={prefix_hit_tokens} is not a multiple of group {g}'s block size "
                 f"{group.kv_cache_spec.block_size} (WIN-1)"
             )
-    check_state_prefix_hit(config, prefix_hit_tokens=h)
+    check_state_prefix_hit(config, prefix_hit_tokens=prefix_hit_tokens)
 
 
 def _check_counts(config: KVCacheConfig, num_tokens: int, prefix_hit_tokens: int, recomputed_tokens: int) -> int:
     """The tokens both lists cover, ``T + R``, once T, H and R are checked (WIN-1)."""
-    _check_prefix(config, num_tokens, prefix_hit_tokens)
+    _check_hit(num_tokens, prefix_hit_tokens)
+    _check_hit_blocks(config, prefix_hit_tokens)
     return num_tokens + check_count("recomputed_tokens", recomputed_tokens)
+
+
+def _to_block_ids(value: BlockIdsLike) -> BlockIds:
+    return value if isinstance(value, BlockIds) else BlockIds(value)
+
+
+def _to_ends(value: Sequence[int] | None) -> tuple[int, ...] | None:
+    return None if value is None else tuple(value)
+
+
+def _check_ends(inst: BlockLists, attribute: attrs.Attribute[Any], value: tuple[int, ...] | None) -> None:
+    get_checked_block_ends("producer", inst.producer_block_ends, inst.producer_block_ids)
+    get_checked_block_ends("consumer", value, inst.consumer_block_ids)
+
+
+@attrs.frozen(kw_only=True)
+class BlockLists:
+    """Both sides' clipped lists and, per group, where each says it ends; ``None``: a 1.0 peer's (ALIGN-1).
+
+    Checked once, at construction, by :func:`get_checked_block_ends`: one
+    end per group of its list, none before its list's length. A side of
+    protocol 1.0 declares no ends (ALIGN-1).
+    """
+
+    producer_block_ids: BlockIds = attrs.field(converter=_to_block_ids)
+    consumer_block_ids: BlockIds = attrs.field(converter=_to_block_ids)
+    producer_block_ends: tuple[int, ...] | None = attrs.field(default=None, converter=_to_ends)
+    consumer_block_ends: tuple[int, ...] | None = attrs.field(default=None, converter=_to_ends, validator=_check_ends)
+
+
+def _check_request(inst: TransferRequest, attribute: attrs.Attribute[Any], value: int) -> None:
+    _check_hit(inst.num_tokens, inst.prefix_hit_tokens)
+    check_count("recomputed_tokens", value)
+
+
+@attrs.frozen(kw_only=True)
+class TransferRequest(BlockLists):
+    """One request's geometry: T, H, R and both lists with their ends, checked once at construction (WIN-1).
+
+    C takes the KV of ``num_tokens`` (T) tokens, holds the first
+    ``prefix_hit_tokens`` (H <= T) itself, and recomputes the
+    ``recomputed_tokens`` (R) after them; both lists cover ``T + R`` tokens.
+    The defaults are a protocol 1.0 peer's: no ends, nothing recomputed.
+    What depends on the config (group counts, block boundaries) the rules
+    check (WIN-1).
+    """
+
+    num_tokens: int
+    prefix_hit_tokens: int
+    recomputed_tokens: int = attrs.field(default=0, validator=_check_request)
+
+    @property
+    def listed_tokens(self) -> int:
+        """The tokens both lists cover, ``T + R`` (WIN-1)."""
+        return self.num_tokens + self.recomputed_tokens
 
 
 class SideCheck(NamedTuple):
@@ -176,25 +239,15 @@ class SideCheck(NamedTuple):
     listed: int
 
 
-def get_side_checks(
-    config: KVCacheConfig,
-    *,
-    num_tokens: int,
-    prefix_hit_tokens: int,
-    producer_block_ids: BlockIdsLike,
-    consumer_block_ids: BlockIdsLike,
-    recomputed_tokens: int = 0,
-    producer_block_ends: Sequence[int] | None = None,
-    consumer_block_ends: Sequence[int] | None = None,
-) -> list[SideCheck]:
-    """The request and the lists' shape checked, what WIN-1 then checks of each side of each attention group (WIN-1).
+def get_side_checks(config: KVCacheConfig, request: TransferRequest) -> list[SideCheck]:
+    """What WIN-1 checks of each side of each attention group, once the request fits the config (WIN-1).
 
     Zero consumer groups (full prefix hit) pass only when nothing is needed,
     and then ask nothing more; a state group asks nothing of this rule (WIN-1).
     """
-    listed = _check_counts(config, num_tokens, prefix_hit_tokens, recomputed_tokens)
-    producer = producer_block_ids if isinstance(producer_block_ids, BlockIds) else BlockIds(producer_block_ids)
-    consumer = consumer_block_ids if isinstance(consumer_block_ids, BlockIds) else BlockIds(consumer_block_ids)
+    num_tokens, prefix_hit_tokens, listed = request.num_tokens, request.prefix_hit_tokens, request.listed_tokens
+    _check_hit_blocks(config, prefix_hit_tokens)
+    producer, consumer = request.producer_block_ids, request.consumer_block_ids
     specs = [group.kv_cache_spec for group in config.kv_cache_groups]
     needed = [get_needed_block_range(s, num_tokens=num_tokens, prefix_hit_tokens=prefix_hit_tokens) for s in specs]
     if len(consumer) == 0:
@@ -209,8 +262,9 @@ def get_side_checks(
         # One list per group, or a group would be checked against another's window (WIN-1).
         if len(ids) != len(specs):
             raise GroupCountError(f"{role} block ids have {len(ids)} groups, the config {len(specs)} (WIN-1)")
-    p_ends = get_checked_block_ends("producer", producer_block_ends, producer)
-    c_ends = get_checked_block_ends("consumer", consumer_block_ends, consumer)
+    # Counted again: a producer of zero groups stands for one empty list per group here (WIN-1).
+    p_ends = get_checked_block_ends("producer", request.producer_block_ends, producer)
+    c_ends = request.consumer_block_ends
     checks = []
     for g, spec in enumerate(specs):
         if is_state_spec(spec):
@@ -224,17 +278,7 @@ def get_side_checks(
     return checks
 
 
-def check_window_coverage(
-    config: KVCacheConfig,
-    *,
-    num_tokens: int,
-    prefix_hit_tokens: int,
-    producer_block_ids: BlockIdsLike,
-    consumer_block_ids: BlockIdsLike,
-    recomputed_tokens: int = 0,
-    producer_block_ends: Sequence[int] | None = None,
-    consumer_block_ends: Sequence[int] | None = None,
-) -> None:
+def check_window_coverage(config: KVCacheConfig, request: TransferRequest) -> None:
     """Raise unless every block covering a needed position is real on both sides (WIN-1).
 
     The lists cover ``T + R`` tokens: T whose KV C takes, then R
@@ -244,16 +288,7 @@ def check_window_coverage(
     logical block 0 (P) or ``H / B_g`` (C). Zero consumer groups (full prefix
     hit) pass only when nothing is needed (WIN-1).
     """
-    for side in get_side_checks(
-        config,
-        num_tokens=num_tokens,
-        prefix_hit_tokens=prefix_hit_tokens,
-        producer_block_ids=producer_block_ids,
-        consumer_block_ids=consumer_block_ids,
-        recomputed_tokens=recomputed_tokens,
-        producer_block_ends=producer_block_ends,
-        consumer_block_ends=consumer_block_ends,
-    ):
+    for side in get_side_checks(config, request):
         _check_side(side)
 
 

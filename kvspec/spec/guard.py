@@ -36,11 +36,12 @@ from collections.abc import Iterable, Sequence
 import attrs
 
 from kvspec.core._errors import BlockAlignmentError, ConfigError, IntegrityMismatchError, KVSpecError
-from kvspec.core._models import BlockIds, KVCacheConfig, StateProfile
+from kvspec.core._models import KVCacheConfig, StateProfile
+from kvspec.spec.coverage import TransferRequest
 from kvspec.spec.pairing import BlockPairs, compute_transfer_pairs
 from kvspec.spec.parallel import CanonicalPage, RankCopy, check_coverage
 from kvspec.spec.state import check_state_position
-from kvspec.spec.window import BlockIdsLike, get_blocks_per_sw
+from kvspec.spec.window import get_blocks_per_sw
 
 __all__ = [
     "GuardMode",
@@ -75,27 +76,17 @@ class RankPlan:
     copies: tuple[RankCopy, ...] = attrs.field(converter=tuple)
 
 
-def _to_ids(value: BlockIdsLike) -> BlockIds:
-    return value if isinstance(value, BlockIds) else BlockIds(value)
-
-
 def check_request_blocks(
     config: KVCacheConfig,
+    request: TransferRequest,
     *,
-    num_tokens: int,
-    prefix_hit_tokens: int,
-    producer_block_ids: BlockIdsLike,
-    consumer_block_ids: BlockIdsLike,
-    recomputed_tokens: int = 0,
-    producer_block_ends: Sequence[int] | None = None,
-    consumer_block_ends: Sequence[int] | None = None,
     state_tokens: int | None = None,
     profile: StateProfile | str = StateProfile.RECOMPUTE,
     rank_plans: Iterable[RankPlan] = (),
 ) -> BlockPairs:
     """Raise the rule's typed error unless the block lists a connector used obey the rules; return the pairs (INT-3).
 
-    ``config`` is the consumer's; the lists are the ones the connector moved
+    ``config`` is the consumer's; the request's lists are the ones the connector moved
     (after its own clipping), as in :func:`kvspec.spec.compute_transfer_pairs`.
     In order, one pass each over the ids:
 
@@ -112,7 +103,7 @@ def check_request_blocks(
 
     Each error's message ends with the rule id (:func:`get_rule_id`).
     """
-    producer, consumer = _to_ids(producer_block_ids), _to_ids(consumer_block_ids)
+    producer, consumer = request.producer_block_ids, request.consumer_block_ids
     budgets = get_blocks_per_sw(config)
     for role, ids in (("producer", producer), ("consumer", consumer)):
         for g, (group, budget) in enumerate(zip(ids, budgets, strict=False)):
@@ -123,18 +114,13 @@ def check_request_blocks(
                     f"{budget}; expected the list clipped to its last {budget} (CLIP-1)"
                 )
     check_state_position(
-        config, state_tokens=state_tokens, num_tokens=num_tokens, recomputed_tokens=recomputed_tokens, profile=profile
-    )
-    pairs = compute_transfer_pairs(
         config,
-        num_tokens=num_tokens,
-        prefix_hit_tokens=prefix_hit_tokens,
-        producer_block_ids=producer,
-        consumer_block_ids=consumer,
-        recomputed_tokens=recomputed_tokens,
-        producer_block_ends=producer_block_ends,
-        consumer_block_ends=consumer_block_ends,
+        state_tokens=state_tokens,
+        num_tokens=request.num_tokens,
+        recomputed_tokens=request.recomputed_tokens,
+        profile=profile,
     )
+    pairs = compute_transfer_pairs(config, request)
     check_rank_plans(rank_plans)
     return pairs
 

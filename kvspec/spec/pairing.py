@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import Any
 
 import attrs
 
 from kvspec.core._errors import BlockAlignmentError, GroupCountError
 from kvspec.core._models import NULL_BLOCK_ID, BlockIds, KVCacheConfig
-from kvspec.spec.coverage import check_window_coverage, get_checked_block_ends, get_logical_block_count
+from kvspec.spec.coverage import BlockLists, TransferRequest, check_window_coverage, get_logical_block_count
 from kvspec.spec.state import get_state_paired_lists
 from kvspec.spec.window import BlockIdsLike
 
@@ -67,19 +67,13 @@ class BlockPairs:
                 yield g, producer_id, consumer_id
 
 
-def check_tail_alignment(
-    producer: BlockIds,
-    consumer: BlockIds,
-    *,
-    producer_block_ends: Sequence[int] | None = None,
-    consumer_block_ends: Sequence[int] | None = None,
-) -> None:
+def check_tail_alignment(lists: BlockLists) -> None:
     """Raise unless C's lists pair with P's by tail: same groups, never longer, ending at the same block (ALIGN-1)."""
+    producer, consumer = lists.producer_block_ids, lists.consumer_block_ids
     # Group g pairs with group g: both sides list every group (ALIGN-1).
     if len(producer) != len(consumer):
         raise GroupCountError(f"producer has {len(producer)} groups, consumer {len(consumer)} (ALIGN-1)")
-    p_ends = get_checked_block_ends("producer", producer_block_ends, producer)
-    c_ends = get_checked_block_ends("consumer", consumer_block_ends, consumer)
+    p_ends, c_ends = lists.producer_block_ends, lists.consumer_block_ends
     for g, (p, c) in enumerate(zip(producer, consumer, strict=True)):
         # C's list is its uncached suffix of P's: it can never be longer (ALIGN-1).
         if len(c) > len(p):
@@ -95,25 +89,17 @@ def check_tail_alignment(
             )
 
 
-def compute_block_pairs(
-    *,
-    producer_block_ids: BlockIdsLike,
-    consumer_block_ids: BlockIdsLike,
-    producer_block_ends: Sequence[int] | None = None,
-    consumer_block_ends: Sequence[int] | None = None,
-) -> BlockPairs:
+def compute_block_pairs(lists: BlockLists) -> BlockPairs:
     """Pair C's i-th id with P's id at ``len(P[g]) - len(C[g]) + i``; drop null pairs (ALIGN-1, NULL-1).
 
     Where both sides say where their lists end, each group's lists must end at
     the same logical block. A side that does not say (``None``, a 1.0 peer) is
     taken to end where the other ends (ALIGN-1, NULL-1).
     """
-    producer, consumer = _to_block_ids(producer_block_ids), _to_block_ids(consumer_block_ids)
+    producer, consumer = lists.producer_block_ids, lists.consumer_block_ids
     if len(consumer) == 0:
         return BlockPairs(producer_block_ids=[], consumer_block_ids=[])  # full prefix hit (ALIGN-1)
-    check_tail_alignment(
-        producer, consumer, producer_block_ends=producer_block_ends, consumer_block_ends=consumer_block_ends
-    )
+    check_tail_alignment(lists)
     pairs_p: list[list[int]] = []
     pairs_c: list[list[int]] = []
     for g, (p, c) in enumerate(zip(producer, consumer, strict=True)):
@@ -128,41 +114,29 @@ def compute_block_pairs(
     return BlockPairs(producer_block_ids=pairs_p, consumer_block_ids=pairs_c)
 
 
-def get_paired_block_ends(
-    config: KVCacheConfig,
-    *,
-    listed_tokens: int,
-    producer_block_ends: Sequence[int] | None,
-    consumer_block_ends: Sequence[int] | None,
-) -> tuple[Sequence[int] | None, Sequence[int] | None]:
-    """The ends both lists pair at: where one side alone declares its ends, the other's are its last blocks (ALIGN-1).
+def get_paired_block_ends(config: KVCacheConfig, request: TransferRequest) -> BlockLists:
+    """The lists with the ends both pair at: where one side alone declares its ends, the other's are its last blocks.
 
     A side that declares no end sits at the request's last block
-    (``cdiv(listed_tokens, B_g)``), as WIN-1 placed it; pairing it by tail
-    against a list that ends elsewhere would pair different positions (ALIGN-1).
+    (``cdiv(T + R, B_g)``), as WIN-1 placed it; pairing it by tail against a
+    list that ends elsewhere would pair different positions (ALIGN-1).
     """
-    if (producer_block_ends is None) == (consumer_block_ends is None):
-        return producer_block_ends, consumer_block_ends
-    lasts = tuple(
-        get_logical_block_count(group.kv_cache_spec, num_tokens=listed_tokens) for group in config.kv_cache_groups
-    )
-    return (
-        lasts if producer_block_ends is None else producer_block_ends,
-        lasts if consumer_block_ends is None else consumer_block_ends,
+    p_ends, c_ends = request.producer_block_ends, request.consumer_block_ends
+    if (p_ends is None) != (c_ends is None):
+        lasts = tuple(
+            get_logical_block_count(group.kv_cache_spec, num_tokens=request.listed_tokens)
+            for group in config.kv_cache_groups
+        )
+        p_ends, c_ends = (lasts if p_ends is None else p_ends), (lasts if c_ends is None else c_ends)
+    return BlockLists(
+        producer_block_ids=request.producer_block_ids,
+        consumer_block_ids=request.consumer_block_ids,
+        producer_block_ends=p_ends,
+        consumer_block_ends=c_ends,
     )
 
 
-def compute_transfer_pairs(
-    config: KVCacheConfig,
-    *,
-    num_tokens: int,
-    prefix_hit_tokens: int,
-    producer_block_ids: BlockIdsLike,
-    consumer_block_ids: BlockIdsLike,
-    recomputed_tokens: int = 0,
-    producer_block_ends: Sequence[int] | None = None,
-    consumer_block_ends: Sequence[int] | None = None,
-) -> BlockPairs:
+def compute_transfer_pairs(config: KVCacheConfig, request: TransferRequest) -> BlockPairs:
     """Check WIN-1 before any byte moves, then pair the lists (WIN-1, ALIGN-1, NULL-1, STATE-3, STATE-4).
 
     State groups are not checked by WIN-1: each pairs its one slot by
@@ -174,33 +148,8 @@ def compute_transfer_pairs(
     other's are the request's last blocks, so a declared end elsewhere is
     refused (WIN-1, ALIGN-1, NULL-1).
     """
-    check_window_coverage(
-        config,
-        num_tokens=num_tokens,
-        prefix_hit_tokens=prefix_hit_tokens,
-        producer_block_ids=producer_block_ids,
-        consumer_block_ids=consumer_block_ids,
-        recomputed_tokens=recomputed_tokens,
-        producer_block_ends=producer_block_ends,
-        consumer_block_ends=consumer_block_ends,
-    )
-    producer_block_ends, consumer_block_ends = get_paired_block_ends(
-        config,
-        listed_tokens=num_tokens + recomputed_tokens,
-        producer_block_ends=producer_block_ends,
-        consumer_block_ends=consumer_block_ends,
-    )
+    check_window_coverage(config, request)
+    if len(request.consumer_block_ids) == 0:
+        return BlockPairs(producer_block_ids=[], consumer_block_ids=[])  # full prefix hit (ALIGN-1)
     # Each state group pairs its one slot by STATE-3; the other groups pair by tail (ALIGN-1).
-    producer, consumer, p_ends, c_ends = get_state_paired_lists(
-        config,
-        _to_block_ids(producer_block_ids),
-        _to_block_ids(consumer_block_ids),
-        producer_block_ends,
-        consumer_block_ends,
-    )
-    return compute_block_pairs(
-        producer_block_ids=producer,
-        consumer_block_ids=consumer,
-        producer_block_ends=p_ends,
-        consumer_block_ends=c_ends,
-    )
+    return compute_block_pairs(get_state_paired_lists(config, get_paired_block_ends(config, request)))

@@ -11,9 +11,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import attrs
 
 from kvspec.core._errors import BlockAlignmentError, ConfigError, GroupCountError, StatePositionError, StateSlotError
 from kvspec.core._models import NULL_BLOCK_ID, BlockIds, KVCacheConfig, KVCacheSpec, MambaSpec, StateProfile
+
+if TYPE_CHECKING:
+    from kvspec.spec.coverage import BlockLists  # coverage imports this module
 
 __all__ = [
     "STATE_FIELDS",
@@ -168,13 +174,7 @@ def pair_state_slots(
     return producer_slot, consumer_slot
 
 
-def get_state_paired_lists(
-    config: KVCacheConfig,
-    producer: BlockIds,
-    consumer: BlockIds,
-    producer_ends: Sequence[int] | None = None,
-    consumer_ends: Sequence[int] | None = None,
-) -> tuple[BlockIds, BlockIds, tuple[int, ...] | None, tuple[int, ...] | None]:
+def get_state_paired_lists(config: KVCacheConfig, lists: BlockLists) -> BlockLists:
     """Both lists with every state group reduced to its one pair, and its ends to 1 (STATE-3).
 
     What follows (ALIGN-1's tail pairing) then pairs the state slots as one
@@ -182,15 +182,16 @@ def get_state_paired_lists(
     block position, so its list "ends" at the one slot on both sides.
     Zero consumer groups (nothing to transfer) pass through (STATE-3, STATE-4).
     """
+    producer, consumer = lists.producer_block_ids, lists.consumer_block_ids
     states = get_state_group_indices(config)
     if not states or len(consumer) == 0:
-        return producer, consumer, _tuple_or_none(producer_ends), _tuple_or_none(consumer_ends)
+        return lists
     for role, ids in (("producer", producer), ("consumer", consumer)):
         if len(ids) != config.num_groups:
             raise GroupCountError(f"{role} block ids have {len(ids)} groups, the config {config.num_groups} (STATE-3)")
     p_groups, c_groups = list(producer.groups), list(consumer.groups)
-    p_ends = None if producer_ends is None else list(producer_ends)
-    c_ends = None if consumer_ends is None else list(consumer_ends)
+    p_ends = None if lists.producer_block_ends is None else list(lists.producer_block_ends)
+    c_ends = None if lists.consumer_block_ends is None else list(lists.consumer_block_ends)
     for g in states:
         spec = config.kv_cache_groups[g].kv_cache_spec
         assert isinstance(spec, MambaSpec)
@@ -199,20 +200,22 @@ def get_state_paired_lists(
         c_slots = _without_scratch(spec, c_groups[g])
         p_slot, c_slot = pair_state_slots(p_slots, c_slots, group=g)
         p_groups[g], c_groups[g] = (p_slot,), (c_slot,)
-        if p_ends is not None and g < len(p_ends):
+        if p_ends is not None:
             p_ends[g] = 1
-        if c_ends is not None and g < len(c_ends):
+        if c_ends is not None:
             c_ends[g] = 1
-    return BlockIds(p_groups), BlockIds(c_groups), _tuple_or_none(p_ends), _tuple_or_none(c_ends)
+    return attrs.evolve(
+        lists,
+        producer_block_ids=BlockIds(p_groups),
+        consumer_block_ids=BlockIds(c_groups),
+        producer_block_ends=p_ends,
+        consumer_block_ends=c_ends,
+    )
 
 
 def _without_scratch(spec: MambaSpec, slots: Sequence[int]) -> tuple[int, ...]:
     scratch = min(spec.num_speculative_blocks, max(len(slots) - 1, 0))
     return tuple(slots[: len(slots) - scratch])
-
-
-def _tuple_or_none(value: Sequence[int] | None) -> tuple[int, ...] | None:
-    return None if value is None else tuple(value)
 
 
 # --------------------------------------------------------------------------- STATE-4

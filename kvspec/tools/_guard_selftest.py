@@ -35,6 +35,7 @@ from kvspec.core._models import (
     KVCacheTensor,
     SlidingWindowSpec,
 )
+from kvspec.spec.coverage import TransferRequest
 from kvspec.spec.digest import (
     DigestMode,
     DigestPolicy,
@@ -171,10 +172,12 @@ def run_selftest(
             try:
                 check_request_blocks(
                     _window_config(),
-                    num_tokens=4 * _BLOCK,
-                    prefix_hit_tokens=0,
-                    producer_block_ids=[[1, 2, 3, 4], [5, 6, 7, 8]],
-                    consumer_block_ids=[[11, 12, 13, 14], [15, 16, 17]],
+                    TransferRequest(
+                        num_tokens=4 * _BLOCK,
+                        prefix_hit_tokens=0,
+                        producer_block_ids=[[1, 2, 3, 4], [5, 6, 7, 8]],
+                        consumer_block_ids=[[11, 12, 13, 14], [15, 16, 17]],
+                    ),
                 )
             except KVSpecError as exc:
                 per_rank[0].append(get_guard_verdict("selftest-unclipped_list", exc))

@@ -86,6 +86,7 @@ from kvspec.reference._reference import (
     is_full_attention_spec,
     is_hma_required,
 )
+from kvspec.spec.coverage import TransferRequest
 from kvspec.spec.digest import DigestPolicy, digest_rank_page, is_request_sampled
 from kvspec.spec.guard import check_request_blocks
 from kvspec.spec.parallel import (
@@ -758,7 +759,8 @@ def _plan_pins() -> list[Case]:
 def _gen_plan(rng: random.Random) -> dict[str, object]:
     case = _rand_exchange(rng, mutate=False)
     config: KVCacheConfig = case["config"]  # type: ignore[assignment]
-    pairs = compute_transfer_pairs(**case)  # type: ignore[arg-type]
+    fields = {name: value for name, value in case.items() if name != "config"}
+    pairs = compute_transfer_pairs(config, TransferRequest(**fields))  # type: ignore[arg-type]
     other = _config(
         [g.kv_cache_spec for g in config.kv_cache_groups],
         num_blocks=config.num_blocks,

@@ -90,6 +90,7 @@ from kvspec.reference._reference import (
     is_full_attention_spec,
     is_hma_required,
 )
+from kvspec.spec.coverage import BlockLists, TransferRequest
 from kvspec.spec.digest import DigestPolicy, digest_rank_page, format_digest, is_request_sampled
 from kvspec.spec.guard import check_request_blocks
 from kvspec.spec.parallel import (
@@ -566,6 +567,14 @@ def _with_tokens(**extra: Arg) -> dict[str, Arg]:
 
 
 _PAIR_INPUTS = {"producer_block_ids": BLOCK_IDS, "consumer_block_ids": BLOCK_IDS}
+
+
+def _request(args: Mapping[str, Any], *other: str) -> tuple[KVCacheConfig, TransferRequest]:
+    """A vector's config and the request its other inputs (but ``other``) describe (WIN-1)."""
+    fields = {name: value for name, value in args.items() if name != "config" and name not in other}
+    return args["config"], TransferRequest(**fields)
+
+
 _FLAG = "disable_hybrid_kv_cache_manager"
 
 _ENTRIES: tuple[VectorFunction, ...] = (
@@ -627,7 +636,7 @@ _ENTRIES: tuple[VectorFunction, ...] = (
     ),
     _entry(get_token_basis_group, {"config": CONFIG}, lambda a: get_token_basis_group(a["config"])),
     # ALIGN-1, NULL-1
-    _entry(compute_block_pairs, _PAIR_INPUTS, lambda a: compute_block_pairs(**a)),
+    _entry(compute_block_pairs, _PAIR_INPUTS, lambda a: compute_block_pairs(BlockLists(**a))),
     # WIN-1
     _entry(
         get_logical_block_count,
@@ -659,8 +668,8 @@ _ENTRIES: tuple[VectorFunction, ...] = (
         lambda a: get_pruned_block_ids(a["config"], a["block_ids"], num_computed_tokens=a["num_computed_tokens"]),
     ),
     _entry(get_consumer_block_counts, _with_tokens(), lambda a: get_consumer_block_counts(**a)),
-    _entry(check_window_coverage, _with_tokens(**_PAIR_INPUTS), lambda a: check_window_coverage(**a)),
-    _entry(compute_transfer_pairs, _with_tokens(**_PAIR_INPUTS), lambda a: compute_transfer_pairs(**a)),
+    _entry(check_window_coverage, _with_tokens(**_PAIR_INPUTS), lambda a: check_window_coverage(*_request(a))),
+    _entry(compute_transfer_pairs, _with_tokens(**_PAIR_INPUTS), lambda a: compute_transfer_pairs(*_request(a))),
     # PLAN-1
     _entry(plan_transfer, {"producer_config": CONFIG, "consumer_config": CONFIG, **_PAIR_INPUTS}, _plan),
     _entry(
@@ -905,15 +914,7 @@ _ENTRIES += (
     _entry(
         check_request_blocks,
         _with_tokens(**_PAIR_INPUTS, recomputed_tokens=INT, state_tokens=OPTIONAL_INT),
-        lambda a: check_request_blocks(
-            a["config"],
-            num_tokens=a["num_tokens"],
-            prefix_hit_tokens=a["prefix_hit_tokens"],
-            producer_block_ids=a["producer_block_ids"],
-            consumer_block_ids=a["consumer_block_ids"],
-            recomputed_tokens=a["recomputed_tokens"],
-            state_tokens=a["state_tokens"],
-        ),
+        lambda a: check_request_blocks(*_request(a, "state_tokens"), state_tokens=a["state_tokens"]),
     ),
 )
 
