@@ -177,6 +177,7 @@ def _to_ends(value: Sequence[int] | None) -> tuple[int, ...] | None:
 
 
 def _check_ends(inst: BlockLists, attribute: attrs.Attribute[Any], value: tuple[int, ...] | None) -> None:
+    # Each side's ends place its own list: one per group, none before the list's start (ALIGN-1).
     get_checked_block_ends("producer", inst.producer_block_ends, inst.producer_block_ids)
     get_checked_block_ends("consumer", value, inst.consumer_block_ids)
 
@@ -197,6 +198,7 @@ class BlockLists:
 
 
 def _check_request(inst: TransferRequest, attribute: attrs.Attribute[Any], value: int) -> None:
+    # Counts are non-negative and C cannot hit more tokens than the request has, whatever the config (WIN-1).
     _check_hit(inst.num_tokens, inst.prefix_hit_tokens)
     check_count("recomputed_tokens", value)
 
