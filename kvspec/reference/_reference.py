@@ -1,6 +1,6 @@
 """The fast layer over kvspec.spec: the definitions' twins that an engine calls per request, and the re-exports.
 
-Each twin takes its definition's signature (:func:`_twin_of`), calls the
+Each twin takes its definition's signature (declared, or by :func:`_twin_of`), calls the
 definition's own checks (:mod:`kvspec.spec`), and hands any call it cannot
 answer faster, or any input it would refuse, to the definition, which says
 which rule and why: only what is faster lives here. What is faster:
