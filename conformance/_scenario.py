@@ -7,8 +7,12 @@ plays it on a backend:
 1. Both pools are allocated in shared memory and filled with keyed noise;
    each request's producer blocks get pages keyed by (request, group, layer,
    logical position) (:mod:`kvspec.testing`).
-2. Each side keeps a free-block list (most recently freed first, so that a
-   block freed too early is reused at once and a late write into it is seen).
+2. Each side's engine role allocates the request's tables from its one
+   allocator (:meth:`kvspec.exchange.ProducerEngine.allocate_table`,
+   :meth:`kvspec.exchange.ConsumerEngine.allocate_suffix`); a case that
+   names its block ids passes them as a claim. The suite's allocators hand
+   out the block freed last first, so that a block freed too early is reused
+   at once and a late write into it is seen.
 3. Each request is one :class:`kvspec.ProducerSession` and one
    :class:`kvspec.ConsumerSession` (SM-1, SM-2), played by kvspec's engine
    roles (:class:`kvspec.exchange.ProducerEngine`,
@@ -41,7 +45,6 @@ from typing import Any
 import attrs
 
 from kvspec import (
-    NULL_BLOCK_ID,
     BlockIds,
     BlockOffer,
     BlockPairsLike,
@@ -67,10 +70,7 @@ from kvspec import (
     encode,
     format_error,
     get_blocks_per_sw,
-    get_consumer_block_counts,
     get_exchange_clipped_blocks,
-    get_logical_block_count,
-    get_num_skipped_tokens,
     is_hma_required,
 )
 from kvspec.connector import pair_keywords
@@ -88,7 +88,6 @@ from kvspec.presets import get_preset
 from kvspec.remote import PeerBackend, RemoteAgent, RemotePool
 from kvspec.spec.digest import get_offered_algorithms
 from kvspec.spec.state import (
-    get_scratch_slot_count,
     get_state_clipped_blocks,
     get_state_group_indices,
 )
@@ -445,29 +444,6 @@ class ScenarioResult:
 # --------------------------------------------------------------------------- playing a scenario
 
 
-class _Allocator:
-    """Free block ids of one side; most recently freed are reused first."""
-
-    def __init__(self, num_blocks: int) -> None:
-        self.free: list[int] = list(range(num_blocks - 1, 0, -1))  # pop() gives 1 first
-        self.baseline = len(self.free)
-
-    def claim(self, block_id: int) -> None:
-        if block_id != NULL_BLOCK_ID and block_id in self.free:
-            self.free.remove(block_id)
-
-    def allocate(self) -> int:
-        if not self.free:
-            raise _ScenarioError("the scenario ran out of free blocks; give the config more num_blocks")
-        return self.free.pop()
-
-    def release(self, block_ids: BlockIds) -> None:
-        for ids in block_ids:
-            for block_id in ids:
-                if block_id != NULL_BLOCK_ID and block_id not in self.free:
-                    self.free.append(block_id)
-
-
 class _ScenarioError(Exception):
     """The scenario itself is inconsistent (not a backend failure)."""
 
@@ -477,14 +453,16 @@ _STOPPED_BEFORE_MOVING = (Operation.CHECK, Operation.PLAN, Operation.POST)
 
 
 @attrs.define(eq=False)
-class _Tables:
-    """The block tables of one request before clipping: what each side's pool lends it."""
+class _Played:
+    """One request as the scenario played it: its data and timing (the engines keep its tables)."""
 
     spec: Request
-    producer: BlockIds
-    consumer: BlockIds
     started: float
     ended: float | None = None
+
+    @property
+    def request_id(self) -> str:
+        return self.spec.request_id
 
 
 class _Play:
@@ -495,6 +473,13 @@ class _Play:
     out by the same driver core as the exchange endpoints.
     """
 
+    producer: Transport
+    consumer: Transport
+    producer_name: str
+    consumer_name: str
+    p_engine: ProducerEngine
+    c_engine: ConsumerEngine
+
     def __init__(self, scenario: Scenario, backend: Backend, connector: Connector) -> None:
         self.scenario = scenario
         self.backend = backend
@@ -502,7 +487,7 @@ class _Play:
         self.mode = TransferMode(scenario.mode)
         self.p_config = _build(scenario.config)
         self.c_config = _build(scenario.consumer_config) if scenario.consumer_config is not None else self.p_config
-        self.tables: dict[str, _Tables] = {}
+        self.tables: dict[str, _Played] = {}
         self.producers: dict[str, LiveRequest[ProducerSession]] = {}
         self.consumers: dict[str, LiveRequest[ConsumerSession]] = {}
         self.received: dict[str, int] = {}
@@ -534,13 +519,11 @@ class _Play:
         return agent
 
     def _drivers(self) -> None:
-        self.p_alloc = _Allocator(self.p_config.num_blocks)
-        self.c_alloc = _Allocator(self.c_config.num_blocks)
         self.p_driver = Driver(
             role=PRODUCER,
             transport=self.producer,
             clock=self.clock,
-            on_free=lambda request, _: self.p_alloc.release(self.tables[request.request_id].producer),
+            on_free=lambda request, _: self.p_engine.free_table(request.request_id, missing_ok=True),
             on_end=lambda request: None,
             on_message=self._on_producer_message,
             integrity=self._digester(self.p_config, self.producer_pool),
@@ -553,7 +536,8 @@ class _Play:
             on_end=self._consumer_ended,
             integrity=self._digester(self.c_config, self.consumer_pool),
         )
-        # The engine roles are kvspec's, the endpoints' own: the scenario gives them its blocks and its pairing.
+        # The engine roles are kvspec's, the endpoints' own: they allocate every table, the case's named ids as
+        # claims; the most recently freed block is reused first, so a block freed too early is seen (SM-2).
         self.p_engine = ProducerEngine(
             engine_id="producer",
             config=self.p_config,
@@ -561,6 +545,7 @@ class _Play:
             driver=self.p_driver,
             peer_config=lambda request: self.c_config,
             pair_offer=self._pair_offer,
+            reuse="latest",
         )
         self.c_engine = ConsumerEngine(
             engine_id="consumer",
@@ -571,6 +556,7 @@ class _Play:
             state_profile=StateProfile(self.scenario.state_profile),
             transfer_timeout=self.scenario.deadline,
             drain_timeout=self.scenario.drain,
+            reuse="latest",
         )
 
     def _digester(self, config: KVCacheConfig, pool: PagePool) -> PageDigester | None:
@@ -579,58 +565,30 @@ class _Play:
         # Both drivers are this process's: they digest with what a 1.3 handshake would choose (INT-2).
         return PageDigester(config, [r.buffer for r in pool.regions], algorithm=get_offered_algorithms()[0])
 
-    def _producer_table(self, spec: Request) -> BlockIds:
-        if spec.producer_block_ids is not None:
-            for ids in spec.producer_block_ids:
-                for block_id in ids:
-                    self.p_alloc.claim(block_id)
-            return spec.producer_block_ids
-        groups: list[list[int]] = []
-        for group in self.p_config.kv_cache_groups:
-            # The table covers T + R tokens; it is pruned with the T whose KV C takes (WIN-1).
-            total = get_logical_block_count(group.kv_cache_spec, num_tokens=spec.listed_tokens)
-            # P has computed every token; vLLM nulls the blocks its window skipped (docs/spec: WIN-1).
-            skipped = min(
-                get_num_skipped_tokens(group.kv_cache_spec, num_computed_tokens=spec.num_tokens)
-                // group.kv_cache_spec.block_size,
-                total,
-            )
-            # A state group's speculative scratch slots sit at the tail; the clip drops them (STATE-2).
-            scratch = get_scratch_slot_count(group.kv_cache_spec) if total else 0
-            groups.append(
-                [NULL_BLOCK_ID] * skipped + [self.p_alloc.allocate() for _ in range(total - skipped + scratch)]
-            )
-        return BlockIds(groups)
-
-    def _consumer_suffix(self, spec: Request) -> BlockIds:
-        if spec.consumer_block_ids is not None:
-            for ids in spec.consumer_block_ids:
-                for block_id in ids:
-                    self.c_alloc.claim(block_id)
-            return spec.consumer_block_ids
-        if spec.prefix_hit_tokens == spec.num_tokens:
-            return BlockIds([])  # full prefix hit: zero groups (CLIP-1)
-        counts = get_consumer_block_counts(
-            self.c_config,
+    def _start(self, spec: Request, now: float) -> None:
+        scenario = self.scenario
+        # The whole table vLLM holds for T + R tokens, pruned with T (WIN-1), or the one the case names.
+        p_ids = self.p_engine.allocate_table(
+            spec.request_id,
+            num_tokens=spec.num_tokens,
+            recomputed_tokens=spec.recomputed_tokens,
+            claim=spec.producer_block_ids,
+            whole=True,
+        )
+        # Keyed by true position, so a shifted pairing shows (ALIGN-1); past a state group's scratch slots (STATE-2).
+        ends = self.p_engine.get_page_ends(p_ids, num_tokens=spec.listed_tokens, declared=spec.producer_block_ends)
+        _fill_producer_pages(
+            self.producer_pool, p_ids, num_tokens=spec.listed_tokens, salt=spec.request_id, block_ends=ends
+        )
+        self.producer_expected = self.producer_pool.snapshot()
+        c_ids = self.c_engine.allocate_suffix(
+            spec.request_id,
             num_tokens=spec.num_tokens,
             prefix_hit_tokens=spec.prefix_hit_tokens,
             recomputed_tokens=spec.recomputed_tokens,
+            claim=spec.consumer_block_ids,
         )
-        return BlockIds([[self.c_alloc.allocate() for _ in range(n)] for n in counts])
-
-    def _start(self, spec: Request, now: float) -> None:
-        scenario = self.scenario
-        p_ids = self._producer_table(spec)
-        _fill_producer_pages(
-            self.producer_pool,
-            p_ids,
-            num_tokens=spec.listed_tokens,
-            salt=spec.request_id,
-            block_ends=self._fill_ends(spec, p_ids),  # keyed by true position, so a shifted pairing shows (ALIGN-1)
-        )
-        self.producer_expected = self.producer_pool.snapshot()
-        c_ids = self._consumer_suffix(spec)
-        self.tables[spec.request_id] = _Tables(spec=spec, producer=p_ids, consumer=c_ids, started=now)
+        self.tables[spec.request_id] = _Played(spec=spec, started=now)
         producer = self.p_engine.hold(
             spec.request_id,
             advertised=self.p_engine.clip(p_ids),
@@ -645,7 +603,9 @@ class _Play:
             # Protocol 1.1: set only when the request sets them, so they travel through the params dict.
             producer_block_ends=spec.producer_block_ends,
             recomputed_tokens=spec.recomputed_tokens,
-            state_tokens=self._state_tokens(spec),
+            state_tokens=self.p_engine.get_state_tokens(
+                spec.num_tokens, given=spec.state_tokens, send=spec.send_state_tokens
+            ),
         )
         self.producers[spec.request_id] = producer
         # The parameters reach the consumer as vLLM's dict, through the router.
@@ -662,23 +622,6 @@ class _Play:
             consumer_block_ends=spec.consumer_block_ends,  # a WRITE offer carries them (ALIGN-1)
             now=now,
         )
-
-    def _fill_ends(self, spec: Request, p_ids: BlockIds) -> tuple[int, ...] | None:
-        """Where P's lists end for keying its pages: a state group's scratch slots sit past its end (STATE-2)."""
-        states = get_state_group_indices(self.p_config)
-        if not states or len(p_ids) != self.p_config.num_groups:
-            return spec.producer_block_ends
-        ends = list(spec.producer_block_ends or get_block_ends_for(self.p_config, spec.listed_tokens))
-        for g in states:
-            scratch = min(get_scratch_slot_count(self.p_config.kv_cache_groups[g].kv_cache_spec), len(p_ids[g]) - 1)
-            ends[g] += max(scratch, 0)
-        return tuple(ends)
-
-    def _state_tokens(self, spec: Request) -> int | None:
-        """What P says its state absorbed: the request's value, else T where there is state (STATE-1)."""
-        if not spec.send_state_tokens or not get_state_group_indices(self.p_config):
-            return None
-        return spec.num_tokens if spec.state_tokens is None else spec.state_tokens
 
     # -- the role hooks
 
@@ -710,7 +653,7 @@ class _Play:
             self.received[request_id] = self.received.get(request_id, 0) + 1
 
     def _free_consumer(self, request: LiveRequest[ConsumerSession], block_ids: BlockIds) -> None:
-        self.c_alloc.release(self.tables[request.request_id].consumer)
+        self.c_engine.free_table(request.request_id, missing_ok=True)
 
     def _consumer_ended(self, request: LiveRequest[ConsumerSession]) -> None:
         tables = self.tables[request.request_id]
@@ -730,11 +673,12 @@ class _Play:
     def _expected(self, request_id: str, *, loaded: bool) -> ExpectedLoad:
         # The oracle's expectation comes from the reference, never from the connector under test.
         tables = self.tables[request_id]
-        consumer = BlockIds([]) if not loaded and self._moved_nothing(request_id) else tables.consumer
+        producer = self.p_engine.tables[request_id]
+        consumer = BlockIds([]) if not loaded and self._moved_nothing(request_id) else self.c_engine.tables[request_id]
         return ExpectedLoad(
             # A state group's one slot lands in C's one slot, both at the list's last position (STATE-2).
             producer_block_ids=get_state_clipped_blocks(
-                self.p_config, get_exchange_clipped_blocks(tables.producer, get_blocks_per_sw(self.p_config))
+                self.p_config, get_exchange_clipped_blocks(producer, get_blocks_per_sw(self.p_config))
             ),
             consumer_block_ids=get_state_clipped_blocks(
                 self.c_config, get_exchange_clipped_blocks(consumer, get_blocks_per_sw(self.c_config))
@@ -835,13 +779,12 @@ class _Play:
                         self.problems.append(f"closing {agent.name}: {exc}")
         for rid, request in self.consumers.items():
             if not request.freed:
-                self.c_alloc.release(self.tables[rid].consumer)  # the engine finishes every request
-        if len(self.c_alloc.free) != self.c_alloc.baseline:
-            self.problems.append(f"consumer free blocks {len(self.c_alloc.free)}, baseline {self.c_alloc.baseline}")
-        if len(self.p_alloc.free) != self.p_alloc.baseline:
-            self.problems.append(
-                f"producer free blocks {len(self.p_alloc.free)}, baseline {self.p_alloc.baseline} (leaked, SM-1)"
-            )
+                self.c_engine.free_table(rid, missing_ok=True)  # the engine finishes every request
+        c_alloc, p_alloc = self.c_engine.allocator, self.p_engine.allocator
+        if c_alloc.num_free != c_alloc.baseline:
+            self.problems.append(f"consumer free blocks {c_alloc.num_free}, baseline {c_alloc.baseline}")
+        if p_alloc.num_free != p_alloc.baseline:
+            self.problems.append(f"producer free blocks {p_alloc.num_free}, baseline {p_alloc.baseline} (leaked, SM-1)")
         faults = [*self.c_driver.faults, *self.p_driver.faults]
         self.problems += [f"undecodable notification: {f} (VER-1)" for f in faults if f.operation is Operation.DECODE]
         return ScenarioResult(
@@ -1002,11 +945,6 @@ class _Play:
 
 def _settle_pause() -> None:
     time.sleep(0.001)
-
-
-def get_block_ends_for(config: KVCacheConfig, num_tokens: int) -> tuple[int, ...]:
-    """Each group's last block plus one for ``num_tokens`` tokens: where a whole table ends (WIN-1)."""
-    return tuple(get_logical_block_count(g.kv_cache_spec, num_tokens=num_tokens) for g in config.kv_cache_groups)
 
 
 def _fill_background(pool: PagePool, *, seed: str) -> None:

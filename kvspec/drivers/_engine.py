@@ -22,10 +22,17 @@ conformance suite's scenarios:
   ends the session FAILED with the typed reason and its one release
   (FAIL-1, REL-1); otherwise the session starts.
 
-Block pools stay the caller's: an endpoint hands out blocks from its
-:class:`kvspec.exchange.BlockAllocator`, a scenario from the ids its case
-names. What varies is passed in as a callable, never decided by branching on
-the caller.
+Which blocks a request gets is the engines' too, through one
+:class:`BlockAllocator` each (:mod:`kvspec.drivers._tables`, imported by
+this module alone): the producer's table after prefill (pruned as vLLM
+prunes, a state group's scratch slots at its tail), the consumer's uncached
+suffix, and where each list ends. Each engine keeps the tables it handed out
+(``tables``, by request id) and frees them when the driver frees the request.
+An endpoint lets the engine allocate; a scenario whose case names its block
+ids passes them as a claim (``claim=``), and the engine takes them from the
+same free list. Only this module allocates request tables (tests/test_engine_seam.py).
+What varies is passed in as a value or a callable, never decided by
+branching on the caller.
 """
 
 from __future__ import annotations
@@ -34,17 +41,33 @@ from collections.abc import Callable
 
 from kvspec.core._enums import FailureReason, StateProfile, TransferMode
 from kvspec.core._errors import IncompatiblePeerError, KVSpecError, TransportError
-from kvspec.core._models import BlockIds, KVCacheConfig
+from kvspec.core._models import NULL_BLOCK_ID, BlockIds, KVCacheConfig
 from kvspec.drivers._connector import Connector, pair_keywords
 from kvspec.drivers._driver import Driver, LiveRequest, Operation, reason_of
+from kvspec.drivers._tables import (
+    BlockAllocator,
+    Reuse,
+    get_block_ends,
+    get_page_ends,
+    get_producer_table_shape,
+    get_suffix_counts,
+)
 from kvspec.protocol._plan import TransferPlan
 from kvspec.protocol._session import DEFAULT_DRAIN_TIMEOUT, ConsumerSession, ProducerSession
 from kvspec.reference._integrity import BlockPairsLike
 from kvspec.reference._messages import BlockOffer, TransferParams
 from kvspec.reference._reference import compute_block_pairs
-from kvspec.spec.state import check_state_position, get_state_paired_lists
+from kvspec.spec.state import check_state_position, get_state_group_indices, get_state_paired_lists
 
-__all__ = ["ConsumerEngine", "PairOffer", "ProducerEngine", "pair_offer_by_ends"]
+__all__ = [
+    "BlockAllocator",
+    "ConsumerEngine",
+    "PairOffer",
+    "ProducerEngine",
+    "Reuse",
+    "get_block_ends",
+    "pair_offer_by_ends",
+]
 
 PairOffer = Callable[[LiveRequest[ProducerSession], BlockOffer], BlockPairsLike]
 """How a producer pairs its list with a consumer's offer (ALIGN-1, STATE-3)."""
@@ -77,7 +100,30 @@ def pair_offer_by_ends(config: KVCacheConfig) -> PairOffer:
     return pair
 
 
-class ProducerEngine:
+class _TableOwner:
+    """What both engine roles share: one allocator over the engine's pool, and the tables it handed out."""
+
+    config: KVCacheConfig
+
+    def _own_tables(self, on_free: Callable[[list[int]], None] | None, reuse: Reuse) -> None:
+        self.allocator = BlockAllocator(self.config.num_blocks, on_free=on_free, reuse=reuse)
+        self.tables: dict[str, BlockIds] = {}
+
+    def _keep(self, request_id: str | None, table: BlockIds) -> BlockIds:
+        if request_id is not None:
+            self.tables[request_id] = table
+        return table
+
+    def free_blocks(self, block_ids: BlockIds, *, missing_ok: bool = False) -> None:
+        """Return a request's blocks to the pool (SM-1, SM-2); ``missing_ok``: a claimed table may share blocks."""
+        self.allocator.free_groups(block_ids, missing_ok=missing_ok)
+
+    def free_table(self, request_id: str, *, missing_ok: bool = False) -> None:
+        """Return the table handed out for ``request_id`` to the pool; the record stays for whoever judges it."""
+        self.free_blocks(self.tables[request_id], missing_ok=missing_ok)
+
+
+class ProducerEngine(_TableOwner):
     """The prefill engine's steps: clip, hold the blocks in a session, pair and plan a WRITE (CLIP-1, SM-1, PLAN-1).
 
     ``peer_config`` gives the layout of the consumer a request talks to;
@@ -95,6 +141,8 @@ class ProducerEngine:
         driver: Driver[ProducerSession],
         peer_config: Callable[[LiveRequest[ProducerSession]], KVCacheConfig],
         pair_offer: PairOffer | None = None,
+        on_free: Callable[[list[int]], None] | None = None,
+        reuse: Reuse = "lowest",
     ) -> None:
         self.engine_id = engine_id
         self.config = config
@@ -102,7 +150,53 @@ class ProducerEngine:
         self.driver = driver
         self.peer_config = peer_config
         self.pair_offer: PairOffer = pair_offer_by_ends(config) if pair_offer is None else pair_offer
+        self._own_tables(on_free, reuse)
         driver.plan_write = self.plan_write
+
+    def allocate_table(
+        self,
+        request_id: str | None,
+        *,
+        num_tokens: int,
+        recomputed_tokens: int = 0,
+        claim: BlockIds | None = None,
+        whole: bool = False,
+    ) -> BlockIds:
+        """The request's table after prefill of ``T + R`` tokens, pruned with ``T`` (WIN-1, CLIP-1, STATE-2).
+
+        By default only what is advertised is allocated (the table clipped,
+        CLIP-1), so the pool never needs the whole unpruned table; ``whole``
+        allocates every real block vLLM holds, scratch slots included.
+        ``claim`` is a table the caller names: its free ids are taken as they
+        are. The table is kept under ``request_id`` (``None``: not kept).
+        """
+        if claim is not None:
+            return self._keep(request_id, self.allocator.claim(claim))
+        shape = get_producer_table_shape(self.config, num_tokens=num_tokens, recomputed_tokens=recomputed_tokens)
+        if not whole:
+            shape = self.clip(shape)
+        real = self.allocator.allocate_groups([sum(1 for b in group if b != NULL_BLOCK_ID) for group in shape])
+        table = []
+        for group, ids in zip(shape, real, strict=True):
+            fresh = iter(ids)
+            table.append([NULL_BLOCK_ID if b == NULL_BLOCK_ID else next(fresh) for b in group])
+        return self._keep(request_id, BlockIds(table))
+
+    def get_table_ends(self, num_tokens: int) -> tuple[int, ...]:
+        """Where an unclipped table for ``num_tokens`` tokens ends: it starts at logical block 0 (ALIGN-1)."""
+        return get_block_ends(self.config, num_tokens)
+
+    def get_page_ends(
+        self, table: BlockIds, *, num_tokens: int, declared: tuple[int, ...] | None
+    ) -> tuple[int, ...] | None:
+        """Where ``table``'s lists end for keying its pages: past a state group's scratch slots (STATE-2)."""
+        return get_page_ends(self.config, table, num_tokens=num_tokens, declared=declared)
+
+    def get_state_tokens(self, num_tokens: int, *, given: int | None = None, send: bool = True) -> int | None:
+        """What P says its state absorbed: ``given``, else ``T``; ``None`` without state or unsent (STATE-1)."""
+        if not send or not get_state_group_indices(self.config):
+            return None
+        return num_tokens if given is None else given
 
     def clip(self, block_ids: BlockIds) -> BlockIds:
         """The advertised form of a table: clipped through the connector seam (CLIP-1)."""
@@ -153,12 +247,13 @@ class ProducerEngine:
         return self.connector.plan(producer_config=self.config, consumer_config=self.peer_config(request), pairs=pairs)
 
 
-class ConsumerEngine:
+class ConsumerEngine(_TableOwner):
     """The decode engine's steps for one request: arrive, allocate, clip, session, check, pair, plan, start.
 
     ``state_profile`` is where this engine's transferred state stands (only
     with state groups, STATE-1); ``transfer_timeout``, ``drain_timeout`` and
-    ``start_margin`` are the sessions' (SM-2).
+    ``start_margin`` are the sessions' (SM-2); ``on_free`` and ``reuse``
+    the allocator's (:class:`BlockAllocator`).
     """
 
     def __init__(
@@ -173,6 +268,8 @@ class ConsumerEngine:
         transfer_timeout: float | None = None,
         drain_timeout: float = DEFAULT_DRAIN_TIMEOUT,
         start_margin: float = 0.0,
+        on_free: Callable[[list[int]], None] | None = None,
+        reuse: Reuse = "lowest",
     ) -> None:
         self.engine_id = engine_id
         self.config = config
@@ -183,6 +280,37 @@ class ConsumerEngine:
         self.transfer_timeout = transfer_timeout
         self.drain_timeout = drain_timeout
         self.start_margin = start_margin
+        self._own_tables(on_free, reuse)
+
+    def allocate_suffix(
+        self,
+        request_id: str | None,
+        *,
+        num_tokens: int,
+        prefix_hit_tokens: int,
+        recomputed_tokens: int = 0,
+        claim: BlockIds | None = None,
+    ) -> BlockIds:
+        """The uncached suffix after a prefix hit, before clipping; zero groups for a full hit (CLIP-1, WIN-1).
+
+        ``claim`` is a suffix the caller names: its free ids are taken as they
+        are. The suffix is kept under ``request_id`` (``None``: not kept).
+        """
+        if claim is not None:
+            return self._keep(request_id, self.allocator.claim(claim))
+        counts = get_suffix_counts(
+            self.config,
+            num_tokens=num_tokens,
+            prefix_hit_tokens=prefix_hit_tokens,
+            recomputed_tokens=recomputed_tokens,
+        )
+        return self._keep(request_id, BlockIds([]) if counts is None else self.allocator.allocate_groups(counts))
+
+    def get_suffix_ends(self, params: TransferParams, *, prefix_hit_tokens: int) -> tuple[int, ...] | None:
+        """Where C's suffix ends: the request's last block, ``T + R`` tokens; ``None`` when nothing moves (ALIGN-1)."""
+        if prefix_hit_tokens >= params.num_tokens:
+            return None
+        return get_block_ends(self.config, params.num_tokens + params.recomputed_tokens)
 
     def begin(
         self,
