@@ -37,13 +37,17 @@ branching on the caller.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+
+import attrs
 
 from kvspec.core._enums import FailureReason, StateProfile, TransferMode
 from kvspec.core._errors import IncompatiblePeerError, KVSpecError, TransportError
 from kvspec.core._models import NULL_BLOCK_ID, BlockIds, KVCacheConfig
 from kvspec.drivers._connector import Connector, pair_keywords
-from kvspec.drivers._driver import Driver, LiveRequest, Operation, reason_of
+from kvspec.drivers._driver import OFFLOAD, Driver, LiveRequest, Operation, poll_until, reason_of
 from kvspec.drivers._tables import (
     BlockAllocator,
     Reuse,
@@ -52,19 +56,26 @@ from kvspec.drivers._tables import (
     get_producer_table_shape,
     get_suffix_counts,
 )
+from kvspec.protocol._offload_session import ChunkCopy, OffloadKind, OffloadSession
 from kvspec.protocol._plan import TransferPlan
 from kvspec.protocol._session import DEFAULT_DRAIN_TIMEOUT, ConsumerSession, ProducerSession
 from kvspec.reference._integrity import BlockPairsLike
 from kvspec.reference._messages import BlockOffer, TransferParams
 from kvspec.reference._reference import compute_block_pairs
+from kvspec.spec.offload import LoadSet, OffloadConfig, StoreSet, get_sub_block_offset, is_chunk_present
 from kvspec.spec.state import check_state_position, get_state_group_indices, get_state_paired_lists
+from kvspec.transport._base import Transport
 
 __all__ = [
     "BlockAllocator",
+    "ChunkKey",
     "ConsumerEngine",
+    "GpuCopy",
+    "OffloadEngine",
     "PairOffer",
     "ProducerEngine",
     "Reuse",
+    "StorePlan",
     "get_block_ends",
     "pair_offer_by_ends",
 ]
@@ -400,3 +411,237 @@ class ConsumerEngine(_TableOwner):
         )
         request.pairs = pairs  # what the transfer moves: digested and checked with INT-1 on
         return self.connector.plan(producer_config=peer_config, consumer_config=self.config, pairs=pairs)
+
+
+# --------------------------------------------------------------------------- offload
+
+ChunkKey = tuple[str, int, int]
+"""What OFF-2's chained-hash key names: (prefix, group, chunk index)."""
+
+GpuCopy = tuple[int, int, int, int, int]
+"""(GPU region, GPU offset, chunk region, chunk offset, bytes): one page a copy moves (OFF-7)."""
+
+
+@attrs.define(eq=False)
+class StorePlan:
+    """What one store moves: its copies, the sub-blocks they write, and the rows it holds in flight (OFF-3, OFF-4)."""
+
+    copies: list[GpuCopy] = attrs.field(factory=list)
+    writes: list[tuple[ChunkKey, int, int, int, str]] = attrs.field(factory=list)  # key, row, sub, group, layer
+    rows: dict[ChunkKey, int] = attrs.field(factory=dict)
+
+
+def _no_blocks(request: LiveRequest[OffloadSession], block_ids: BlockIds) -> None:
+    """A copy frees no block: the offload engine's tables hold them."""
+
+
+def _ended(request: LiveRequest[OffloadSession]) -> None:
+    """The caller reads the copy's session where it waits for it."""
+
+
+class OffloadEngine:
+    """The offload engine's steps over the OFF-4 table: lookup, load, store and evict; its GPU blocks and copies.
+
+    The chunk table is LRU over ``chunk_rows`` rows of the chunk pool; a key
+    is present only once all ``f`` sub-blocks of its chunk were written and
+    no copy into it is in flight (OFF-4, :func:`kvspec.spec.offload.is_chunk_present`);
+    a key in flight is never evicted. GPU blocks come from one allocator
+    (the block freed last first). Every copy is an
+    :class:`OffloadSession` carried out by the driver of the agent that
+    posts it: the GPU agent where the backend lets it, else the chunk agent.
+    """
+
+    def __init__(
+        self,
+        *,
+        config: KVCacheConfig,
+        chunk_config: KVCacheConfig,
+        offload: OffloadConfig,
+        chunk_rows: int,
+        gpu: Transport,
+        chunks: Transport,
+        modes: Iterable[TransferMode],
+        timeout: float,
+    ) -> None:
+        self.config = config
+        self.chunk_config = chunk_config
+        self.f = offload.blocks_per_chunk
+        self.sizes = [group.kv_cache_spec.block_size * self.f for group in config.kv_cache_groups]
+        self.timeout = timeout
+        self.allocator = BlockAllocator(config.num_blocks, reuse="latest")
+        self.free_rows = list(range(chunk_rows - 1, -1, -1))
+        self.rows: OrderedDict[ChunkKey, int] = OrderedDict()
+        self.written: dict[int, set[int]] = {}
+        self.in_flight: dict[int, int] = {}
+        self.evictions = 0
+        self.posted = 0
+        allowed = set(modes)
+        self.write_ok, self.read_ok = TransferMode.WRITE in allowed, TransferMode.READ in allowed
+        self.chunk_name = gpu.add_remote_agent(chunks.get_agent_metadata())
+        self.gpu_name = chunks.add_remote_agent(gpu.get_agent_metadata())
+        self.gpu_driver: Driver[OffloadSession] = Driver(
+            role=OFFLOAD, transport=gpu, clock=time.monotonic, on_free=_no_blocks, on_end=_ended
+        )
+        self.chunk_driver: Driver[OffloadSession] = Driver(
+            role=OFFLOAD, transport=chunks, clock=time.monotonic, on_free=_no_blocks, on_end=_ended
+        )
+
+    # -- the OFF-4 table
+
+    def is_present(self, key: ChunkKey) -> bool:
+        """The key's chunk is whole in the chunk pool and nothing writes it (OFF-4)."""
+        row = self.rows.get(key)
+        return row is not None and is_chunk_present(
+            sub_blocks_written=len(self.written[row]),
+            blocks_per_chunk=self.f,
+            copies_in_flight=self.in_flight.get(row, 0),
+        )
+
+    def lookup(self, prefix: str, num_tokens: int) -> list[list[bool]]:
+        """Per group, which chunks of ``[0, N)`` are present: what OFF-5's hit reads (OFF-4, OFF-5)."""
+        return [
+            [self.is_present((prefix, g, k)) for k in range(num_tokens // size)] for g, size in enumerate(self.sizes)
+        ]
+
+    def touch(self, key: ChunkKey) -> None:
+        """A read or a repeated store makes the key the most recently used (OFF-4)."""
+        if key in self.rows:
+            self.rows.move_to_end(key)
+
+    def evict(self, key: ChunkKey) -> bool:
+        """Drop an idle key; its bytes stay, so a reader of an evicted row sees stale data (OFF-4)."""
+        row = self.rows.get(key)
+        if row is None or self.in_flight.get(row):
+            return False
+        del self.rows[key]
+        self.written.pop(row, None)
+        self.free_rows.append(row)
+        self.evictions += 1
+        return True
+
+    def _row_for_store(self, key: ChunkKey) -> int | None:
+        """The row a store of ``key`` writes into, evicting the LRU idle key when full; None when none is free."""
+        row = self.rows.get(key)
+        if row is not None:
+            return None if self.in_flight.get(row) else row
+        if not self.free_rows:
+            victim = next((k for k, r in self.rows.items() if not self.in_flight.get(r)), None)
+            if victim is None:
+                return None
+            self.evict(victim)
+        row = self.free_rows.pop()
+        self.rows[key] = row
+        self.written[row] = set()
+        return row
+
+    def chunk_address(self, layer: str, row: int, sub: int, g: int) -> tuple[int, int]:
+        """Where sub-block ``sub`` of chunk row ``row`` sits for ``layer`` (OFF-7)."""
+        region, _ = self.chunk_config.page_offset(layer, 0)
+        page = self.config.kv_cache_groups[g].kv_cache_spec.page_size_bytes
+        return region, get_sub_block_offset(row, sub, page_size=page, blocks_per_chunk=self.f)
+
+    def _copy(self, layer: str, block_id: int, row: int, sub: int, g: int) -> GpuCopy:
+        gpu_region, gpu_offset = self.config.page_offset(layer, block_id)
+        chunk_region, chunk_offset = self.chunk_address(layer, row, sub, g)
+        page = self.config.kv_cache_groups[g].kv_cache_spec.page_size_bytes
+        return gpu_region, gpu_offset, chunk_region, chunk_offset, page
+
+    def plan_store(self, prefix: str, store: StoreSet, maps: Sequence[Sequence[tuple[int, int]]]) -> StorePlan:
+        """The copies a store set calls for: keys present are touched, not stored again (OFF-3, OFF-4, OFF-7).
+
+        Each row written is held in flight until :meth:`land`, so it is never
+        evicted mid-store; a key already in flight, or a pool full of keys in
+        flight, is not stored.
+        """
+        plan = StorePlan()
+        for g, ((first, _stop), ids, mapping) in enumerate(zip(store.chunk_ranges, store.block_ids, maps, strict=True)):
+            for block_id, (entry, sub) in zip(ids, mapping, strict=True):
+                key = (prefix, g, first + entry)
+                if self.is_present(key):
+                    self.touch(key)
+                    continue
+                row = plan.rows.get(key)
+                if row is None:
+                    row = self._row_for_store(key)
+                    if row is None:
+                        continue
+                    plan.rows[key] = row
+                    self.in_flight[row] = self.in_flight.get(row, 0) + 1
+                for layer in self.config.kv_cache_groups[g].layer_names:
+                    plan.copies.append(self._copy(layer, block_id, row, sub, g))
+                    plan.writes.append((key, row, sub, g, layer))
+        return plan
+
+    def land(self, plan: StorePlan) -> None:
+        """A store landed: its sub-blocks are written and its rows leave flight (OFF-4)."""
+        for _key, row, sub, _g, _layer in plan.writes:
+            self.written[row].add(sub)
+        for row in plan.rows.values():
+            self.in_flight[row] -= 1
+
+    def plan_load(
+        self, prefix: str, load: LoadSet, maps: Sequence[Sequence[tuple[int, int]]]
+    ) -> tuple[list[GpuCopy], tuple[int, int] | None]:
+        """The copies a load set calls for, or the first (group, chunk) it reads that is not present (OFF-4, OFF-6)."""
+        copies: list[GpuCopy] = []
+        for g, ((first, _stop), ids, mapping) in enumerate(zip(load.chunk_ranges, load.block_ids, maps, strict=True)):
+            for block_id, (entry, sub) in zip(ids, mapping, strict=True):
+                key = (prefix, g, first + entry)
+                if not self.is_present(key):
+                    return copies, (g, first + entry)
+                self.touch(key)
+                row = self.rows[key]
+                for layer in self.config.kv_cache_groups[g].layer_names:
+                    copies.append(self._copy(layer, block_id, row, sub, g))
+        return copies, None
+
+    # -- GPU blocks
+
+    def allocate_block(self) -> int | None:
+        """One GPU block for a request's table, the one freed last first; None when the pool is empty."""
+        return self.allocator.allocate(1)[0] if self.allocator.num_free else None
+
+    def free_table(self, table: Sequence[Sequence[int]]) -> None:
+        """Return a request's GPU blocks (nulls skipped)."""
+        self.allocator.free((b for ids in table for b in ids), missing_ok=True)
+
+    # -- copies
+
+    def post(self, to_chunks: bool, copies: Sequence[GpuCopy], what: str) -> LiveRequest[OffloadSession]:
+        """Post a store (``to_chunks``) or a load as one copy session; the GPU agent posts if it can (OFF-3, OFF-6)."""
+        gpu_posts = self.write_ok if to_chunks else self.read_ok
+        mode = TransferMode.WRITE if to_chunks == gpu_posts else TransferMode.READ
+        driver, peer = (self.gpu_driver, self.chunk_name) if gpu_posts else (self.chunk_driver, self.gpu_name)
+        self.posted += 1
+        session = OffloadSession(
+            request_id=f"{what} (copy {self.posted})",
+            kind=OffloadKind.STORE if to_chunks else OffloadKind.LOAD,
+            mode=mode,
+            copies=[
+                ChunkCopy(gpu_region=a, gpu_offset=b, chunk_region=c, chunk_offset=d, nbytes=n)
+                for a, b, c, d, n in copies
+            ],
+            timeout=self.timeout,
+        )
+        request = driver.add(LiveRequest(session=session, peer=peer))
+        driver.execute(request, session.start(now=time.monotonic()))
+        return request
+
+    def post_refusal(self, request: LiveRequest[OffloadSession]) -> KVSpecError | None:
+        """The error the backend refused a copy's post with, if it did."""
+        for driver in (self.gpu_driver, self.chunk_driver):
+            for fault in driver.faults:
+                if fault.request_id == request.request_id and fault.operation is Operation.POST:
+                    return fault.error
+        return None
+
+    def poll(self) -> None:
+        """Both agents: the passive one polls so that its backend can progress."""
+        self.gpu_driver.poll()
+        self.chunk_driver.poll()
+
+    def wait(self, request: LiveRequest[OffloadSession]) -> OffloadSession:
+        """Poll until the copy ends: DONE, or FAILED by the backend or by its own timeout (FAIL-1)."""
+        session = request.session
+        poll_until(self.poll, done=lambda: session.is_terminal, spin=10)
+        return session
