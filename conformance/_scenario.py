@@ -19,12 +19,13 @@ plays it on a backend:
    :class:`kvspec.exchange.ConsumerEngine`: clip, session, check, pair,
    plan, start) and carried out by two :class:`kvspec.exchange.Driver`
    cores, one per agent: the same code that runs kvspec's exchange
-   endpoints. The scenario gives them its blocks and, for a WRITE, the
-   producer's pairing through the connector under test with the request's
-   prefix hit. The connector under test clips, pairs and plans (the
+   endpoints (the stage, ``_Stage``). The engines allocate the tables; for
+   a WRITE the producer pairs through the connector under test with the
+   request's prefix hit (:func:`kvspec.exchange.pair_offer_by_connector`).
+   The connector under test clips, pairs and plans (the
    connector seam); the scenario's deadline is the consumer's transfer
    timeout, its lease and drain the sessions' lease and drain.
-4. What is the scenario's own: its data, its fault timing (a consumer abort
+4. What is the scenario's own (``_Play``, ``_Oracle``): its data, its fault timing (a consumer abort
    or the initiator forgetting its peer after so many polls), and the
    oracle. Polling runs until every request ended on both sides, wave by
    wave, with a hard bound; then a short quiet period so that late writes
@@ -46,8 +47,6 @@ import attrs
 
 from kvspec import (
     BlockIds,
-    BlockOffer,
-    BlockPairsLike,
     CacheAccountingError,
     ConsumerSession,
     ConsumerState,
@@ -73,7 +72,6 @@ from kvspec import (
     get_exchange_clipped_blocks,
     is_hma_required,
 )
-from kvspec.connector import pair_keywords
 from kvspec.exchange import (
     CONSUMER,
     PRODUCER,
@@ -82,6 +80,7 @@ from kvspec.exchange import (
     LiveRequest,
     Operation,
     ProducerEngine,
+    pair_offer_by_connector,
     poll_until,
 )
 from kvspec.presets import get_preset
@@ -95,6 +94,7 @@ from kvspec.testing import (
     ExpectedLoad,
     PageMismatch,
     PagePool,
+    PoolSnapshot,
     allocate_pool,
     check_loaded_pages,
     check_pools,
@@ -465,20 +465,142 @@ class _Played:
         return self.spec.request_id
 
 
-class _Play:
-    """Plays one scenario: two engine roles over two driver cores on the backend's agents, then the oracle.
+class _Oracle:
+    """The scenario's oracle: what each request's pages must hold, how it ended, and what leaked (DONE-1, SM-1).
 
-    Only scenario data, fault timing and the oracle live here; a request's
-    steps are kvspec's engine roles', its lifecycle the sessions', carried
-    out by the same driver core as the exchange endpoints.
+    Its expectations come from the reference, never from the connector under test.
+    """
+
+    def __init__(self, play: _Play) -> None:
+        self.play = play
+
+    def moved_nothing(self, request_id: str) -> bool:
+        return not (self.play.consumers[request_id].posted or self.play.producers[request_id].posted)
+
+    def expected(self, request_id: str, *, loaded: bool) -> ExpectedLoad:
+        play = self.play
+        tables = play.tables[request_id]
+        producer = play.p_engine.tables[request_id]
+        consumer = BlockIds([]) if not loaded and self.moved_nothing(request_id) else play.c_engine.tables[request_id]
+        return ExpectedLoad(
+            # A state group's one slot lands in C's one slot, both at the list's last position (STATE-2).
+            producer_block_ids=get_state_clipped_blocks(
+                play.p_config, get_exchange_clipped_blocks(producer, get_blocks_per_sw(play.p_config))
+            ),
+            consumer_block_ids=get_state_clipped_blocks(
+                play.c_config, get_exchange_clipped_blocks(consumer, get_blocks_per_sw(play.c_config))
+            ),
+            num_tokens=tables.spec.listed_tokens,
+            salt=request_id,
+            loaded=loaded,
+            # Pages are placed by where each list really ends, so a shifted pairing shows (ALIGN-1).
+            producer_block_ends=tables.spec.producer_block_ends,
+            consumer_block_ends=tables.spec.consumer_block_ends,
+        )
+
+    def outcome(self, request_id: str) -> RequestOutcome:
+        play = self.play
+        consumer = play.consumers[request_id].session
+        producer = play.producers[request_id].session
+        reason: FailureReason | None = None
+        detail = ""
+        if consumer.failure is not None:
+            reason, detail = consumer.failure.reason, consumer.failure.detail
+        elif consumer.state is ConsumerState.ABORTED:
+            reason, detail = FailureReason.ABORTED, "aborted by the consumer"
+        stopped = [
+            f.error
+            for f in (*play.c_driver.faults, *play.p_driver.faults)
+            if f.request_id == request_id and f.operation in _STOPPED_BEFORE_MOVING
+        ]
+        tables = play.tables[request_id]
+        return RequestOutcome(
+            request_id=request_id,
+            consumer_state=consumer.state,
+            producer_state=producer.state,
+            reason=reason,
+            error=stopped[0] if stopped else None,
+            detail=detail,
+            posted=not self.moved_nothing(request_id),
+            releases_sent=0 if consumer.release is None else 1,
+            releases_received=play.received.get(request_id, 0),
+            seconds=0.0 if tables.ended is None else max(0.0, tables.ended - tables.started),
+        )
+
+    def judge_pools(self, consumer_before: PoolSnapshot) -> tuple[list[str], list[PageMismatch]]:
+        """Completions before the data was visible, then every page of both pools (DONE-1, SM-2)."""
+        play = self.play
+        early = self._judge_early_completions()
+        loads = [
+            self.expected(rid, loaded=play.consumers[rid].session.state is ConsumerState.LOADED) for rid in play.tables
+        ]
+        producer_pool = play.producer_pool
+        mismatches = check_pools(
+            # A pool on another host is compared by digests; its bytes are read only when they differ.
+            producer=producer_pool.verified() if isinstance(producer_pool, RemotePool) else producer_pool,
+            consumer=play.consumer_pool,
+            producer_before=play.producer_expected,
+            consumer_before=consumer_before,
+            loads=loads,
+        )
+        return early, mismatches
+
+    def _judge_early_completions(self) -> list[str]:
+        early = []
+        for request_id, load, at_completion in self.play.completed_early:
+            still_wrong = {(m.layer, m.block) for m in check_loaded_pages(self.play.consumer_pool, load)}
+            late = [m for m in at_completion if (m.layer, m.block) not in still_wrong]
+            if late:
+                early.append(
+                    f"{request_id}: reported complete while {len(late)} paired pages had not landed yet, "
+                    f"e.g. group {late[0].group}, layer {late[0].layer!r}, block {late[0].block}"
+                )
+        return early
+
+    def result(
+        self, *, refused: KVSpecError | None, mismatches: list[PageMismatch], early: list[str], started: float
+    ) -> ScenarioResult:
+        """The findings, once every block is back: a leak is a problem (SM-1, SM-2), so is an undecodable message."""
+        play = self.play
+        for rid, request in play.consumers.items():
+            if not request.freed:
+                play.c_engine.free_table(rid, missing_ok=True)  # the engine finishes every request
+        c_alloc, p_alloc = play.c_engine.allocator, play.p_engine.allocator
+        if c_alloc.num_free != c_alloc.baseline:
+            play.problems.append(f"consumer free blocks {c_alloc.num_free}, baseline {c_alloc.baseline}")
+        if p_alloc.num_free != p_alloc.baseline:
+            play.problems.append(f"producer free blocks {p_alloc.num_free}, baseline {p_alloc.baseline} (leaked, SM-1)")
+        faults = [*play.c_driver.faults, *play.p_driver.faults]
+        play.problems += [f"undecodable notification: {f} (VER-1)" for f in faults if f.operation is Operation.DECODE]
+        return ScenarioResult(
+            refused=refused,
+            outcomes={rid: self.outcome(rid) for rid in play.tables},
+            mismatches=tuple(mismatches),
+            early_completions=tuple(early),
+            problems=tuple(play.problems),
+            injected=tuple(f for injector in play.injectors for f in injector.injected),
+            lost_messages=tuple(str(f) for f in faults if f.operation is Operation.SEND),
+            seconds=time.monotonic() - started,
+        )
+
+
+class _Stage:
+    """The stage of a scenario: both pools, both agents, two driver cores and kvspec's two engine roles.
+
+    The engine roles are the endpoints' own: they allocate every table and
+    play each request's steps; the stage wires them to the suite's pools and
+    agents, and plays the handshake (HS-1).
     """
 
     producer: Transport
     consumer: Transport
     producer_name: str
     consumer_name: str
+    producer_pool: PagePool
+    consumer_pool: PagePool
     p_engine: ProducerEngine
     c_engine: ConsumerEngine
+    tables: dict[str, _Played]
 
     def __init__(self, scenario: Scenario, backend: Backend, connector: Connector) -> None:
         self.scenario = scenario
@@ -487,20 +609,9 @@ class _Play:
         self.mode = TransferMode(scenario.mode)
         self.p_config = _build(scenario.config)
         self.c_config = _build(scenario.consumer_config) if scenario.consumer_config is not None else self.p_config
-        self.tables: dict[str, _Played] = {}
-        self.producers: dict[str, LiveRequest[ProducerSession]] = {}
-        self.consumers: dict[str, LiveRequest[ConsumerSession]] = {}
-        self.received: dict[str, int] = {}
-        self.polls: dict[str, int] = {}
-        self.completed_early: list[tuple[str, ExpectedLoad, list[PageMismatch]]] = []
-        self.problems: list[str] = []
         self.injectors: list[FaultInjector] = []
         # The sessions' clock: a starved process's lost time does not count against a deadline (FAIL-1).
         self.clock = PollClock()
-        # What bounds a wave (_loop): the sessions' clock, with a fifth of wall time as a floor.
-        self.stop_clock: Callable[[], float] = self.clock
-
-    # -- setup
 
     def _pool(self, role: str, config: KVCacheConfig) -> PagePool:
         """The suite's shared-memory pool, or, with ``--peer``, the producer's pool on the agent server."""
@@ -544,7 +655,10 @@ class _Play:
             connector=self.connector,
             driver=self.p_driver,
             peer_config=lambda request: self.c_config,
-            pair_offer=self._pair_offer,
+            # The suite knows the prefix hit: a WRITE moves the connector's own pairing (WIN-1, ALIGN-1).
+            pair_offer=pair_offer_by_connector(
+                self.connector, self.p_config, lambda request_id: self.tables[request_id].spec.prefix_hit_tokens
+            ),
             reuse="latest",
         )
         self.c_engine = ConsumerEngine(
@@ -564,6 +678,82 @@ class _Play:
             return None
         # Both drivers are this process's: they digest with what a 1.3 handshake would choose (INT-2).
         return PageDigester(config, [r.buffer for r in pool.regions], algorithm=get_offered_algorithms()[0])
+
+    def _free_consumer(self, request: LiveRequest[ConsumerSession], block_ids: BlockIds) -> None:
+        self.c_engine.free_table(request.request_id, missing_ok=True)
+
+    def _on_producer_message(self, request_id: str, peer: str, message: Message) -> None:
+        raise NotImplementedError
+
+    def _consumer_ended(self, request: LiveRequest[ConsumerSession]) -> None:
+        raise NotImplementedError
+
+    def _connect(self, producer_pool: PagePool, consumer_pool: PagePool) -> None:
+        self.producer.register_memory(producer_pool.regions)
+        self.consumer.register_memory(consumer_pool.regions)
+        self._check_peers()
+        self._handshake()
+
+    def _descriptor(self, role: str, config: KVCacheConfig, agent: Transport) -> EngineDescriptor:
+        return EngineDescriptor.from_config(
+            engine_id=role,
+            config=config,
+            mode=self.mode,
+            hma_enabled=is_hma_required(config),
+            transport_metadata=agent.get_agent_metadata(),
+            state_profile=StateProfile(self.scenario.state_profile) if get_state_group_indices(config) else None,
+        )
+
+    def _check_peers(self) -> None:
+        """Both descriptors cross the wire codec; the connector compares them before loading metadata (HS-1)."""
+        producer = self._descriptor("producer", self.p_config, self.producer)
+        consumer = self._descriptor("consumer", self.c_config, self.consumer)
+        for field, value in self.scenario.handshake_overrides:
+            if field == "mode":
+                value = TransferMode(str(value))
+            if field == "state_profile" and value is not None:
+                value = StateProfile(str(value))
+            consumer = attrs.evolve(consumer, **{field: value})  # type: ignore[arg-type]
+        wire = encode(consumer)
+        overrides = dict(self.scenario.handshake_overrides)
+        if "protocol_version" in overrides:
+            # A peer of another version also stamps its messages with it (VER-1).
+            data = json.loads(wire)
+            data["v"] = list(overrides["protocol_version"])  # type: ignore[call-overload]
+            wire = json.dumps(data, sort_keys=True).encode()
+        received_by_producer = decode(wire)
+        received_by_consumer = decode(encode(producer))
+        if not isinstance(received_by_producer, EngineDescriptor) or not isinstance(
+            received_by_consumer, EngineDescriptor
+        ):
+            raise MalformedMessageError("a handshake descriptor decoded as another message")
+        self.connector.check_peer(received_by_consumer, received_by_producer)
+
+    def _handshake(self) -> None:
+        self.producer_name = self.consumer.add_remote_agent(self.producer.get_agent_metadata())
+        self.consumer_name = self.producer.add_remote_agent(self.consumer.get_agent_metadata())
+
+
+class _Play(_Stage):
+    """Plays one scenario on the stage: its requests, wave by wave, and its fault timing; then the oracle judges.
+
+    Only scenario data, fault timing and the oracle live here; a request's
+    steps are kvspec's engine roles', its lifecycle the sessions', carried
+    out by the same driver core as the exchange endpoints.
+    """
+
+    def __init__(self, scenario: Scenario, backend: Backend, connector: Connector) -> None:
+        super().__init__(scenario, backend, connector)
+        self.oracle = _Oracle(self)
+        self.tables = {}
+        self.producers: dict[str, LiveRequest[ProducerSession]] = {}
+        self.consumers: dict[str, LiveRequest[ConsumerSession]] = {}
+        self.received: dict[str, int] = {}
+        self.polls: dict[str, int] = {}
+        self.completed_early: list[tuple[str, ExpectedLoad, list[PageMismatch]]] = []
+        self.problems: list[str] = []
+        # What bounds a wave (_loop): the sessions' clock, with a fifth of wall time as a floor.
+        self.stop_clock: Callable[[], float] = self.clock
 
     def _start(self, spec: Request, now: float) -> None:
         scenario = self.scenario
@@ -625,99 +815,19 @@ class _Play:
 
     # -- the role hooks
 
-    def _pair_offer(self, request: LiveRequest[ProducerSession], offer: BlockOffer) -> BlockPairsLike:
-        """The producer's pairing of an offer, through the connector under test with the request's prefix hit.
-
-        A real producer does not know it (:func:`kvspec.exchange.pair_offer_by_ends`); the suite does, and
-        so puts the connector's own pairing under the WRITE it moves (WIN-1, ALIGN-1).
-        """
-        spec = self.tables[request.request_id].spec
-        params = request.session.params
-        return self.connector.pair_block_ids(
-            self.p_config,
-            num_tokens=spec.num_tokens,
-            prefix_hit_tokens=spec.prefix_hit_tokens,
-            producer_block_ids=params.producer_block_ids,
-            consumer_block_ids=offer.consumer_block_ids,
-            # Protocol 1.1 keywords only when the request uses them, so a 1.0 connector
-            # still runs every case that does not (VER-1).
-            **pair_keywords(
-                recomputed_tokens=params.recomputed_tokens,
-                producer_block_ends=params.producer_block_ends,
-                consumer_block_ends=offer.consumer_block_ends,
-            ),
-        )
-
     def _on_producer_message(self, request_id: str, peer: str, message: Message) -> None:
         if isinstance(message, Release):
             self.received[request_id] = self.received.get(request_id, 0) + 1
-
-    def _free_consumer(self, request: LiveRequest[ConsumerSession], block_ids: BlockIds) -> None:
-        self.c_engine.free_table(request.request_id, missing_ok=True)
 
     def _consumer_ended(self, request: LiveRequest[ConsumerSession]) -> None:
         tables = self.tables[request.request_id]
         tables.ended = self.clock()
         if request.session.state is ConsumerState.LOADED:
-            expected = self._expected(request.request_id, loaded=True)
+            expected = self.oracle.expected(request.request_id, loaded=True)
             found = check_loaded_pages(self.consumer_pool, expected)
             if found:
                 # Judged at the end: a page right by then landed late (DONE-1); one still wrong is a data error.
                 self.completed_early.append((request.request_id, expected, found))
-
-    # -- the oracle's view
-
-    def _moved_nothing(self, request_id: str) -> bool:
-        return not (self.consumers[request_id].posted or self.producers[request_id].posted)
-
-    def _expected(self, request_id: str, *, loaded: bool) -> ExpectedLoad:
-        # The oracle's expectation comes from the reference, never from the connector under test.
-        tables = self.tables[request_id]
-        producer = self.p_engine.tables[request_id]
-        consumer = BlockIds([]) if not loaded and self._moved_nothing(request_id) else self.c_engine.tables[request_id]
-        return ExpectedLoad(
-            # A state group's one slot lands in C's one slot, both at the list's last position (STATE-2).
-            producer_block_ids=get_state_clipped_blocks(
-                self.p_config, get_exchange_clipped_blocks(producer, get_blocks_per_sw(self.p_config))
-            ),
-            consumer_block_ids=get_state_clipped_blocks(
-                self.c_config, get_exchange_clipped_blocks(consumer, get_blocks_per_sw(self.c_config))
-            ),
-            num_tokens=tables.spec.listed_tokens,
-            salt=request_id,
-            loaded=loaded,
-            # Pages are placed by where each list really ends, so a shifted pairing shows (ALIGN-1).
-            producer_block_ends=tables.spec.producer_block_ends,
-            consumer_block_ends=tables.spec.consumer_block_ends,
-        )
-
-    def _outcome(self, request_id: str) -> RequestOutcome:
-        consumer = self.consumers[request_id].session
-        producer = self.producers[request_id].session
-        reason: FailureReason | None = None
-        detail = ""
-        if consumer.failure is not None:
-            reason, detail = consumer.failure.reason, consumer.failure.detail
-        elif consumer.state is ConsumerState.ABORTED:
-            reason, detail = FailureReason.ABORTED, "aborted by the consumer"
-        stopped = [
-            f.error
-            for f in (*self.c_driver.faults, *self.p_driver.faults)
-            if f.request_id == request_id and f.operation in _STOPPED_BEFORE_MOVING
-        ]
-        tables = self.tables[request_id]
-        return RequestOutcome(
-            request_id=request_id,
-            consumer_state=consumer.state,
-            producer_state=producer.state,
-            reason=reason,
-            error=stopped[0] if stopped else None,
-            detail=detail,
-            posted=not self._moved_nothing(request_id),
-            releases_sent=0 if consumer.release is None else 1,
-            releases_received=self.received.get(request_id, 0),
-            seconds=0.0 if tables.ended is None else max(0.0, tables.ended - tables.started),
-        )
 
     # -- the run
 
@@ -758,102 +868,14 @@ class _Play:
                     refused = exc
                 else:
                     self._loop()
-                early = self._judge_early_completions()
-                loads = [
-                    self._expected(rid, loaded=self.consumers[rid].session.state is ConsumerState.LOADED)
-                    for rid in self.tables
-                ]
-                mismatches = check_pools(
-                    # A pool on another host is compared by digests; its bytes are read only when they differ.
-                    producer=producer_pool.verified() if isinstance(producer_pool, RemotePool) else producer_pool,
-                    consumer=consumer_pool,
-                    producer_before=self.producer_expected,
-                    consumer_before=consumer_before,
-                    loads=loads,
-                )
+                early, mismatches = self.oracle.judge_pools(consumer_before)
             finally:
                 for agent in (self.consumer, self.producer):
                     try:
                         agent.close()
                     except KVSpecError as exc:
                         self.problems.append(f"closing {agent.name}: {exc}")
-        for rid, request in self.consumers.items():
-            if not request.freed:
-                self.c_engine.free_table(rid, missing_ok=True)  # the engine finishes every request
-        c_alloc, p_alloc = self.c_engine.allocator, self.p_engine.allocator
-        if c_alloc.num_free != c_alloc.baseline:
-            self.problems.append(f"consumer free blocks {c_alloc.num_free}, baseline {c_alloc.baseline}")
-        if p_alloc.num_free != p_alloc.baseline:
-            self.problems.append(f"producer free blocks {p_alloc.num_free}, baseline {p_alloc.baseline} (leaked, SM-1)")
-        faults = [*self.c_driver.faults, *self.p_driver.faults]
-        self.problems += [f"undecodable notification: {f} (VER-1)" for f in faults if f.operation is Operation.DECODE]
-        return ScenarioResult(
-            refused=refused,
-            outcomes={rid: self._outcome(rid) for rid in self.tables},
-            mismatches=tuple(mismatches),
-            early_completions=tuple(early),
-            problems=tuple(self.problems),
-            injected=tuple(f for injector in self.injectors for f in injector.injected),
-            lost_messages=tuple(str(f) for f in faults if f.operation is Operation.SEND),
-            seconds=time.monotonic() - started,
-        )
-
-    def _judge_early_completions(self) -> list[str]:
-        early = []
-        for request_id, load, at_completion in self.completed_early:
-            still_wrong = {(m.layer, m.block) for m in check_loaded_pages(self.consumer_pool, load)}
-            late = [m for m in at_completion if (m.layer, m.block) not in still_wrong]
-            if late:
-                early.append(
-                    f"{request_id}: reported complete while {len(late)} paired pages had not landed yet, "
-                    f"e.g. group {late[0].group}, layer {late[0].layer!r}, block {late[0].block}"
-                )
-        return early
-
-    def _connect(self, producer_pool: PagePool, consumer_pool: PagePool) -> None:
-        self.producer.register_memory(producer_pool.regions)
-        self.consumer.register_memory(consumer_pool.regions)
-        self._check_peers()
-        self._handshake()
-
-    def _descriptor(self, role: str, config: KVCacheConfig, agent: Transport) -> EngineDescriptor:
-        return EngineDescriptor.from_config(
-            engine_id=role,
-            config=config,
-            mode=self.mode,
-            hma_enabled=is_hma_required(config),
-            transport_metadata=agent.get_agent_metadata(),
-            state_profile=StateProfile(self.scenario.state_profile) if get_state_group_indices(config) else None,
-        )
-
-    def _check_peers(self) -> None:
-        """Both descriptors cross the wire codec; the connector compares them before loading metadata (HS-1)."""
-        producer = self._descriptor("producer", self.p_config, self.producer)
-        consumer = self._descriptor("consumer", self.c_config, self.consumer)
-        for field, value in self.scenario.handshake_overrides:
-            if field == "mode":
-                value = TransferMode(str(value))
-            if field == "state_profile" and value is not None:
-                value = StateProfile(str(value))
-            consumer = attrs.evolve(consumer, **{field: value})  # type: ignore[arg-type]
-        wire = encode(consumer)
-        overrides = dict(self.scenario.handshake_overrides)
-        if "protocol_version" in overrides:
-            # A peer of another version also stamps its messages with it (VER-1).
-            data = json.loads(wire)
-            data["v"] = list(overrides["protocol_version"])  # type: ignore[call-overload]
-            wire = json.dumps(data, sort_keys=True).encode()
-        received_by_producer = decode(wire)
-        received_by_consumer = decode(encode(producer))
-        if not isinstance(received_by_producer, EngineDescriptor) or not isinstance(
-            received_by_consumer, EngineDescriptor
-        ):
-            raise MalformedMessageError("a handshake descriptor decoded as another message")
-        self.connector.check_peer(received_by_consumer, received_by_producer)
-
-    def _handshake(self) -> None:
-        self.producer_name = self.consumer.add_remote_agent(self.producer.get_agent_metadata())
-        self.consumer_name = self.producer.add_remote_agent(self.consumer.get_agent_metadata())
+        return self.oracle.result(refused=refused, mismatches=mismatches, early=early, started=started)
 
     def _settled(self) -> bool:
         """Every request ended on both sides, with every block back (or held by a loaded request)."""

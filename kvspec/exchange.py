@@ -39,6 +39,7 @@ from kvspec.drivers._engine import (
     PairOffer,
     ProducerEngine,
     StorePlan,
+    pair_offer_by_connector,
     pair_offer_by_ends,
 )
 from kvspec.drivers._exchange import (
@@ -85,6 +86,7 @@ __all__ = [
     "Role",
     "StorePlan",
     "connect",
+    "pair_offer_by_connector",
     "pair_offer_by_ends",
     "poll_until",
     "reason_of",

@@ -140,3 +140,33 @@ def test_the_scenario_gets_its_tables_from_the_engines(monkeypatch: pytest.Monke
         ("producer", "fresh", False),
         ("producer", "named", True),
     ]
+
+
+# A class of the suite holds data, fault timing and the oracle; engine work is kvspec's (issue 36, item 6).
+MAX_CLASS_LINES = 250
+
+
+def long_classes(source: str | ast.Module, limit: int = MAX_CLASS_LINES) -> list[tuple[str, int]]:
+    """Every class of a source with ``limit`` lines or more, with its length."""
+    tree = ast.parse(source) if isinstance(source, str) else source
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef) and node.end_lineno is not None:
+            lines = node.end_lineno - node.lineno + 1
+            if lines >= limit:
+                found.append((node.name, lines))
+    return found
+
+
+def test_every_class_of_the_suite_is_under_250_lines() -> None:
+    found = {
+        path: classes
+        for path, tree in _sources().items()
+        if path.startswith("conformance/") and (classes := long_classes(tree))
+    }
+    assert found == {}, "a class of the suite grew past 250 lines: move engine work to kvspec.exchange"
+
+
+def test_the_length_check_catches_a_long_class() -> None:
+    source = "class _Play:\n" + "    x = 1\n" * 300
+    assert long_classes(source) == [("_Play", 301)]

@@ -32,7 +32,18 @@ An endpoint lets the engine allocate; a scenario whose case names its block
 ids passes them as a claim (``claim=``), and the engine takes them from the
 same free list. Only this module allocates request tables (tests/test_engine_seam.py).
 What varies is passed in as a value or a callable, never decided by
-branching on the caller.
+branching on the caller: the allocator's reuse order, and the producer's
+pairing of a WRITE offer (:func:`pair_offer_by_ends` for a producer that
+does not know the consumer's prefix hit, :func:`pair_offer_by_connector`
+for a harness that does).
+
+- :class:`OffloadEngine` is the offload engine's part: lookup, load, store
+  and evict over the OFF-4 chunk table (a key present only once its chunk
+  is whole and nothing writes it, LRU eviction of idle keys), the GPU
+  blocks of a request's table from its own allocator, and the copies, each
+  an :class:`OffloadSession` the posting agent's driver carries out. What
+  a store or a load should move is the caller's hooks' answer
+  (``get_store_set``, ``get_load_set``); the engine turns it into copies.
 """
 
 from __future__ import annotations
@@ -77,6 +88,7 @@ __all__ = [
     "Reuse",
     "StorePlan",
     "get_block_ends",
+    "pair_offer_by_connector",
     "pair_offer_by_ends",
 ]
 
@@ -106,6 +118,36 @@ def pair_offer_by_ends(config: KVCacheConfig) -> PairOffer:
             consumer_block_ids=consumer_ids,
             producer_block_ends=producer_ends,
             consumer_block_ends=consumer_ends,
+        )
+
+    return pair
+
+
+def pair_offer_by_connector(
+    connector: Connector, config: KVCacheConfig, prefix_hit_tokens: Callable[[str], int]
+) -> PairOffer:
+    """A producer's pairing that knows the consumer's prefix hit: the connector's own (WIN-1, ALIGN-1).
+
+    A real producer does not know it (:func:`pair_offer_by_ends`); a test
+    harness does (``prefix_hit_tokens`` by request id), and so puts the
+    connector's own pairing under the WRITE it moves.
+    """
+
+    def pair(request: LiveRequest[ProducerSession], offer: BlockOffer) -> BlockPairsLike:
+        params = request.session.params
+        return connector.pair_block_ids(
+            config,
+            num_tokens=params.num_tokens,
+            prefix_hit_tokens=prefix_hit_tokens(request.request_id),
+            producer_block_ids=params.producer_block_ids,
+            consumer_block_ids=offer.consumer_block_ids,
+            # Protocol 1.1 keywords only when the request uses them, so a 1.0 connector
+            # still runs every case that does not (VER-1).
+            **pair_keywords(
+                recomputed_tokens=params.recomputed_tokens,
+                producer_block_ends=params.producer_block_ends,
+                consumer_block_ends=offer.consumer_block_ends,
+            ),
         )
 
     return pair
