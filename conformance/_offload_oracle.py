@@ -339,7 +339,10 @@ def check_hit(
 ) -> int:
     """The hit the chunks present support, by kvspec's plain OFF-5; a longer hit counts a chunk not there (OFF-5)."""
     n, c = num_tokens, local_hit_tokens
-    want = get_offload_hit_tokens(config, present, num_tokens=n, local_hit_tokens=c, offload=offload)
+    try:
+        want = get_offload_hit_tokens(config, present, num_tokens=n, local_hit_tokens=c, offload=offload)
+    except KVSpecError as exc:
+        raise Finding(f"get_offload_hit_tokens: answered {hit!r} where the rule refuses: {exc} (OFF-5)") from None
     if not isinstance(hit, int) or hit < 0 or c + hit > n:
         raise Finding(f"get_offload_hit_tokens: expected an int in [0, {n - c}], got {hit!r} (OFF-5)")
     if hit > want:

@@ -75,8 +75,6 @@ from ._offload_oracle import (
     check_store_set,
     check_transfer,
     expected_load_positions,
-    is_state_group,
-    window_of,
 )
 from ._scenario import ConfigSource, PresetConfig, replay_call
 
@@ -207,14 +205,6 @@ class OffloadResult:
 # --------------------------------------------------------------------------- the suite's tables
 
 
-def _skipped_blocks(config: KVCacheConfig, g: int, computed: int) -> int:
-    block = config.kv_cache_groups[g].kv_cache_spec.block_size
-    if is_state_group(config, g):  # vLLM nulls the slots of earlier states: only the one that resumes stays
-        return max(0, computed - 1) // block
-    window = window_of(config, g)
-    return 0 if window is None else max(0, computed - window + 1) // block
-
-
 def chunk_pool_config(config: KVCacheConfig, *, rows: int, blocks_per_chunk: int) -> KVCacheConfig:
     """The chunk pool as a config: one region per layer of ``rows * f`` GPU-sized pages (OFF-7)."""
     tensors = []
@@ -250,6 +240,22 @@ class _Run:
     next_chunk: list[int]
     loaded_chunks: list[int] = attrs.field(factory=list)  # per group, chunks below this came from the load
     offered: set[ChunkKey] = attrs.field(factory=set)  # every chunk a store set of this run offered
+
+    def check_offered(self, config: KVCacheConfig, f: int, *, windows_too: bool) -> None:
+        """Every complete chunk this run computed (not loaded) whose last block is real was offered (OFF-3)."""
+        sizes = [group.kv_cache_spec.block_size * f for group in config.kv_cache_groups]
+        chunks = [range(first, self.computed // size) for first, size in zip(self.loaded_chunks, sizes, strict=True)]
+        spec = self.spec
+        check_offered(
+            config,
+            f,
+            self.table,
+            self.offered,
+            request_id=spec.request_id,
+            stream=spec.stream,
+            chunks=chunks,
+            windows_too=windows_too,
+        )
 
 
 @contextlib.contextmanager
@@ -437,18 +443,7 @@ class _OffloadPlay:
         self._finish(run)
 
     def _finish(self, run: _Run) -> None:
-        check_offered(
-            self.config,
-            self.f,
-            run.table,
-            run.offered,
-            request_id=run.spec.request_id,
-            stream=run.spec.stream,
-            chunks=[
-                range(first, run.computed // size) for first, size in zip(run.loaded_chunks, self.sizes, strict=True)
-            ],
-            windows_too=self.scenario.require_window_stores,
-        )
+        run.check_offered(self.config, self.f, windows_too=self.scenario.require_window_stores)
         rid = run.spec.request_id
         call_hook("finish_request", lambda: self.hooks.finish_request(rid))
         held = [item for item in self.copies.pending if item.request_id == rid]
@@ -468,13 +463,13 @@ class _OffloadPlay:
 
     def _table(self, spec: OffloadRequest, computed: int) -> list[list[int]]:
         """The GPU block table at lookup: cached blocks below C, nulls where vLLM skips, fresh blocks above."""
+        shape = self.engine.get_table_shape(spec.num_tokens, computed_tokens=computed, pruned=not spec.allocate_skipped)
         table: list[list[int]] = []
-        for g, group in enumerate(self.config.kv_cache_groups):
-            block = group.kv_cache_spec.block_size
-            skipped = 0 if spec.allocate_skipped else _skipped_blocks(self.config, g, computed)
+        for g, slots in enumerate(shape):
+            block = self.config.kv_cache_groups[g].kv_cache_spec.block_size
             ids = []
-            for position in range(cdiv(spec.num_tokens, block)):
-                if position < skipped:
+            for position, slot in enumerate(slots):
+                if slot == NULL_BLOCK_ID:
                     ids.append(NULL_BLOCK_ID)
                     continue
                 block_id = self._allocate(g)

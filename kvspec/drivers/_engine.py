@@ -63,6 +63,7 @@ from kvspec.drivers._tables import (
     BlockAllocator,
     Reuse,
     get_block_ends,
+    get_lookup_table_shape,
     get_page_ends,
     get_producer_table_shape,
     get_suffix_counts,
@@ -638,6 +639,17 @@ class OffloadEngine:
         return copies, None
 
     # -- GPU blocks
+
+    def get_table_shape(self, num_tokens: int, *, computed_tokens: int, pruned: bool = True) -> BlockIds:
+        """A request's GPU table at lookup, placeholder id 1 per block to allocate (WIN-1, OFF-6).
+
+        Pruned, it holds the null block where vLLM skips once
+        ``computed_tokens`` are computed; unpruned, every position gets a
+        block (allowed: OFF-6 leaves them alone).
+        """
+        if not pruned:
+            return get_lookup_table_shape(self.config, num_tokens=num_tokens, computed_tokens=0)
+        return get_lookup_table_shape(self.config, num_tokens=num_tokens, computed_tokens=computed_tokens)
 
     def allocate_block(self) -> int | None:
         """One GPU block for a request's table, the one freed last first; None when the pool is empty."""

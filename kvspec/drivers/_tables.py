@@ -21,6 +21,7 @@ __all__ = [
     "BlockAllocator",
     "Reuse",
     "get_block_ends",
+    "get_lookup_table_shape",
     "get_page_ends",
     "get_producer_table_shape",
     "get_suffix_counts",
@@ -127,6 +128,18 @@ def get_producer_table_shape(config: KVCacheConfig, *, num_tokens: int, recomput
         blocks = get_logical_block_count(group.kv_cache_spec, num_tokens=num_tokens + recomputed_tokens)
         totals.append(blocks + (get_scratch_slot_count(group.kv_cache_spec) if blocks else 0))
     return get_pruned_block_ids(config, BlockIds([[1] * n for n in totals]), num_computed_tokens=num_tokens)
+
+
+def get_lookup_table_shape(config: KVCacheConfig, *, num_tokens: int, computed_tokens: int) -> BlockIds:
+    """An offloading engine's table at lookup for ``N`` tokens, placeholder id 1 per real block (WIN-1, OFF-6).
+
+    Positions a window or an earlier state left behind once ``computed_tokens``
+    are computed hold the null block, as vLLM's ``remove_skipped_blocks``
+    leaves them; every other position gets a block (WIN-1, OFF-6).
+    """
+    lengths = [get_logical_block_count(g.kv_cache_spec, num_tokens=num_tokens) for g in config.kv_cache_groups]
+    table = BlockIds([[1] * n for n in lengths])
+    return get_pruned_block_ids(config, table, num_computed_tokens=computed_tokens)
 
 
 def get_suffix_counts(
