@@ -7,20 +7,25 @@ plays it on a backend:
 1. Both pools are allocated in shared memory and filled with keyed noise;
    each request's producer blocks get pages keyed by (request, group, layer,
    logical position) (:mod:`kvspec.testing`).
-2. Each side keeps a free-block list (most recently freed first, so that a
-   block freed too early is reused at once and a late write into it is seen).
+2. Each side's engine role allocates the request's tables from its one
+   allocator (:meth:`kvspec.exchange.ProducerEngine.allocate_table`,
+   :meth:`kvspec.exchange.ConsumerEngine.allocate_suffix`); a case that
+   names its block ids passes them as a claim. The suite's allocators hand
+   out the block freed last first, so that a block freed too early is reused
+   at once and a late write into it is seen.
 3. Each request is one :class:`kvspec.ProducerSession` and one
    :class:`kvspec.ConsumerSession` (SM-1, SM-2), played by kvspec's engine
    roles (:class:`kvspec.exchange.ProducerEngine`,
    :class:`kvspec.exchange.ConsumerEngine`: clip, session, check, pair,
    plan, start) and carried out by two :class:`kvspec.exchange.Driver`
    cores, one per agent: the same code that runs kvspec's exchange
-   endpoints. The scenario gives them its blocks and, for a WRITE, the
-   producer's pairing through the connector under test with the request's
-   prefix hit. The connector under test clips, pairs and plans (the
+   endpoints (the stage, ``_Stage``). The engines allocate the tables; for
+   a WRITE the producer pairs through the connector under test with the
+   request's prefix hit (:func:`kvspec.exchange.pair_offer_by_connector`).
+   The connector under test clips, pairs and plans (the
    connector seam); the scenario's deadline is the consumer's transfer
    timeout, its lease and drain the sessions' lease and drain.
-4. What is the scenario's own: its data, its fault timing (a consumer abort
+4. What is the scenario's own (``_Play``, ``_Oracle``): its data, its fault timing (a consumer abort
    or the initiator forgetting its peer after so many polls), and the
    oracle. Polling runs until every request ended on both sides, wave by
    wave, with a hard bound; then a short quiet period so that late writes
@@ -41,10 +46,7 @@ from typing import Any
 import attrs
 
 from kvspec import (
-    NULL_BLOCK_ID,
     BlockIds,
-    BlockOffer,
-    BlockPairsLike,
     CacheAccountingError,
     ConsumerSession,
     ConsumerState,
@@ -62,19 +64,14 @@ from kvspec import (
     StateProfile,
     TransferMode,
     TransferParams,
-    TransferRequest,
     UnsupportedVersionError,
     decode,
     encode,
     format_error,
     get_blocks_per_sw,
-    get_consumer_block_counts,
     get_exchange_clipped_blocks,
-    get_logical_block_count,
-    get_num_skipped_tokens,
     is_hma_required,
 )
-from kvspec.connector import pair_with
 from kvspec.exchange import (
     CONSUMER,
     PRODUCER,
@@ -83,13 +80,13 @@ from kvspec.exchange import (
     LiveRequest,
     Operation,
     ProducerEngine,
+    pair_offer_by_connector,
     poll_until,
 )
 from kvspec.presets import get_preset
 from kvspec.remote import PeerBackend, RemoteAgent, RemotePool
 from kvspec.spec.digest import get_offered_algorithms
 from kvspec.spec.state import (
-    get_scratch_slot_count,
     get_state_clipped_blocks,
     get_state_group_indices,
 )
@@ -97,6 +94,7 @@ from kvspec.testing import (
     ExpectedLoad,
     PageMismatch,
     PagePool,
+    PoolSnapshot,
     allocate_pool,
     check_loaded_pages,
     check_pools,
@@ -446,29 +444,6 @@ class ScenarioResult:
 # --------------------------------------------------------------------------- playing a scenario
 
 
-class _Allocator:
-    """Free block ids of one side; most recently freed are reused first."""
-
-    def __init__(self, num_blocks: int) -> None:
-        self.free: list[int] = list(range(num_blocks - 1, 0, -1))  # pop() gives 1 first
-        self.baseline = len(self.free)
-
-    def claim(self, block_id: int) -> None:
-        if block_id != NULL_BLOCK_ID and block_id in self.free:
-            self.free.remove(block_id)
-
-    def allocate(self) -> int:
-        if not self.free:
-            raise _ScenarioError("the scenario ran out of free blocks; give the config more num_blocks")
-        return self.free.pop()
-
-    def release(self, block_ids: BlockIds) -> None:
-        for ids in block_ids:
-            for block_id in ids:
-                if block_id != NULL_BLOCK_ID and block_id not in self.free:
-                    self.free.append(block_id)
-
-
 class _ScenarioError(Exception):
     """The scenario itself is inconsistent (not a backend failure)."""
 
@@ -478,23 +453,154 @@ _STOPPED_BEFORE_MOVING = (Operation.CHECK, Operation.PLAN, Operation.POST)
 
 
 @attrs.define(eq=False)
-class _Tables:
-    """The block tables of one request before clipping: what each side's pool lends it."""
+class _Played:
+    """One request as the scenario played it: its data and timing (the engines keep its tables)."""
 
     spec: Request
-    producer: BlockIds
-    consumer: BlockIds
     started: float
     ended: float | None = None
 
+    @property
+    def request_id(self) -> str:
+        return self.spec.request_id
 
-class _Play:
-    """Plays one scenario: two engine roles over two driver cores on the backend's agents, then the oracle.
 
-    Only scenario data, fault timing and the oracle live here; a request's
-    steps are kvspec's engine roles', its lifecycle the sessions', carried
-    out by the same driver core as the exchange endpoints.
+class _Oracle:
+    """The scenario's oracle: what each request's pages must hold, how it ended, and what leaked (DONE-1, SM-1).
+
+    Its expectations come from the reference, never from the connector under test.
     """
+
+    def __init__(self, play: _Play) -> None:
+        self.play = play
+
+    def moved_nothing(self, request_id: str) -> bool:
+        return not (self.play.consumers[request_id].posted or self.play.producers[request_id].posted)
+
+    def expected(self, request_id: str, *, loaded: bool) -> ExpectedLoad:
+        play = self.play
+        tables = play.tables[request_id]
+        producer = play.p_engine.tables[request_id]
+        consumer = BlockIds([]) if not loaded and self.moved_nothing(request_id) else play.c_engine.tables[request_id]
+        return ExpectedLoad(
+            # A state group's one slot lands in C's one slot, both at the list's last position (STATE-2).
+            producer_block_ids=get_state_clipped_blocks(
+                play.p_config, get_exchange_clipped_blocks(producer, get_blocks_per_sw(play.p_config))
+            ),
+            consumer_block_ids=get_state_clipped_blocks(
+                play.c_config, get_exchange_clipped_blocks(consumer, get_blocks_per_sw(play.c_config))
+            ),
+            num_tokens=tables.spec.listed_tokens,
+            salt=request_id,
+            loaded=loaded,
+            # Pages are placed by where each list really ends, so a shifted pairing shows (ALIGN-1).
+            producer_block_ends=tables.spec.producer_block_ends,
+            consumer_block_ends=tables.spec.consumer_block_ends,
+        )
+
+    def outcome(self, request_id: str) -> RequestOutcome:
+        play = self.play
+        consumer = play.consumers[request_id].session
+        producer = play.producers[request_id].session
+        reason: FailureReason | None = None
+        detail = ""
+        if consumer.failure is not None:
+            reason, detail = consumer.failure.reason, consumer.failure.detail
+        elif consumer.state is ConsumerState.ABORTED:
+            reason, detail = FailureReason.ABORTED, "aborted by the consumer"
+        stopped = [
+            f.error
+            for f in (*play.c_driver.faults, *play.p_driver.faults)
+            if f.request_id == request_id and f.operation in _STOPPED_BEFORE_MOVING
+        ]
+        tables = play.tables[request_id]
+        return RequestOutcome(
+            request_id=request_id,
+            consumer_state=consumer.state,
+            producer_state=producer.state,
+            reason=reason,
+            error=stopped[0] if stopped else None,
+            detail=detail,
+            posted=not self.moved_nothing(request_id),
+            releases_sent=0 if consumer.release is None else 1,
+            releases_received=play.received.get(request_id, 0),
+            seconds=0.0 if tables.ended is None else max(0.0, tables.ended - tables.started),
+        )
+
+    def judge_pools(self, consumer_before: PoolSnapshot) -> tuple[list[str], list[PageMismatch]]:
+        """Completions before the data was visible, then every page of both pools (DONE-1, SM-2)."""
+        play = self.play
+        early = self._judge_early_completions()
+        loads = [
+            self.expected(rid, loaded=play.consumers[rid].session.state is ConsumerState.LOADED) for rid in play.tables
+        ]
+        producer_pool = play.producer_pool
+        mismatches = check_pools(
+            # A pool on another host is compared by digests; its bytes are read only when they differ.
+            producer=producer_pool.verified() if isinstance(producer_pool, RemotePool) else producer_pool,
+            consumer=play.consumer_pool,
+            producer_before=play.producer_expected,
+            consumer_before=consumer_before,
+            loads=loads,
+        )
+        return early, mismatches
+
+    def _judge_early_completions(self) -> list[str]:
+        early = []
+        for request_id, load, at_completion in self.play.completed_early:
+            still_wrong = {(m.layer, m.block) for m in check_loaded_pages(self.play.consumer_pool, load)}
+            late = [m for m in at_completion if (m.layer, m.block) not in still_wrong]
+            if late:
+                early.append(
+                    f"{request_id}: reported complete while {len(late)} paired pages had not landed yet, "
+                    f"e.g. group {late[0].group}, layer {late[0].layer!r}, block {late[0].block}"
+                )
+        return early
+
+    def result(
+        self, *, refused: KVSpecError | None, mismatches: list[PageMismatch], early: list[str], started: float
+    ) -> ScenarioResult:
+        """The findings, once every block is back: a leak is a problem (SM-1, SM-2), so is an undecodable message."""
+        play = self.play
+        for rid, request in play.consumers.items():
+            if not request.freed:
+                play.c_engine.free_table(rid, missing_ok=True)  # the engine finishes every request
+        c_alloc, p_alloc = play.c_engine.allocator, play.p_engine.allocator
+        if c_alloc.num_free != c_alloc.baseline:
+            play.problems.append(f"consumer free blocks {c_alloc.num_free}, baseline {c_alloc.baseline}")
+        if p_alloc.num_free != p_alloc.baseline:
+            play.problems.append(f"producer free blocks {p_alloc.num_free}, baseline {p_alloc.baseline} (leaked, SM-1)")
+        faults = [*play.c_driver.faults, *play.p_driver.faults]
+        play.problems += [f"undecodable notification: {f} (VER-1)" for f in faults if f.operation is Operation.DECODE]
+        return ScenarioResult(
+            refused=refused,
+            outcomes={rid: self.outcome(rid) for rid in play.tables},
+            mismatches=tuple(mismatches),
+            early_completions=tuple(early),
+            problems=tuple(play.problems),
+            injected=tuple(f for injector in play.injectors for f in injector.injected),
+            lost_messages=tuple(str(f) for f in faults if f.operation is Operation.SEND),
+            seconds=time.monotonic() - started,
+        )
+
+
+class _Stage:
+    """The stage of a scenario: both pools, both agents, two driver cores and kvspec's two engine roles.
+
+    The engine roles are the endpoints' own: they allocate every table and
+    play each request's steps; the stage wires them to the suite's pools and
+    agents, and plays the handshake (HS-1).
+    """
+
+    producer: Transport
+    consumer: Transport
+    producer_name: str
+    consumer_name: str
+    producer_pool: PagePool
+    consumer_pool: PagePool
+    p_engine: ProducerEngine
+    c_engine: ConsumerEngine
+    tables: dict[str, _Played]
 
     def __init__(self, scenario: Scenario, backend: Backend, connector: Connector) -> None:
         self.scenario = scenario
@@ -503,20 +609,9 @@ class _Play:
         self.mode = TransferMode(scenario.mode)
         self.p_config = _build(scenario.config)
         self.c_config = _build(scenario.consumer_config) if scenario.consumer_config is not None else self.p_config
-        self.tables: dict[str, _Tables] = {}
-        self.producers: dict[str, LiveRequest[ProducerSession]] = {}
-        self.consumers: dict[str, LiveRequest[ConsumerSession]] = {}
-        self.received: dict[str, int] = {}
-        self.polls: dict[str, int] = {}
-        self.completed_early: list[tuple[str, ExpectedLoad, list[PageMismatch]]] = []
-        self.problems: list[str] = []
         self.injectors: list[FaultInjector] = []
         # The sessions' clock: a starved process's lost time does not count against a deadline (FAIL-1).
         self.clock = PollClock()
-        # What bounds a wave (_loop): the sessions' clock, with a fifth of wall time as a floor.
-        self.stop_clock: Callable[[], float] = self.clock
-
-    # -- setup
 
     def _pool(self, role: str, config: KVCacheConfig) -> PagePool:
         """The suite's shared-memory pool, or, with ``--peer``, the producer's pool on the agent server."""
@@ -535,13 +630,11 @@ class _Play:
         return agent
 
     def _drivers(self) -> None:
-        self.p_alloc = _Allocator(self.p_config.num_blocks)
-        self.c_alloc = _Allocator(self.c_config.num_blocks)
         self.p_driver = Driver(
             role=PRODUCER,
             transport=self.producer,
             clock=self.clock,
-            on_free=lambda request, _: self.p_alloc.release(self.tables[request.request_id].producer),
+            on_free=lambda request, _: self.p_engine.free_table(request.request_id, missing_ok=True),
             on_end=lambda request: None,
             on_message=self._on_producer_message,
             integrity=self._digester(self.p_config, self.producer_pool),
@@ -554,14 +647,19 @@ class _Play:
             on_end=self._consumer_ended,
             integrity=self._digester(self.c_config, self.consumer_pool),
         )
-        # The engine roles are kvspec's, the endpoints' own: the scenario gives them its blocks and its pairing.
+        # The engine roles are kvspec's, the endpoints' own: they allocate every table, the case's named ids as
+        # claims; the most recently freed block is reused first, so a block freed too early is seen (SM-2).
         self.p_engine = ProducerEngine(
             engine_id="producer",
             config=self.p_config,
             connector=self.connector,
             driver=self.p_driver,
             peer_config=lambda request: self.c_config,
-            pair_offer=self._pair_offer,
+            # The suite knows the prefix hit: a WRITE moves the connector's own pairing (WIN-1, ALIGN-1).
+            pair_offer=pair_offer_by_connector(
+                self.connector, self.p_config, lambda request_id: self.tables[request_id].spec.prefix_hit_tokens
+            ),
+            reuse="latest",
         )
         self.c_engine = ConsumerEngine(
             engine_id="consumer",
@@ -572,6 +670,7 @@ class _Play:
             state_profile=StateProfile(self.scenario.state_profile),
             transfer_timeout=self.scenario.deadline,
             drain_timeout=self.scenario.drain,
+            reuse="latest",
         )
 
     def _digester(self, config: KVCacheConfig, pool: PagePool) -> PageDigester | None:
@@ -580,289 +679,14 @@ class _Play:
         # Both drivers are this process's: they digest with what a 1.3 handshake would choose (INT-2).
         return PageDigester(config, [r.buffer for r in pool.regions], algorithm=get_offered_algorithms()[0])
 
-    def _producer_table(self, spec: Request) -> BlockIds:
-        if spec.producer_block_ids is not None:
-            for ids in spec.producer_block_ids:
-                for block_id in ids:
-                    self.p_alloc.claim(block_id)
-            return spec.producer_block_ids
-        groups: list[list[int]] = []
-        for group in self.p_config.kv_cache_groups:
-            # The table covers T + R tokens; it is pruned with the T whose KV C takes (WIN-1).
-            total = get_logical_block_count(group.kv_cache_spec, num_tokens=spec.listed_tokens)
-            # P has computed every token; vLLM nulls the blocks its window skipped (docs/spec: WIN-1).
-            skipped = min(
-                get_num_skipped_tokens(group.kv_cache_spec, num_computed_tokens=spec.num_tokens)
-                // group.kv_cache_spec.block_size,
-                total,
-            )
-            # A state group's speculative scratch slots sit at the tail; the clip drops them (STATE-2).
-            scratch = get_scratch_slot_count(group.kv_cache_spec) if total else 0
-            groups.append(
-                [NULL_BLOCK_ID] * skipped + [self.p_alloc.allocate() for _ in range(total - skipped + scratch)]
-            )
-        return BlockIds(groups)
-
-    def _consumer_suffix(self, spec: Request) -> BlockIds:
-        if spec.consumer_block_ids is not None:
-            for ids in spec.consumer_block_ids:
-                for block_id in ids:
-                    self.c_alloc.claim(block_id)
-            return spec.consumer_block_ids
-        if spec.prefix_hit_tokens == spec.num_tokens:
-            return BlockIds([])  # full prefix hit: zero groups (CLIP-1)
-        counts = get_consumer_block_counts(
-            self.c_config,
-            num_tokens=spec.num_tokens,
-            prefix_hit_tokens=spec.prefix_hit_tokens,
-            recomputed_tokens=spec.recomputed_tokens,
-        )
-        return BlockIds([[self.c_alloc.allocate() for _ in range(n)] for n in counts])
-
-    def _start(self, spec: Request, now: float) -> None:
-        scenario = self.scenario
-        p_ids = self._producer_table(spec)
-        _fill_producer_pages(
-            self.producer_pool,
-            p_ids,
-            num_tokens=spec.listed_tokens,
-            salt=spec.request_id,
-            block_ends=self._fill_ends(spec, p_ids),  # keyed by true position, so a shifted pairing shows (ALIGN-1)
-        )
-        self.producer_expected = self.producer_pool.snapshot()
-        c_ids = self._consumer_suffix(spec)
-        self.tables[spec.request_id] = _Tables(spec=spec, producer=p_ids, consumer=c_ids, started=now)
-        producer = self.p_engine.hold(
-            spec.request_id,
-            advertised=self.p_engine.clip(p_ids),
-            num_tokens=spec.num_tokens,
-            mode=self.mode,
-            now=now,
-            lease_duration=scenario.lease_of(spec),
-            # Above the consumer's drain timeout, as the lease rule asks (SM-1).
-            release_grace=1.5 * scenario.drain,
-            drain_timeout=scenario.drain,
-            peer=self.consumer_name,
-            # Protocol 1.1: set only when the request sets them, so they travel through the params dict.
-            producer_block_ends=spec.producer_block_ends,
-            recomputed_tokens=spec.recomputed_tokens,
-            state_tokens=self._state_tokens(spec),
-        )
-        self.producers[spec.request_id] = producer
-        # The parameters reach the consumer as vLLM's dict, through the router.
-        params = TransferParams.from_kv_transfer_params(producer.session.params.to_kv_transfer_params())
-        # The consumer engine plays the rest: session, STATE-1, WIN-1 and ALIGN-1, PLAN-1, then start.
-        # The consumer's transfer timeout is the request's own where it has one (a load among faults, FAIL-1).
-        self.c_engine.transfer_timeout = scenario.deadline_of(spec)
-        self.consumers[spec.request_id] = self.c_engine.begin(
-            params,
-            prefix_hit_tokens=spec.prefix_hit_tokens,
-            peer=self.producer_name,
-            peer_config=self.p_config,
-            suffix=lambda: c_ids,
-            consumer_block_ends=spec.consumer_block_ends,  # a WRITE offer carries them (ALIGN-1)
-            now=now,
-        )
-
-    def _fill_ends(self, spec: Request, p_ids: BlockIds) -> tuple[int, ...] | None:
-        """Where P's lists end for keying its pages: a state group's scratch slots sit past its end (STATE-2)."""
-        states = get_state_group_indices(self.p_config)
-        if not states or len(p_ids) != self.p_config.num_groups:
-            return spec.producer_block_ends
-        ends = list(spec.producer_block_ends or get_block_ends_for(self.p_config, spec.listed_tokens))
-        for g in states:
-            scratch = min(get_scratch_slot_count(self.p_config.kv_cache_groups[g].kv_cache_spec), len(p_ids[g]) - 1)
-            ends[g] += max(scratch, 0)
-        return tuple(ends)
-
-    def _state_tokens(self, spec: Request) -> int | None:
-        """What P says its state absorbed: the request's value, else T where there is state (STATE-1)."""
-        if not spec.send_state_tokens or not get_state_group_indices(self.p_config):
-            return None
-        return spec.num_tokens if spec.state_tokens is None else spec.state_tokens
-
-    # -- the role hooks
-
-    def _pair_offer(self, request: LiveRequest[ProducerSession], offer: BlockOffer) -> BlockPairsLike:
-        """The producer's pairing of an offer, through the connector under test with the request's prefix hit.
-
-        A real producer does not know it (:func:`kvspec.exchange.pair_offer_by_ends`); the suite does, and
-        so puts the connector's own pairing under the WRITE it moves (WIN-1, ALIGN-1).
-        """
-        spec = self.tables[request.request_id].spec
-        params = request.session.params
-        geometry = TransferRequest(
-            num_tokens=spec.num_tokens,
-            prefix_hit_tokens=spec.prefix_hit_tokens,
-            producer_block_ids=params.producer_block_ids,
-            consumer_block_ids=offer.consumer_block_ids,
-            recomputed_tokens=params.recomputed_tokens,
-            producer_block_ends=params.producer_block_ends,
-            consumer_block_ends=offer.consumer_block_ends,
-        )
-        return pair_with(self.connector, self.p_config, geometry)
+    def _free_consumer(self, request: LiveRequest[ConsumerSession], block_ids: BlockIds) -> None:
+        self.c_engine.free_table(request.request_id, missing_ok=True)
 
     def _on_producer_message(self, request_id: str, peer: str, message: Message) -> None:
-        if isinstance(message, Release):
-            self.received[request_id] = self.received.get(request_id, 0) + 1
-
-    def _free_consumer(self, request: LiveRequest[ConsumerSession], block_ids: BlockIds) -> None:
-        self.c_alloc.release(self.tables[request.request_id].consumer)
+        raise NotImplementedError
 
     def _consumer_ended(self, request: LiveRequest[ConsumerSession]) -> None:
-        tables = self.tables[request.request_id]
-        tables.ended = self.clock()
-        if request.session.state is ConsumerState.LOADED:
-            expected = self._expected(request.request_id, loaded=True)
-            found = check_loaded_pages(self.consumer_pool, expected)
-            if found:
-                # Judged at the end: a page right by then landed late (DONE-1); one still wrong is a data error.
-                self.completed_early.append((request.request_id, expected, found))
-
-    # -- the oracle's view
-
-    def _moved_nothing(self, request_id: str) -> bool:
-        return not (self.consumers[request_id].posted or self.producers[request_id].posted)
-
-    def _expected(self, request_id: str, *, loaded: bool) -> ExpectedLoad:
-        # The oracle's expectation comes from the reference, never from the connector under test.
-        tables = self.tables[request_id]
-        consumer = BlockIds([]) if not loaded and self._moved_nothing(request_id) else tables.consumer
-        return ExpectedLoad(
-            # A state group's one slot lands in C's one slot, both at the list's last position (STATE-2).
-            producer_block_ids=get_state_clipped_blocks(
-                self.p_config, get_exchange_clipped_blocks(tables.producer, get_blocks_per_sw(self.p_config))
-            ),
-            consumer_block_ids=get_state_clipped_blocks(
-                self.c_config, get_exchange_clipped_blocks(consumer, get_blocks_per_sw(self.c_config))
-            ),
-            num_tokens=tables.spec.listed_tokens,
-            salt=request_id,
-            loaded=loaded,
-            # Pages are placed by where each list really ends, so a shifted pairing shows (ALIGN-1).
-            producer_block_ends=tables.spec.producer_block_ends,
-            consumer_block_ends=tables.spec.consumer_block_ends,
-        )
-
-    def _outcome(self, request_id: str) -> RequestOutcome:
-        consumer = self.consumers[request_id].session
-        producer = self.producers[request_id].session
-        reason: FailureReason | None = None
-        detail = ""
-        if consumer.failure is not None:
-            reason, detail = consumer.failure.reason, consumer.failure.detail
-        elif consumer.state is ConsumerState.ABORTED:
-            reason, detail = FailureReason.ABORTED, "aborted by the consumer"
-        stopped = [
-            f.error
-            for f in (*self.c_driver.faults, *self.p_driver.faults)
-            if f.request_id == request_id and f.operation in _STOPPED_BEFORE_MOVING
-        ]
-        tables = self.tables[request_id]
-        return RequestOutcome(
-            request_id=request_id,
-            consumer_state=consumer.state,
-            producer_state=producer.state,
-            reason=reason,
-            error=stopped[0] if stopped else None,
-            detail=detail,
-            posted=not self._moved_nothing(request_id),
-            releases_sent=0 if consumer.release is None else 1,
-            releases_received=self.received.get(request_id, 0),
-            seconds=0.0 if tables.ended is None else max(0.0, tables.ended - tables.started),
-        )
-
-    # -- the run
-
-    def run(self) -> ScenarioResult:
-        started = time.monotonic()
-        try:
-            for config in (self.p_config, self.c_config):
-                self.connector.check_admission(config, self.mode)
-        except KVSpecError as exc:
-            return ScenarioResult(
-                outcomes={},
-                mismatches=(),
-                early_completions=(),
-                problems=(),
-                injected=(),
-                seconds=time.monotonic() - started,
-                refused=exc,
-            )
-        with self._pool("producer", self.p_config) as producer_pool, allocate_pool(self.c_config) as consumer_pool:
-            self.producer_pool, self.consumer_pool = producer_pool, consumer_pool
-            _fill_background(producer_pool, seed="producer")
-            fill_background(consumer_pool, seed="consumer")
-            self.producer_expected = producer_pool.snapshot()
-            consumer_before = consumer_pool.snapshot()
-            self.producer = self._agent("producer")
-            self.consumer = self._agent("consumer")
-            self._drivers()
-            refused: KVSpecError | None = None
-            try:
-                try:
-                    self._connect(producer_pool, consumer_pool)
-                except (
-                    IncompatiblePeerError,
-                    CacheAccountingError,
-                    UnsupportedVersionError,
-                    MalformedMessageError,
-                ) as exc:
-                    refused = exc
-                else:
-                    self._loop()
-                early = self._judge_early_completions()
-                loads = [
-                    self._expected(rid, loaded=self.consumers[rid].session.state is ConsumerState.LOADED)
-                    for rid in self.tables
-                ]
-                mismatches = check_pools(
-                    # A pool on another host is compared by digests; its bytes are read only when they differ.
-                    producer=producer_pool.verified() if isinstance(producer_pool, RemotePool) else producer_pool,
-                    consumer=consumer_pool,
-                    producer_before=self.producer_expected,
-                    consumer_before=consumer_before,
-                    loads=loads,
-                )
-            finally:
-                for agent in (self.consumer, self.producer):
-                    try:
-                        agent.close()
-                    except KVSpecError as exc:
-                        self.problems.append(f"closing {agent.name}: {exc}")
-        for rid, request in self.consumers.items():
-            if not request.freed:
-                self.c_alloc.release(self.tables[rid].consumer)  # the engine finishes every request
-        if len(self.c_alloc.free) != self.c_alloc.baseline:
-            self.problems.append(f"consumer free blocks {len(self.c_alloc.free)}, baseline {self.c_alloc.baseline}")
-        if len(self.p_alloc.free) != self.p_alloc.baseline:
-            self.problems.append(
-                f"producer free blocks {len(self.p_alloc.free)}, baseline {self.p_alloc.baseline} (leaked, SM-1)"
-            )
-        faults = [*self.c_driver.faults, *self.p_driver.faults]
-        self.problems += [f"undecodable notification: {f} (VER-1)" for f in faults if f.operation is Operation.DECODE]
-        return ScenarioResult(
-            refused=refused,
-            outcomes={rid: self._outcome(rid) for rid in self.tables},
-            mismatches=tuple(mismatches),
-            early_completions=tuple(early),
-            problems=tuple(self.problems),
-            injected=tuple(f for injector in self.injectors for f in injector.injected),
-            lost_messages=tuple(str(f) for f in faults if f.operation is Operation.SEND),
-            seconds=time.monotonic() - started,
-        )
-
-    def _judge_early_completions(self) -> list[str]:
-        early = []
-        for request_id, load, at_completion in self.completed_early:
-            still_wrong = {(m.layer, m.block) for m in check_loaded_pages(self.consumer_pool, load)}
-            late = [m for m in at_completion if (m.layer, m.block) not in still_wrong]
-            if late:
-                early.append(
-                    f"{request_id}: reported complete while {len(late)} paired pages had not landed yet, "
-                    f"e.g. group {late[0].group}, layer {late[0].layer!r}, block {late[0].block}"
-                )
-        return early
+        raise NotImplementedError
 
     def _connect(self, producer_pool: PagePool, consumer_pool: PagePool) -> None:
         self.producer.register_memory(producer_pool.regions)
@@ -908,6 +732,150 @@ class _Play:
     def _handshake(self) -> None:
         self.producer_name = self.consumer.add_remote_agent(self.producer.get_agent_metadata())
         self.consumer_name = self.producer.add_remote_agent(self.consumer.get_agent_metadata())
+
+
+class _Play(_Stage):
+    """Plays one scenario on the stage: its requests, wave by wave, and its fault timing; then the oracle judges.
+
+    Only scenario data, fault timing and the oracle live here; a request's
+    steps are kvspec's engine roles', its lifecycle the sessions', carried
+    out by the same driver core as the exchange endpoints.
+    """
+
+    def __init__(self, scenario: Scenario, backend: Backend, connector: Connector) -> None:
+        super().__init__(scenario, backend, connector)
+        self.oracle = _Oracle(self)
+        self.tables = {}
+        self.producers: dict[str, LiveRequest[ProducerSession]] = {}
+        self.consumers: dict[str, LiveRequest[ConsumerSession]] = {}
+        self.received: dict[str, int] = {}
+        self.polls: dict[str, int] = {}
+        self.completed_early: list[tuple[str, ExpectedLoad, list[PageMismatch]]] = []
+        self.problems: list[str] = []
+        # What bounds a wave (_loop): the sessions' clock, with a fifth of wall time as a floor.
+        self.stop_clock: Callable[[], float] = self.clock
+
+    def _start(self, spec: Request, now: float) -> None:
+        scenario = self.scenario
+        # The whole table vLLM holds for T + R tokens, pruned with T (WIN-1), or the one the case names.
+        p_ids = self.p_engine.allocate_table(
+            spec.request_id,
+            num_tokens=spec.num_tokens,
+            recomputed_tokens=spec.recomputed_tokens,
+            claim=spec.producer_block_ids,
+            whole=True,
+        )
+        # Keyed by true position, so a shifted pairing shows (ALIGN-1); past a state group's scratch slots (STATE-2).
+        ends = self.p_engine.get_page_ends(p_ids, num_tokens=spec.listed_tokens, declared=spec.producer_block_ends)
+        _fill_producer_pages(
+            self.producer_pool, p_ids, num_tokens=spec.listed_tokens, salt=spec.request_id, block_ends=ends
+        )
+        self.producer_expected = self.producer_pool.snapshot()
+        c_ids = self.c_engine.allocate_suffix(
+            spec.request_id,
+            num_tokens=spec.num_tokens,
+            prefix_hit_tokens=spec.prefix_hit_tokens,
+            recomputed_tokens=spec.recomputed_tokens,
+            claim=spec.consumer_block_ids,
+        )
+        self.tables[spec.request_id] = _Played(spec=spec, started=now)
+        producer = self.p_engine.hold(
+            spec.request_id,
+            advertised=self.p_engine.clip(p_ids),
+            num_tokens=spec.num_tokens,
+            mode=self.mode,
+            now=now,
+            lease_duration=scenario.lease_of(spec),
+            # Above the consumer's drain timeout, as the lease rule asks (SM-1).
+            release_grace=1.5 * scenario.drain,
+            drain_timeout=scenario.drain,
+            peer=self.consumer_name,
+            # Protocol 1.1: set only when the request sets them, so they travel through the params dict.
+            producer_block_ends=spec.producer_block_ends,
+            recomputed_tokens=spec.recomputed_tokens,
+            state_tokens=self.p_engine.get_state_tokens(
+                spec.num_tokens, given=spec.state_tokens, send=spec.send_state_tokens
+            ),
+        )
+        self.producers[spec.request_id] = producer
+        # The parameters reach the consumer as vLLM's dict, through the router.
+        params = TransferParams.from_kv_transfer_params(producer.session.params.to_kv_transfer_params())
+        # The consumer engine plays the rest: session, STATE-1, WIN-1 and ALIGN-1, PLAN-1, then start.
+        # The consumer's transfer timeout is the request's own where it has one (a load among faults, FAIL-1).
+        self.c_engine.transfer_timeout = scenario.deadline_of(spec)
+        self.consumers[spec.request_id] = self.c_engine.begin(
+            params,
+            prefix_hit_tokens=spec.prefix_hit_tokens,
+            peer=self.producer_name,
+            peer_config=self.p_config,
+            suffix=lambda: c_ids,
+            consumer_block_ends=spec.consumer_block_ends,  # a WRITE offer carries them (ALIGN-1)
+            now=now,
+        )
+
+    # -- the role hooks
+
+    def _on_producer_message(self, request_id: str, peer: str, message: Message) -> None:
+        if isinstance(message, Release):
+            self.received[request_id] = self.received.get(request_id, 0) + 1
+
+    def _consumer_ended(self, request: LiveRequest[ConsumerSession]) -> None:
+        tables = self.tables[request.request_id]
+        tables.ended = self.clock()
+        if request.session.state is ConsumerState.LOADED:
+            expected = self.oracle.expected(request.request_id, loaded=True)
+            found = check_loaded_pages(self.consumer_pool, expected)
+            if found:
+                # Judged at the end: a page right by then landed late (DONE-1); one still wrong is a data error.
+                self.completed_early.append((request.request_id, expected, found))
+
+    # -- the run
+
+    def run(self) -> ScenarioResult:
+        started = time.monotonic()
+        try:
+            for config in (self.p_config, self.c_config):
+                self.connector.check_admission(config, self.mode)
+        except KVSpecError as exc:
+            return ScenarioResult(
+                outcomes={},
+                mismatches=(),
+                early_completions=(),
+                problems=(),
+                injected=(),
+                seconds=time.monotonic() - started,
+                refused=exc,
+            )
+        with self._pool("producer", self.p_config) as producer_pool, allocate_pool(self.c_config) as consumer_pool:
+            self.producer_pool, self.consumer_pool = producer_pool, consumer_pool
+            _fill_background(producer_pool, seed="producer")
+            fill_background(consumer_pool, seed="consumer")
+            self.producer_expected = producer_pool.snapshot()
+            consumer_before = consumer_pool.snapshot()
+            self.producer = self._agent("producer")
+            self.consumer = self._agent("consumer")
+            self._drivers()
+            refused: KVSpecError | None = None
+            try:
+                try:
+                    self._connect(producer_pool, consumer_pool)
+                except (
+                    IncompatiblePeerError,
+                    CacheAccountingError,
+                    UnsupportedVersionError,
+                    MalformedMessageError,
+                ) as exc:
+                    refused = exc
+                else:
+                    self._loop()
+                early, mismatches = self.oracle.judge_pools(consumer_before)
+            finally:
+                for agent in (self.consumer, self.producer):
+                    try:
+                        agent.close()
+                    except KVSpecError as exc:
+                        self.problems.append(f"closing {agent.name}: {exc}")
+        return self.oracle.result(refused=refused, mismatches=mismatches, early=early, started=started)
 
     def _settled(self) -> bool:
         """Every request ended on both sides, with every block back (or held by a loaded request)."""
@@ -999,11 +967,6 @@ class _Play:
 
 def _settle_pause() -> None:
     time.sleep(0.001)
-
-
-def get_block_ends_for(config: KVCacheConfig, num_tokens: int) -> tuple[int, ...]:
-    """Each group's last block plus one for ``num_tokens`` tokens: where a whole table ends (WIN-1)."""
-    return tuple(get_logical_block_count(g.kv_cache_spec, num_tokens=num_tokens) for g in config.kv_cache_groups)
 
 
 def _fill_background(pool: PagePool, *, seed: str) -> None:

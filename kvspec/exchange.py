@@ -8,7 +8,9 @@ scenarios play through, one :class:`Role` per side (:data:`PRODUCER`,
 :class:`OffloadSession`); it calls a :class:`kvspec.connector.Connector`.
 :class:`ProducerEngine` and :class:`ConsumerEngine` are the engine roles:
 the steps each side plays for a request (allocate, clip, session, check,
-pair, plan, start), shared by the endpoints and the suite's scenarios.
+pair, plan, start), shared by the endpoints and the suite's scenarios;
+they allocate every request table. :class:`OffloadEngine` plays lookup,
+load, store and evict over the OFF-4 chunk table, and posts the copies.
 :func:`poll_until` is the one loop that waits for requests to settle.
 """
 
@@ -29,7 +31,17 @@ from kvspec.drivers._driver import (
     poll_until,
     reason_of,
 )
-from kvspec.drivers._engine import ConsumerEngine, PairOffer, ProducerEngine, pair_offer_by_ends
+from kvspec.drivers._engine import (
+    ChunkKey,
+    ConsumerEngine,
+    GpuCopy,
+    OffloadEngine,
+    PairOffer,
+    ProducerEngine,
+    StorePlan,
+    pair_offer_by_connector,
+    pair_offer_by_ends,
+)
 from kvspec.drivers._exchange import (
     BlockAllocator,
     ConsumerEndpoint,
@@ -49,6 +61,7 @@ __all__ = [
     "PRODUCER",
     "BlockAllocator",
     "ChunkCopy",
+    "ChunkKey",
     "ConsumerEndpoint",
     "ConsumerEngine",
     "ConsumerResult",
@@ -57,9 +70,11 @@ __all__ = [
     "DriverFault",
     "Evidence",
     "ExchangeResult",
+    "GpuCopy",
     "IntegrityRow",
     "LiveRequest",
     "Moment",
+    "OffloadEngine",
     "OffloadKind",
     "OffloadSession",
     "OffloadState",
@@ -69,7 +84,9 @@ __all__ = [
     "ProducerEngine",
     "ProducerResult",
     "Role",
+    "StorePlan",
     "connect",
+    "pair_offer_by_connector",
     "pair_offer_by_ends",
     "poll_until",
     "reason_of",

@@ -126,6 +126,7 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
                 "kvspec.drivers._driver",
                 "kvspec.drivers._engine",
                 "kvspec.drivers._exchange",
+                "kvspec.drivers._tables",
                 "kvspec.connector",
                 "kvspec.exchange",
                 "kvspec.testing",

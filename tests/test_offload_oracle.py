@@ -1,16 +1,61 @@
-"""The offload oracle's own arithmetic agrees with the spec's tables and, on generated inputs, with the reference."""
+"""The offload oracle's own arithmetic agrees with the spec's tables and, on generated inputs, with the reference.
+
+The suite judges a hit by kvspec's plain OFF-5; the brute force here checks that definition token by token.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
-from kvspec_conformance._offload_scenario import chunk_pool_config, expected_hit_tokens, expected_load_positions
+from kvspec_conformance._offload_oracle import is_state_group, window_of
+from kvspec_conformance._offload_scenario import chunk_pool_config, expected_load_positions
 from kvspec_conformance.configs import full, make_config, sw
 
-from kvspec import OffloadConfig, get_load_set, get_offload_hit_tokens, get_sub_block_offset
+from kvspec import KVCacheConfig, OffloadConfig, get_load_set, get_offload_hit_tokens, get_sub_block_offset
 
 FULL_SW = make_config(full(4), sw(8, 4), num_blocks=64)
 MIXED = make_config(full(12), full(16), num_blocks=64)
+
+
+def expected_hit_tokens(
+    config: KVCacheConfig, present: Sequence[Sequence[bool]], *, num_tokens: int, local_hit_tokens: int, f: int
+) -> int:
+    """OFF-5 by brute force: the largest end every group supports, scanned token by token (OFF-5).
+
+    The tests' own model of kvspec's plain definition, which the suite uses.
+
+    An end ``e`` is supported when, for every group, each chunk holding a
+    token of ``[C, e)`` (full attention) or ``[max(C, e - W + 1), e)`` (a
+    window) is present, and ``e - C`` is at least one chunk. It starts at
+    ``N`` (``N - 1`` with a window or state group) and at most the keys so
+    far. A state group supports ``e`` only when ``e`` ends one of its chunks
+    and that chunk is present: the state after exactly ``e`` tokens.
+    """
+    c = local_hit_tokens
+    sizes = [group.kv_cache_spec.block_size * f for group in config.kv_cache_groups]
+    windows = [window_of(config, g) for g in range(config.num_groups)]
+    states = [is_state_group(config, g) for g in range(config.num_groups)]
+    end = num_tokens - 1 if any(w is not None for w in windows) or any(states) else num_tokens
+    end = min([end, *(len(p) * size for p, size in zip(present, sizes, strict=True))])
+    for e in range(end, c, -1):
+        if any(e - c < size for size in sizes):
+            return 0
+        supported = True
+        for g, (size, window) in enumerate(zip(sizes, windows, strict=True)):
+            if states[g]:
+                if e % size or not present[g][e // size - 1]:
+                    supported = False
+                    break
+                continue
+            first = c if window is None else max(c, e - window + 1)
+            if first < e and not all(present[g][t // size] for t in range(first, e)):
+                supported = False
+                break
+        if supported:
+            return e - c
+    return 0
 
 
 def test_hits_of_the_spec_table() -> None:

@@ -3,8 +3,9 @@
 Theory of operation
 -------------------
 
-An endpoint is one engine: a :class:`KVCacheConfig`, a :class:`BlockAllocator`
-over its pool (block 0 is the null block and is never handed out), one
+An endpoint is one engine: a :class:`KVCacheConfig`, its engine role's
+:class:`BlockAllocator` over its pool (block 0 is the null block and is
+never handed out; :mod:`kvspec.drivers._engine` allocates every table), one
 :class:`Transport` agent with the pool's regions registered, and one sans-IO
 session per request (:class:`ProducerSession` / :class:`ConsumerSession`).
 The endpoint is a thin role over the driver core (:mod:`kvspec.drivers._driver`),
@@ -17,7 +18,7 @@ its block pool, its peers and the connector seam's planning.
    hybrid admission (ADM-1, ADM-2), then each side loads the other's
    transport metadata. The peer's layout (its ``KVCacheConfig``) is handed
    over here too: a real engine ships it with its transport metadata.
-2. :meth:`ProducerEndpoint.prefill` allocates the request's full block table
+2. :meth:`ProducerEndpoint.prefill` has its engine allocate the request's block table
    for ``T`` tokens, prunes the sliding-window groups with leading null ids as
    vLLM does, clips (CLIP-1), pins the advertised blocks (SM-1) and returns the
    :class:`TransferParams` the router forwards (as vLLM's dict).
@@ -40,7 +41,7 @@ that touches them is in flight (SM-1, SM-2).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Generic
 
 import attrs
@@ -49,11 +50,10 @@ from kvspec.core._enums import FailureReason, StateProfile, TransferMode
 from kvspec.core._errors import (
     ConfigError,
     LocalProtocolError,
-    OutOfBlocksError,
     PlanError,
     TransportError,
 )
-from kvspec.core._models import NULL_BLOCK_ID, BlockIds, KVCacheConfig, KVCacheSpec, MambaSpec
+from kvspec.core._models import BlockIds, KVCacheConfig
 from kvspec.drivers._connector import Connector, ReferenceConnector
 from kvspec.drivers._driver import (
     CONSUMER,
@@ -66,7 +66,7 @@ from kvspec.drivers._driver import (
     S,
     poll_until,
 )
-from kvspec.drivers._engine import ConsumerEngine, ProducerEngine
+from kvspec.drivers._engine import BlockAllocator, ConsumerEngine, ProducerEngine
 from kvspec.protocol._codec import decode, encode
 from kvspec.protocol._handshake import check_compatibility
 from kvspec.protocol._session import (
@@ -83,9 +83,6 @@ from kvspec.reference._messages import BlockOffer, EngineDescriptor, Failure, Me
 from kvspec.reference._reference import (
     BlockPairs,
     check_hybrid_support,
-    get_consumer_block_counts,
-    get_logical_block_count,
-    get_pruned_block_ids,
     is_hma_required,
 )
 from kvspec.spec.digest import get_offered_algorithms
@@ -108,64 +105,6 @@ Clock = Callable[[], float]
 
 DEFAULT_LEASE_DURATION = 30.0
 """Seconds a producer pins a request's blocks for its consumer (SM-1)."""
-
-
-# --------------------------------------------------------------------------- blocks
-
-
-class BlockAllocator:
-    """A free list over ``1 .. num_blocks - 1``; block 0 is the null block and never allocated (NULL-1).
-
-    ``on_free`` is called with every id list before it is returned to the
-    pool, so a test can assert that no transfer still touches them (SM-2).
-    """
-
-    def __init__(self, num_blocks: int, *, on_free: Callable[[list[int]], None] | None = None) -> None:
-        if not isinstance(num_blocks, int) or num_blocks <= 0:
-            raise ConfigError(f"BlockAllocator.num_blocks: expected a positive int, got {num_blocks!r}")
-        self.num_blocks = num_blocks
-        self.on_free = on_free
-        # Pop from the end: low ids first, which keeps fresh allocations contiguous (fewer descriptors).
-        self._free = list(range(num_blocks - 1, NULL_BLOCK_ID, -1))
-        self._used: set[int] = set()
-
-    @property
-    def num_free(self) -> int:
-        """Blocks available, the null block excluded."""
-        return len(self._free)
-
-    def allocate(self, count: int) -> list[int]:
-        """``count`` distinct real ids, or :class:`OutOfBlocksError` with nothing taken."""
-        if count < 0:
-            raise ConfigError(f"BlockAllocator.allocate: expected a non-negative count, got {count}")
-        if count > len(self._free):
-            raise OutOfBlocksError(f"need {count} blocks, {len(self._free)} free of {self.num_blocks - 1}")
-        ids = [self._free.pop() for _ in range(count)]
-        self._used.update(ids)
-        return ids
-
-    def allocate_groups(self, counts: Sequence[int]) -> BlockIds:
-        """One list per group, all from the one pool (as vLLM's block pool serves every group)."""
-        if sum(counts) > len(self._free):
-            raise OutOfBlocksError(f"need {sum(counts)} blocks, {len(self._free)} free of {self.num_blocks - 1}")
-        return BlockIds([self.allocate(n) for n in counts])
-
-    def free(self, block_ids: Iterable[int]) -> None:
-        """Return real ids to the pool; null ids are skipped; a double free is a local protocol error."""
-        ids = [b for b in block_ids if b != NULL_BLOCK_ID]
-        unknown = [b for b in ids if b not in self._used]
-        if unknown or len(set(ids)) != len(ids):
-            raise LocalProtocolError(f"BlockAllocator.free: ids not allocated or freed twice: {sorted(unknown)[:8]}")
-        if self.on_free is not None:
-            self.on_free(ids)
-        self._used.difference_update(ids)
-        # Keep low ids first for later allocations.
-        self._free.extend(ids)
-        self._free.sort(reverse=True)
-
-    def free_groups(self, block_ids: BlockIds) -> None:
-        """Free every real id of every group."""
-        self.free(b for group in block_ids for b in group)
 
 
 # --------------------------------------------------------------------------- results
@@ -223,9 +162,10 @@ class _Peer:
 
 
 class _Endpoint(Generic[S]):
-    """What both roles share: config, allocator, transport, peers, clock, and the driver core."""
+    """What both roles share: config, transport, peers, clock, the driver core, and the engine's allocator."""
 
     role = "engine"
+    engine: ProducerEngine | ConsumerEngine
 
     def __init__(
         self,
@@ -273,7 +213,7 @@ class _Endpoint(Generic[S]):
                     f"{type(self).__name__}.state_profile: expected one of {[p.value for p in StateProfile]}, "
                     f"got {state_profile!r}"
                 ) from None
-        self.allocator = BlockAllocator(config.num_blocks, on_free=on_free)
+        self._on_free_ids = on_free  # the engine's allocator calls it (kvspec.drivers._engine)
         self._peers: dict[str, _Peer] = {}
         self.driver: Driver[S] = Driver(
             role=side,
@@ -285,6 +225,11 @@ class _Endpoint(Generic[S]):
             integrity=PageDigester(config, [r.buffer for r in regions]) if integrity else None,
         )
         transport.register_memory(regions)
+
+    @property
+    def allocator(self) -> BlockAllocator:
+        """This engine's block pool: the engine role's allocator (kvspec.drivers._engine)."""
+        return self.engine.allocator
 
     @property
     def transport(self) -> Transport:
@@ -371,7 +316,7 @@ class _Endpoint(Generic[S]):
     # -- role hooks for the driver
 
     def _on_free(self, request: LiveRequest[S], block_ids: BlockIds) -> None:
-        self.allocator.free_groups(block_ids)
+        self.engine.free_blocks(block_ids)
 
     def _on_end(self, request: LiveRequest[S]) -> None:
         raise NotImplementedError
@@ -388,6 +333,7 @@ class ProducerEndpoint(_Endpoint[ProducerSession]):
     """
 
     role = "producer"
+    engine: ProducerEngine
 
     def __init__(
         self,
@@ -424,7 +370,6 @@ class ProducerEndpoint(_Endpoint[ProducerSession]):
         self.lease_duration = lease_duration
         self.release_grace = release_grace
         self.drain_timeout = drain_timeout
-        self._tables: dict[str, BlockIds] = {}
         self._results: dict[str, ProducerResult] = {}
         # The engine role clips, holds and plans; the peer's layout comes from the handshake.
         self.engine = ProducerEngine(
@@ -433,6 +378,7 @@ class ProducerEndpoint(_Endpoint[ProducerSession]):
             connector=self.connector,
             driver=self.driver,
             peer_config=lambda request: self._peer_by_agent(request.peer or "").config,
+            on_free=self._on_free_ids,
         )
         self.driver.on_message = self._refuse_offer_for_no_request
 
@@ -477,56 +423,28 @@ class ProducerEndpoint(_Endpoint[ProducerSession]):
         """
         if request_id in self.driver.requests or request_id in self._results:
             raise LocalProtocolError(f"producer request {request_id!r} already exists")
-        advertised = self._allocate_table(num_tokens)
+        # Only what is advertised: the table pruned and clipped (WIN-1, CLIP-1), kept by the engine.
+        advertised = self.engine.allocate_table(request_id, num_tokens=num_tokens)
         if fill is not None:
             fill(advertised)
         request = self.engine.hold(
             request_id,
             advertised=advertised,
             # The unclipped table starts at logical block 0 and holds every block of the request (ALIGN-1).
-            producer_block_ends=[
-                get_logical_block_count(g.kv_cache_spec, num_tokens=num_tokens) for g in self.config.kv_cache_groups
-            ],
+            producer_block_ends=self.engine.get_table_ends(num_tokens),
             num_tokens=num_tokens,
             mode=self.mode,
             now=self.clock(),
             lease_duration=self.lease_duration,
             release_grace=self.release_grace,
             drain_timeout=self.drain_timeout,
-            state_tokens=(num_tokens if state_tokens is None else state_tokens) if self.state_profile else None,
+            state_tokens=self.engine.get_state_tokens(num_tokens, given=state_tokens),
         )
-        self._tables[request_id] = advertised
         return request.session.params
-
-    def _allocate_table(self, num_tokens: int) -> BlockIds:
-        """The request's table as vLLM leaves it after prefill, pruned and clipped (WIN-1, CLIP-1).
-
-        Positions a sliding window left behind hold the null block, as vLLM's
-        ``remove_skipped_blocks`` leaves them; only the other positions get
-        real blocks, so the pool never needs the whole unpruned table.
-        """
-        totals = [self._table_length(g.kv_cache_spec, num_tokens) for g in self.config.kv_cache_groups]
-        shape = self.engine.clip(
-            get_pruned_block_ids(self.config, BlockIds([[1] * n for n in totals]), num_computed_tokens=num_tokens),
-        )
-        real = self.allocator.allocate_groups([sum(1 for b in group if b != NULL_BLOCK_ID) for group in shape])
-        table = []
-        for group, ids in zip(shape, real, strict=True):
-            fresh = iter(ids)
-            table.append([NULL_BLOCK_ID if b == NULL_BLOCK_ID else next(fresh) for b in group])
-        return BlockIds(table)
-
-    @staticmethod
-    def _table_length(spec: KVCacheSpec, num_tokens: int) -> int:
-        """A group's table length: ``cdiv(T, B)``, plus a state group's speculative scratch slots (STATE-2)."""
-        blocks = get_logical_block_count(spec, num_tokens=num_tokens)
-        if isinstance(spec, MambaSpec) and blocks:
-            return blocks + spec.num_speculative_blocks  # scratch slots sit at the tail; the clip drops them
-        return blocks
 
     def block_table(self, request_id: str) -> BlockIds:
         """The advertised (pruned, clipped) block ids of a live request."""
-        return self._tables[request_id]
+        return self.engine.tables[request_id]
 
     def abort(self, request_id: str) -> None:
         """The producer engine gives up on a request (SM-1)."""
@@ -540,7 +458,7 @@ class ProducerEndpoint(_Endpoint[ProducerSession]):
 
     def _on_end(self, request: LiveRequest[ProducerSession]) -> None:
         session = request.session
-        self._tables.pop(request.request_id, None)
+        self.engine.tables.pop(request.request_id, None)
         self._results[request.request_id] = ProducerResult(
             request_id=request.request_id,
             mode=session.mode,
@@ -559,6 +477,7 @@ class ConsumerEndpoint(_Endpoint[ConsumerSession]):
     """
 
     role = "consumer"
+    engine: ConsumerEngine
 
     def __init__(
         self,
@@ -606,6 +525,7 @@ class ConsumerEndpoint(_Endpoint[ConsumerSession]):
             transfer_timeout=transfer_timeout,
             drain_timeout=drain_timeout,
             start_margin=start_margin,
+            on_free=self._on_free_ids,
         )
         self._results: dict[str, ConsumerResult] = {}
         self._loaded: dict[str, BlockIds] = {}
@@ -620,16 +540,15 @@ class ConsumerEndpoint(_Endpoint[ConsumerSession]):
         if request_id in self.driver.requests or request_id in self._results:
             raise LocalProtocolError(f"consumer request {request_id!r} already exists")
         peer = self._peers.get(params.producer_engine_id)
-        moves = prefix_hit_tokens < params.num_tokens
 
         def suffix() -> BlockIds:
-            counts = get_consumer_block_counts(
-                self.config,
+            # Not kept by request: the driver frees the clipped suffix the session holds.
+            return self.engine.allocate_suffix(
+                None,
                 num_tokens=params.num_tokens,
                 prefix_hit_tokens=prefix_hit_tokens,
                 recomputed_tokens=params.recomputed_tokens,
             )
-            return self.allocator.allocate_groups(counts) if moves else BlockIds([])
 
         self.engine.begin(
             params,
@@ -638,12 +557,7 @@ class ConsumerEndpoint(_Endpoint[ConsumerSession]):
             peer_config=None if peer is None else peer.config,
             suffix=suffix,
             # C's suffix ends at the request's last block, T + R tokens (ALIGN-1, protocol 1.1).
-            consumer_block_ends=tuple(
-                get_logical_block_count(g.kv_cache_spec, num_tokens=params.num_tokens + params.recomputed_tokens)
-                for g in self.config.kv_cache_groups
-            )
-            if moves
-            else None,
+            consumer_block_ends=self.engine.get_suffix_ends(params, prefix_hit_tokens=prefix_hit_tokens),
             now=self.clock(),
         )
 
@@ -657,7 +571,7 @@ class ConsumerEndpoint(_Endpoint[ConsumerSession]):
         """The request's decode ended: return its loaded blocks to the pool."""
         ids = self._loaded.pop(request_id, None)
         if ids is not None:
-            self.allocator.free_groups(ids)
+            self.engine.free_blocks(ids)
 
     def result(self, request_id: str) -> ConsumerResult | None:
         """The outcome of a finished request, or None while it is live."""
