@@ -76,6 +76,9 @@ __all__ = [
     "ParallelMutant",
 ]
 
+_NO_ENDS: dict[str, Any] = {"producer_block_ends": None, "consumer_block_ends": None}
+"""What a protocol 1.0 peer says of where its lists end: nothing."""
+
 
 class _Agent:
     """Delegates every Transport call to the loopback agent it wraps; mutants override one behaviour."""
@@ -1539,12 +1542,8 @@ class VllmLikeConnector(ReferenceConnector):
     """
 
     def pair_block_ids(self, config: KVCacheConfig, request: TransferRequest) -> BlockPairsLike:
-        vllm_like = TransferRequest(
-            num_tokens=request.listed_tokens,
-            prefix_hit_tokens=request.prefix_hit_tokens,
-            producer_block_ids=request.producer_block_ids,
-            consumer_block_ids=request.consumer_block_ids,
-        )
+        # vLLM's own counts: the recomputed token as one more prompt token, no list ends.
+        vllm_like = attrs.evolve(request, num_tokens=request.listed_tokens, recomputed_tokens=0, **_NO_ENDS)
         return super().pair_block_ids(config, vllm_like)
 
 
@@ -1552,12 +1551,7 @@ class Kvspec10Connector(ReferenceConnector):
     """kvspec 0.1.0's reference (protocol 1.0): knows neither the recomputed token nor list ends."""
 
     def pair_block_ids(self, config: KVCacheConfig, request: TransferRequest) -> BlockPairsLike:
-        protocol_1_0 = TransferRequest(
-            num_tokens=request.num_tokens,
-            prefix_hit_tokens=request.prefix_hit_tokens,
-            producer_block_ids=request.producer_block_ids,
-            consumer_block_ids=request.consumer_block_ids,
-        )
+        protocol_1_0 = attrs.evolve(request, recomputed_tokens=0, **_NO_ENDS)
         return super().pair_block_ids(config, protocol_1_0)
 
 

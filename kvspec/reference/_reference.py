@@ -32,7 +32,6 @@ from kvspec.core._models import (
     NULL_BLOCK_ID,
     BlockIds,
     KVCacheConfig,
-    StateProfile,
     _checked_group,
     _to_block_groups,
 )
@@ -50,9 +49,8 @@ from kvspec.spec.coverage import (
     get_side_checks,
 )
 from kvspec.spec.coverage import _check_side as _spec_check_side
-from kvspec.spec.guard import RankPlan, check_rank_plans
 from kvspec.spec.pairing import BlockPairs, check_tail_alignment, get_paired_block_ends
-from kvspec.spec.state import check_state_position, get_state_paired_lists, is_state_spec
+from kvspec.spec.state import get_state_paired_lists, is_state_spec
 from kvspec.spec.window import (
     BlockIdsLike,
     TokenBasis,
@@ -331,14 +329,8 @@ def compute_transfer_pairs(config: KVCacheConfig, request: TransferRequest) -> B
     return compute_block_pairs(get_state_paired_lists(config, get_paired_block_ends(config, request)))
 
 
-def check_request_blocks(
-    config: KVCacheConfig,
-    request: TransferRequest,
-    *,
-    state_tokens: int | None = None,
-    profile: StateProfile | str = StateProfile.RECOMPUTE,
-    rank_plans: Iterable[RankPlan] = (),
-) -> BlockPairs:
+@_twin_of(plain.check_request_blocks, positional=2)
+def check_request_blocks(config: KVCacheConfig, request: TransferRequest, keywords: dict[str, Any]) -> BlockPairs:
     """The guard's rule checks on the block lists a connector used, at engine speed; raise or return the pairs (INT-3).
 
     The same checks, refusals and pairs as the plain definition
@@ -352,19 +344,8 @@ def check_request_blocks(
     for ids in (request.producer_block_ids, request.consumer_block_ids):
         if any(budget and len(group) > budget for group, budget in zip(ids, budgets, strict=False)):
             # A list past its budget: the definition says which and why (CLIP-1).
-            return plain.check_request_blocks(
-                config, request, state_tokens=state_tokens, profile=profile, rank_plans=rank_plans
-            )
-    check_state_position(
-        config,
-        state_tokens=state_tokens,
-        num_tokens=request.num_tokens,
-        recomputed_tokens=request.recomputed_tokens,
-        profile=profile,
-    )
-    pairs = compute_transfer_pairs(config, request)
-    check_rank_plans(rank_plans)
-    return pairs
+            return plain.check_request_blocks(config, request, **keywords)
+    return plain.get_checked_pairs(config, request, **keywords, pair=compute_transfer_pairs)
 
 
 # --------------------------------------------------------------------------- deprecated spellings (removed in 0.3.0)

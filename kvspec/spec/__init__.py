@@ -67,6 +67,7 @@ from kvspec.spec.guard import (
     agree_verdicts,
     apply_guard_mode,
     check_request_blocks,
+    get_checked_pairs,
     get_guard_verdict,
     get_rule_id,
 )
@@ -191,6 +192,7 @@ __all__ = [
     "get_candidate_ranks",
     "get_canonical_page",
     "get_checked_block_ends",
+    "get_checked_pairs",
     "get_chunk_budget",
     "get_completion_count",
     "get_counting_rank",

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import enum
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import attrs
 
@@ -51,6 +51,7 @@ __all__ = [
     "apply_guard_mode",
     "check_rank_plans",
     "check_request_blocks",
+    "get_checked_pairs",
     "get_guard_verdict",
     "get_rule_id",
 ]
@@ -113,6 +114,25 @@ def check_request_blocks(
                     f"group {g}: the {role}'s list holds {len(group)} blocks, past the sliding-window budget "
                     f"{budget}; expected the list clipped to its last {budget} (CLIP-1)"
                 )
+    return get_checked_pairs(config, request, state_tokens=state_tokens, profile=profile, rank_plans=rank_plans)
+
+
+def get_checked_pairs(
+    config: KVCacheConfig,
+    request: TransferRequest,
+    *,
+    state_tokens: int | None = None,
+    profile: StateProfile | str = StateProfile.RECOMPUTE,
+    rank_plans: Iterable[RankPlan] = (),
+    pair: Callable[[KVCacheConfig, TransferRequest], BlockPairs] = compute_transfer_pairs,
+) -> BlockPairs:
+    """The guard's checks after clipping, in their order; return the pairs (INT-3).
+
+    The state position (STATE-1), then coverage and pairing by ``pair``
+    (WIN-1, ALIGN-1, NULL-1, STATE-3, STATE-4: the definition, or
+    ``kvspec.fast.compute_transfer_pairs``, which refuses and pairs the same),
+    then each consumer rank's tiling (PAR-3).
+    """
     check_state_position(
         config,
         state_tokens=state_tokens,
@@ -120,7 +140,7 @@ def check_request_blocks(
         recomputed_tokens=request.recomputed_tokens,
         profile=profile,
     )
-    pairs = compute_transfer_pairs(config, request)
+    pairs = pair(config, request)
     check_rank_plans(rank_plans)
     return pairs
 
