@@ -7,6 +7,7 @@ connector under test in here.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, runtime_checkable
@@ -150,7 +151,18 @@ def pair_keywords(request: TransferRequest) -> dict[str, Any]:
 
 def takes_keywords(connector: Connector) -> bool:
     """True for a connector whose ``pair_block_ids`` has the keyword form (``num_tokens=`` ...), not ``request``."""
-    parameters = inspect.signature(connector.pair_block_ids).parameters
+    method = connector.pair_block_ids
+    function = getattr(method, "__func__", method)  # a method's function: one inspection per class
+    try:
+        return _has_keyword_form(function)
+    except TypeError:  # an unhashable callable: inspected each time
+        return _has_keyword_form.__wrapped__(function)
+
+
+@functools.lru_cache(maxsize=256)
+def _has_keyword_form(function: Callable[..., Any]) -> bool:
+    # pair_with asks on every pairing: inspect.signature costs more than the pairing of a short request.
+    parameters = inspect.signature(function).parameters
     return "num_tokens" in parameters and "request" not in parameters
 
 

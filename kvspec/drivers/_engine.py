@@ -62,11 +62,11 @@ from kvspec.drivers._driver import OFFLOAD, Driver, LiveRequest, Operation, poll
 from kvspec.drivers._tables import (
     BlockAllocator,
     Reuse,
-    get_block_ends,
     get_lookup_table_shape,
     get_page_ends,
     get_producer_table_shape,
     get_suffix_counts,
+    get_whole_table_ends,
 )
 from kvspec.protocol._offload_session import ChunkCopy, OffloadKind, OffloadSession
 from kvspec.protocol._plan import TransferPlan
@@ -89,7 +89,6 @@ __all__ = [
     "ProducerEngine",
     "Reuse",
     "StorePlan",
-    "get_block_ends",
     "pair_offer_by_connector",
     "pair_offer_by_ends",
 ]
@@ -229,7 +228,7 @@ class ProducerEngine(_TableOwner):
 
     def get_table_ends(self, num_tokens: int) -> tuple[int, ...]:
         """Where an unclipped table for ``num_tokens`` tokens ends: it starts at logical block 0 (ALIGN-1)."""
-        return get_block_ends(self.config, num_tokens)
+        return get_whole_table_ends(self.config, num_tokens)
 
     def get_page_ends(
         self, table: BlockIds, *, num_tokens: int, declared: tuple[int, ...] | None
@@ -355,7 +354,7 @@ class ConsumerEngine(_TableOwner):
         """Where C's suffix ends: the request's last block, ``T + R`` tokens; ``None`` when nothing moves (ALIGN-1)."""
         if prefix_hit_tokens >= params.num_tokens:
             return None
-        return get_block_ends(self.config, params.num_tokens + params.recomputed_tokens)
+        return get_whole_table_ends(self.config, params.num_tokens + params.recomputed_tokens)
 
     def begin(
         self,
@@ -635,9 +634,9 @@ class OffloadEngine:
         ``computed_tokens`` are computed; unpruned, every position gets a
         block (allowed: OFF-6 leaves them alone).
         """
-        if not pruned:
-            return get_lookup_table_shape(self.config, num_tokens=num_tokens, computed_tokens=0)
-        return get_lookup_table_shape(self.config, num_tokens=num_tokens, computed_tokens=computed_tokens)
+        return get_lookup_table_shape(
+            self.config, num_tokens=num_tokens, computed_tokens=computed_tokens if pruned else 0
+        )
 
     def allocate_block(self) -> int | None:
         """One GPU block for a request's table, the one freed last first; None when the pool is empty."""

@@ -20,11 +20,11 @@ from kvspec.spec.state import get_scratch_slot_count, get_state_group_indices
 __all__ = [
     "BlockAllocator",
     "Reuse",
-    "get_block_ends",
     "get_lookup_table_shape",
     "get_page_ends",
     "get_producer_table_shape",
     "get_suffix_counts",
+    "get_whole_table_ends",
 ]
 
 Reuse = Literal["lowest", "latest"]
@@ -153,7 +153,7 @@ def get_suffix_counts(
     )
 
 
-def get_block_ends(config: KVCacheConfig, num_tokens: int) -> tuple[int, ...]:
+def get_whole_table_ends(config: KVCacheConfig, num_tokens: int) -> tuple[int, ...]:
     """Each group's last block plus one for ``num_tokens`` tokens: where a whole table ends (ALIGN-1, WIN-1)."""
     return tuple(get_logical_block_count(g.kv_cache_spec, num_tokens=num_tokens) for g in config.kv_cache_groups)
 
@@ -169,7 +169,7 @@ def get_page_ends(
     states = get_state_group_indices(config)
     if not states or len(table) != config.num_groups:
         return declared
-    ends = list(declared or get_block_ends(config, num_tokens))
+    ends = list(declared or get_whole_table_ends(config, num_tokens))
     for g in states:
         scratch = min(get_scratch_slot_count(config.kv_cache_groups[g].kv_cache_spec), len(table[g]) - 1)
         ends[g] += max(scratch, 0)
